@@ -1,0 +1,196 @@
+"""The problem key: one forward-attention shape, and the bucket that tables are keyed by."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+DTYPES = ("bf16", "fp16")
+# Head dims any fa4tune kernel could ever take; a given kernel may support fewer (its own check says so).
+HEAD_DIMS = (64, 96, 128, 192, 256)
+
+_DTYPE_ALIASES = {
+    "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
+    "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
+}
+
+
+class ProblemError(ValueError):
+    """A problem description that no attention kernel can take."""
+
+
+def normalize_dtype(dtype: object) -> str:
+    key = str(dtype).lower()
+    if key not in _DTYPE_ALIASES:
+        raise ProblemError(f"unsupported dtype {dtype!r}: fa4tune kernels take {', '.join(DTYPES)}")
+    return _DTYPE_ALIASES[key]
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One attention forward problem: O = softmax(scale * Q K^T [+ causal mask]) V.
+
+    q is (batch, seqlen_q, nheads_q, head_dim); k and v are (batch, seqlen_k, nheads_kv, head_dim[_v]).
+    """
+
+    dtype: str = "bf16"
+    head_dim: int = 128
+    head_dim_v: int | None = None
+    causal: bool = False
+    seqlen_q: int = 4096
+    seqlen_k: int | None = None
+    batch: int = 1
+    nheads_q: int = 16
+    nheads_kv: int | None = None
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "dtype", normalize_dtype(self.dtype))
+        if self.head_dim_v is None:
+            set_(self, "head_dim_v", self.head_dim)
+        if self.seqlen_k is None:
+            set_(self, "seqlen_k", self.seqlen_q)
+        if self.nheads_kv is None:
+            set_(self, "nheads_kv", self.nheads_q)
+        for name in ("head_dim", "head_dim_v", "seqlen_q", "seqlen_k", "batch", "nheads_q", "nheads_kv"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ProblemError(f"{name} must be an integer, got {value!r}")
+            if value <= 0:
+                raise ProblemError(f"{name} must be positive, got {value}")
+        if not isinstance(self.causal, bool):
+            raise ProblemError(f"causal must be true or false, got {self.causal!r}")
+        for name in ("head_dim", "head_dim_v"):
+            if getattr(self, name) not in HEAD_DIMS:
+                raise ProblemError(
+                    f"unsupported {name} {getattr(self, name)}: supported head dims are "
+                    f"{', '.join(map(str, HEAD_DIMS))}"
+                )
+        if self.nheads_q % self.nheads_kv:
+            raise ProblemError(
+                f"nheads_q ({self.nheads_q}) must be a multiple of nheads_kv ({self.nheads_kv}) "
+                "for grouped-query attention"
+            )
+
+    # ---- derived quantities -------------------------------------------------------------------
+    @property
+    def qheads_per_kvhead(self) -> int:
+        return self.nheads_q // self.nheads_kv
+
+    @property
+    def flops(self) -> float:
+        """Forward FLOPs by the usual convention: 2 GEMMs of 2·s_q·s_k·d each, halved for causal.
+
+        With seqlen_q != seqlen_k and causal (aligned bottom-right) the exact count of unmasked
+        scores is used instead of the half.
+        """
+        d = (self.head_dim + self.head_dim_v) / 2
+        pairs = self.seqlen_q * self.seqlen_k
+        if self.causal:
+            pairs = causal_pairs(self.seqlen_q, self.seqlen_k)
+        return 4.0 * self.batch * self.nheads_q * pairs * d
+
+    @property
+    def bytes_min(self) -> int:
+        """Fewest bytes moved through HBM: q, k, v read once, o written once, lse written once."""
+        elt = 2
+        q = self.batch * self.seqlen_q * self.nheads_q * self.head_dim
+        k = self.batch * self.seqlen_k * self.nheads_kv * self.head_dim
+        v = self.batch * self.seqlen_k * self.nheads_kv * self.head_dim_v
+        o = self.batch * self.seqlen_q * self.nheads_q * self.head_dim_v
+        return elt * (q + k + v + o) + 4 * self.batch * self.nheads_q * self.seqlen_q
+
+    # ---- keys ---------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Problem":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ProblemError(
+                f"unknown problem field(s) {', '.join(unknown)}; known fields: {', '.join(sorted(known))}"
+            )
+        return cls(**data)
+
+    def key(self) -> str:
+        """A stable, readable string key of the exact problem."""
+        c = "causal" if self.causal else "full"
+        return (
+            f"{self.dtype}-d{self.head_dim}x{self.head_dim_v}-{c}-q{self.seqlen_q}-k{self.seqlen_k}"
+            f"-b{self.batch}-h{self.nheads_q}x{self.nheads_kv}"
+        )
+
+    def bucket(self) -> "Bucket":
+        return Bucket.of(self)
+
+    def compile_key(self) -> tuple:
+        """What a compiled kernel depends on, beyond its config (shapes are run-time)."""
+        return (self.dtype, self.head_dim, self.head_dim_v, self.causal)
+
+
+def causal_pairs(seqlen_q: int, seqlen_k: int) -> int:
+    """Number of unmasked (i, j): row i sees keys j <= i + seqlen_k - seqlen_q (bottom-right aligned)."""
+    offset = seqlen_k - seqlen_q
+    # Row i sees clamp(i + offset + 1, 0, seqlen_k) keys: zero up to row `lo`, growing by one per row
+    # up to row `hi`, then all seqlen_k keys.
+    lo = min(seqlen_q, max(0, -offset))
+    hi = min(seqlen_q, max(lo, seqlen_k - offset - 1))
+    first, last = lo + offset + 1, (hi - 1) + offset + 1
+    ramp = (first + last) * (hi - lo) // 2 if hi > lo else 0
+    return ramp + (seqlen_q - hi) * seqlen_k
+
+
+@dataclass(frozen=True, order=True)
+class Bucket:
+    """Problems that share a tuned config: same dtype, head dims and causality, with seqlens rounded up
+    to powers of two and batch·heads rounded up to a power of two, and the GQA ratio kept."""
+
+    dtype: str
+    head_dim: int
+    head_dim_v: int
+    causal: bool
+    seqlen_q: int
+    seqlen_k: int
+    batch_heads: int
+    qheads_per_kvhead: int
+
+    @classmethod
+    def of(cls, p: Problem) -> "Bucket":
+        return cls(
+            dtype=p.dtype,
+            head_dim=p.head_dim,
+            head_dim_v=p.head_dim_v,
+            causal=p.causal,
+            seqlen_q=_pow2_ceil(p.seqlen_q),
+            seqlen_k=_pow2_ceil(p.seqlen_k),
+            batch_heads=_pow2_ceil(p.batch * p.nheads_q),
+            qheads_per_kvhead=p.qheads_per_kvhead,
+        )
+
+    def key(self) -> str:
+        c = "causal" if self.causal else "full"
+        return (
+            f"{self.dtype}-d{self.head_dim}x{self.head_dim_v}-{c}-q{self.seqlen_q}-k{self.seqlen_k}"
+            f"-bh{self.batch_heads}-g{self.qheads_per_kvhead}"
+        )
+
+    def family(self) -> tuple:
+        """What two problems must share for one's config to be borrowed by the other."""
+        return (self.dtype, self.head_dim, self.head_dim_v, self.causal)
+
+    def distance(self, other: "Bucket") -> float:
+        """Distance in log2 seqlen and log2 batch·heads (infinite across families)."""
+        if self.family() != other.family():
+            return math.inf
+        return (
+            abs(math.log2(self.seqlen_q) - math.log2(other.seqlen_q))
+            + abs(math.log2(self.seqlen_k) - math.log2(other.seqlen_k))
+            + 0.5 * abs(math.log2(self.batch_heads) - math.log2(other.batch_heads))
+            + 0.25 * abs(math.log2(self.qheads_per_kvhead) - math.log2(other.qheads_per_kvhead))
+        )

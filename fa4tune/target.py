@@ -1,0 +1,108 @@
+"""Target descriptions: the limits and throughputs of a GPU, read by the feasibility checks, the
+kernels and the cost model. The one place where hardware numbers live."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+class TargetError(ValueError):
+    """An unknown target name."""
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    arch: str  # the CuTe DSL / ptxas target, e.g. "sm_90a"
+    sm_count: int
+    clock_mhz: float  # sustained SM clock under tensor load
+    smem_per_block: int  # bytes of shared memory one block may opt into
+    smem_per_sm: int
+    regs_per_sm: int  # 32-bit registers
+    max_regs_per_thread: int
+    max_threads_per_block: int
+    # Throughputs per SM per clock.
+    tensor_flops_per_clk: int  # dense bf16/fp16 MMA, FLOP (multiply and add count 2)
+    mufu_ex2_per_clk: int  # ex2.approx results
+    fma_per_clk: int  # fp32 FMA lanes
+    alu_issue_per_clk: int  # warp-instructions issued per clock by all schedulers, times 32 lanes
+    smem_bytes_per_clk: int
+    # Per device.
+    hbm_bytes_per_s: float
+    l2_bytes: int
+    # Measured matrix rate (dense bf16, large GEMM) where we have it; None falls back to the peak.
+    measured_tensor_tflops: float | None = None
+
+    @property
+    def peak_tensor_tflops(self) -> float:
+        return self.tensor_flops_per_clk * self.sm_count * self.clock_mhz * 1e6 / 1e12
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+_HOPPER = dict(
+    arch="sm_90a",
+    smem_per_block=227 * 1024,
+    smem_per_sm=228 * 1024,
+    regs_per_sm=64 * 1024,
+    max_regs_per_thread=255,
+    max_threads_per_block=1024,
+    tensor_flops_per_clk=4096,
+    mufu_ex2_per_clk=16,
+    fma_per_clk=128,
+    alu_issue_per_clk=128,
+    smem_bytes_per_clk=128,
+)
+
+TARGETS: dict[str, Target] = {
+    t.name: t
+    for t in (
+        Target(name="H100-SXM", sm_count=132, clock_mhz=1830, hbm_bytes_per_s=3.35e12,
+               l2_bytes=50 * 2**20, **_HOPPER),
+        # H200: the H100's SM at the same clocks with faster HBM3e. The matrix rate is the one measured
+        # on our H200 (bf16 8192^3 GEMM, DESIGN.md), the copy rate 4.3 TB/s as measured there.
+        Target(name="H200", sm_count=132, clock_mhz=1830, hbm_bytes_per_s=4.3e12,
+               l2_bytes=60 * 2**20, measured_tensor_tflops=750.0, **_HOPPER),
+        Target(name="B200", arch="sm_100a", sm_count=148, clock_mhz=1850, smem_per_block=227 * 1024,
+               smem_per_sm=228 * 1024, regs_per_sm=64 * 1024, max_regs_per_thread=255,
+               max_threads_per_block=1024, tensor_flops_per_clk=8192, mufu_ex2_per_clk=16,
+               fma_per_clk=128, alu_issue_per_clk=128, smem_bytes_per_clk=128,
+               hbm_bytes_per_s=8.0e12, l2_bytes=126 * 2**20),
+    )
+}
+
+DEFAULT_TARGET = "H200"
+
+
+def get_target(name: str | Target | None = None) -> Target:
+    """A target by name (case-insensitive); None means the local GPU if one is known, else H200."""
+    if isinstance(name, Target):
+        return name
+    if name is None:
+        return detect_target() or TARGETS[DEFAULT_TARGET]
+    for key, target in TARGETS.items():
+        if key.lower() == str(name).lower():
+            return target
+    raise TargetError(f"unknown target {name!r}; known targets: {', '.join(TARGETS)}")
+
+
+def target_for_device_name(device_name: str) -> Target | None:
+    """Map a CUDA device name such as 'NVIDIA H200' or 'NVIDIA H100 80GB HBM3' to a target."""
+    upper = device_name.upper()
+    for token, key in (("H200", "H200"), ("H100", "H100-SXM"), ("H800", "H100-SXM"), ("B200", "B200")):
+        if token in upper:
+            return TARGETS[key]
+    return None
+
+
+def detect_target() -> Target | None:
+    """The target of the current CUDA device, or None without a (known) GPU. Never raises."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        return target_for_device_name(torch.cuda.get_device_name())
+    except Exception:
+        return None
