@@ -149,7 +149,12 @@ class FlashForwardSm90:
         bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
 
         num_m_blocks = cute.ceil_div(cute.size(mQ.shape[0]), tile_m)
-        num_tiles = num_m_blocks * cute.size(mQ.shape[2]) * cute.size(mQ.shape[3])
+        if const_expr(self.causal):
+            # One flat index, decoded longest-first in tile_coords.
+            grid = [num_m_blocks * cute.size(mQ.shape[2]) * cute.size(mQ.shape[3]), 1, 1]
+        else:
+            # All m blocks of a head are adjacent, so their shared K/V is read once into L2.
+            grid = [num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[3])]
         self.kernel(
             tma_mQ, tma_mK, tma_mV, tma_mO, mLSE,
             tma_q, tma_k, tma_v, tma_o,
@@ -159,7 +164,7 @@ class FlashForwardSm90:
             bytes_q, bytes_k, bytes_v,
             SharedStorage,
         ).launch(
-            grid=[num_tiles, 1, 1],
+            grid=grid,
             block=[self.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
@@ -170,9 +175,14 @@ class FlashForwardSm90:
     # --------------------------------------------------------------------------------------------
     @cute.jit
     def tile_coords(self, mQ: cute.Tensor, mK: cute.Tensor, heads_per_l2_group: Int32):
-        """(m_block, head, batch) of this CTA. Tiles are grouped by `heads_per_l2_group` heads whose
-        K/V fit in L2 together; inside a group the head index runs fastest and, for causal, the m
-        blocks run from the longest (last rows) to the shortest."""
+        """(m_block, head, batch) of this CTA.
+
+        Non-causal tiles all cost the same: the grid is (m, head, batch) as is. Causal tiles are
+        scheduled longest first (last rows first) and grouped by `heads_per_l2_group` heads whose K/V
+        fit in L2 together; inside a group the head index runs fastest."""
+        if const_expr(not self.causal):
+            m_block, head, batch = cute.arch.block_idx()
+            return m_block, head, batch
         seqlen_q = mQ.shape[0]
         nheads = mQ.shape[2]
         num_bh = nheads * mQ.shape[3]
@@ -184,9 +194,7 @@ class FlashForwardSm90:
         heads_here = cutlass.min(heads_per_l2_group, num_bh - group * heads_per_l2_group)
         m_idx = within // heads_here
         bh = group * heads_per_l2_group + (within - m_idx * heads_here)
-        m_block = m_idx
-        if const_expr(self.causal):
-            m_block = num_m - 1 - m_idx
+        m_block = num_m - 1 - m_idx
         batch = bh // nheads
         head = bh - batch * nheads
         return m_block, head, batch
@@ -365,8 +373,8 @@ class FlashForwardSm90:
                 row = m_block * self.tile_m + coords[r, 0][0]
                 limit = cutlass.min(limit, row + 1 + seqlen_k - seqlen_q - n_block * self.tile_n - col_offset)
             for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
-                if coords0[0, c][1] >= limit:
-                    scores[r, c] = -Float32.inf
+                # A select per element: an `if` here would carry the whole fragment through each branch.
+                scores[r, c] = -Float32.inf if coords0[0, c][1] >= limit else scores[r, c]
 
     @cute.jit
     def consume(
@@ -519,10 +527,13 @@ class FlashForwardSm90:
                 if row < seqlen_q:
                     mLSE[row, head, batch] = lse[r]
 
-        # Make the stmatrix writes visible to the TMA engine, then one warp stores the tile.
+        # Make the stmatrix writes visible to the TMA engine; the first consumer warp waits for all
+        # of them and stores the tile, the others signal and are done.
         cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=BARRIER_EPILOGUE, number_of_threads=self.num_consumer_threads)
-        if ctid < 32:
+        if ctid >= 32:
+            cute.arch.barrier_arrive(barrier_id=BARRIER_EPILOGUE, number_of_threads=self.num_consumer_threads)
+        else:
+            cute.arch.barrier(barrier_id=BARRIER_EPILOGUE, number_of_threads=self.num_consumer_threads)
             gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim_v), (m_block, 0))
             tOsO, tOgO = cpasync.tma_partition(tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
                                                cute.group_modes(gO, 0, 2))

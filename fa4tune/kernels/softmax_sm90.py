@@ -115,7 +115,8 @@ class OnlineSoftmax:
             self.row_max[r] = row_max
             # A row that has seen only -inf scores subtracts 0 so exp2 gives 0, not NaN.
             max_scaled = (row_max if row_max != -Float32.inf else Float32(0.0)) * self.scale_log2
-            partial = Float32(0.0)
+            # Four partial sums: a single running sum would chain every FADD on the previous one.
+            sums = []
             for c in cutlass.range_constexpr(ncols):
                 x = row[c] * self.scale_log2 - max_scaled
                 if cutlass.const_expr(emulate[c]):
@@ -123,7 +124,14 @@ class OnlineSoftmax:
                 else:
                     p = exp2_mufu(x)
                 row[c] = p
-                partial = partial + p
+                if cutlass.const_expr(c < 4):
+                    sums.append(p)
+                else:
+                    sums[c % 4] = sums[c % 4] + p
+            while cutlass.const_expr(len(sums) > 1):
+                sums = [sums[i] + sums[i + 1] for i in range(0, len(sums) - 1, 2)] + (
+                    [sums[-1]] if len(sums) % 2 else [])
+            partial = sums[0]
             if cutlass.const_expr(is_first):
                 self.row_sum[r] = partial
             else:

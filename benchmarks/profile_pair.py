@@ -1,0 +1,41 @@
+"""Launch fa4tune and flash-attn-4 once each per shape, for a profiler to capture side by side:
+
+    ncu --clock-control none --section SpeedOfLight --section WarpStateStats \
+        -k regex:'kernel_cutlass' python3 benchmarks/profile_pair.py 128:1024 128:1024:causal
+
+Shapes are head_dim:seqlen[:causal] with 16k tokens and hidden 2048.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main(argv: list[str]) -> int:
+    import torch
+
+    from fa4tune.kernels.config import default_config
+    from fa4tune.kernels.interface import attention_forward
+    from fa4tune.problem import Problem
+
+    try:
+        from flash_attn.cute import flash_attn_func
+    except Exception:
+        flash_attn_func = None
+    for spec in argv or ["128:1024"]:
+        parts = spec.split(":")
+        d, s, causal = int(parts[0]), int(parts[1]), len(parts) > 2 and parts[2] == "causal"
+        p = Problem(head_dim=d, causal=causal, seqlen_q=s, batch=max(1, 16384 // s), nheads_q=2048 // d)
+        q, k, v = (torch.randn(p.batch, s, p.nheads_q, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        attention_forward(q, k, v, default_config(p), causal=causal)
+        if flash_attn_func is not None:
+            flash_attn_func(q, k, v, causal=causal)
+        torch.cuda.synchronize()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,94 @@
+"""Time fa4tune configs over a small grid of knob values on a few shapes; print one table per shape.
+
+    python benchmarks/sweep.py --shape 128:1024:causal --shape 64:4096 \
+        --vary tile_n=112,128,144 --vary rescale_threshold=0,8 [--json out.json]
+
+A shape is head_dim:seqlen[:causal] with 16k tokens and hidden 2048 (as benchmarks/attention.py).
+Each --vary knob=v1,v2 is swept one knob at a time around the default config (not the cross
+product), so the table shows what each knob does on its own. Configs the feasibility rules refuse
+are listed with their reason, not run. Every config is checked against the fp32 reference first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def parse_value(text: str):
+    if text in ("true", "false", "True", "False"):
+        return text.lower() == "true"
+    value = float(text)
+    return int(value) if value.is_integer() and "." not in text else value
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", action="append", required=True)
+    ap.add_argument("--vary", action="append", default=[])
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from fa4tune.kernels.config import KNOBS, FwdConfig, default_config, infeasible_reasons
+    from fa4tune.kernels.interface import attention_forward, compile_forward
+    from fa4tune.kernels.reference import attention_reference
+    from fa4tune.measure.timing import L2Flusher, time_cuda
+    from fa4tune.problem import Problem
+    from fa4tune.target import get_target
+
+    target = get_target(None)
+    flusher = L2Flusher()
+    results = []
+    for spec in args.shape:
+        parts = spec.split(":")
+        d, s, causal = int(parts[0]), int(parts[1]), len(parts) > 2 and parts[2] == "causal"
+        p = Problem(head_dim=d, causal=causal, seqlen_q=s, batch=max(1, 16384 // s), nheads_q=2048 // d)
+        base = default_config(p, target)
+        configs = [base]
+        for vary in args.vary:
+            knob, values = vary.split("=")
+            if knob not in KNOBS:
+                raise SystemExit(f"unknown knob {knob}; known: {', '.join(KNOBS)}")
+            for v in values.split(","):
+                cfg = replace(base, **{knob: parse_value(v)})
+                if cfg not in configs:
+                    configs.append(cfg)
+        q, k, v = (torch.randn(p.batch, s, p.nheads_q, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        ref, _ = attention_reference(q[:1, :, :1], k[:1, :, :1], v[:1, :, :1], causal=causal)
+        print(f"\n## d={d} seqlen={s} causal={causal} batch={p.batch} heads={p.nheads_q}\n")
+        print("| config | TFLOP/s | ms | spread | error | compile s |")
+        print("|---|---|---|---|---|---|")
+        for cfg in configs:
+            row = dict(shape=spec, config=cfg.to_dict())
+            reasons = infeasible_reasons(p, cfg, target)
+            if reasons:
+                row["infeasible"] = reasons
+                print(f"| {cfg.short()} | infeasible | | | {reasons[0][:60]} | |")
+                results.append(row)
+                continue
+            compiled = compile_forward(cfg, "bf16", d, d, causal, target)
+            out = torch.full_like(q, float("nan"))
+            fn = lambda: attention_forward(q, k, v, cfg, causal=causal, out=out)  # noqa: E731
+            fn()
+            err = ((out[:1, :, :1].float() - ref).norm() / ref.norm()).item()
+            t = time_cuda(fn, flusher=flusher)
+            tflops = p.flops / (t.median_ms * 1e-3) / 1e12
+            row.update(tflops=tflops, ms=t.median_ms, spread=t.spread, error=err,
+                       compile_s=compiled.compile_seconds)
+            results.append(row)
+            print(f"| {cfg.short()} | {tflops:.1f} | {t.median_ms:.4f} | {t.spread:.3f} | {err:.2e} | "
+                  f"{compiled.compile_seconds:.1f} |", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
