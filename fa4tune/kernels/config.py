@@ -1,0 +1,154 @@
+"""The compile-time knobs of the Hopper forward kernel: one schema, its legal values, its defaults and
+its feasibility rules (shared with the search-space plugins)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+
+from ..problem import Problem
+from ..target import Target
+from . import exp2_poly, resources
+
+
+class ConfigError(ValueError):
+    """A config that names unknown knobs, holds illegal values, or cannot be built for a problem."""
+
+
+# The full domain of every knob. Search spaces pick from these; anything else is refused.
+KNOBS: dict[str, tuple] = {
+    "tile_m": (128, 192),
+    "tile_n": (64, 80, 96, 112, 128, 144, 160, 176, 192),
+    "num_stages": (1, 2, 3, 4, 5),
+    "poly_degree": (1, 2, 3, 4, 5),
+    "emu_share": (0.0, 0.125, 0.25, 0.375, 0.5),
+    "rescale_threshold": (0.0, 2.0, 4.0, 8.0),
+    "intra_wg_overlap": (True, False),
+    "wg_pingpong": (True, False),
+}
+
+KERNEL_ARCHS = ("sm_90a",)
+SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """Compile-time knobs of the forward kernel.
+
+    tile_m: rows of Q per CTA, 64 per consumer warpgroup.  tile_n: K/V rows per main-loop step.
+    num_stages: depth of the K/V TMA pipeline.  poly_degree: degree of the software exp2.
+    emu_share: share of each row's exponentials computed on the FMA pipe instead of the MUFU.
+    rescale_threshold: O and the row sum are rescaled only when the row max rose by more than this
+    (log2 units); 0 rescales on every rise.  intra_wg_overlap: issue the next S GEMM before the current
+    softmax.  wg_pingpong: order the consumer warpgroups' GEMMs with named barriers so that one
+    warpgroup's softmax overlaps the other's GEMMs.
+    """
+
+    tile_m: int = 128
+    tile_n: int = 128
+    num_stages: int = 2
+    poly_degree: int = 3
+    emu_share: float = 0.0
+    rescale_threshold: float = 0.0
+    intra_wg_overlap: bool = True
+    wg_pingpong: bool = True
+
+    def __post_init__(self) -> None:
+        bad = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            legal = KNOBS[f.name]
+            # bools are ints in Python: keep True/False apart from 1/0 for the integer knobs.
+            same_kind = isinstance(value, bool) == isinstance(legal[0], bool)
+            if not same_kind or value not in legal:
+                bad.append(f"{f.name}={value!r} (legal: {', '.join(map(repr, legal))})")
+        if bad:
+            raise ConfigError("illegal knob value(s): " + "; ".join(bad))
+        # Store floats as floats so that equal configs hash and serialise alike.
+        object.__setattr__(self, "emu_share", float(self.emu_share))
+        object.__setattr__(self, "rescale_threshold", float(self.rescale_threshold))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict, base: "FwdConfig | None" = None) -> "FwdConfig":
+        """Build a config from knob values; missing knobs come from `base` (or the class defaults)."""
+        unknown = sorted(set(data) - set(KNOBS))
+        if unknown:
+            raise ConfigError(
+                f"unknown knob(s) {', '.join(unknown)}; known knobs: {', '.join(KNOBS)}"
+            )
+        values = dict(data)
+        for name in ("tile_m", "tile_n", "num_stages", "poly_degree"):
+            if name in values and isinstance(values[name], float) and values[name].is_integer():
+                values[name] = int(values[name])  # YAML / JSON round trips may give 128.0
+        return replace(base, **values) if base is not None else cls(**values)
+
+    def canonical(self) -> "FwdConfig":
+        """The same kernel with knobs that have no effect set to their defaults, so that two configs
+        that compile to the same code compare equal (poly_degree is unused without emulation)."""
+        if self.emu_share == 0.0 and self.poly_degree != FwdConfig.poly_degree:
+            return replace(self, poly_degree=FwdConfig.poly_degree)
+        return self
+
+    def short(self) -> str:
+        return (
+            f"{self.tile_m}x{self.tile_n}s{self.num_stages}"
+            f"-e{self.emu_share:g}p{self.poly_degree}-r{self.rescale_threshold:g}"
+            f"{'-ov' if self.intra_wg_overlap else ''}{'-pp' if self.wg_pingpong else ''}"
+        )
+
+
+def unsupported_reasons(problem: Problem, target: Target) -> list[str]:
+    """Why this kernel cannot take the problem at all, whatever the config."""
+    reasons = []
+    if target.arch not in KERNEL_ARCHS:
+        reasons.append(f"the fa4 forward kernel is built for {', '.join(KERNEL_ARCHS)}; "
+                       f"target {target.name} is {target.arch}")
+    for name in ("head_dim", "head_dim_v"):
+        value = getattr(problem, name)
+        if value not in SUPPORTED_HEAD_DIMS:
+            reasons.append(f"{name}={value} not supported (supported: "
+                           f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))})")
+    return reasons
+
+
+def infeasible_reasons(problem: Problem, config: FwdConfig, target: Target) -> list[str]:
+    """Every reason this config cannot be built or cannot be right for this problem on this target."""
+    return (
+        unsupported_reasons(problem, target)
+        + resources.tile_reasons(config, problem)
+        + resources.smem_reasons(config, problem, target)
+        + resources.register_reasons(config, problem, target)
+        + exp2_poly.accuracy_reasons(config.poly_degree, config.emu_share, problem.dtype)
+    )
+
+
+def check_config(problem: Problem, config: FwdConfig, target: Target) -> None:
+    """Raise ConfigError naming every violated rule."""
+    reasons = infeasible_reasons(problem, config, target)
+    if reasons:
+        raise ConfigError(
+            f"config {config.short()} cannot run {problem.key()} on {target.name}: " + "; ".join(reasons)
+        )
+
+
+def default_config(problem: Problem, target: Target | None = None) -> FwdConfig:
+    """The hand-picked starting point per head dim (the search measures from here)."""
+    d, dv = problem.head_dim, problem.head_dim_v
+    if max(d, dv) <= 64:
+        cfg = FwdConfig(tile_m=192, tile_n=128)
+    elif max(d, dv) <= 128:
+        cfg = FwdConfig(tile_m=128, tile_n=128)
+    elif max(d, dv) <= 192:
+        cfg = FwdConfig(tile_m=128, tile_n=128 if dv <= 128 else 112)
+    else:
+        cfg = FwdConfig(tile_m=128, tile_n=80)
+    if target is not None and infeasible_reasons(problem, cfg, target):
+        # Fall back to a smaller pipeline before giving up; a problem no config fits is reported by
+        # the caller through infeasible_reasons.
+        for stages in (1,):
+            alt = replace(cfg, num_stages=stages)
+            if not infeasible_reasons(problem, alt, target):
+                return alt
+    return cfg

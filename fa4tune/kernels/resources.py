@@ -1,0 +1,131 @@
+"""Shared-memory, register and tiling estimates of the Hopper forward kernel.
+
+The one place where the kernel's resource use is modelled: the search-space plugins reject configs with
+these functions before anything compiles, and the kernel's constructor refuses the same configs with
+the same reasons. Limits come from the Target, never from literals here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..target import Target
+
+if TYPE_CHECKING:  # imported for type names only; config imports this module
+    from ..problem import Problem
+    from .config import FwdConfig
+
+THREADS_PER_WARPGROUP = 128
+WGMMA_M = 64  # rows of Q per consumer warpgroup (one wgmma atom)
+ELEMENT_BYTES = 2  # bf16 / fp16
+MBARRIER_BYTES = 8
+SMEM_ALIGN = 1024  # each swizzled buffer is 1024-byte aligned (128B swizzle atom)
+
+# setmaxnreg budgets (producer, consumer) per number of consumer warpgroups: the whole block must fit
+# in the register file at one block per SM. Both are multiples of 8 as setmaxnreg requires.
+REGISTER_SPLIT = {2: (24, 240), 3: (32, 160)}
+# Registers a consumer thread needs beyond the accumulators: addresses, loop state, softmax
+# statistics, masks; measured against ptxas on this kernel (see docs/kernel-notes.md).
+CONSUMER_OVERHEAD_REGS = {2: 24, 3: 32}
+
+
+def num_consumer_warpgroups(config: "FwdConfig") -> int:
+    return config.tile_m // WGMMA_M
+
+
+def num_threads(config: "FwdConfig") -> int:
+    return THREADS_PER_WARPGROUP * (num_consumer_warpgroups(config) + 1)
+
+
+def _round_up(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+def smem_layout_bytes(config: "FwdConfig", problem: "Problem") -> dict[str, int]:
+    """Bytes of each shared-memory buffer. O is staged through Q's buffer (Q is dead once the last
+    S GEMM has read it), so that region is sized for the larger of the two."""
+    d, dv = problem.head_dim, problem.head_dim_v
+    q = config.tile_m * d * ELEMENT_BYTES
+    o = config.tile_m * dv * ELEMENT_BYTES
+    k = config.num_stages * config.tile_n * d * ELEMENT_BYTES
+    v = config.num_stages * config.tile_n * dv * ELEMENT_BYTES
+    # full + empty barrier per stage for K and for V, plus Q's pair.
+    barriers = (2 + 4 * config.num_stages) * MBARRIER_BYTES
+    return {
+        "barriers": _round_up(barriers, SMEM_ALIGN),
+        "q_o": _round_up(max(q, o), SMEM_ALIGN),
+        "k": _round_up(k, SMEM_ALIGN),
+        "v": _round_up(v, SMEM_ALIGN),
+    }
+
+
+def smem_bytes(config: "FwdConfig", problem: "Problem") -> int:
+    return sum(smem_layout_bytes(config, problem).values())
+
+
+def smem_reasons(config: "FwdConfig", problem: "Problem", target: Target) -> list[str]:
+    used = smem_bytes(config, problem)
+    if used > target.smem_per_block:
+        parts = ", ".join(f"{k} {v // 1024} KB" for k, v in smem_layout_bytes(config, problem).items())
+        return [
+            f"shared memory {used / 1024:.0f} KB exceeds the {target.smem_per_block // 1024} KB per block "
+            f"of {target.name} (tile_m={config.tile_m}, tile_n={config.tile_n}, "
+            f"num_stages={config.num_stages}, head dims {problem.head_dim}/{problem.head_dim_v}: {parts})"
+        ]
+    return []
+
+
+def consumer_registers_needed(config: "FwdConfig", problem: "Problem") -> int:
+    """fp32 accumulator registers one consumer thread holds at its peak, plus the fixed overhead.
+
+    Per warpgroup (64 rows, 128 threads): O is 64·dv fp32 (dv/2 per thread), S is 64·tile_n fp32
+    (tile_n/2). With intra-warpgroup overlap the next S is live while the current P (bf16, tile_n/4)
+    waits for its PV GEMM."""
+    wgs = num_consumer_warpgroups(config)
+    regs_o = WGMMA_M * problem.head_dim_v // THREADS_PER_WARPGROUP
+    regs_s = WGMMA_M * config.tile_n // THREADS_PER_WARPGROUP
+    regs_p = regs_s // 2 if config.intra_wg_overlap else 0
+    return regs_o + regs_s + regs_p + CONSUMER_OVERHEAD_REGS.get(wgs, 32)
+
+
+def register_split(config: "FwdConfig") -> tuple[int, int]:
+    """(producer, consumer) registers per thread after setmaxnreg."""
+    return REGISTER_SPLIT[num_consumer_warpgroups(config)]
+
+
+def register_reasons(config: "FwdConfig", problem: "Problem", target: Target) -> list[str]:
+    wgs = num_consumer_warpgroups(config)
+    if wgs not in REGISTER_SPLIT:
+        return [f"tile_m={config.tile_m} gives {wgs} consumer warpgroups; supported: "
+                f"{', '.join(str(w * WGMMA_M) for w in REGISTER_SPLIT)}"]
+    producer, consumer = REGISTER_SPLIT[wgs]
+    block_regs = THREADS_PER_WARPGROUP * (producer + wgs * consumer)
+    reasons = []
+    if block_regs > target.regs_per_sm:
+        reasons.append(f"register split {producer}/{consumer} needs {block_regs} registers, "
+                       f"above the {target.regs_per_sm} of one SM")
+    need = consumer_registers_needed(config, problem)
+    if need > min(consumer, target.max_regs_per_thread):
+        reasons.append(
+            f"consumer threads need about {need} registers (O {problem.head_dim_v}, S {config.tile_n}"
+            f"{', P for intra-warpgroup overlap' if config.intra_wg_overlap else ''}) but get {consumer} "
+            f"with tile_m={config.tile_m}: the kernel would spill"
+        )
+    return reasons
+
+
+def tile_reasons(config: "FwdConfig", problem: "Problem") -> list[str]:
+    """wgmma and TMA shape rules."""
+    reasons = []
+    if config.tile_m % WGMMA_M:
+        reasons.append(f"tile_m={config.tile_m} is not a multiple of the wgmma M of {WGMMA_M}")
+    # S = Q K^T has N = tile_n; O += P V has K = tile_n (16 per bf16 wgmma) and N = head_dim_v.
+    if config.tile_n % 16:
+        reasons.append(f"tile_n={config.tile_n} is not a multiple of 16 (the K of the P·V wgmma)")
+    if not 16 <= config.tile_n <= 256:
+        reasons.append(f"tile_n={config.tile_n} outside the wgmma N range 16..256")
+    if problem.head_dim % 16:
+        reasons.append(f"head_dim={problem.head_dim} is not a multiple of 16 (the K of the Q·K wgmma)")
+    if problem.head_dim_v % 8 or problem.head_dim_v > 256:
+        reasons.append(f"head_dim_v={problem.head_dim_v} must be a multiple of 8 and at most 256")
+    return reasons
