@@ -59,6 +59,19 @@ def check_sampler_available(name: str, where: str) -> None:
         )
 
 
+def _grid_sampler_class():
+    from optuna.samplers import GridSampler
+
+    class AskTellGridSampler(GridSampler):
+        """Optuna's grid sampler stops the study from inside `tell` once the grid is done, which only
+        works under study.optimize; the search loop notices an exhausted space itself."""
+
+        def after_trial(self, study, trial, state, values) -> None:
+            pass
+
+    return AskTellGridSampler
+
+
 def make_sampler(spec, seed: int, grid: dict | None = None, where: str = "sampler"):
     """An Optuna sampler from a job's sampler spec; bad options are a JobError naming the field."""
     import optuna.samplers as s
@@ -69,7 +82,7 @@ def make_sampler(spec, seed: int, grid: dict | None = None, where: str = "sample
         "random": lambda **o: s.RandomSampler(seed=seed, **o),
         "cmaes": lambda **o: s.CmaEsSampler(seed=seed, **o),
         "gp": lambda **o: s.GPSampler(seed=seed, **o),
-        "grid": lambda **o: s.GridSampler(grid, seed=seed, **o),
+        "grid": lambda **o: _grid_sampler_class()(grid, seed=seed, **o),
     }
     try:
         return factories[spec.name](**spec.options)

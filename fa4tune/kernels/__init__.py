@@ -55,6 +55,16 @@ class KernelSpec:
         """A config object from knob values; raises the kernel's ConfigError on bad ones."""
         return self.config_class.from_dict(dict(values))
 
+    def canonical_values(self, values: dict) -> dict:
+        """The knob values with those that have no effect reset (config.canonical()), so that two
+        configs compiling to the same code are measured once; values the schema rejects unchanged."""
+        try:
+            config = self.make_config(values)
+        except self.config_error:
+            return dict(values)
+        canonical = getattr(config, "canonical", None)
+        return (canonical() if canonical else config).to_dict()
+
     def default_config(self, problem, target):
         return self._module.default_config(problem, target)
 

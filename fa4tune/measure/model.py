@@ -7,7 +7,7 @@ Per K/V step of one CTA (tile_m query rows against tile_n keys) it costs
     share of exponentials moving from MUFU to FMA issue (calibrated on DESIGN.md's H200 figures),
     plus the O rescale (skipped by rescale_threshold) and causal/ragged masking,
   - the shared-memory operand traffic of the GEMMs,
-and overlaps the GEMMs with the softmax side (better with intra-warpgroup overlap). K/V loads have a
+and overlaps the GEMMs with the softmax side (intra-warpgroup overlap and warpgroup ping-pong). K/V loads have a
 latency that `num_stages - 1` loads in flight hide. CTAs are scheduled on sm_count × (CTAs per SM)
 slots (wave quantisation; causal CTAs longest first), and the kernel can never beat HBM."""
 
@@ -33,11 +33,12 @@ class ModelAssumptions:
     emulation_extra_ops: float = 3.9
     # MUFU and ALU issue overlap imperfectly: time = max + softmax_pipe_overlap * min.
     softmax_pipe_overlap: float = 0.17
-    # GEMMs and softmax combine as an L^p norm: p = 2 with intra-warpgroup overlap reproduces upstream
-    # FA4's 550 (hdim 64) and 677 (hdim 128) TFLOP/s at 16k on the H200; without it only the
-    # ping-pong between warpgroups overlaps them.
-    overlap_norm_with_intra_wg: float = 2.0
-    overlap_norm_without_intra_wg: float = 1.35
+    # GEMMs and softmax combine as an L^p norm (p = 1: no overlap, larger: more). With both
+    # intra-warpgroup overlap and warpgroup ping-pong, p = 2 reproduces upstream FA4's 550 (hdim 64)
+    # and 677 (hdim 128) TFLOP/s at 16k tokens on the H200; each mechanism alone overlaps less.
+    overlap_norm_both: float = 2.0
+    overlap_norm_one: float = 1.5
+    overlap_norm_none: float = 1.15
     # Memory system seen by one SM: TMA load latency and L2->SMEM bandwidth (estimates).
     load_latency_clk: float = 1000.0
     l2_bytes_per_clk_per_sm: float = 48.0
@@ -45,11 +46,9 @@ class ModelAssumptions:
     step_overhead_clk: float = 80.0
     cta_overhead_clk: float = 600.0
     launch_overhead_us: float = 4.0
-    # Registers per thread on average when sizing CTAs per SM (producers drop to ~24-40 with
-    # setmaxnreg, consumers rise to ~240).
-    mean_regs_per_thread: int = 128
-    # Tensor efficiency when the target has no measured GEMM rate.
-    default_tensor_efficiency: float = 0.8
+    # Tensor efficiency when the target has no measured GEMM rate: the H200's measured 750 of its
+    # 989 TFLOP/s peak (the same SM as the H100's).
+    default_tensor_efficiency: float = 0.76
 
 
 def softmax_clocks_per_element(target, emu_share: float, poly_degree: int,
@@ -86,10 +85,14 @@ class CostModel:
     def ctas_per_sm(self, config, problem) -> int:
         from ..kernels import resources
 
-        t, a = self.target, self.assumptions
-        threads = (config.tile_m // 64 + 1) * 128  # consumer warpgroups + one producer
+        t = self.target
         by_smem = t.smem_per_sm // max(1, resources.smem_bytes(config, problem))
-        by_regs = t.regs_per_sm // (threads * a.mean_regs_per_thread)
+        wgs = resources.num_consumer_warpgroups(config)
+        if wgs in resources.REGISTER_SPLIT:
+            producer, consumer = resources.register_split(config)
+            by_regs = t.regs_per_sm // (resources.THREADS_PER_WARPGROUP * (producer + wgs * consumer))
+        else:
+            by_regs = 1
         return max(1, min(by_smem, by_regs))
 
     def step_clocks(self, config, problem, ctas_per_sm: int, steps: int, masked: bool) -> float:
@@ -106,11 +109,15 @@ class CostModel:
             softmax += 2.0 * elements / t.alu_issue_per_clk  # compare and select per element
         # Every consumer warpgroup reads the K and V tiles from shared memory, and Q once per step.
         smem = ((tm // 64) * tn * (d + dv) * 2 + tm * d * 2) / t.smem_bytes_per_clk
-        p = a.overlap_norm_with_intra_wg if config.intra_wg_overlap else a.overlap_norm_without_intra_wg
+        overlaps = int(bool(config.intra_wg_overlap)) + int(bool(getattr(config, "wg_pingpong", False)))
+        p = (a.overlap_norm_none, a.overlap_norm_one, a.overlap_norm_both)[overlaps]
         compute = max((tensor**p + softmax**p) ** (1.0 / p), smem) + a.step_overhead_clk
         transfer = tn * (d + dv) * 2 / a.l2_bytes_per_clk_per_sm
-        in_flight = max(1, config.num_stages - 1)
-        memory = max(ctas_per_sm * transfer, (a.load_latency_clk + transfer) / in_flight)
+        fetch = a.load_latency_clk + transfer
+        if config.num_stages <= 1:  # the next tile is loaded only after this one is consumed
+            return ctas_per_sm * compute + fetch
+        # num_stages - 1 loads are in flight while one stage is consumed.
+        memory = max(ctas_per_sm * transfer, fetch / (config.num_stages - 1))
         return max(ctas_per_sm * compute, memory)
 
     def cta_clocks(self, config, problem, ctas_per_sm: int, steps: int, masked_steps: int) -> float:

@@ -89,8 +89,9 @@ class ComposedSpace:
         return params
 
     def full_config(self, problem, target, params: dict) -> dict:
-        """The kernel's default for the problem with the searched parameters replaced."""
-        return {**self.default_config(problem, target), **params}
+        """The kernel's default for the problem with the searched parameters replaced, in canonical
+        form (knobs without effect reset), so equal kernels get equal configs."""
+        return self.kernel.canonical_values({**self.default_config(problem, target), **params})
 
     def check(self, problem, config_values: dict, target) -> list[str]:
         """Every reason the config is infeasible (plugins' and kernel's together), without duplicates."""

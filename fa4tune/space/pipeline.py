@@ -1,5 +1,6 @@
-"""K/V pipeline: how many TMA stages are in flight, and whether a warpgroup overlaps its softmax with
-its next QK^T GEMM (two score tiles live at once: more registers)."""
+"""K/V pipeline and scheduling: how many TMA stages are in flight, whether a warpgroup overlaps its
+softmax with its next QK^T GEMM (two score tiles live at once: more registers), and whether the
+consumer warpgroups ping-pong so that one's softmax overlaps the other's GEMMs."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from .base import SearchSpace
 
 class PipelineSpace(SearchSpace):
     name = "pipeline"
-    knobs = ("num_stages", "intra_wg_overlap")
-    description = "K/V pipeline depth and intra-warpgroup GEMM/softmax overlap"
+    knobs = ("num_stages", "intra_wg_overlap", "wg_pingpong")
+    description = "K/V pipeline depth, intra-warpgroup overlap, warpgroup ping-pong"
 
     def check(self, problem, config, target) -> list[str]:
         from ..kernels import resources
