@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from .db import BestEntry, MergeReport, ResultsDB
+from .best import BestEntry, MergeReport
 from .errors import TableError
 from .kernels import get_kernel
 from .problem import Problem, ProblemError
@@ -64,7 +64,7 @@ def render_json(document: dict) -> str:
     return json.dumps(document, sort_keys=True, indent=2) + "\n"
 
 
-def export_table(db: ResultsDB, out: str | os.PathLike | None, *, kernel=None, target: str,
+def export_table(db, out: str | os.PathLike | None, *, kernel=None, target: str,
                  kernel_hash: str | None = None) -> list[str]:
     """Write the best configs of `kernel` (installed version unless `kernel_hash`) on `target` to
     OUT.yaml and OUT.json; returns the paths. An error, and nothing written, when there is nothing."""
@@ -138,7 +138,7 @@ def table_entries(document: dict) -> list[BestEntry]:
     ]
 
 
-def import_table(db: ResultsDB, path: str | os.PathLike) -> MergeReport:
+def import_table(db, path: str | os.PathLike) -> MergeReport:
     """Merge a table into the DB. A table of another kernel version (hash) is refused: its configs
     were tuned for code that is no longer installed."""
     document = read_table(path)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
+from ..best import BestEntry, MergeReport
 from ..errors import ResultsDBError
 from .models import SCHEMA_VERSION, Base, BestConfig, Run, SchemaInfo, Trial
 
@@ -51,38 +51,6 @@ def sqlite_path(location: str) -> Path | None:
     if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
         return Path(url.database).expanduser()
     return None
-
-
-@dataclass(frozen=True)
-class BestEntry:
-    """One best config as the export, the import and the lookup see it."""
-
-    kernel: str
-    kernel_hash: str
-    target: str
-    problem: dict
-    problem_key: str
-    bucket_key: str
-    config: dict
-    time_ms: float
-    tflops: float
-    is_estimate: bool
-    provenance: dict
-    source: str
-
-    def beats(self, other: "BestEntry") -> bool:
-        """A measurement beats an estimate; otherwise the faster one wins."""
-        if self.is_estimate != other.is_estimate:
-            return not self.is_estimate
-        return self.time_ms < other.time_ms
-
-
-@dataclass(frozen=True)
-class MergeReport:
-    added: list[str]
-    replaced: list[str]  # imported entry was better
-    kept: list[str]  # the DB's entry was better or equal
-    conflicts: list[str]  # human-readable lines for differing configs
 
 
 class ResultsDB:
@@ -187,11 +155,11 @@ class ResultsDB:
                 .order_by(Run.id.desc())
                 .limit(1)
             ).first()
-            return _run_dict(run) if run else None
+            return _columns(run) if run else None
 
     def runs(self) -> list[dict]:
         with self._sessions() as session:
-            return [_run_dict(r) for r in session.scalars(select(Run).order_by(Run.id))]
+            return [_columns(r) for r in session.scalars(select(Run).order_by(Run.id))]
 
     # ---- trials -------------------------------------------------------------------------------
     def add_trial(self, *, run_id: int, study_name: str, optuna_number: int | None, kernel: str,
@@ -227,7 +195,7 @@ class ResultsDB:
             row = session.scalars(
                 select(Trial).where(Trial.study_name == study_name, Trial.optuna_number == optuna_number)
             ).first()
-            return _trial_dict(row) if row else None
+            return _columns(row) if row else None
 
     def trial_by_config(self, study_name: str, config: dict) -> dict | None:
         """The earlier trial of this study with the same config (the search never measures twice)."""
@@ -237,7 +205,7 @@ class ResultsDB:
                 .where(Trial.study_name == study_name, Trial.config_key == config_key(config))
                 .order_by(Trial.id)
             ).first()
-            return _trial_dict(row) if row else None
+            return _columns(row) if row else None
 
     def count_trials(self, study_name: str, measured_only: bool = True) -> int:
         query = select(func.count()).select_from(Trial).where(Trial.study_name == study_name)
@@ -254,7 +222,7 @@ class ResultsDB:
             if value is not None:
                 query = query.where(column == value)
         with self._sessions() as session:
-            return [_trial_dict(t) for t in session.scalars(query)]
+            return [_columns(t) for t in session.scalars(query)]
 
     # ---- best configs -------------------------------------------------------------------------
     def best_configs(self, *, kernel: str | None = None, kernel_hash: str | None = None,
@@ -273,7 +241,8 @@ class ResultsDB:
         added, replaced, kept, conflicts = [], [], [], []
         with self._sessions.begin() as session:
             for entry in entries:
-                existing = _find_best(session, entry)
+                row = _find_best(session, entry)
+                existing = _best_entry(row) if row is not None else None  # before the row changes
                 outcome = _offer_best(session, entry, trial_id=None)
                 if existing is None:
                     added.append(entry.problem_key)
@@ -371,14 +340,6 @@ def _best_entry(row: BestConfig) -> BestEntry:
 
 def _columns(row) -> dict:
     return {c.key: getattr(row, c.key) for c in inspect(row).mapper.column_attrs}
-
-
-def _run_dict(run: Run) -> dict:
-    return _columns(run)
-
-
-def _trial_dict(trial: Trial) -> dict:
-    return _columns(trial)
 
 
 def _first_line(exc: Exception) -> str:
