@@ -44,9 +44,11 @@ class _Index:
 
     def __init__(self, entries, origin: str) -> None:
         self.origin = origin
+        # (kernel, target) -> [(entry, its bucket)], buckets computed once at load.
         self.by_target: dict[tuple[str, str], list] = {}
         for entry in entries:
-            self.by_target.setdefault((entry.kernel, entry.target), []).append(entry)
+            bucket = Problem.from_dict(entry.problem).bucket()
+            self.by_target.setdefault((entry.kernel, entry.target), []).append((entry, bucket))
         self.results: dict = {}  # (kernel, target, problem) -> LookupResult
 
 
@@ -118,15 +120,15 @@ class Lookup:
         candidates = index.by_target.get((spec.name, target.name), [])
         bucket = problem.bucket()
         key = problem.key()
+        bucket_key = bucket.key()
         ranked = []
-        for entry in candidates:
-            other = Problem.from_dict(entry.problem)
+        for entry, other in candidates:
             if entry.problem_key == key:
                 rung = 0
-            elif entry.bucket_key == bucket.key():
+            elif entry.bucket_key == bucket_key:
                 rung = 1
             else:
-                distance = bucket.distance(other.bucket())
+                distance = bucket.distance(other)
                 if distance == float("inf"):
                     continue
                 rung = 2 + distance

@@ -98,7 +98,9 @@ def read_table(path: str | os.PathLike) -> dict:
     except OSError as exc:
         raise TableError(f"cannot read table {path}: {exc.strerror or exc}") from exc
     try:
-        document = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        # libyaml's loader when present: a shipped table loads several times faster.
+        loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+        document = json.loads(text) if path.suffix == ".json" else yaml.load(text, Loader=loader)
     except (yaml.YAMLError, json.JSONDecodeError) as exc:
         raise TableError(f"{path}: malformed {'JSON' if path.suffix == '.json' else 'YAML'}: "
                          f"{str(exc).splitlines()[0]}") from exc
