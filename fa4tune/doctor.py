@@ -44,7 +44,7 @@ def diagnose(db_location: str | None = None) -> list[tuple[str, bool, str]]:
     lines.append(("cute dsl", dsl is not None, f"nvidia-cutlass-dsl {dsl}" if dsl else "not installed"))
     for name, spec in KERNELS.items():
         try:
-            lines.append((f"kernel", True, f"{name} ({spec.arch}) source hash {spec.source_hash()[:12]}, "
+            lines.append(("kernel", True, f"{name} ({spec.arch}) source hash {spec.source_hash()[:12]}, "
                           f"knobs: {', '.join(spec.knobs)}"))
         except Exception as exc:
             lines.append(("kernel", False, f"{name}: {type(exc).__name__}: {exc}"))

@@ -8,9 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from .errors import Fa4tuneError, JobError
+from .files import load_document
 from .kernels import get_kernel
 from .problem import Problem, ProblemError
 from .target import Target, TargetError, get_target
@@ -74,19 +73,8 @@ class Job:
 
 
 def load_job(path: str | Path) -> Job:
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise JobError(f"cannot read job file {path}: {exc.strerror or exc}") from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise JobError(f"{path}: malformed YAML{where}: {problem}") from exc
-    return parse_job(data, source=str(path), text=text, default_name=path.stem)
+    text, data = load_document(path, "job file", JobError)
+    return parse_job(data, source=str(path), text=text, default_name=Path(path).stem)
 
 
 def parse_job(data: Any, source: str = "<job>", text: str | None = None, default_name: str = "job") -> Job:

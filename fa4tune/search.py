@@ -258,8 +258,6 @@ class _Context:
         return ""
 
     def _one_trial(self, study, problem: Problem, name: str) -> str:
-        import optuna
-
         trial = study.ask()
         told = False
         try:
@@ -288,23 +286,25 @@ class _Context:
             told = True
             return "pruned" if measurement.status == "pruned" else "measured"
         finally:
-            if not told:  # interrupted or crashed before the trial was stored: Optuna drops it
-                stored = self.db.trial_by_number(name, trial.number)
-                if stored is not None:
-                    _tell_stored(study, trial.number, stored)
-                else:
-                    study.tell(trial.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
+            if not told:  # interrupted or crashed before Optuna heard of the trial
+                self._settle(study, name, trial.number)
+
+    def _settle(self, study, name: str, number: int) -> None:
+        """Finish an Optuna trial from the results DB: its stored outcome, or failed if none."""
+        import optuna
+
+        stored = self.db.trial_by_number(name, number)
+        if stored is not None:
+            _tell_stored(study, number, stored)
+        else:
+            study.tell(number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
 
     def _recover_unfinished(self, study, name: str) -> None:
-        """Trials left RUNNING by a killed search: tell Optuna the stored result, or fail them."""
+        """Trials left RUNNING by a killed search (single worker: nobody else is running them)."""
         import optuna
 
         for frozen in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-            stored = self.db.trial_by_number(name, frozen.number)
-            if stored is not None:
-                _tell_stored(study, frozen.number, stored)
-            else:
-                study.tell(frozen.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
+            self._settle(study, name, frozen.number)
 
     def _enqueue_starts(self, study, problem: Problem) -> None:
         """The default first, then the best configs of the nearest tuned problems (warm start)."""

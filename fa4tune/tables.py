@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import yaml
 
 from .best import BestEntry, MergeReport
 from .errors import TableError
+from .files import load_document, write_atomically
 from .kernels import get_kernel
 from .problem import Problem, ProblemError
 from .target import TargetError, get_target
@@ -36,22 +36,6 @@ def table_document(entries: list[BestEntry], kernel: str, kernel_hash: str, targ
         "estimates": any(e.is_estimate for e in rows),
         "entries": [{name: getattr(e, name) for name in ENTRY_FIELDS} for e in rows],
     }
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    """Write via a temporary file and a rename: a reader never sees half a table."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes the file private; a table is for sharing
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def render_yaml(document: dict) -> str:
@@ -83,8 +67,8 @@ def export_table(db, out: str | os.PathLike | None, *, kernel=None, target: str,
     json_path = yaml_path.with_suffix(".json")
     yaml_text, json_text = render_yaml(document), render_json(document)
     try:
-        _atomic_write(yaml_path, yaml_text)
-        _atomic_write(json_path, json_text)
+        write_atomically(yaml_path, yaml_text)
+        write_atomically(json_path, json_text)
     except OSError as exc:
         raise TableError(f"cannot write table {yaml_path}: {exc.strerror or exc}") from exc
     return [str(yaml_path), str(json_path)]
@@ -93,17 +77,7 @@ def export_table(db, out: str | os.PathLike | None, *, kernel=None, target: str,
 def read_table(path: str | os.PathLike) -> dict:
     """A table file (YAML or JSON), checked field by field; TableError names the file and field."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise TableError(f"cannot read table {path}: {exc.strerror or exc}") from exc
-    try:
-        # libyaml's loader when present: a shipped table loads several times faster.
-        loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-        document = json.loads(text) if path.suffix == ".json" else yaml.load(text, Loader=loader)
-    except (yaml.YAMLError, json.JSONDecodeError) as exc:
-        raise TableError(f"{path}: malformed {'JSON' if path.suffix == '.json' else 'YAML'}: "
-                         f"{str(exc).splitlines()[0]}") from exc
+    _, document = load_document(path, "table", TableError)
     if not isinstance(document, dict):
         raise TableError(f"{path}: not an fa4tune table (a mapping with format: {TABLE_FORMAT})")
     if document.get("format") != TABLE_FORMAT:

@@ -5,7 +5,6 @@ import time
 import warnings
 
 import pytest
-import yaml
 
 import fa4tune
 from fa4tune.best import BestEntry

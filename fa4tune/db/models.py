@@ -48,7 +48,20 @@ class Run(Base):
     ended_at: Mapped[datetime | None] = mapped_column(DateTime)
 
 
-class Trial(Base):
+class ProblemConfigColumns:
+    """What a trial and a best config both record: which kernel version, on which target, for which
+    problem, with which config."""
+
+    kernel: Mapped[str] = mapped_column(String(64))
+    kernel_hash: Mapped[str] = mapped_column(String(64))
+    target: Mapped[str] = mapped_column(String(64))
+    problem_key: Mapped[str] = mapped_column(String(256))
+    bucket_key: Mapped[str] = mapped_column(String(256))
+    problem: Mapped[dict] = mapped_column(JSON)
+    config: Mapped[dict] = mapped_column(JSON)
+
+
+class Trial(ProblemConfigColumns, Base):
     """Every config the search tried: measured, failed, wrong, or pruned with its reason."""
 
     __tablename__ = "trials"
@@ -60,13 +73,6 @@ class Trial(Base):
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
     study_name: Mapped[str] = mapped_column(String(512))
     optuna_number: Mapped[int | None] = mapped_column(Integer)
-    kernel: Mapped[str] = mapped_column(String(64))
-    kernel_hash: Mapped[str] = mapped_column(String(64))
-    target: Mapped[str] = mapped_column(String(64))
-    problem_key: Mapped[str] = mapped_column(String(256))
-    bucket_key: Mapped[str] = mapped_column(String(256))
-    problem: Mapped[dict] = mapped_column(JSON)
-    config: Mapped[dict] = mapped_column(JSON)
     config_key: Mapped[str] = mapped_column(Text)
     source: Mapped[str] = mapped_column(String(32))  # default, warm-start, sampler
     status: Mapped[str] = mapped_column(String(16))  # ok, failed, wrong, pruned
@@ -81,7 +87,7 @@ class Trial(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime)
 
 
-class BestConfig(Base):
+class BestConfig(ProblemConfigColumns, Base):
     """The best config known for one problem of one kernel version on one target. Rows are per
     problem (not per bucket) so that an exact lookup is exact; the bucket key is indexed for the
     bucket step of the lookup."""
@@ -92,13 +98,6 @@ class BestConfig(Base):
         Index("ix_best_bucket", "kernel", "target", "bucket_key"),
     )
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    kernel: Mapped[str] = mapped_column(String(64))
-    kernel_hash: Mapped[str] = mapped_column(String(64))
-    target: Mapped[str] = mapped_column(String(64))
-    problem_key: Mapped[str] = mapped_column(String(256))
-    bucket_key: Mapped[str] = mapped_column(String(256))
-    problem: Mapped[dict] = mapped_column(JSON)
-    config: Mapped[dict] = mapped_column(JSON)
     time_ms: Mapped[float] = mapped_column(Float)
     tflops: Mapped[float] = mapped_column(Float)
     is_estimate: Mapped[bool] = mapped_column(Boolean)
