@@ -33,7 +33,7 @@ def default_storage_location(db_location: str) -> str:
 def open_storage(location: str):
     """An Optuna storage: an RDB URL, or a journal file path (optionally written `journal:PATH`)."""
     import optuna
-    from optuna.storages.journal import JournalFileBackend, JournalStorage
+    from optuna.storages.journal import JournalFileBackend, JournalFileSymlinkLock, JournalStorage
 
     try:
         if location.startswith(RDB_PREFIXES) and "://" in location:
@@ -42,7 +42,11 @@ def open_storage(location: str):
         if path.is_dir():
             raise StorageError(f"Optuna storage {location!r} is a directory; give a journal file path")
         path.parent.mkdir(parents=True, exist_ok=True)
-        return JournalStorage(JournalFileBackend(str(path)))
+        # An absolute path: Optuna's lock is a symlink to the journal, and a relative target would
+        # dangle, so a lock left by a killed search could never be recognised as stale. Writes hold
+        # the lock for milliseconds; one held for 5 s belongs to a dead process and is broken.
+        journal = str(path.resolve())
+        return JournalStorage(JournalFileBackend(journal, lock_obj=JournalFileSymlinkLock(journal, grace_period=5)))
     except StorageError:
         raise
     except Exception as exc:  # Optuna and SQLAlchemy raise many kinds; all mean "cannot use it"

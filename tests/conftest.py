@@ -8,6 +8,20 @@ REPO = Path(__file__).resolve().parent.parent
 PLUGIN_DIR = Path(__file__).resolve().parent / "plugin_pkg"
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` run only where a CUDA GPU is present."""
+    if not any(item.get_closest_marker("gpu") for item in items):
+        return
+    from fa4tune.measure.base import cuda_available
+
+    if cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
+
+
 def write_job(directory: Path, name: str = "job", **fields) -> Path:
     """A small model-backend job; fields override the defaults."""
     job = {

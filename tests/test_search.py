@@ -146,3 +146,30 @@ def test_repeated_suggestions_are_not_measured_twice(workdir):
         keys = [t["config_key"] for t in db.trials()]
     assert len(keys) == len(set(keys)) <= 4
     assert summary.results[0].stopped
+
+
+def test_backend_selection_by_name(workdir):
+    from fa4tune.errors import BackendError
+    from fa4tune.measure.base import cuda_available, resolve_backend_name
+
+    said = []
+    if not cuda_available():
+        assert resolve_backend_name("auto", announce=said.append) == "model"
+        assert "no CUDA GPU" in said[0] and "estimates" in said[0]
+        job = load_job(write_job(workdir, backend="gpu"))
+        with pytest.raises(BackendError, match="needs a CUDA GPU"):
+            run_search(job, say=quiet)
+        assert not (workdir / "fa4tune-results").exists()
+    with pytest.raises(BackendError, match="known backends: auto, model, gpu"):
+        resolve_backend_name("fpga")
+
+
+def test_optuna_storage_can_be_an_rdb_url(workdir):
+    import optuna
+
+    url = f"sqlite:///{workdir / 'optuna.sqlite'}"
+    summary = run_search(load_job(write_job(workdir, budget={"trials": 4})), storage=url, say=quiet)
+    assert summary.storage == url
+    [study] = optuna.get_all_study_summaries(url)
+    assert study.study_name == summary.results[0].study_name and study.n_trials >= 4
+    assert not (workdir / "fa4tune-results" / "results.optuna.journal").exists()
