@@ -1,0 +1,126 @@
+"""Forward attention TFLOP/s on the standard grid: fa4tune (default or given config) against torch SDPA
+(cuDNN and flash backends) and flash-attn-4 when installed. Prints a markdown table, writes JSON.
+
+    python benchmarks/attention.py [--json out.json] [--hdims 64,128] [--seqlens 1024,4096,16384]
+
+Grid: 16k tokens per batch, hidden 2048 (nheads = 2048 / head_dim), bf16, causal and not.
+FLOPs = 4·b·h·s_q·s_k·d, halved for causal. Every column is checked against the fp32 reference on a
+small slice before it is timed; a column that fails shows 'wrong'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def grid(hdims, seqlens, tokens=16384, hidden=2048):
+    for d in hdims:
+        for s in seqlens:
+            for causal in (False, True):
+                yield dict(head_dim=d, seqlen=s, causal=causal, batch=max(1, tokens // s), nheads=hidden // d)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hdims", default="64,128")
+    ap.add_argument("--seqlens", default="1024,4096,16384")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--config", default=None, help="fa4tune knobs as JSON (default: the kernel default)")
+    ap.add_argument("--no-peers", action="store_true")
+    args = ap.parse_args(argv)
+
+    import torch
+    import torch.nn.functional as F
+
+    from fa4tune.kernels.config import FwdConfig, default_config
+    from fa4tune.kernels.interface import attention_forward, compile_forward
+    from fa4tune.kernels.reference import attention_reference
+    from fa4tune.measure.timing import L2Flusher, time_cuda
+    from fa4tune.problem import Problem
+
+    if not torch.cuda.is_available():
+        print("benchmarks/attention.py needs an NVIDIA GPU", file=sys.stderr)
+        return 2
+    flusher = L2Flusher()
+    fa4 = None
+    if not args.no_peers:
+        try:
+            from flash_attn.cute import flash_attn_func as fa4
+        except Exception as exc:  # not installed, or fails to import here
+            print(f"# flash-attn-4 not available: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+    rows = []
+    for g in grid([int(x) for x in args.hdims.split(",")], [int(x) for x in args.seqlens.split(",")]):
+        d, s, causal, b, h = g["head_dim"], g["seqlen"], g["causal"], g["batch"], g["nheads"]
+        p = Problem(head_dim=d, causal=causal, seqlen_q=s, seqlen_k=s, batch=b, nheads_q=h)
+        cfg = FwdConfig.from_dict(json.loads(args.config), base=default_config(p)) if args.config else default_config(p)
+        compiled = compile_forward(cfg, "bf16", d, d, causal)
+        q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        out = torch.empty_like(q)
+        lse = torch.empty(b, h, s, device="cuda", dtype=torch.float32)
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # SDPA wants (b, h, s, d)
+
+        def check(o):
+            # Compare one head of one batch against fp32 (the full problem would not fit the reference).
+            ref, _ = attention_reference(q[:1, :, :1], k[:1, :, :1], v[:1, :, :1], causal=causal)
+            err = ((o[:1, :, :1].float() - ref).norm() / ref.norm()).item()
+            return err
+
+        runners = {"fa4tune": lambda: attention_forward(q, k, v, cfg, causal=causal, out=out, lse=lse)}
+
+        def sdpa(backend):
+            def run():
+                with torch.nn.attention.sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+            return run
+
+        runners["sdpa-cudnn"] = sdpa(torch.nn.attention.SDPBackend.CUDNN_ATTENTION)
+        runners["sdpa-flash"] = sdpa(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
+        if fa4 is not None:
+            runners["flash-attn-4"] = lambda: fa4(q, k, v, causal=causal)
+
+        row = dict(g, config=cfg.to_dict(), compile_s=round(compiled.compile_seconds, 2))
+        for name, fn in runners.items():
+            try:
+                res = fn()
+                o = out if name == "fa4tune" else (res[0] if isinstance(res, tuple) else res)
+                if name.startswith("sdpa"):
+                    o = o.transpose(1, 2)
+                err = check(o)
+                if not math.isfinite(err) or err > 2e-2:
+                    row[name] = "wrong"
+                    row[name + "_err"] = err
+                    continue
+                t = time_cuda(fn, flusher=flusher)
+                row[name] = round(p.flops / (t.median_ms * 1e-3) / 1e12, 1)
+                row[name + "_ms"] = t.median_ms
+                row[name + "_spread"] = round(t.spread, 4)
+                row[name + "_err"] = err
+            except Exception as exc:
+                row[name] = f"error: {type(exc).__name__}"
+                row[name + "_detail"] = str(exc)[:300]
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+
+    names = ["fa4tune", "sdpa-cudnn", "sdpa-flash"] + (["flash-attn-4"] if fa4 is not None else [])
+    print(f"\n| hdim | seqlen | causal | {' | '.join(names)} | fa4tune / flash-attn-4 |")
+    print("|" + "---|" * (len(names) + 4))
+    for r in rows:
+        ratio = ""
+        if isinstance(r.get("fa4tune"), float) and isinstance(r.get("flash-attn-4"), float):
+            ratio = f"{r['fa4tune'] / r['flash-attn-4']:.2f}"
+        cells = " | ".join(str(r.get(n, "")) for n in names)
+        print(f"| {r['head_dim']} | {r['seqlen']} | {'yes' if r['causal'] else 'no'} | {cells} | {ratio} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

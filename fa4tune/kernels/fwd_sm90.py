@@ -1,0 +1,531 @@
+"""FA4-style forward attention for Hopper (sm_90a) in the CuTe DSL.
+
+One CTA computes one (tile_m rows of Q) x (one head) x (one batch) tile of O and its LSE:
+
+* warpgroup 0 is the producer: after setmaxnreg lowers its registers, one warp loads Q once and K/V
+  tiles through a `num_stages` TMA + mbarrier pipeline;
+* warpgroups 1..tile_m/64 are consumers, 64 rows of Q each, with more registers. They issue
+  S = Q K^T (both operands in shared memory) and O += P V (P from registers) as wgmma, and run the
+  online softmax in registers between the two;
+* with `wg_pingpong` the consumers take turns issuing GEMMs through named barriers, so that one
+  warpgroup's softmax runs under another's GEMMs; with `intra_wg_overlap` each consumer issues its next
+  S GEMM before the softmax of the current one (the PV GEMM of step j overlaps the softmax of step j+1);
+* the softmax rescales O only when a row max rose by more than `rescale_threshold`, and takes
+  `emu_share` of its exponentials on the FMA pipe (a degree-`poly_degree` polynomial);
+* causal masking is applied only to the K blocks that cross the diagonal (bottom-right aligned), and
+  blocks above the diagonal are never loaded; causal tiles are scheduled longest first, grouped by heads
+  so that the K/V of the heads in flight stay in L2;
+* O leaves through shared memory (reusing Q's buffer) and a TMA store; LSE is written per row.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as hopper
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from ..problem import Problem
+from ..target import Target, get_target
+from . import resources
+from .config import FwdConfig, check_config
+from .sm90_helpers import (
+    acc_as_operand_a,
+    acc_rows_cols,
+    permute_modes,
+    smem_tile_layout,
+    swap_first_modes,
+    wgmma,
+)
+from .softmax_sm90 import OnlineSoftmax
+
+DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
+
+# Named barrier ids; 0 is __syncthreads.
+BARRIER_EPILOGUE = 1
+BARRIER_TURN_FIRST = 2  # one per consumer warpgroup: 2, 3, 4
+
+
+class FlashForwardSm90:
+    """Compile-time configuration of one forward kernel. Shapes (batch, seqlens, heads) are run-time."""
+
+    def __init__(
+        self,
+        config: FwdConfig,
+        dtype: str,
+        head_dim: int,
+        head_dim_v: int,
+        causal: bool,
+        target: Target | str | None = "H200",
+    ):
+        target = get_target(target)
+        # The same feasibility rules the search applies: refuse before any compile, naming the knob.
+        check_config(Problem(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal),
+                     config, target)
+        self.config = config
+        self.dtype = DTYPES[Problem(dtype=dtype, head_dim=head_dim).dtype]
+        self.head_dim = head_dim
+        self.head_dim_v = head_dim_v
+        self.causal = causal
+        self.tile_m = config.tile_m
+        self.tile_n = config.tile_n
+        self.num_stages = config.num_stages
+        self.num_consumer_wg = resources.num_consumer_warpgroups(config)
+        self.num_consumer_threads = resources.THREADS_PER_WARPGROUP * self.num_consumer_wg
+        self.num_threads = resources.num_threads(config)
+        self.producer_regs, self.consumer_regs = resources.register_split(config)
+        self.intra_wg_overlap = config.intra_wg_overlap
+        self.wg_pingpong = config.wg_pingpong
+        self.rescale_threshold = config.rescale_threshold
+        self.emu_share = config.emu_share
+        self.poly_degree = config.poly_degree
+
+    # --------------------------------------------------------------------------------------------
+    # Host side
+    # --------------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (batch, seqlen_q, nheads_q, head_dim)
+        mK: cute.Tensor,  # (batch, seqlen_k, nheads_kv, head_dim)
+        mV: cute.Tensor,  # (batch, seqlen_k, nheads_kv, head_dim_v)
+        mO: cute.Tensor,  # (batch, seqlen_q, nheads_q, head_dim_v)
+        mLSE: cute.Tensor,  # (batch, nheads_q, seqlen_q), float32
+        softmax_scale_log2: Float32,
+        heads_per_l2_group: Int32,
+        stream: cuda.CUstream,
+    ):
+        # Seqlen-major views: (seqlen, dim, head, batch) and (seqlen, head, batch) for LSE.
+        mQ, mK, mV, mO = [permute_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
+        mLSE = permute_modes(mLSE, [2, 1, 0])
+
+        tile_m, tile_n, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
+        mma_qk = hopper.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            Float32, atom_layout_mnk=(self.num_consumer_wg, 1, 1), tiler_mn=(64, tile_n),
+        )
+        mma_pv = hopper.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            Float32, atom_layout_mnk=(self.num_consumer_wg, 1, 1), tiler_mn=(64, dv),
+            a_source=warpgroup.OperandSource.RMEM,
+        )
+        sQ_layout = smem_tile_layout(self.dtype, tile_m, d)
+        sK_layout = smem_tile_layout(self.dtype, tile_n, d, self.num_stages)
+        sV_layout = smem_tile_layout(self.dtype, tile_n, dv, self.num_stages)
+        sO_layout = smem_tile_layout(self.dtype, tile_m, dv)
+
+        # O is staged in Q's buffer: Q is dead once every consumer has issued its last S GEMM.
+        q_o_elems = max(cute.cosize(sQ_layout), cute.cosize(sO_layout))
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, q_o_elems], resources.SMEM_ALIGN]
+            sK: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], resources.SMEM_ALIGN
+            ]
+            sV: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], resources.SMEM_ALIGN
+            ]
+
+        load = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(load, mQ, sQ_layout, (tile_m, d))
+        tma_k, tma_mK = cpasync.make_tiled_tma_atom(
+            load, mK, cute.select(sK_layout, mode=[0, 1]), (tile_n, d)
+        )
+        tma_v, tma_mV = cpasync.make_tiled_tma_atom(
+            load, mV, cute.select(sV_layout, mode=[0, 1]), (tile_n, dv)
+        )
+        tma_o, tma_mO = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout, (tile_m, dv)
+        )
+        bytes_q = cute.size_in_bytes(self.dtype, sQ_layout)
+        bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
+        bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
+
+        num_m_blocks = cute.ceil_div(cute.size(mQ.shape[0]), tile_m)
+        num_tiles = num_m_blocks * cute.size(mQ.shape[2]) * cute.size(mQ.shape[3])
+        self.kernel(
+            tma_mQ, tma_mK, tma_mV, tma_mO, mLSE,
+            tma_q, tma_k, tma_v, tma_o,
+            sQ_layout, sK_layout, sV_layout, sO_layout,
+            mma_qk, mma_pv,
+            softmax_scale_log2, heads_per_l2_group,
+            bytes_q, bytes_k, bytes_v,
+            SharedStorage,
+        ).launch(
+            grid=[num_tiles, 1, 1],
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    # --------------------------------------------------------------------------------------------
+    # Device side
+    # --------------------------------------------------------------------------------------------
+    @cute.jit
+    def tile_coords(self, mQ: cute.Tensor, mK: cute.Tensor, heads_per_l2_group: Int32):
+        """(m_block, head, batch) of this CTA. Tiles are grouped by `heads_per_l2_group` heads whose
+        K/V fit in L2 together; inside a group the head index runs fastest and, for causal, the m
+        blocks run from the longest (last rows) to the shortest."""
+        seqlen_q = mQ.shape[0]
+        nheads = mQ.shape[2]
+        num_bh = nheads * mQ.shape[3]
+        num_m = (seqlen_q + self.tile_m - 1) // self.tile_m
+        tile = cute.arch.block_idx()[0]
+        group_span = heads_per_l2_group * num_m
+        group = tile // group_span
+        within = tile - group * group_span
+        heads_here = cutlass.min(heads_per_l2_group, num_bh - group * heads_per_l2_group)
+        m_idx = within // heads_here
+        bh = group * heads_per_l2_group + (within - m_idx * heads_here)
+        m_block = m_idx
+        if const_expr(self.causal):
+            m_block = num_m - 1 - m_idx
+        batch = bh // nheads
+        head = bh - batch * nheads
+        return m_block, head, batch
+
+    @cute.jit
+    def n_block_range(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
+        """(n_block_max, n_mask_min): K blocks [0, n_block_max) are visible to this Q tile; blocks
+        [n_mask_min, n_block_max) need the causal mask."""
+        n_block_max = (seqlen_k + self.tile_n - 1) // self.tile_n
+        n_mask_min = n_block_max
+        if const_expr(self.causal):
+            # Bottom-right alignment: row i sees keys j < i + 1 + seqlen_k - seqlen_q. The tile's last
+            # row bounds the visible blocks; its first row bounds the blocks that need no mask.
+            last_row_end = (m_block + 1) * self.tile_m + seqlen_k - seqlen_q
+            n_block_max = cutlass.min(
+                n_block_max, (cutlass.max(last_row_end, 0) + self.tile_n - 1) // self.tile_n
+            )
+            first_row_end = m_block * self.tile_m + seqlen_k - seqlen_q + 1
+            n_mask_min = cutlass.max(first_row_end, 0) // self.tile_n
+        return n_block_max, n_mask_min
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        tma_q: cute.CopyAtom,
+        tma_k: cute.CopyAtom,
+        tma_v: cute.CopyAtom,
+        tma_o: cute.CopyAtom,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
+        mma_qk: cute.TiledMma,
+        mma_pv: cute.TiledMma,
+        softmax_scale_log2: Float32,
+        heads_per_l2_group: Int32,
+        bytes_q: cutlass.Constexpr[int],
+        bytes_k: cutlass.Constexpr[int],
+        bytes_v: cutlass.Constexpr[int],
+        SharedStorage: cutlass.Constexpr,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        if warp_idx == 0:
+            for atom in (tma_q, tma_k, tma_v, tma_o):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        # Consumers release a stage with one arrive per warp.
+        consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_wg * 4)
+        pipe_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=one_thread,
+            consumer_group=consumer_warps, tx_count=bytes_q, defer_sync=True,
+        )
+        pipe_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.num_stages,
+            producer_group=one_thread, consumer_group=consumer_warps, tx_count=bytes_k,
+            defer_sync=True,
+        )
+        pipe_v = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.num_stages,
+            producer_group=one_thread, consumer_group=consumer_warps, tx_count=bytes_v,
+            defer_sync=True,
+        )
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner, dtype=self.dtype)
+
+        m_block, head, batch = self.tile_coords(mQ, mK, heads_per_l2_group)
+        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        seqlen_q = mQ.shape[0]
+        seqlen_k = mK.shape[0]
+        n_block_max, n_mask_min = self.n_block_range(m_block, seqlen_q, seqlen_k)
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                self.produce(
+                    mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
+                    m_block, head, head_kv, batch, n_block_max,
+                )
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            self.consume(
+                mO, mLSE, sQ, sK, sV, sO, tma_o, mma_qk, mma_pv, pipe_q, pipe_k, pipe_v,
+                softmax_scale_log2, m_block, head, batch, seqlen_q, seqlen_k,
+                n_block_max, n_mask_min, tidx - 128,
+            )
+
+    # ---- producer ------------------------------------------------------------------------------
+    @cute.jit
+    def produce(
+        self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
+        m_block, head, head_kv, batch, n_block_max,
+    ):
+        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim_v), (None, 0))
+        one_cta = cute.make_layout(1)
+        tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, one_cta, cute.group_modes(sQ, 0, 2),
+                                           cute.group_modes(gQ, 0, 2))
+        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one_cta, cute.group_modes(sK, 0, 2),
+                                           cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one_cta, cute.group_modes(sV, 0, 2),
+                                           cute.group_modes(gV, 0, 2))
+
+        if n_block_max > 0:
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            # K of the first block goes first: the first S GEMM needs it together with Q.
+            self.load_stage(tma_k, pipe_k, tKgK, tKsK, n_block_max - 1, kv_state)
+            pipe_q.producer_acquire(q_state)
+            cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+            if const_expr(self.intra_wg_overlap):
+                # Consumers need K(j+1) before V(j): S GEMMs run one step ahead of PV GEMMs.
+                for i in cutlass.range(n_block_max - 1, unroll=1):
+                    n_block = n_block_max - 2 - i
+                    v_state = kv_state.clone()
+                    kv_state.advance()
+                    self.load_stage(tma_k, pipe_k, tKgK, tKsK, n_block, kv_state)
+                    self.load_stage(tma_v, pipe_v, tVgV, tVsV, n_block + 1, v_state)
+                self.load_stage(tma_v, pipe_v, tVgV, tVsV, 0, kv_state)
+            else:
+                self.load_stage(tma_v, pipe_v, tVgV, tVsV, n_block_max - 1, kv_state)
+                for i in cutlass.range(n_block_max - 1, unroll=1):
+                    n_block = n_block_max - 2 - i
+                    kv_state.advance()
+                    self.load_stage(tma_k, pipe_k, tKgK, tKsK, n_block, kv_state)
+                    self.load_stage(tma_v, pipe_v, tVgV, tVsV, n_block, kv_state)
+
+    def load_stage(self, tma, pipe, gsrc, sdst, n_block, state):
+        """Wait for the stage to be free, then TMA one K or V block into it."""
+        pipe.producer_acquire(state)
+        cute.copy(tma, gsrc[None, n_block], sdst[None, state.index],
+                  tma_bar_ptr=pipe.producer_get_barrier(state))
+
+    # ---- consumers -----------------------------------------------------------------------------
+    def turn_wait(self, wg: Int32):
+        if const_expr(self.wg_pingpong and self.num_consumer_wg > 1):
+            cute.arch.barrier(barrier_id=BARRIER_TURN_FIRST + wg, number_of_threads=256)
+
+    def turn_pass(self, wg: Int32):
+        if const_expr(self.wg_pingpong and self.num_consumer_wg > 1):
+            nxt = wg + 1
+            if const_expr(self.num_consumer_wg == 2):
+                nxt = 1 - wg
+            else:
+                nxt = nxt - (nxt // self.num_consumer_wg) * self.num_consumer_wg
+            cute.arch.barrier_arrive(barrier_id=BARRIER_TURN_FIRST + nxt, number_of_threads=256)
+
+    @cute.jit
+    def mask_scores(self, acc_S, thr_mma_qk, m_block, n_block, seqlen_q, seqlen_k,
+                    causal: cutlass.Constexpr[bool]):
+        """Set scores past seqlen_k (and, if causal, above the diagonal) to -inf."""
+        scores = acc_rows_cols(acc_S)
+        coords = acc_rows_cols(thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+        # Columns of thread 0 are compile-time constants; shift the limit by this thread's offset.
+        coords0 = acc_rows_cols(
+            thr_mma_qk.get_slice(0).partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+        )
+        col_offset = coords[0, 0][1]
+        col_limit_k = seqlen_k - n_block * self.tile_n - col_offset
+        for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
+            limit = col_limit_k
+            if const_expr(causal):
+                row = m_block * self.tile_m + coords[r, 0][0]
+                limit = cutlass.min(limit, row + 1 + seqlen_k - seqlen_q - n_block * self.tile_n - col_offset)
+            for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+                if coords0[0, c][1] >= limit:
+                    scores[r, c] = -Float32.inf
+
+    @cute.jit
+    def consume(
+        self, mO, mLSE, sQ, sK, sV, sO, tma_o, mma_qk, mma_pv, pipe_q, pipe_k, pipe_v,
+        softmax_scale_log2, m_block, head, batch, seqlen_q, seqlen_k,
+        n_block_max, n_mask_min, ctid,
+    ):
+        wg = cute.arch.make_warp_uniform(ctid // 128)
+        wg_mma_qk = mma_qk.get_slice(wg * 128)
+        wg_mma_pv = mma_pv.get_slice(wg * 128)
+        thr_mma_qk = mma_qk.get_slice(ctid)
+        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
+        tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
+        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(swap_first_modes(sV)))
+        acc_O = cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((self.tile_m, self.head_dim_v)), Float32)
+        acc_O.fill(0.0)
+        tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n)))
+        s_shape = wg_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
+
+        softmax = OnlineSoftmax(
+            softmax_scale_log2, cute.size(acc_rows_cols(acc_O), mode=[0]), self.rescale_threshold,
+            self.emu_share, self.poly_degree,
+        )
+        softmax.reset()
+        row_scale = cute.make_rmem_tensor(softmax.num_rows, Float32)
+
+        if const_expr(self.wg_pingpong and self.num_consumer_wg > 1):
+            if wg == 0:  # the first warpgroup starts with its turn
+                cute.arch.barrier_arrive(barrier_id=BARRIER_TURN_FIRST, number_of_threads=256)
+
+        if n_block_max > 0:
+            pipe_q.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
+            kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+            if const_expr(self.intra_wg_overlap):
+                # First block: S GEMM, mask (seqlen and causal), softmax; its PV GEMM waits for the
+                # next S GEMM to be issued.
+                acc_S = cute.make_rmem_tensor(s_shape, Float32)
+                pipe_k.consumer_wait(kv)
+                wgmma(mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], accumulate=False, wait=0)
+                pipe_k.consumer_release(kv)
+                self.mask_scores(acc_S, thr_mma_qk, m_block, n_block_max - 1, seqlen_q, seqlen_k,
+                                 self.causal)
+                softmax.step(acc_S, True, row_scale)
+                tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
+                n_masked = 0
+                if const_expr(self.causal):
+                    n_masked = cutlass.max(n_block_max - 1 - n_mask_min, 0)
+                for i in cutlass.range(n_masked, unroll=1):
+                    kv = self.overlapped_step(kv, n_block_max - 2 - i, True, wg, acc_O, tOrP, s_shape,
+                                              tSrQ, tSrK, tOrVt, mma_qk, mma_pv, pipe_k, pipe_v,
+                                              softmax, row_scale, thr_mma_qk, m_block, seqlen_q, seqlen_k)
+                n_unmasked = n_block_max - 1
+                if const_expr(self.causal):
+                    n_unmasked = cutlass.min(n_block_max - 1, n_mask_min)
+                for i in cutlass.range(n_unmasked, unroll=1):
+                    kv = self.overlapped_step(kv, n_unmasked - 1 - i, False, wg, acc_O, tOrP, s_shape,
+                                              tSrQ, tSrK, tOrVt, mma_qk, mma_pv, pipe_k, pipe_v,
+                                              softmax, row_scale, thr_mma_qk, m_block, seqlen_q, seqlen_k)
+                # Last PV GEMM.
+                pipe_v.consumer_wait(kv)
+                wgmma(mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv.index], accumulate=True, wait=0)
+                pipe_v.consumer_release(kv)
+            else:
+                self.turn_wait(wg)
+                n_masked = 1
+                if const_expr(self.causal):
+                    n_masked = cutlass.max(n_block_max - n_mask_min, 1)
+                for i in cutlass.range(n_block_max, unroll=1):
+                    kv = self.serial_step(kv, n_block_max - 1 - i, i, n_masked, wg, acc_O, tOrP, s_shape,
+                                          tSrQ, tSrK, tOrVt, mma_qk, mma_pv, pipe_k, pipe_v,
+                                          softmax, row_scale, thr_mma_qk, m_block, seqlen_q, seqlen_k)
+                self.turn_pass(wg)
+
+        lse = cute.make_rmem_tensor(softmax.num_rows, Float32)
+        softmax.finalize(acc_O, lse)
+        self.epilogue(acc_O, lse, mO, mLSE, sO, tma_o, mma_pv, ctid, m_block, head, batch, seqlen_q)
+
+    @cute.jit
+    def overlapped_step(self, kv, n_block, masked: cutlass.Constexpr[bool], wg, acc_O, tOrP, s_shape,
+                        tSrQ, tSrK, tOrVt, mma_qk, mma_pv, pipe_k, pipe_v, softmax, row_scale,
+                        thr_mma_qk, m_block, seqlen_q, seqlen_k):
+        """S(n_block) = Q K^T issued before O += P V of the previous block; the softmax of S runs while
+        that PV GEMM is in flight."""
+        kv_v = kv.clone()
+        kv.advance()
+        acc_S = cute.make_rmem_tensor(s_shape, Float32)
+        pipe_k.consumer_wait(kv)
+        self.turn_wait(wg)
+        wgmma(mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], accumulate=False, wait=-1)
+        pipe_v.consumer_wait(kv_v)
+        wgmma(mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_v.index], accumulate=True, wait=-1)
+        self.turn_pass(wg)
+        warpgroup.wait_group(1)
+        pipe_k.consumer_release(kv)
+        if const_expr(masked):
+            self.mask_scores(acc_S, thr_mma_qk, m_block, n_block, seqlen_q, seqlen_k, True)
+        softmax.step(acc_S, False, row_scale)
+        warpgroup.wait_group(0)
+        pipe_v.consumer_release(kv_v)
+        softmax.rescale(acc_O, row_scale)
+        tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
+        return kv
+
+    @cute.jit
+    def serial_step(self, kv, n_block, i, n_masked, wg, acc_O, tOrP, s_shape, tSrQ, tSrK, tOrVt,
+                    mma_qk, mma_pv, pipe_k, pipe_v, softmax, row_scale, thr_mma_qk, m_block,
+                    seqlen_q, seqlen_k):
+        """One block without intra-warpgroup overlap: S GEMM, softmax, PV GEMM in sequence. The turn
+        is passed after the S GEMM and taken back before the PV GEMM, so the other warpgroup's GEMMs
+        run under this one's softmax."""
+        acc_S = cute.make_rmem_tensor(s_shape, Float32)
+        pipe_k.consumer_wait(kv)
+        wgmma(mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], accumulate=False, wait=-1)
+        self.turn_pass(wg)
+        warpgroup.wait_group(0)
+        pipe_k.consumer_release(kv)
+        if i < n_masked:
+            self.mask_scores(acc_S, thr_mma_qk, m_block, n_block, seqlen_q, seqlen_k, self.causal)
+        if i == 0:
+            softmax.step(acc_S, True, row_scale)
+        else:
+            softmax.step(acc_S, False, row_scale)
+            softmax.rescale(acc_O, row_scale)
+        tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
+        pipe_v.consumer_wait(kv)
+        self.turn_wait(wg)
+        wgmma(mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv.index], accumulate=True, wait=0)
+        pipe_v.consumer_release(kv)
+        kv.advance()
+        return kv
+
+    @cute.jit
+    def epilogue(self, acc_O, lse, mO, mLSE, sO, tma_o, mma_pv, ctid, m_block, head, batch, seqlen_q):
+        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        # Every consumer has issued (and waited for) its last S GEMM: Q's buffer is free for O.
+        cute.arch.barrier(barrier_id=BARRIER_EPILOGUE, number_of_threads=self.num_consumer_threads)
+        store_atom = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
+        )
+        thr_store = cute.make_tiled_copy_C(store_atom, mma_pv).get_slice(ctid)
+        cute.copy(thr_store, thr_store.retile(rO), thr_store.partition_D(sO))
+
+        # LSE: the thread holding column 0 of a row writes it.
+        thr_mma = mma_pv.get_slice(ctid)
+        coords = acc_rows_cols(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
+        if coords[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                row = m_block * self.tile_m + coords[r, 0][0]
+                if row < seqlen_q:
+                    mLSE[row, head, batch] = lse[r]
+
+        # Make the stmatrix writes visible to the TMA engine, then one warp stores the tile.
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=BARRIER_EPILOGUE, number_of_threads=self.num_consumer_threads)
+        if ctid < 32:
+            gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim_v), (m_block, 0))
+            tOsO, tOgO = cpasync.tma_partition(tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
+                                               cute.group_modes(gO, 0, 2))
+            cute.copy(tma_o, tOsO, tOgO)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)

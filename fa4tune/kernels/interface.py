@@ -1,0 +1,158 @@
+"""Compile and run the forward kernel on torch tensors.
+
+Compiled kernels are cached per (config, dtype, head dims, causal, arch); shapes are run-time, so one
+compile serves every batch, seqlen and head count. Compilation needs no GPU: with CUTE_DSL_ARCH set
+(done here from the target) the kernel builds for sm_90a on any machine.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+from ..problem import Problem, normalize_dtype
+from ..target import Target, get_target
+from .config import FwdConfig, check_config
+
+_CACHE: dict[tuple, "CompiledForward"] = {}
+_CACHE_LOCK = threading.Lock()
+
+
+@dataclass
+class CompiledForward:
+    kernel: object  # the FlashForwardSm90 instance
+    function: object  # what cute.compile returned
+    compile_seconds: float
+    key: tuple
+
+
+def _import_dsl(target: Target):
+    # The DSL reads its target arch once, when it is first imported.
+    os.environ.setdefault("CUTE_DSL_ARCH", target.arch)
+    import cutlass  # noqa: F401
+    import cutlass.cute as cute
+
+    return cute
+
+
+def compile_key(config: FwdConfig, dtype: str, head_dim: int, head_dim_v: int, causal: bool,
+                target: Target) -> tuple:
+    return (config.canonical(), normalize_dtype(dtype), head_dim, head_dim_v, bool(causal), target.arch)
+
+
+def compile_forward(
+    config: FwdConfig,
+    dtype: str,
+    head_dim: int,
+    head_dim_v: int | None = None,
+    causal: bool = False,
+    target: Target | str | None = None,
+    options: str | None = None,
+) -> CompiledForward:
+    """Build (or fetch from the cache) the kernel for this config. Raises ConfigError, naming the
+    knob, for a config that cannot be built, before any compile."""
+    target = get_target(target)
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    dtype = normalize_dtype(dtype)
+    key = compile_key(config, dtype, head_dim, head_dim_v, causal, target)
+    with _CACHE_LOCK:
+        hit = _CACHE.get(key)
+    if hit is not None:
+        return hit
+    check_config(Problem(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal),
+                 config, target)
+    cute = _import_dsl(target)
+    import cutlass
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+    from .fwd_sm90 import DTYPES, FlashForwardSm90
+
+    kernel = FlashForwardSm90(config.canonical(), dtype, head_dim, head_dim_v, causal, target)
+    elem = DTYPES[dtype]
+
+    # Fake arguments with exactly the run-time types that attention_forward passes (from_dlpack with
+    # mark_layout_dynamic): every extent a dynamic i32, every stride but the last a dynamic i64. The
+    # compiled function trusts its callers' argument layout, so the two must match.
+    from cutlass.cute import AddressSpace
+
+    def dynamic_tensor(dtype, rank: int, align: int):
+        return make_fake_tensor(dtype, tuple(cute.sym_int32() for _ in range(rank)),
+                                stride=tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,),
+                                memspace=AddressSpace.generic, assumed_align=align)
+
+    bshd = [dynamic_tensor(elem, 4, 16) for _ in range(4)]
+    lse = dynamic_tensor(cutlass.Float32, 3, 4)
+    start = time.perf_counter()
+    args = (*bshd, lse,
+            cutlass.Float32(1.0), cutlass.Int32(1), make_fake_stream())
+    function = cute.compile(kernel, *args, options=options) if options else cute.compile(kernel, *args)
+    compiled = CompiledForward(kernel, function, time.perf_counter() - start, key)
+    with _CACHE_LOCK:
+        _CACHE.setdefault(key, compiled)
+    return compiled
+
+
+def heads_per_l2_group(problem: Problem, target: Target) -> int:
+    """How many (batch, head) pairs to run side by side so that their K/V stay in half the L2."""
+    kv_bytes = problem.seqlen_k * (problem.head_dim + problem.head_dim_v) * 2 / problem.qheads_per_kvhead
+    fit = max(1, int((target.l2_bytes / 2) // max(kv_bytes, 1)))
+    group = 1 << (fit.bit_length() - 1)
+    return max(1, min(group, problem.batch * problem.nheads_q))
+
+
+def problem_of(q, k, v, causal: bool) -> Problem:
+    return Problem(
+        dtype=str(q.dtype), head_dim=q.shape[3], head_dim_v=v.shape[3], causal=bool(causal),
+        seqlen_q=q.shape[1], seqlen_k=k.shape[1], batch=q.shape[0], nheads_q=q.shape[2],
+        nheads_kv=k.shape[2],
+    )
+
+
+def _check_inputs(q, k, v, problem: Problem) -> None:
+    import torch
+
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not t.is_cuda:
+            raise ValueError(f"{name} must be a CUDA tensor, got one on {t.device}")
+        if t.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"{name} must be bfloat16 or float16, got {t.dtype}")
+        if t.dtype != q.dtype:
+            raise ValueError(f"q, k and v must share a dtype: q is {q.dtype}, {name} is {t.dtype}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride(-1)})")
+        if any(s % 8 for s in t.stride()[:-1]) or t.data_ptr() % 16:
+            raise ValueError(f"{name} needs 16-byte aligned rows for TMA (strides {t.stride()})")
+    if k.shape[:3] != v.shape[:3] or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"incompatible shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+
+
+def attention_forward(q, k, v, config: FwdConfig, causal: bool = False, softmax_scale: float | None = None,
+                      out=None, lse=None, target: Target | str | None = None):
+    """Run the kernel on CUDA tensors on the current stream. Returns (out, lse): out like q with
+    head_dim_v, lse (batch, nheads_q, seqlen_q) float32 in natural log."""
+    import torch
+    from cuda.bindings import driver as cuda
+    from cutlass import Float32, Int32
+    from cutlass.cute.runtime import from_dlpack
+
+    target = get_target(target)
+    problem = problem_of(q, k, v, causal)
+    compiled = compile_forward(config, problem.dtype, problem.head_dim, problem.head_dim_v, causal, target)
+    batch, seqlen_q, nheads_q, _ = q.shape
+    _check_inputs(q, k, v, problem)
+    if out is None:
+        out = torch.empty((batch, seqlen_q, nheads_q, problem.head_dim_v), dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty((batch, nheads_q, seqlen_q), dtype=torch.float32, device=q.device)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(problem.head_dim)
+    stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+    tensors = [from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=3) for t in (q, k, v, out)]
+    lse_t = from_dlpack(lse, assumed_align=4).mark_layout_dynamic(leading_dim=2)
+    compiled.function(*tensors, lse_t, Float32(scale * math.log2(math.e)),
+                      Int32(heads_per_l2_group(problem, target)), stream)
+    return out, lse

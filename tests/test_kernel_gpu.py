@@ -1,0 +1,123 @@
+"""The Hopper forward kernel against the fp32 reference, on the GPU (skipped without one)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
+]
+
+from fa4tune.kernels.config import KNOBS, FwdConfig  # noqa: E402
+from fa4tune.problem import Problem  # noqa: E402
+
+OUT_TOL = 1e-2  # relative Frobenius error of O for bf16/fp16 inputs
+LSE_TOL = 1e-3  # absolute error of the natural-log LSE
+
+
+def make_inputs(p: Problem, seed: int):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dtype = torch.bfloat16 if p.dtype == "bf16" else torch.float16
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda", dtype=torch.float32).to(dtype)
+
+    q = rnd(p.batch, p.seqlen_q, p.nheads_q, p.head_dim)
+    k = rnd(p.batch, p.seqlen_k, p.nheads_kv, p.head_dim)
+    v = rnd(p.batch, p.seqlen_k, p.nheads_kv, p.head_dim_v)
+    return q, k, v
+
+
+def run_checked(config: FwdConfig, p: Problem, seed: int = 0):
+    """Run on fresh random inputs with poisoned outputs; return (O error, LSE error)."""
+    from fa4tune.kernels.interface import attention_forward
+    from fa4tune.kernels.reference import attention_reference
+
+    q, k, v = make_inputs(p, seed)
+    out = torch.full((p.batch, p.seqlen_q, p.nheads_q, p.head_dim_v), float("nan"), dtype=q.dtype, device="cuda")
+    lse = torch.full((p.batch, p.nheads_q, p.seqlen_q), float("nan"), dtype=torch.float32, device="cuda")
+    attention_forward(q, k, v, config, causal=p.causal, out=out, lse=lse)
+    torch.cuda.synchronize()
+    ref_out, ref_lse = attention_reference(q, k, v, causal=p.causal)
+    assert not torch.isnan(out).any(), "some outputs were never written (or are NaN)"
+    assert not torch.isnan(lse).any(), "some LSE entries were never written (or are NaN)"
+    out_err = ((out.float() - ref_out).norm() / ref_out.norm().clamp_min(1e-30)).item()
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(finite, torch.isfinite(lse)), "rows without keys must have LSE = -inf"
+    lse_err = (lse[finite] - ref_lse[finite]).abs().max().item() if finite.any() else 0.0
+    return out_err, lse_err
+
+
+SHAPES = [
+    # (seqlen_q, seqlen_k, batch, nheads_q, nheads_kv)
+    (1, 1, 2, 4, 4),
+    (113, 113, 2, 4, 4),
+    (1000, 1000, 1, 4, 2),  # GQA
+    (4096, 4096, 1, 2, 2),
+    (113, 1000, 2, 4, 1),  # MQA, seqlen_q < seqlen_k
+    (1000, 113, 2, 4, 4),  # seqlen_q > seqlen_k: causal rows at the top see no key
+]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "q{}k{}b{}h{}x{}".format(*s))
+def test_default_config_matches_reference(head_dim, causal, shape):
+    from fa4tune.kernels.config import default_config
+
+    sq, sk, b, hq, hkv = shape
+    p = Problem(head_dim=head_dim, causal=causal, seqlen_q=sq, seqlen_k=sk, batch=b, nheads_q=hq,
+                nheads_kv=hkv)
+    out_err, lse_err = run_checked(default_config(p), p, seed=hash(shape) & 0xFFFF)
+    assert out_err <= OUT_TOL, out_err
+    assert lse_err <= LSE_TOL, lse_err
+
+
+# Every value of every knob appears at least once (poly_degree 1 only without emulation: its error is
+# above the bf16 half-ulp, and the feasibility check refuses it with emulation on).
+KNOB_CONFIGS = [
+    (64, FwdConfig(tile_m=192, tile_n=64, num_stages=5)),
+    (64, FwdConfig(tile_m=192, tile_n=96, num_stages=4, emu_share=0.125, poly_degree=2)),
+    (64, FwdConfig(tile_m=128, tile_n=192, num_stages=3, emu_share=0.5, poly_degree=5)),
+    (128, FwdConfig(tile_n=80, num_stages=1, rescale_threshold=2.0)),
+    (128, FwdConfig(tile_n=112, num_stages=3, rescale_threshold=4.0, wg_pingpong=False)),
+    (128, FwdConfig(tile_n=144, intra_wg_overlap=False, emu_share=0.25, poly_degree=3)),
+    (128, FwdConfig(tile_n=160, rescale_threshold=8.0, emu_share=0.375, poly_degree=4)),
+    (128, FwdConfig(tile_n=176, intra_wg_overlap=False, wg_pingpong=False, poly_degree=1)),
+    (64, FwdConfig(tile_m=192, tile_n=128, rescale_threshold=8.0, intra_wg_overlap=False)),
+]
+
+
+def test_knob_configs_cover_every_value():
+    for knob, values in KNOBS.items():
+        seen = {getattr(cfg, knob) for _, cfg in KNOB_CONFIGS}
+        assert set(values) <= seen, f"{knob}: {sorted(set(values) - seen)} never tested"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim,config", KNOB_CONFIGS, ids=lambda x: getattr(x, "short", lambda: str(x))())
+def test_knob_values_match_reference(head_dim, config, causal):
+    p = Problem(head_dim=head_dim, causal=causal, seqlen_q=777, seqlen_k=1029, batch=2, nheads_q=4,
+                nheads_kv=2)
+    out_err, lse_err = run_checked(config, p, seed=7)
+    assert out_err <= OUT_TOL, out_err
+    assert lse_err <= LSE_TOL, lse_err
+
+
+@pytest.mark.parametrize("degree", [3, 4, 5])
+def test_emulated_exp2_no_worse_than_mufu(degree):
+    p = Problem(head_dim=128, causal=True, seqlen_q=1500, seqlen_k=1500, batch=2, nheads_q=4)
+    mufu_err, _ = run_checked(FwdConfig(), p, seed=11)
+    emu_err, _ = run_checked(FwdConfig(emu_share=0.5, poly_degree=degree), p, seed=11)
+    # Beyond rounding: the polynomial's error (< 1e-4) is far below bf16's half-ulp (3.9e-3).
+    assert emu_err <= mufu_err * 1.05 + 1e-4, (emu_err, mufu_err)
+
+
+def test_fp16_inputs():
+    p = Problem(dtype="fp16", head_dim=128, causal=True, seqlen_q=1000, seqlen_k=1000, batch=2, nheads_q=4)
+    out_err, lse_err = run_checked(FwdConfig(emu_share=0.25, poly_degree=4), p, seed=3)
+    assert out_err <= 5e-3, out_err
+    assert lse_err <= LSE_TOL, lse_err
