@@ -63,9 +63,10 @@ def softmax_clocks_per_element(target, emu_share: float, poly_degree: int,
 
 
 def rescale_fraction(rescale_threshold: float, steps: int) -> float:
-    """Share of K/V steps that rescale O. Unconditional at threshold 0; otherwise only when a row
-    max jumps by more than the threshold, which after the first blocks is rare: the running max of
-    n blocks rises about 1 + ln n times, and larger jumps are rarer still (assumed halving per 4)."""
+    """Share of K/V steps that rescale O. At threshold 0 any rise of any row's max rescales, which with
+    64 rows per warpgroup is nearly every step. Above it, only a jump larger than the threshold does:
+    the running max of n blocks rises about 1 + ln n times, and larger jumps are rarer still (assumed
+    to halve per 4 units of threshold)."""
     if rescale_threshold <= 0 or steps <= 1:
         return 1.0
     return min(1.0, (1.0 + math.log(steps)) / steps * 2.0 ** (-rescale_threshold / 4.0))
