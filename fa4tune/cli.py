@@ -6,6 +6,7 @@ after saying how to resume it."""
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 
@@ -256,6 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("fa4tune: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (`fa4tune show | head`): not an error; keep Python from complaining at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except Exception as exc:
         if not _is_user_error(exc):
             raise
