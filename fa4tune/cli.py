@@ -1,0 +1,272 @@
+"""The `fa4tune` command: search | show | export | import | report | doctor.
+
+Bad input ends with one paragraph on stderr and exit status 2; an interrupted search with status 130
+after saying how to resume it."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+from . import __version__
+from .errors import Fa4tuneError
+
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+
+
+def _say(message: str) -> None:
+    print(message, flush=True)
+
+
+def _is_user_error(exc: BaseException) -> bool:
+    """Our own errors, and the ValueErrors our modules raise for bad input (ProblemError,
+    ConfigError, TargetError)."""
+    if isinstance(exc, Fa4tuneError):
+        return True
+    return isinstance(exc, ValueError) and type(exc).__module__.startswith("fa4tune")
+
+
+# ---- search -----------------------------------------------------------------------------------------
+def cmd_search(args) -> int:
+    from .job import load_job
+    from .search import SearchInterrupted, run_search
+
+    job = load_job(args.job)
+    progress = sys.stderr.isatty() if args.progress is None else args.progress
+
+    def stop_on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, stop_on_term)
+    try:
+        summary = run_search(job, db=args.db, storage=args.storage, resume=args.resume, backend=args.backend,
+                             target=args.target, trials=args.trials, seconds=args.seconds, progress=progress,
+                             say=_say)
+    except SearchInterrupted as stop:
+        s = stop.summary
+        _say(f"fa4tune: interrupted; every finished trial is stored in {s.db_location} (run {s.run_id}). "
+             f"Continue with: fa4tune search {args.job} --resume"
+             + (f" --db {args.db}" if args.db else ""))
+        return EXIT_INTERRUPTED
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    estimate = " (cost-model estimates)" if summary.is_estimate else ""
+    _say(f"fa4tune: run {summary.run_id} done on {summary.target} with backend {summary.backend}{estimate}; "
+         f"results in {summary.db_location}, studies in {summary.storage}")
+    for path in summary.exported:
+        _say(f"fa4tune: exported {path}")
+    return 0
+
+
+# ---- show ---------------------------------------------------------------------------------------
+def _format_table(headers: list[str], rows: list[list]) -> str:
+    cells = [[str(c) for c in headers]] + [["" if c is None else str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _config_text(config: dict, default: dict | None = None) -> str:
+    shown = {k: v for k, v in config.items() if default is None or default.get(k) != v}
+    return " ".join(f"{k}={v}" for k, v in shown.items()) or "(default)"
+
+
+def _default_of(kernel, problem_dict: dict, target_name: str) -> dict | None:
+    from .problem import Problem
+    from .target import get_target
+
+    try:
+        return kernel.default_config(Problem.from_dict(problem_dict), get_target(target_name)).to_dict()
+    except Exception:
+        return None
+
+
+def _entries_rows(entries, installed: dict) -> list[list]:
+    from .kernels import get_kernel
+
+    rows = []
+    for e in entries:
+        kernel = get_kernel(e.kernel)
+        stale = "STALE" if installed.get(e.kernel) != e.kernel_hash else ""
+        rows.append([e.problem_key, e.target, f"{e.time_ms:.4g}", f"{e.tflops:.0f}",
+                     "estimate" if e.is_estimate else "measured", stale,
+                     _config_text(e.config, _default_of(kernel, e.problem, e.target))])
+    return rows
+
+
+def cmd_show(args) -> int:
+    from .kernels import KERNELS
+
+    installed = {name: spec.source_hash() for name, spec in KERNELS.items()}
+    headers = ["problem", "target", "ms", "TFLOP/s", "kind", "stale", "config (knobs that differ from default)"]
+    if args.table:
+        from .tables import read_table, table_entries
+
+        document = read_table(args.table)
+        entries = table_entries(document)
+        _say(f"table {args.table}: {document['kernel']} hash {document['kernel_hash'][:12]} on "
+             f"{document['target']}, {len(entries)} entries")
+        if installed.get(document["kernel"]) != document["kernel_hash"]:
+            _say(f"STALE: the installed {document['kernel']} has hash "
+                 f"{installed.get(document['kernel'], '?')[:12]}; these configs were tuned for other code")
+        _say(_format_table(headers, _entries_rows(entries, installed)))
+        return 0
+
+    from .db import ResultsDB
+
+    with ResultsDB.open(args.db, create=False) as db:
+        entries = [e for e in db.best_configs(kernel=args.kernel, target=args.target)]
+        if not entries:
+            _say(f"no best configs in {db.location}")
+            return 0
+        stale = [e for e in entries if installed.get(e.kernel) != e.kernel_hash]
+        _say(f"best configs in {db.location} ({len(entries)}; {len(stale)} stale)")
+        _say(_format_table(headers, _entries_rows(entries, installed)))
+        if args.top:
+            for e in entries:
+                trials = [t for t in db.trials(problem_key=e.problem_key, kernel=e.kernel, target=e.target)
+                          if t["kernel_hash"] == e.kernel_hash]
+                ok = sorted((t for t in trials if t["status"] == "ok"), key=lambda t: t["time_ms"])[: args.top]
+                counts = {s: sum(t["status"] == s for t in trials) for s in ("ok", "pruned", "failed", "wrong")}
+                _say(f"\n{e.problem_key} on {e.target}: "
+                     + ", ".join(f"{n} {s}" for s, n in counts.items()))
+                if ok:
+                    default = _default_of(KERNELS[e.kernel], e.problem, e.target)
+                    _say(_format_table(
+                        ["#", "ms", "TFLOP/s", "source", "config"],
+                        [[i + 1, f"{t['time_ms']:.4g}", f"{t['tflops']:.0f}", t["source"],
+                          _config_text(t["config"], default)] for i, t in enumerate(ok)],
+                    ))
+    return 0
+
+
+# ---- export / import --------------------------------------------------------------------------------
+def cmd_export(args) -> int:
+    from .db import ResultsDB
+    from .kernels import get_kernel
+    from .tables import export_table
+
+    kernel = get_kernel(args.kernel)
+    with ResultsDB.open(args.db, create=False) as db:
+        targets = [args.target] if args.target else sorted({e.target for e in db.best_configs(kernel=kernel.name)})
+        if not targets:
+            raise Fa4tuneError(f"no best configs of {kernel.name} in {db.location}: nothing to export")
+        if args.out and len(targets) > 1:
+            raise Fa4tuneError(f"the DB has configs for several targets ({', '.join(targets)}); "
+                               "pick one with --target when giving --out")
+        for target in targets:
+            for path in export_table(db, args.out, kernel=kernel, target=target, kernel_hash=args.kernel_hash):
+                _say(f"fa4tune: exported {path}")
+    return 0
+
+
+def cmd_import(args) -> int:
+    from .db import ResultsDB
+    from .tables import import_table, read_table
+
+    read_table(args.table)  # a bad table fails before a DB is created
+    with ResultsDB.open(args.db, create=True) as db:
+        report = import_table(db, args.table)
+        _say(f"fa4tune: imported {args.table} into {db.location}: {len(report.added)} added, "
+             f"{len(report.replaced)} replaced by better entries, {len(report.kept)} kept")
+        for line in report.conflicts:
+            _say(f"  conflict: {line}")
+    return 0
+
+
+# ---- report / doctor --------------------------------------------------------------------------------
+def cmd_report(args) -> int:
+    from .report import write_report
+
+    paths = write_report(args.db, args.out, storage=args.storage)
+    _say(f"fa4tune: report written: {paths['html']} ({len(paths['png'])} PNG plots)")
+    return 0
+
+
+def cmd_doctor(args) -> int:
+    from .doctor import diagnose
+
+    healthy = True
+    for name, ok, detail in diagnose(args.db):
+        healthy &= ok
+        _say(f"{'ok ' if ok else 'BAD'}  {name:12s} {detail}")
+    return 0 if healthy else 1
+
+
+# ---- entry point ------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fa4tune", description="Autotune FlashAttention-4-style kernels.")
+    parser.add_argument("--version", action="version", version=f"fa4tune {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    db_help = "results DB: a SQLite path or SQLAlchemy URL (default: $FA4TUNE_DB, else fa4tune-results/results.db)"
+
+    p = sub.add_parser("search", help="run a search job (tuning_configs/*.yaml)")
+    p.add_argument("job", help="the job's YAML file")
+    p.add_argument("--db", help=db_help)
+    p.add_argument("--storage", help="Optuna storage: journal file or RDB URL (default: a journal next to the DB)")
+    p.add_argument("--resume", action="store_true", help="continue the latest run of this job")
+    p.add_argument("--backend", choices=["auto", "model", "gpu"], help="override the job's backend")
+    p.add_argument("--target", help="override the job's target (model backend)")
+    p.add_argument("--trials", type=int, help="override the measured-trial budget per problem")
+    p.add_argument("--seconds", type=float, help="override the time budget per problem")
+    p.add_argument("--progress", dest="progress", action="store_true", default=None, help="show progress bars")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="hide progress bars")
+    p.set_defaults(func=cmd_search)
+
+    p = sub.add_parser("show", help="print best configs and top trials")
+    p.add_argument("--db", help=db_help)
+    p.add_argument("--table", help="show an exported table instead of a DB")
+    p.add_argument("--kernel")
+    p.add_argument("--target")
+    p.add_argument("--top", type=int, default=3, help="top trials per problem (0: none)")
+    p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser("export", help="write best configs as a sorted YAML + JSON table")
+    p.add_argument("--db", help=db_help)
+    p.add_argument("--out", help="table path (default tuning_configs/tables/KERNEL-TARGET.yaml)")
+    p.add_argument("--kernel")
+    p.add_argument("--target")
+    p.add_argument("--kernel-hash", help="export configs of another kernel version (default: installed)")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("import", help="merge an exported table into a DB")
+    p.add_argument("table")
+    p.add_argument("--db", help=db_help)
+    p.set_defaults(func=cmd_import)
+
+    p = sub.add_parser("report", help="write plots (HTML + PNG) of the searches in a DB")
+    p.add_argument("--db", help=db_help)
+    p.add_argument("--out", default="fa4tune-results/report", help="output directory")
+    p.add_argument("--storage", help="Optuna storage (default: the one each run recorded)")
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("doctor", help="report GPU, CUDA, DSL, torch and DB state")
+    p.add_argument("--db", help=db_help)
+    p.set_defaults(func=cmd_doctor)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("fa4tune: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (`fa4tune show | head`): not an error; keep Python from complaining at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except Exception as exc:
+        if not _is_user_error(exc):
+            raise
+        print(f"fa4tune: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

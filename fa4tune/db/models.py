@@ -1,0 +1,107 @@
+"""ORM tables of the results database. Bump SCHEMA_VERSION on any change to them: an fa4tune that
+finds another version refuses the file instead of misreading it."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import JSON, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+SCHEMA_VERSION = 1
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class SchemaInfo(Base):
+    __tablename__ = "fa4tune_schema"
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(String(256))
+
+
+class Run(Base):
+    """One invocation of a search job (a resumed search continues its run)."""
+
+    __tablename__ = "runs"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_name: Mapped[str] = mapped_column(String(256), index=True)
+    job_path: Mapped[str | None] = mapped_column(Text)
+    job_text: Mapped[str | None] = mapped_column(Text)
+    kernel: Mapped[str] = mapped_column(String(64))
+    kernel_hash: Mapped[str] = mapped_column(String(64))
+    target: Mapped[str] = mapped_column(String(64))
+    backend: Mapped[str] = mapped_column(String(32))
+    is_estimate: Mapped[bool] = mapped_column(Boolean)
+    gpu_name: Mapped[str | None] = mapped_column(String(128))
+    sm_count: Mapped[int | None] = mapped_column(Integer)
+    cuda_driver: Mapped[str | None] = mapped_column(String(64))
+    dsl_version: Mapped[str | None] = mapped_column(String(64))
+    torch_version: Mapped[str | None] = mapped_column(String(64))
+    fa4tune_version: Mapped[str] = mapped_column(String(32))
+    storage_url: Mapped[str | None] = mapped_column(Text)
+    study_prefix: Mapped[str] = mapped_column(String(256))
+    details: Mapped[dict] = mapped_column(JSON, default=dict)
+    status: Mapped[str] = mapped_column(String(16))  # running, finished, interrupted, failed
+    started_at: Mapped[datetime] = mapped_column(DateTime)
+    ended_at: Mapped[datetime | None] = mapped_column(DateTime)
+
+
+class ProblemConfigColumns:
+    """What a trial and a best config both record: which kernel version, on which target, for which
+    problem, with which config."""
+
+    kernel: Mapped[str] = mapped_column(String(64))
+    kernel_hash: Mapped[str] = mapped_column(String(64))
+    target: Mapped[str] = mapped_column(String(64))
+    problem_key: Mapped[str] = mapped_column(String(256))
+    bucket_key: Mapped[str] = mapped_column(String(256))
+    problem: Mapped[dict] = mapped_column(JSON)
+    config: Mapped[dict] = mapped_column(JSON)
+
+
+class Trial(ProblemConfigColumns, Base):
+    """Every config the search tried: measured, failed, wrong, or pruned with its reason."""
+
+    __tablename__ = "trials"
+    __table_args__ = (
+        Index("ix_trials_study_number", "study_name", "optuna_number"),
+        Index("ix_trials_problem", "kernel", "target", "problem_key"),
+    )
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
+    study_name: Mapped[str] = mapped_column(String(512))
+    optuna_number: Mapped[int | None] = mapped_column(Integer)
+    config_key: Mapped[str] = mapped_column(Text)
+    source: Mapped[str] = mapped_column(String(32))  # default, warm-start, sampler
+    status: Mapped[str] = mapped_column(String(16))  # ok, failed, wrong, pruned
+    reason: Mapped[str | None] = mapped_column(Text)
+    time_ms: Mapped[float | None] = mapped_column(Float)
+    spread_ms: Mapped[float | None] = mapped_column(Float)
+    tflops: Mapped[float | None] = mapped_column(Float)
+    max_error: Mapped[float | None] = mapped_column(Float)
+    compile_s: Mapped[float | None] = mapped_column(Float)
+    is_estimate: Mapped[bool] = mapped_column(Boolean)
+    details: Mapped[dict] = mapped_column(JSON, default=dict)
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+
+
+class BestConfig(ProblemConfigColumns, Base):
+    """The best config known for one problem of one kernel version on one target. Rows are per
+    problem (not per bucket) so that an exact lookup is exact; the bucket key is indexed for the
+    bucket step of the lookup."""
+
+    __tablename__ = "best_configs"
+    __table_args__ = (
+        UniqueConstraint("kernel", "kernel_hash", "target", "problem_key", name="uq_best_problem"),
+        Index("ix_best_bucket", "kernel", "target", "bucket_key"),
+    )
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    time_ms: Mapped[float] = mapped_column(Float)
+    tflops: Mapped[float] = mapped_column(Float)
+    is_estimate: Mapped[bool] = mapped_column(Boolean)
+    provenance: Mapped[dict] = mapped_column(JSON)  # backend, gpu, versions of the measuring run
+    source: Mapped[str] = mapped_column(String(512))  # "run N" or "import FILE"
+    trial_id: Mapped[int | None] = mapped_column(ForeignKey("trials.id"))
+    updated_at: Mapped[datetime] = mapped_column(DateTime)

@@ -1,0 +1,86 @@
+"""`fa4tune doctor`: what this machine can do: GPU, CUDA driver, CuTe DSL, torch, the results DB."""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def diagnose(db_location: str | None = None) -> list[tuple[str, bool, str]]:
+    """(check, healthy, detail) lines; a missing GPU is healthy (the model backend runs)."""
+    from . import __version__
+    from .kernels import KERNELS
+
+    lines: list[tuple[str, bool, str]] = [("fa4tune", True, __version__)]
+    torch_version = _version("torch")
+    gpu_detail, gpu_ok = "none: searches use the cost model (estimates)", True
+    if torch_version is None:
+        lines.append(("torch", False, "not installed (pip install torch)"))
+    else:
+        try:
+            import torch
+
+            lines.append(("torch", True, f"{torch.__version__} (CUDA build {torch.version.cuda or 'none'})"))
+            if torch.cuda.is_available():
+                from .target import target_for_device_name
+
+                name = torch.cuda.get_device_name()
+                props = torch.cuda.get_device_properties(0)
+                target = target_for_device_name(name)
+                gpu_detail = (f"{name}, {props.multi_processor_count} SMs, sm_{props.major}{props.minor}; "
+                              f"target {target.name if target else 'UNKNOWN (no tuned tables)'}")
+                gpu_ok = target is not None
+        except Exception as exc:
+            lines.append(("torch", False, f"import failed: {exc}"))
+    lines.append(("gpu", gpu_ok, gpu_detail))
+    lines.append(("cuda driver", True, _cuda_driver() or "none"))
+    dsl = _version("nvidia-cutlass-dsl")
+    lines.append(("cute dsl", dsl is not None, f"nvidia-cutlass-dsl {dsl}" if dsl else "not installed"))
+    for name, spec in KERNELS.items():
+        try:
+            lines.append(("kernel", True, f"{name} ({spec.arch}) source hash {spec.source_hash()[:12]}, "
+                          f"knobs: {', '.join(spec.knobs)}"))
+        except Exception as exc:
+            lines.append(("kernel", False, f"{name}: {type(exc).__name__}: {exc}"))
+    lines.append(_db_line(db_location))
+    for extra, module in (("report", "matplotlib"),):
+        import importlib.util
+
+        have = importlib.util.find_spec(module) is not None
+        lines.append((f"[{extra}]", True, f"{module} {'installed' if have else 'missing: pip install fa4tune[report]'}"))
+    return lines
+
+
+def _cuda_driver() -> str | None:
+    try:
+        from cuda.bindings import driver
+
+        err, version = driver.cuDriverGetVersion()
+        if int(err) == 0 and version:
+            return f"{version // 1000}.{version % 1000 // 10}"
+    except Exception:
+        pass
+    return None
+
+
+def _db_line(db_location: str | None) -> tuple[str, bool, str]:
+    from .db import SCHEMA_VERSION, ResultsDB, resolve_location, sqlite_path
+    from .errors import ResultsDBError
+
+    location = resolve_location(db_location)
+    path = sqlite_path(location)
+    if path is not None and not path.exists():
+        return ("results db", True, f"{location}: not created yet (schema v{SCHEMA_VERSION} on first search)")
+    try:
+        with ResultsDB.open(location, create=False) as db:
+            counts = db.counts()
+    except ResultsDBError as exc:
+        return ("results db", False, str(exc))
+    return ("results db", True, f"{location}: schema v{SCHEMA_VERSION}, {counts['runs']} runs, "
+            f"{counts['trials']} trials, {counts['best_configs']} best configs")

@@ -1,0 +1,213 @@
+"""An analytic cost model of the FA4-style forward kernel on a Target: what the search optimises when
+no GPU is present. Deterministic; every result is marked as an estimate.
+
+Per K/V step of one CTA (tile_m query rows against tile_n keys) it costs
+  - the two GEMMs on the tensor cores (at the target's measured GEMM efficiency),
+  - the softmax side: exponentials on MUFU and everything else on the ALU issue slots, the emulated
+    share of exponentials moving from MUFU to FMA issue (calibrated on DESIGN.md's H200 figures),
+    plus the O rescale (skipped by rescale_threshold) and causal/ragged masking,
+  - the shared-memory operand traffic of the GEMMs,
+and overlaps the GEMMs with the softmax side (intra-warpgroup overlap and warpgroup ping-pong). K/V loads have a
+latency that `num_stages - 1` loads in flight hide. CTAs are scheduled on sm_count × (CTAs per SM)
+slots (wave quantisation; causal CTAs longest first), and the kernel can never beat HBM."""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import asdict, dataclass
+
+from .base import Backend, Measurement
+
+
+@dataclass(frozen=True)
+class ModelAssumptions:
+    """What the model assumes beyond the Target's numbers; each is calibrated or estimated here."""
+
+    # Softmax side, per score element, measured on an H200 (DESIGN.md): 23.5 elements/clk/SM with no
+    # exponential at all -> ALU lane-ops per element = alu_issue_per_clk / 23.5.
+    no_exp_elements_per_clk: float = 23.5
+    # Lane-ops of one emulated exp2 beyond the polynomial's `degree` FMAs (range split, exponent
+    # insert, conversion). With `softmax_pipe_overlap` this reproduces 14.1 elements/clk MUFU-only,
+    # 15.2 with 1/8 emulated at degree 3, and MUFU-only winning again from about 30% emulated.
+    emulation_extra_ops: float = 3.9
+    # MUFU and ALU issue overlap imperfectly: time = max + softmax_pipe_overlap * min.
+    softmax_pipe_overlap: float = 0.17
+    # GEMMs and softmax combine as an L^p norm (p = 1: no overlap, larger: more). With both
+    # intra-warpgroup overlap and warpgroup ping-pong, p = 2 reproduces upstream FA4's 550 (hdim 64)
+    # and 677 (hdim 128) TFLOP/s at 16k tokens on the H200; each mechanism alone overlaps less.
+    overlap_norm_both: float = 2.0
+    overlap_norm_one: float = 1.5
+    overlap_norm_none: float = 1.15
+    # Memory system seen by one SM: TMA load latency and L2->SMEM bandwidth (estimates).
+    load_latency_clk: float = 1000.0
+    l2_bytes_per_clk_per_sm: float = 48.0
+    # Fixed costs: pipeline handshakes per step, block start, kernel launch.
+    step_overhead_clk: float = 80.0
+    cta_overhead_clk: float = 600.0
+    launch_overhead_us: float = 4.0
+    # Tensor efficiency when the target has no measured GEMM rate: the H200's measured 750 of its
+    # 989 TFLOP/s peak (the same SM as the H100's).
+    default_tensor_efficiency: float = 0.76
+
+
+def softmax_clocks_per_element(target, emu_share: float, poly_degree: int,
+                               assumptions: ModelAssumptions = ModelAssumptions()) -> float:
+    """SM clocks per score element on the softmax side (max, scale, exp2, sum, pack)."""
+    a = assumptions
+    base_ops = target.alu_issue_per_clk / a.no_exp_elements_per_clk
+    mufu = (1.0 - emu_share) / target.mufu_ex2_per_clk
+    issue_ops = base_ops + (1.0 - emu_share) * 1.0 + emu_share * (poly_degree + a.emulation_extra_ops)
+    issue = issue_ops / target.alu_issue_per_clk
+    return max(mufu, issue) + a.softmax_pipe_overlap * min(mufu, issue)
+
+
+def rescale_fraction(rescale_threshold: float, steps: int) -> float:
+    """Share of K/V steps that rescale O. At threshold 0 any rise of any row's max rescales, which with
+    64 rows per warpgroup is nearly every step. Above it, only a jump larger than the threshold does:
+    the running max of n blocks rises about 1 + ln n times, and larger jumps are rarer still (assumed
+    to halve per 4 units of threshold)."""
+    if rescale_threshold <= 0 or steps <= 1:
+        return 1.0
+    return min(1.0, (1.0 + math.log(steps)) / steps * 2.0 ** (-rescale_threshold / 4.0))
+
+
+class CostModel:
+    def __init__(self, target, assumptions: ModelAssumptions = ModelAssumptions()) -> None:
+        self.target = target
+        self.assumptions = assumptions
+
+    def tensor_efficiency(self) -> float:
+        t = self.target
+        if t.measured_tensor_tflops:
+            return t.measured_tensor_tflops / t.peak_tensor_tflops
+        return self.assumptions.default_tensor_efficiency
+
+    def ctas_per_sm(self, config, problem) -> int:
+        from ..kernels import resources
+
+        t = self.target
+        by_smem = t.smem_per_sm // max(1, resources.smem_bytes(config, problem))
+        wgs = resources.num_consumer_warpgroups(config)
+        if wgs in resources.REGISTER_SPLIT:
+            producer, consumer = resources.register_split(config)
+            by_regs = t.regs_per_sm // (resources.THREADS_PER_WARPGROUP * (producer + wgs * consumer))
+        else:
+            by_regs = 1
+        return max(1, min(by_smem, by_regs))
+
+    def step_clocks(self, config, problem, ctas_per_sm: int, steps: int, masked: bool) -> float:
+        """SM clocks one K/V step of one CTA takes while `ctas_per_sm` CTAs share the SM."""
+        t, a = self.target, self.assumptions
+        tm, tn, d, dv = config.tile_m, config.tile_n, problem.head_dim, problem.head_dim_v
+        tensor = 2.0 * tm * tn * (d + dv) / (t.tensor_flops_per_clk * self.tensor_efficiency())
+        elements = tm * tn
+        softmax = elements * softmax_clocks_per_element(t, config.emu_share, config.poly_degree, a)
+        softmax += rescale_fraction(config.rescale_threshold, steps) * tm * dv / t.alu_issue_per_clk
+        if config.rescale_threshold > 0:
+            softmax += 2.0 * tm / t.alu_issue_per_clk  # the per-row vote on whether to rescale
+        if masked:
+            softmax += 2.0 * elements / t.alu_issue_per_clk  # compare and select per element
+        # Every consumer warpgroup reads the K and V tiles from shared memory, and Q once per step.
+        smem = ((tm // 64) * tn * (d + dv) * 2 + tm * d * 2) / t.smem_bytes_per_clk
+        overlaps = int(bool(config.intra_wg_overlap)) + int(bool(getattr(config, "wg_pingpong", False)))
+        p = (a.overlap_norm_none, a.overlap_norm_one, a.overlap_norm_both)[overlaps]
+        compute = max((tensor**p + softmax**p) ** (1.0 / p), smem) + a.step_overhead_clk
+        transfer = tn * (d + dv) * 2 / a.l2_bytes_per_clk_per_sm
+        fetch = a.load_latency_clk + transfer
+        if config.num_stages <= 1:  # the next tile is loaded only after this one is consumed
+            return ctas_per_sm * compute + fetch
+        # num_stages - 1 loads are in flight while one stage is consumed.
+        memory = max(ctas_per_sm * transfer, fetch / (config.num_stages - 1))
+        return max(ctas_per_sm * compute, memory)
+
+    def cta_clocks(self, config, problem, ctas_per_sm: int, steps: int, masked_steps: int) -> float:
+        t, a = self.target, self.assumptions
+        tm, d, dv = config.tile_m, problem.head_dim, problem.head_dim_v
+        prologue = a.load_latency_clk + tm * d * 2 / a.l2_bytes_per_clk_per_sm
+        epilogue = tm * dv * 2 / a.l2_bytes_per_clk_per_sm + ctas_per_sm * tm * dv / t.alu_issue_per_clk
+        if steps == 0:
+            return a.cta_overhead_clk + epilogue
+        plain = self.step_clocks(config, problem, ctas_per_sm, steps, masked=False)
+        masked = self.step_clocks(config, problem, ctas_per_sm, steps, masked=True)
+        first_load = a.load_latency_clk  # the pipeline fills once per CTA
+        return (a.cta_overhead_clk + prologue + first_load + (steps - masked_steps) * plain
+                + masked_steps * masked + epilogue)
+
+    def kv_steps(self, config, problem) -> list[tuple[int, int, int]]:
+        """(steps, masked steps, number of CTAs) for each distinct kind of CTA."""
+        tm, tn = config.tile_m, config.tile_n
+        sq, sk = problem.seqlen_q, problem.seqlen_k
+        m_blocks = -(-sq // tm)
+        ctas_per_row_block = problem.batch * problem.nheads_q
+        if not problem.causal:
+            steps = -(-sk // tn)
+            return [(steps, 1 if sk % tn else 0, m_blocks * ctas_per_row_block)]
+        offset = sk - sq  # bottom-right aligned causal mask
+        kinds = []
+        for i in range(m_blocks):
+            last_visible = min(sk, max(0, min((i + 1) * tm, sq) + offset))
+            steps = -(-last_visible // tn)
+            unmasked = min(steps, max(0, i * tm + offset + 1) // tn)
+            kinds.append((steps, steps - unmasked, ctas_per_row_block))
+        return kinds
+
+    def time_s(self, config, problem) -> tuple[float, dict]:
+        t, a = self.target, self.assumptions
+        k = self.ctas_per_sm(config, problem)
+        slots = t.sm_count * k
+        kinds = self.kv_steps(config, problem)
+        durations = [(self.cta_clocks(config, problem, k, s, m), n) for s, m, n in kinds]
+        if len(durations) == 1:
+            clocks, count = durations[0]
+            waves = -(-count // slots)
+            makespan = waves * clocks
+        else:
+            makespan = _longest_first_makespan(durations, slots)
+            waves = None
+        compute_s = makespan / (t.clock_mhz * 1e6)
+        hbm_s = problem.bytes_min / t.hbm_bytes_per_s
+        total = max(compute_s, hbm_s) + a.launch_overhead_us * 1e-6
+        return total, {
+            "ctas_per_sm": k,
+            "waves": waves,
+            "compute_ms": compute_s * 1e3,
+            "hbm_ms": hbm_s * 1e3,
+            "bound": "memory" if hbm_s > compute_s else "compute",
+        }
+
+
+def _longest_first_makespan(durations: list[tuple[float, int]], slots: int) -> float:
+    """Greedy longest-first list scheduling of CTAs (duration, count) on `slots` equal slots."""
+    finish = [0.0] * slots
+    for duration, count in sorted(durations, key=lambda dc: -dc[0]):
+        # Whole rounds at once: `count` CTAs of one duration fill the least-loaded slots in turn.
+        rounds, rest = divmod(count, slots)
+        if rounds:
+            finish = [f + rounds * duration for f in finish]
+        if rest:
+            heapq.heapify(finish)
+            for _ in range(rest):
+                heapq.heapreplace(finish, finish[0] + duration)
+    return max(finish)
+
+
+class CostModelBackend(Backend):
+    name = "model"
+    is_estimate = True
+
+    def __init__(self, kernel, target, assumptions: ModelAssumptions | None = None) -> None:
+        super().__init__(kernel, target)
+        self.model = CostModel(target, assumptions or ModelAssumptions())
+
+    def measure(self, problem, config) -> Measurement:
+        seconds, details = self.model.time_s(config, problem)
+        return Measurement.ok(problem, seconds * 1e3, spread_ms=0.0, is_estimate=True, details=details)
+
+    def provenance(self) -> dict:
+        return {
+            "gpu_name": f"{self.target.name} (cost model)",
+            "sm_count": self.target.sm_count,
+            "cuda_driver": None,
+            "model_assumptions": asdict(self.model.assumptions),
+        }

@@ -1,0 +1,215 @@
+"""Runtime lookup: the config to run a problem with, from a results DB or an exported table.
+
+    config, how = fa4tune.lookup(Problem(head_dim=128, seqlen_q=8192, causal=True))
+
+The ladder: the exact problem, else a tuned problem of the same bucket, else the nearest tuned
+problem of the same dtype, head dims and causality (distance in log seqlen and log batch·heads), else
+the kernel's default. A source is read once and kept in memory; a lookup is a dict access after the
+first call for a problem. It never raises for a missing, empty or unreadable source: it returns the
+default and warns once. Importing this module imports neither torch nor cutlass."""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from .kernels import get_kernel
+from .problem import Problem
+from .target import DEFAULT_TARGET, get_target
+
+PACKAGE_TABLES = Path(__file__).resolve().parent.parent / "tuning_configs" / "tables"
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """What `lookup` found: the config, which rung of the ladder it came from ("exact", "bucket",
+    "nearest", "default"), the tuned problem it was borrowed from, and whether that tuning was done
+    on other kernel code (stale)."""
+
+    config: object
+    source: str
+    problem_key: str | None = None
+    stale: bool = False
+    origin: str | None = None  # the DB or table it came from
+
+    def __iter__(self):  # `config, how = lookup(p)`
+        return iter((self.config, self.source))
+
+
+class _Index:
+    """The best configs of one source, grouped for the ladder."""
+
+    def __init__(self, entries, origin: str) -> None:
+        self.origin = origin
+        # (kernel, target) -> [(entry, its bucket)], buckets computed once at load.
+        self.by_target: dict[tuple[str, str], list] = {}
+        for entry in entries:
+            bucket = Problem.from_dict(entry.problem).bucket()
+            self.by_target.setdefault((entry.kernel, entry.target), []).append((entry, bucket))
+        self.results: dict = {}  # (kernel, target, problem) -> LookupResult
+
+
+class Lookup:
+    """A lookup over one source (a DB location, a table path, or the environment's choice)."""
+
+    def __init__(self, source: str | os.PathLike | None = None) -> None:
+        self._source = source
+        self._index: _Index | None = None
+        self._lock = threading.Lock()
+        self._warned: set[str] = set()
+
+    # ---- loading --------------------------------------------------------------------------------
+    def _resolve(self) -> str | None:
+        if self._source is not None:
+            return str(self._source)
+        for var in ("FA4TUNE_TABLE", "FA4TUNE_DB"):
+            if os.environ.get(var):
+                return os.environ[var]
+        shipped = sorted(PACKAGE_TABLES.glob("*.yaml")) if PACKAGE_TABLES.is_dir() else []
+        return str(PACKAGE_TABLES) if shipped else None
+
+    def _load(self) -> _Index:
+        source = self._resolve()
+        if source is None:
+            self._warn("no tuned table or DB (set FA4TUNE_TABLE or FA4TUNE_DB); using default configs")
+            return _Index([], "default")
+        try:
+            entries = _read_source(source)
+        except Exception as exc:  # the lookup must never take the caller down
+            self._warn(f"cannot read tuned configs from {source} ({exc}); using default configs")
+            return _Index([], source)
+        if not entries:
+            self._warn(f"no tuned configs in {source}; using default configs")
+        return _Index(entries, source)
+
+    def index(self) -> _Index:
+        index = self._index
+        if index is None:
+            with self._lock:
+                if self._index is None:
+                    self._index = self._load()
+                index = self._index
+        return index
+
+    def reload(self) -> None:
+        with self._lock:
+            self._index = None
+
+    def _warn(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            warnings.warn(f"fa4tune.lookup: {message}", RuntimeWarning, stacklevel=4)
+
+    # ---- the ladder -------------------------------------------------------------------------------
+    def __call__(self, problem: Problem, target=None, kernel: str | None = None) -> LookupResult:
+        index = self.index()
+        tgt = _target(target)
+        spec = get_kernel(kernel)
+        key = (spec.name, tgt.name, problem)
+        hit = index.results.get(key)
+        if hit is None:
+            hit = self._climb(index, spec, tgt, problem)
+            index.results[key] = hit  # a dict store is atomic; two threads at worst compute it twice
+        return hit
+
+    def _climb(self, index: _Index, spec, target, problem: Problem) -> LookupResult:
+        installed = spec.source_hash()
+        candidates = index.by_target.get((spec.name, target.name), [])
+        bucket = problem.bucket()
+        key = problem.key()
+        bucket_key = bucket.key()
+        ranked = []
+        for entry, other in candidates:
+            if entry.problem_key == key:
+                rung = 0
+            elif entry.bucket_key == bucket_key:
+                rung = 1
+            else:
+                distance = bucket.distance(other)
+                if distance == float("inf"):
+                    continue
+                rung = 2 + distance
+            # Current kernel code first, then the closest; the problem key breaks ties stably.
+            ranked.append((rung, entry.kernel_hash != installed, entry.problem_key, entry))
+        for rung, stale, _, entry in sorted(ranked, key=lambda r: r[:3]):
+            try:
+                config = spec.make_config(entry.config)
+            except spec.config_error:
+                continue
+            if spec.infeasible_reasons(problem, config, target):
+                continue  # a borrowed config must still fit this problem
+            if stale:
+                self._warn(f"{index.origin} was tuned for other {spec.name} code (hash "
+                           f"{entry.kernel_hash[:12]}, installed {installed[:12]}): its configs are stale")
+            how = "exact" if rung == 0 else "bucket" if rung == 1 else "nearest"
+            return LookupResult(config, how, entry.problem_key, stale, index.origin)
+        return LookupResult(spec.default_config(problem, target), "default", None, False, index.origin)
+
+
+def _read_source(source: str) -> list:
+    from .tables import read_table, table_entries
+
+    path = Path(source)
+    if path.is_dir():
+        entries = []
+        for table in sorted(path.glob("*.yaml")):
+            entries.extend(table_entries(read_table(table)))
+        return entries
+    if path.suffix in (".yaml", ".yml", ".json"):
+        return table_entries(read_table(path))
+    from .db import ResultsDB
+
+    with ResultsDB.open(source, create=False) as db:
+        return db.best_configs()
+
+
+_target_cache: dict = {}
+
+
+def _target(target):
+    if target is not None:
+        return get_target(target)
+    if "default" not in _target_cache:
+        # Asking CUDA needs torch; import it only when the caller already has (fa4tune.attention does).
+        import sys
+
+        name = os.environ.get("FA4TUNE_TARGET")
+        detected = None
+        if not name and "torch" in sys.modules:
+            from .target import detect_target
+
+            detected = detect_target()
+        _target_cache["default"] = get_target(name) if name else detected or get_target(DEFAULT_TARGET)
+    return _target_cache["default"]
+
+
+_default_lookup = Lookup()
+_lookups: dict[str, Lookup] = {}
+_lookups_lock = threading.Lock()
+
+
+def lookup(problem: Problem, target=None, *, source: str | os.PathLike | None = None,
+           kernel: str | None = None) -> LookupResult:
+    """The config for `problem` on `target` (None: FA4TUNE_TARGET, the local GPU, else H200), from
+    `source` (a results DB path/URL or a table file/dir; None: FA4TUNE_TABLE, FA4TUNE_DB, the shipped
+    tables). Returns a LookupResult that also unpacks as (config, source)."""
+    if source is None:
+        return _default_lookup(problem, target, kernel)
+    key = str(source)
+    found = _lookups.get(key)
+    if found is None:
+        with _lookups_lock:
+            found = _lookups.setdefault(key, Lookup(source))
+    return found(problem, target, kernel)
+
+
+def reset() -> None:
+    """Forget every loaded source (after writing a DB or table in the same process)."""
+    global _default_lookup
+    with _lookups_lock:
+        _lookups.clear()
+        _default_lookup = Lookup()
+    _target_cache.clear()

@@ -1,0 +1,113 @@
+"""The search over several plugins at once: their parameters side by side (a knob declared by two
+plugins is an error), knobs no plugin searches fixed at the kernel's default for the problem, and the
+union of all checks (plugins and kernel) deciding whether a config may reach the backend."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from ..errors import SpaceError
+from .base import Param, SearchSpace
+
+
+class ComposedSpace:
+    def __init__(self, kernel, spaces: list[SearchSpace]) -> None:
+        if not spaces:
+            raise SpaceError("a search needs at least one search space")
+        owner: dict[str, str] = {}
+        for space in spaces:
+            for param in space.domains:
+                if param in owner:
+                    raise SpaceError(
+                        f"parameter {param!r} is declared by both space {owner[param]!r} and space "
+                        f"{space.name!r}; drop one of them from the job"
+                    )
+                owner[param] = space.name
+        self.kernel = kernel
+        self.spaces = list(spaces)
+        self.owner = owner
+
+    @property
+    def param_names(self) -> list[str]:
+        return list(self.owner)
+
+    # ---- per-problem domains and defaults -------------------------------------------------------
+    def default_config(self, problem, target) -> dict:
+        return self.kernel.default_config(problem, target).to_dict()
+
+    def domains(self, problem, target) -> dict[str, Param]:
+        """Each parameter's domain, widened to hold the problem's default so the default is measurable."""
+        default = self.default_config(problem, target)
+        return {
+            name: domain.with_value(default[name])
+            for space in self.spaces
+            for name, domain in space.domains.items()
+        }
+
+    def default_params(self, problem, target) -> dict:
+        default = self.default_config(problem, target)
+        return {name: default[name] for name in self.param_names}
+
+    def size(self, problem, target) -> int | None:
+        """Number of distinct configs, or None when a parameter is continuous."""
+        total = 1
+        for domain in self.domains(problem, target).values():
+            values = domain.values()
+            if values is None:
+                return None
+            total *= len(values)
+        return total
+
+    def grid(self, problem, target) -> dict[str, list]:
+        grid = {}
+        for name, domain in self.domains(problem, target).items():
+            values = domain.values()
+            if values is None:
+                raise SpaceError(
+                    f"the grid sampler needs a finite domain, but {name} is a continuous range "
+                    f"({domain.describe()}); give it a step or a list of values"
+                )
+            grid[name] = values
+        return grid
+
+    def signature(self) -> str:
+        """A short hash of the spaces and their domains: part of a study's name, so that a resumed
+        search never continues a study over another space."""
+        described = {
+            space.name: {name: domain.describe() for name, domain in space.domains.items()}
+            for space in self.spaces
+        }
+        return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:10]
+
+    # ---- one trial ------------------------------------------------------------------------------
+    def suggest(self, trial, problem, target) -> dict:
+        domains = self.domains(problem, target)
+        params: dict = {}
+        for space in self.spaces:
+            params.update(space.suggest(trial, problem, target, domains))
+        return params
+
+    def full_config(self, problem, target, params: dict) -> dict:
+        """The kernel's default for the problem with the searched parameters replaced, in canonical
+        form (knobs without effect reset), so equal kernels get equal configs."""
+        return self.kernel.canonical_values({**self.default_config(problem, target), **params})
+
+    def check(self, problem, config_values: dict, target) -> list[str]:
+        """Every reason the config is infeasible (plugins' and kernel's together), without duplicates."""
+        try:
+            config = self.kernel.make_config(config_values)
+        except self.kernel.config_error as exc:
+            return [str(exc)]
+        reasons: list[str] = []
+        for space in self.spaces:
+            reasons.extend(f"{r}" for r in space.check(problem, config, target))
+        reasons.extend(self.kernel.infeasible_reasons(problem, config, target))
+        return list(dict.fromkeys(reasons))
+
+    def describe(self, problem, target) -> list[str]:
+        lines = []
+        for space in self.spaces:
+            for name in space.domains:
+                lines.append(f"{space.name}.{name}: {self.domains(problem, target)[name].describe()}")
+        return lines

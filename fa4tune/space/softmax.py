@@ -1,0 +1,30 @@
+"""Online-softmax rescaling: skip the O rescale while the running row max rose by at most
+`rescale_threshold` (log2 units). Unnormalised probabilities then reach 2**threshold, which the P
+operand's dtype must hold with headroom for the row sum."""
+
+from __future__ import annotations
+
+import math
+
+from .base import SearchSpace
+
+# Largest finite value of each P operand dtype.
+_DTYPE_MAX = {"fp16": 65504.0, "bf16": 3.3895e38}
+
+
+class SoftmaxSpace(SearchSpace):
+    name = "softmax"
+    knobs = ("rescale_threshold",)
+    description = "online softmax: threshold below which the O rescale is skipped"
+
+    def check(self, problem, config, target) -> list[str]:
+        threshold = config.rescale_threshold
+        # P entries reach 2**threshold; a row of tile_n of them is summed in fp32, but each must fit the
+        # operand dtype of the P·V GEMM.
+        limit = math.log2(_DTYPE_MAX[problem.dtype])
+        if threshold >= limit:
+            return [
+                f"rescale_threshold {threshold:g} lets P reach 2^{threshold:g}, beyond {problem.dtype}'s "
+                f"largest value 2^{limit:.1f}"
+            ]
+        return []

@@ -1,0 +1,76 @@
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+PLUGIN_DIR = Path(__file__).resolve().parent / "plugin_pkg"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` run only where a CUDA GPU is present."""
+    if not any(item.get_closest_marker("gpu") for item in items):
+        return
+    from fa4tune.measure.base import cuda_available
+
+    if cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
+
+
+def write_job(directory: Path, name: str = "job", **fields) -> Path:
+    """A small model-backend job; fields override the defaults."""
+    job = {
+        "name": name,
+        "kernel": "fa4_fwd_sm90",
+        "backend": "model",
+        "target": "H200",
+        "spaces": {"tiles": {}},
+        "problems": [{"head_dim": 128, "seqlen_q": 2048, "batch": 2, "nheads_q": 8}],
+        "sampler": "tpe",
+        "budget": {"trials": 8},
+        "seed": 0,
+        "warm_start": 0,
+    }
+    job.update(fields)
+    path = directory / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(job, sort_keys=False))
+    return path
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    """A clean working directory with no FA4TUNE_* variables set."""
+    for var in ("FA4TUNE_DB", "FA4TUNE_TABLE", "FA4TUNE_TARGET"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.chdir(tmp_path)
+    import fa4tune.runtime
+
+    fa4tune.runtime.reset()
+    yield tmp_path
+    fa4tune.runtime.reset()
+
+
+@pytest.fixture
+def entry_point_plugin(tmp_path, monkeypatch):
+    """Install the test plugin the way pip would expose it: a dist-info with an entry point."""
+    site = tmp_path / "site"
+    dist = site / "fa4tune_testplugin-1.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: fa4tune-testplugin\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[fa4tune.spaces]\neven_stages = fa4tune_testplugin:EvenStagesSpace\n"
+    )
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.syspath_prepend(str(PLUGIN_DIR))
+    import fa4tune.space
+
+    fa4tune.space.rediscover()
+    yield
+    sys.modules.pop("fa4tune_testplugin", None)
+    monkeypatch.undo()
+    fa4tune.space.rediscover()

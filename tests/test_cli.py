@@ -1,0 +1,183 @@
+"""The CLI end to end, and every bad input of issue 2: a one-paragraph error, exit status 2, and
+nothing partial written."""
+
+import importlib.util
+import sqlite3
+
+import pytest
+import yaml
+
+from conftest import REPO, write_job
+from fa4tune.cli import main
+from fa4tune.db import SCHEMA_VERSION
+
+
+def run_cli(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_bad_input(capsys, argv, *fragments):
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2, (out, err)
+    message = err.strip()
+    assert message.startswith("fa4tune: error: ") and "\n" not in message, err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in message, message
+    return message
+
+
+def written(workdir):
+    return sorted(str(p.relative_to(workdir)) for p in workdir.rglob("*") if p.suffix != ".yaml")
+
+
+# ---- the quickstart and the happy paths ------------------------------------------------------------
+def test_quickstart_end_to_end_then_show_export_import_doctor(workdir, capsys):
+    code, out, _ = run_cli(capsys, "search", REPO / "tuning_configs" / "quickstart.yaml", "--no-progress")
+    assert code == 0, out
+    assert "ESTIMATES" in out and "exported fa4tune-results/quickstart-table.yaml" in out
+    assert (workdir / "fa4tune-results" / "results.db").exists()
+    assert (workdir / "fa4tune-results" / "results.optuna.journal").exists()
+    table = yaml.safe_load((workdir / "fa4tune-results" / "quickstart-table.yaml").read_text())
+    assert len(table["entries"]) == 12 and table["estimates"]
+
+    code, out, _ = run_cli(capsys, "show", "--top", "2")
+    assert code == 0 and "bf16-d64x64-causal-q16384-k16384-b1-h32x32" in out and "TFLOP/s" in out
+    assert "0 stale" in out
+
+    code, out, _ = run_cli(capsys, "export")
+    assert code == 0 and "tuning_configs/tables/fa4_fwd_sm90-h200.yaml" in out
+    exported = workdir / "tuning_configs" / "tables" / "fa4_fwd_sm90-h200.yaml"
+    assert exported.read_text().split("\n", 2)[2] == (
+        workdir / "fa4tune-results" / "quickstart-table.yaml").read_text().split("\n", 2)[2]
+
+    code, out, _ = run_cli(capsys, "import", exported, "--db", "copy.db")
+    assert code == 0 and "12 added" in out
+    code, out, _ = run_cli(capsys, "show", "--table", exported, "--top", "0")
+    assert code == 0 and "STALE" not in out
+
+    code, out, _ = run_cli(capsys, "doctor")
+    assert code == 0 and "schema v1" in out and "fa4_fwd_sm90" in out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="report needs the [report] extra")
+def test_report_writes_html_and_png(workdir, capsys):
+    job = write_job(workdir, spaces=["tiles", "pipeline"], budget={"trials": 12})
+    assert run_cli(capsys, "search", job, "--no-progress")[0] == 0
+    code, out, err = run_cli(capsys, "report", "--out", "rep")
+    assert code == 0, err
+    pngs = sorted(p.name for p in (workdir / "rep").glob("*.png"))
+    assert "default_vs_tuned.png" in pngs and any("history" in p for p in pngs)
+    assert any("importances" in p for p in pngs)
+    assert "estimates" in (workdir / "rep" / "index.html").read_text()
+
+
+def test_report_without_matplotlib_says_how_to_get_it(workdir, capsys, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "matplotlib" else real(n, *a))
+    job = write_job(workdir)
+    assert run_cli(capsys, "search", job, "--no-progress")[0] == 0
+    assert_bad_input(capsys, ["report"], "matplotlib", "fa4tune[report]")
+
+
+def test_show_flags_stale_configs(workdir, capsys):
+    job = write_job(workdir)
+    assert run_cli(capsys, "search", job, "--no-progress")[0] == 0
+    con = sqlite3.connect("fa4tune-results/results.db")
+    con.execute("UPDATE best_configs SET kernel_hash = 'abc'")
+    con.commit()
+    con.close()
+    code, out, _ = run_cli(capsys, "show")
+    assert code == 0 and "STALE" in out and "1 stale" in out
+
+
+# ---- bad input ------------------------------------------------------------------------------------
+def test_malformed_yaml_names_the_file_and_line(workdir, capsys):
+    bad = workdir / "bad.yaml"
+    bad.write_text("kernel: fa4_fwd_sm90\nproblems: [ {head_dim: 128\nbudget: 3\n")
+    assert_bad_input(capsys, ["search", bad], "bad.yaml", "malformed YAML", "line")
+    assert written(workdir) == []
+
+
+@pytest.mark.parametrize("fields, fragments", [
+    ({"budget": {"trials": "many"}}, ["budget.trials", "positive integer"]),
+    ({"problems": [{"head_dim": 80}]}, ["problems[0]", "unsupported head_dim 80"]),
+    ({"problems": [{"head_dim": 128, "nheads_q": 12, "nheads_kv": 5}]}, ["problems[0]", "multiple of nheads_kv"]),
+    ({"problems": [{"seqlen_q": 0}]}, ["problems[0]", "seqlen_q must be positive"]),
+    ({"problems": [{"head_dmi": 128}]}, ["problems[0]", "unknown problem field", "head_dim"]),
+    ({"kernel": "fa5_fwd"}, ["kernel", "unknown kernel 'fa5_fwd'", "known kernels: fa4_fwd_sm90"]),
+    ({"spaces": ["tiles", "warp_magic"]}, ["spaces.warp_magic", "unknown search space", "known spaces", "tiles"]),
+    ({"spaces": {"tiles": {"tile_k": [1]}}}, ["spaces", "no parameter 'tile_k'", "tile_m, tile_n"]),
+    ({"spaces": {"tiles": {"tile_n": [100]}}}, ["spaces", "outside its domain"]),
+    ({"sampler": "annealing"}, ["sampler.name", "unknown sampler", "tpe"]),
+    ({"sampler": {"name": "tpe", "n_startup": 3}}, ["sampler", "bad options"]),
+    ({"backend": "fpga"}, ["backend", "known backends"]),
+    ({"target": "A100"}, ["target", "unknown target", "H200"]),
+    ({"colour": "blue"}, ["colour", "unknown field", "known fields"]),
+    ({"target": "B200"}, ["no kernel supports", "sm_100a"]),
+])
+def test_bad_job_fields(workdir, capsys, fields, fragments):
+    job = write_job(workdir, **fields)
+    assert_bad_input(capsys, ["search", job], *fragments)
+    assert written(workdir) == [], "nothing may be written for a bad job"
+
+
+def test_missing_optional_sampler_dependency_is_explained(workdir, capsys):
+    if importlib.util.find_spec("cmaes") is not None:
+        pytest.skip("cmaes is installed here")
+    job = write_job(workdir, sampler="cmaes")
+    assert_bad_input(capsys, ["search", job], "cmaes sampler needs cmaes", "pip install cmaes")
+    assert written(workdir) == []
+
+
+def test_unwritable_db_path(workdir, capsys):
+    (workdir / "a_file").write_text("x")
+    job = write_job(workdir)
+    assert_bad_input(capsys, ["search", job, "--db", "a_file/results.db"], "cannot create results DB",
+                     "not a writable directory")
+    assert written(workdir) == ["a_file"]
+
+
+def test_db_of_another_schema_version(workdir, capsys):
+    job = write_job(workdir)
+    assert run_cli(capsys, "search", job, "--no-progress", "--db", "old.db")[0] == 0
+    con = sqlite3.connect("old.db")
+    con.execute("UPDATE fa4tune_schema SET value = '0'")
+    con.commit()
+    con.close()
+    before = (workdir / "old.db").read_bytes()
+    for argv in (["search", job, "--db", "old.db"], ["show", "--db", "old.db"], ["export", "--db", "old.db"]):
+        assert_bad_input(capsys, argv, "schema version 0", f"reads version {SCHEMA_VERSION}")
+    assert (workdir / "old.db").read_bytes() == before
+
+
+def test_corrupt_db_file(workdir, capsys):
+    (workdir / "broken.db").write_bytes(b"\x00garbage" * 512)
+    job = write_job(workdir)
+    assert_bad_input(capsys, ["search", job, "--db", "broken.db"], "not a SQLite database")
+    assert_bad_input(capsys, ["show", "--db", "broken.db"], "not a SQLite database")
+    assert written(workdir) == ["broken.db"]
+
+
+def test_table_for_another_kernel_hash(workdir, capsys):
+    job = write_job(workdir)
+    assert run_cli(capsys, "search", job, "--no-progress")[0] == 0
+    assert run_cli(capsys, "export", "--out", "t.yaml")[0] == 0
+    document = yaml.safe_load((workdir / "t.yaml").read_text())
+    document["kernel_hash"] = "0" * 64
+    (workdir / "t.yaml").write_text(yaml.safe_dump(document))
+    assert_bad_input(capsys, ["import", "t.yaml", "--db", "new.db"], "kernel_hash 000000000000", "stale")
+    code, out, _ = run_cli(capsys, "show", "--table", "t.yaml")
+    assert code == 0 and "STALE" in out
+
+
+def test_malformed_table_and_missing_files(workdir, capsys):
+    (workdir / "t.yaml").write_text("format: [")
+    assert_bad_input(capsys, ["import", "t.yaml", "--db", "new.db"], "t.yaml", "malformed YAML")
+    assert not (workdir / "new.db").exists()
+    assert_bad_input(capsys, ["import", "none.yaml"], "cannot read table none.yaml")
+    assert_bad_input(capsys, ["search", "none.yaml"], "cannot read job file none.yaml")
+    assert_bad_input(capsys, ["show", "--db", "none.db"], "no results DB")
+    assert not (workdir / "none.db").exists()

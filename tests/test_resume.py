@@ -1,0 +1,113 @@
+"""A search killed (SIGKILL) or interrupted (SIGINT) mid-run loses no finished trial, and --resume
+continues the same studies up to the budget without measuring anything twice."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import optuna
+
+from conftest import write_job
+from fa4tune.db import ResultsDB
+from fa4tune.job import load_job
+from fa4tune.search import run_search
+
+# The CLI with a cost model slowed down to 20 ms a measurement, so that a kill lands mid-search.
+SLOW_CLI = """
+import sys, time
+from fa4tune.measure.model import CostModelBackend
+measure = CostModelBackend.measure
+def slow(self, problem, config):
+    time.sleep(0.02)
+    return measure(self, problem, config)
+CostModelBackend.measure = slow
+from fa4tune.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+SPACE = ["tiles", "pipeline", "exp2", "softmax"]
+
+
+def start_search(job_path, workdir):
+    return subprocess.Popen([sys.executable, "-c", SLOW_CLI, "search", str(job_path), "--no-progress"],
+                            cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_trials(workdir, count, proc, timeout=60):
+    db_path = workdir / "fa4tune-results" / "results.db"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        if db_path.exists():
+            try:
+                with ResultsDB.open(str(db_path), create=False) as db:
+                    if db.counts()["trials"] >= count:
+                        return
+            except Exception:
+                pass  # the schema is being created
+        time.sleep(0.05)
+    raise AssertionError("the search did not get going")
+
+
+def study_states(job):
+    storage = optuna.storages.JournalStorage(
+        optuna.storages.journal.JournalFileBackend("fa4tune-results/results.optuna.journal"))
+    summaries = optuna.get_all_study_summaries(storage)
+    assert len(summaries) == 1
+    study = optuna.load_study(study_name=summaries[0].study_name, storage=storage)
+    return summaries[0].study_name, [t.state for t in study.get_trials(deepcopy=False)]
+
+
+def test_kill_and_resume_loses_no_finished_trial(workdir):
+    job_path = write_job(workdir, spaces=SPACE, budget={"trials": 30}, sampler="tpe")
+    proc = start_search(job_path, workdir)
+    wait_for_trials(workdir, 8, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    with ResultsDB.open("fa4tune-results/results.db", create=False) as db:
+        before = db.trials()
+        assert db.runs()[0]["status"] == "running"  # killed: nobody marked it
+    assert 8 <= len(before) and sum(t["status"] != "pruned" for t in before) < 30
+
+    summary = run_search(load_job(job_path), resume=True, say=lambda *a: None)
+    assert summary.resumed and summary.run_id == before[0]["run_id"]
+    with ResultsDB.open("fa4tune-results/results.db", create=False) as db:
+        after = db.trials()
+        assert db.runs()[0]["status"] == "finished" and len(db.runs()) == 1
+    kept = {t["id"]: t for t in after}
+    assert all(kept[t["id"]] == t for t in before), "a finished trial changed or vanished"
+    assert sum(t["status"] != "pruned" for t in after) == 30
+    keys = [t["config_key"] for t in after]
+    assert len(keys) == len(set(keys)), "a config was measured twice"
+    assert {t["study_name"] for t in after} == {before[0]["study_name"]}
+    name, states = study_states(load_job(job_path))
+    assert optuna.trial.TrialState.RUNNING not in states
+    assert states.count(optuna.trial.TrialState.COMPLETE) >= sum(t["status"] == "ok" for t in after)
+
+
+def test_ctrl_c_stores_everything_and_says_how_to_resume(workdir):
+    job_path = write_job(workdir, spaces=SPACE, budget={"trials": 200}, sampler="random")
+    proc = start_search(job_path, workdir)
+    wait_for_trials(workdir, 5, proc)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out
+    assert "--resume" in out and "every finished trial is stored" in out
+    with ResultsDB.open("fa4tune-results/results.db", create=False) as db:
+        assert db.runs()[0]["status"] == "interrupted"
+        stored = db.count_trials(db.trials()[0]["study_name"], measured_only=False)
+    _, states = study_states(load_job(job_path))
+    assert optuna.trial.TrialState.RUNNING not in states
+    finished = [s for s in states if s in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)]
+    assert len(finished) >= stored
+
+
+def test_sigterm_is_an_interrupt_too(workdir):
+    job_path = write_job(workdir, spaces=SPACE, budget={"trials": 200}, sampler="random")
+    proc = start_search(job_path, workdir)
+    wait_for_trials(workdir, 3, proc)
+    os.kill(proc.pid, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out

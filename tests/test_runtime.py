@@ -1,0 +1,149 @@
+import subprocess
+import sys
+import threading
+import time
+import warnings
+
+import pytest
+
+import fa4tune
+from fa4tune.best import BestEntry
+from fa4tune.db import ResultsDB
+from fa4tune.kernels import get_kernel
+from fa4tune.problem import Problem
+from fa4tune.runtime import Lookup, lookup
+from fa4tune.tables import table_document, render_yaml
+
+KERNEL = get_kernel()
+TUNED_4K = Problem(head_dim=128, seqlen_q=4096, batch=2, nheads_q=16)
+TUNED_16K = Problem(head_dim=128, seqlen_q=16384, batch=2, nheads_q=16)
+
+
+def entry(problem, tile_n, kernel_hash=None, target="H200"):
+    config = {**KERNEL.default_config(problem, None).to_dict(), "tile_n": tile_n}
+    return BestEntry(kernel=KERNEL.name, kernel_hash=kernel_hash or KERNEL.source_hash(), target=target,
+                     problem=problem.to_dict(), problem_key=problem.key(), bucket_key=problem.bucket().key(),
+                     config=config, time_ms=1.0, tflops=500.0, is_estimate=True, provenance={}, source="test")
+
+
+@pytest.fixture
+def tuned_db(workdir):
+    path = str(workdir / "tuned.db")
+    with ResultsDB.open(path) as db:
+        db.merge_best([entry(TUNED_4K, 96), entry(TUNED_16K, 160)])
+    return path
+
+
+def test_the_fallback_ladder(tuned_db):
+    config, how = lookup(TUNED_4K, "H200", source=tuned_db)
+    assert (how, config.tile_n) == ("exact", 96)
+    same_bucket = Problem(head_dim=128, seqlen_q=3000, batch=2, nheads_q=16)
+    hit = lookup(same_bucket, "H200", source=tuned_db)
+    assert (hit.source, hit.config.tile_n, hit.problem_key) == ("bucket", 96, TUNED_4K.key())
+    far = Problem(head_dim=128, seqlen_q=65536, batch=1, nheads_q=16)
+    hit = lookup(far, "H200", source=tuned_db)
+    assert (hit.source, hit.config.tile_n, hit.problem_key) == ("nearest", 160, TUNED_16K.key())
+    for other_family in (Problem(head_dim=128, seqlen_q=4096, batch=2, nheads_q=16, causal=True),
+                         Problem(head_dim=64, seqlen_q=4096), Problem(dtype="fp16", seqlen_q=4096)):
+        hit = lookup(other_family, "H200", source=tuned_db)
+        assert hit.source == "default" and hit.config == KERNEL.default_config(other_family, None)
+    # Another target has no tuned configs.
+    assert lookup(TUNED_4K, "H100-SXM", source=tuned_db).source == "default"
+
+
+def test_missing_or_empty_sources_give_the_default_and_warn_once(workdir):
+    with pytest.warns(RuntimeWarning, match="cannot read tuned configs"):
+        hit = lookup(TUNED_4K, "H200", source=str(workdir / "nowhere.db"))
+    assert hit.source == "default"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert lookup(TUNED_16K, "H200", source=str(workdir / "nowhere.db")).source == "default"
+    empty = workdir / "empty.yaml"
+    empty.write_text(render_yaml(table_document([], KERNEL.name, KERNEL.source_hash(), "H200")))
+    with pytest.warns(RuntimeWarning, match="no tuned configs"):
+        assert lookup(TUNED_4K, "H200", source=str(empty)).source == "default"
+    garbage = workdir / "garbage.yaml"
+    garbage.write_text("{{{{ not yaml")
+    with pytest.warns(RuntimeWarning):
+        assert lookup(TUNED_4K, "H200", source=str(garbage)).source == "default"
+
+
+def test_environment_sources(workdir, tuned_db, monkeypatch):
+    monkeypatch.setenv("FA4TUNE_DB", tuned_db)
+    fa4tune.runtime.reset()
+    assert fa4tune.lookup(TUNED_4K, "H200").source == "exact"
+    monkeypatch.setenv("FA4TUNE_TARGET", "H200")
+    fa4tune.runtime.reset()
+    assert fa4tune.lookup(TUNED_4K).source == "exact"
+
+
+def test_stale_tables_are_flagged(workdir):
+    table = workdir / "stale.yaml"
+    table.write_text(render_yaml(table_document([entry(TUNED_4K, 96, kernel_hash="0" * 64)], KERNEL.name,
+                                                "0" * 64, "H200")))
+    with pytest.warns(RuntimeWarning, match="stale"):
+        hit = lookup(TUNED_4K, "H200", source=str(table))
+    assert hit.stale and hit.source == "exact" and hit.config.tile_n == 96
+
+
+def test_a_borrowed_config_that_does_not_fit_is_skipped(workdir):
+    # tile_n=192 with hdim 256 and 2 stages does not fit in shared memory: the lookup falls back.
+    d256 = Problem(head_dim=256, seqlen_q=4096)
+    bad = BestEntry(**{**entry(d256, 80).__dict__, "config": {**KERNEL.default_config(d256, None).to_dict(),
+                                                              "tile_n": 192, "num_stages": 4}})
+    path = str(workdir / "bad.db")
+    with ResultsDB.open(path) as db:
+        db.merge_best([bad])
+    assert lookup(d256, "H200", source=path).source == "default"
+
+
+def test_thread_safe_and_cheap(tuned_db):
+    problems = [Problem(head_dim=128, seqlen_q=s, batch=b, nheads_q=16, causal=c)
+                for s in (512, 1000, 4096, 9000, 16384, 70000) for b in (1, 2, 8) for c in (False, True)]
+    shared = Lookup(tuned_db)
+    expected = {p: Lookup(tuned_db)(p, "H200") for p in problems}
+    errors = []
+
+    def worker():
+        try:
+            for _ in range(20):
+                for p in problems:
+                    assert shared(p, "H200") == expected[p]
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    start = time.perf_counter()
+    for _ in range(20000):
+        shared(TUNED_4K, "H200")
+    per_call = (time.perf_counter() - start) / 20000
+    assert per_call < 100e-6, f"{per_call * 1e6:.1f} us per lookup"
+
+
+def test_importing_fa4tune_and_looking_up_a_table_stays_light(workdir):
+    table = workdir / "t.yaml"
+    table.write_text(render_yaml(table_document([entry(TUNED_4K, 96)], KERNEL.name, KERNEL.source_hash(), "H200")))
+    code = (
+        "import sys, fa4tune\n"
+        f"hit = fa4tune.lookup(fa4tune.Problem(head_dim=128, seqlen_q=4096, batch=2, nheads_q=16), 'H200', source={str(table)!r})\n"
+        "assert hit.source == 'exact', hit\n"
+        "heavy = [m for m in ('torch', 'cutlass', 'sqlalchemy', 'optuna') if m in sys.modules]\n"
+        "print(heavy)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_attention_is_not_pretended():
+    import importlib.util
+
+    if importlib.util.find_spec("fa4tune.dispatch") is None:
+        with pytest.raises(AttributeError, match="not part of this fa4tune version"):
+            fa4tune.attention
+    else:  # issue 4 has landed: the hook must hand out the real function
+        assert callable(fa4tune.attention)

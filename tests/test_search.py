@@ -1,0 +1,175 @@
+import itertools
+
+import pytest
+
+from conftest import write_job
+from fa4tune.db import ResultsDB
+from fa4tune.job import load_job
+from fa4tune.kernels import get_kernel
+from fa4tune.measure.model import CostModelBackend
+from fa4tune.problem import Problem
+from fa4tune.search import run_search
+from fa4tune.space import compose
+from fa4tune.target import get_target
+
+KERNEL = get_kernel()
+H200 = get_target("H200")
+quiet = lambda *a, **k: None  # noqa: E731
+
+
+class SpyBackend(CostModelBackend):
+    """The cost model, remembering every config it was asked to measure."""
+
+    def __init__(self, kernel, target):
+        super().__init__(kernel, target)
+        self.seen = []
+
+    def measure(self, problem, config):
+        self.seen.append((problem, config.to_dict()))
+        return super().measure(problem, config)
+
+
+def exhaustive_optimum(job):
+    """The model's best over the job's whole (small) space, by brute force."""
+    space = compose(job.kernel, job.spaces)
+    problem = job.problems[0]
+    grid = space.grid(problem, H200)
+    backend = CostModelBackend(job.kernel, H200)
+    best = None
+    for values in itertools.product(*grid.values()):
+        config = space.full_config(problem, H200, dict(zip(grid, values)))
+        if space.check(problem, config, H200):
+            continue
+        t = backend.measure(problem, KERNEL.make_config(config)).time_ms
+        if best is None or t < best[0]:
+            best = (t, config)
+    return best, len(list(itertools.product(*grid.values())))
+
+
+SMALL_SPACE = {"tiles": {"tile_n": [64, 96, 128, 160, 192]},
+               "pipeline": {"num_stages": [1, 2, 3, 4]},
+               "exp2": {"poly_degree": [3], "emu_share": [0.0, 0.125, 0.25]},
+               "softmax": {"rescale_threshold": [0.0, 4.0]}}
+
+
+def test_search_reaches_the_exhaustive_optimum_of_a_small_space(workdir):
+    path = write_job(workdir, spaces=SMALL_SPACE, sampler="tpe", budget={"trials": 40},
+                     problems=[{"head_dim": 64, "seqlen_q": 4096, "batch": 2, "nheads_q": 16}])
+    job = load_job(path)
+    (best_ms, best_config), size = exhaustive_optimum(job)
+    assert size == 2 * 5 * 4 * 2 * 2 * 3 * 2  # the budget is 40 of 960 configs
+    summary = run_search(job, say=quiet)
+    result = summary.results[0]
+    assert result.measured <= 40
+    assert result.best_ms == pytest.approx(best_ms)  # ties (equally fast configs) may differ in knobs
+    assert CostModelBackend(KERNEL, H200).measure(job.problems[0], KERNEL.make_config(result.best_config)).time_ms \
+        == pytest.approx(best_ms)
+
+
+def test_grid_sampler_exhausts_a_tiny_space(workdir):
+    path = write_job(workdir, spaces={"tiles": {"tile_n": [64, 128]}, "pipeline": {"num_stages": [2, 3],
+                     "intra_wg_overlap": [True], "wg_pingpong": [True]}}, sampler="grid", budget={"trials": 100})
+    job = load_job(path)
+    (best_ms, _), size = exhaustive_optimum(job)
+    result = run_search(job, say=quiet).results[0]
+    assert "exhausted" in result.stopped
+    assert result.measured + result.pruned == size
+    assert result.best_ms == pytest.approx(best_ms)
+
+
+def test_infeasible_configs_never_reach_the_backend(workdir):
+    problems = [{"head_dim": 256, "seqlen_q": 2048, "batch": 2, "nheads_q": 8}]
+    path = write_job(workdir, spaces=["tiles", "pipeline", "exp2"], problems=problems, budget={"trials": 25})
+    job = load_job(path)
+    spy = SpyBackend(KERNEL, H200)
+    summary = run_search(job, backend=spy, say=quiet)
+    space = compose(KERNEL, job.spaces)
+    problem = job.problems[0]
+    assert len(spy.seen) == 25 == summary.results[0].measured
+    for _, config in spy.seen:
+        assert space.check(problem, config, H200) == []
+        assert KERNEL.infeasible_reasons(problem, config, H200) == []
+    with ResultsDB.open(summary.db_location, create=False) as db:
+        trials = db.trials()
+    pruned = [t for t in trials if t["status"] == "pruned"]
+    assert pruned, "hdim 256 with deep pipelines must hit the shared-memory limit"
+    assert all(t["reason"] and t["time_ms"] is None for t in pruned)
+    assert {t["config_key"] for t in pruned}.isdisjoint({t["config_key"] for t in trials if t["status"] == "ok"})
+    # Pruned suggestions do not use up the budget: 25 configs were measured on top of them.
+    assert summary.results[0].pruned == len(pruned)
+
+
+def test_default_is_measured_first_and_neighbours_warm_start_the_next_problem(workdir):
+    first = write_job(workdir, name="first", spaces=SMALL_SPACE, budget={"trials": 30},
+                      problems=[{"head_dim": 64, "seqlen_q": 4096, "batch": 2, "nheads_q": 16}])
+    summary = run_search(load_job(first), say=quiet)
+    with ResultsDB.open(summary.db_location, create=False) as db:
+        trials = db.trials()
+        best = db.best_configs()[0]
+    problem = Problem(head_dim=64, seqlen_q=4096, batch=2, nheads_q=16)
+    default = compose(KERNEL, load_job(first).spaces).full_config(problem, H200, {})
+    assert trials[0]["source"] == "default" and trials[0]["config"] == default
+    assert summary.results[0].default_ms == trials[0]["time_ms"]
+
+    second = write_job(workdir, name="second", spaces=SMALL_SPACE, budget={"trials": 3}, warm_start=2,
+                       problems=[{"head_dim": 64, "seqlen_q": 8192, "batch": 1, "nheads_q": 16}])
+    run_search(load_job(second), say=quiet)
+    with ResultsDB.open(summary.db_location, create=False) as db:
+        new = [t for t in db.trials() if t["run_id"] == 2]
+    assert [t["source"] for t in new[:2]] == ["default", "warm-start"]
+    assert new[1]["config"] == best.config
+
+
+def test_search_with_an_entry_point_plugin(workdir, entry_point_plugin):
+    from fa4tune_testplugin import REJECTED
+
+    path = write_job(workdir, spaces={"tiles": {}, "even_stages": {}}, sampler="random", budget={"trials": 10})
+    summary = run_search(load_job(path), say=quiet)
+    with ResultsDB.open(summary.db_location, create=False) as db:
+        trials = db.trials()
+    assert {t["config"]["num_stages"] for t in trials if t["status"] == "ok"} <= {2, 4}
+    assert any(REJECTED in (t["reason"] or "") for t in trials)
+    assert summary.results[0].measured == 10
+
+
+def test_time_budget_stops_a_problem(workdir):
+    path = write_job(workdir, spaces=["tiles", "pipeline", "exp2", "softmax"], budget={"seconds": 0.5},
+                     sampler="random")
+    result = run_search(load_job(path), say=quiet).results[0]
+    assert "time budget" in result.stopped and result.measured >= 1
+
+
+def test_repeated_suggestions_are_not_measured_twice(workdir):
+    path = write_job(workdir, spaces={"tiles": {"tile_n": [128, 144]}}, budget={"trials": 50})
+    summary = run_search(load_job(path), say=quiet)
+    with ResultsDB.open(summary.db_location, create=False) as db:
+        keys = [t["config_key"] for t in db.trials()]
+    assert len(keys) == len(set(keys)) <= 4
+    assert summary.results[0].stopped
+
+
+def test_backend_selection_by_name(workdir):
+    from fa4tune.errors import BackendError
+    from fa4tune.measure.base import cuda_available, resolve_backend_name
+
+    said = []
+    if not cuda_available():
+        assert resolve_backend_name("auto", announce=said.append) == "model"
+        assert "no CUDA GPU" in said[0] and "estimates" in said[0]
+        job = load_job(write_job(workdir, backend="gpu"))
+        with pytest.raises(BackendError, match="needs a CUDA GPU"):
+            run_search(job, say=quiet)
+        assert not (workdir / "fa4tune-results").exists()
+    with pytest.raises(BackendError, match="known backends: auto, model, gpu"):
+        resolve_backend_name("fpga")
+
+
+def test_optuna_storage_can_be_an_rdb_url(workdir):
+    import optuna
+
+    url = f"sqlite:///{workdir / 'optuna.sqlite'}"
+    summary = run_search(load_job(write_job(workdir, budget={"trials": 4})), storage=url, say=quiet)
+    assert summary.storage == url
+    [study] = optuna.get_all_study_summaries(url)
+    assert study.study_name == summary.results[0].study_name and study.n_trials >= 4
+    assert not (workdir / "fa4tune-results" / "results.optuna.journal").exists()

@@ -1,0 +1,113 @@
+import itertools
+
+import pytest
+
+from fa4tune.errors import SpaceError
+from fa4tune.kernels import get_kernel
+from fa4tune.problem import Problem
+from fa4tune.space import Choice, Range, available_spaces, compose, domain_of, get_space, parse_domain
+from fa4tune.target import get_target
+
+KERNEL = get_kernel("fa4_fwd_sm90")
+H200 = get_target("H200")
+
+
+def test_domain_of_keeps_bools_apart_and_orders_numeric_runs():
+    assert domain_of((True, False)) == Choice((True, False))
+    stages = domain_of((1, 2, 3, 4, 5))
+    assert isinstance(stages, Range) and stages.integer and stages.values() == [1, 2, 3, 4, 5]
+    share = domain_of((0.0, 0.125, 0.25, 0.375, 0.5))
+    assert share.values() == [0.0, 0.125, 0.25, 0.375, 0.5]
+    assert domain_of((0.0, 2.0, 4.0, 8.0)) == Choice((0.0, 2.0, 4.0, 8.0))
+    assert not Choice((True, False)).contains(1)
+    assert not Choice((1, 2)).contains(True)
+    assert not stages.contains(2.5) and stages.contains(3)
+
+
+def test_parse_domain_forms():
+    assert parse_domain([64, 128], "tile_n") == Choice((64, 128))
+    r = parse_domain({"low": 64, "high": 128, "step": 16}, "tile_n")
+    assert r.values() == [64, 80, 96, 112, 128]
+    assert parse_domain(3, "poly_degree") == Choice((3,))
+    with pytest.raises(SpaceError, match="tile_n"):
+        parse_domain({"low": 64}, "tile_n")
+    with pytest.raises(SpaceError, match="tile_n: an empty list"):
+        parse_domain([], "tile_n")
+
+
+def test_builtins_cover_the_kernel_knobs_without_overlap():
+    space = compose(KERNEL)
+    assert sorted(space.param_names) == sorted(KERNEL.knobs)
+    assert {"tiles", "pipeline", "exp2", "softmax"} <= set(available_spaces())
+
+
+def test_a_parameter_declared_by_two_plugins_is_an_error():
+    class TileN(get_space("tiles")):
+        name = "tile_n_again"
+        knobs = ("tile_n",)
+
+    with pytest.raises(SpaceError, match="'tile_n' is declared by both space 'tiles' and space 'tile_n_again'"):
+        from fa4tune.space import ComposedSpace
+
+        ComposedSpace(KERNEL, [get_space("tiles")(KERNEL), TileN(KERNEL)])
+
+
+def test_unknown_space_and_parameter_list_the_known_ones():
+    with pytest.raises(SpaceError, match="unknown search space 'tilez'; known spaces: .*tiles"):
+        get_space("tilez")
+    with pytest.raises(SpaceError, match="has no parameter 'tile_k'; its parameters: tile_m, tile_n"):
+        compose(KERNEL, {"tiles": {"tile_k": Choice([1])}})
+    with pytest.raises(SpaceError, match="tile_n value.*100.*outside its domain"):
+        compose(KERNEL, {"tiles": {"tile_n": Choice([96, 100])}})
+
+
+def test_the_default_is_always_in_the_searched_domain():
+    problem = Problem(head_dim=64, seqlen_q=4096)
+    default = KERNEL.default_config(problem, H200).to_dict()
+    space = compose(KERNEL, {"tiles": {"tile_n": Choice([64])}})
+    domains = space.domains(problem, H200)
+    assert domains["tile_n"].contains(default["tile_n"]) and domains["tile_n"].contains(64)
+
+
+def test_checks_union_plugins_and_kernel_with_reasons():
+    space = compose(KERNEL)
+    problem = Problem(head_dim=256, seqlen_q=4096)
+    huge = space.full_config(problem, H200, {"tile_m": 192, "tile_n": 192, "num_stages": 5,
+                                             "poly_degree": 1, "emu_share": 0.5})
+    reasons = space.check(problem, huge, H200)
+    assert any("shared memory" in r for r in reasons)
+    assert any("exp2" in r or "degree" in r for r in reasons)
+    assert len(reasons) == len(set(reasons))
+    assert space.check(problem, space.full_config(problem, H200, {}), H200) == []
+    # A value outside the kernel's schema is a reason too, not a crash.
+    assert space.check(problem, {**huge, "tile_n": 100}, H200)
+
+
+def test_every_feasible_config_passes_the_kernel_and_every_plugin_reason_is_the_kernels_too():
+    """The plugins may not be stricter or looser than the kernel's own rules on the knobs they own."""
+    space = compose(KERNEL, {"exp2": {"poly_degree": Choice([1, 3]), "emu_share": Choice([0.0, 0.25])},
+                             "softmax": {"rescale_threshold": Choice([0.0])}})
+    problem = Problem(head_dim=128, seqlen_q=2048)
+    grid = space.grid(problem, H200)
+    for values in itertools.product(*grid.values()):
+        config = space.full_config(problem, H200, dict(zip(grid, values)))
+        assert bool(space.check(problem, config, H200)) == bool(KERNEL.infeasible_reasons(problem, config, H200))
+
+
+def test_softmax_space_rejects_thresholds_the_p_dtype_cannot_hold():
+    softmax = get_space("softmax")(KERNEL)
+    config = KERNEL.make_config({"rescale_threshold": 8.0})
+    assert softmax.check(Problem(dtype="fp16"), config, H200) == []
+
+    class Wide:
+        rescale_threshold = 16.0
+
+    assert "fp16" in softmax.check(Problem(dtype="fp16"), Wide(), H200)[0]
+    assert softmax.check(Problem(dtype="bf16"), Wide(), H200) == []
+
+
+def test_entry_point_plugin_is_discovered(entry_point_plugin):
+    spaces = available_spaces()
+    assert "even_stages" in spaces
+    plugin = spaces["even_stages"](KERNEL)
+    assert plugin.domains["num_stages"].values() == [2, 4]

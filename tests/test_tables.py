@@ -1,0 +1,101 @@
+import pytest
+import yaml
+
+from conftest import write_job
+from fa4tune.db import ResultsDB
+from fa4tune.errors import TableError
+from fa4tune.job import load_job
+from fa4tune.kernels import get_kernel
+from fa4tune.search import run_search
+from fa4tune.tables import export_table, import_table, read_table
+
+KERNEL = get_kernel()
+
+
+@pytest.fixture
+def searched(workdir):
+    path = write_job(workdir, spaces=["tiles", "pipeline"], budget={"trials": 6},
+                     problems=[{"head_dim": [64, 128], "causal": [False, True], "seqlen_q": 2048, "batch": 2,
+                                "nheads_q": 8}])
+    summary = run_search(load_job(path), say=lambda *a: None)
+    return summary.db_location
+
+
+def test_export_is_sorted_deterministic_and_round_trips_exactly(searched, workdir):
+    with ResultsDB.open(searched, create=False) as db:
+        first = export_table(db, "t1.yaml", kernel=KERNEL, target="H200")
+        export_table(db, "t2.yaml", kernel=KERNEL, target="H200")
+    assert first == ["t1.yaml", "t1.json"]
+    assert (workdir / "t1.yaml").read_text() == (workdir / "t2.yaml").read_text()
+    assert (workdir / "t1.json").read_text() == (workdir / "t2.json").read_text()
+    document = read_table("t1.yaml")
+    keys = [e["problem_key"] for e in document["entries"]]
+    assert keys == sorted(keys) and len(keys) == 4
+    assert document["kernel_hash"] == KERNEL.source_hash() and document["estimates"] is True
+    assert all(e["provenance"]["backend"] == "model" for e in document["entries"])
+
+    with ResultsDB.open("fresh.db") as fresh:
+        report = import_table(fresh, "t1.yaml")
+        assert len(report.added) == 4 and not report.conflicts
+        export_table(fresh, "t3.yaml", kernel=KERNEL, target="H200")
+    assert (workdir / "t3.yaml").read_text() == (workdir / "t1.yaml").read_text()
+    # JSON reads back the same table.
+    assert read_table("t1.json") == document
+
+
+def test_import_merges_faster_entries_and_reports_conflicts(searched, workdir):
+    with ResultsDB.open(searched, create=False) as db:
+        export_table(db, "t.yaml", kernel=KERNEL, target="H200")
+    document = yaml.safe_load((workdir / "t.yaml").read_text())
+    slower, faster = document["entries"][0], document["entries"][1]
+    slower["time_ms"] *= 2
+    slower["config"]["tile_n"] = 64 if slower["config"]["tile_n"] != 64 else 80
+    faster["time_ms"] /= 2
+    faster["config"]["tile_n"] = 64 if faster["config"]["tile_n"] != 64 else 80
+    (workdir / "edited.yaml").write_text(yaml.safe_dump(document))
+    with ResultsDB.open(searched) as db:
+        report = import_table(db, "edited.yaml")
+        best = {e.problem_key: e for e in db.best_configs()}
+    assert report.kept and report.replaced and len(report.conflicts) == 2
+    assert best[faster["problem_key"]].config == faster["config"]
+    assert best[slower["problem_key"]].config != slower["config"]
+
+
+def test_a_table_for_another_kernel_hash_is_refused_and_nothing_is_written(searched, workdir):
+    with ResultsDB.open(searched, create=False) as db:
+        export_table(db, "t.yaml", kernel=KERNEL, target="H200")
+    document = yaml.safe_load((workdir / "t.yaml").read_text())
+    document["kernel_hash"] = "f" * 64
+    (workdir / "old.yaml").write_text(yaml.safe_dump(document))
+    with ResultsDB.open("other.db") as db:
+        with pytest.raises(TableError, match="stale"):
+            import_table(db, "old.yaml")
+        assert db.counts()["best_configs"] == 0
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d.pop("kernel_hash"), "kernel_hash: missing"),
+    (lambda d: d.update(format="other/9"), "format"),
+    (lambda d: d["entries"][0].pop("config"), r"entries\[0\]: missing field\(s\) config"),
+    (lambda d: d["entries"][0]["problem"].update(head_dim=80), r"entries\[0\].problem: unsupported head_dim"),
+    (lambda d: d["entries"][0].update(problem_key="x"), "does not match"),
+    (lambda d: d["entries"][0]["config"].update(tile_n=100), r"entries\[0\].config"),
+    (lambda d: d.update(target="Z9"), "target: unknown target"),
+])
+def test_malformed_tables_name_the_field(searched, workdir, edit, message):
+    with ResultsDB.open(searched, create=False) as db:
+        export_table(db, "t.yaml", kernel=KERNEL, target="H200")
+    document = yaml.safe_load((workdir / "t.yaml").read_text())
+    edit(document)
+    (workdir / "bad.yaml").write_text(yaml.safe_dump(document))
+    with ResultsDB.open("other.db") as db:
+        with pytest.raises(TableError, match=message):
+            import_table(db, "bad.yaml")
+        assert db.counts()["best_configs"] == 0
+
+
+def test_export_of_nothing_is_an_error(workdir):
+    with ResultsDB.open("empty.db") as db:
+        with pytest.raises(TableError, match="no best configs"):
+            export_table(db, "t.yaml", kernel=KERNEL, target="H200")
+    assert not (workdir / "t.yaml").exists()
