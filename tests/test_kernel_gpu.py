@@ -121,3 +121,4 @@ def test_fp16_inputs():
     out_err, lse_err = run_checked(FwdConfig(emu_share=0.25, poly_degree=4), p, seed=3)
     assert out_err <= 5e-3, out_err
     assert lse_err <= LSE_TOL, lse_err
+

@@ -51,15 +51,17 @@ def compile_forward(
     causal: bool = False,
     target: Target | str | None = None,
     options: str | None = None,
+    use_cache: bool = True,
 ) -> CompiledForward:
     """Build (or fetch from the cache) the kernel for this config. Raises ConfigError, naming the
-    knob, for a config that cannot be built, before any compile."""
+    knob, for a config that cannot be built, before any compile. `use_cache=False` always compiles
+    (to see the compiler's report, say) and leaves the cache as it was."""
     target = get_target(target)
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     dtype = normalize_dtype(dtype)
     key = compile_key(config, dtype, head_dim, head_dim_v, causal, target)
     with _CACHE_LOCK:
-        hit = _CACHE.get(key)
+        hit = _CACHE.get(key) if use_cache else None
     if hit is not None:
         return hit
     check_config(Problem(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal),
@@ -90,8 +92,9 @@ def compile_forward(
             cutlass.Float32(1.0), cutlass.Int32(1), make_fake_stream())
     function = cute.compile(kernel, *args, options=options) if options else cute.compile(kernel, *args)
     compiled = CompiledForward(kernel, function, time.perf_counter() - start, key)
-    with _CACHE_LOCK:
-        _CACHE.setdefault(key, compiled)
+    if use_cache:
+        with _CACHE_LOCK:
+            compiled = _CACHE.setdefault(key, compiled)
     return compiled
 
 
