@@ -67,6 +67,8 @@ def main() -> int:
     # The floor under fa4tune.attention: its prepared launch without the allocation and the key lookup.
     launch = next(iter(dispatch._LAUNCHES.values()))
     stream = torch.cuda.current_stream().cuda_stream
+    for pointer, t in zip(launch.pointers, (q, k, v, out, lse)):  # tensors that stay alive
+        pointer.value = t.data_ptr()
 
     def packed_launch():
         launch.stream.value = stream
