@@ -122,3 +122,15 @@ def test_fp16_inputs():
     assert out_err <= 5e-3, out_err
     assert lse_err <= LSE_TOL, lse_err
 
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim,head_dim_v", [(96, 96), (192, 128), (192, 192), (256, 256)])
+def test_other_head_dims_match_reference(head_dim, head_dim_v, causal):
+    from fa4tune.kernels.config import default_config
+
+    p = Problem(head_dim=head_dim, head_dim_v=head_dim_v, causal=causal, seqlen_q=777, seqlen_k=1029,
+                batch=2, nheads_q=4, nheads_kv=2)
+    out_err, lse_err = run_checked(default_config(p), p, seed=5)
+    assert out_err <= OUT_TOL, out_err
+    assert lse_err <= LSE_TOL, lse_err

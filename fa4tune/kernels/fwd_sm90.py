@@ -174,7 +174,7 @@ class FlashForwardSm90:
     # Device side
     # --------------------------------------------------------------------------------------------
     @cute.jit
-    def tile_coords(self, mQ: cute.Tensor, mK: cute.Tensor, heads_per_l2_group: Int32):
+    def tile_coords(self, mQ: cute.Tensor, heads_per_l2_group: Int32):
         """(m_block, head, batch) of this CTA.
 
         Non-causal tiles all cost the same: the grid is (m, head, batch) as is. Causal tiles are
@@ -273,7 +273,7 @@ class FlashForwardSm90:
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner, dtype=self.dtype)
 
-        m_block, head, batch = self.tile_coords(mQ, mK, heads_per_l2_group)
+        m_block, head, batch = self.tile_coords(mQ, heads_per_l2_group)
         head_kv = head // (mQ.shape[2] // mK.shape[2])
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
