@@ -16,7 +16,6 @@ import datetime
 import math
 import statistics
 import sys
-from importlib import metadata
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -28,13 +27,6 @@ NEAR_BEST = 0.02  # "reached the best": within 2% of the search's final best
 
 class ReportError(Exception):
     pass
-
-
-def _version(dist: str) -> str:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return "not installed"
 
 
 def is_grid(problem) -> bool:
@@ -254,6 +246,7 @@ def build(args) -> str:
     import torch
 
     from fa4tune.db import ResultsDB
+    from fa4tune.doctor import package_version
     from fa4tune.errors import Fa4tuneError
     from fa4tune.job import load_job
     from fa4tune.kernels import get_kernel
@@ -286,8 +279,8 @@ def build(args) -> str:
     last = runs[-1] if runs else {}
     header = {"kernel": kernel.name, "target": target.name, "date": datetime.date.today().isoformat(),
               "gpu": torch.cuda.get_device_name(), "driver": last.get("nvidia_driver") or "?",
-              "cuda": torch.version.cuda, "torch": torch.__version__, "dsl": _version("nvidia-cutlass-dsl"),
-              "fa4": _version("flash-attn-4") if fa4 is not None else "not installed",
+              "cuda": torch.version.cuda, "torch": torch.__version__, "dsl": package_version("nvidia-cutlass-dsl") or "not installed",
+              "fa4": (package_version("flash-attn-4") or "installed") if fa4 is not None else "not installed",
               "kernel_hash": installed, "db": args.db, "rounds": args.rounds}
     rows = []
     for problem in job.problems:

@@ -22,11 +22,11 @@ from pathlib import Path
 
 from ..errors import BackendError, BackendUnavailable
 from .base import Backend, Measurement
+from .gpu_worker import ROLE_VARIABLE
 from .verify import TOLERANCES
 from .worker import Reply, WorkerProcess, WorkerUnavailable
 
 DEFAULT_WORKER_MODULE = "fa4tune.measure.gpu_worker"
-ROLE_VARIABLE = "FA4TUNE_WORKER_ROLE"  # read by gpu_worker.describe
 
 
 @dataclass(frozen=True)

@@ -15,18 +15,10 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from importlib import metadata
 
 ROLE_VARIABLE = "FA4TUNE_WORKER_ROLE"
 CHEAP_TIMING = {"warmup_ms": 25.0, "min_runs": 5, "max_runs": 10, "target_ms": 25.0}
 FULL_TIMING = {"warmup_ms": 100.0, "min_runs": 20, "max_runs": 200, "target_ms": 400.0}
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 # ---- start-up ---------------------------------------------------------------------------------------
@@ -36,6 +28,7 @@ def describe(state: dict) -> dict:
         return {"role": "compile", "pid": os.getpid()}
     import torch
 
+    from ..doctor import cuda_driver_version, package_version
     from ..target import target_for_device_name
 
     if not torch.cuda.is_available():
@@ -56,9 +49,9 @@ def describe(state: dict) -> dict:
         "compute_capability": f"{props.major}.{props.minor}",
         "memory_gib": round(props.total_memory / 2**30, 1),
         "cuda_version": torch.version.cuda,
-        "cuda_driver": _cuda_driver(),
+        "cuda_driver": cuda_driver_version(),
         "torch_version": torch.__version__,
-        "dsl_version": _version("nvidia-cutlass-dsl"),
+        "dsl_version": package_version("nvidia-cutlass-dsl"),
         **gpu_clocks(state),
     }
 
@@ -68,18 +61,6 @@ def _pci_bus(props) -> str | None:
         return f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
     except AttributeError:
         return None
-
-
-def _cuda_driver() -> str | None:
-    try:
-        from cuda.bindings import driver
-
-        err, version = driver.cuDriverGetVersion()
-        if int(err) == 0 and version:
-            return f"{version // 1000}.{version % 1000 // 10}"
-    except Exception:
-        pass
-    return None
 
 
 SMI_FIELDS = ("driver_version", "clocks.sm", "clocks.mem", "clocks.max.sm", "clocks.max.mem",
