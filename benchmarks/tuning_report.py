@@ -88,11 +88,20 @@ def runners_for(problem, default, tuned, target, q, k, v, fa4, fa4_error):
     else:
         runners["flash-attn-4"] = f"not installed ({fa4_error})"
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-    gqa = problem.nheads_q != problem.nheads_kv
+    gqa = {"native": problem.nheads_q != problem.nheads_kv, "kv": (kt, vt)}
 
     def cudnn():
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
-            o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=problem.causal, enable_gqa=gqa)
+            try:
+                o = F.scaled_dot_product_attention(qt, *gqa["kv"], is_causal=problem.causal,
+                                                   enable_gqa=gqa["native"])
+            except RuntimeError:
+                if not gqa["native"]:
+                    raise
+                # No GQA in this cuDNN path: K/V heads repeated once, outside the timed runs after this.
+                group = problem.nheads_q // problem.nheads_kv
+                gqa["native"], gqa["kv"] = False, tuple(t.repeat_interleave(group, dim=1) for t in (kt, vt))
+                o = F.scaled_dot_product_attention(qt, *gqa["kv"], is_causal=problem.causal)
         return o.transpose(1, 2)
 
     runners["cuDNN"] = cudnn

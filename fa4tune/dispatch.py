@@ -191,6 +191,9 @@ class _Launch:
         self.arguments = [ctypes.addressof(d) for d in self.descriptors] + [
             ctypes.addressof(self.scale_log2), ctypes.addressof(self.l2_group), ctypes.addressof(self.stream)]
         self.lock = threading.Lock()
+        self.device_index = q.device.index if q.device.index is not None else 0
+        self._current_device = torch.cuda.current_device
+        self._device_guard = torch.cuda.device
         self._current_stream = torch.cuda.current_stream
         self._empty = torch.empty
         self._float32 = torch.float32
@@ -208,7 +211,11 @@ class _Launch:
             p[0].value, p[1].value, p[2].value = q_ptr, k_ptr, v_ptr
             p[3].value, p[4].value = out.data_ptr(), lse.data_ptr()
             self.stream.value = stream
-            self.executor.run_compiled_program(self.arguments)
+            if self._current_device() == self.device_index:
+                self.executor.run_compiled_program(self.arguments)
+            else:  # the kernel launches on the current device: make it the tensors' one
+                with self._device_guard(self.device_index):
+                    self.executor.run_compiled_program(self.arguments)
         return out, lse
 
 
