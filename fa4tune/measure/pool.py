@@ -48,6 +48,7 @@ class CompilePool:
         self._running: dict[int, str] = {}  # worker index -> job key
         self._cond = threading.Condition()
         self._closed = False
+        self._error: str | None = None
         self._thread = threading.Thread(target=self._loop, name="fa4tune-compile-pool", daemon=True)
         self._thread.start()
 
@@ -68,10 +69,10 @@ class CompilePool:
         worker takes the job, so this wait ends."""
         with self._cond:
             job = self._jobs[key]
-            while job.state != "done" and not self._closed:
+            while job.state != "done" and not self._closed and self._thread.is_alive():
                 self._cond.wait(timeout=1.0)
             if job.reply is None:
-                return Reply(ok=False, reason="the compile pool was closed")
+                return Reply(ok=False, reason=f"the compile pool stopped ({self._error or 'closed'})")
             return job.reply
 
     def forget(self, key: str) -> None:
@@ -91,6 +92,15 @@ class CompilePool:
 
     # ---- the feeding thread ---------------------------------------------------------------------
     def _loop(self) -> None:
+        try:
+            self._feed()
+        except BaseException as exc:  # a bug here must not leave result() waiting forever
+            self._error = f"{type(exc).__name__}: {exc}"
+            with self._cond:
+                self._cond.notify_all()
+            raise
+
+    def _feed(self) -> None:
         for worker in self._workers:  # all spawn side by side; each is waited for when first used
             worker.launch()
         while True:
