@@ -18,6 +18,7 @@ DEVICE_ERROR_TILE_N = 176  # raises after the run began (a CUDA error): the work
 WRONG_TILE_N = 144  # 'measures' fastest of all, with an output error far above tolerance
 COMPILE_ERROR_TILE_N = 192  # raises while compiling: a failed candidate, the worker stays
 POOL_CRASH_TILE_N = 160  # the compile worker dies on it
+POOL_HANG_TILE_N = 176  # the compile worker never finishes it
 
 
 def describe(state: dict) -> dict:
@@ -35,6 +36,8 @@ def clocks(request: dict, channel, state: dict) -> dict:
 def compile(request: dict, channel, state: dict) -> dict:  # noqa: A001
     if request["config"]["tile_n"] == POOL_CRASH_TILE_N:
         os._exit(4)
+    if request["config"]["tile_n"] == POOL_HANG_TILE_N:
+        time.sleep(3600)
     os.makedirs(os.path.dirname(request["artifact"]), exist_ok=True)
     with open(request["artifact"], "w") as f:
         f.write(repr(request["config"]))

@@ -197,17 +197,19 @@ def test_pruner_stops_clearly_slower_candidates_after_the_cheap_timing(workdir):
         assert states[t["optuna_number"]] == optuna.trial.TrialState.PRUNED
 
 
-def test_compile_pool_hands_over_artifacts_and_survives_a_crashing_compile(workdir):
-    space = {"tiles": {"tile_m": [128], "tile_n": [64, 128, planted.POOL_CRASH_TILE_N]}}
+def test_compile_pool_hands_over_artifacts_and_survives_crashing_and_hanging_compiles(workdir):
+    space = {"tiles": {"tile_m": [128], "tile_n": [64, 128, planted.POOL_CRASH_TILE_N, planted.POOL_HANG_TILE_N]}}
     path = write_job(workdir, backend="gpu", target=None, spaces=space, sampler="grid", budget={"trials": 10},
                      measure={**PLANTED, "compile_workers": 2, "cache_dir": str(workdir / "kernels"),
-                              "confirm_rounds": 1})
+                              "confirm_rounds": 1, "compile_timeout": 2})
     summary = run_search(load_job(path), say=quiet)
     with ResultsDB.open("fa4tune-results/results.db", create=False) as db:
         trials = {t["config"]["tile_n"]: t for t in db.trials() if t["source"] != "confirm"}
-    assert summary.results[0].measured == 3
+    assert summary.results[0].measured == 4
     crashed = trials[planted.POOL_CRASH_TILE_N]
     assert crashed["status"] == "failed" and crashed["reason"].startswith("compile failed") and "exit status 4" in crashed["reason"]
+    hung = trials[planted.POOL_HANG_TILE_N]
+    assert hung["status"] == "failed" and "compile timed out after 2 s" in hung["reason"]
     for tile_n in (64, 128):
         assert trials[tile_n]["status"] == "ok" and trials[tile_n]["details"]["artifact_seen"]
     assert len(list((workdir / "kernels").rglob("*.o"))) == 2
