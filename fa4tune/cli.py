@@ -131,7 +131,10 @@ def cmd_show(args) -> int:
                 trials = [t for t in db.trials(problem_key=e.problem_key, kernel=e.kernel, target=e.target)
                           if t["kernel_hash"] == e.kernel_hash]
                 ok = sorted((t for t in trials if t["status"] == "ok"), key=lambda t: t["time_ms"])[: args.top]
-                counts = {s: sum(t["status"] == s for t in trials) for s in ("ok", "pruned", "failed", "wrong")}
+                search = [t for t in trials if t["source"] != "confirm"]  # confirm: the re-timing of the best
+                counts = {s: sum(t["status"] == s for t in search)
+                          for s in ("ok", "stopped", "pruned", "failed", "wrong")}
+                counts["confirmed"] = len(trials) - len(search)
                 _say(f"\n{e.problem_key} on {e.target}: "
                      + ", ".join(f"{n} {s}" for s, n in counts.items()))
                 if ok:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from importlib import metadata
 
 
-def _version(dist: str) -> str | None:
+def package_version(dist: str) -> str | None:
     try:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
@@ -18,7 +18,7 @@ def diagnose(db_location: str | None = None) -> list[tuple[str, bool, str]]:
     from .kernels import KERNELS
 
     lines: list[tuple[str, bool, str]] = [("fa4tune", True, __version__)]
-    torch_version = _version("torch")
+    torch_version = package_version("torch")
     gpu_detail, gpu_ok = "none: searches use the cost model (estimates)", True
     if torch_version is None:
         lines.append(("torch", False, "not installed (pip install torch)"))
@@ -39,8 +39,8 @@ def diagnose(db_location: str | None = None) -> list[tuple[str, bool, str]]:
         except Exception as exc:
             lines.append(("torch", False, f"import failed: {exc}"))
     lines.append(("gpu", gpu_ok, gpu_detail))
-    lines.append(("cuda driver", True, _cuda_driver() or "none"))
-    dsl = _version("nvidia-cutlass-dsl")
+    lines.append(("cuda driver", True, cuda_driver_version() or "none"))
+    dsl = package_version("nvidia-cutlass-dsl")
     lines.append(("cute dsl", dsl is not None, f"nvidia-cutlass-dsl {dsl}" if dsl else "not installed"))
     for name, spec in KERNELS.items():
         try:
@@ -57,7 +57,7 @@ def diagnose(db_location: str | None = None) -> list[tuple[str, bool, str]]:
     return lines
 
 
-def _cuda_driver() -> str | None:
+def cuda_driver_version() -> str | None:
     try:
         from cuda.bindings import driver
 

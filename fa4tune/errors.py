@@ -25,6 +25,11 @@ class BackendError(Fa4tuneError):
     """A measurement backend that is unknown or cannot run here."""
 
 
+class BackendUnavailable(BackendError):
+    """A backend that cannot measure any more (its worker does not start, or keeps dying): the search
+    stops rather than record every remaining candidate as failed."""
+
+
 class ResultsDBError(Fa4tuneError):
     """A results database that cannot be opened, is corrupt, or has another schema version."""
 

@@ -30,6 +30,8 @@ JOB_KEYS = {
     "storage": "Optuna storage: a journal file path or an RDB URL",
     "export": "table path to export the best configs to when the search ends",
     "warm_start": "how many neighbouring tuned problems to enqueue (default 3)",
+    "measure": "options of the gpu backend: compile_workers, compile_timeout, run_timeout, prune_margin, "
+               "confirm_top, confirm_rounds, ...",
 }
 PROBLEM_SHORTHANDS = ("tokens", "hidden")
 
@@ -70,6 +72,7 @@ class Job:
     storage: str | None
     export: str | None
     warm_start: int
+    measure: dict = field(default_factory=dict)  # gpu backend options (GpuOptions), checked at load
 
 
 def load_job(path: str | Path) -> Job:
@@ -123,11 +126,21 @@ def parse_job(data: Any, source: str = "<job>", text: str | None = None, default
         if data.get(key) is not None and not isinstance(data[key], str):
             raise fail(key, f"a path or URL string, got {data[key]!r}")
 
+    measure = data.get("measure") or {}
+    if not isinstance(measure, dict):
+        raise fail("measure", f"a mapping of gpu backend options, got {measure!r}")
+    from .measure.gpu import GpuOptions
+
+    try:
+        GpuOptions.parse(measure)
+    except ValueError as exc:
+        raise fail("measure", str(exc)) from exc
+
     problems = _parse_problems(data.get("problems"), fail)
     return Job(
         name=name, path=source, text=text, kernel=kernel, target=target, backend=backend, spaces=spaces,
         problems=problems, sampler=sampler, budget=budget, seed=seed, db=data.get("db"),
-        storage=data.get("storage"), export=data.get("export"), warm_start=warm_start,
+        storage=data.get("storage"), export=data.get("export"), warm_start=warm_start, measure=dict(measure),
     )
 
 

@@ -8,19 +8,20 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections import deque
 from dataclasses import dataclass, field
 from importlib import metadata
 
 from . import __version__
 from .db import ResultsDB, resolve_location
-from .errors import BackendError, KernelError
+from .errors import BackendError, BackendUnavailable, KernelError
 from .job import Job
 from .measure.base import Backend, Measurement, make_backend, resolve_backend_name
 from .problem import Problem
 from .space import ComposedSpace, compose
 from .studies import (default_storage_location, make_sampler, open_storage, problem_seed, quiet_optuna,
                       study_name)
-from .target import detect_target, get_target
+from .target import get_target
 
 SOURCE_ATTR = "fa4tune_source"
 # A sampler that keeps proposing configs it has already seen has converged on this problem.
@@ -32,6 +33,7 @@ class ProblemResult:
     problem: Problem
     study_name: str
     measured: int = 0  # configs measured in this study, over all sessions
+    stopped_early: int = 0  # of those, stopped by the pruner after the cheap measurement
     pruned: int = 0
     repeats: int = 0
     stopped: str = ""
@@ -73,19 +75,10 @@ def _versions() -> dict:
             "fa4tune_version": __version__}
 
 
-def _choose_target(job: Job, backend_name: str, override):
+def _choose_target(job: Job, override):
+    """The model backend's target (the gpu backend's is the GPU its worker sees)."""
     if override is not None:
         return get_target(override)
-    if backend_name == "gpu":
-        detected = detect_target()
-        if detected is None:
-            raise BackendError("the gpu backend needs a CUDA GPU that fa4tune knows (H100, H200, B200)")
-        if job.target is not None and job.target.name != detected.name:
-            raise BackendError(
-                f"the job targets {job.target.name} but this GPU is {detected.name}; drop `target:` or "
-                "use the model backend"
-            )
-        return detected
     return job.target or get_target(None)
 
 
@@ -100,17 +93,29 @@ def run_search(job: Job, *, db: str | None = None, storage: str | None = None, r
         backend_name = backend.name
     else:
         backend_name = resolve_backend_name(backend or job.backend, announce=say)
-    tgt = backend.target if isinstance(backend, Backend) else _choose_target(job, backend_name, target)
-    unsupported = {p.key(): kernel.unsupported_reasons(p, tgt) for p in job.problems}
-    unsupported = {k: r for k, r in unsupported.items() if r}
-    if unsupported:
-        lines = "; ".join(f"{k}: {', '.join(r)}" for k, r in unsupported.items())
-        raise KernelError(f"{job.path}: no kernel supports these problems on {tgt.name}: {lines}")
     space = compose(kernel, job.spaces)
+    if isinstance(backend, Backend):
+        tgt = backend.target
+    elif backend_name == "gpu":  # its worker finds the GPU (and refuses a job aimed at another)
+        backend = make_backend("gpu", kernel, target if target is not None else job.target, announce=say,
+                               **job.measure)
+        tgt = backend.target
+    else:
+        tgt = _choose_target(job, target)
+    try:
+        unsupported = {p.key(): kernel.unsupported_reasons(p, tgt) for p in job.problems}
+        unsupported = {k: r for k, r in unsupported.items() if r}
+        if unsupported:
+            lines = "; ".join(f"{k}: {', '.join(r)}" for k, r in unsupported.items())
+            raise KernelError(f"{job.path}: no kernel supports these problems on {tgt.name}: {lines}")
+        for problem in job.problems:  # sampler options and grid domains, before anything is written
+            _sampler_for(job, space, problem, tgt)
+    except BaseException:
+        if isinstance(backend, Backend):
+            backend.close()
+        raise
     budget_trials = trials if trials is not None else job.budget.trials
     budget_seconds = seconds if seconds is not None else job.budget.seconds
-    for problem in job.problems:  # sampler options and grid domains, before anything is written
-        _sampler_for(job, space, problem, tgt)
     if not isinstance(backend, Backend):
         backend = make_backend(backend_name, kernel, tgt)
 
@@ -133,7 +138,9 @@ def run_search(job: Job, *, db: str | None = None, storage: str | None = None, r
             job_name=job.name, job_path=job.path, job_text=job.text, kernel=kernel.name,
             kernel_hash=kernel_hash, target=tgt.name, backend=backend.name, is_estimate=backend.is_estimate,
             gpu_name=provenance.get("gpu_name"), sm_count=provenance.get("sm_count"),
-            cuda_driver=provenance.get("cuda_driver"), dsl_version=provenance["dsl_version"],
+            cuda_driver=provenance.get("cuda_driver"), nvidia_driver=provenance.get("nvidia_driver"),
+            cuda_version=provenance.get("cuda_version"), clocks=provenance.get("clocks"),
+            dsl_version=provenance["dsl_version"],
             torch_version=provenance["torch_version"], fa4tune_version=__version__,
             storage_url=storage_location, study_prefix=f"{job.name}/run-pending",
         )
@@ -144,7 +151,10 @@ def run_search(job: Job, *, db: str | None = None, storage: str | None = None, r
             "not measurements")
     best_provenance = {"backend": backend.name, "gpu_name": provenance.get("gpu_name"),
                        "dsl_version": provenance["dsl_version"], "torch_version": provenance["torch_version"],
-                       "fa4tune_version": __version__}
+                       "fa4tune_version": __version__, "run": run_id}
+    for key in ("cuda_version", "nvidia_driver"):
+        if provenance.get(key):
+            best_provenance[key] = provenance[key]
     summary = SearchSummary(run_id=run_id, db_location=db_location, storage=storage_location,
                             backend=backend.name, target=tgt.name, is_estimate=backend.is_estimate,
                             resumed=previous is not None)
@@ -204,25 +214,31 @@ class _Context:
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             study = optuna.create_study(study_name=name, storage=self.storage, direction="minimize",
                                         sampler=_sampler_for(self.job, self.space, problem, self.target),
+                                        pruner=self.backend.make_pruner() or optuna.pruners.NopPruner(),
                                         load_if_exists=True)
         if self.resume:
             self._recover_unfinished(study, name)
-        self._enqueue_starts(study, problem)
-        result = ProblemResult(problem=problem, study_name=name,
-                               measured=self.db.count_trials(name, measured_only=True),
-                               pruned=self.db.count_trials(name, measured_only=False)
-                               - self.db.count_trials(name, measured_only=True))
+        self._enqueue_starts(study, problem, name)
+        measured = self.db.count_trials(name, measured_only=True)
+        result = ProblemResult(problem=problem, study_name=name, measured=measured,
+                               stopped_early=self.db.count_trials(name, status="stopped"),
+                               pruned=self.db.count_trials(name, measured_only=False) - measured)
         size = self.space.size(problem, self.target)
         bar = _progress_bar(problem, self.budget_trials, result.measured, self.progress)
         started = time.monotonic()
         consecutive_repeats = 0
+        # Candidates asked of Optuna ahead of their measurement, so that the backend can compile them
+        # while it measures the current one (lookahead 0: one at a time).
+        queue: deque[_Candidate] = deque()
         try:
             while True:
                 stop = self._stop_reason(result, size, started, consecutive_repeats, name)
                 if stop:
                     result.stopped = stop
                     break
-                outcome = self._one_trial(study, problem, name)
+                while len(queue) < 1 + self.backend.lookahead:
+                    queue.append(self._ask(study, problem, name))
+                outcome = self._run(study, problem, name, queue.popleft())
                 if outcome == "repeat":
                     result.repeats += 1
                     consecutive_repeats += 1
@@ -232,15 +248,20 @@ class _Context:
                     result.pruned += 1
                 else:
                     result.measured += 1
+                    result.stopped_early += outcome == "stopped"
                     if bar is not None:
                         bar.update(1)
                 if bar is not None:
-                    best = self._best(problem)
-                    shown = f"best {best.tflops:.0f} TFLOP/s" if best else "no feasible config yet"
+                    top = self.db.top_trials(name, 1)
+                    shown = f"best {top[0]['tflops']:.0f} TFLOP/s" if top else "no feasible config yet"
                     bar.set_postfix_str(f"{shown}, pruned {result.pruned}")
         finally:
+            for candidate in queue:  # asked but never measured: nothing to learn from them
+                study.tell(candidate.trial.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
             if bar is not None:
                 bar.close()
+        if self.backend.confirms_best and not self.db.confirmed(name):
+            self._confirm(problem, name)
         self._summarise(problem, result)
         return result
 
@@ -257,37 +278,80 @@ class _Context:
             return "converged (the sampler only proposes configs already tried)"
         return ""
 
-    def _one_trial(self, study, problem: Problem, name: str) -> str:
+    def _ask(self, study, problem: Problem, name: str) -> "_Candidate":
+        """Ask Optuna for the next config and check it; a feasible new one is handed to the
+        backend to prepare (compile) while earlier candidates are measured."""
         trial = study.ask()
-        told = False
         try:
             params = self.space.suggest(trial, problem, self.target)
             config = self.space.full_config(problem, self.target, params)
+            reasons = self.space.check(problem, config, self.target)
+        except BaseException:
+            self._settle(study, name, trial.number)
+            raise
+        candidate = _Candidate(trial, config, trial.user_attrs.get(SOURCE_ATTR, "sampler"), reasons)
+        if not reasons and self.backend.lookahead and self.db.trial_by_config(name, config) is None:
+            self.backend.prefetch(problem, self.kernel.make_config(config))
+        return candidate
+
+    def _run(self, study, problem: Problem, name: str, candidate: "_Candidate") -> str:
+        """Measure (or prune) one candidate, store it, tell Optuna: "measured", "stopped", "pruned"
+        or "repeat" (a config already stored in this study: Optuna hears its earlier outcome)."""
+        trial, config = candidate.trial, candidate.config
+        told = False
+        try:
             earlier = self.db.trial_by_config(name, config)
             if earlier is not None:  # never measure a config twice: tell Optuna what it gave before
                 _tell_stored(study, trial.number, earlier)
                 told = True
                 return "repeat"
-            source = trial.user_attrs.get(SOURCE_ATTR, "sampler")
-            reasons = self.space.check(problem, config, self.target)
-            if reasons:
-                measurement = Measurement.pruned(reasons)
+            if candidate.reasons:
+                measurement = Measurement.pruned(candidate.reasons)
             else:
-                try:
-                    measurement = self.backend.measure(problem, self.kernel.make_config(config))
-                except Exception as exc:  # a backend failure is the candidate's, not the search's
-                    measurement = Measurement(status="failed", reason=f"{type(exc).__name__}: {exc}")
+                measurement = self._measure(study, trial, problem, config)
             self.db.add_trial(
                 run_id=self.run_id, study_name=name, optuna_number=trial.number, kernel=self.kernel.name,
                 kernel_hash=self.kernel_hash, target=self.target.name, problem=problem, config=config,
-                measurement=measurement, source=source, provenance=self.provenance,
+                measurement=measurement, source=candidate.source, provenance=self.provenance,
+                offer_best=not self.backend.confirms_best,
             )
             _tell(study, trial.number, measurement.status, measurement.time_ms)
             told = True
-            return "pruned" if measurement.status == "pruned" else "measured"
+            return {"pruned": "pruned", "stopped": "stopped"}.get(measurement.status, "measured")
         finally:
             if not told:  # interrupted or crashed before Optuna heard of the trial
                 self._settle(study, name, trial.number)
+
+    def _measure(self, study, trial, problem: Problem, config: dict) -> Measurement:
+        options = {}
+        if self.backend.multi_fidelity:
+            def should_stop(cheap_ms: float) -> str | None:
+                trial.report(cheap_ms, step=0)
+                return study.pruner.explain(study, cheap_ms) if trial.should_prune() else None
+
+            options["should_stop"] = should_stop
+        try:
+            return self.backend.measure(problem, self.kernel.make_config(config), **options)
+        except BackendUnavailable:
+            raise  # nothing more can be measured: stop the search, keep what is stored
+        except Exception as exc:  # a backend failure is the candidate's, not the search's
+            return Measurement(status="failed", reason=f"{type(exc).__name__}: {exc}")
+
+    def _confirm(self, problem: Problem, name: str) -> None:
+        """Time the best few again, side by side, and store the fastest as the best config."""
+        top = self.db.top_trials(name, self.backend.confirm_count)
+        if not top:
+            return
+        measurements = self.backend.confirm(problem, [t["config"] for t in top])
+        clocks = next((m.details.get("clocks") for m in measurements if m.details.get("clocks")), None)
+        if clocks:
+            self.db.add_clocks(self.run_id, clocks)
+        self.db.confirm_best(run_id=self.run_id, study_name=name, kernel=self.kernel.name,
+                             kernel_hash=self.kernel_hash, target=self.target.name, problem=problem,
+                             confirmed=list(zip(top, measurements)),
+                             provenance={**self.provenance, "confirmed": {
+                                 "candidates": len(top), "rounds": measurements[0].details.get("confirm_rounds"),
+                                 "clocks": clocks}})
 
     def _settle(self, study, name: str, number: int) -> None:
         """Finish an Optuna trial from the results DB: its stored outcome, or failed if none."""
@@ -306,11 +370,23 @@ class _Context:
         for frozen in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
             self._settle(study, name, frozen.number)
 
-    def _enqueue_starts(self, study, problem: Problem) -> None:
-        """The default first, then the best configs of the nearest tuned problems (warm start)."""
+    def _enqueue_starts(self, study, problem: Problem, name: str) -> None:
+        """The default first, then the best configs of the nearest tuned problems (warm start).
+        Whether one is done already is the results DB's to say: an Optuna trial that was asked and
+        then lost to a kill does not count."""
+        import optuna
+
         domains = self.space.domains(problem, self.target)
-        study.enqueue_trial(self.space.default_params(problem, self.target),
-                            user_attrs={SOURCE_ATTR: "default"}, skip_if_exists=True)
+        waiting = [t.system_attrs.get("fixed_params", {}) for t in
+                   study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))]
+
+        def enqueue(params: dict, source: str) -> None:
+            config = self.space.full_config(problem, self.target, params)
+            if self.db.trial_by_config(name, config) is None and params not in waiting:
+                study.enqueue_trial(params, user_attrs={SOURCE_ATTR: source})
+                waiting.append(params)
+
+        enqueue(self.space.default_params(problem, self.target), "default")
         if not self.job.warm_start:
             return
         bucket = problem.bucket()
@@ -329,7 +405,7 @@ class _Context:
             if not all(domains[k].contains(v) for k, v in params.items()):
                 continue
             seen.append(params)
-            study.enqueue_trial(params, user_attrs={SOURCE_ATTR: "warm-start"}, skip_if_exists=True)
+            enqueue(params, "warm-start")
             if len(seen) >= self.job.warm_start:
                 break
 
@@ -356,7 +432,8 @@ class _Context:
             changed = {k: v for k, v in best.config.items() if default.get(k) != v}
             line = (f"best {best.time_ms:.4g} ms = {best.tflops:.0f} TFLOP/s{estimate}{speedup}; "
                     f"changed from default: {changed or 'nothing'}")
-        self.say(f"{problem.key()}: {line} [{result.measured} measured, {result.pruned} pruned; "
+        early = f" ({result.stopped_early} stopped early)" if result.stopped_early else ""
+        self.say(f"{problem.key()}: {line} [{result.measured} measured{early}, {result.pruned} pruned; "
                  f"{result.stopped}]")
 
 
@@ -366,7 +443,7 @@ def _tell(study, number: int, status: str, time_ms: float | None) -> None:
     state = optuna.trial.TrialState
     if status == "ok":
         study.tell(number, time_ms, skip_if_finished=True)
-    elif status == "pruned":
+    elif status in ("pruned", "stopped"):  # a stopped trial's cheap value was reported to Optuna
         study.tell(number, state=state.PRUNED, skip_if_finished=True)
     else:  # failed or wrong: samplers must not learn a time from it
         study.tell(number, state=state.FAIL, skip_if_finished=True)
@@ -374,6 +451,14 @@ def _tell(study, number: int, status: str, time_ms: float | None) -> None:
 
 def _tell_stored(study, number: int, stored: dict) -> None:
     _tell(study, number, stored["status"], stored["time_ms"])
+
+
+@dataclass
+class _Candidate:
+    trial: object  # optuna.Trial
+    config: dict
+    source: str
+    reasons: list[str]  # why it is infeasible; empty when it may be measured
 
 
 def _progress_bar(problem: Problem, total: int | None, initial: int, enabled: bool):

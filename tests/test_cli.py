@@ -8,8 +8,8 @@ import pytest
 import yaml
 
 from conftest import REPO, write_job
-from fa4tune.cli import main
 from fa4tune.db import SCHEMA_VERSION
+from fa4tune.cli import main
 
 
 def run_cli(capsys, *argv):
@@ -59,7 +59,7 @@ def test_quickstart_end_to_end_then_show_export_import_doctor(workdir, capsys):
     assert code == 0 and "STALE" not in out
 
     code, out, _ = run_cli(capsys, "doctor")
-    assert code == 0 and "schema v1" in out and "fa4_fwd_sm90" in out
+    assert code == 0 and f"schema v{SCHEMA_VERSION}" in out and "fa4_fwd_sm90" in out
 
 
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="report needs the [report] extra")

@@ -1,5 +1,6 @@
 """ORM tables of the results database. Bump SCHEMA_VERSION on any change to them: an fa4tune that
-finds another version refuses the file instead of misreading it."""
+finds another version refuses the file instead of misreading it, unless store.py knows how to
+upgrade it (UPGRADES: columns added since that version)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from datetime import datetime
 from sqlalchemy import JSON, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# Version 2 added the provenance of GPU runs: NVIDIA driver, CUDA version, clocks seen.
+UPGRADES = {1: {"runs": ("nvidia_driver", "cuda_version", "clocks")}}
 
 
 class Base(DeclarativeBase):
@@ -36,7 +39,10 @@ class Run(Base):
     is_estimate: Mapped[bool] = mapped_column(Boolean)
     gpu_name: Mapped[str | None] = mapped_column(String(128))
     sm_count: Mapped[int | None] = mapped_column(Integer)
-    cuda_driver: Mapped[str | None] = mapped_column(String(64))
+    cuda_driver: Mapped[str | None] = mapped_column(String(64))  # CUDA driver API version
+    nvidia_driver: Mapped[str | None] = mapped_column(String(64))  # the NVIDIA driver's version
+    cuda_version: Mapped[str | None] = mapped_column(String(64))  # the CUDA runtime torch was built with
+    clocks: Mapped[dict | None] = mapped_column(JSON)  # clocks seen: at start, after each problem
     dsl_version: Mapped[str | None] = mapped_column(String(64))
     torch_version: Mapped[str | None] = mapped_column(String(64))
     fa4tune_version: Mapped[str] = mapped_column(String(32))
@@ -74,8 +80,9 @@ class Trial(ProblemConfigColumns, Base):
     study_name: Mapped[str] = mapped_column(String(512))
     optuna_number: Mapped[int | None] = mapped_column(Integer)
     config_key: Mapped[str] = mapped_column(Text)
-    source: Mapped[str] = mapped_column(String(32))  # default, warm-start, sampler
-    status: Mapped[str] = mapped_column(String(16))  # ok, failed, wrong, pruned
+    # default, warm-start, sampler; or confirm: the re-timing of the best few before one is stored best
+    source: Mapped[str] = mapped_column(String(32))
+    status: Mapped[str] = mapped_column(String(16))  # ok, failed, wrong, pruned, stopped
     reason: Mapped[str | None] = mapped_column(Text)
     time_ms: Mapped[float | None] = mapped_column(Float)
     spread_ms: Mapped[float | None] = mapped_column(Float)

@@ -8,14 +8,16 @@ import os
 from datetime import datetime, timezone
 from pathlib import Path
 
-from sqlalchemy import create_engine, event, func, inspect, select
+from sqlalchemy import create_engine, event, func, inspect, select, text
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from ..best import BestEntry, MergeReport
 from ..errors import ResultsDBError
-from .models import SCHEMA_VERSION, Base, BestConfig, Run, SchemaInfo, Trial
+from .models import SCHEMA_VERSION, UPGRADES, Base, BestConfig, Run, SchemaInfo, Trial
+
+CONFIRM_SOURCE = "confirm"  # trials of the re-timing before a best is stored; not search trials
 
 DEFAULT_DB_PATH = "fa4tune-results/results.db"
 SQLITE_HEADER = b"SQLite format 3\x00"
@@ -108,12 +110,37 @@ class ResultsDB:
         with self._sessions() as session:
             row = session.get(SchemaInfo, "schema_version")
         found = row.value if row else "none"
+        if found.isdigit() and int(found) in UPGRADES:
+            found = self._upgrade(int(found))
         if found != str(SCHEMA_VERSION):
             raise ResultsDBError(
                 f"results DB {self.location!r} has schema version {found}, but this fa4tune "
                 f"({_fa4tune_version()}) reads version {SCHEMA_VERSION}. Use the fa4tune version that wrote "
                 "it, or export its tables with that version and import them into a new DB."
             )
+
+    def _upgrade(self, version: int) -> str:
+        """Add the columns later versions added (all nullable), one version at a time, in one
+        transaction; the version they reach."""
+        tables = Base.metadata.tables
+        try:
+            with self._sessions.begin() as session:
+                while version in UPGRADES:
+                    for table, columns in UPGRADES[version].items():
+                        present = {c["name"] for c in inspect(session.connection()).get_columns(table)}
+                        for name in columns:
+                            if name not in present:
+                                kind = tables[table].c[name].type.compile(dialect=self.engine.dialect)
+                                session.execute(text(f"ALTER TABLE {table} ADD COLUMN {name} {kind}"))
+                    version += 1
+                session.get(SchemaInfo, "schema_version").value = str(version)
+        except SQLAlchemyError as exc:
+            raise ResultsDBError(
+                f"results DB {self.location!r} has schema version {version} and could not be upgraded to "
+                f"{SCHEMA_VERSION} ({_first_line(exc)}); make it writable, or export its tables and import "
+                "them into a new DB"
+            ) from exc
+        return str(version)
 
     def close(self) -> None:
         self.engine.dispose()
@@ -146,6 +173,14 @@ class ResultsDB:
             run = session.get(Run, run_id)
             run.status, run.ended_at = status, now()
 
+    def add_clocks(self, run_id: int, sample: dict) -> None:
+        """Record clocks the GPU was seen running at during the run."""
+        with self._sessions.begin() as session:
+            run = session.get(Run, run_id)
+            clocks = dict(run.clocks or {})
+            clocks["seen"] = list(clocks.get("seen", [])) + [sample]
+            run.clocks = clocks
+
     def latest_run(self, job_name: str, kernel: str, kernel_hash: str, target: str) -> dict | None:
         with self._sessions() as session:
             run = session.scalars(
@@ -164,31 +199,84 @@ class ResultsDB:
     # ---- trials -------------------------------------------------------------------------------
     def add_trial(self, *, run_id: int, study_name: str, optuna_number: int | None, kernel: str,
                   kernel_hash: str, target: str, problem, config: dict, measurement, source: str,
-                  provenance: dict) -> int:
-        """Store one trial and, when it is the best ok measurement of its problem, the best config,
-        in one transaction: a kill between the two cannot leave them disagreeing."""
+                  provenance: dict, offer_best: bool = True) -> int:
+        """Store one trial and, when it is the best ok measurement of its problem (and `offer_best`),
+        the best config, in one transaction: a kill between the two cannot leave them disagreeing."""
         with self._sessions.begin() as session:
-            trial = Trial(
-                run_id=run_id, study_name=study_name, optuna_number=optuna_number, kernel=kernel,
-                kernel_hash=kernel_hash, target=target, problem_key=problem.key(),
-                bucket_key=problem.bucket().key(), problem=problem.to_dict(), config=dict(config),
-                config_key=config_key(config), source=source, status=measurement.status,
-                reason=measurement.reason, time_ms=measurement.time_ms, spread_ms=measurement.spread_ms,
-                tflops=measurement.tflops, max_error=measurement.max_error,
-                compile_s=measurement.compile_s, is_estimate=measurement.is_estimate,
-                details=dict(measurement.details), created_at=now(),
-            )
-            session.add(trial)
-            session.flush()
-            if measurement.status == "ok":
-                entry = BestEntry(
-                    kernel=kernel, kernel_hash=kernel_hash, target=target, problem=problem.to_dict(),
-                    problem_key=problem.key(), bucket_key=problem.bucket().key(), config=dict(config),
-                    time_ms=measurement.time_ms, tflops=measurement.tflops,
-                    is_estimate=measurement.is_estimate, provenance=provenance, source=f"run {run_id}",
-                )
-                _offer_best(session, entry, trial_id=trial.id)
+            trial = self._new_trial(session, run_id, study_name, optuna_number, kernel, kernel_hash, target,
+                                    problem, config, measurement, source)
+            if measurement.status == "ok" and offer_best:
+                _offer_best(session, _trial_entry(trial, measurement, provenance), trial_id=trial.id)
             return trial.id
+
+    def confirm_best(self, *, run_id: int, study_name: str, kernel: str, kernel_hash: str, target: str,
+                     problem, confirmed: list[tuple[dict, object]], provenance: dict) -> int | None:
+        """Store the re-timing of the best few trials of a study (`confirmed`: (trial, measurement)
+        pairs) as trials of source `confirm`, and offer the fastest ok one as the best config, in
+        one transaction. Only a trial that is ok can be confirmed. Returns the stored best's trial id,
+        or None when nothing became best."""
+        with self._sessions.begin() as session:
+            stored = []
+            for trial, measurement in confirmed:
+                original = session.get(Trial, trial["id"])
+                if original is None or original.status != "ok" or original.study_name != study_name:
+                    raise ResultsDBError(f"trial {trial['id']} is not an ok trial of {study_name}: it cannot be "
+                                         "confirmed as best")
+                row = self._new_trial(session, run_id, study_name, None, kernel, kernel_hash, target, problem,
+                                      original.config, measurement, CONFIRM_SOURCE)
+                row.details = {**row.details, "confirms_trial": original.id}
+                stored.append((row, measurement))
+            session.flush()
+            ok = sorted(((m.time_ms, row.id, row, m) for row, m in stored if m.status == "ok"))
+            for _, _, row, measurement in ok:  # the fastest that may become best
+                if _offer_best(session, _trial_entry(row, measurement, provenance), trial_id=row.id):
+                    return row.id
+                if not _was_wrong(session, _trial_entry(row, measurement, provenance)):
+                    return None  # a faster best is already stored
+            return None
+
+    def confirmed(self, study_name: str) -> bool:
+        """Whether the study's latest search trial is followed by a confirmation."""
+        with self._sessions() as session:
+            last_search = session.scalar(select(func.max(Trial.id)).where(
+                Trial.study_name == study_name, Trial.source != CONFIRM_SOURCE))
+            last_confirm = session.scalar(select(func.max(Trial.id)).where(
+                Trial.study_name == study_name, Trial.source == CONFIRM_SOURCE))
+        return last_confirm is not None and (last_search is None or last_confirm > last_search)
+
+    def top_trials(self, study_name: str, limit: int) -> list[dict]:
+        """The fastest ok search trials of a study, one per config."""
+        with self._sessions() as session:
+            rows = session.scalars(
+                select(Trial)
+                .where(Trial.study_name == study_name, Trial.status == "ok", Trial.source != CONFIRM_SOURCE)
+                .order_by(Trial.time_ms, Trial.id)
+            )
+            picked, seen = [], set()
+            for row in rows:
+                if row.config_key not in seen:
+                    seen.add(row.config_key)
+                    picked.append(_columns(row))
+                if len(picked) >= limit:
+                    break
+            return picked
+
+    @staticmethod
+    def _new_trial(session: Session, run_id, study_name, optuna_number, kernel, kernel_hash, target, problem,
+                   config, measurement, source) -> Trial:
+        trial = Trial(
+            run_id=run_id, study_name=study_name, optuna_number=optuna_number, kernel=kernel,
+            kernel_hash=kernel_hash, target=target, problem_key=problem.key(),
+            bucket_key=problem.bucket().key(), problem=problem.to_dict(), config=dict(config),
+            config_key=config_key(config), source=source, status=measurement.status,
+            reason=measurement.reason, time_ms=measurement.time_ms, spread_ms=measurement.spread_ms,
+            tflops=measurement.tflops, max_error=measurement.max_error,
+            compile_s=measurement.compile_s, is_estimate=measurement.is_estimate,
+            details=dict(measurement.details), created_at=now(),
+        )
+        session.add(trial)
+        session.flush()
+        return trial
 
     def trial_by_number(self, study_name: str, optuna_number: int) -> dict | None:
         with self._sessions() as session:
@@ -207,10 +295,15 @@ class ResultsDB:
             ).first()
             return _columns(row) if row else None
 
-    def count_trials(self, study_name: str, measured_only: bool = True) -> int:
-        query = select(func.count()).select_from(Trial).where(Trial.study_name == study_name)
+    def count_trials(self, study_name: str, measured_only: bool = True, status: str | None = None) -> int:
+        """Search trials of a study (confirmations not counted): all, those measured (not pruned as
+        infeasible), or those of one status."""
+        query = select(func.count()).select_from(Trial).where(Trial.study_name == study_name,
+                                                                 Trial.source != CONFIRM_SOURCE)
         if measured_only:
             query = query.where(Trial.status != "pruned")
+        if status is not None:
+            query = query.where(Trial.status == status)
         with self._sessions() as session:
             return int(session.scalar(query))
 
@@ -243,6 +336,11 @@ class ResultsDB:
             for entry in entries:
                 row = _find_best(session, entry)
                 existing = _best_entry(row) if row is not None else None  # before the row changes
+                if _was_wrong(session, entry):
+                    conflicts.append(f"{entry.problem_key} on {entry.target}: the table's config {entry.config} "
+                                     "gave wrong results here; not imported")
+                    kept.append(entry.problem_key)
+                    continue
                 outcome = _offer_best(session, entry, trial_id=None)
                 if existing is None:
                     added.append(entry.problem_key)
@@ -314,8 +412,31 @@ def _find_best(session: Session, entry: BestEntry) -> BestConfig | None:
     ).first()
 
 
+def _trial_entry(trial: Trial, measurement, provenance: dict) -> BestEntry:
+    return BestEntry(
+        kernel=trial.kernel, kernel_hash=trial.kernel_hash, target=trial.target, problem=dict(trial.problem),
+        problem_key=trial.problem_key, bucket_key=trial.bucket_key, config=dict(trial.config),
+        time_ms=measurement.time_ms, tflops=measurement.tflops, is_estimate=measurement.is_estimate,
+        provenance=provenance, source=f"run {trial.run_id}",
+    )
+
+
+def _was_wrong(session: Session, entry: BestEntry) -> bool:
+    """Whether this config ever gave a wrong result on this problem with this kernel code."""
+    return session.scalar(
+        select(func.count()).select_from(Trial).where(
+            Trial.kernel == entry.kernel, Trial.kernel_hash == entry.kernel_hash, Trial.target == entry.target,
+            Trial.problem_key == entry.problem_key, Trial.config_key == config_key(entry.config),
+            Trial.status == "wrong",
+        )
+    ) > 0
+
+
 def _offer_best(session: Session, entry: BestEntry, trial_id: int | None) -> bool:
-    """Store `entry` as best unless the stored one is at least as good; True when stored."""
+    """Store `entry` as best unless the stored one is at least as good, or the config ever gave a
+    wrong result for this problem and kernel code (then never); True when stored."""
+    if _was_wrong(session, entry):
+        return False
     row = _find_best(session, entry)
     if row is not None and not entry.beats(_best_entry(row)):
         return False

@@ -23,7 +23,7 @@ _CACHE_LOCK = threading.Lock()
 
 @dataclass
 class CompiledForward:
-    kernel: object  # the FlashForwardSm90 instance
+    kernel: object  # the FlashForwardSm90 instance (None when loaded from an exported object file)
     function: object  # what cute.compile returned
     compile_seconds: float
     key: tuple
@@ -96,6 +96,49 @@ def compile_forward(
         with _CACHE_LOCK:
             compiled = _CACHE.setdefault(key, compiled)
     return compiled
+
+
+def artifact_name(key: tuple) -> str:
+    """A file-name-safe name for a compile key (the symbol prefix of its exported object too)."""
+    import hashlib
+
+    return "fa4fwd_" + hashlib.sha256(repr(key).encode()).hexdigest()[:24]
+
+
+def export_compiled(compiled: CompiledForward, path) -> str:
+    """Write a compiled kernel as an object file (the DSL's AOT export) that `load_compiled` loads in
+    another process. Written under a temporary name and renamed: a reader never sees half a file."""
+    import tempfile
+    from pathlib import Path
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    name = artifact_name(compiled.key)
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".export-") as tmp:
+        compiled.function.export_to_c(tmp, name, function_prefix=name)
+        os.replace(os.path.join(tmp, name + ".o"), path)
+    return str(path)
+
+
+def load_compiled(path, config: FwdConfig, dtype: str, head_dim: int, head_dim_v: int | None = None,
+                  causal: bool = False, target: Target | str | None = None) -> CompiledForward:
+    """Load a kernel that `export_compiled` wrote (in any process) into this process's compile
+    cache, so that compile_forward and attention_forward find it. Milliseconds instead of seconds."""
+    target = get_target(target)
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    key = compile_key(config, dtype, head_dim, head_dim_v, causal, target)
+    with _CACHE_LOCK:
+        hit = _CACHE.get(key)
+    if hit is not None:
+        return hit
+    _import_dsl(target)
+    from cutlass.cute.runtime import load_module
+
+    start = time.perf_counter()
+    function = load_module(str(path))[artifact_name(key)]
+    compiled = CompiledForward(None, function, time.perf_counter() - start, key)
+    with _CACHE_LOCK:
+        return _CACHE.setdefault(key, compiled)
 
 
 def heads_per_l2_group(problem: Problem, target: Target) -> int:

@@ -9,7 +9,9 @@ from typing import ClassVar
 
 from ..errors import BackendError
 
-STATUSES = ("ok", "failed", "wrong", "pruned")
+# ok: measured and verified. failed: crashed, hung, did not compile. wrong: above the reference's
+# tolerance. pruned: infeasible, never measured. stopped: measured cheaply and stopped by the pruner.
+STATUSES = ("ok", "failed", "wrong", "pruned", "stopped")
 
 
 @dataclass(frozen=True)
@@ -50,10 +52,19 @@ class Measurement:
 
 class Backend:
     """Measures configs of one kernel on one target. Subclasses set `name` and `is_estimate` and
-    implement `measure`; `provenance` says what the measurements were taken on."""
+    implement `measure`; `provenance` says what the measurements were taken on.
+
+    A measuring backend may also: take a `should_stop(cheap_ms) -> reason | None` callback in
+    `measure` (`multi_fidelity`), want the few best of a problem re-timed by `confirm` before one is
+    stored as best (`confirms_best`), and compile ahead the `lookahead` candidates it is told of by
+    `prefetch`."""
 
     name: ClassVar[str] = ""
     is_estimate: ClassVar[bool] = False
+    multi_fidelity: ClassVar[bool] = False
+    confirms_best: ClassVar[bool] = False
+    lookahead: int = 0
+    confirm_count: int = 0
 
     def __init__(self, kernel, target) -> None:
         self.kernel = kernel
@@ -61,6 +72,17 @@ class Backend:
 
     def measure(self, problem, config) -> Measurement:
         raise NotImplementedError
+
+    def prefetch(self, problem, config) -> None:
+        """A candidate that `measure` will be asked for soon (a hint; nothing by default)."""
+
+    def confirm(self, problem, configs: list[dict]) -> list[Measurement]:
+        """Measure `configs` again, side by side, before the fastest is stored as best."""
+        raise NotImplementedError
+
+    def make_pruner(self):
+        """The Optuna pruner that judges cheap measurements (None: no early stopping)."""
+        return None
 
     def provenance(self) -> dict:
         """Fields for the run record: gpu_name, sm_count, cuda_driver (None where not applicable)."""

@@ -1,0 +1,317 @@
+"""Write docs/tuning-report.md from the results DB of a GPU search: per problem the default and the
+tuned config, TFLOP/s of default, tuned, flash-attn-4 and cuDNN measured side by side (one process,
+interleaved rounds), the trials the search needed to reach its best, and its wall time.
+
+    python benchmarks/tuning_report.py [--db fa4tune-results/h200-bf16.db] [--job tuning_configs/h200-bf16.yaml]
+                                       [--out docs/tuning-report.md] [--rounds 5]
+
+Every column is checked against the fp32 reference (slices, fa4tune.measure.verify) before it is
+timed; a column whose implementation is missing, fails or is wrong says so instead of a number. The
+report is written whole at the end, or not at all."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+COLUMNS = ("default", "tuned", "flash-attn-4", "cuDNN")
+GRID_HEAD_DIMS, GRID_SEQLENS = (64, 128), (1024, 4096, 16384)
+NEAR_BEST = 0.02  # "reached the best": within 2% of the search's final best
+
+
+class ReportError(Exception):
+    pass
+
+
+def is_grid(problem) -> bool:
+    """The benchmark grid of DESIGN.md: 16k tokens, hidden 2048."""
+    return (problem.head_dim in GRID_HEAD_DIMS and problem.seqlen_q in GRID_SEQLENS
+            and problem.seqlen_q == problem.seqlen_k and problem.batch * problem.seqlen_q == 16384
+            and problem.nheads_q * problem.head_dim == 2048 and problem.nheads_kv == problem.nheads_q)
+
+
+# ---- what the search did ----------------------------------------------------------------------------
+def search_story(db, problem_key: str, best) -> dict:
+    """Trials (measured, in order) until the search first held a config within 2% of its final best,
+    and until it first measured the config that became best; the search's wall time."""
+    from fa4tune.db.store import CONFIRM_SOURCE
+
+    trials = [t for t in db.trials(problem_key=problem_key)
+              if t["kernel_hash"] == best.kernel_hash and t["target"] == best.target]
+    search = [t for t in trials if t["source"] != CONFIRM_SOURCE and t["status"] != "pruned"]
+    if not search:
+        return {"measured": 0}
+    final = min((t["time_ms"] for t in search if t["status"] == "ok"), default=None)
+    to_near = to_best = None
+    running = math.inf
+    for index, t in enumerate(search, start=1):
+        if t["status"] == "ok":
+            running = min(running, t["time_ms"])
+            if to_near is None and final is not None and running <= final * (1 + NEAR_BEST):
+                to_near = index
+            if to_best is None and t["config"] == best.config:
+                to_best = index
+    stamps = [t["created_at"] for t in trials]
+    return {"measured": len(search), "to_near": to_near, "to_best": to_best,
+            "wall_s": (max(stamps) - min(stamps)).total_seconds() if len(stamps) > 1 else 0.0,
+            "stopped": sum(t["status"] == "stopped" for t in search),
+            "failed": sum(t["status"] in ("failed", "wrong") for t in search)}
+
+
+# ---- measuring side by side -------------------------------------------------------------------------
+def runners_for(problem, default, tuned, target, q, k, v, fa4, fa4_error):
+    """name -> (callable returning O, or a string saying why the column is empty)."""
+    import torch
+    import torch.nn.functional as F
+
+    from fa4tune.kernels.interface import attention_forward
+
+    out = torch.empty(problem.batch, problem.seqlen_q, problem.nheads_q, problem.head_dim_v, dtype=q.dtype,
+                      device=q.device)
+    lse = torch.empty(problem.batch, problem.nheads_q, problem.seqlen_q, dtype=torch.float32, device=q.device)
+
+    def ours(config):
+        def run():
+            attention_forward(q, k, v, config, causal=problem.causal, out=out, lse=lse, target=target)
+            return out
+        return run
+
+    runners = {"default": ours(default), "tuned": ours(tuned)}
+    if fa4 is not None:
+        runners["flash-attn-4"] = lambda: _first(fa4(q, k, v, causal=problem.causal))
+    else:
+        runners["flash-attn-4"] = f"not installed ({fa4_error})"
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    gqa = {"native": problem.nheads_q != problem.nheads_kv, "kv": (kt, vt)}
+
+    def cudnn():
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+            try:
+                o = F.scaled_dot_product_attention(qt, *gqa["kv"], is_causal=problem.causal,
+                                                   enable_gqa=gqa["native"])
+            except RuntimeError:
+                if not gqa["native"]:
+                    raise
+                # No GQA in this cuDNN path: K/V heads repeated once, outside the timed runs after this.
+                group = problem.nheads_q // problem.nheads_kv
+                gqa["native"], gqa["kv"] = False, tuple(t.repeat_interleave(group, dim=1) for t in (kt, vt))
+                o = F.scaled_dot_product_attention(qt, *gqa["kv"], is_causal=problem.causal)
+        return o.transpose(1, 2)
+
+    runners["cuDNN"] = cudnn
+    if problem.causal and problem.seqlen_q != problem.seqlen_k:
+        runners["cuDNN"] = "n/a (SDPA's causal mask is top-left aligned)"
+    return runners
+
+
+def _first(result):
+    return result[0] if isinstance(result, tuple) else result
+
+
+def measure_problem(problem, default, tuned, target, fa4, fa4_error, rounds: int) -> dict:
+    import torch
+
+    from fa4tune.measure.timing import L2Flusher, time_cuda
+    from fa4tune.measure.verify import TOLERANCES, compare, reference_slices
+
+    dtype = torch.bfloat16 if problem.dtype == "bf16" else torch.float16
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(problem.batch, problem.seqlen_q, problem.nheads_q, problem.head_dim, device="cuda",
+                    dtype=dtype, generator=gen)
+    k = torch.randn(problem.batch, problem.seqlen_k, problem.nheads_kv, problem.head_dim, device="cuda",
+                    dtype=dtype, generator=gen)
+    v = torch.randn(problem.batch, problem.seqlen_k, problem.nheads_kv, problem.head_dim_v, device="cuda",
+                    dtype=dtype, generator=gen)
+    references = reference_slices(q, k, v, problem.causal, None)
+    tolerance = TOLERANCES[problem.dtype]
+    runners = runners_for(problem, default, tuned, target, q, k, v, fa4, fa4_error)
+    cells, timed = {}, {}
+    for name, runner in runners.items():
+        if isinstance(runner, str):
+            cells[name] = runner
+            continue
+        try:
+            o = runner()
+            torch.cuda.synchronize()
+            wrong = compare(o, None, references).verdict(tolerance)
+        except Exception as exc:  # a peer that cannot run this shape: say so in its column
+            cells[name] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+            continue
+        if wrong:
+            cells[name] = f"wrong ({wrong})"
+            continue
+        timed[name] = []
+    flusher = L2Flusher()
+    for _ in range(rounds):  # interleaved: a slow spell of the GPU hits one round of every column
+        for name in timed:
+            timed[name].append(time_cuda(runners[name], flusher=flusher).median_ms)
+    for name, medians in timed.items():
+        ms = statistics.median(medians)
+        cells[name] = {"ms": ms, "tflops": problem.flops / (ms * 1e-3) / 1e12,
+                       "round_spread": (max(medians) - min(medians)) / ms}
+    return cells
+
+
+# ---- the report -------------------------------------------------------------------------------------
+def fmt_cell(cell) -> str:
+    if isinstance(cell, dict):
+        return f"{cell['tflops']:.0f}"
+    return str(cell).replace("|", "/")
+
+
+def ratio(cells, a: str, b: str) -> float | None:
+    if isinstance(cells.get(a), dict) and isinstance(cells.get(b), dict):
+        return cells[a]["tflops"] / cells[b]["tflops"]
+    return None
+
+
+def geomean(values):
+    values = [v for v in values if v is not None]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+
+
+def render(rows, header: dict) -> str:
+    grid = [r for r in rows if r["grid"] and r.get("cells")]
+    vs_default = geomean(ratio(r["cells"], "tuned", "default") for r in grid)
+    vs_fa4 = [ratio(r["cells"], "tuned", "flash-attn-4") for r in grid]
+    known_fa4 = [x for x in vs_fa4 if x is not None]
+    near = [r for r in rows if r.get("story", {}).get("to_near") is not None]
+    within_40 = sum(r["story"]["to_near"] <= 40 for r in near)
+    lines = [
+        f"# Tuning report: {header['kernel']} on {header['target']}",
+        "",
+        f"Measured {header['date']} on {header['gpu']} (driver {header['driver']}, CUDA {header['cuda']}); "
+        f"torch {header['torch']}, nvidia-cutlass-dsl {header['dsl']}, flash-attn-4 {header['fa4']}. "
+        f"Kernel hash {header['kernel_hash'][:12]}; results DB `{header['db']}`. "
+        f"Each column: {header['rounds']} interleaved rounds of `fa4tune.measure.timing.time_cuda` (L2 flushed "
+        "before every run, median of at least 20 runs), the median of the rounds; every column checked "
+        "against the fp32 reference first. TFLOP/s = 4·b·h·s_q·s_k·d (causal: unmasked pairs) / time. "
+        "Written by `benchmarks/tuning_report.py`.",
+        "",
+        "## Summary",
+        "",
+        f"- Tuned against default, geometric mean over the {len(grid)} grid problems: "
+        + (f"**{vs_default:.3f}x** (target ≥ 1.05)" if vs_default else "not measured"),
+        "- Tuned against flash-attn-4 on the grid: "
+        + (f"lowest **{min(known_fa4):.3f}x**, {sum(x >= 1.0 for x in known_fa4)} of {len(known_fa4)} shapes "
+           "at or above 1.0 (target: all)" if known_fa4 else "flash-attn-4 not measured"),
+        f"- The search held a config within 2% of its final best after at most 40 measured trials on "
+        f"{within_40} of {len(rows)} problems (target: all).",
+        "",
+        "## Per problem",
+        "",
+        "TFLOP/s per column; `tuned` changes only the knobs shown. Trials: measured candidates until the "
+        "search first held a config within 2% of its final best / until it measured the config stored as "
+        "best (of all it measured; stopped = cut short by the pruner).",
+        "",
+        "| problem | default config | tuned (changed knobs) | " + " | ".join(COLUMNS)
+        + " | tuned / default | tuned / FA4 | trials to 2% / to best (of) | search wall time |",
+        "|" + "---|" * (len(COLUMNS) + 7),
+    ]
+    for r in rows:
+        if not r.get("cells"):
+            lines.append(f"| {r['key']} | {r.get('default', '')} | {r.get('note', 'not tuned')} |"
+                         + " |" * (len(COLUMNS) + 4))
+            continue
+        s = r["story"]
+        trials = (f"{s.get('to_near') or '-'} / {s.get('to_best') or '-'} ({s['measured']}"
+                  + (f", {s['stopped']} stopped" if s.get("stopped") else "") + ")")
+        vs_d, vs_f = ratio(r["cells"], "tuned", "default"), ratio(r["cells"], "tuned", "flash-attn-4")
+        lines.append(
+            f"| {r['key']} | {r['default']} | {r['changed']} | "
+            + " | ".join(fmt_cell(r["cells"].get(c, "")) for c in COLUMNS)
+            + f" | {f'{vs_d:.3f}' if vs_d else '-'} | {f'{vs_f:.3f}' if vs_f else '-'} | {trials} | "
+            f"{s.get('wall_s', 0):.0f} s |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--db", default="fa4tune-results/h200-bf16.db")
+    ap.add_argument("--job", default="tuning_configs/h200-bf16.yaml", help="the problems, in report order")
+    ap.add_argument("--out", default="docs/tuning-report.md")
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args(argv)
+    try:
+        text = build(args)
+    except ReportError as exc:
+        print(f"tuning_report: error: {exc}", file=sys.stderr)
+        return 2
+    from fa4tune.files import write_atomically
+
+    write_atomically(Path(args.out), text)
+    print(f"tuning_report: wrote {args.out}")
+    return 0
+
+
+def build(args) -> str:
+    import torch
+
+    from fa4tune.db import ResultsDB
+    from fa4tune.doctor import package_version
+    from fa4tune.errors import Fa4tuneError
+    from fa4tune.job import load_job
+    from fa4tune.kernels import get_kernel
+    from fa4tune.target import detect_target
+
+    if not torch.cuda.is_available():
+        raise ReportError("needs an NVIDIA GPU (the report measures every column on it)")
+    target = detect_target()
+    if target is None:
+        raise ReportError(f"fa4tune has no target for {torch.cuda.get_device_name()}")
+    if args.rounds < 1:
+        raise ReportError("--rounds must be at least 1")
+    try:
+        job = load_job(args.job)
+        db = ResultsDB.open(args.db, create=False)
+    except Fa4tuneError as exc:
+        raise ReportError(str(exc)) from None
+    kernel = get_kernel(job.kernel.name)
+    installed = kernel.source_hash()
+    best = {e.problem_key: e for e in db.best_configs(kernel=kernel.name, kernel_hash=installed, target=target.name)}
+    if not best:
+        raise ReportError(f"{args.db} has no best configs of {kernel.name} (installed hash {installed[:12]}) on "
+                          f"{target.name}: run `fa4tune search {args.job}` first")
+    fa4, fa4_error = None, None
+    try:
+        from flash_attn.cute import flash_attn_func as fa4
+    except Exception as exc:  # not installed, or it does not import here
+        fa4_error = f"{type(exc).__name__}: {exc}"[:100]
+    runs = [r for r in db.runs() if r["kernel_hash"] == installed and r["target"] == target.name]
+    last = runs[-1] if runs else {}
+    header = {"kernel": kernel.name, "target": target.name, "date": datetime.date.today().isoformat(),
+              "gpu": torch.cuda.get_device_name(), "driver": last.get("nvidia_driver") or "?",
+              "cuda": torch.version.cuda, "torch": torch.__version__, "dsl": package_version("nvidia-cutlass-dsl") or "not installed",
+              "fa4": (package_version("flash-attn-4") or "installed") if fa4 is not None else "not installed",
+              "kernel_hash": installed, "db": args.db, "rounds": args.rounds}
+    rows = []
+    for problem in job.problems:
+        key = problem.key()
+        default = kernel.default_config(problem, target)
+        row = {"key": key, "grid": is_grid(problem), "default": default.short()}
+        entry = best.get(key)
+        if entry is None:
+            row["note"] = "not tuned (no best config in the DB)"
+            rows.append(row)
+            continue
+        tuned = kernel.make_config(entry.config)
+        changed = {k: v for k, v in entry.config.items() if default.to_dict().get(k) != v}
+        row["changed"] = " ".join(f"{k}={v}" for k, v in changed.items()) or "(default)"
+        row["story"] = search_story(db, key, entry)
+        row["cells"] = measure_problem(problem, default, tuned, target, fa4, fa4_error, args.rounds)
+        print(f"{key}: " + ", ".join(f"{c} {fmt_cell(row['cells'].get(c, ''))}" for c in COLUMNS), file=sys.stderr,
+              flush=True)
+        rows.append(row)
+    db.close()
+    return render(rows, header)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,227 @@
+"""`fa4tune.attention(q, k, v, causal=False, softmax_scale=None) -> (out, lse)`: the forward pass with
+the tuned config for the caller's shapes.
+
+    out, lse = fa4tune.attention(q, k, v, causal=True)
+
+q is (batch, seqlen_q, nheads_q, head_dim), k and v (batch, seqlen_k, nheads_kv, head_dim[_v]),
+bfloat16 or float16 CUDA tensors on a Hopper GPU; nheads_q a multiple of nheads_kv (GQA/MQA). Like
+flash-attn-4's `flash_attn.cute.flash_attn_func`, it returns the output (batch, seqlen_q, nheads_q,
+head_dim_v) in q's dtype and the log-sum-exp (batch, nheads_q, seqlen_q) in float32, natural log.
+The causal mask is aligned to the bottom right, as in FlashAttention. The kernel runs on the current
+CUDA stream; nothing is synchronised.
+
+The first call for a shape validates the inputs, looks the config up (fa4tune.lookup: $FA4TUNE_TABLE,
+$FA4TUNE_DB, else the shipped tables), compiles it once (the kernels' compile cache) and prepares the
+launch: the kernel's argument descriptors (pointer, shape, strides) are packed once, so that a later
+call with the same shapes, strides, dtypes, devices, causality and scale only writes the new data
+pointers and the stream into them and calls the compiled host function. `explain` says which config
+a call would use, without running anything."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import struct
+import threading
+
+from .problem import Problem
+
+MAX_PREPARED = 4096  # prepared launches kept; beyond it the cache starts over (shapes that never repeat)
+_LAUNCHES: dict = {}
+_PREPARE_LOCK = threading.Lock()
+
+# The compiled kernel takes each tensor as a memref descriptor: data pointer, i32 extents, i64 strides
+# of every mode but the last (which is 1). Four 4-D tensors (q, k, v, out) and the 3-D LSE.
+DESCRIPTOR_4D = struct.Struct("<Q4i3q")
+DESCRIPTOR_3D = struct.Struct("<Q3i4x2q")
+
+
+class UnsupportedInput(ValueError):
+    """An input fa4tune.attention cannot take; the message names what and what it takes."""
+
+
+def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None):
+    """(out, lse) of softmax(scale · q kᵀ [+ causal mask]) v with the tuned kernel; see the module."""
+    try:
+        key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+               q.device, k.device, v.device, causal, softmax_scale)
+    except AttributeError:  # not tensors: _prepare says which
+        key = None
+    launch = _LAUNCHES.get(key)
+    if launch is None:
+        launch = _prepare(key, q, k, v, causal, softmax_scale)
+    return launch(q, k, v)
+
+
+def explain(q, k, v, causal: bool = False, target=None):
+    """The LookupResult (config, and which rung of the lookup it came from) that `attention` would
+    use for these tensors; the tensors may be on any device (meta too) and nothing runs."""
+    from .runtime import lookup
+
+    problem = problem_of(q, k, v, causal)
+    if target is None and getattr(q, "is_cuda", False):
+        target = _device_target(q.device)
+    return lookup(problem, target)
+
+
+def clear() -> None:
+    """Forget prepared launches (after changing FA4TUNE_TABLE / FA4TUNE_DB, with fa4tune.runtime.reset)."""
+    with _PREPARE_LOCK:
+        _LAUNCHES.clear()
+
+
+# ---- validation -------------------------------------------------------------------------------------
+def problem_of(q, k, v, causal) -> Problem:
+    """The Problem of three tensors, or UnsupportedInput naming what is not supported. Checks all
+    but the device, so that it runs on CPU and meta tensors too."""
+    import torch
+
+    from .kernels.config import SUPPORTED_HEAD_DIMS
+
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise UnsupportedInput(f"fa4tune.attention takes torch tensors; {name} is a {type(t).__name__}")
+        if t.dim() != 4:
+            raise UnsupportedInput(f"fa4tune.attention takes 4-D tensors (batch, seqlen, heads, head_dim); "
+                                   f"{name} has shape {tuple(t.shape)}")
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise UnsupportedInput(f"fa4tune.attention takes bfloat16 or float16 tensors; q is {q.dtype} "
+                               "(convert with q.to(torch.bfloat16))")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise UnsupportedInput(f"q, k and v must have one dtype; q is {q.dtype}, {name} is {t.dtype}")
+    for name, dim in (("head_dim of q and k", q.shape[3]), ("head_dim of v", v.shape[3])):
+        if dim not in SUPPORTED_HEAD_DIMS:
+            raise UnsupportedInput(f"{name} is {dim}; the kernel supports head dims "
+                                   f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
+    if k.shape[3] != q.shape[3]:
+        raise UnsupportedInput(f"q and k must have the same head_dim; q is {tuple(q.shape)}, k is {tuple(k.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise UnsupportedInput(f"k and v must agree in batch, seqlen and heads; k is {tuple(k.shape)}, "
+                               f"v is {tuple(v.shape)}")
+    if k.shape[0] != q.shape[0]:
+        raise UnsupportedInput(f"q and k must have the same batch size; q is {tuple(q.shape)}, k is {tuple(k.shape)}")
+    if q.shape[2] % k.shape[2]:
+        raise UnsupportedInput(f"the heads of q ({q.shape[2]}) must be a multiple of the heads of k and v "
+                               f"({k.shape[2]}) (grouped-query attention)")
+    if 0 in q.shape or 0 in k.shape:
+        raise UnsupportedInput(f"empty tensors are not supported: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise UnsupportedInput(f"{name} must be contiguous in its last dimension (head_dim); its strides are "
+                                   f"{t.stride()} (use {name}.contiguous())")
+        if any(s % 8 for s in t.stride()[:-1]):
+            raise UnsupportedInput(f"{name}'s strides {t.stride()} must be multiples of 8 elements (16 bytes, "
+                                   "for the TMA); use .contiguous()")
+    if not isinstance(causal, bool):
+        raise UnsupportedInput(f"causal must be True or False, got {causal!r}")
+    return Problem(dtype=str(q.dtype), head_dim=q.shape[3], head_dim_v=v.shape[3], causal=causal,
+                   seqlen_q=q.shape[1], seqlen_k=k.shape[1], batch=q.shape[0], nheads_q=q.shape[2],
+                   nheads_kv=k.shape[2])
+
+
+def _device_target(device):
+    """The Target of a CUDA device, or UnsupportedInput when the kernel cannot run on it."""
+    import torch
+
+    from .target import target_for_device_name
+
+    name = torch.cuda.get_device_name(device)
+    capability = torch.cuda.get_device_capability(device)
+    target = target_for_device_name(name)
+    if capability != (9, 0) or target is None or target.arch != "sm_90a":
+        raise UnsupportedInput(f"fa4tune.attention runs on Hopper GPUs (H100, H200: sm_90a); {device} is {name} "
+                               f"(sm_{capability[0]}{capability[1]})")
+    return target
+
+
+# ---- prepared launches ------------------------------------------------------------------------------
+def _prepare(key, q, k, v, causal, softmax_scale) -> "_Launch":
+    problem = problem_of(q, k, v, causal)
+    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale)
+                                          and softmax_scale > 0):
+        raise UnsupportedInput(f"softmax_scale must be a positive finite number or None, got {softmax_scale!r}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not t.is_cuda:
+            raise UnsupportedInput(f"fa4tune.attention needs CUDA tensors; {name} is on {t.device}")
+        if t.device != q.device:
+            raise UnsupportedInput(f"q, k and v must be on one device; q is on {q.device}, {name} on {t.device}")
+    target = _device_target(q.device)
+    from .kernels.interface import compile_forward
+    from .runtime import lookup
+
+    config = lookup(problem, target).config
+    with _PREPARE_LOCK:
+        launch = _LAUNCHES.get(key)
+        if launch is None:
+            compiled = compile_forward(config, problem.dtype, problem.head_dim, problem.head_dim_v, causal, target)
+            launch = _Launch(compiled.function.to(), problem, config, target, q, k, v, softmax_scale)
+            if len(_LAUNCHES) >= MAX_PREPARED:
+                _LAUNCHES.clear()
+            _LAUNCHES[key] = launch
+    return launch
+
+
+class _Launch:
+    """The packed arguments of one (shapes, strides, dtypes, device, causal, scale) and the compiled
+    host function. A call rewrites the data pointers and the stream, and launches."""
+
+    def __init__(self, executor, problem: Problem, config, target, q, k, v, softmax_scale) -> None:
+        import torch
+
+        from .kernels.interface import heads_per_l2_group
+
+        self.executor = executor
+        self.problem, self.config = problem, config
+        self.device = q.device
+        self.dtype = q.dtype
+        self.out_shape = (problem.batch, problem.seqlen_q, problem.nheads_q, problem.head_dim_v)
+        self.lse_shape = (problem.batch, problem.nheads_q, problem.seqlen_q)
+        out_strides = torch.empty(self.out_shape, device="meta").stride()
+        lse_strides = torch.empty(self.lse_shape, device="meta").stride()
+        self.descriptors = [pack_descriptor(t.shape, t.stride()) for t in (q, k, v)]
+        self.descriptors.append(pack_descriptor(self.out_shape, out_strides))
+        self.descriptors.append(pack_descriptor(self.lse_shape, lse_strides))
+        # The first 8 bytes of each descriptor are its data pointer: the only part a call changes.
+        self.pointers = [ctypes.c_uint64.from_buffer(d) for d in self.descriptors]
+        scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(problem.head_dim)
+        self.scale_log2 = ctypes.c_float(scale * math.log2(math.e))
+        self.l2_group = ctypes.c_int32(heads_per_l2_group(problem, target))
+        self.stream = ctypes.c_void_p(0)
+        self.arguments = [ctypes.addressof(d) for d in self.descriptors] + [
+            ctypes.addressof(self.scale_log2), ctypes.addressof(self.l2_group), ctypes.addressof(self.stream)]
+        self.lock = threading.Lock()
+        self.device_index = q.device.index if q.device.index is not None else 0
+        self._current_device = torch.cuda.current_device
+        self._device_guard = torch.cuda.device
+        self._current_stream = torch.cuda.current_stream
+        self._empty = torch.empty
+        self._float32 = torch.float32
+
+    def __call__(self, q, k, v):
+        q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
+        if (q_ptr | k_ptr | v_ptr) & 15:
+            raise UnsupportedInput("q, k and v must start at 16-byte aligned addresses (for the TMA); "
+                                   "use .contiguous() on a sliced tensor")
+        out = self._empty(self.out_shape, dtype=self.dtype, device=self.device)
+        lse = self._empty(self.lse_shape, dtype=self._float32, device=self.device)
+        stream = self._current_stream(self.device).cuda_stream
+        with self.lock:  # the descriptors are shared; the launch copies them before it returns
+            p = self.pointers
+            p[0].value, p[1].value, p[2].value = q_ptr, k_ptr, v_ptr
+            p[3].value, p[4].value = out.data_ptr(), lse.data_ptr()
+            self.stream.value = stream
+            if self._current_device() == self.device_index:
+                self.executor.run_compiled_program(self.arguments)
+            else:  # the kernel launches on the current device: make it the tensors' one
+                with self._device_guard(self.device_index):
+                    self.executor.run_compiled_program(self.arguments)
+        return out, lse
+
+
+def pack_descriptor(shape, strides) -> ctypes.Array:
+    """A tensor's descriptor as the compiled kernel reads it (data pointer left 0)."""
+    layout = DESCRIPTOR_4D if len(shape) == 4 else DESCRIPTOR_3D
+    buffer = ctypes.create_string_buffer(layout.size)
+    layout.pack_into(buffer, 0, 0, *shape, *strides[:-1])
+    return buffer

@@ -1,0 +1,223 @@
+"""What the gpu backend's worker processes run (see worker.py for the protocol).
+
+The measuring worker owns the GPU: it keeps compiled kernels (fa4tune.kernels.interface's cache),
+the inputs of the current problem and the L2 flush buffer from one candidate to the next. Per
+candidate: get the kernel (load the object file a compile worker exported, else compile), run it
+once on fresh random inputs with NaN-poisoned outputs and compare against the fp32 reference
+(verify.py), time it cheaply and let the parent's pruner stop it, time it fully, and check the
+output of the last timed run again (a race shows up under repetition). Compile workers only
+compile and export; they never see the GPU.
+
+FA4TUNE_WORKER_ROLE says which of the two a process is."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+ROLE_VARIABLE = "FA4TUNE_WORKER_ROLE"
+CHEAP_TIMING = {"warmup_ms": 25.0, "min_runs": 5, "max_runs": 10, "target_ms": 25.0}
+FULL_TIMING = {"warmup_ms": 100.0, "min_runs": 20, "max_runs": 200, "target_ms": 400.0}
+
+
+# ---- start-up ---------------------------------------------------------------------------------------
+def describe(state: dict) -> dict:
+    if os.environ.get(ROLE_VARIABLE) == "compile":
+        state["role"] = "compile"
+        return {"role": "compile", "pid": os.getpid()}
+    import torch
+
+    from ..doctor import cuda_driver_version, package_version
+    from ..target import target_for_device_name
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA GPU is visible to the measuring worker")
+    device = torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(device)
+    target = target_for_device_name(props.name)
+    if target is not None:
+        os.environ.setdefault("CUTE_DSL_ARCH", target.arch)
+    torch.cuda.init()
+    state.update(role="measure", device=device, target=target, pci_bus=_pci_bus(props))
+    return {
+        "role": "measure",
+        "pid": os.getpid(),
+        "gpu_name": props.name,
+        "target": target.name if target else None,
+        "sm_count": props.multi_processor_count,
+        "compute_capability": f"{props.major}.{props.minor}",
+        "memory_gib": round(props.total_memory / 2**30, 1),
+        "cuda_version": torch.version.cuda,
+        "cuda_driver": cuda_driver_version(),
+        "torch_version": torch.__version__,
+        "dsl_version": package_version("nvidia-cutlass-dsl"),
+        **gpu_clocks(state),
+    }
+
+
+def _pci_bus(props) -> str | None:
+    try:
+        return f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
+    except AttributeError:
+        return None
+
+
+SMI_FIELDS = ("driver_version", "clocks.sm", "clocks.mem", "clocks.max.sm", "clocks.max.mem",
+              "temperature.gpu", "power.draw")
+
+
+def gpu_clocks(state: dict) -> dict:
+    """The NVIDIA driver version and the clocks the GPU runs at now (nvidia-smi, by PCI bus so that
+    CUDA_VISIBLE_DEVICES cannot confuse the index). Empty when nvidia-smi is not there."""
+    command = ["nvidia-smi", f"--query-gpu={','.join(SMI_FIELDS)}", "--format=csv,noheader,nounits"]
+    if state.get("pci_bus"):
+        command += ["-i", state["pci_bus"]]
+    try:
+        line = subprocess.run(command, capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    values = [v.strip() for v in line.strip().splitlines()[0].split(",")] if line.strip() else []
+    if len(values) != len(SMI_FIELDS):
+        return {}
+
+    def number(text):
+        try:
+            return float(text)
+        except ValueError:
+            return None
+
+    return {
+        "nvidia_driver": values[0],
+        "clocks": {"sm_mhz": number(values[1]), "mem_mhz": number(values[2]), "max_sm_mhz": number(values[3]),
+                   "max_mem_mhz": number(values[4]), "temperature_c": number(values[5]),
+                   "power_w": number(values[6]), "at": time.time()},
+    }
+
+
+# ---- requests ---------------------------------------------------------------------------------------
+def clocks(request: dict, channel, state: dict) -> dict:
+    return gpu_clocks(state)
+
+
+def compile(request: dict, channel, state: dict) -> dict:  # noqa: A001 - the op's name
+    """Compile a candidate and export it to request["artifact"] (skipped when it already exists)."""
+    from ..kernels.interface import compile_forward, export_compiled
+
+    path = request["artifact"]
+    if os.path.exists(path):
+        return {"artifact": path, "compile_s": 0.0, "reused": True}
+    problem, config, target = _candidate(request)
+    compiled = compile_forward(config, problem.dtype, problem.head_dim, problem.head_dim_v, problem.causal,
+                               target)
+    export_compiled(compiled, path)
+    return {"artifact": path, "compile_s": compiled.compile_seconds, "reused": False}
+
+
+def measure(request: dict, channel, state: dict) -> dict:
+    """Verify and time one candidate. request: problem, config, target, mode ("search": cheap timing
+    and the parent's verdict before the full one; "retime": full timing only), seed, tolerance,
+    timing options, artifact (optional)."""
+    import torch
+
+    from ..kernels.interface import attention_forward
+    from .timing import L2Flusher, time_cuda
+    from .verify import Tolerance, compare, reference_slices
+
+    problem, config, target = _candidate(request)
+    compiled, compile_s, compiled_by = _kernel(request, problem, config, target)
+    channel.phase("run")
+    q, k, v, out, lse = _inputs(problem, state)
+    if "flusher" not in state:
+        state["flusher"] = L2Flusher()
+    flusher = state["flusher"]
+    tolerance = Tolerance(**request["tolerance"])
+
+    # Fresh random inputs for every candidate, outputs poisoned so that an unwritten element shows.
+    generator = torch.Generator(device=q.device).manual_seed(int(request.get("seed", 0)))
+    for tensor in (q, k, v):
+        tensor.normal_(generator=generator)
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
+
+    def run():
+        attention_forward(q, k, v, config, causal=problem.causal, out=out, lse=lse, target=target)
+
+    run()
+    torch.cuda.synchronize()
+    references = reference_slices(q, k, v, problem.causal, None)
+    check = compare(out, lse, references)
+    result = {"compile_s": compile_s, "compiled_by": compiled_by, "out_error": check.out_error,
+              "lse_error": check.lse_error}
+    wrong = check.verdict(tolerance)
+    if wrong:
+        return {**result, "status": "wrong", "reason": wrong}
+    timing = request.get("timing", {})
+    if request.get("mode", "search") == "search":
+        cheap = time_cuda(run, flusher=flusher, **{**CHEAP_TIMING, **timing.get("cheap", {})})
+        result.update(cheap_ms=cheap.median_ms, cheap_spread=cheap.spread, cheap_runs=cheap.runs)
+        stop = channel.ask({"cheap_ms": cheap.median_ms})
+        if stop:
+            return {**result, "status": "stopped", "reason": stop, "time_ms": cheap.median_ms,
+                    "spread": cheap.spread, "runs": cheap.runs}
+    full = time_cuda(run, flusher=flusher, **{**FULL_TIMING, **timing.get("full", {})})
+    torch.cuda.synchronize()
+    after = compare(out, lse, references)
+    wrong = after.verdict(tolerance)
+    if wrong:
+        return {**result, "status": "wrong", "reason": f"after {full.runs} timed runs: {wrong}"}
+    result.update(out_error=max(check.out_error, after.out_error), lse_error=max(check.lse_error, after.lse_error))
+    return {**result, "status": "ok", "time_ms": full.median_ms, "spread": full.spread, "runs": full.runs,
+            "min_ms": full.min_ms}
+
+
+def _candidate(request: dict):
+    from ..kernels.config import FwdConfig
+    from ..problem import Problem
+    from ..target import get_target
+
+    return (Problem.from_dict(request["problem"]), FwdConfig.from_dict(request["config"]),
+            get_target(request["target"]))
+
+
+def _kernel(request: dict, problem, config, target):
+    """(compiled kernel, seconds, how): loaded from the compile worker's object file when there is
+    one, else compiled here (also when the object file cannot be loaded)."""
+    from ..kernels.interface import compile_forward, load_compiled
+
+    args = (config, problem.dtype, problem.head_dim, problem.head_dim_v, problem.causal, target)
+    artifact = request.get("artifact")
+    how = "worker"
+    if artifact:
+        try:
+            compiled = load_compiled(artifact, *args)
+            return compiled, compiled.compile_seconds, "pool"
+        except Exception as exc:  # noqa: BLE001 - fall back to compiling here, and say why
+            how = f"worker (loading {os.path.basename(artifact)} failed: {type(exc).__name__}: {exc})"[:300]
+    start = time.perf_counter()
+    compiled = compile_forward(*args)
+    return compiled, time.perf_counter() - start, how
+
+
+def _inputs(problem, state: dict):
+    """q, k, v, out, lse of the problem, kept while the problem stays the same."""
+    import torch
+
+    key = problem.key()
+    cached = state.get("inputs")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    state.pop("inputs", None)
+    torch.cuda.empty_cache()
+    dtype = torch.bfloat16 if problem.dtype == "bf16" else torch.float16
+    device = torch.device("cuda", state.get("device", 0))
+    p = problem
+    tensors = (
+        torch.empty(p.batch, p.seqlen_q, p.nheads_q, p.head_dim, dtype=dtype, device=device),
+        torch.empty(p.batch, p.seqlen_k, p.nheads_kv, p.head_dim, dtype=dtype, device=device),
+        torch.empty(p.batch, p.seqlen_k, p.nheads_kv, p.head_dim_v, dtype=dtype, device=device),
+        torch.empty(p.batch, p.seqlen_q, p.nheads_q, p.head_dim_v, dtype=dtype, device=device),
+        torch.empty(p.batch, p.nheads_q, p.seqlen_q, dtype=torch.float32, device=device),
+    )
+    state["inputs"] = (key, tensors)
+    return tensors

@@ -1,0 +1,116 @@
+"""The correctness gate: a kernel's output and LSE against the fp32 reference.
+
+The reference of a whole problem does not fit (16k x 16k scores per head, 128k x 128k at long
+context), so it is computed on slices: the first and the last batch, the first and the last query
+head (so both ends of the GQA groups), and the first and the last block of query rows. For a
+bottom-right-aligned causal mask a block of rows is itself a bottom-right-aligned problem once the
+keys are cut where its last row stops seeing them, so each slice goes through the same
+`attention_reference`. Unwritten outputs are caught over the whole tensors: the outputs are filled
+with NaN before the kernel runs."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+ROWS_PER_SLICE = 512
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    out: float  # relative Frobenius error of O
+    lse: float  # largest absolute error of the natural-log LSE
+
+
+# bf16 keeps 8 mantissa bits, fp16 11: O is rounded to them, the LSE is fp32 throughout.
+TOLERANCES = {"bf16": Tolerance(out=1e-2, lse=1e-3), "fp16": Tolerance(out=5e-3, lse=1e-3)}
+
+
+@dataclass(frozen=True)
+class Check:
+    """Errors of one run: `out_error` (relative Frobenius over the slices), `lse_error` (max
+    absolute), and `problem` when something is wrong beyond tolerance (NaN left, -inf mismatch)."""
+
+    out_error: float
+    lse_error: float
+    problem: str | None = None
+
+    def verdict(self, tolerance: Tolerance) -> str | None:
+        """Why this run is wrong, or None when it is within tolerance."""
+        if self.problem:
+            return self.problem
+        if not math.isfinite(self.out_error) or self.out_error > tolerance.out:
+            return f"output error {self.out_error:.3g} above tolerance {tolerance.out:g}"
+        if not math.isfinite(self.lse_error) or self.lse_error > tolerance.lse:
+            return f"LSE error {self.lse_error:.3g} above tolerance {tolerance.lse:g}"
+        return None
+
+
+def row_slices(seqlen_q: int, seqlen_k: int, causal: bool, rows: int = ROWS_PER_SLICE) -> list[tuple[int, int, int]]:
+    """(first row, end row, keys seen) of the query-row blocks to check. Without a mask every key is
+    seen; with the bottom-right causal mask row i sees keys j <= i + seqlen_k - seqlen_q, so a block
+    ending at row `end` needs the first `end + seqlen_k - seqlen_q` keys (clamped)."""
+    blocks = [(0, min(rows, seqlen_q))]
+    if seqlen_q > rows:
+        blocks.append((max(rows, seqlen_q - rows), seqlen_q))
+    slices = []
+    for start, end in blocks:
+        keys = seqlen_k if not causal else max(0, min(seqlen_k, end + seqlen_k - seqlen_q))
+        slices.append((start, end, keys))
+    return slices
+
+
+def reference_slices(q, k, v, causal: bool, softmax_scale: float | None, rows: int = ROWS_PER_SLICE):
+    """[(index, reference O, reference LSE)] where `index` = (batch, head, row start, row end) picks
+    the slice of the kernel's O (b, s, h, d) and LSE (b, h, s) to compare."""
+    from ..kernels.reference import attention_reference
+
+    batch, seqlen_q, nheads_q, _ = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    group = nheads_q // nheads_kv
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
+    out = []
+    for b in sorted({0, batch - 1}):
+        for h in sorted({0, nheads_q - 1}):
+            kv = h // group
+            for start, end, keys in row_slices(seqlen_q, seqlen_k, causal, rows):
+                qs = q[b:b + 1, start:end, h:h + 1]
+                if keys == 0:  # causal rows before the first key: O = 0 and LSE = -inf by definition
+                    import torch
+
+                    ref_o = torch.zeros((1, end - start, 1, v.shape[3]), dtype=torch.float32, device=q.device)
+                    ref_lse = torch.full((1, 1, end - start), float("-inf"), device=q.device)
+                else:
+                    ref_o, ref_lse = attention_reference(qs, k[b:b + 1, :keys, kv:kv + 1],
+                                                         v[b:b + 1, :keys, kv:kv + 1], causal=causal,
+                                                         softmax_scale=scale)
+                out.append(((b, h, start, end), ref_o, ref_lse))
+    return out
+
+
+def compare(out, lse, references) -> Check:
+    """Errors of the kernel's `out` and `lse` against `reference_slices`; NaN anywhere in them (the
+    poison they were filled with, or a NaN the kernel made) is a problem by itself. `lse` None: the
+    output alone (for implementations that return no LSE)."""
+    import torch
+
+    if torch.isnan(out).any().item():
+        return Check(math.nan, math.nan, "NaN in the output: some elements were never written or are NaN")
+    if lse is not None and torch.isnan(lse).any().item():
+        return Check(math.nan, math.nan, "NaN in the LSE: some rows were never written or are NaN")
+    diff_sq = ref_sq = 0.0
+    lse_error = 0.0
+    for (b, h, start, end), ref_o, ref_lse in references:
+        got_o = out[b:b + 1, start:end, h:h + 1].float()
+        diff_sq += (got_o - ref_o).pow(2).sum().item()
+        ref_sq += ref_o.pow(2).sum().item()
+        if lse is None:
+            continue
+        got_lse = lse[b:b + 1, h:h + 1, start:end]
+        finite = torch.isfinite(ref_lse)
+        if not torch.equal(finite, torch.isfinite(got_lse)):
+            return Check(math.nan, math.nan, "LSE is finite where the reference row sees no key, or the reverse")
+        if finite.any():
+            lse_error = max(lse_error, (got_lse[finite] - ref_lse[finite]).abs().max().item())
+    out_error = math.sqrt(diff_sq) / max(math.sqrt(ref_sq), 1e-30)
+    return Check(out_error, lse_error)

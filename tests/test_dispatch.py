@@ -1,0 +1,122 @@
+"""fa4tune.attention on the CPU: every unsupported input gets an error naming it (CPU and meta tensors
+stand in for CUDA ones), `explain` finds the tuned config of a DB, and the launch's packed arguments
+are byte for byte what the CuTe DSL itself passes to the compiled kernel."""
+
+import ctypes
+import math
+
+import pytest
+import torch
+
+import fa4tune
+from fa4tune.dispatch import UnsupportedInput, explain
+from fa4tune.problem import Problem
+
+
+def qkv(b=2, sq=256, sk=256, hq=4, hkv=2, d=128, dv=None, dtype=torch.bfloat16, device="meta"):
+    dv = d if dv is None else dv
+    return (torch.empty(b, sq, hq, d, dtype=dtype, device=device), torch.empty(b, sk, hkv, d, dtype=dtype, device=device),
+            torch.empty(b, sk, hkv, dv, dtype=dtype, device=device))
+
+
+def test_attention_is_the_dispatch_function():
+    from fa4tune.dispatch import attention
+
+    assert fa4tune.attention is attention
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: qkv(dtype=torch.float32), "bfloat16 or float16 tensors; q is torch.float32"),
+    (lambda: qkv(d=80), "head_dim of q and k is 80; the kernel supports head dims 64, 96, 128"),
+    (lambda: qkv(dv=72), "head_dim of v is 72"),
+    (lambda: (qkv()[0], qkv()[1], qkv(sk=128)[2]), "k and v must agree"),
+    (lambda: (qkv(b=3)[0], *qkv()[1:]), "same batch size"),
+    (lambda: qkv(hq=3, hkv=2), "must be a multiple of the heads of k and v"),
+    (lambda: (qkv()[0], qkv(d=64)[1], qkv()[2]), "same head_dim"),
+    (lambda: (torch.empty(2, 256, 4, 256, dtype=torch.bfloat16)[..., ::2], *qkv(device="cpu")[1:]),
+     "contiguous in its last dimension"),
+    (lambda: (torch.empty(2, 256, 4, 132, dtype=torch.bfloat16)[..., :128], *qkv(device="cpu")[1:]),
+     "multiples of 8 elements"),
+    (lambda: (qkv()[0][0], *qkv()[1:]), "4-D tensors"),
+    (lambda: ([1, 2], *qkv()[1:]), "torch tensors; q is a list"),
+    (lambda: (qkv()[0], qkv()[1].half(), qkv()[2]), "one dtype"),
+    (lambda: qkv(device="cpu"), "needs CUDA tensors; q is on cpu"),
+    (lambda: qkv(device="meta"), "needs CUDA tensors; q is on meta"),
+])
+def test_unsupported_inputs_are_named(make, match):
+    q, k, v = make()
+    with pytest.raises(UnsupportedInput, match=match):
+        fa4tune.attention(q, k, v)
+
+
+def test_bad_causal_and_scale():
+    with pytest.raises(UnsupportedInput, match="causal must be True or False"):
+        fa4tune.attention(*qkv(), causal="yes")
+    with pytest.raises(UnsupportedInput, match="softmax_scale must be a positive finite number"):
+        fa4tune.attention(*qkv(device="cpu"), softmax_scale=-0.1)
+
+
+def test_explain_uses_the_tuned_config_of_the_db(workdir, monkeypatch):
+    from fa4tune.db import ResultsDB
+    from fa4tune.kernels import get_kernel
+    from fa4tune.measure.base import Measurement
+
+    kernel = get_kernel()
+    problem = Problem(head_dim=128, causal=True, seqlen_q=256, seqlen_k=256, batch=2, nheads_q=4, nheads_kv=2)
+    tuned = {**kernel.default_config(problem, None).to_dict(), "tile_n": 96, "num_stages": 3}
+    with ResultsDB.open("tuned.db") as db:
+        run = db.start_run(job_name="j", kernel=kernel.name, kernel_hash=kernel.source_hash(), target="H200",
+                           backend="gpu", is_estimate=False, fa4tune_version="0", study_prefix="p")
+        db.add_trial(run_id=run, study_name="s", optuna_number=0, kernel=kernel.name,
+                     kernel_hash=kernel.source_hash(), target="H200", problem=problem, config=tuned,
+                     measurement=Measurement.ok(problem, 0.1), source="sampler", provenance={})
+    monkeypatch.setenv("FA4TUNE_DB", str(workdir / "tuned.db"))
+    fa4tune.runtime.reset()
+    found = explain(*qkv(), causal=True, target="H200")
+    assert found.source == "exact" and found.config.to_dict() == tuned
+    other = explain(*qkv(), causal=False, target="H200")  # not tuned: the default
+    assert other.source == "default"
+
+
+@pytest.mark.compile
+def test_packed_arguments_match_what_the_dsl_passes():
+    """The launch writes argument descriptors itself; they must equal the DSL's own, byte for byte, for
+    the exact compiled signature (a change of the kernel's arguments fails here, not on a GPU)."""
+    import os
+
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before cutlass is first imported
+    from cuda.bindings import driver as cuda
+    from cutlass import Float32, Int32
+    from cutlass.cute.runtime import from_dlpack
+
+    from fa4tune.dispatch import _Launch
+    from fa4tune.kernels.config import default_config
+    from fa4tune.kernels.interface import compile_forward, heads_per_l2_group
+    from fa4tune.target import get_target
+
+    target = get_target("H200")
+    base = torch.empty(2, 320, 8, 128, dtype=torch.bfloat16)
+    q = base[:, :300, :, :]  # a strided view: batch stride is not seqlen * heads * d
+    k = torch.empty(2, 200, 2, 128, dtype=torch.bfloat16)
+    v = torch.empty(2, 200, 2, 128, dtype=torch.bfloat16)
+    problem = fa4tune.dispatch.problem_of(q, k, v, True)
+    config = default_config(problem, target)
+    compiled = compile_forward(config, "bf16", 128, 128, True, target)
+    launch = _Launch(None, problem, config, target, q, k, v, softmax_scale=0.07)
+    out = torch.empty(launch.out_shape, dtype=torch.bfloat16)
+    lse = torch.empty(launch.lse_shape, dtype=torch.float32)
+    stream_handle = 0x7F00DEAD
+    for pointer, t in zip(launch.pointers, (q, k, v, out, lse)):
+        pointer.value = t.data_ptr()
+    launch.stream.value = stream_handle
+
+    tensors = [from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=3) for t in (q, k, v, out)]
+    tensors.append(from_dlpack(lse, assumed_align=4).mark_layout_dynamic(leading_dim=2))
+    reference_args, _ = compiled.function.generate_execution_args(
+        *tensors, Float32(0.07 * math.log2(math.e)), Int32(heads_per_l2_group(problem, target)),
+        cuda.CUstream(stream_handle))
+    sizes = [48, 48, 48, 48, 40, 4, 4, 8]
+    assert len(reference_args) == len(launch.arguments) == len(sizes)
+    for index, (theirs, ours, size) in enumerate(zip(reference_args, launch.arguments, sizes)):
+        theirs = theirs.value if isinstance(theirs, ctypes.c_void_p) else theirs
+        assert ctypes.string_at(theirs, size) == ctypes.string_at(ours, size), f"argument {index} differs"

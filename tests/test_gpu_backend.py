@@ -1,0 +1,278 @@
+"""The gpu backend's process machinery on the CPU, with a planted worker module (planted_worker.py):
+crashing, exiting, hanging and raising candidates are recorded as failed and the worker is replaced;
+a wrong result never becomes best; a SIGKILLed search loses no finished trial and resumes."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import planted_worker as planted
+from conftest import write_job
+from fa4tune.db import ResultsDB
+from fa4tune.errors import BackendError
+from fa4tune.job import load_job
+from fa4tune.kernels import get_kernel
+from fa4tune.kernels.config import FwdConfig
+from fa4tune.measure.gpu import GpuBackend
+from fa4tune.problem import Problem
+from fa4tune.search import run_search
+
+KERNEL = get_kernel()
+PROBLEM = Problem(head_dim=128, seqlen_q=2048, batch=2, nheads_q=8)
+TESTS = Path(__file__).resolve().parent
+quiet = lambda *a, **k: None  # noqa: E731
+PLANTED = {"worker_module": "planted_worker", "compile_workers": 0, "compile_timeout": 5, "run_timeout": 1.5,
+           "start_timeout": 60, "prune_margin": None}
+
+
+def config(tile_n: int) -> FwdConfig:
+    return FwdConfig(tile_n=tile_n)
+
+
+@pytest.fixture
+def backend(workdir):
+    with GpuBackend(KERNEL, None, **{**PLANTED, "cache_dir": str(workdir / "kernels")}) as b:
+        yield b
+
+
+def test_crash_exit_hang_and_device_error_fail_and_replace_the_worker(backend):
+    assert backend.target.name == "H200" and backend.provenance()["gpu_name"].startswith("planted")
+    first = backend.measure(PROBLEM, config(128))
+    assert first.status == "ok" and first.time_ms > 0 and first.spread_ms > 0
+    pid = first.details["pid"]
+    again = backend.measure(PROBLEM, config(64))
+    assert again.details["pid"] == pid and again.details["served"] == 2, "the worker keeps its state"
+
+    expected = {
+        planted.SEGFAULT_TILE_N: "died during run (killed by SIGSEGV)",
+        planted.EXIT_TILE_N: "died during compile (exit status 3)",
+        planted.HANG_TILE_N: "run timed out after 1.5 s",
+        planted.DEVICE_ERROR_TILE_N: "RuntimeError: CUDA error: an illegal memory access",
+    }
+    for tile_n, reason in expected.items():
+        started = time.monotonic()
+        failed = backend.measure(PROBLEM, config(tile_n))
+        assert failed.status == "failed" and reason in failed.reason and "worker replaced" in failed.reason, failed
+        assert time.monotonic() - started < 20
+        after = backend.measure(PROBLEM, config(128))
+        assert after.status == "ok" and after.details["pid"] != pid, "a fresh worker serves the next candidate"
+        pid = after.details["pid"]
+
+    # An error before the run phase leaves the worker (and its state) in place.
+    compile_error = backend.measure(PROBLEM, config(planted.COMPILE_ERROR_TILE_N))
+    assert compile_error.status == "failed" and "planted compile error" in compile_error.reason
+    assert "replaced" not in compile_error.reason
+    assert backend.measure(PROBLEM, config(128)).details["pid"] == pid
+
+
+def test_backend_turns_an_out_of_tolerance_ok_into_wrong(backend):
+    wrong = backend.measure(PROBLEM, config(planted.WRONG_TILE_N))
+    assert wrong.status == "wrong" and "output error 0.5" in wrong.reason and wrong.max_error == 0.5
+
+
+def test_worker_that_cannot_start_is_a_clear_error(workdir):
+    from fa4tune.errors import BackendUnavailable
+
+    with pytest.raises(BackendUnavailable, match="ModuleNotFoundError.*no_such_worker_module"):
+        GpuBackend(KERNEL, None, **{**PLANTED, "worker_module": "no_such_worker_module"})
+    with pytest.raises(BackendError, match="targets H100-SXM but this GPU is H200"):
+        GpuBackend(KERNEL, "H100-SXM", **PLANTED)
+
+
+def test_bad_options_are_refused_with_the_field_named(workdir):
+    with pytest.raises(BackendError, match="measure.run_timeout: a positive number"):
+        GpuBackend(KERNEL, None, **{**PLANTED, "run_timeout": 0})
+    from fa4tune.errors import JobError
+
+    path = write_job(workdir, backend="gpu", measure={"compile_workers": -1})
+    with pytest.raises(JobError, match="measure.compile_workers"):
+        load_job(path)
+
+
+def test_repeated_deaths_stop_the_search(workdir):
+    from fa4tune.errors import BackendUnavailable
+
+    with GpuBackend(KERNEL, None, **{**PLANTED, "max_worker_deaths": 2}) as b:
+        assert b.measure(PROBLEM, config(planted.SEGFAULT_TILE_N)).status == "failed"
+        with pytest.raises(BackendUnavailable, match="died 2 times in a row"):
+            b.measure(PROBLEM, config(planted.SEGFAULT_TILE_N))
+
+
+GRID_SPACE = {"tiles": {"tile_m": [128], "tile_n": [64, planted.EXIT_TILE_N, planted.SEGFAULT_TILE_N, planted.HANG_TILE_N, 128,
+                                   planted.WRONG_TILE_N]}}
+
+
+def test_search_goes_on_past_bad_candidates_and_never_stores_a_wrong_best(workdir):
+    path = write_job(workdir, backend="gpu", target=None, spaces=GRID_SPACE, sampler="grid",
+                     budget={"trials": 20}, measure={**PLANTED, "confirm_rounds": 2})
+    summary = run_search(load_job(path), say=quiet)
+    result = summary.results[0]
+    assert "exhausted" in result.stopped and result.measured == 6
+    with ResultsDB.open("fa4tune-results/results.db", create=False) as db:
+        trials = {t["config"]["tile_n"]: t for t in db.trials() if t["source"] != "confirm"}
+        confirms = [t for t in db.trials() if t["source"] == "confirm"]
+        [best] = db.best_configs()
+        run = db.runs()[0]
+    assert trials[planted.SEGFAULT_TILE_N]["status"] == "failed" and "SIGSEGV" in trials[planted.SEGFAULT_TILE_N]["reason"]
+    assert trials[planted.HANG_TILE_N]["status"] == "failed" and "timed out" in trials[planted.HANG_TILE_N]["reason"]
+    assert trials[planted.EXIT_TILE_N]["status"] == "failed"
+    assert trials[planted.WRONG_TILE_N]["status"] == "wrong"
+    fastest_ok = min((t for t in trials.values() if t["status"] == "ok"), key=lambda t: t["time_ms"])
+    assert best.config["tile_n"] == fastest_ok["config"]["tile_n"] != planted.WRONG_TILE_N
+    # The best was re-timed (interleaved rounds) before it was stored, and says so.
+    assert {c["config"]["tile_n"] for c in confirms} == {t["config"]["tile_n"] for t in trials.values()
+                                                        if t["status"] == "ok"}
+    assert all(c["details"]["rounds_ms"] and len(c["details"]["rounds_ms"]) == 2 for c in confirms)
+    assert best.provenance["confirmed"]["rounds"] == 2 and best.provenance["gpu_name"].startswith("planted")
+    assert run["nvidia_driver"] == "planted" and run["cuda_version"] == "12.8"
+    assert run["clocks"]["start"]["sm_mhz"] == 1980.0 and run["clocks"]["seen"]
+
+
+def test_a_wrong_config_never_becomes_best_in_the_db(workdir):
+    from fa4tune.best import BestEntry
+    from fa4tune.measure.base import Measurement
+
+    db = ResultsDB.open("r.db")
+    run_id = db.start_run(job_name="j", kernel=KERNEL.name, kernel_hash="h", target="H200", backend="gpu",
+                          is_estimate=False, fa4tune_version="0", study_prefix="p")
+    common = dict(run_id=run_id, study_name="s", kernel=KERNEL.name, kernel_hash="h", target="H200",
+                  problem=PROBLEM, source="sampler", provenance={})
+    fast = {"tile_n": 64}
+    db.add_trial(optuna_number=0, config=fast, measurement=Measurement(status="wrong", reason="bad"), **common)
+    # The same config measured ok later (another run, a lucky draw) is still refused as best...
+    ok_id = db.add_trial(optuna_number=1, config=fast, measurement=Measurement.ok(PROBLEM, 1.0), **common)
+    assert db.best_configs() == []
+    # ...also through a confirmation, while a config that was never wrong is taken.
+    other = {"tile_n": 128}
+    other_id = db.add_trial(optuna_number=2, config=other, measurement=Measurement.ok(PROBLEM, 2.0),
+                            offer_best=False, **common)
+    stored = db.confirm_best(run_id=run_id, study_name="s", kernel=KERNEL.name, kernel_hash="h", target="H200",
+                             problem=PROBLEM, provenance={},
+                             confirmed=[({"id": ok_id}, Measurement.ok(PROBLEM, 0.5)),
+                                        ({"id": other_id}, Measurement.ok(PROBLEM, 2.1))])
+    [best] = db.best_configs()
+    assert best.config == other and stored is not None
+    # An imported table cannot smuggle it in either.
+    entry = BestEntry(kernel=KERNEL.name, kernel_hash="h", target="H200", problem=PROBLEM.to_dict(),
+                      problem_key=PROBLEM.key(), bucket_key=PROBLEM.bucket().key(), config=fast, time_ms=0.1,
+                      tflops=1.0, is_estimate=False, provenance={}, source="import")
+    report = db.merge_best([entry])
+    assert report.conflicts and "wrong" in report.conflicts[0]
+    assert db.best_configs()[0].config == other
+    from fa4tune.errors import ResultsDBError
+
+    wrong_id = db.trials()[0]["id"]
+    with pytest.raises(ResultsDBError, match="not an ok trial"):
+        db.confirm_best(run_id=run_id, study_name="s", kernel=KERNEL.name, kernel_hash="h", target="H200",
+                        problem=PROBLEM, provenance={}, confirmed=[({"id": wrong_id}, Measurement.ok(PROBLEM, 0.1))])
+    db.close()
+
+
+def test_pruner_stops_clearly_slower_candidates_after_the_cheap_timing(workdir):
+    space = {"tiles": {"tile_n": [64, 128, 160]}, "pipeline": {"num_stages": [1, 2, 3]},
+             "exp2": {"emu_share": [0.0, 0.25, 0.5], "poly_degree": [3]}}
+    path = write_job(workdir, backend="gpu", target=None, spaces=space, sampler="grid", budget={"trials": 40},
+                     measure={**PLANTED, "prune_margin": 0.05, "prune_after": 2, "confirm_rounds": 1},
+                     problems=[{"head_dim": 64, "seqlen_q": 1024, "batch": 1, "nheads_q": 4}])
+    summary = run_search(load_job(path), say=quiet)
+    result = summary.results[0]
+    with ResultsDB.open("fa4tune-results/results.db", create=False) as db:
+        trials = [t for t in db.trials() if t["source"] != "confirm"]
+    stopped = [t for t in trials if t["status"] == "stopped"]
+    assert result.stopped_early == len(stopped) > 0
+    best_ok = min(t["time_ms"] for t in trials if t["status"] == "ok")
+    for t in stopped:
+        assert "stopped after the cheap timing" in t["reason"] and t["time_ms"] > best_ok * 1.05
+    import optuna
+
+    study = optuna.load_study(study_name=result.study_name, storage=optuna.storages.JournalStorage(
+        optuna.storages.journal.JournalFileBackend("fa4tune-results/results.optuna.journal")))
+    states = {t.number: t.state for t in study.get_trials(deepcopy=False)}
+    for t in stopped:
+        assert states[t["optuna_number"]] == optuna.trial.TrialState.PRUNED
+
+
+def test_compile_pool_hands_over_artifacts_and_survives_crashing_and_hanging_compiles(workdir):
+    space = {"tiles": {"tile_m": [128], "tile_n": [64, 128, planted.POOL_CRASH_TILE_N, planted.POOL_HANG_TILE_N]}}
+    path = write_job(workdir, backend="gpu", target=None, spaces=space, sampler="grid", budget={"trials": 10},
+                     measure={**PLANTED, "compile_workers": 2, "cache_dir": str(workdir / "kernels"),
+                              "confirm_rounds": 1, "compile_timeout": 2})
+    summary = run_search(load_job(path), say=quiet)
+    with ResultsDB.open("fa4tune-results/results.db", create=False) as db:
+        trials = {t["config"]["tile_n"]: t for t in db.trials() if t["source"] != "confirm"}
+    assert summary.results[0].measured == 4
+    crashed = trials[planted.POOL_CRASH_TILE_N]
+    assert crashed["status"] == "failed" and crashed["reason"].startswith("compile failed") and "exit status 4" in crashed["reason"]
+    hung = trials[planted.POOL_HANG_TILE_N]
+    assert hung["status"] == "failed" and "compile timed out after 2 s" in hung["reason"]
+    for tile_n in (64, 128):
+        assert trials[tile_n]["status"] == "ok" and trials[tile_n]["details"]["artifact_seen"]
+    assert len(list((workdir / "kernels").rglob("*.o"))) == 2
+
+
+# The CLI with the planted worker, slowed down so that a kill lands in the middle of the search.
+def start_cli(job_path, workdir):
+    env = {**os.environ, "PLANTED_DELAY": "0.15",
+           "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen([sys.executable, "-m", "fa4tune.cli", "search", str(job_path), "--no-progress"],
+                            cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_sigkilled_gpu_search_loses_no_finished_trial_and_resumes(workdir):
+    space = {"tiles": {"tile_n": [64, 128, 160, 192]}, "pipeline": {"num_stages": [1, 2, 3]}}
+    job_path = write_job(workdir, backend="gpu", target=None, spaces=space, sampler="random",
+                         budget={"trials": 10}, measure={**PLANTED, "run_timeout": 30, "confirm_rounds": 1},
+                         problems=[{"head_dim": 64, "seqlen_q": 1024, "batch": 1, "nheads_q": 4}])
+    proc = start_cli(job_path, workdir)
+    db_path = workdir / "fa4tune-results" / "results.db"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            with ResultsDB.open(str(db_path), create=False) as db:
+                if db.counts()["trials"] >= 4:
+                    break
+        except Exception:
+            pass
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    with ResultsDB.open(str(db_path), create=False) as db:
+        before = db.trials()
+    worker_pids = {t["details"]["pid"] for t in before if "pid" in t["details"]}
+    assert worker_pids and 4 <= len(before) < 10
+    deadline = time.monotonic() + 10  # the orphaned worker notices its parent is gone and leaves
+    while any(_alive(pid) for pid in worker_pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in worker_pids), "a worker outlived its killed search"
+
+    summary = run_search(load_job(job_path), resume=True, say=quiet)
+    assert summary.resumed
+    with ResultsDB.open(str(db_path), create=False) as db:
+        after = db.trials()
+        assert len(db.best_configs()) == 1 and db.runs()[0]["status"] == "finished"
+    kept = {t["id"]: t for t in after}
+    assert all(kept[t["id"]] == t for t in before), "a finished trial changed or vanished"
+    search = [t for t in after if t["source"] != "confirm"]
+    assert sum(t["status"] != "pruned" for t in search) == 10
+    keys = [t["config_key"] for t in search]
+    assert len(keys) == len(set(keys)), "a config was measured twice"
+    assert any(t["source"] == "default" for t in search)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes (its parent, the killed CLI, is gone; init reaps it).
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -1,0 +1,149 @@
+"""The gpu backend and fa4tune.attention on a real GPU (skipped without one): a short search stores a
+verified, confirmed best; fa4tune.attention matches the reference and runs the table's config; a
+kernel exported by one process and loaded by another computes exactly what a fresh compile does."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
+]
+
+from conftest import write_job  # noqa: E402
+from fa4tune.problem import Problem  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+quiet = lambda *a, **k: None  # noqa: E731
+
+
+def test_short_real_search_stores_a_verified_confirmed_best(workdir):
+    from fa4tune.db import ResultsDB
+    from fa4tune.job import load_job
+    from fa4tune.measure.verify import TOLERANCES
+    from fa4tune.search import run_search
+
+    path = write_job(workdir, backend="gpu", target=None,
+                     spaces={"tiles": {"tile_m": [128], "tile_n": [96, 128, 160]}, "pipeline": {"num_stages": [2, 3]}},
+                     sampler="grid", budget={"trials": 6},
+                     problems=[{"head_dim": 128, "seqlen_q": 2048, "batch": 2, "nheads_q": 8, "causal": True}],
+                     measure={"confirm_top": 2, "confirm_rounds": 2, "compile_workers": 2,
+                              "cache_dir": str(workdir / "kernels")})
+    summary = run_search(load_job(path), say=quiet)
+    assert not summary.is_estimate and summary.backend == "gpu"
+    with ResultsDB.open("fa4tune-results/results.db", create=False) as db:
+        trials = db.trials()
+        [best] = db.best_configs()
+        [run] = db.runs()
+    search = [t for t in trials if t["source"] != "confirm"]
+    assert all(t["status"] in ("ok", "stopped", "pruned") for t in search), [t["reason"] for t in search]
+    ok = [t for t in search if t["status"] == "ok"]
+    assert ok and all(t["max_error"] <= TOLERANCES["bf16"].out for t in ok)
+    assert all(t["spread_ms"] is not None and t["spread_ms"] < 0.2 * t["time_ms"] for t in ok), "noisy timings"
+    confirms = [t for t in trials if t["source"] == "confirm"]
+    assert len(confirms) == min(2, len(ok)) and all(len(c["details"]["rounds_ms"]) == 2 for c in confirms)
+    assert not best.is_estimate and best.config in [c["config"] for c in confirms]
+    assert best.time_ms == min(c["time_ms"] for c in confirms if c["status"] == "ok")
+    assert run["gpu_name"] and run["sm_count"] and run["cuda_version"] and run["dsl_version"]
+    assert any(t["details"].get("compiled_by") == "pool" for t in ok), "the compile pool handed over no kernel"
+
+
+SHAPES = [
+    # (head_dim, causal, seqlen_q, seqlen_k, batch, nheads_q, nheads_kv, softmax_scale)
+    (128, False, 1000, 1000, 2, 4, 4, None),
+    (128, True, 777, 1029, 2, 8, 2, None),  # GQA, seqlen_q < seqlen_k
+    (64, True, 2048, 2048, 1, 4, 1, 0.05),  # MQA, own scale
+    (64, False, 113, 113, 3, 2, 2, None),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "d{}-{}-q{}k{}-b{}h{}x{}".format(*s[:7]))
+def test_attention_matches_the_reference(shape):
+    import fa4tune
+    from fa4tune.kernels.reference import attention_reference
+
+    d, causal, sq, sk, b, hq, hkv, scale = shape
+    q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16)
+    for attempt in range(2):  # the second call runs the prepared launch with new data
+        if attempt:
+            q.normal_(), k.normal_(), v.normal_()
+        out, lse = fa4tune.attention(q, k, v, causal=causal, softmax_scale=scale)
+        ref_out, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=scale)
+        assert out.shape == (b, sq, hq, d) and lse.shape == (b, hq, sq) and lse.dtype == torch.float32
+        assert ((out.float() - ref_out).norm() / ref_out.norm()).item() < 1e-2
+        finite = torch.isfinite(ref_lse)
+        assert torch.equal(finite, torch.isfinite(lse))
+        assert (lse[finite] - ref_lse[finite]).abs().max().item() < 1e-3
+
+
+def test_attention_runs_the_tables_config_on_the_current_stream(workdir, monkeypatch):
+    import fa4tune
+    from fa4tune import dispatch
+    from fa4tune.db import ResultsDB
+    from fa4tune.kernels import get_kernel
+    from fa4tune.kernels.interface import attention_forward
+    from fa4tune.measure.base import Measurement
+    from fa4tune.target import detect_target
+
+    kernel, target = get_kernel(), detect_target()
+    problem = Problem(head_dim=128, causal=True, seqlen_q=1536, batch=2, nheads_q=4)
+    tuned = {**kernel.default_config(problem, target).to_dict(), "tile_n": 96, "num_stages": 3}
+    with ResultsDB.open("tuned.db") as db:
+        run = db.start_run(job_name="j", kernel=kernel.name, kernel_hash=kernel.source_hash(), target=target.name,
+                           backend="gpu", is_estimate=False, fa4tune_version="0", study_prefix="p")
+        db.add_trial(run_id=run, study_name="s", optuna_number=0, kernel=kernel.name, kernel_hash=kernel.source_hash(),
+                     target=target.name, problem=problem, config=tuned, measurement=Measurement.ok(problem, 0.1),
+                     source="sampler", provenance={})
+    monkeypatch.setenv("FA4TUNE_DB", str(workdir / "tuned.db"))
+    fa4tune.runtime.reset()
+    dispatch.clear()
+    q, k, v = (torch.randn(2, 1536, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    assert dispatch.explain(q, k, v, causal=True).config.to_dict() == tuned
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out, lse = fa4tune.attention(q, k, v, causal=True)
+    side.synchronize()
+    [launch] = dispatch._LAUNCHES.values()
+    assert launch.config.to_dict() == tuned
+    expected, expected_lse = attention_forward(q, k, v, kernel.make_config(tuned), causal=True)
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected) and torch.equal(lse, expected_lse), "not the table's kernel, or not the same run"
+    dispatch.clear()
+    fa4tune.runtime.reset()
+
+
+def test_kernel_exported_in_another_process_equals_a_fresh_compile(workdir):
+    from fa4tune.kernels.config import FwdConfig
+    from fa4tune.kernels.interface import _CACHE, attention_forward, compile_forward, load_compiled
+
+    config = FwdConfig(tile_n=112, num_stages=3, rescale_threshold=4.0)
+    path = workdir / "kernel.o"
+    # The exporting process sees no GPU, like a compile worker.
+    script = ("from fa4tune.kernels.config import FwdConfig\n"
+              "from fa4tune.kernels.interface import compile_forward, export_compiled\n"
+              f"export_compiled(compile_forward(FwdConfig(tile_n=112, num_stages=3, rescale_threshold=4.0), "
+              f"'bf16', 128, 128, True, 'H200'), {str(path)!r})\n")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=600)
+    fresh = compile_forward(config, "bf16", 128, 128, True, "H200", use_cache=False)
+    _CACHE.pop(fresh.key, None)
+    loaded = load_compiled(path, config, "bf16", 128, 128, True, "H200")
+    assert loaded.kernel is None and loaded.compile_seconds < 1.0
+    q, k, v = (torch.randn(2, 1000, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out_loaded, lse_loaded = attention_forward(q, k, v, config, causal=True)  # the cache holds the loaded one
+    _CACHE[fresh.key] = fresh
+    out_fresh, lse_fresh = attention_forward(q, k, v, config, causal=True)
+    torch.cuda.synchronize()
+    _CACHE.pop(fresh.key, None)
+    assert torch.equal(out_loaded, out_fresh) and torch.equal(lse_loaded, lse_fresh)

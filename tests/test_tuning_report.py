@@ -1,0 +1,63 @@
+"""benchmarks/tuning_report.py without a GPU: the search story read from a DB, the rendering of
+missing peers and targets, and a clean refusal (exit 2, nothing written) where there is no GPU."""
+
+import importlib.util
+from pathlib import Path
+
+from fa4tune.db import ResultsDB
+from fa4tune.kernels import get_kernel
+from fa4tune.measure.base import Measurement
+from fa4tune.problem import Problem
+
+REPO = Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location("tuning_report", REPO / "benchmarks" / "tuning_report.py")
+report = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(report)
+
+GRID = Problem(head_dim=128, seqlen_q=4096, batch=4, nheads_q=16)
+KERNEL = get_kernel()
+
+
+def test_search_story_counts_trials_to_the_best(workdir):
+    with ResultsDB.open("r.db") as db:
+        run = db.start_run(job_name="j", kernel=KERNEL.name, kernel_hash="h", target="H200", backend="gpu",
+                           is_estimate=False, fa4tune_version="0", study_prefix="p")
+        times = [2.0, None, 1.5, 1.02, 1.3, 1.0, 1.4]  # None: an infeasible (pruned) suggestion
+        for number, ms in enumerate(times):
+            m = Measurement.pruned(["x"]) if ms is None else Measurement.ok(GRID, ms)
+            db.add_trial(run_id=run, study_name="s", optuna_number=number, kernel=KERNEL.name, kernel_hash="h",
+                         target="H200", problem=GRID, config={"tile_n": number}, measurement=m, source="sampler",
+                         provenance={})
+        [best] = db.best_configs()
+        story = report.search_story(db, GRID.key(), best)
+    # Measured (pruned skipped): 2.0, 1.5, 1.02 (within 2% of 1.0: trial 3), 1.3, 1.0 (the best: trial 5).
+    assert story["measured"] == 6 and story["to_near"] == 3 and story["to_best"] == 5
+
+
+def test_render_says_what_is_missing():
+    cells = {"default": {"tflops": 600.0}, "tuned": {"tflops": 660.0},
+             "flash-attn-4": "not installed (ModuleNotFoundError: flash_attn)", "cuDNN": {"tflops": 610.0}}
+    rows = [{"key": GRID.key(), "grid": True, "default": "128x128s2", "changed": "tile_n=160", "cells": cells,
+             "story": {"measured": 30, "to_near": 12, "to_best": 20, "wall_s": 55.0, "stopped": 4}},
+            {"key": "other", "grid": False, "default": "128x128s2", "note": "not tuned (no best config in the DB)"}]
+    header = {"kernel": "k", "target": "H200", "date": "d", "gpu": "NVIDIA H200", "driver": "580", "cuda": "12.8",
+              "torch": "2.13", "dsl": "4.8.1", "fa4": "not installed", "kernel_hash": "abcdef0123456789",
+              "db": "x.db", "rounds": 5}
+    text = report.render(rows, header)
+    assert "**1.100x** (target ≥ 1.05)" in text
+    assert "flash-attn-4 not measured" in text
+    assert "not installed (ModuleNotFoundError: flash_attn)" in text
+    assert "| 600 | 660 |" in text and "12 / 20 (30, 4 stopped)" in text and "not tuned" in text
+    assert report.is_grid(GRID) and not report.is_grid(Problem(head_dim=128, seqlen_q=8192, batch=2, nheads_q=32,
+                                                                  nheads_kv=8))
+
+
+def test_without_a_gpu_it_refuses_and_writes_nothing(workdir, capsys):
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    out = workdir / "report.md"
+    assert report.main(["--out", str(out)]) == 2
+    assert "needs an NVIDIA GPU" in capsys.readouterr().err and not out.exists()

@@ -1,0 +1,72 @@
+"""The correctness gate's slices of the fp32 reference (on the CPU): each slice equals the same rows of
+the whole problem's reference, causal offsets included, and the comparison catches NaN, -inf
+mismatches and errors above tolerance."""
+
+import math
+
+import pytest
+import torch
+
+from fa4tune.kernels.reference import attention_reference
+from fa4tune.measure.verify import TOLERANCES, compare, reference_slices, row_slices
+
+SHAPES = [
+    # (seqlen_q, seqlen_k, batch, nheads_q, nheads_kv)
+    (40, 40, 2, 4, 2),
+    (70, 25, 1, 2, 1),  # causal rows at the top see no key
+    (25, 70, 3, 3, 3),
+    (9, 9, 1, 1, 1),
+]
+
+
+def inputs(shape, seed=0):
+    sq, sk, b, hq, hkv = shape
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, sq, hq, 64, generator=g).to(torch.bfloat16)
+    k = torch.randn(b, sk, hkv, 64, generator=g).to(torch.bfloat16)
+    v = torch.randn(b, sk, hkv, 64, generator=g).to(torch.bfloat16)
+    return q, k, v
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_slices_equal_the_whole_reference(shape, causal):
+    q, k, v = inputs(shape)
+    full_o, full_lse = attention_reference(q, k, v, causal=causal)
+    slices = reference_slices(q, k, v, causal, None, rows=16)
+    assert slices
+    for (b, h, start, end), ref_o, ref_lse in slices:
+        torch.testing.assert_close(ref_o, full_o[b:b + 1, start:end, h:h + 1], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ref_lse, full_lse[b:b + 1, h:h + 1, start:end], rtol=1e-5, atol=1e-6)
+    # The reference itself as the "kernel output" passes with zero error.
+    check = compare(full_o.to(torch.bfloat16), full_lse, slices)
+    assert check.verdict(TOLERANCES["bf16"]) is None and check.out_error < 4e-3 and check.lse_error < 1e-5
+
+
+def test_row_slices_cover_first_and_last_rows():
+    assert row_slices(100, 100, False, rows=16) == [(0, 16, 100), (84, 100, 100)]
+    assert row_slices(100, 60, True, rows=16) == [(0, 16, 0), (84, 100, 60)]  # top rows see no key
+    assert row_slices(10, 10, True, rows=16) == [(0, 10, 10)]
+
+
+def test_compare_catches_nan_lse_mismatch_and_large_errors():
+    q, k, v = inputs((40, 40, 2, 4, 2))
+    out, lse = attention_reference(q, k, v, causal=True)
+    slices = reference_slices(q, k, v, True, None, rows=16)
+    tol = TOLERANCES["bf16"]
+
+    unwritten = out.clone()
+    unwritten[1, 20, 1, 3] = math.nan  # outside every slice: still found
+    assert "never written" in compare(unwritten, lse, slices).verdict(tol)
+
+    bad_lse = lse.clone()
+    bad_lse[0, 0, 0] = float("-inf")
+    assert "LSE is finite" in compare(out, bad_lse, slices).verdict(tol)
+
+    off = out.clone()
+    off[0, :16, 0] += 1.0
+    assert "output error" in compare(off, lse, slices).verdict(tol)
+
+    shifted = lse.clone()
+    shifted[-1, -1, -1] += 0.01
+    assert "LSE error" in compare(out, shifted, slices).verdict(tol)
