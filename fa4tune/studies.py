@@ -24,6 +24,7 @@ from .errors import JobError, StorageError
 RDB_PREFIXES = ("sqlite:", "postgresql", "mysql", "oracle", "mssql")
 WORKER_ATTR = "fa4tune_worker"  # host:pid of the worker that asked the trial
 CLAIM_ATTR = "fa4tune_claim"  # the config (key) whose measurement the trial holds a budget slot for
+GIVEN_BACK_ATTR = "fa4tune_given_back"  # a queued trial put back unmeasured: the number it was popped as
 # Heartbeats on server storages (PostgreSQL, MySQL): every HEARTBEAT_S seconds a worker records that
 # each of its trials is alive; one silent for HEARTBEAT_GRACE times that is stale and handed back.
 HEARTBEAT_S = int(os.environ.get("FA4TUNE_HEARTBEAT_S", "10"))
@@ -234,8 +235,10 @@ def give_back(study, trial) -> None:
     import optuna
 
     study.tell(trial.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
-    params = trial.system_attrs.get("fixed_params") or trial.params
-    study.enqueue_trial(params, user_attrs=_unmarked(trial).user_attrs)
+    # What study.enqueue_trial adds, plus where it came from (GIVEN_BACK_ATTR).
+    study.add_trial(optuna.trial.create_trial(
+        state=optuna.trial.TrialState.WAITING, user_attrs=_unmarked(trial).user_attrs,
+        system_attrs={"fixed_params": queued_params(trial), GIVEN_BACK_ATTR: trial.number}))
 
 
 def queued_params(trial) -> dict:

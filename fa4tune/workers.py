@@ -230,9 +230,11 @@ def run_workers(run, plan: list[str | None], backend_name: str, db_location: str
                               backend=backend_name)) for i, device in enumerate(plan)]
     # The coordinator's view of the run: it hands back dead workers' trials and reports the problems.
     context = _Context(run, space, None, results_db, storage, {}, progress=False, say=say)
-    where = "GPU" if plan[0] is not None else "CPU worker"
-    say(f"fa4tune: {len(plan)} workers share run {run.run_id}: "
-        + ", ".join(f"{i}: {where} {d}" if d is not None else f"{i}" for i, d in enumerate(plan)))
+    if plan[0] is None:
+        say(f"fa4tune: {len(plan)} CPU worker process{'es' if len(plan) > 1 else ''} share run {run.run_id}")
+    else:
+        say(f"fa4tune: {len(plan)} worker process{'es' if len(plan) > 1 else ''} share run {run.run_id}, one per "
+            f"GPU (CUDA_VISIBLE_DEVICES {', '.join(plan)})")
     for slot in slots:
         slot.start()
     failures: list[str] = []

@@ -1,3 +1,5 @@
+import itertools
+import os
 import sys
 from pathlib import Path
 
@@ -74,3 +76,28 @@ def entry_point_plugin(tmp_path, monkeypatch):
     sys.modules.pop("fa4tune_testplugin", None)
     monkeypatch.undo()
     fa4tune.space.rediscover()
+
+
+_database_numbers = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """One PostgreSQL server on the loopback for the session (see tests/pgserver.py)."""
+    from pgserver import PostgresServer
+
+    server = PostgresServer()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def postgres(postgres_server, request):
+    """Two fresh databases on the test server: (results DB URL, Optuna storage URL)."""
+    import re
+
+    base = re.sub(r"[^a-z0-9]+", "_", request.node.name.lower())[:40]
+    stamp = f"{os.getpid()}_{next(_database_numbers)}"
+    return (postgres_server.create_database(f"r_{base}_{stamp}"), postgres_server.create_database(f"o_{base}_{stamp}"))
+
+
