@@ -11,8 +11,9 @@ study's lock in the results DB (`ResultsDB.locked`), where each worker:
   - claims a candidate before measuring it: a config stored already is a repeat (Optuna hears the
     stored outcome), one another worker is measuring is a repeat too, and a budget slot is taken only
     while stored measurements plus claims in flight stay below the budget. The claim is the trial's
-    CLAIM_ATTR in Optuna: it lasts while the trial is RUNNING, so a dead worker's claim ends when its
-    trial is handed back (studies.py);
+    CLAIM_ATTR in Optuna: it holds its slot while the trial is RUNNING, and a dead worker's claim
+    passes to the trial's queued copy when it is handed back (studies.py), which keeps the slot for
+    whoever measures it;
   - hands back the trials of dead workers (their stored outcome told to Optuna, or failed and queued
     again by Optuna's retry callback).
 The results DB also refuses a second search trial of one config in a study (DuplicateTrial)."""
@@ -378,7 +379,7 @@ class _Context:
             if bar is not None:
                 bar.close()
         # Others' trials still in flight: the best few are confirmed once all are in.
-        while self._claims_in_flight(study, name):
+        while self._measuring(study, name):
             if not wait:
                 return None
             time.sleep(POLL_S)
@@ -413,26 +414,31 @@ class _Context:
         return ""
 
     # ---- sharing the study --------------------------------------------------------------------
-    def _in_flight(self, study, stored_among, running=None, exclude: int | None = None) -> list:
-        """Trials that workers claimed and are measuring: RUNNING, claimed, and not stored yet
-        (`stored_among(numbers)`: which of these the results DB has)."""
+    def _in_flight(self, study, stored_among, trials=None, exclude: int | None = None,
+                   reserved: bool = True) -> list:
+        """The claims that hold budget slots: trials being measured (RUNNING, claimed, not stored
+        yet) and, with `reserved`, the trials of dead workers queued again with their claim (WAITING),
+        which keep their slot for whoever measures them. `stored_among(numbers)`: which of these
+        trial numbers the results DB has."""
         import optuna
 
-        if running is None:
-            running = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
-        claimed = [t for t in running if CLAIM_ATTR in t.user_attrs and t.number != exclude]
-        stored = stored_among([t.number for t in claimed])
+        states = (optuna.trial.TrialState.RUNNING,) + ((optuna.trial.TrialState.WAITING,) if reserved else ())
+        if trials is None:
+            trials = study.get_trials(deepcopy=False, states=states)
+        claimed = [t for t in trials if t.state in states and CLAIM_ATTR in t.user_attrs and t.number != exclude]
+        stored = stored_among([t.number for t in claimed if t.state == optuna.trial.TrialState.RUNNING])
         return [t for t in claimed if t.number not in stored]
 
-    def _claims_in_flight(self, study, name: str) -> bool:
-        return bool(self._in_flight(study, lambda numbers: self.db.stored_among(name, numbers)))
+    def _measuring(self, study, name: str) -> list:
+        """Claimed trials being measured now (by any worker)."""
+        return self._in_flight(study, lambda numbers: self.db.stored_among(name, numbers), reserved=False)
 
     def _slot_free(self, study, name: str, result: ProblemResult) -> bool:
-        """Whether a budget slot is free now (a hint; the claim decides under the lock)."""
+        """Whether a budget slot is free now, or kept for a handed-back trial that this worker may
+        pick up (a hint; the claim decides under the lock)."""
         if self.budget_trials is None:
             return True
-        in_flight = self._in_flight(study, lambda numbers: self.db.stored_among(name, numbers))
-        return result.measured + len(in_flight) < self.budget_trials
+        return result.measured + len(self._measuring(study, name)) < self.budget_trials
 
     def _claim(self, study, name: str, problem: Problem, candidate: "_Candidate") -> str:
         """Under the study's lock: "repeat" (stored already, or being measured by another worker;
@@ -443,10 +449,11 @@ class _Context:
 
         trial, config = candidate.trial, candidate.config
         with self.db.locked(name) as lock:
-            running = {t.number: t for t in study.get_trials(
-                deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))}
-            mine = running.get(trial.number)
-            if mine is None or mine.user_attrs.get(WORKER_ATTR) != self.worker:
+            active = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,
+                                                              optuna.trial.TrialState.WAITING))
+            mine = next((t for t in active if t.number == trial.number), None)
+            if mine is None or mine.state != optuna.trial.TrialState.RUNNING or \
+                    mine.user_attrs.get(WORKER_ATTR) != self.worker:
                 return "lost"
             earlier = lock.stored(config)
             if earlier is not None:  # never measure a config twice: tell Optuna what it gave before
@@ -461,7 +468,7 @@ class _Context:
                 _tell(study, trial.number, "pruned", None)
                 return "pruned"
             key = config_key(config)
-            in_flight = self._in_flight(study, lock.stored_among, running.values(), exclude=trial.number)
+            in_flight = self._in_flight(study, lock.stored_among, active, exclude=trial.number)
             if any(t.user_attrs[CLAIM_ATTR] == key for t in in_flight):
                 study.tell(trial.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
                 return "repeat"
@@ -513,8 +520,10 @@ class _Context:
                 trial = study.ask()
             heartbeat = None
             try:
-                trial.set_user_attr(WORKER_ATTR, self.worker)
+                # The heartbeat first: a trial with a worker's name always has one, so that if the
+                # worker dies now, the trial either goes stale or, unnamed, is handed back at once.
                 heartbeat = start_heartbeat(study, trial)
+                trial.set_user_attr(WORKER_ATTR, self.worker)
                 params = self.space.suggest(trial, problem, self.target)
             except optuna.exceptions.UpdateFinishedTrialError:
                 # Unmarked for a moment, it was taken for a dead worker's and handed back: ask again.

@@ -196,16 +196,17 @@ def worker_gone(worker: str | None) -> bool:
 
 
 def _unmarked(trial):
-    """A copy of a frozen trial without the worker's marks, for queueing its parameters again."""
+    """A copy of a frozen trial without its worker's name, for queueing its parameters again. A
+    claim stays with it: the queued trial keeps the budget slot for whoever measures it."""
     trial = copy.deepcopy(trial)
-    trial.user_attrs = {k: v for k, v in trial.user_attrs.items() if k not in (WORKER_ATTR, CLAIM_ATTR)}
+    trial.user_attrs = {k: v for k, v in trial.user_attrs.items() if k != WORKER_ATTR}
     return trial
 
 
 class HandBack:
     """Optuna's retry callback (RetryHeartbeatStaleTrialCallback, formerly RetryFailedTrialCallback)
-    over a copy of the failed trial without the dead worker's marks: the trial is queued again
-    (WAITING) with the same parameters, at most MAX_HAND_BACKS times."""
+    over a copy of the failed trial without the dead worker's name: the trial is queued again
+    (WAITING) with the same parameters and its claim, at most MAX_HAND_BACKS times."""
 
     def __init__(self) -> None:
         import optuna

@@ -116,7 +116,8 @@ def assert_exactly_once(db_location, storage, budget, n_studies, workers=None):
         defaults = [t for t in trials if t.user_attrs.get("fa4tune_source") == "default" and "fixed_params" in
                     t.system_attrs and not {"failed_trial", GIVEN_BACK_ATTR} & set(t.system_attrs)]
         assert len(defaults) == 1, f"the default was queued {len(defaults)} times in {name}"
-        assert sum(t["source"] == "default" for t in mine) == 1
+        assert sum(t["source"] == "default" for t in mine) == 1, [
+            (t.number, t.state, t.user_attrs, t.system_attrs) for t in trials if "fixed_params" in t.system_attrs]
         for t in mine:  # a stored trial is finished in Optuna with what the DB says
             frozen = by_number[t["optuna_number"]]
             assert frozen.state.is_finished()
