@@ -339,6 +339,7 @@ class _Context:
         queue: deque[_Candidate] = deque()
         try:
             while True:
+                result = self._result(problem, name, result)  # other workers' trials count too
                 stop = self._stop_reason(result, size, state, name)
                 if stop:
                     result.stopped = stop
@@ -348,7 +349,6 @@ class _Context:
                         return None  # the budget is claimed: other workers measure the last trials
                     time.sleep(POLL_S)
                     self.recover(study, name)
-                    result = self._result(problem, name, result)
                     continue
                 while len(queue) < 1 + self.backend.lookahead:
                     queue.append(self._ask(study, problem, name))
@@ -361,13 +361,8 @@ class _Context:
                     state["consecutive"] += 1
                     continue
                 state["consecutive"] = 0
-                if outcome == "pruned":
-                    result.pruned += 1
-                else:
-                    result.stopped_early += outcome == "stopped"
-                    if bar is not None:
-                        bar.update(1)
-                result = self._result(problem, name, result)
+                if outcome != "pruned" and bar is not None:
+                    bar.update(1)
                 if bar is not None:
                     top = self.db.top_trials(name, 1)
                     shown = f"best {top[0]['tflops']:.0f} TFLOP/s" if top else "no feasible config yet"

@@ -69,19 +69,26 @@ def start_search(workdir, env, *args, delay=0.1, new_session=False, **extra_env)
 
 
 def finish(proc, timeout=120):
-    out, _ = proc.communicate(timeout=timeout)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # its workers follow it
+        raise AssertionError(f"the search did not finish in {timeout} s: {proc.communicate()[0]}") from None
     assert proc.returncode == 0, out
     return out
 
 
 def studies(storage):
-    storage = open_storage(storage)
+    """Each study's trials (`storage`: a location or an open Optuna storage)."""
+    if isinstance(storage, str):
+        storage = open_storage(storage, heartbeat=False)
     return {s.study_name: optuna.load_study(study_name=s.study_name, storage=storage).get_trials(deepcopy=False)
             for s in optuna.get_all_study_summaries(storage)}
 
 
-def claimed_trial(storage, timeout=60, proc=None):
+def claimed_trial(location, timeout=60, proc=None):
     """The first trial a worker of this host claimed and is measuring: (study, trial)."""
+    storage = open_storage(location, heartbeat=False)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc is None or proc.poll() is None, proc.stdout.read()
