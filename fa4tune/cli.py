@@ -50,7 +50,7 @@ def cmd_search(args) -> int:
         from .db import shown_location
 
         s = stop.summary
-        again = " ".join(f"{flag} {shown_location(value)}" for flag, value in (
+        again = " ".join(f"{flag} {shown_location(str(value))}" for flag, value in (
             ("--db", args.db), ("--storage", args.storage), ("--workers", args.workers),
             ("--gpus", ",".join(map(str, args.gpus or [])))) if value)
         _say(f"fa4tune: interrupted; every finished trial is stored in {shown_location(s.db_location)} (run "

@@ -183,6 +183,20 @@ def test_a_worker_killed_mid_trial_loses_nothing_journal(workdir, slow_env):
     assert kept["optuna_number"] == retry.number and WORKER_ATTR not in retry.system_attrs
 
 
+def test_ctrl_c_stops_every_worker_and_says_how_to_resume(workdir, slow_env):
+    path = write_job(workdir, spaces=SPACE, problems=PROBLEMS, budget={"trials": 200}, sampler="random")
+    proc = start_search(workdir, slow_env, path, "--workers", 2, delay=0.1)
+    claimed_trial(JOURNAL, proc=proc)
+    proc.send_signal(signal.SIGINT)  # the search process alone: it stops its workers
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out
+    assert "Continue with: fa4tune search" in out and "--resume --workers 2" in out
+    with ResultsDB.open(DB, create=False) as db:
+        assert db.runs()[0]["status"] == "interrupted"
+    for trials in studies(JOURNAL).values():  # every worker settled its trials before it left
+        assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
+
+
 # ---- PostgreSQL -------------------------------------------------------------------------------------
 def test_four_workers_share_each_study_through_postgresql_and_survive_a_kill(workdir, slow_env, postgres):
     db_url, storage_url = postgres
