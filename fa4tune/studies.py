@@ -20,6 +20,7 @@ import zlib
 from pathlib import Path
 
 from .errors import JobError, StorageError
+from .files import unwritable_ancestor
 
 RDB_PREFIXES = ("sqlite:", "postgresql", "mysql", "oracle", "mssql")
 WORKER_ATTR = "fa4tune_worker"  # host:pid of the worker that asked the trial
@@ -74,29 +75,17 @@ def check_storage(location: str) -> None:
     if path is not None:
         if path.is_dir():
             raise StorageError(f"Optuna storage {location!r} is a directory; give a journal file path")
-        existing = path.parent
-        while not existing.exists():
-            existing = existing.parent
-        if not (path.exists() and os.access(path, os.W_OK)) and not (existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)):
-            raise StorageError(f"cannot write the Optuna journal {location!r}: {existing} is not a writable directory")
+        blocked = None if path.exists() and os.access(path, os.W_OK) else unwritable_ancestor(path)
+        if blocked is not None:
+            raise StorageError(f"cannot write the Optuna journal {location!r}: {blocked} is not a writable "
+                               "directory")
         return
-    from sqlalchemy import create_engine, text
-
-    from .db import engine_options, engine_url
+    from .db import UNREACHABLE_HINT, reach
 
     try:
-        url = engine_url(location)
-        engine = create_engine(url, **engine_options(url))
-        try:
-            with engine.connect() as connection:
-                connection.execute(text("SELECT 1"))
-        finally:
-            engine.dispose()
+        reach(location)
     except Exception as exc:  # the driver's and SQLAlchemy's many kinds all mean "cannot use it"
-        raise StorageError(
-            f"cannot use Optuna storage {shown!r}: {first_line(exc)}. Check the URL, that the server runs "
-            "and accepts connections from this host, and that the database exists."
-        ) from exc
+        raise StorageError(f"cannot use Optuna storage {shown!r}: {first_line(exc)}. {UNREACHABLE_HINT}") from exc
 
 
 class JournalFlock:

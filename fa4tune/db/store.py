@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from ..best import BestEntry, MergeReport
 from ..errors import Fa4tuneError, ResultsDBError
+from ..files import unwritable_ancestor
 from .models import CONFIRM_SOURCE, SCHEMA_VERSION, UPGRADES, Base, BestConfig, Lock, Run, SchemaInfo, Trial
 
 # Write transactions carry this execution option: on SQLite they begin IMMEDIATE (below).
@@ -82,6 +83,21 @@ def engine_url(location: str) -> str:
     return location
 
 
+UNREACHABLE_HINT = ("Check the URL, that the server runs and accepts connections from this host, and that the "
+                    "database exists.")
+
+
+def reach(location: str) -> None:
+    """Connect to a database URL once and let go; the driver's (or SQLAlchemy's) error when it cannot."""
+    url = engine_url(location)
+    engine = create_engine(url, **engine_options(url))
+    try:
+        with engine.connect() as connection:
+            connection.execute(text("SELECT 1"))
+    finally:
+        engine.dispose()
+
+
 def engine_options(url: str) -> dict:
     """create_engine options: a PostgreSQL server that does not answer fails within seconds, and a
     connection the server dropped while a long measurement ran is replaced, not reused."""
@@ -122,18 +138,10 @@ class ResultsDB:
             _check_sqlite_file(path, location, create=True, make_parent=False)
             return
         try:
-            url = engine_url(location)
-            engine = create_engine(url, **engine_options(url))
-            try:
-                with engine.connect() as connection:
-                    connection.execute(text("SELECT 1"))
-            finally:
-                engine.dispose()
+            reach(location)
         except (SQLAlchemyError, ImportError, ValueError, Fa4tuneError) as exc:
-            raise ResultsDBError(
-                f"cannot use results DB {shown_location(location)!r}: {first_line(exc)}. Check the URL, that the "
-                "server runs and accepts connections from this host, and that the database exists."
-            ) from exc
+            raise ResultsDBError(f"cannot use results DB {shown_location(location)!r}: {first_line(exc)}. "
+                                 f"{UNREACHABLE_HINT}") from exc
 
     @classmethod
     def open(cls, location: str | os.PathLike | None = None, *, create: bool = True) -> "ResultsDB":
@@ -162,10 +170,7 @@ class ResultsDB:
         except SQLAlchemyError as exc:
             engine.dispose()
             if path is None:
-                raise ResultsDBError(
-                    f"cannot use results DB {shown!r}: {first_line(exc)}. Check the URL, that the server "
-                    "runs and accepts connections from this host, and that the database exists."
-                ) from exc
+                raise ResultsDBError(f"cannot use results DB {shown!r}: {first_line(exc)}. {UNREACHABLE_HINT}") from exc
             raise ResultsDBError(
                 f"results DB {location!r} cannot be read: {first_line(exc)}. If it is a file, it may be "
                 "corrupt or not a database; move it aside or point --db / FA4TUNE_DB elsewhere."
@@ -554,17 +559,14 @@ def _check_sqlite_file(path: Path, location: str, create: bool, make_parent: boo
         return
     if not create:
         raise ResultsDBError(f"no results DB at {location!r}: run `fa4tune search` first, or give --db")
-    parent = path.parent if str(path.parent) else Path(".")
-    existing = parent
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+    blocked = unwritable_ancestor(path)
+    if blocked is not None:
         raise ResultsDBError(
-            f"cannot create results DB {location!r}: {existing} is not a writable directory; give "
+            f"cannot create results DB {location!r}: {blocked} is not a writable directory; give "
             "another path with --db or FA4TUNE_DB"
         )
     if make_parent:
-        parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
 
 
 def _sqlite_connect(dbapi_connection, _record) -> None:
