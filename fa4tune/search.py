@@ -34,7 +34,7 @@ from .measure.base import Backend, Measurement, make_backend, resolve_backend_na
 from .problem import Problem
 from .space import ComposedSpace, compose
 from .studies import (CLAIM_ATTR, WORKER_ATTR, check_storage, default_storage_location, fail_stale, give_back,
-                      hand_back, is_server_storage, journal_path, make_sampler, open_storage, problem_seed,
+                      hand_back, is_server_storage, make_sampler, open_storage, problem_seed,
                       queued_params, quiet_optuna, start_heartbeat, study_name, worker_gone, worker_name)
 from .target import get_target
 

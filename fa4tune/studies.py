@@ -26,9 +26,10 @@ RDB_PREFIXES = ("sqlite:", "postgresql", "mysql", "oracle", "mssql")
 WORKER_ATTR = "fa4tune_worker"  # host:pid of the worker that asked the trial
 CLAIM_ATTR = "fa4tune_claim"  # the config (key) whose measurement the trial holds a budget slot for
 GIVEN_BACK_ATTR = "fa4tune_given_back"  # a queued trial put back unmeasured: the number it was popped as
-# Heartbeats on server storages (PostgreSQL, MySQL): every HEARTBEAT_S seconds a worker records that
-# each of its trials is alive; one silent for HEARTBEAT_GRACE times that is stale and handed back.
-HEARTBEAT_S = int(os.environ.get("FA4TUNE_HEARTBEAT_S", "10"))
+# Heartbeats on server storages (PostgreSQL, MySQL): every FA4TUNE_HEARTBEAT_S seconds (default 10) a
+# worker records that each of its trials is alive; one silent for HEARTBEAT_GRACE times that is stale
+# and handed back.
+HEARTBEAT_S = 10
 HEARTBEAT_GRACE = 3
 # A trial a dead worker left running is queued again at most this often (a config that kills the
 # search worker itself every time must not do so forever).
@@ -64,6 +65,13 @@ def journal_path(location: str) -> Path | None:
     return None if is_rdb(location) else Path(location.removeprefix("journal:")).expanduser()
 
 
+def heartbeat_seconds() -> int:
+    value = os.environ.get("FA4TUNE_HEARTBEAT_S", str(HEARTBEAT_S))
+    if not value.isdigit() or int(value) < 1:
+        raise StorageError(f"FA4TUNE_HEARTBEAT_S must be a whole number of seconds, 1 or more; got {value!r}")
+    return int(value)
+
+
 def check_storage(location: str) -> None:
     """Refuse a storage that cannot work before anything is written anywhere: a journal path that is
     a directory or under no writable directory, an RDB URL without a driver or whose server does not
@@ -82,6 +90,8 @@ def check_storage(location: str) -> None:
         return
     from .db import UNREACHABLE_HINT, reach
 
+    if is_server_storage(location):
+        heartbeat_seconds()
     try:
         reach(location)
     except Exception as exc:  # the driver's and SQLAlchemy's many kinds all mean "cannot use it"
@@ -134,7 +144,8 @@ def open_storage(location: str, heartbeat: bool | None = None):
             beats = is_server_storage(location) if heartbeat is None else heartbeat
             options = {}
             if beats:
-                options = {"heartbeat_interval": HEARTBEAT_S, "grace_period": HEARTBEAT_GRACE * HEARTBEAT_S,
+                seconds = heartbeat_seconds()
+                options = {"heartbeat_interval": seconds, "grace_period": HEARTBEAT_GRACE * seconds,
                            "heartbeat_stale_trial_callback": HandBack()}
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -163,9 +174,11 @@ def worker_name(pid: int | None = None) -> str:
 
 
 def worker_gone(worker: str | None) -> bool:
-    """Whether a worker is known to be dead: a trial with no worker predates worker names (an
-    earlier fa4tune), and a worker of this host is dead when its process is (a zombie counts as
-    dead). Of another host nothing is known here: its trials are Optuna's heartbeat's to judge."""
+    """Whether a trial's worker is known to be dead. A worker of this host is dead when its process
+    is (a zombie counts as dead); of another host nothing is known here: its trials are Optuna's
+    heartbeat's to judge. A trial with no worker's name is from an earlier fa4tune, or was asked a
+    moment ago by a worker that has not named it yet: it counts as dead, which is harmless for a live
+    worker (it finds its trial finished and asks again)."""
     if worker is None:
         return True
     host, _, pid = worker.rpartition(":")

@@ -310,9 +310,10 @@ def test_the_results_db_and_the_storage_must_be_two_databases(workdir, capsys):
 def test_the_multi_gpu_benchmark_runs_on_cpu_workers(workdir):
     """benchmarks/multi_gpu.py on the cost model (its GPU run is the lead's): both runs, one table."""
     job = write_job(workdir, spaces=SPACE, problems=PROBLEMS, budget={"trials": 30, "seconds": 600}, export="t.yaml")
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "multi_gpu.py"), "--job", str(job), "--workers",
                           "2", "--trials", "5", "--out", str(workdir / "bench")], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])})
+                         env={**os.environ, "PYTHONPATH": path})
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.splitlines()
     rows = [line for line in lines if line.startswith("| bf16-")]

@@ -189,7 +189,8 @@ class ResultsDB:
                     f"{', '.join(sorted(tables))}); give another path with --db or FA4TUNE_DB"
                 )
             if not create:
-                raise ResultsDBError(f"results DB {shown_location(self.location)!r} is empty: run `fa4tune search` first")
+                raise ResultsDBError(f"results DB {shown_location(self.location)!r} is empty: run `fa4tune search` "
+                                     "first")
             try:
                 self._transact(_create_schema)
             except DBAPIError:
@@ -600,8 +601,9 @@ def _transient(exc: DBAPIError) -> bool:
 
 
 def _is_duplicate_trial(exc: IntegrityError) -> bool:
-    message = str(exc.orig)
-    return "uq_trials_study_config" in message or "UNIQUE constraint failed: trials.study_name, trials.config_key" in message
+    message = str(exc.orig)  # PostgreSQL names the index, SQLite its columns
+    return ("uq_trials_study_config" in message
+            or "UNIQUE constraint failed: trials.study_name, trials.config_key" in message)
 
 
 def _create_schema(session: Session) -> None:
