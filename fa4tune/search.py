@@ -35,7 +35,8 @@ from .problem import Problem
 from .space import ComposedSpace, compose
 from .studies import (CLAIM_ATTR, WORKER_ATTR, check_storage, default_storage_location, fail_stale, give_back,
                       hand_back, is_server_storage, make_sampler, open_storage, problem_seed,
-                      queued_params, quiet_optuna, start_heartbeat, study_name, worker_gone, worker_name)
+                      queued_params, quiet_optuna, start_heartbeat, study_name, worker_gone, worker_name,
+                      worker_seed)
 from .target import get_target
 
 SOURCE_ATTR = "fa4tune_source"
@@ -192,8 +193,10 @@ def run_search(job: Job, *, db: str | None = None, storage: str | None = None, r
                  shared=plan is not None or is_server_storage(storage_location))
     try:
         if plan is None:
+            # Its own seed where other hosts may share the studies (each with a search like this one).
             context = _Context(run, space, backend, results_db, optuna_storage,
-                               _best_provenance(provenance, backend_name, run_id), progress, say)
+                               _best_provenance(provenance, backend_name, run_id), progress, say,
+                               worker_seed=worker_seed(0) if run.shared else 0)
             summary.results = context.tune_all()
         else:
             from .workers import run_workers

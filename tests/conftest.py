@@ -24,6 +24,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def sigint_default() -> None:
+    """preexec_fn of a search started by a test that sends it SIGINT: a child inherits an ignored
+    SIGINT (tests run as a background job of a non-interactive shell have one), and Python then
+    never raises KeyboardInterrupt."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def write_job(directory: Path, name: str = "job", **fields) -> Path:
     """A small model-backend job; fields override the defaults."""
     job = {

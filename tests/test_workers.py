@@ -14,7 +14,7 @@ from pathlib import Path
 import optuna
 import pytest
 
-from conftest import REPO, write_job
+from conftest import REPO, sigint_default, write_job
 from fa4tune.cli import main
 from fa4tune.db import ResultsDB
 from fa4tune.studies import CLAIM_ATTR, GIVEN_BACK_ATTR, WORKER_ATTR, open_storage
@@ -65,7 +65,7 @@ def start_search(workdir, env, *args, delay=0.1, new_session=False, **extra_env)
     env = {**env, "FA4TUNE_TEST_MEASURE_S": str(delay), **extra_env}
     return subprocess.Popen([sys.executable, "-m", "fa4tune.cli", "search", *map(str, args), "--no-progress"],
                             cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=new_session)
+                            start_new_session=new_session, preexec_fn=sigint_default)
 
 
 def finish(proc, timeout=120):
