@@ -282,9 +282,12 @@ def test_a_gpu_that_does_not_exist_is_named(monkeypatch):
 
 
 def test_unreachable_postgresql_is_one_paragraph_and_nothing_is_written(workdir, capsys):
-    from pgserver import free_port
+    import importlib.util
 
-    pytest.importorskip("psycopg")
+    from pgserver import free_port, unavailable
+
+    if importlib.util.find_spec("psycopg") is None:
+        unavailable("the PostgreSQL driver psycopg is not installed (pip install 'fa4tune[postgres]')")
     path = write_job(workdir)
     nowhere = f"postgresql://fa4tune@127.0.0.1:{free_port()}/fa4tune"
     assert_refused(capsys, ["search", path, "--storage", nowhere, "--workers", 2],
