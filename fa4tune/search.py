@@ -35,8 +35,8 @@ from .problem import Problem
 from .space import ComposedSpace, compose
 from .studies import (CLAIM_ATTR, WORKER_ATTR, check_storage, default_storage_location, fail_stale, give_back,
                       hand_back, is_server_storage, make_sampler, open_storage, problem_seed,
-                      queued_params, quiet_optuna, start_heartbeat, study_name, worker_gone, worker_name,
-                      worker_seed)
+                      queued_params, quiet_optuna, start_heartbeat, study_name, trial_orphaned, worker_gone,
+                      worker_name, worker_seed)
 from .target import get_target
 
 SOURCE_ATTR = "fa4tune_source"
@@ -488,8 +488,8 @@ class _Context:
         with self.db.locked(name) as lock:
             fail_stale(study)
             for frozen in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-                owner = frozen.user_attrs.get(WORKER_ATTR)
-                if owner == self.worker or not (owner in dead or worker_gone(owner)):
+                if frozen.user_attrs.get(WORKER_ATTR) == self.worker or \
+                        not trial_orphaned(frozen, self.run.shared, dead):
                     continue
                 stored = lock.stored_number(frozen.number)
                 if stored is not None:
@@ -524,7 +524,8 @@ class _Context:
                 trial.set_user_attr(WORKER_ATTR, self.worker)
                 params = self.space.suggest(trial, problem, self.target)
             except optuna.exceptions.UpdateFinishedTrialError:
-                # Unmarked for a moment, it was taken for a dead worker's and handed back: ask again.
+                # Unnamed, it was taken for a dead search's and handed back (studies.trial_orphaned):
+                # ask again.
                 if heartbeat is not None:
                     heartbeat.join()
                 continue

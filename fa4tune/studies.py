@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+from datetime import datetime
 import logging
 import os
 import socket
@@ -34,6 +35,7 @@ HEARTBEAT_GRACE = 3
 # A trial a dead worker left running is queued again at most this often (a config that kills the
 # search worker itself every time must not do so forever).
 MAX_HAND_BACKS = 2
+UNNAMED_GRACE_S = 10.0  # a worker names the trial it asked for within milliseconds
 
 
 def quiet_optuna() -> None:
@@ -173,14 +175,10 @@ def worker_name(pid: int | None = None) -> str:
     return f"{this_host()}:{os.getpid() if pid is None else pid}"
 
 
-def worker_gone(worker: str | None) -> bool:
-    """Whether a trial's worker is known to be dead. A worker of this host is dead when its process
-    is (a zombie counts as dead); of another host nothing is known here: its trials are Optuna's
-    heartbeat's to judge. A trial with no worker's name is from an earlier fa4tune, or was asked a
-    moment ago by a worker that has not named it yet: it counts as dead, which is harmless for a live
-    worker (it finds its trial finished and asks again)."""
-    if worker is None:
-        return True
+def worker_gone(worker: str) -> bool:
+    """Whether a worker is known to be dead. A worker of this host is dead when its process is (a
+    zombie counts as dead); of another host nothing is known here: its trials are Optuna's
+    heartbeat's to judge."""
     host, _, pid = worker.rpartition(":")
     if host != this_host() or not pid.isdigit():
         return False
@@ -195,6 +193,20 @@ def worker_gone(worker: str | None) -> bool:
             return f.read().rpartition(")")[2].split()[0] == "Z"
     except OSError:
         return False
+
+
+def trial_orphaned(trial, shared: bool, dead=frozenset()) -> bool:
+    """Whether a RUNNING trial's worker is gone (`dead`: workers known dead). A trial without a
+    worker's name is from an earlier fa4tune or a search that died between asking for it and naming
+    it, unless a live worker asked for it a moment ago and is naming it now: where other workers may
+    share the study, such a trial counts as orphaned once it is UNNAMED_GRACE_S old."""
+    worker = trial.user_attrs.get(WORKER_ATTR)
+    if worker is not None:
+        return worker in dead or worker_gone(worker)
+    if not shared or trial.datetime_start is None:
+        return True
+    started = trial.datetime_start
+    return (datetime.now(started.tzinfo) - started).total_seconds() > UNNAMED_GRACE_S
 
 
 def _unmarked(trial):

@@ -177,7 +177,7 @@ def test_a_worker_killed_mid_trial_loses_nothing_journal(workdir, slow_env):
     assert max(measurements(slow_env).values()) == 1
     trials = {t.number: t for t in optuna_studies[name]}
     assert trials[victim.number].state == optuna.trial.TrialState.FAIL
-    [retry] = [t for t in trials.values() if t.system_attrs.get("failed_trial") == victim.number]
+    [retry] = [t for t in trials.values() if victim.number in t.system_attrs.get("retry_history", [])]
     # The retry measured the killed trial's config, which is stored once, under the retry's number.
     [kept] = [t for t in stored if t["study_name"] == name and t["config_key"] == victim.user_attrs[CLAIM_ATTR]]
     assert kept["optuna_number"] == retry.number and WORKER_ATTR not in retry.system_attrs
@@ -211,7 +211,7 @@ def test_four_workers_share_each_study_through_postgresql_and_survive_a_kill(wor
     assert max(measurements(slow_env).values()) == 1
     trials = {t.number: t for t in optuna_studies[name]}
     assert trials[victim.number].state == optuna.trial.TrialState.FAIL
-    assert any(t.system_attrs.get("failed_trial") == victim.number for t in trials.values())
+    assert any(victim.number in t.system_attrs.get("retry_history", []) for t in trials.values())
     assert not (workdir / "fa4tune-results").exists()  # nothing local: both databases are on the server
 
 
