@@ -43,22 +43,40 @@ def cmd_search(args) -> int:
     previous = signal.signal(signal.SIGTERM, stop_on_term)
     try:
         summary = run_search(job, db=args.db, storage=args.storage, resume=args.resume, backend=args.backend,
-                             target=args.target, trials=args.trials, seconds=args.seconds, progress=progress,
-                             say=_say)
+                             target=args.target, trials=args.trials, seconds=args.seconds,
+                             progress=progress and args.workers is None and args.gpus is None, say=_say,
+                             workers=args.workers, gpus=args.gpus)
     except SearchInterrupted as stop:
+        from .db import shown_location
+
         s = stop.summary
-        _say(f"fa4tune: interrupted; every finished trial is stored in {s.db_location} (run {s.run_id}). "
-             f"Continue with: fa4tune search {args.job} --resume"
-             + (f" --db {args.db}" if args.db else ""))
+        again = " ".join(f"{flag} {shown_location(str(value))}" for flag, value in (
+            ("--db", args.db), ("--storage", args.storage), ("--workers", args.workers),
+            ("--gpus", ",".join(map(str, args.gpus or [])))) if value)
+        _say(f"fa4tune: interrupted; every finished trial is stored in {shown_location(s.db_location)} (run "
+             f"{s.run_id}). Continue with: fa4tune search {args.job} --resume" + (f" {again}" if again else ""))
         return EXIT_INTERRUPTED
     finally:
         signal.signal(signal.SIGTERM, previous)
+    from .db import shown_location
+
     estimate = " (cost-model estimates)" if summary.is_estimate else ""
-    _say(f"fa4tune: run {summary.run_id} done on {summary.target} with backend {summary.backend}{estimate}; "
-         f"results in {summary.db_location}, studies in {summary.storage}")
+    workers = f" by {summary.workers} workers" if summary.workers > 1 else ""
+    _say(f"fa4tune: run {summary.run_id} done on {summary.target} with backend {summary.backend}{estimate}"
+         f"{workers}; results in {shown_location(summary.db_location)}, studies in {shown_location(summary.storage)}")
     for path in summary.exported:
         _say(f"fa4tune: exported {path}")
     return 0
+
+
+def _gpu_list(text: str) -> list[int]:
+    try:
+        gpus = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a comma-separated list of GPU indices like 0,1,3; got {text!r}") from None
+    if any(g < 0 for g in gpus):
+        raise argparse.ArgumentTypeError(f"GPU indices are 0 or more; got {text!r}")
+    return gpus
 
 
 # ---- show ---------------------------------------------------------------------------------------
@@ -211,7 +229,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job", help="the job's YAML file")
     p.add_argument("--db", help=db_help)
     p.add_argument("--storage", help="Optuna storage: journal file or RDB URL (default: a journal next to the DB)")
-    p.add_argument("--resume", action="store_true", help="continue the latest run of this job")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the latest run of this job (or join it: another host is running it)")
+    p.add_argument("--workers", type=int, metavar="N",
+                   help="N worker processes sharing the studies: GPUs 0..N-1 (gpu backend) or N CPU processes "
+                        "(model backend)")
+    p.add_argument("--gpus", type=_gpu_list, metavar="LIST", help="one worker process per listed GPU, e.g. 0,1,2,3")
     p.add_argument("--backend", choices=["auto", "model", "gpu"], help="override the job's backend")
     p.add_argument("--target", help="override the job's target (model backend)")
     p.add_argument("--trials", type=int, help="override the measured-trial budget per problem")

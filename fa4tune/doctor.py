@@ -49,11 +49,12 @@ def diagnose(db_location: str | None = None) -> list[tuple[str, bool, str]]:
         except Exception as exc:
             lines.append(("kernel", False, f"{name}: {type(exc).__name__}: {exc}"))
     lines.append(_db_line(db_location))
-    for extra, module in (("report", "matplotlib"),):
+    for extra, module in (("report", "matplotlib"), ("postgres", "psycopg")):
         import importlib.util
 
         have = importlib.util.find_spec(module) is not None
-        lines.append((f"[{extra}]", True, f"{module} {'installed' if have else 'missing: pip install fa4tune[report]'}"))
+        state = "installed" if have else f"missing: pip install 'fa4tune[{extra}]'"
+        lines.append((f"[{extra}]", True, f"{module} {state}"))
     return lines
 
 
@@ -70,17 +71,18 @@ def cuda_driver_version() -> str | None:
 
 
 def _db_line(db_location: str | None) -> tuple[str, bool, str]:
-    from .db import SCHEMA_VERSION, ResultsDB, resolve_location, sqlite_path
+    from .db import SCHEMA_VERSION, ResultsDB, resolve_location, shown_location, sqlite_path
     from .errors import ResultsDBError
 
     location = resolve_location(db_location)
+    shown = shown_location(location)
     path = sqlite_path(location)
     if path is not None and not path.exists():
-        return ("results db", True, f"{location}: not created yet (schema v{SCHEMA_VERSION} on first search)")
+        return ("results db", True, f"{shown}: not created yet (schema v{SCHEMA_VERSION} on first search)")
     try:
         with ResultsDB.open(location, create=False) as db:
             counts = db.counts()
     except ResultsDBError as exc:
         return ("results db", False, str(exc))
-    return ("results db", True, f"{location}: schema v{SCHEMA_VERSION}, {counts['runs']} runs, "
+    return ("results db", True, f"{shown}: schema v{SCHEMA_VERSION}, {counts['runs']} runs, "
             f"{counts['trials']} trials, {counts['best_configs']} best configs")

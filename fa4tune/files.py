@@ -34,6 +34,15 @@ def load_document(path: str | os.PathLike, what: str, error: type[Exception]) ->
         raise error(f"{path}: malformed YAML{where}: {problem}") from exc
 
 
+def unwritable_ancestor(path: Path) -> Path | None:
+    """Where creating `path` (and its missing parent directories) would fail: its nearest existing
+    ancestor, when that is not a writable directory; None when it can be created."""
+    existing = path.parent if str(path.parent) else Path(".")
+    while not existing.exists():
+        existing = existing.parent
+    return None if existing.is_dir() and os.access(existing, os.W_OK | os.X_OK) else existing
+
+
 def write_atomically(path: Path, text: str) -> None:
     """Write via a temporary file and a rename: a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,21 @@
 best configs of tuned neighbours next (warm start), then the sampler's suggestions. Every suggestion
 passes the union of the spaces' and the kernel's checks before the backend sees it; infeasible ones
 are stored with their reasons and told to Optuna as pruned. Every finished trial is in the results DB
-before Optuna hears of it, so a kill loses nothing that finished and `resume` picks up the studies."""
+before Optuna hears of it, so a kill loses nothing that finished and `resume` picks up the studies.
+
+One worker or many (`workers.py`: one process per GPU, on one host or several) run the same loop,
+sharing each problem's study through Optuna's storage. What must happen once happens under the
+study's lock in the results DB (`ResultsDB.locked`), where each worker:
+  - queues the default and warm-start configs unless they are stored, queued or running already;
+  - claims a candidate before measuring it: a config stored already is a repeat (Optuna hears the
+    stored outcome), one another worker is measuring is a repeat too, and a budget slot is taken only
+    while stored measurements plus claims in flight stay below the budget. The claim is the trial's
+    CLAIM_ATTR in Optuna: it holds its slot while the trial is RUNNING, and a dead worker's claim
+    passes to the trial's queued copy when it is handed back (studies.py), which keeps the slot for
+    whoever measures it;
+  - hands back the trials of dead workers (their stored outcome told to Optuna, or failed and queued
+    again by Optuna's retry callback).
+The results DB also refuses a second search trial of one config in a study (DuplicateTrial)."""
 
 from __future__ import annotations
 
@@ -13,26 +27,30 @@ from dataclasses import dataclass, field
 from importlib import metadata
 
 from . import __version__
-from .db import ResultsDB, resolve_location
-from .errors import BackendError, BackendUnavailable, KernelError
+from .db import DuplicateTrial, ResultsDB, config_key, resolve_location, shown_location, sqlite_path
+from .errors import BackendError, BackendUnavailable, Fa4tuneError, KernelError, StorageError
 from .job import Job
 from .measure.base import Backend, Measurement, make_backend, resolve_backend_name
 from .problem import Problem
 from .space import ComposedSpace, compose
-from .studies import (default_storage_location, make_sampler, open_storage, problem_seed, quiet_optuna,
-                      study_name)
+from .studies import (CLAIM_ATTR, WORKER_ATTR, check_storage, default_storage_location, fail_stale, give_back,
+                      hand_back, is_server_storage, make_sampler, open_storage, problem_seed,
+                      queued_params, quiet_optuna, start_heartbeat, study_name, trial_orphaned, worker_gone,
+                      worker_name, worker_seed)
 from .target import get_target
 
 SOURCE_ATTR = "fa4tune_source"
 # A sampler that keeps proposing configs it has already seen has converged on this problem.
 MAX_CONSECUTIVE_REPEATS = 25
+# How often a worker that waits for other workers' last trials of a problem looks again.
+POLL_S = 0.2
 
 
 @dataclass
 class ProblemResult:
     problem: Problem
     study_name: str
-    measured: int = 0  # configs measured in this study, over all sessions
+    measured: int = 0  # configs measured in this study, over all sessions and workers
     stopped_early: int = 0  # of those, stopped by the pruner after the cheap measurement
     pruned: int = 0
     repeats: int = 0
@@ -54,6 +72,7 @@ class SearchSummary:
     results: list[ProblemResult] = field(default_factory=list)
     exported: list[str] = field(default_factory=list)
     resumed: bool = False
+    workers: int = 1
 
 
 class SearchInterrupted(Exception):
@@ -84,24 +103,37 @@ def _choose_target(job: Job, override):
 
 def run_search(job: Job, *, db: str | None = None, storage: str | None = None, resume: bool = False,
                backend: str | Backend | None = None, target=None, trials: int | None = None,
-               seconds: float | None = None, progress: bool = False, say=print) -> SearchSummary:
-    """Run (or with `resume`, continue) a search job. Everything that can be checked is checked before
-    the results DB or the Optuna storage is touched."""
+               seconds: float | None = None, progress: bool = False, say=print, workers: int | None = None,
+               gpus: list[int] | None = None) -> SearchSummary:
+    """Run (or with `resume`, continue or join) a search job, in this process or, with `workers` or
+    `gpus`, in that many worker processes sharing the studies. Everything that can be checked is
+    checked before the results DB or the Optuna storage is touched."""
     quiet_optuna()
     kernel = job.kernel
     if isinstance(backend, Backend):
+        if workers is not None or gpus is not None:
+            raise Fa4tuneError("a backend object measures in this process; workers need a backend name")
         backend_name = backend.name
     else:
         backend_name = resolve_backend_name(backend or job.backend, announce=say)
     space = compose(kernel, job.spaces)
+    from .workers import plan_workers
+
+    plan = plan_workers(workers, gpus, backend_name)
     if isinstance(backend, Backend):
         tgt = backend.target
+    elif backend_name == "gpu" and plan is not None:  # the workers' GPUs; each worker checks its own again
+        from .workers import gpu_target
+
+        tgt = gpu_target(plan, target if target is not None else job.target)
     elif backend_name == "gpu":  # its worker finds the GPU (and refuses a job aimed at another)
         backend = make_backend("gpu", kernel, target if target is not None else job.target, announce=say,
                                **job.measure)
         tgt = backend.target
     else:
         tgt = _choose_target(job, target)
+    db_location = resolve_location(db, job.db)
+    storage_location = storage or job.storage or default_storage_location(db_location)
     try:
         unsupported = {p.key(): kernel.unsupported_reasons(p, tgt) for p in job.problems}
         unsupported = {k: r for k, r in unsupported.items() if r}
@@ -110,68 +142,79 @@ def run_search(job: Job, *, db: str | None = None, storage: str | None = None, r
             raise KernelError(f"{job.path}: no kernel supports these problems on {tgt.name}: {lines}")
         for problem in job.problems:  # sampler options and grid domains, before anything is written
             _sampler_for(job, space, problem, tgt)
+        _check_apart(db_location, storage_location)
+        ResultsDB.check(db_location)
+        check_storage(storage_location)
     except BaseException:
         if isinstance(backend, Backend):
             backend.close()
         raise
     budget_trials = trials if trials is not None else job.budget.trials
     budget_seconds = seconds if seconds is not None else job.budget.seconds
-    if not isinstance(backend, Backend):
-        backend = make_backend(backend_name, kernel, tgt)
+    if not isinstance(backend, Backend) and (plan is None or backend_name == "model"):
+        backend = make_backend(backend_name, kernel, tgt)  # with workers, the model's for the run's record
 
-    db_location = resolve_location(db, job.db)
-    results_db = ResultsDB.open(db_location, create=True)
-    storage_location = storage or job.storage or default_storage_location(db_location)
-    optuna_storage = open_storage(storage_location)
-    kernel_hash = kernel.source_hash()
-
-    previous = results_db.latest_run(job.name, kernel.name, kernel_hash, tgt.name) if resume else None
-    if resume and previous is None:
-        say(f"fa4tune: no earlier run of job {job.name!r} in {db_location}; starting a new one")
-    provenance = {**backend.provenance(), **_versions()}
-    if previous is not None:
-        run_id, prefix = previous["id"], previous["study_prefix"]
-        results_db.resume_run(run_id)
-        say(f"fa4tune: resuming run {run_id} of job {job.name!r}")
-    else:
-        run_id = results_db.start_run(
-            job_name=job.name, job_path=job.path, job_text=job.text, kernel=kernel.name,
-            kernel_hash=kernel_hash, target=tgt.name, backend=backend.name, is_estimate=backend.is_estimate,
-            gpu_name=provenance.get("gpu_name"), sm_count=provenance.get("sm_count"),
-            cuda_driver=provenance.get("cuda_driver"), nvidia_driver=provenance.get("nvidia_driver"),
-            cuda_version=provenance.get("cuda_version"), clocks=provenance.get("clocks"),
-            dsl_version=provenance["dsl_version"],
-            torch_version=provenance["torch_version"], fa4tune_version=__version__,
-            storage_url=storage_location, study_prefix=f"{job.name}/run-pending",
-        )
-        prefix = f"{job.name}/{kernel.name}-{kernel_hash[:12]}/{tgt.name}/run{run_id}"
-        results_db.set_study_prefix(run_id, prefix)
-    if backend.is_estimate:
-        say(f"fa4tune: backend {backend.name}: times are ESTIMATES of a cost model for {tgt.name}, "
-            "not measurements")
-    best_provenance = {"backend": backend.name, "gpu_name": provenance.get("gpu_name"),
-                       "dsl_version": provenance["dsl_version"], "torch_version": provenance["torch_version"],
-                       "fa4tune_version": __version__, "run": run_id}
-    for key in ("cuda_version", "nvidia_driver"):
-        if provenance.get(key):
-            best_provenance[key] = provenance[key]
-    summary = SearchSummary(run_id=run_id, db_location=db_location, storage=storage_location,
-                            backend=backend.name, target=tgt.name, is_estimate=backend.is_estimate,
-                            resumed=previous is not None)
-    context = _Context(job, kernel, kernel_hash, tgt, space, backend, results_db, optuna_storage, run_id,
-                       prefix, best_provenance, budget_trials, budget_seconds, resume, progress, say)
     try:
-        for problem in job.problems:
-            summary.results.append(context.tune(problem))
+        results_db = ResultsDB.open(db_location, create=True)
+        optuna_storage = open_storage(storage_location)
+    except BaseException:
+        if isinstance(backend, Backend):
+            backend.close()
+        raise
+    kernel_hash = kernel.source_hash()
+    if isinstance(backend, Backend):
+        provenance = {**backend.provenance(), **_versions()}
+        is_estimate = backend.is_estimate
+    else:  # the GPU workers are not started yet: they fill in what the run records of the GPU
+        provenance = {"gpu_name": None, "sm_count": tgt.sm_count, **_versions()}
+        is_estimate = False
+    run_id, prefix, resumed = results_db.open_run(
+        resume=resume, study_prefix=lambda rid: f"{job.name}/{kernel.name}-{kernel_hash[:12]}/{tgt.name}/run{rid}",
+        job_name=job.name, job_path=job.path, job_text=job.text, kernel=kernel.name,
+        kernel_hash=kernel_hash, target=tgt.name, backend=backend_name, is_estimate=is_estimate,
+        gpu_name=provenance.get("gpu_name"), sm_count=provenance.get("sm_count"),
+        cuda_driver=provenance.get("cuda_driver"), nvidia_driver=provenance.get("nvidia_driver"),
+        cuda_version=provenance.get("cuda_version"), clocks=provenance.get("clocks"),
+        dsl_version=provenance["dsl_version"], torch_version=provenance["torch_version"],
+        fa4tune_version=__version__, storage_url=shown_location(storage_location),
+    )
+    if resume and not resumed:
+        say(f"fa4tune: no earlier run of job {job.name!r} in {shown_location(db_location)}; starting a new one")
+    elif resumed:
+        say(f"fa4tune: resuming run {run_id} of job {job.name!r}")
+    if is_estimate:
+        say(f"fa4tune: backend {backend_name}: times are ESTIMATES of a cost model for {tgt.name}, "
+            "not measurements")
+    summary = SearchSummary(run_id=run_id, db_location=db_location, storage=storage_location,
+                            backend=backend_name, target=tgt.name, is_estimate=is_estimate, resumed=resumed,
+                            workers=len(plan) if plan is not None else 1)
+    run = RunRef(job=job, run_id=run_id, prefix=prefix, kernel_hash=kernel_hash, target=tgt,
+                 budget_trials=budget_trials, budget_seconds=budget_seconds,
+                 shared=plan is not None or is_server_storage(storage_location))
+    try:
+        if plan is None:
+            # Its own seed where other hosts may share the studies (each with a search like this one).
+            context = _Context(run, space, backend, results_db, optuna_storage,
+                               _best_provenance(provenance, backend_name, run_id), progress, say,
+                               worker_seed=worker_seed(0) if run.shared else 0)
+            summary.results = context.tune_all()
+        else:
+            from .workers import run_workers
+
+            summary.results = run_workers(run, plan, backend_name, db_location, storage_location, results_db,
+                                          optuna_storage, space, is_estimate, say)
     except KeyboardInterrupt:
         results_db.finish_run(run_id, "interrupted")
-        backend.close()
+        if isinstance(backend, Backend):
+            backend.close()
         raise SearchInterrupted(summary) from None
     except BaseException:
         results_db.finish_run(run_id, "failed")
-        backend.close()
+        if isinstance(backend, Backend):
+            backend.close()
         raise
-    backend.close()
+    if isinstance(backend, Backend):
+        backend.close()
     results_db.finish_run(run_id, "finished")
     if job.export:
         from .tables import export_table
@@ -181,76 +224,148 @@ def run_search(job: Job, *, db: str | None = None, storage: str | None = None, r
     return summary
 
 
-def _sampler_for(job: Job, space: ComposedSpace, problem: Problem, target):
+def _check_apart(db_location: str, storage_location: str) -> None:
+    """The results DB and Optuna's storage must be different databases: both have a `trials` table,
+    and a SQLite file is locked by one writer at a time."""
+    from sqlalchemy.engine import make_url
+
+    if "://" not in storage_location:
+        return
+    storage_url = make_url(storage_location)
+    same = False
+    if storage_url.get_backend_name() == "sqlite":
+        path = sqlite_path(db_location)
+        same = path is not None and storage_url.database and path.resolve() == \
+            sqlite_path(storage_location).resolve()
+    elif "://" in db_location:
+        db_url = make_url(db_location)
+        same = (db_url.get_backend_name(), db_url.host, db_url.port, db_url.database) == \
+            (storage_url.get_backend_name(), storage_url.host, storage_url.port, storage_url.database)
+    if same:
+        raise StorageError(
+            f"the results DB and the Optuna storage are the same database ({shown_location(db_location)}); "
+            "give them two databases (e.g. on one PostgreSQL server: .../fa4tune and .../optuna)"
+        )
+
+
+def _best_provenance(provenance: dict, backend_name: str, run_id: int) -> dict:
+    best = {"backend": backend_name, "gpu_name": provenance.get("gpu_name"),
+            "dsl_version": provenance["dsl_version"], "torch_version": provenance["torch_version"],
+            "fa4tune_version": __version__, "run": run_id}
+    for key in ("cuda_version", "nvidia_driver"):
+        if provenance.get(key):
+            best[key] = provenance[key]
+    return best
+
+
+def _sampler_for(job: Job, space: ComposedSpace, problem: Problem, target, worker_seed: int = 0,
+                 shared: bool = False):
     grid = space.grid(problem, target) if job.sampler.name == "grid" else None
-    return make_sampler(job.sampler, problem_seed(job.seed, problem.key()), grid=grid,
-                        where=f"{job.path}: sampler")
+    return make_sampler(job.sampler, problem_seed(job.seed, problem.key(), worker_seed), grid=grid,
+                        where=f"{job.path}: sampler", shared=shared)
 
 
-@dataclass
-class _Context:
+@dataclass(frozen=True)
+class RunRef:
+    """What every worker of a run shares: the job, the run and its study names, the budgets."""
+
     job: Job
-    kernel: object
-    kernel_hash: str
-    target: object
-    space: ComposedSpace
-    backend: Backend
-    db: ResultsDB
-    storage: object
     run_id: int
     prefix: str
-    provenance: dict
+    kernel_hash: str
+    target: object
     budget_trials: int | None
     budget_seconds: float | None
-    resume: bool
-    progress: bool
-    say: object
+    shared: bool  # several workers (or hosts) may share the studies
 
-    def tune(self, problem: Problem) -> ProblemResult:
+    def study_name(self, space: ComposedSpace, problem: Problem) -> str:
+        return study_name(self.prefix, space.signature(), problem.key())
+
+
+class _Context:
+    """One worker's search over the job's problems (the only worker, or one of many)."""
+
+    def __init__(self, run: RunRef, space: ComposedSpace, backend: Backend | None, db: ResultsDB, storage,
+                 provenance: dict, progress: bool, say, worker_seed: int = 0, summarise: bool = True) -> None:
+        self.run, self.job, self.kernel, self.target = run, run.job, run.job.kernel, run.target
+        self.space, self.backend, self.db, self.storage = space, backend, db, storage
+        self.provenance, self.progress, self.say = provenance, progress, say
+        self.worker = worker_name()
+        self.worker_seed = worker_seed
+        self.summarise = summarise
+        self.budget_trials, self.budget_seconds = run.budget_trials, run.budget_seconds
+        self._state: dict[str, dict] = {}  # per study: this worker's clock and counters over passes
+
+    # ---- the problems -------------------------------------------------------------------------
+    def tune_all(self) -> list[ProblemResult]:
+        """Every problem: a first pass that leaves a problem whose last trials other workers are
+        measuring, then a pass that waits for those (and measures what dead workers hand back)."""
+        done: dict[Problem, ProblemResult] = {}
+        for wait in (False, True):
+            for problem in self.job.problems:
+                if problem not in done:
+                    result = self.tune(problem, wait=wait)
+                    if result is not None:
+                        done[problem] = result
+        return [done[p] for p in self.job.problems]
+
+    def study(self, problem: Problem):
         import optuna
 
-        name = study_name(self.prefix, self.space.signature(), problem.key())
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            study = optuna.create_study(study_name=name, storage=self.storage, direction="minimize",
-                                        sampler=_sampler_for(self.job, self.space, problem, self.target),
-                                        pruner=self.backend.make_pruner() or optuna.pruners.NopPruner(),
-                                        load_if_exists=True)
-        if self.resume:
-            self._recover_unfinished(study, name)
-        self._enqueue_starts(study, problem, name)
-        measured = self.db.count_trials(name, measured_only=True)
-        result = ProblemResult(problem=problem, study_name=name, measured=measured,
-                               stopped_early=self.db.count_trials(name, status="stopped"),
-                               pruned=self.db.count_trials(name, measured_only=False) - measured)
+            return optuna.create_study(
+                study_name=self.run.study_name(self.space, problem), storage=self.storage, direction="minimize",
+                sampler=_sampler_for(self.job, self.space, problem, self.target, self.worker_seed, self.run.shared),
+                pruner=(self.backend.make_pruner() if self.backend else None) or optuna.pruners.NopPruner(),
+                load_if_exists=True)
+
+    def tune(self, problem: Problem, wait: bool = True) -> ProblemResult | None:
+        """Search one problem until a stop reason, then confirm and summarise it; None when other
+        workers still measure its last trials and `wait` is False (come back later)."""
+        import optuna
+
+        study = self.study(problem)
+        name = study.study_name
+        state = self._state.setdefault(name, {"started": time.monotonic(), "repeats": 0, "consecutive": 0,
+                                              "first": True})
+        if state["first"]:
+            self.recover(study, name)
+            self._enqueue_starts(study, problem, name)
+            state["first"] = False
+        result = self._result(problem, name)
+        result.repeats = state["repeats"]
         size = self.space.size(problem, self.target)
         bar = _progress_bar(problem, self.budget_trials, result.measured, self.progress)
-        started = time.monotonic()
-        consecutive_repeats = 0
         # Candidates asked of Optuna ahead of their measurement, so that the backend can compile them
         # while it measures the current one (lookahead 0: one at a time).
         queue: deque[_Candidate] = deque()
         try:
             while True:
-                stop = self._stop_reason(result, size, started, consecutive_repeats, name)
+                result = self._result(problem, name, result)  # other workers' trials count too
+                stop = self._stop_reason(result, size, state, name)
                 if stop:
                     result.stopped = stop
                     break
+                if not queue and not self._slot_free(study, name, result):
+                    if not wait:
+                        return None  # the budget is claimed: other workers measure the last trials
+                    time.sleep(POLL_S)
+                    self.recover(study, name)
+                    continue
                 while len(queue) < 1 + self.backend.lookahead:
                     queue.append(self._ask(study, problem, name))
                 outcome = self._run(study, problem, name, queue.popleft())
+                if outcome in ("full", "lost"):
+                    continue
                 if outcome == "repeat":
                     result.repeats += 1
-                    consecutive_repeats += 1
+                    state["repeats"] += 1
+                    state["consecutive"] += 1
                     continue
-                consecutive_repeats = 0
-                if outcome == "pruned":
-                    result.pruned += 1
-                else:
-                    result.measured += 1
-                    result.stopped_early += outcome == "stopped"
-                    if bar is not None:
-                        bar.update(1)
+                state["consecutive"] = 0
+                if outcome != "pruned" and bar is not None:
+                    bar.update(1)
                 if bar is not None:
                     top = self.db.top_trials(name, 1)
                     shown = f"best {top[0]['tflops']:.0f} TFLOP/s" if top else "no feasible config yet"
@@ -258,67 +373,209 @@ class _Context:
         finally:
             for candidate in queue:  # asked but never measured: nothing to learn from them
                 study.tell(candidate.trial.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
+                candidate.heartbeat.join()
             if bar is not None:
                 bar.close()
-        if self.backend.confirms_best and not self.db.confirmed(name):
+        # Others' trials still in flight: the best few are confirmed once all are in.
+        while self._measuring(study, name):
+            if not wait:
+                return None
+            time.sleep(POLL_S)
+            self.recover(study, name)
+        if self.backend.confirms_best and not self.db.confirmed(name) and self._claim_confirmation(name):
             self._confirm(problem, name)
-        self._summarise(problem, result)
+        result = self._result(problem, name, result)
+        if self.summarise:
+            self.say(self.summary_line(problem, result))
         return result
 
-    def _stop_reason(self, result: ProblemResult, size, started, consecutive_repeats, name) -> str:
+    def _result(self, problem: Problem, name: str, result: ProblemResult | None = None) -> ProblemResult:
+        """The problem's counts as the results DB has them now (all workers, all sessions)."""
+        result = result or ProblemResult(problem=problem, study_name=name)
+        counts = self.db.study_counts(name)
+        result.pruned = counts.pop("pruned", 0)
+        result.measured = sum(counts.values())
+        result.stopped_early = counts.get("stopped", 0)
+        return result
+
+    def _stop_reason(self, result: ProblemResult, size, state: dict, name: str) -> str:
         if self.budget_trials is not None and result.measured >= self.budget_trials:
             return f"trial budget ({self.budget_trials}) reached"
-        if self.budget_seconds is not None and time.monotonic() - started >= self.budget_seconds:
+        if self.budget_seconds is not None and time.monotonic() - state["started"] >= self.budget_seconds:
             return f"time budget ({self.budget_seconds:g} s) reached"
-        if size is not None and self.db.count_trials(name, measured_only=False) >= size:
+        if size is not None and result.measured + result.pruned >= size:
             return f"space exhausted (all {size} configs tried)"
         if result.pruned >= self.job.budget.pruned_cap:
             return f"{result.pruned} infeasible suggestions; the space is mostly infeasible for this problem"
-        if consecutive_repeats >= MAX_CONSECUTIVE_REPEATS:
+        if state["consecutive"] >= MAX_CONSECUTIVE_REPEATS:
             return "converged (the sampler only proposes configs already tried)"
         return ""
 
+    # ---- sharing the study --------------------------------------------------------------------
+    def _in_flight(self, study, stored_among, trials=None, exclude: int | None = None,
+                   reserved: bool = True) -> list:
+        """The claims that hold budget slots: trials being measured (RUNNING, claimed, not stored
+        yet) and, with `reserved`, the trials of dead workers queued again with their claim (WAITING),
+        which keep their slot for whoever measures them. `stored_among(numbers)`: which of these
+        trial numbers the results DB has."""
+        import optuna
+
+        states = (optuna.trial.TrialState.RUNNING,) + ((optuna.trial.TrialState.WAITING,) if reserved else ())
+        if trials is None:
+            trials = study.get_trials(deepcopy=False, states=states)
+        claimed = [t for t in trials if t.state in states and CLAIM_ATTR in t.user_attrs and t.number != exclude]
+        stored = stored_among([t.number for t in claimed if t.state == optuna.trial.TrialState.RUNNING])
+        return [t for t in claimed if t.number not in stored]
+
+    def _measuring(self, study, name: str) -> list:
+        """Claimed trials being measured now (by any worker)."""
+        return self._in_flight(study, lambda numbers: self.db.stored_among(name, numbers), reserved=False)
+
+    def _slot_free(self, study, name: str, result: ProblemResult) -> bool:
+        """Whether a budget slot is free now, or kept for a handed-back trial that this worker may
+        pick up (a hint; the claim decides under the lock)."""
+        if self.budget_trials is None:
+            return True
+        return result.measured + len(self._measuring(study, name)) < self.budget_trials
+
+    def _claim(self, study, name: str, problem: Problem, candidate: "_Candidate") -> str:
+        """Under the study's lock: "repeat" (stored already, or being measured by another worker;
+        Optuna has heard), "pruned" (infeasible; stored and told), "full" (no budget slot left; the
+        trial went back to the queue or failed), "lost" (another worker handed this trial back), or
+        "claimed" (measure it)."""
+        import optuna
+
+        trial, config = candidate.trial, candidate.config
+        with self.db.locked(name) as lock:
+            active = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,
+                                                              optuna.trial.TrialState.WAITING))
+            mine = next((t for t in active if t.number == trial.number), None)
+            if mine is None or mine.state != optuna.trial.TrialState.RUNNING or \
+                    mine.user_attrs.get(WORKER_ATTR) != self.worker:
+                return "lost"
+            earlier = lock.stored(config)
+            if earlier is not None:  # never measure a config twice: tell Optuna what it gave before
+                _tell_stored(study, trial.number, earlier)
+                return "repeat"
+            if candidate.reasons:
+                measurement = Measurement.pruned(candidate.reasons)
+                lock.add_trial(run_id=self.run.run_id, optuna_number=trial.number, kernel=self.kernel.name,
+                               kernel_hash=self.run.kernel_hash, target=self.target.name, problem=problem,
+                               config=config, measurement=measurement, source=candidate.source,
+                               provenance=self.provenance)
+                _tell(study, trial.number, "pruned", None)
+                return "pruned"
+            key = config_key(config)
+            in_flight = self._in_flight(study, lock.stored_among, active, exclude=trial.number)
+            if any(t.user_attrs[CLAIM_ATTR] == key for t in in_flight):
+                study.tell(trial.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
+                return "repeat"
+            if self.budget_trials is not None and lock.measured() + len(in_flight) >= self.budget_trials:
+                if "fixed_params" in mine.system_attrs or "failed_trial" in mine.system_attrs:
+                    give_back(study, mine)  # a queued config: another worker (or pass) takes it
+                else:
+                    study.tell(trial.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
+                return "full"
+            trial.set_user_attr(CLAIM_ATTR, key)
+            return "claimed"
+
+    def recover(self, study, name: str, dead: frozenset = frozenset()) -> None:
+        """Hand back what dead workers left RUNNING (`dead`: worker names known dead): its stored
+        outcome told to Optuna, else the trial failed and queued again. Trials of another host
+        are judged by Optuna's heartbeat (server storages)."""
+        import optuna
+
+        with self.db.locked(name) as lock:
+            fail_stale(study)
+            for frozen in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+                if frozen.user_attrs.get(WORKER_ATTR) == self.worker or \
+                        not trial_orphaned(frozen, self.run.shared, dead):
+                    continue
+                stored = lock.stored_number(frozen.number)
+                if stored is not None:
+                    _tell_stored(study, frozen.number, stored)
+                else:
+                    hand_back(study, frozen)
+
+    def _claim_confirmation(self, name: str) -> bool:
+        """Whether this worker re-times the study's best few (one worker does, unless it died)."""
+        with self.db.locked(name) as lock:
+            holder = lock.confirming()
+            if self.db.confirmed(name) or (holder not in (None, self.worker) and not worker_gone(holder)):
+                return False
+            lock.set_confirming(self.worker)
+            return True
+
+    # ---- one candidate ------------------------------------------------------------------------
     def _ask(self, study, problem: Problem, name: str) -> "_Candidate":
-        """Ask Optuna for the next config and check it; a feasible new one is handed to the
-        backend to prepare (compile) while earlier candidates are measured."""
-        trial = study.ask()
+        """Ask Optuna for the next config, marked as this worker's, and check it; a feasible new one
+        is handed to the backend to prepare (compile) while earlier candidates are measured."""
+        import optuna
+
+        while True:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "heartbeat is supposed to be used with optimize"
+                trial = study.ask()
+            heartbeat = None
+            try:
+                # The heartbeat first: a trial with a worker's name always has one, so that if the
+                # worker dies now, the trial either goes stale or, unnamed, is handed back at once.
+                heartbeat = start_heartbeat(study, trial)
+                trial.set_user_attr(WORKER_ATTR, self.worker)
+                params = self.space.suggest(trial, problem, self.target)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                # Unnamed, it was taken for a dead search's and handed back (studies.trial_orphaned):
+                # ask again.
+                if heartbeat is not None:
+                    heartbeat.join()
+                continue
+            except BaseException:
+                if heartbeat is not None:
+                    heartbeat.join()
+                self._settle(study, name, trial.number)
+                raise
+            break
         try:
-            params = self.space.suggest(trial, problem, self.target)
             config = self.space.full_config(problem, self.target, params)
             reasons = self.space.check(problem, config, self.target)
         except BaseException:
+            heartbeat.join()
             self._settle(study, name, trial.number)
             raise
-        candidate = _Candidate(trial, config, trial.user_attrs.get(SOURCE_ATTR, "sampler"), reasons)
+        candidate = _Candidate(trial, config, trial.user_attrs.get(SOURCE_ATTR, "sampler"), reasons, heartbeat)
         if not reasons and self.backend.lookahead and self.db.trial_by_config(name, config) is None:
             self.backend.prefetch(problem, self.kernel.make_config(config))
         return candidate
 
     def _run(self, study, problem: Problem, name: str, candidate: "_Candidate") -> str:
-        """Measure (or prune) one candidate, store it, tell Optuna: "measured", "stopped", "pruned"
-        or "repeat" (a config already stored in this study: Optuna hears its earlier outcome)."""
+        """Claim, measure and store one candidate, and tell Optuna: "measured", "stopped", or a
+        claim's other outcome ("repeat", "pruned", "full", "lost")."""
         trial, config = candidate.trial, candidate.config
         told = False
         try:
-            earlier = self.db.trial_by_config(name, config)
-            if earlier is not None:  # never measure a config twice: tell Optuna what it gave before
-                _tell_stored(study, trial.number, earlier)
+            verdict = self._claim(study, name, problem, candidate)
+            if verdict != "claimed":
+                told = True
+                return verdict
+            measurement = self._measure(study, trial, problem, config)
+            try:
+                self.db.add_trial(
+                    run_id=self.run.run_id, study_name=name, optuna_number=trial.number, kernel=self.kernel.name,
+                    kernel_hash=self.run.kernel_hash, target=self.target.name, problem=problem, config=config,
+                    measurement=measurement, source=candidate.source, provenance=self.provenance,
+                    offer_best=not self.backend.confirms_best,
+                )
+            except DuplicateTrial:
+                # This worker was taken for dead and its trial handed back, and the config was stored
+                # by another worker meanwhile: the stored one stands.
+                _tell_stored(study, trial.number, self.db.trial_by_config(name, config))
                 told = True
                 return "repeat"
-            if candidate.reasons:
-                measurement = Measurement.pruned(candidate.reasons)
-            else:
-                measurement = self._measure(study, trial, problem, config)
-            self.db.add_trial(
-                run_id=self.run_id, study_name=name, optuna_number=trial.number, kernel=self.kernel.name,
-                kernel_hash=self.kernel_hash, target=self.target.name, problem=problem, config=config,
-                measurement=measurement, source=candidate.source, provenance=self.provenance,
-                offer_best=not self.backend.confirms_best,
-            )
             _tell(study, trial.number, measurement.status, measurement.time_ms)
             told = True
-            return {"pruned": "pruned", "stopped": "stopped"}.get(measurement.status, "measured")
+            return "stopped" if measurement.status == "stopped" else "measured"
         finally:
+            candidate.heartbeat.join()
             if not told:  # interrupted or crashed before Optuna heard of the trial
                 self._settle(study, name, trial.number)
 
@@ -345,9 +602,9 @@ class _Context:
         measurements = self.backend.confirm(problem, [t["config"] for t in top])
         clocks = next((m.details.get("clocks") for m in measurements if m.details.get("clocks")), None)
         if clocks:
-            self.db.add_clocks(self.run_id, clocks)
-        self.db.confirm_best(run_id=self.run_id, study_name=name, kernel=self.kernel.name,
-                             kernel_hash=self.kernel_hash, target=self.target.name, problem=problem,
+            self.db.add_clocks(self.run.run_id, clocks)
+        self.db.confirm_best(run_id=self.run.run_id, study_name=name, kernel=self.kernel.name,
+                             kernel_hash=self.run.kernel_hash, target=self.target.name, problem=problem,
                              confirmed=list(zip(top, measurements)),
                              provenance={**self.provenance, "confirmed": {
                                  "candidates": len(top), "rounds": measurements[0].details.get("confirm_rounds"),
@@ -363,39 +620,42 @@ class _Context:
         else:
             study.tell(number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
 
-    def _recover_unfinished(self, study, name: str) -> None:
-        """Trials left RUNNING by a killed search (single worker: nobody else is running them)."""
-        import optuna
-
-        for frozen in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-            self._settle(study, name, frozen.number)
-
     def _enqueue_starts(self, study, problem: Problem, name: str) -> None:
-        """The default first, then the best configs of the nearest tuned problems (warm start).
-        Whether one is done already is the results DB's to say: an Optuna trial that was asked and
-        then lost to a kill does not count."""
+        """The default first, then the best configs of the nearest tuned problems (warm start), each
+        once however many workers start together: under the study's lock, a config is queued only
+        when it is neither stored nor queued nor running. Whether one is done already is the
+        results DB's to say: an Optuna trial that was asked and then lost to a kill does not count."""
         import optuna
 
         domains = self.space.domains(problem, self.target)
-        waiting = [t.system_attrs.get("fixed_params", {}) for t in
-                   study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))]
+        neighbours = self._neighbours(problem, domains) if self.job.warm_start else []
+        with self.db.locked(name) as lock:
+            active = []
+            for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,
+                                                              optuna.trial.TrialState.RUNNING)):
+                params = queued_params(t)
+                if len(params) == len(domains):  # a RUNNING trial may be half suggested
+                    active.append(config_key(self.space.full_config(problem, self.target, params)))
 
-        def enqueue(params: dict, source: str) -> None:
-            config = self.space.full_config(problem, self.target, params)
-            if self.db.trial_by_config(name, config) is None and params not in waiting:
-                study.enqueue_trial(params, user_attrs={SOURCE_ATTR: source})
-                waiting.append(params)
+            def enqueue(params: dict, source: str) -> None:
+                config = self.space.full_config(problem, self.target, params)
+                if lock.stored(config) is None and config_key(config) not in active:
+                    study.enqueue_trial(params, user_attrs={SOURCE_ATTR: source})
+                    active.append(config_key(config))
 
-        enqueue(self.space.default_params(problem, self.target), "default")
-        if not self.job.warm_start:
-            return
+            enqueue(self.space.default_params(problem, self.target), "default")
+            for params in neighbours:
+                enqueue(params, "warm-start")
+
+    def _neighbours(self, problem: Problem, domains: dict) -> list[dict]:
+        """The params of the best configs of the nearest tuned problems (at most job.warm_start)."""
         bucket = problem.bucket()
         neighbours = []
         for entry in self.db.best_configs(kernel=self.kernel.name, target=self.target.name):
             other = Problem.from_dict(entry.problem)
             distance = bucket.distance(other.bucket())
             if distance != float("inf"):
-                current = entry.kernel_hash == self.kernel_hash
+                current = entry.kernel_hash == self.run.kernel_hash
                 neighbours.append((distance, not current, entry.problem_key, entry.config))
         seen = []
         for _, _, _, config in sorted(neighbours, key=lambda n: n[:3]):
@@ -405,18 +665,20 @@ class _Context:
             if not all(domains[k].contains(v) for k, v in params.items()):
                 continue
             seen.append(params)
-            enqueue(params, "warm-start")
             if len(seen) >= self.job.warm_start:
                 break
+        return seen
 
+    # ---- reporting ----------------------------------------------------------------------------
     def _best(self, problem: Problem):
-        for entry in self.db.best_configs(kernel=self.kernel.name, kernel_hash=self.kernel_hash,
+        for entry in self.db.best_configs(kernel=self.kernel.name, kernel_hash=self.run.kernel_hash,
                                           target=self.target.name):
             if entry.problem_key == problem.key():
                 return entry
         return None
 
-    def _summarise(self, problem: Problem, result: ProblemResult) -> None:
+    def summary_line(self, problem: Problem, result: ProblemResult, is_estimate: bool | None = None) -> str:
+        """Fill in the result's default and best, and say them in one line."""
         best = self._best(problem)
         default = self.space.full_config(problem, self.target, self.space.default_params(problem, self.target))
         stored_default = self.db.trial_by_config(result.study_name, default)
@@ -424,7 +686,9 @@ class _Context:
             result.default_ms = stored_default["time_ms"]
         if best is not None:
             result.best_ms, result.best_tflops, result.best_config = best.time_ms, best.tflops, best.config
-        estimate = " (estimate)" if self.backend.is_estimate else ""
+        if is_estimate is None:
+            is_estimate = self.backend.is_estimate
+        estimate = " (estimate)" if is_estimate else ""
         if best is None:
             line = "no feasible config measured"
         else:
@@ -433,8 +697,8 @@ class _Context:
             line = (f"best {best.time_ms:.4g} ms = {best.tflops:.0f} TFLOP/s{estimate}{speedup}; "
                     f"changed from default: {changed or 'nothing'}")
         early = f" ({result.stopped_early} stopped early)" if result.stopped_early else ""
-        self.say(f"{problem.key()}: {line} [{result.measured} measured{early}, {result.pruned} pruned; "
-                 f"{result.stopped}]")
+        return (f"{problem.key()}: {line} [{result.measured} measured{early}, {result.pruned} pruned; "
+                f"{result.stopped}]")
 
 
 def _tell(study, number: int, status: str, time_ms: float | None) -> None:
@@ -459,6 +723,7 @@ class _Candidate:
     config: dict
     source: str
     reasons: list[str]  # why it is infeasible; empty when it may be measured
+    heartbeat: object  # Optuna's heartbeat thread of the trial (a no-op on storages without)
 
 
 def _progress_bar(problem: Problem, total: int | None, initial: int, enabled: bool):

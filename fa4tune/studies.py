@@ -1,17 +1,41 @@
 """Optuna's side: where studies live (a journal file beside the results DB by default, any RDB URL
 on request), the samplers a job may name, and how studies are named. Optuna's storage is kept apart
-from the results DB so that many workers share a study through Optuna, not through our tables."""
+from the results DB so that many workers share a study through Optuna, not through our tables.
+
+Many workers: every trial a worker asks for carries the worker's name (`host:pid`, WORKER_ATTR),
+and the config it claimed a budget slot for (CLAIM_ATTR, see search.py). A worker that dies leaves
+its trials RUNNING; they are handed back (failed, and queued again by Optuna's retry callback) by
+whoever sees it dead: on its own host, a process that no longer exists; on another host, Optuna's
+heartbeat (RDB storages on a server), whose stale trials the same callback queues again."""
 
 from __future__ import annotations
 
+import copy
 import importlib.util
+from datetime import datetime
 import logging
+import os
+import socket
+import warnings
 import zlib
 from pathlib import Path
 
 from .errors import JobError, StorageError
+from .files import unwritable_ancestor
 
 RDB_PREFIXES = ("sqlite:", "postgresql", "mysql", "oracle", "mssql")
+WORKER_ATTR = "fa4tune_worker"  # host:pid of the worker that asked the trial
+CLAIM_ATTR = "fa4tune_claim"  # the config (key) whose measurement the trial holds a budget slot for
+GIVEN_BACK_ATTR = "fa4tune_given_back"  # a queued trial put back unmeasured: the number it was popped as
+# Heartbeats on server storages (PostgreSQL, MySQL): every FA4TUNE_HEARTBEAT_S seconds (default 10) a
+# worker records that each of its trials is alive; one silent for HEARTBEAT_GRACE times that is stale
+# and handed back.
+HEARTBEAT_S = 10
+HEARTBEAT_GRACE = 3
+# A trial a dead worker left running is queued again at most this often (a config that kills the
+# search worker itself every time must not do so forever).
+MAX_HAND_BACKS = 2
+UNNAMED_GRACE_S = 10.0  # a worker names the trial it asked for within milliseconds
 
 
 def quiet_optuna() -> None:
@@ -30,27 +54,230 @@ def default_storage_location(db_location: str) -> str:
     return str(path.with_name(path.stem + ".optuna.journal"))
 
 
-def open_storage(location: str):
-    """An Optuna storage: an RDB URL, or a journal file path (optionally written `journal:PATH`)."""
+def is_rdb(location: str) -> bool:
+    return location.startswith(RDB_PREFIXES) and "://" in location
+
+
+def is_server_storage(location: str) -> bool:
+    """A storage several hosts can share (an RDB on a server, not a file)."""
+    return is_rdb(location) and not location.startswith("sqlite:")
+
+
+def journal_path(location: str) -> Path | None:
+    return None if is_rdb(location) else Path(location.removeprefix("journal:")).expanduser()
+
+
+def heartbeat_seconds() -> int:
+    value = os.environ.get("FA4TUNE_HEARTBEAT_S", str(HEARTBEAT_S))
+    if not value.isdigit() or int(value) < 1:
+        raise StorageError(f"FA4TUNE_HEARTBEAT_S must be a whole number of seconds, 1 or more; got {value!r}")
+    return int(value)
+
+
+def check_storage(location: str) -> None:
+    """Refuse a storage that cannot work before anything is written anywhere: a journal path that is
+    a directory or under no writable directory, an RDB URL without a driver or whose server does not
+    answer."""
+    from .db import first_line, shown_location
+
+    shown = shown_location(location)
+    path = journal_path(location)
+    if path is not None:
+        if path.is_dir():
+            raise StorageError(f"Optuna storage {location!r} is a directory; give a journal file path")
+        blocked = None if path.exists() and os.access(path, os.W_OK) else unwritable_ancestor(path)
+        if blocked is not None:
+            raise StorageError(f"cannot write the Optuna journal {location!r}: {blocked} is not a writable "
+                               "directory")
+        return
+    from .db import UNREACHABLE_HINT, reach
+
+    if is_server_storage(location):
+        heartbeat_seconds()
+    try:
+        reach(location)
+    except Exception as exc:  # the driver's and SQLAlchemy's many kinds all mean "cannot use it"
+        raise StorageError(f"cannot use Optuna storage {shown!r}: {first_line(exc)}. {UNREACHABLE_HINT}") from exc
+
+
+class JournalFlock:
+    """The journal's write lock for processes of one host: an exclusive flock(2) on JOURNAL.flock.
+    The kernel drops it when its holder dies, so a worker killed in the middle of a write stalls no
+    one (Optuna's own file locks are broken only after a grace period of seconds). It serves the
+    journal's Optuna backend (acquire / release). flock also locks across NFS clients on Linux, but
+    use PostgreSQL for several hosts."""
+
+    def __init__(self, journal: str) -> None:
+        self.path = journal + ".flock"
+        self._fd: int | None = None
+
+    def acquire(self) -> bool:
+        import fcntl
+
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        return True
+
+    def release(self) -> None:
+        import fcntl
+
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+
+def open_storage(location: str, heartbeat: bool | None = None):
+    """An Optuna storage: an RDB URL, or a journal file path (optionally written `journal:PATH`). A
+    server storage records heartbeats (unless `heartbeat` is False) and hands stale trials back."""
     import optuna
-    from optuna.storages.journal import JournalFileBackend, JournalFileSymlinkLock, JournalStorage
+    from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+    from .db import engine_options, engine_url, first_line, shown_location
 
     try:
-        if location.startswith(RDB_PREFIXES) and "://" in location:
-            return optuna.storages.RDBStorage(location)
-        path = Path(location.removeprefix("journal:")).expanduser()
+        if is_rdb(location):
+            url = engine_url(location)
+            beats = is_server_storage(location) if heartbeat is None else heartbeat
+            options = {}
+            if beats:
+                seconds = heartbeat_seconds()
+                options = {"heartbeat_interval": seconds, "grace_period": HEARTBEAT_GRACE * seconds,
+                           "heartbeat_stale_trial_callback": HandBack()}
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                return optuna.storages.RDBStorage(url, engine_kwargs=engine_options(url), **options)
+        path = journal_path(location)
         if path.is_dir():
             raise StorageError(f"Optuna storage {location!r} is a directory; give a journal file path")
         path.parent.mkdir(parents=True, exist_ok=True)
-        # An absolute path: Optuna's lock is a symlink to the journal, and a relative target would
-        # dangle, so a lock left by a killed search could never be recognised as stale. Writes hold
-        # the lock for milliseconds; one held for 5 s belongs to a dead process and is broken.
         journal = str(path.resolve())
-        return JournalStorage(JournalFileBackend(journal, lock_obj=JournalFileSymlinkLock(journal, grace_period=5)))
+        return JournalStorage(JournalFileBackend(journal, lock_obj=JournalFlock(journal)))
     except StorageError:
         raise
     except Exception as exc:  # Optuna and SQLAlchemy raise many kinds; all mean "cannot use it"
-        raise StorageError(f"cannot open Optuna storage {location!r}: {type(exc).__name__}: {exc}") from exc
+        raise StorageError(f"cannot open Optuna storage {shown_location(location)!r}: {type(exc).__name__}: "
+                           f"{first_line(exc)}") from exc
+
+
+# ---- workers sharing a study ------------------------------------------------------------------------
+def this_host() -> str:
+    """The host name in worker names; FA4TUNE_WORKER_HOST overrides it where hosts share a name."""
+    return os.environ.get("FA4TUNE_WORKER_HOST") or socket.gethostname()
+
+
+def worker_name(pid: int | None = None) -> str:
+    return f"{this_host()}:{os.getpid() if pid is None else pid}"
+
+
+def worker_gone(worker: str) -> bool:
+    """Whether a worker is known to be dead. A worker of this host is dead when its process is (a
+    zombie counts as dead); of another host nothing is known here: its trials are Optuna's
+    heartbeat's to judge."""
+    host, _, pid = worker.rpartition(":")
+    if host != this_host() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] == "Z"
+    except OSError:
+        return False
+
+
+def trial_orphaned(trial, shared: bool, dead=frozenset()) -> bool:
+    """Whether a RUNNING trial's worker is gone (`dead`: workers known dead). A trial without a
+    worker's name is from an earlier fa4tune or a search that died between asking for it and naming
+    it, unless a live worker asked for it a moment ago and is naming it now: where other workers may
+    share the study, such a trial counts as orphaned once it is UNNAMED_GRACE_S old."""
+    worker = trial.user_attrs.get(WORKER_ATTR)
+    if worker is not None:
+        return worker in dead or worker_gone(worker)
+    if not shared or trial.datetime_start is None:
+        return True
+    started = trial.datetime_start
+    return (datetime.now(started.tzinfo) - started).total_seconds() > UNNAMED_GRACE_S
+
+
+def _unmarked(trial):
+    """A copy of a frozen trial without its worker's name, for queueing its parameters again. A
+    claim stays with it: the queued trial keeps the budget slot for whoever measures it."""
+    trial = copy.deepcopy(trial)
+    trial.user_attrs = {k: v for k, v in trial.user_attrs.items() if k != WORKER_ATTR}
+    return trial
+
+
+class HandBack:
+    """Optuna's retry callback (RetryHeartbeatStaleTrialCallback, formerly RetryFailedTrialCallback)
+    over a copy of the failed trial without the dead worker's name: the trial is queued again
+    (WAITING) with the same parameters and its claim, at most MAX_HAND_BACKS times."""
+
+    def __init__(self) -> None:
+        import optuna
+
+        retry = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # experimental, or deprecated in favour of the name above
+            self.retry = (retry or optuna.storages.RetryFailedTrialCallback)(max_retry=MAX_HAND_BACKS)
+
+    def __call__(self, study, trial) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.retry(study, _unmarked(trial))
+
+
+def hand_back(study, trial) -> None:
+    """A trial whose worker died: failed, and queued again by the retry callback."""
+    import optuna
+
+    study.tell(trial.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
+    HandBack()(study, trial)
+
+
+def give_back(study, trial) -> None:
+    """A trial popped from the queue (default, warm start, handed back) that this worker will not
+    measure after all: failed, and its parameters queued again as they were."""
+    import optuna
+
+    study.tell(trial.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
+    # What study.enqueue_trial adds, plus where it came from (GIVEN_BACK_ATTR).
+    study.add_trial(optuna.trial.create_trial(
+        state=optuna.trial.TrialState.WAITING, user_attrs=_unmarked(trial).user_attrs,
+        system_attrs={"fixed_params": queued_params(trial), GIVEN_BACK_ATTR: trial.number}))
+
+
+def queued_params(trial) -> dict:
+    """The parameters a trial was queued with (enqueued or handed back), else those it suggested."""
+    return trial.system_attrs.get("fixed_params") or trial.params
+
+
+def start_heartbeat(study, trial):
+    """Optuna's heartbeat thread for one trial (nothing on storages without heartbeats); `join()` ends it."""
+    from optuna.storages._heartbeat import get_heartbeat_thread
+
+    thread = get_heartbeat_thread(trial._trial_id, study._storage)
+    thread.start()
+    return thread
+
+
+def fail_stale(study) -> None:
+    """Optuna's check for trials whose heartbeat stopped (server storages): they are failed and
+    handed back through the storage's callback."""
+    import optuna
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)
 
 
 def check_sampler_available(name: str, where: str) -> None:
@@ -76,11 +303,16 @@ def _grid_sampler_class():
     return AskTellGridSampler
 
 
-def make_sampler(spec, seed: int, grid: dict | None = None, where: str = "sampler"):
-    """An Optuna sampler from a job's sampler spec; bad options are a JobError naming the field."""
+def make_sampler(spec, seed: int, grid: dict | None = None, where: str = "sampler", shared: bool = False):
+    """An Optuna sampler from a job's sampler spec; bad options are a JobError naming the field. A
+    `shared` study (several workers) gets TPE's constant liar unless the job says otherwise, so that
+    workers do not all propose the same configs around the best so far."""
     import optuna.samplers as s
 
     check_sampler_available(spec.name, where)
+    options = dict(spec.options)
+    if shared and spec.name == "tpe":
+        options.setdefault("constant_liar", True)
     factories = {
         "tpe": lambda **o: s.TPESampler(seed=seed, **o),
         "random": lambda **o: s.RandomSampler(seed=seed, **o),
@@ -89,14 +321,22 @@ def make_sampler(spec, seed: int, grid: dict | None = None, where: str = "sample
         "grid": lambda **o: _grid_sampler_class()(grid, seed=seed, **o),
     }
     try:
-        return factories[spec.name](**spec.options)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # constant_liar is experimental
+            return factories[spec.name](**options)
     except (TypeError, ValueError) as exc:
         raise JobError(f"{where}: bad options {spec.options} for the {spec.name} sampler: {exc}") from exc
 
 
-def problem_seed(seed: int, problem_key: str) -> int:
-    """A per-problem seed, stable across runs and processes."""
-    return (seed * 1_000_003 + zlib.crc32(problem_key.encode())) % (2**31)
+def problem_seed(seed: int, problem_key: str, worker: int = 0) -> int:
+    """A per-problem seed, stable across runs and processes. Workers sharing a study (`worker` > 0)
+    each get their own, or they would all propose the same configs."""
+    return (seed * 1_000_003 + zlib.crc32(problem_key.encode()) + worker * 7919) % (2**31)
+
+
+def worker_seed(index: int) -> int:
+    """The seed offset of a worker: its index on this host, and the host (hosts share a study)."""
+    return 1 + index + zlib.crc32(this_host().encode()) % 100_003
 
 
 def study_name(prefix: str, space_signature: str, problem_key: str) -> str:

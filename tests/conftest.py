@@ -1,3 +1,5 @@
+import itertools
+import os
 import sys
 from pathlib import Path
 
@@ -20,6 +22,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(skip)
+
+
+def sigint_default() -> None:
+    """preexec_fn of a search started by a test that sends it SIGINT: a child inherits an ignored
+    SIGINT (tests run as a background job of a non-interactive shell have one), and Python then
+    never raises KeyboardInterrupt."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def write_job(directory: Path, name: str = "job", **fields) -> Path:
@@ -74,3 +85,28 @@ def entry_point_plugin(tmp_path, monkeypatch):
     sys.modules.pop("fa4tune_testplugin", None)
     monkeypatch.undo()
     fa4tune.space.rediscover()
+
+
+_database_numbers = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """One PostgreSQL server on the loopback for the session (see tests/pgserver.py)."""
+    from pgserver import PostgresServer
+
+    server = PostgresServer()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def postgres(postgres_server, request):
+    """Two fresh databases on the test server: (results DB URL, Optuna storage URL)."""
+    import re
+
+    base = re.sub(r"[^a-z0-9]+", "_", request.node.name.lower())[:40]
+    stamp = f"{os.getpid()}_{next(_database_numbers)}"
+    return (postgres_server.create_database(f"r_{base}_{stamp}"), postgres_server.create_database(f"o_{base}_{stamp}"))
+
+

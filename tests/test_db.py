@@ -119,3 +119,71 @@ def test_merge_reports_conflicts_and_the_better_entry_wins(tmp_path):
         same = db.merge_best([entry({"a": 3}, 1.0)])
         assert same.kept and not same.conflicts
         assert db.best_configs()[0].config == {"a": 3}
+
+
+def test_a_study_stores_each_search_config_once(tmp_path):
+    from fa4tune.db import DuplicateTrial
+
+    with ResultsDB.open(str(tmp_path / "r.db")) as db:
+        run = new_run(db)
+        add(db, run, {"tile_n": 128}, 2.0)
+        with pytest.raises(DuplicateTrial):
+            add(db, run, {"tile_n": 128}, 1.0)
+        # Re-timings of a stored config (source confirm) are not search trials.
+        [trial] = db.trials()
+        db.confirm_best(run_id=run, study_name="s", kernel="fa4_fwd_sm90", kernel_hash="h", target="H200",
+                        problem=PROBLEM, provenance={}, confirmed=[(trial, Measurement.ok(PROBLEM, 1.9))])
+        assert len(db.trials()) == 2 and db.best_configs()[0].time_ms == 1.9
+
+
+def test_schema_2_is_upgraded_to_3(tmp_path):
+    from fa4tune.db import DuplicateTrial
+
+    path = tmp_path / "old.db"
+    with ResultsDB.open(str(path)) as db:
+        add(db, new_run(db), {"tile_n": 128}, 2.0)
+    con = sqlite3.connect(path)  # what fa4tune with schema 2 made: no locks table, no unique index
+    con.execute("DROP TABLE locks")
+    con.execute("DROP INDEX uq_trials_study_config")
+    con.execute("UPDATE fa4tune_schema SET value = '2' WHERE key = 'schema_version'")
+    con.commit()
+    con.close()
+    with ResultsDB.open(str(path)) as db:
+        with db.locked("s") as lock:
+            assert lock.measured() == 1
+        with pytest.raises(DuplicateTrial):
+            add(db, 1, {"tile_n": 128}, 1.0)
+    con = sqlite3.connect(path)
+    assert con.execute("SELECT value FROM fa4tune_schema").fetchone()[0] == str(SCHEMA_VERSION) == "3"
+
+
+def hammer(path: str, worker: int, rounds: int) -> None:
+    """One of several processes writing one SQLite results DB as hard as they can."""
+    with ResultsDB.open(path, create=False) as db:
+        for i in range(rounds):
+            with db.locked("s") as lock:  # a read, then a write, in one transaction
+                lock.add_trial(run_id=1, optuna_number=None, kernel="fa4_fwd_sm90", kernel_hash="h",
+                               target="H200", problem=PROBLEM, config={"worker": worker, "i": i, "locked": True},
+                               measurement=Measurement.ok(PROBLEM, 1.0 + lock.measured() / 1000, is_estimate=True),
+                               source="sampler", provenance={})
+            add(db, 1, {"worker": worker, "i": i}, 1.0 + i / 100)  # also offers the best config
+            db.add_clocks(1, {"worker": worker, "i": i})
+            db.top_trials("s", 3)
+
+
+def test_many_processes_write_one_sqlite_db_without_database_is_locked(tmp_path):
+    import multiprocessing
+
+    path = str(tmp_path / "shared.db")
+    with ResultsDB.open(path) as db:
+        new_run(db)
+    context = multiprocessing.get_context("spawn")
+    processes = [context.Process(target=hammer, args=(path, worker, 25)) for worker in range(4)]
+    for p in processes:
+        p.start()
+    for p in processes:
+        p.join(120)
+    assert [p.exitcode for p in processes] == [0, 0, 0, 0], "a writer failed (database is locked?)"
+    with ResultsDB.open(path, create=False) as db:
+        assert db.counts()["trials"] == 4 * 25 * 2 and len(db.runs()[0]["clocks"]["seen"]) == 4 * 25
+        assert db.best_configs()[0].time_ms == 1.0

@@ -143,7 +143,8 @@ def test_a_wrong_config_never_becomes_best_in_the_db(workdir):
     common = dict(run_id=run_id, study_name="s", kernel=KERNEL.name, kernel_hash="h", target="H200",
                   problem=PROBLEM, source="sampler", provenance={})
     fast = {"tile_n": 64}
-    db.add_trial(optuna_number=0, config=fast, measurement=Measurement(status="wrong", reason="bad"), **common)
+    db.add_trial(optuna_number=0, config=fast, measurement=Measurement(status="wrong", reason="bad"),
+                 **{**common, "study_name": "s-of-an-earlier-run"})  # a study stores each config once
     # The same config measured ok later (another run, a lucky draw) is still refused as best...
     ok_id = db.add_trial(optuna_number=1, config=fast, measurement=Measurement.ok(PROBLEM, 1.0), **common)
     assert db.best_configs() == []

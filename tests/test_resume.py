@@ -9,7 +9,7 @@ import time
 
 import optuna
 
-from conftest import write_job
+from conftest import sigint_default, write_job
 from fa4tune.db import ResultsDB
 from fa4tune.job import load_job
 from fa4tune.search import run_search
@@ -32,7 +32,8 @@ SPACE = ["tiles", "pipeline", "exp2", "softmax"]
 
 def start_search(job_path, workdir):
     return subprocess.Popen([sys.executable, "-c", SLOW_CLI, "search", str(job_path), "--no-progress"],
-                            cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=sigint_default)
 
 
 def wait_for_trials(workdir, count, proc, timeout=60):

@@ -1,17 +1,21 @@
 """ORM tables of the results database. Bump SCHEMA_VERSION on any change to them: an fa4tune that
 finds another version refuses the file instead of misreading it, unless store.py knows how to
-upgrade it (UPGRADES: columns added since that version)."""
+upgrade it (UPGRADES: columns added since that version; tables and indexes added since are created
+whenever they are missing)."""
 
 from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import JSON, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import (JSON, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint,
+                        text)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 2
-# Version 2 added the provenance of GPU runs: NVIDIA driver, CUDA version, clocks seen.
-UPGRADES = {1: {"runs": ("nvidia_driver", "cuda_version", "clocks")}}
+SCHEMA_VERSION = 3
+# Version 2 added the provenance of GPU runs: NVIDIA driver, CUDA version, clocks seen. Version 3 added
+# the locks table and the one-search-trial-per-config index (many workers sharing a study).
+UPGRADES = {1: {"runs": ("nvidia_driver", "cuda_version", "clocks")}, 2: {}}
+CONFIRM_SOURCE = "confirm"  # trials of the re-timing before a best is stored; not search trials
 
 
 class Base(DeclarativeBase):
@@ -74,6 +78,11 @@ class Trial(ProblemConfigColumns, Base):
     __table_args__ = (
         Index("ix_trials_study_number", "study_name", "optuna_number"),
         Index("ix_trials_problem", "kernel", "target", "problem_key"),
+        # A study stores each config once (its re-timings apart): two workers that measured the same
+        # config cannot both store it. A partial index, so only where the database has them.
+        Index("uq_trials_study_config", "study_name", "config_key", unique=True,
+              sqlite_where=text(f"source != '{CONFIRM_SOURCE}'"),
+              postgresql_where=text(f"source != '{CONFIRM_SOURCE}'")).ddl_if(dialect=("sqlite", "postgresql")),
     )
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
@@ -111,4 +120,15 @@ class BestConfig(ProblemConfigColumns, Base):
     provenance: Mapped[dict] = mapped_column(JSON)  # backend, gpu, versions of the measuring run
     source: Mapped[str] = mapped_column(String(512))  # "run N" or "import FILE"
     trial_id: Mapped[int | None] = mapped_column(ForeignKey("trials.id"))
+    updated_at: Mapped[datetime] = mapped_column(DateTime)
+
+
+class Lock(Base):
+    """One row per study (or job) that workers serialise on: a transaction that updates the row holds
+    it until it ends (a row lock in PostgreSQL; SQLite's write lock). `confirming` names the worker
+    that re-times the study's best few, so that one worker does it."""
+
+    __tablename__ = "locks"
+    name: Mapped[str] = mapped_column(String(512), primary_key=True)
+    confirming: Mapped[str | None] = mapped_column(String(256))
     updated_at: Mapped[datetime] = mapped_column(DateTime)

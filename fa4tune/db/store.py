@@ -3,21 +3,32 @@ runs, trials and best configs. The only module in fa4tune that talks SQL."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import random
+import time
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
-from sqlalchemy import create_engine, event, func, inspect, select, text
+from sqlalchemy import create_engine, event, func, inspect, select, text, update
 from sqlalchemy.engine import Engine, make_url
-from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from ..best import BestEntry, MergeReport
-from ..errors import ResultsDBError
-from .models import SCHEMA_VERSION, UPGRADES, Base, BestConfig, Run, SchemaInfo, Trial
+from ..errors import Fa4tuneError, ResultsDBError
+from ..files import unwritable_ancestor
+from .models import CONFIRM_SOURCE, SCHEMA_VERSION, UPGRADES, Base, BestConfig, Lock, Run, SchemaInfo, Trial
 
-CONFIRM_SOURCE = "confirm"  # trials of the re-timing before a best is stored; not search trials
+# Write transactions carry this execution option: on SQLite they begin IMMEDIATE (below).
+WRITE_OPTION = "fa4tune_write"
+# A write transaction that meets a transient conflict (SQLite busy past its timeout, a PostgreSQL
+# serialization failure or deadlock, two workers inserting the same best config) is run again.
+WRITE_ATTEMPTS = 8
+POSTGRES_TRANSIENT = {"40001", "40P01"}  # serialization_failure, deadlock_detected
+POSTGRES_CONNECT_TIMEOUT_S = 10
 
 DEFAULT_DB_PATH = "fa4tune-results/results.db"
 SQLITE_HEADER = b"SQLite format 3\x00"
@@ -45,6 +56,60 @@ def is_url(location: str) -> bool:
     return "://" in location
 
 
+class DuplicateTrial(Exception):
+    """The study already stores a search trial of this config (another worker measured it too)."""
+
+
+def shown_location(location: str) -> str:
+    """A location fit to print or store: a URL's password is masked."""
+    if not is_url(location):
+        return location
+    try:
+        return make_url(location).render_as_string(hide_password=True)
+    except ArgumentError:
+        return location
+
+
+def engine_url(location: str) -> str:
+    """The SQLAlchemy URL for a database URL: `postgresql://` without a driver uses psycopg (3) when
+    it is installed (SQLAlchemy's default would be psycopg2)."""
+    url = make_url(location)
+    if url.drivername in ("postgresql", "postgres"):
+        for module, driver in (("psycopg", "postgresql+psycopg"), ("psycopg2", "postgresql+psycopg2")):
+            if importlib.util.find_spec(module) is not None:
+                return url.set(drivername=driver).render_as_string(hide_password=False)
+        raise Fa4tuneError(f"{shown_location(location)}: PostgreSQL needs a driver; install it with "
+                           "pip install 'fa4tune[postgres]' (psycopg)")
+    return location
+
+
+UNREACHABLE_HINT = ("Check the URL, that the server runs and accepts connections from this host, and that the "
+                    "database exists.")
+
+
+def reach(location: str) -> None:
+    """Connect to a database URL once and let go; the driver's (or SQLAlchemy's) error when it cannot."""
+    url = engine_url(location)
+    engine = create_engine(url, **engine_options(url))
+    try:
+        with engine.connect() as connection:
+            connection.execute(text("SELECT 1"))
+    finally:
+        engine.dispose()
+
+
+def engine_options(url: str) -> dict:
+    """create_engine options: a PostgreSQL server that does not answer fails within seconds, and a
+    connection the server dropped while a long measurement ran is replaced, not reused."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "postgresql":
+        return {}
+    options: dict = {"pool_pre_ping": True}
+    if "connect_timeout" not in parsed.query:
+        options["connect_args"] = {"connect_timeout": POSTGRES_CONNECT_TIMEOUT_S}
+    return options
+
+
 def sqlite_path(location: str) -> Path | None:
     """The file behind a location, or None for a non-file database."""
     if not is_url(location):
@@ -60,32 +125,54 @@ class ResultsDB:
         self.engine = engine
         self.location = location
         self._sessions = sessionmaker(engine, expire_on_commit=False)
+        self._write_sessions = sessionmaker(engine.execution_options(**{WRITE_OPTION: True}),
+                                            expire_on_commit=False)
 
     # ---- opening ------------------------------------------------------------------------------
+    @staticmethod
+    def check(location: str) -> None:
+        """Refuse a results DB that cannot be used, writing nothing: a path where no DB can be made,
+        a URL without a driver or whose server does not answer (a ResultsDBError)."""
+        path = sqlite_path(location)
+        if path is not None:
+            _check_sqlite_file(path, location, create=True, make_parent=False)
+            return
+        try:
+            reach(location)
+        except (SQLAlchemyError, ImportError, ValueError, Fa4tuneError) as exc:
+            raise ResultsDBError(f"cannot use results DB {shown_location(location)!r}: {first_line(exc)}. "
+                                 f"{UNREACHABLE_HINT}") from exc
+
     @classmethod
     def open(cls, location: str | os.PathLike | None = None, *, create: bool = True) -> "ResultsDB":
         """Open (and with `create`, make) a results DB. A clear ResultsDBError for an unwritable path,
         a file that is not SQLite or not ours, and a schema of another version."""
         location = resolve_location(location)
         path = sqlite_path(location)
-        if path is not None:
-            _check_sqlite_file(path, location, create)
-            url = f"sqlite:///{path.resolve()}"
-        else:
-            url = location
+        shown = shown_location(location)
         try:
-            engine = create_engine(url, future=True)
-        except (ArgumentError, ImportError, ValueError) as exc:
-            raise ResultsDBError(f"cannot use results DB {location!r}: {exc}") from exc
+            if path is not None:
+                _check_sqlite_file(path, location, create)
+                url = f"sqlite:///{path.resolve()}"
+            else:
+                url = engine_url(location)
+            engine = create_engine(url, future=True, **engine_options(url))
+        except (ArgumentError, ImportError, ValueError, Fa4tuneError) as exc:
+            if isinstance(exc, ResultsDBError):
+                raise
+            raise ResultsDBError(f"cannot use results DB {shown!r}: {exc}") from exc
         if engine.dialect.name == "sqlite":
-            event.listen(engine, "connect", _sqlite_pragmas)
+            event.listen(engine, "connect", _sqlite_connect)
+            event.listen(engine, "begin", _sqlite_begin)
         db = cls(engine, location)
         try:
             db._check_schema(create)
         except SQLAlchemyError as exc:
             engine.dispose()
+            if path is None:
+                raise ResultsDBError(f"cannot use results DB {shown!r}: {first_line(exc)}. {UNREACHABLE_HINT}") from exc
             raise ResultsDBError(
-                f"results DB {location!r} cannot be read: {_first_line(exc)}. If it is a file, it may be "
+                f"results DB {location!r} cannot be read: {first_line(exc)}. If it is a file, it may be "
                 "corrupt or not a database; move it aside or point --db / FA4TUNE_DB elsewhere."
             ) from exc
         except ResultsDBError:
@@ -98,15 +185,19 @@ class ResultsDB:
         if "fa4tune_schema" not in tables:
             if tables:
                 raise ResultsDBError(
-                    f"{self.location!r} holds a database that is not an fa4tune results DB (tables: "
+                    f"{shown_location(self.location)!r} holds a database that is not an fa4tune results DB (tables: "
                     f"{', '.join(sorted(tables))}); give another path with --db or FA4TUNE_DB"
                 )
             if not create:
-                raise ResultsDBError(f"results DB {self.location!r} is empty: run `fa4tune search` first")
-            with self._sessions.begin() as session:
-                Base.metadata.create_all(session.connection())
-                session.add(SchemaInfo(key="schema_version", value=str(SCHEMA_VERSION)))
-            return
+                raise ResultsDBError(f"results DB {shown_location(self.location)!r} is empty: run `fa4tune search` "
+                                     "first")
+            try:
+                self._transact(_create_schema)
+            except DBAPIError:
+                # Another process created it at the same moment (PostgreSQL refuses the second
+                # CREATE TABLE); what it made is checked below like any existing schema.
+                if "fa4tune_schema" not in inspect(self.engine).get_table_names():
+                    raise
         with self._sessions() as session:
             row = session.get(SchemaInfo, "schema_version")
         found = row.value if row else "none"
@@ -120,24 +211,34 @@ class ResultsDB:
             )
 
     def _upgrade(self, version: int) -> str:
-        """Add the columns later versions added (all nullable), one version at a time, in one
-        transaction; the version they reach."""
+        """Add the columns later versions added (all nullable), one version at a time, and the tables
+        and indexes they added, in one transaction; the version they reach."""
         tables = Base.metadata.tables
+
+        def upgrade(session: Session) -> int:
+            reached = int(session.get(SchemaInfo, "schema_version").value)  # another worker may have upgraded it
+            while reached in UPGRADES:
+                for table, columns in UPGRADES[reached].items():
+                    present = {c["name"] for c in inspect(session.connection()).get_columns(table)}
+                    for name in columns:
+                        if name not in present:
+                            kind = tables[table].c[name].type.compile(dialect=self.engine.dialect)
+                            session.execute(text(f"ALTER TABLE {table} ADD COLUMN {name} {kind}"))
+                reached += 1
+            connection = session.connection()
+            Base.metadata.create_all(connection)  # tables added since (existing ones are kept)
+            for table in Base.metadata.sorted_tables:
+                for index in table.indexes:
+                    index.create(connection, checkfirst=True)
+            session.get(SchemaInfo, "schema_version").value = str(reached)
+            return reached
+
         try:
-            with self._sessions.begin() as session:
-                while version in UPGRADES:
-                    for table, columns in UPGRADES[version].items():
-                        present = {c["name"] for c in inspect(session.connection()).get_columns(table)}
-                        for name in columns:
-                            if name not in present:
-                                kind = tables[table].c[name].type.compile(dialect=self.engine.dialect)
-                                session.execute(text(f"ALTER TABLE {table} ADD COLUMN {name} {kind}"))
-                    version += 1
-                session.get(SchemaInfo, "schema_version").value = str(version)
+            version = self._transact(upgrade)
         except SQLAlchemyError as exc:
             raise ResultsDBError(
                 f"results DB {self.location!r} has schema version {version} and could not be upgraded to "
-                f"{SCHEMA_VERSION} ({_first_line(exc)}); make it writable, or export its tables and import "
+                f"{SCHEMA_VERSION} ({first_line(exc)}); make it writable, or export its tables and import "
                 "them into a new DB"
             ) from exc
         return str(version)
@@ -152,44 +253,133 @@ class ResultsDB:
         self.close()
 
     # ---- runs ---------------------------------------------------------------------------------
+    # ---- transactions -------------------------------------------------------------------------
+    def _transact(self, work):
+        """`work(session)` in one write transaction, run again (from the start) when the database
+        reports a transient conflict; what `work` returns."""
+        for attempt in range(WRITE_ATTEMPTS):
+            try:
+                with self._write_sessions.begin() as session:
+                    return work(session)
+            except DBAPIError as exc:
+                if attempt == WRITE_ATTEMPTS - 1 or not _transient(exc):
+                    raise
+            time.sleep(random.uniform(0.01, 0.03) * 2**attempt)
+        raise AssertionError("unreachable")
+
+    @contextmanager
+    def locked(self, name: str):
+        """Hold the lock named `name` (a study, or a job's runs) for the body, which gets a
+        LockedStudy: reads and writes inside one transaction that no other holder of the lock can
+        interleave with, on one host or many. The lock is the transaction's: a worker that dies
+        holding it releases it with its connection."""
+        self._ensure_lock_row(name)
+        for attempt in range(WRITE_ATTEMPTS):
+            session = self._write_sessions()
+            try:
+                session.begin()
+                session.execute(update(Lock).where(Lock.name == name).values(updated_at=now()))
+                break
+            except DBAPIError as exc:
+                session.close()
+                if attempt == WRITE_ATTEMPTS - 1 or not _transient(exc):
+                    raise
+            time.sleep(random.uniform(0.01, 0.03) * 2**attempt)
+        try:
+            yield LockedStudy(session, name)
+            session.commit()
+        except BaseException:
+            session.rollback()
+            raise
+        finally:
+            session.close()
+
+    def _ensure_lock_row(self, name: str) -> None:
+        with self._sessions() as session:
+            if session.get(Lock, name) is not None:
+                return
+        try:
+            self._transact(lambda session: session.add(Lock(name=name, updated_at=now())))
+        except IntegrityError:
+            pass  # another worker made it first
+
+    # ---- runs ---------------------------------------------------------------------------------
     def start_run(self, **fields) -> int:
-        with self._sessions.begin() as session:
+        def work(session: Session) -> int:
             run = Run(status="running", started_at=now(), details={}, **fields)
             session.add(run)
             session.flush()
             return run.id
 
+        return self._transact(work)
+
+    def open_run(self, *, resume: bool, study_prefix, **fields) -> tuple[int, str, bool]:
+        """Start a run of a job, or with `resume` continue (join) its latest run of the same kernel
+        code and target: (run id, study prefix, whether an earlier run was continued). Serialised
+        per job, so that hosts starting together with --resume join one run. `study_prefix(run_id)`
+        names the run's studies."""
+        key = (fields["job_name"], fields["kernel"], fields["kernel_hash"], fields["target"])
+        with self.locked("job:" + "/".join(key)) as lock:
+            session = lock.session
+            previous = _latest_run(session, *key) if resume else None
+            if previous is not None:
+                previous.status, previous.ended_at = "running", None
+                return previous.id, previous.study_prefix, True
+            run = Run(status="running", started_at=now(), details={}, study_prefix="pending", **fields)
+            session.add(run)
+            session.flush()
+            run.study_prefix = study_prefix(run.id)
+            return run.id, run.study_prefix, False
+
     def resume_run(self, run_id: int) -> None:
-        with self._sessions.begin() as session:
+        def work(session: Session) -> None:
             run = session.get(Run, run_id)
             run.status, run.ended_at = "running", None
 
+        self._transact(work)
+
     def set_study_prefix(self, run_id: int, prefix: str) -> None:
-        with self._sessions.begin() as session:
+        def work(session: Session) -> None:
             session.get(Run, run_id).study_prefix = prefix
 
+        self._transact(work)
+
     def finish_run(self, run_id: int, status: str) -> None:
-        with self._sessions.begin() as session:
+        def work(session: Session) -> None:
             run = session.get(Run, run_id)
             run.status, run.ended_at = status, now()
 
+        self._transact(work)
+
+    def fill_run(self, run_id: int, fields: dict) -> None:
+        """Set the run's fields that are still empty (a worker telling what GPU the run measures on)."""
+        def work(session: Session) -> None:
+            run = session.get(Run, run_id, with_for_update=True)
+            for key, value in fields.items():
+                if getattr(run, key) is None and value is not None:
+                    setattr(run, key, value)
+
+        self._transact(work)
+
     def add_clocks(self, run_id: int, sample: dict) -> None:
-        """Record clocks the GPU was seen running at during the run."""
-        with self._sessions.begin() as session:
-            run = session.get(Run, run_id)
+        """Record clocks the GPU was seen running at during the run (workers of several GPUs add to
+        the same run: the row is locked while it is changed)."""
+        def work(session: Session) -> None:
+            run = session.get(Run, run_id, with_for_update=True)
             clocks = dict(run.clocks or {})
             clocks["seen"] = list(clocks.get("seen", [])) + [sample]
             run.clocks = clocks
 
+        self._transact(work)
+
     def latest_run(self, job_name: str, kernel: str, kernel_hash: str, target: str) -> dict | None:
         with self._sessions() as session:
-            run = session.scalars(
-                select(Run)
-                .where(Run.job_name == job_name, Run.kernel == kernel, Run.kernel_hash == kernel_hash,
-                       Run.target == target)
-                .order_by(Run.id.desc())
-                .limit(1)
-            ).first()
+            run = _latest_run(session, job_name, kernel, kernel_hash, target)
+            return _columns(run) if run else None
+
+    def run(self, run_id: int) -> dict | None:
+        with self._sessions() as session:
+            run = session.get(Run, run_id)
             return _columns(run) if run else None
 
     def runs(self) -> list[dict]:
@@ -201,13 +391,18 @@ class ResultsDB:
                   kernel_hash: str, target: str, problem, config: dict, measurement, source: str,
                   provenance: dict, offer_best: bool = True) -> int:
         """Store one trial and, when it is the best ok measurement of its problem (and `offer_best`),
-        the best config, in one transaction: a kill between the two cannot leave them disagreeing."""
-        with self._sessions.begin() as session:
-            trial = self._new_trial(session, run_id, study_name, optuna_number, kernel, kernel_hash, target,
-                                    problem, config, measurement, source)
-            if measurement.status == "ok" and offer_best:
-                _offer_best(session, _trial_entry(trial, measurement, provenance), trial_id=trial.id)
-            return trial.id
+        the best config, in one transaction: a kill between the two cannot leave them disagreeing.
+        DuplicateTrial when the study already stores a search trial of this config."""
+        def work(session: Session) -> int:
+            return _add_trial(session, run_id, study_name, optuna_number, kernel, kernel_hash, target, problem,
+                              config, measurement, source, provenance, offer_best)
+
+        try:
+            return self._transact(work)
+        except IntegrityError as exc:
+            if _is_duplicate_trial(exc):
+                raise DuplicateTrial(f"{study_name} already stores a trial of {config_key(config)}") from exc
+            raise
 
     def confirm_best(self, *, run_id: int, study_name: str, kernel: str, kernel_hash: str, target: str,
                      problem, confirmed: list[tuple[dict, object]], provenance: dict) -> int | None:
@@ -215,15 +410,15 @@ class ResultsDB:
         pairs) as trials of source `confirm`, and offer the fastest ok one as the best config, in
         one transaction. Only a trial that is ok can be confirmed. Returns the stored best's trial id,
         or None when nothing became best."""
-        with self._sessions.begin() as session:
+        def work(session: Session) -> int | None:
             stored = []
             for trial, measurement in confirmed:
                 original = session.get(Trial, trial["id"])
                 if original is None or original.status != "ok" or original.study_name != study_name:
                     raise ResultsDBError(f"trial {trial['id']} is not an ok trial of {study_name}: it cannot be "
                                          "confirmed as best")
-                row = self._new_trial(session, run_id, study_name, None, kernel, kernel_hash, target, problem,
-                                      original.config, measurement, CONFIRM_SOURCE)
+                row = _new_trial(session, run_id, study_name, None, kernel, kernel_hash, target, problem,
+                                 original.config, measurement, CONFIRM_SOURCE)
                 row.details = {**row.details, "confirms_trial": original.id}
                 stored.append((row, measurement))
             session.flush()
@@ -234,6 +429,8 @@ class ResultsDB:
                 if not _was_wrong(session, _trial_entry(row, measurement, provenance)):
                     return None  # a faster best is already stored
             return None
+
+        return self._transact(work)
 
     def confirmed(self, study_name: str) -> bool:
         """Whether the study's latest search trial is followed by a confirmation."""
@@ -261,51 +458,32 @@ class ResultsDB:
                     break
             return picked
 
-    @staticmethod
-    def _new_trial(session: Session, run_id, study_name, optuna_number, kernel, kernel_hash, target, problem,
-                   config, measurement, source) -> Trial:
-        trial = Trial(
-            run_id=run_id, study_name=study_name, optuna_number=optuna_number, kernel=kernel,
-            kernel_hash=kernel_hash, target=target, problem_key=problem.key(),
-            bucket_key=problem.bucket().key(), problem=problem.to_dict(), config=dict(config),
-            config_key=config_key(config), source=source, status=measurement.status,
-            reason=measurement.reason, time_ms=measurement.time_ms, spread_ms=measurement.spread_ms,
-            tflops=measurement.tflops, max_error=measurement.max_error,
-            compile_s=measurement.compile_s, is_estimate=measurement.is_estimate,
-            details=dict(measurement.details), created_at=now(),
-        )
-        session.add(trial)
-        session.flush()
-        return trial
-
     def trial_by_number(self, study_name: str, optuna_number: int) -> dict | None:
         with self._sessions() as session:
-            row = session.scalars(
-                select(Trial).where(Trial.study_name == study_name, Trial.optuna_number == optuna_number)
-            ).first()
-            return _columns(row) if row else None
+            return _trial_by_number(session, study_name, optuna_number)
 
     def trial_by_config(self, study_name: str, config: dict) -> dict | None:
         """The earlier trial of this study with the same config (the search never measures twice)."""
         with self._sessions() as session:
-            row = session.scalars(
-                select(Trial)
-                .where(Trial.study_name == study_name, Trial.config_key == config_key(config))
-                .order_by(Trial.id)
-            ).first()
-            return _columns(row) if row else None
+            return _trial_by_config(session, study_name, config)
 
     def count_trials(self, study_name: str, measured_only: bool = True, status: str | None = None) -> int:
         """Search trials of a study (confirmations not counted): all, those measured (not pruned as
         infeasible), or those of one status."""
-        query = select(func.count()).select_from(Trial).where(Trial.study_name == study_name,
-                                                                 Trial.source != CONFIRM_SOURCE)
-        if measured_only:
-            query = query.where(Trial.status != "pruned")
-        if status is not None:
-            query = query.where(Trial.status == status)
         with self._sessions() as session:
-            return int(session.scalar(query))
+            return _count_trials(session, study_name, measured_only, status)
+
+    def study_counts(self, study_name: str) -> dict:
+        """A study's search trials by status in one query: {"ok": n, "pruned": n, ...}."""
+        with self._sessions() as session:
+            rows = session.execute(select(Trial.status, func.count()).where(
+                Trial.study_name == study_name, Trial.source != CONFIRM_SOURCE).group_by(Trial.status))
+            return {status: int(count) for status, count in rows}
+
+    def stored_among(self, study_name: str, numbers) -> set[int]:
+        """Which of these Optuna trial numbers the study has stored."""
+        with self._sessions() as session:
+            return _stored_among(session, study_name, numbers)
 
     def trials(self, *, study_name: str | None = None, problem_key: str | None = None,
                kernel: str | None = None, target: str | None = None, run_id: int | None = None) -> list[dict]:
@@ -331,8 +509,8 @@ class ResultsDB:
 
     def merge_best(self, entries: list[BestEntry]) -> MergeReport:
         """Merge entries (an imported table) in one transaction; the better of two wins."""
-        added, replaced, kept, conflicts = [], [], [], []
-        with self._sessions.begin() as session:
+        def work(session: Session) -> MergeReport:
+            added, replaced, kept, conflicts = [], [], [], []
             for entry in entries:
                 row = _find_best(session, entry)
                 existing = _best_entry(row) if row is not None else None  # before the row changes
@@ -352,7 +530,9 @@ class ResultsDB:
                         f"{entry.problem_key} on {entry.target}: database {existing.time_ms:.4g} ms "
                         f"{existing.config} vs table {entry.time_ms:.4g} ms {entry.config}; the {winner} wins"
                     )
-        return MergeReport(added, replaced, kept, conflicts)
+            return MergeReport(added, replaced, kept, conflicts)
+
+        return self._transact(work)
 
     # ---- state --------------------------------------------------------------------------------
     def counts(self) -> dict:
@@ -364,7 +544,7 @@ class ResultsDB:
 
 
 # ---- helpers ------------------------------------------------------------------------------------
-def _check_sqlite_file(path: Path, location: str, create: bool) -> None:
+def _check_sqlite_file(path: Path, location: str, create: bool, make_parent: bool = True) -> None:
     if path.is_dir():
         raise ResultsDBError(f"results DB path {location!r} is a directory; give a file path")
     if path.exists():
@@ -380,22 +560,22 @@ def _check_sqlite_file(path: Path, location: str, create: bool) -> None:
         return
     if not create:
         raise ResultsDBError(f"no results DB at {location!r}: run `fa4tune search` first, or give --db")
-    parent = path.parent if str(path.parent) else Path(".")
-    existing = parent
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+    blocked = unwritable_ancestor(path)
+    if blocked is not None:
         raise ResultsDBError(
-            f"cannot create results DB {location!r}: {existing} is not a writable directory; give "
+            f"cannot create results DB {location!r}: {blocked} is not a writable directory; give "
             "another path with --db or FA4TUNE_DB"
         )
-    parent.mkdir(parents=True, exist_ok=True)
+    if make_parent:
+        path.parent.mkdir(parents=True, exist_ok=True)
 
 
-def _sqlite_pragmas(dbapi_connection, _record) -> None:
+def _sqlite_connect(dbapi_connection, _record) -> None:
+    # fa4tune begins its transactions itself (_sqlite_begin), not the sqlite3 module.
+    dbapi_connection.isolation_level = None
     cursor = dbapi_connection.cursor()
-    # WAL lets readers (show, lookup) run while a search writes; the busy timeout rides out the short
-    # write locks of concurrent workers instead of failing with "database is locked".
+    # WAL lets readers (show, lookup, other workers) run while a search writes; the busy timeout
+    # rides out the short write locks of concurrent workers instead of failing with "database is locked".
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA busy_timeout=60000")
     cursor.execute("PRAGMA foreign_keys=ON")
@@ -403,12 +583,144 @@ def _sqlite_pragmas(dbapi_connection, _record) -> None:
     cursor.close()
 
 
+def _sqlite_begin(connection) -> None:
+    """A write transaction takes SQLite's write lock when it begins (IMMEDIATE), waiting for it under
+    the busy timeout. A deferred one that read first and then wrote could not wait: SQLite fails it
+    at once with "database is locked" when another worker committed in between."""
+    write = connection.get_execution_options().get(WRITE_OPTION)
+    connection.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+
+
+def _transient(exc: DBAPIError) -> bool:
+    """A conflict that running the transaction again resolves."""
+    message = str(exc.orig)
+    if isinstance(exc, IntegrityError):  # two workers inserted the same problem's first best config
+        return "uq_best_problem" in message or "UNIQUE constraint failed: best_configs." in message
+    code = getattr(exc.orig, "sqlstate", None) or getattr(exc.orig, "pgcode", None)
+    return code in POSTGRES_TRANSIENT or "database is locked" in message or "database is busy" in message
+
+
+def _is_duplicate_trial(exc: IntegrityError) -> bool:
+    message = str(exc.orig)  # PostgreSQL names the index, SQLite its columns
+    return ("uq_trials_study_config" in message
+            or "UNIQUE constraint failed: trials.study_name, trials.config_key" in message)
+
+
+def _create_schema(session: Session) -> None:
+    connection = session.connection()
+    if inspect(connection).has_table("fa4tune_schema"):
+        return  # another process made it while this one waited for the write lock
+    Base.metadata.create_all(connection)
+    session.add(SchemaInfo(key="schema_version", value=str(SCHEMA_VERSION)))
+
+
+def _latest_run(session: Session, job_name: str, kernel: str, kernel_hash: str, target: str) -> Run | None:
+    return session.scalars(
+        select(Run)
+        .where(Run.job_name == job_name, Run.kernel == kernel, Run.kernel_hash == kernel_hash, Run.target == target)
+        .order_by(Run.id.desc())
+        .limit(1)
+    ).first()
+
+
+def _trial_by_number(session: Session, study_name: str, optuna_number: int) -> dict | None:
+    row = session.scalars(
+        select(Trial).where(Trial.study_name == study_name, Trial.optuna_number == optuna_number)
+    ).first()
+    return _columns(row) if row else None
+
+
+def _trial_by_config(session: Session, study_name: str, config: dict) -> dict | None:
+    row = session.scalars(
+        select(Trial).where(Trial.study_name == study_name, Trial.config_key == config_key(config)).order_by(Trial.id)
+    ).first()
+    return _columns(row) if row else None
+
+
+def _count_trials(session: Session, study_name: str, measured_only: bool, status: str | None) -> int:
+    query = select(func.count()).select_from(Trial).where(Trial.study_name == study_name,
+                                                             Trial.source != CONFIRM_SOURCE)
+    if measured_only:
+        query = query.where(Trial.status != "pruned")
+    if status is not None:
+        query = query.where(Trial.status == status)
+    return int(session.scalar(query))
+
+
+def _stored_among(session: Session, study_name: str, numbers) -> set[int]:
+    numbers = list(numbers)
+    if not numbers:
+        return set()
+    return set(session.scalars(select(Trial.optuna_number).where(
+        Trial.study_name == study_name, Trial.source != CONFIRM_SOURCE, Trial.optuna_number.in_(numbers))))
+
+
+def _new_trial(session: Session, run_id, study_name, optuna_number, kernel, kernel_hash, target, problem,
+               config, measurement, source) -> Trial:
+    trial = Trial(
+        run_id=run_id, study_name=study_name, optuna_number=optuna_number, kernel=kernel,
+        kernel_hash=kernel_hash, target=target, problem_key=problem.key(),
+        bucket_key=problem.bucket().key(), problem=problem.to_dict(), config=dict(config),
+        config_key=config_key(config), source=source, status=measurement.status,
+        reason=measurement.reason, time_ms=measurement.time_ms, spread_ms=measurement.spread_ms,
+        tflops=measurement.tflops, max_error=measurement.max_error,
+        compile_s=measurement.compile_s, is_estimate=measurement.is_estimate,
+        details=dict(measurement.details), created_at=now(),
+    )
+    session.add(trial)
+    session.flush()
+    return trial
+
+
+def _add_trial(session: Session, run_id, study_name, optuna_number, kernel, kernel_hash, target, problem, config,
+               measurement, source, provenance, offer_best) -> int:
+    trial = _new_trial(session, run_id, study_name, optuna_number, kernel, kernel_hash, target, problem, config,
+                       measurement, source)
+    if measurement.status == "ok" and offer_best:
+        _offer_best(session, _trial_entry(trial, measurement, provenance), trial_id=trial.id)
+    return trial.id
+
+
+class LockedStudy:
+    """Inside ResultsDB.locked: the study's stored trials read, and written, in the lock's transaction."""
+
+    def __init__(self, session: Session, name: str) -> None:
+        self.session = session
+        self.name = name
+
+    def stored(self, config: dict) -> dict | None:
+        return _trial_by_config(self.session, self.name, config)
+
+    def stored_number(self, optuna_number: int) -> dict | None:
+        return _trial_by_number(self.session, self.name, optuna_number)
+
+    def stored_among(self, numbers) -> set[int]:
+        return _stored_among(self.session, self.name, numbers)
+
+    def measured(self) -> int:
+        return _count_trials(self.session, self.name, True, None)
+
+    def add_trial(self, *, run_id, optuna_number, kernel, kernel_hash, target, problem, config, measurement,
+                  source, provenance, offer_best=True) -> int:
+        return _add_trial(self.session, run_id, self.name, optuna_number, kernel, kernel_hash, target, problem,
+                          config, measurement, source, provenance, offer_best)
+
+    def confirming(self) -> str | None:
+        """The worker that claimed the study's confirmation, if any."""
+        return self.session.get(Lock, self.name).confirming
+
+    def set_confirming(self, worker: str | None) -> None:
+        self.session.get(Lock, self.name).confirming = worker
+
+
 def _find_best(session: Session, entry: BestEntry) -> BestConfig | None:
+    """The stored best of the entry's problem, locked until the transaction ends (PostgreSQL: another
+    worker's offer waits, then compares with what this one stored)."""
     return session.scalars(
         select(BestConfig).where(
             BestConfig.kernel == entry.kernel, BestConfig.kernel_hash == entry.kernel_hash,
             BestConfig.target == entry.target, BestConfig.problem_key == entry.problem_key,
-        )
+        ).with_for_update()
     ).first()
 
 
@@ -463,10 +775,10 @@ def _columns(row) -> dict:
     return {c.key: getattr(row, c.key) for c in inspect(row).mapper.column_attrs}
 
 
-def _first_line(exc: Exception) -> str:
-    if isinstance(exc, DBAPIError) and exc.orig is not None:
-        return str(exc.orig).splitlines()[0]
-    return str(exc).splitlines()[0]
+def first_line(exc: Exception) -> str:
+    """The first line of an error's message (a driver's own, under SQLAlchemy's wrapping)."""
+    text = str(exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _fa4tune_version() -> str:

@@ -75,9 +75,15 @@ class GpuOptions:
     def workers(self) -> int:
         if self.compile_workers != "auto":
             return int(self.compile_workers)
-        cpus = os.cpu_count() or 1
-        # Below 4 CPUs the compile workers would steal the measuring worker's CPU.
-        return 0 if cpus < 4 else min(8, cpus - 2)
+        return self.auto_compile_workers()
+
+    @staticmethod
+    def auto_compile_workers(search_workers: int = 1) -> int:
+        """min(8, CPUs - 2) compile workers for one search worker; with several on the host (one per
+        GPU), each gets its share of the CPUs left after their own two (search and measuring worker)."""
+        spare = (os.cpu_count() or 1) - 2 * search_workers
+        # Below 2 spare CPUs per search worker the compile workers would steal the measuring worker's CPU.
+        return 0 if spare < 2 * search_workers else min(8, spare // search_workers)
 
     def kernel_cache(self) -> Path:
         if self.cache_dir:

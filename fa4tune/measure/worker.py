@@ -270,7 +270,7 @@ class Channel:
         return message[1]
 
 
-def _exit_with_parent() -> None:
+def exit_with_parent() -> None:
     """Leave when the parent dies: a SIGKILLed search must not leave a hung worker behind."""
     parent = multiprocessing.parent_process()
     if parent is None:
@@ -289,7 +289,7 @@ def _worker_main(conn: Connection, module_name: str, env: dict) -> None:
     os.environ.update(env)
     # Ctrl-C reaches the whole process group; the parent decides what stops, and stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _exit_with_parent()
+    exit_with_parent()
     state: dict = {}
     try:
         module = importlib.import_module(module_name)
