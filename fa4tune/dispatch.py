@@ -24,6 +24,7 @@ import math
 import struct
 import threading
 
+from .kernels.interface import UnsupportedInput, check_device, problem_of  # noqa: F401  (part of this API)
 from .problem import Problem
 
 MAX_PREPARED = 4096  # prepared launches kept; beyond it the cache starts over (shapes that never repeat)
@@ -34,10 +35,6 @@ _PREPARE_LOCK = threading.Lock()
 # of every mode but the last (which is 1). Four 4-D tensors (q, k, v, out) and the 3-D LSE.
 DESCRIPTOR_4D = struct.Struct("<Q4i3q")
 DESCRIPTOR_3D = struct.Struct("<Q3i4x2q")
-
-
-class UnsupportedInput(ValueError):
-    """An input fa4tune.attention cannot take; the message names what and what it takes."""
 
 
 def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None):
@@ -71,55 +68,6 @@ def clear() -> None:
 
 
 # ---- validation -------------------------------------------------------------------------------------
-def problem_of(q, k, v, causal) -> Problem:
-    """The Problem of three tensors, or UnsupportedInput naming what is not supported. Checks all
-    but the device, so that it runs on CPU and meta tensors too."""
-    import torch
-
-    from .kernels.config import SUPPORTED_HEAD_DIMS
-
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise UnsupportedInput(f"fa4tune.attention takes torch tensors; {name} is a {type(t).__name__}")
-        if t.dim() != 4:
-            raise UnsupportedInput(f"fa4tune.attention takes 4-D tensors (batch, seqlen, heads, head_dim); "
-                                   f"{name} has shape {tuple(t.shape)}")
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        raise UnsupportedInput(f"fa4tune.attention takes bfloat16 or float16 tensors; q is {q.dtype} "
-                               "(convert with q.to(torch.bfloat16))")
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise UnsupportedInput(f"q, k and v must have one dtype; q is {q.dtype}, {name} is {t.dtype}")
-    for name, dim in (("head_dim of q and k", q.shape[3]), ("head_dim of v", v.shape[3])):
-        if dim not in SUPPORTED_HEAD_DIMS:
-            raise UnsupportedInput(f"{name} is {dim}; the kernel supports head dims "
-                                   f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
-    if k.shape[3] != q.shape[3]:
-        raise UnsupportedInput(f"q and k must have the same head_dim; q is {tuple(q.shape)}, k is {tuple(k.shape)}")
-    if k.shape[:3] != v.shape[:3]:
-        raise UnsupportedInput(f"k and v must agree in batch, seqlen and heads; k is {tuple(k.shape)}, "
-                               f"v is {tuple(v.shape)}")
-    if k.shape[0] != q.shape[0]:
-        raise UnsupportedInput(f"q and k must have the same batch size; q is {tuple(q.shape)}, k is {tuple(k.shape)}")
-    if q.shape[2] % k.shape[2]:
-        raise UnsupportedInput(f"the heads of q ({q.shape[2]}) must be a multiple of the heads of k and v "
-                               f"({k.shape[2]}) (grouped-query attention)")
-    if 0 in q.shape or 0 in k.shape:
-        raise UnsupportedInput(f"empty tensors are not supported: q {tuple(q.shape)}, k {tuple(k.shape)}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.stride(-1) != 1:
-            raise UnsupportedInput(f"{name} must be contiguous in its last dimension (head_dim); its strides are "
-                                   f"{t.stride()} (use {name}.contiguous())")
-        if any(s % 8 for s in t.stride()[:-1]):
-            raise UnsupportedInput(f"{name}'s strides {t.stride()} must be multiples of 8 elements (16 bytes, "
-                                   "for the TMA); use .contiguous()")
-    if not isinstance(causal, bool):
-        raise UnsupportedInput(f"causal must be True or False, got {causal!r}")
-    return Problem(dtype=str(q.dtype), head_dim=q.shape[3], head_dim_v=v.shape[3], causal=causal,
-                   seqlen_q=q.shape[1], seqlen_k=k.shape[1], batch=q.shape[0], nheads_q=q.shape[2],
-                   nheads_kv=k.shape[2])
-
-
 def _device_target(device):
     """The Target of a CUDA device, or UnsupportedInput when the kernel cannot run on it."""
     import torch
@@ -141,11 +89,7 @@ def _prepare(key, q, k, v, causal, softmax_scale) -> "_Launch":
     if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale)
                                           and softmax_scale > 0):
         raise UnsupportedInput(f"softmax_scale must be a positive finite number or None, got {softmax_scale!r}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not t.is_cuda:
-            raise UnsupportedInput(f"fa4tune.attention needs CUDA tensors; {name} is on {t.device}")
-        if t.device != q.device:
-            raise UnsupportedInput(f"q, k and v must be on one device; q is on {q.device}, {name} on {t.device}")
+    check_device(q, k, v)
     target = _device_target(q.device)
     from .kernels.interface import compile_forward
     from .runtime import lookup

@@ -149,32 +149,69 @@ def heads_per_l2_group(problem: Problem, target: Target) -> int:
     return max(1, min(group, problem.batch * problem.nheads_q))
 
 
-def problem_of(q, k, v, causal: bool) -> Problem:
-    return Problem(
-        dtype=str(q.dtype), head_dim=q.shape[3], head_dim_v=v.shape[3], causal=bool(causal),
-        seqlen_q=q.shape[1], seqlen_k=k.shape[1], batch=q.shape[0], nheads_q=q.shape[2],
-        nheads_kv=k.shape[2],
-    )
+class UnsupportedInput(ValueError):
+    """An input fa4tune.attention cannot take; the message names what and what it takes."""
 
 
-def _check_inputs(q, k, v, problem: Problem) -> None:
+def problem_of(q, k, v, causal) -> Problem:
+    """The Problem of three tensors, or UnsupportedInput naming what is not supported. Checks all
+    but the device, so that it runs on CPU and meta tensors too (fa4tune.attention and
+    attention_forward both validate their inputs here)."""
     import torch
 
+    from .config import SUPPORTED_HEAD_DIMS
+
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise UnsupportedInput(f"attention takes torch tensors; {name} is a {type(t).__name__}")
+        if t.dim() != 4:
+            raise UnsupportedInput(f"attention takes 4-D tensors (batch, seqlen, heads, head_dim); "
+                                   f"{name} has shape {tuple(t.shape)}")
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise UnsupportedInput(f"attention takes bfloat16 or float16 tensors; q is {q.dtype} "
+                               "(convert with q.to(torch.bfloat16))")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise UnsupportedInput(f"q, k and v must have one dtype; q is {q.dtype}, {name} is {t.dtype}")
+    for name, dim in (("head_dim of q and k", q.shape[3]), ("head_dim of v", v.shape[3])):
+        if dim not in SUPPORTED_HEAD_DIMS:
+            raise UnsupportedInput(f"{name} is {dim}; the kernel supports head dims "
+                                   f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
+    if k.shape[3] != q.shape[3]:
+        raise UnsupportedInput(f"q and k must have the same head_dim; q is {tuple(q.shape)}, k is {tuple(k.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise UnsupportedInput(f"k and v must agree in batch, seqlen and heads; k is {tuple(k.shape)}, "
+                               f"v is {tuple(v.shape)}")
+    if k.shape[0] != q.shape[0]:
+        raise UnsupportedInput(f"q and k must have the same batch size; q is {tuple(q.shape)}, k is {tuple(k.shape)}")
+    if q.shape[2] % k.shape[2]:
+        raise UnsupportedInput(f"the heads of q ({q.shape[2]}) must be a multiple of the heads of k and v "
+                               f"({k.shape[2]}) (grouped-query attention)")
+    if 0 in q.shape or 0 in k.shape:
+        raise UnsupportedInput(f"empty tensors are not supported: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise UnsupportedInput(f"{name} must be contiguous in its last dimension (head_dim); its strides are "
+                                   f"{t.stride()} (use {name}.contiguous())")
+        if any(s % 8 for s in t.stride()[:-1]):
+            raise UnsupportedInput(f"{name}'s strides {t.stride()} must be multiples of 8 elements (16 bytes, "
+                                   "for the TMA); use .contiguous()")
+    if not isinstance(causal, bool):
+        raise UnsupportedInput(f"causal must be True or False, got {causal!r}")
+    return Problem(dtype=str(q.dtype), head_dim=q.shape[3], head_dim_v=v.shape[3], causal=causal,
+                   seqlen_q=q.shape[1], seqlen_k=k.shape[1], batch=q.shape[0], nheads_q=q.shape[2],
+                   nheads_kv=k.shape[2])
+
+
+def check_device(q, k, v) -> None:
+    """CUDA tensors on one device, each starting 16-byte aligned (TMA), or UnsupportedInput."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not t.is_cuda:
-            raise ValueError(f"{name} must be a CUDA tensor, got one on {t.device}")
-        if t.dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError(f"{name} must be bfloat16 or float16, got {t.dtype}")
-        if t.dtype != q.dtype:
-            raise ValueError(f"q, k and v must share a dtype: q is {q.dtype}, {name} is {t.dtype}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}")
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride(-1)})")
-        if any(s % 8 for s in t.stride()[:-1]) or t.data_ptr() % 16:
-            raise ValueError(f"{name} needs 16-byte aligned rows for TMA (strides {t.stride()})")
-    if k.shape[:3] != v.shape[:3] or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
-        raise ValueError(f"incompatible shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+            raise UnsupportedInput(f"attention needs CUDA tensors; {name} is on {t.device}")
+        if t.device != q.device:
+            raise UnsupportedInput(f"q, k and v must be on one device; q is on {q.device}, {name} on {t.device}")
+        if t.data_ptr() % 16:
+            raise UnsupportedInput(f"{name} must start at a 16-byte aligned address (for the TMA)")
 
 
 def attention_forward(q, k, v, config: FwdConfig, causal: bool = False, softmax_scale: float | None = None,
@@ -188,9 +225,9 @@ def attention_forward(q, k, v, config: FwdConfig, causal: bool = False, softmax_
 
     target = get_target(target)
     problem = problem_of(q, k, v, causal)
+    check_device(q, k, v)
     compiled = compile_forward(config, problem.dtype, problem.head_dim, problem.head_dim_v, causal, target)
     batch, seqlen_q, nheads_q, _ = q.shape
-    _check_inputs(q, k, v, problem)
     if out is None:
         out = torch.empty((batch, seqlen_q, nheads_q, problem.head_dim_v), dtype=q.dtype, device=q.device)
     if lse is None:
