@@ -4,26 +4,42 @@
     python benchmarks/attention.py [--json out.json] [--hdims 64,128] [--seqlens 1024,4096,16384]
 
 Grid: 16k tokens per batch, hidden 2048 (nheads = 2048 / head_dim), bf16, causal and not.
-FLOPs = 4·b·h·s_q·s_k·d, halved for causal. Every column is checked against the fp32 reference on a
-small slice before it is timed; a column that fails shows 'wrong'.
+FLOPs = 4·b·h·s_q·s_k·d, halved for causal. Every column is checked against the fp32 reference on slices
+(fa4tune.measure.verify, LSE too for fa4tune) before it is timed; a column that fails shows 'wrong'.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def grid(hdims, seqlens, tokens=16384, hidden=2048):
+TOKENS, HIDDEN = 16384, 2048
+
+
+def grid_problem(head_dim: int, seqlen: int, causal: bool):
+    """The DESIGN.md benchmark shape: 16k tokens per batch, hidden 2048, bf16, self-attention."""
+    from fa4tune.problem import Problem
+
+    return Problem(head_dim=head_dim, causal=causal, seqlen_q=seqlen, seqlen_k=seqlen,
+                   batch=max(1, TOKENS // seqlen), nheads_q=HIDDEN // head_dim)
+
+
+def parse_shape(spec: str):
+    """'head_dim:seqlen[:causal]' (as the other benchmark scripts take it) -> grid_problem."""
+    parts = spec.split(":")
+    return grid_problem(int(parts[0]), int(parts[1]), len(parts) > 2 and parts[2] == "causal")
+
+
+def grid(hdims, seqlens):
     for d in hdims:
         for s in seqlens:
             for causal in (False, True):
-                yield dict(head_dim=d, seqlen=s, causal=causal, batch=max(1, tokens // s), nheads=hidden // d)
+                yield grid_problem(d, s, causal)
 
 
 def main(argv=None) -> int:
@@ -41,9 +57,8 @@ def main(argv=None) -> int:
 
     from fa4tune.kernels.config import FwdConfig, default_config
     from fa4tune.kernels.interface import attention_forward, compile_forward
-    from fa4tune.kernels.reference import attention_reference
     from fa4tune.measure.timing import L2Flusher, time_cuda
-    from fa4tune.problem import Problem
+    from fa4tune.measure.verify import TOLERANCES, compare, reference_slices
 
     if not torch.cuda.is_available():
         print("benchmarks/attention.py needs an NVIDIA GPU", file=sys.stderr)
@@ -57,21 +72,20 @@ def main(argv=None) -> int:
             print(f"# flash-attn-4 not available: {type(exc).__name__}: {exc}", file=sys.stderr)
 
     rows = []
-    for g in grid([int(x) for x in args.hdims.split(",")], [int(x) for x in args.seqlens.split(",")]):
-        d, s, causal, b, h = g["head_dim"], g["seqlen"], g["causal"], g["batch"], g["nheads"]
-        p = Problem(head_dim=d, causal=causal, seqlen_q=s, seqlen_k=s, batch=b, nheads_q=h)
+    for p in grid([int(x) for x in args.hdims.split(",")], [int(x) for x in args.seqlens.split(",")]):
+        d, s, causal, b, h = p.head_dim, p.seqlen_q, p.causal, p.batch, p.nheads_q
+        g = dict(head_dim=d, seqlen=s, causal=causal, batch=b, nheads=h)
         cfg = FwdConfig.from_dict(json.loads(args.config), base=default_config(p)) if args.config else default_config(p)
         compiled = compile_forward(cfg, "bf16", d, d, causal)
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        out = torch.empty_like(q)
-        lse = torch.empty(b, h, s, device="cuda", dtype=torch.float32)
+        # Poisoned, so that an element the kernel never writes fails the check.
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((b, h, s), float("nan"), device="cuda", dtype=torch.float32)
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # SDPA wants (b, h, s, d)
 
-        def check(o):
-            # Compare one head of one batch against fp32 (the full problem would not fit the reference).
-            ref, _ = attention_reference(q[:1, :, :1], k[:1, :, :1], v[:1, :, :1], causal=causal)
-            err = ((o[:1, :, :1].float() - ref).norm() / ref.norm()).item()
-            return err
+        # The project's correctness gate: fp32 reference on slices (both ends of batch, heads, rows).
+        references = reference_slices(q, k, v, causal, None)
+        tolerance = TOLERANCES[p.dtype]
 
         runners = {"fa4tune": lambda: attention_forward(q, k, v, cfg, causal=causal, out=out, lse=lse)}
 
@@ -94,10 +108,12 @@ def main(argv=None) -> int:
                 o = out if name == "fa4tune" else (res[0] if isinstance(res, tuple) else res)
                 if name.startswith("sdpa"):
                     o = o.transpose(1, 2)
-                err = check(o)
-                row[name + "_err"] = err
-                if not math.isfinite(err) or err > 2e-2:
+                result = compare(o, lse if name == "fa4tune" else None, references)
+                row[name + "_err"] = result.out_error
+                wrong = result.verdict(tolerance)
+                if wrong:
                     row[name] = "wrong"
+                    row[name + "_detail"] = wrong
                     continue
                 timed[name] = []
             except Exception as exc:

@@ -17,18 +17,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main(argv: list[str]) -> int:
     import torch
 
+    from benchmarks.attention import parse_shape
     from fa4tune.kernels.config import default_config
     from fa4tune.kernels.interface import attention_forward
-    from fa4tune.problem import Problem
 
     try:
         from flash_attn.cute import flash_attn_func
     except Exception:
         flash_attn_func = None
     for spec in argv or ["128:1024"]:
-        parts = spec.split(":")
-        d, s, causal = int(parts[0]), int(parts[1]), len(parts) > 2 and parts[2] == "causal"
-        p = Problem(head_dim=d, causal=causal, seqlen_q=s, batch=max(1, 16384 // s), nheads_q=2048 // d)
+        p = parse_shape(spec)
+        d, s, causal = p.head_dim, p.seqlen_q, p.causal
         q, k, v = (torch.randn(p.batch, s, p.nheads_q, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         attention_forward(q, k, v, default_config(p), causal=causal)
         if flash_attn_func is not None:

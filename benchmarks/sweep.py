@@ -6,7 +6,8 @@
 A shape is head_dim:seqlen[:causal] with 16k tokens and hidden 2048 (as benchmarks/attention.py).
 Each --vary knob=v1,v2 is swept one knob at a time around the default config (not the cross
 product), so the table shows what each knob does on its own. Configs the feasibility rules refuse
-are listed with their reason, not run. Every config is checked against the fp32 reference first.
+are listed with their reason, not run. Every config is checked against the fp32 reference first
+(fa4tune.measure.verify); a wrong one is listed as such and not timed.
 """
 
 from __future__ import annotations
@@ -36,20 +37,20 @@ def main(argv=None) -> int:
 
     import torch
 
-    from fa4tune.kernels.config import KNOBS, FwdConfig, default_config, infeasible_reasons
+    from fa4tune.kernels.config import KNOBS, default_config, infeasible_reasons
     from fa4tune.kernels.interface import attention_forward, compile_forward
-    from fa4tune.kernels.reference import attention_reference
     from fa4tune.measure.timing import L2Flusher, time_cuda
-    from fa4tune.problem import Problem
+    from fa4tune.measure.verify import TOLERANCES, compare, reference_slices
     from fa4tune.target import get_target
+
+    from benchmarks.attention import parse_shape
 
     target = get_target(None)
     flusher = L2Flusher()
     results = []
     for spec in args.shape:
-        parts = spec.split(":")
-        d, s, causal = int(parts[0]), int(parts[1]), len(parts) > 2 and parts[2] == "causal"
-        p = Problem(head_dim=d, causal=causal, seqlen_q=s, batch=max(1, 16384 // s), nheads_q=2048 // d)
+        p = parse_shape(spec)
+        d, s, causal = p.head_dim, p.seqlen_q, p.causal
         base = default_config(p, target)
         configs = [base]
         for vary in args.vary:
@@ -61,7 +62,7 @@ def main(argv=None) -> int:
                 if cfg not in configs:
                     configs.append(cfg)
         q, k, v = (torch.randn(p.batch, s, p.nheads_q, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        ref, _ = attention_reference(q[:1, :, :1], k[:1, :, :1], v[:1, :, :1], causal=causal)
+        references = reference_slices(q, k, v, causal, None)
         print(f"\n## d={d} seqlen={s} causal={causal} batch={p.batch} heads={p.nheads_q}\n")
         print("| config | TFLOP/s | ms | spread | error | compile s |")
         print("|---|---|---|---|---|---|")
@@ -75,9 +76,17 @@ def main(argv=None) -> int:
                 continue
             compiled = compile_forward(cfg, "bf16", d, d, causal, target)
             out = torch.full_like(q, float("nan"))
-            fn = lambda: attention_forward(q, k, v, cfg, causal=causal, out=out)  # noqa: E731
+            lse = torch.full((p.batch, p.nheads_q, s), float("nan"), device="cuda", dtype=torch.float32)
+            fn = lambda: attention_forward(q, k, v, cfg, causal=causal, out=out, lse=lse)  # noqa: E731
             fn()
-            err = ((out[:1, :, :1].float() - ref).norm() / ref.norm()).item()
+            check = compare(out, lse, references)
+            err = check.out_error
+            wrong = check.verdict(TOLERANCES[p.dtype])
+            if wrong:
+                row.update(wrong=wrong, error=err)
+                results.append(row)
+                print(f"| {cfg.short()} | wrong | | | {wrong[:60]} | |")
+                continue
             t = time_cuda(fn, flusher=flusher)
             tflops = p.flops / (t.median_ms * 1e-3) / 1e12
             row.update(tflops=tflops, ms=t.median_ms, spread=t.spread, error=err,
