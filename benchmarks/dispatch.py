@@ -1,8 +1,8 @@
 """Host-side cost of one forward call: fa4tune's entry points against calling the compiled kernel with
 prepared arguments (and flash-attn-4 when installed). Prints microseconds per call.
 
-Measured on a tiny problem so the GPU never holds the host back: calls are issued back to back and the
-host clock is read around them (the queue is drained once at the end, outside the timed region).
+Measured on a tiny problem so the GPU never holds the host back: calls are issued in bursts of 100 and
+the host clock is read around each call (the queue is drained between bursts, outside the timed region).
 """
 
 from __future__ import annotations
@@ -14,19 +14,21 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def per_call_us(fn, calls: int = 2000) -> tuple[float, float, float]:
-    """(median, p99, max) host microseconds of one call."""
+def per_call_us(fn, calls: int = 2000, burst: int = 100) -> tuple[float, float, float]:
+    """(median, p99, max) host microseconds of one call. Calls go in bursts with the queue drained
+    between them (untimed), so that the launch queue never fills and blocks the host on the GPU."""
     import torch
 
     for _ in range(50):
         fn()
     torch.cuda.synchronize()
     samples = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e6)
-    torch.cuda.synchronize()
+    while len(samples) < calls:
+        for _ in range(burst):
+            start = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - start) * 1e6)
+        torch.cuda.synchronize()
     samples.sort()
     return samples[len(samples) // 2], samples[int(len(samples) * 0.99)], samples[-1]
 

@@ -1,5 +1,6 @@
-"""Write docs/tuning-report.md from the results DB of a GPU search: per problem the default and the
-tuned config, TFLOP/s of default, tuned, flash-attn-4 and cuDNN measured side by side (one process,
+"""Write docs/tuning-report.md: default, tuned, flash-attn-4 and cuDNN measured side by side.
+
+From the results DB of a GPU search: per problem the default and the tuned config, TFLOP/s of default, tuned, flash-attn-4 and cuDNN measured side by side (one process,
 interleaved rounds), the trials the search needed to reach its best, and its wall time.
 
     python benchmarks/tuning_report.py [--db fa4tune-results/h200-bf16.db] [--job tuning_configs/h200-bf16.yaml]
@@ -65,6 +66,23 @@ def search_story(db, problem_key: str, best) -> dict:
 
 
 # ---- measuring side by side -------------------------------------------------------------------------
+def preload(directory, config, problem, target) -> bool:
+    """Load the kernel the search exported for `config`, if it is there; False: it will be compiled."""
+    from fa4tune.kernels.interface import load_compiled
+    from fa4tune.measure.gpu import artifact_path
+
+    path = artifact_path(directory, config, problem, target)
+    if not path.exists():
+        return False
+    try:
+        load_compiled(path, config, problem.dtype, problem.head_dim, problem.head_dim_v, problem.causal, target)
+    except Exception as exc:  # noqa: BLE001 - compiling instead is slower, not wrong
+        print(f"tuning_report: could not load {path.name} ({type(exc).__name__}: {exc}); compiling instead",
+              file=sys.stderr)
+        return False
+    return True
+
+
 def runners_for(problem, default, tuned, target, q, k, v, fa4, fa4_error):
     """name -> (callable returning O, or a string saying why the column is empty)."""
     import torch
@@ -72,14 +90,20 @@ def runners_for(problem, default, tuned, target, q, k, v, fa4, fa4_error):
 
     from fa4tune.kernels.interface import attention_forward
 
-    out = torch.empty(problem.batch, problem.seqlen_q, problem.nheads_q, problem.head_dim_v, dtype=q.dtype,
-                      device=q.device)
-    lse = torch.empty(problem.batch, problem.nheads_q, problem.seqlen_q, dtype=torch.float32, device=q.device)
-
     def ours(config):
+        # Each column its own outputs, so that one cannot pass on what another wrote.
+        out = torch.empty(problem.batch, problem.seqlen_q, problem.nheads_q, problem.head_dim_v, dtype=q.dtype,
+                          device=q.device)
+        lse = torch.empty(problem.batch, problem.nheads_q, problem.seqlen_q, dtype=torch.float32, device=q.device)
+
         def run():
             attention_forward(q, k, v, config, causal=problem.causal, out=out, lse=lse, target=target)
-            return out
+            return out, lse
+
+        def poison():
+            out.fill_(float("nan"))
+            lse.fill_(float("nan"))
+        run.poison = poison
         return run
 
     runners = {"default": ours(default), "tuned": ours(tuned)}
@@ -137,9 +161,12 @@ def measure_problem(problem, default, tuned, target, fa4, fa4_error, rounds: int
             cells[name] = runner
             continue
         try:
-            o = runner()
+            if hasattr(runner, "poison"):  # fa4tune's columns: NaN first, so an unwritten element shows
+                runner.poison()
+            result = runner()
+            o, lse = result if isinstance(result, tuple) else (result, None)
             torch.cuda.synchronize()
-            wrong = compare(o, None, references).verdict(tolerance)
+            wrong = compare(o, lse, references).verdict(tolerance)
         except Exception as exc:  # a peer that cannot run this shape: say so in its column
             cells[name] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
             continue
@@ -234,7 +261,7 @@ def render(rows, header: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--db", default="fa4tune-results/h200-bf16.db")
+    ap.add_argument("--db", help="results DB (default: the job's db)")
     ap.add_argument("--job", default="tuning_configs/h200-bf16.yaml", help="the problems, in report order")
     ap.add_argument("--out", default="docs/tuning-report.md")
     ap.add_argument("--rounds", type=int, default=5)
@@ -259,6 +286,7 @@ def build(args) -> str:
     from fa4tune.errors import Fa4tuneError
     from fa4tune.job import load_job
     from fa4tune.kernels import get_kernel
+    from fa4tune.measure.gpu import GpuOptions, artifact_dir
     from fa4tune.target import detect_target
 
     if not torch.cuda.is_available():
@@ -270,6 +298,9 @@ def build(args) -> str:
         raise ReportError("--rounds must be at least 1")
     try:
         job = load_job(args.job)
+        args.db = args.db or job.db
+        if not args.db:
+            raise ReportError(f"{args.job} names no db: pass --db")
         db = ResultsDB.open(args.db, create=False)
     except Fa4tuneError as exc:
         raise ReportError(str(exc)) from None
@@ -285,6 +316,9 @@ def build(args) -> str:
     except Exception as exc:  # not installed, or it does not import here
         fa4_error = f"{type(exc).__name__}: {exc}"[:100]
     runs = [r for r in db.runs() if r["kernel_hash"] == installed and r["target"] == target.name]
+    # The search exported every kernel it measured: load those (milliseconds) instead of compiling again.
+    options = GpuOptions.parse({k: v for k, v in (job.measure or {}).items() if k == "cache_dir"})
+    artifacts = artifact_dir(options.kernel_cache(), package_version("nvidia-cutlass-dsl"), kernel)
     last = runs[-1] if runs else {}
     header = {"kernel": kernel.name, "target": target.name, "date": datetime.date.today().isoformat(),
               "gpu": torch.cuda.get_device_name(), "driver": last.get("nvidia_driver") or "?",
@@ -302,12 +336,13 @@ def build(args) -> str:
             rows.append(row)
             continue
         tuned = kernel.make_config(entry.config)
+        row["loaded"] = sum(preload(artifacts, config, problem, target) for config in {default, tuned})
         changed = {k: v for k, v in entry.config.items() if default.to_dict().get(k) != v}
         row["changed"] = " ".join(f"{k}={v}" for k, v in changed.items()) or "(default)"
         row["story"] = search_story(db, key, entry)
         row["cells"] = measure_problem(problem, default, tuned, target, fa4, fa4_error, args.rounds)
-        print(f"{key}: " + ", ".join(f"{c} {fmt_cell(row['cells'].get(c, ''))}" for c in COLUMNS), file=sys.stderr,
-              flush=True)
+        print(f"{key}: " + ", ".join(f"{c} {fmt_cell(row['cells'].get(c, ''))}" for c in COLUMNS)
+              + f" ({row['loaded']} kernels loaded from the search's exports)", file=sys.stderr, flush=True)
         rows.append(row)
     db.close()
     return render(rows, header)

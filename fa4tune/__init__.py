@@ -28,6 +28,7 @@ def __getattr__(name: str):
                 "fa4tune.attention is not part of this fa4tune version yet (no fa4tune.dispatch module); "
                 "use fa4tune.lookup for configs"
             ) from None
+        globals()["attention"] = module.attention  # later calls skip this hook
         return module.attention
     raise AttributeError(f"module 'fa4tune' has no attribute {name!r}")
 

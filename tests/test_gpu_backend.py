@@ -277,3 +277,15 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_a_failing_early_stop_verdict_measures_fully_and_keeps_the_worker(backend):
+    def broken_verdict(cheap_ms):
+        raise RuntimeError("database is locked")
+
+    first = backend.measure(PROBLEM, config(128), should_stop=broken_verdict)
+    assert first.status == "ok", first.reason
+    assert "no early-stop verdict (RuntimeError: database is locked)" in first.details["notes"][0]
+    second = backend.measure(PROBLEM, config(64), should_stop=lambda ms: None)
+    assert second.status == "ok", second.reason
+    assert second.details["pid"] == first.details["pid"] and second.details["served"] == 2

@@ -147,3 +147,14 @@ def test_kernel_exported_in_another_process_equals_a_fresh_compile(workdir):
     torch.cuda.synchronize()
     _CACHE.pop(fresh.key, None)
     assert torch.equal(out_loaded, out_fresh) and torch.equal(lse_loaded, lse_fresh)
+
+
+def test_l2_flusher_overwrites_twice_the_l2_on_the_gpu():
+    from fa4tune.measure.timing import L2Flusher
+
+    flusher = L2Flusher()
+    l2 = torch.cuda.get_device_properties(None).L2_cache_size
+    assert flusher.buffer.is_cuda and flusher.buffer.numel() * 4 >= 2 * l2
+    flusher()
+    torch.cuda.synchronize()
+    assert int(flusher.buffer[-1]) == 0x5A5A5A5A

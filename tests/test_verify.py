@@ -70,3 +70,10 @@ def test_compare_catches_nan_lse_mismatch_and_large_errors():
     shifted = lse.clone()
     shifted[-1, -1, -1] += 0.01
     assert "LSE error" in compare(out, shifted, slices).verdict(tol)
+
+
+def test_l2_flusher_refuses_host_memory():
+    from fa4tune.measure.timing import L2Flusher
+
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        L2Flusher("cpu")

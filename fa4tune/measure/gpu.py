@@ -126,7 +126,7 @@ class GpuBackend(Backend):
 
             self.pool = CompilePool(self.options.worker_module, self.lookahead, self.options.compile_timeout,
                                     env={ROLE_VARIABLE: "compile"}, start_timeout=self.options.start_timeout)
-        self._artifact_dir = self.options.kernel_cache() / f"dsl-{info.get('dsl_version')}" / kernel.source_hash()[:16]
+        self._artifact_dir = artifact_dir(self.options.kernel_cache(), info.get("dsl_version"), kernel)
 
     # ---- the Backend interface ----------------------------------------------------------------
     def measure(self, problem, config, should_stop=None) -> Measurement:
@@ -226,11 +226,7 @@ class GpuBackend(Backend):
                 "tolerance": asdict(TOLERANCES[problem.dtype])}
 
     def _artifact_path(self, problem, config: dict) -> Path:
-        from ..kernels.interface import artifact_name, compile_key
-
-        key = compile_key(self.kernel.make_config(config), problem.dtype, problem.head_dim, problem.head_dim_v,
-                          problem.causal, self.target)
-        return self._artifact_dir / f"{artifact_name(key)}.o"
+        return artifact_path(self._artifact_dir, self.kernel.make_config(config), problem, self.target)
 
     def _compile_request(self, problem, config: dict, path: Path) -> dict:
         return {"op": "compile", "problem": problem.to_dict(), "config": config, "target": self.target.name,
@@ -294,6 +290,20 @@ class GpuBackend(Backend):
         if not isinstance(time_ms, (int, float)) or not time_ms > 0:
             return Measurement(status="failed", reason=f"the worker reported no usable time ({time_ms!r})", **common)
         return Measurement.ok(problem, time_ms, spread_ms=result.get("spread", 0.0) * time_ms, **common)
+
+
+def artifact_dir(cache: Path, dsl_version: str | None, kernel) -> Path:
+    """Where the exported kernels of this kernel version and DSL version live under `cache`."""
+    return Path(cache) / f"dsl-{dsl_version}" / kernel.source_hash()[:16]
+
+
+def artifact_path(directory: Path, config, problem, target) -> Path:
+    """The object file of `config` (a FwdConfig) for `problem` in an `artifact_dir`: one per compile
+    key, so problems that differ only in sizes share it."""
+    from ..kernels.interface import artifact_name, compile_key
+
+    key = compile_key(config, problem.dtype, problem.head_dim, problem.head_dim_v, problem.causal, target)
+    return Path(directory) / f"{artifact_name(key)}.o"
 
 
 def _worker_target(info: dict, wanted):

@@ -29,6 +29,11 @@ class L2Flusher:
     def __init__(self, device=None):
         import torch
 
+        # On the GPU (the current one unless told): a buffer made with device=None would be host
+        # memory, and filling it would leave L2 as warm as it was.
+        device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        if device.type != "cuda":
+            raise ValueError(f"L2Flusher needs a CUDA device, got {device}")
         props = torch.cuda.get_device_properties(device)
         l2 = getattr(props, "L2_cache_size", 0) or 64 * 2**20
         self.buffer = torch.empty(2 * l2 // 4, dtype=torch.int32, device=device)

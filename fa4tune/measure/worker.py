@@ -156,7 +156,7 @@ class WorkerProcess:
         self.start()
         now = time.monotonic()
         self._pending = {"timeouts": dict(timeouts), "phase": FIRST_PHASE, "started": now,
-                         "phase_started": now, "phase_seconds": {}}
+                         "phase_started": now, "phase_seconds": {}, "result_notes": []}
         self._pending["deadline"] = now + self._pending["timeouts"].get(FIRST_PHASE, float("inf"))
         try:
             self._conn.send(request)
@@ -185,14 +185,24 @@ class WorkerProcess:
             pending["deadline"] = now + pending["timeouts"].get(message[1], float("inf"))
             return None
         if kind == "ask":
-            answer = on_ask(message[1]) if on_ask is not None else None
+            try:
+                answer = on_ask(message[1]) if on_ask is not None else None
+            except Exception as exc:  # noqa: BLE001 - the verdict is an optimisation; without it, no stop
+                answer = None
+                pending["result_notes"].append(f"no early-stop verdict ({type(exc).__name__}: {exc})"[:300])
+            except BaseException:
+                self.kill()  # interrupted while the child waits for the answer: it cannot be left mid-request
+                raise
             try:
                 self._conn.send(("answer", answer))
             except (OSError, EOFError, BrokenPipeError):
                 pass
             return None
         if kind == "done":
-            return self._finish(Reply(ok=True, result=message[1]), restart=False)
+            result = message[1]
+            if pending["result_notes"] and isinstance(result, dict):
+                result = {**result, "notes": pending["result_notes"]}
+            return self._finish(Reply(ok=True, result=result), restart=False)
         if kind == "error":
             _, text, device_touched = message
             return self._finish(Reply(ok=False, reason=text), restart=device_touched)
