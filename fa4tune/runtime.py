@@ -20,7 +20,9 @@ from .kernels import get_kernel
 from .problem import Problem
 from .target import DEFAULT_TARGET, get_target
 
-PACKAGE_TABLES = Path(__file__).resolve().parent.parent / "tuning_configs" / "tables"
+# The shipped tables: tuning_configs/tables, through the link fa4tune/shipped_tables (a wheel carries
+# the files themselves there).
+PACKAGE_TABLES = Path(__file__).resolve().parent / "shipped_tables"
 
 
 @dataclass(frozen=True)

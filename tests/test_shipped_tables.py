@@ -1,0 +1,48 @@
+"""The tuned tables fa4tune ships (tuning_configs/tables, reached through fa4tune/shipped_tables): every
+entry is a measured, feasible config that the lookup returns for its problem, and a wheel carries them."""
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from fa4tune.kernels import get_kernel
+from fa4tune.kernels.config import infeasible_reasons
+from fa4tune.problem import Problem
+from fa4tune.runtime import PACKAGE_TABLES, Lookup
+from fa4tune.tables import read_table
+from fa4tune.target import get_target
+
+REPO = Path(__file__).resolve().parent.parent
+TABLES = sorted(PACKAGE_TABLES.glob("*.yaml"))
+
+
+def test_the_package_reaches_the_tables_of_tuning_configs():
+    assert TABLES, f"no shipped table under {PACKAGE_TABLES}"
+    assert PACKAGE_TABLES.resolve() == (REPO / "tuning_configs" / "tables").resolve()
+
+
+@pytest.mark.parametrize("path", TABLES, ids=lambda p: p.name)
+def test_every_shipped_entry_is_measured_feasible_and_found(path):
+    table = read_table(path)
+    assert table["entries"]
+    kernel, target = get_kernel(table["kernel"]), get_target(table["target"])
+    lookup = Lookup(path)
+    for entry in table["entries"]:
+        problem, config = Problem.from_dict(entry["problem"]), kernel.make_config(entry["config"])
+        assert not entry["is_estimate"], f"{entry['problem_key']}: a cost-model estimate in a shipped table"
+        assert entry["provenance"].get("backend") == "gpu" and entry["provenance"].get("confirmed")
+        assert infeasible_reasons(problem, config, target) == []
+        found = lookup(problem, target, kernel.name)
+        assert (found.source, found.config) == ("exact", config)
+
+
+def test_a_wheel_carries_the_shipped_tables(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path)], check=True, capture_output=True, timeout=300)
+    [wheel] = tmp_path.glob("fa4tune-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for table in TABLES:
+        assert f"fa4tune/shipped_tables/{table.name}" in names
