@@ -30,6 +30,7 @@ JOB_KEYS = {
     "storage": "Optuna storage: a journal file path or an RDB URL",
     "export": "table path to export the best configs to when the search ends",
     "warm_start": "how many neighbouring tuned problems to enqueue (default 3)",
+    "probes": "how many one-knob changes of the default to enqueue after it (default 8)",
     "measure": "options of the gpu backend: compile_workers, compile_timeout, run_timeout, prune_margin, "
                "confirm_top, confirm_rounds, ...",
 }
@@ -72,6 +73,7 @@ class Job:
     storage: str | None
     export: str | None
     warm_start: int
+    probes: int = 8
     measure: dict = field(default_factory=dict)  # gpu backend options (GpuOptions), checked at load
 
 
@@ -122,6 +124,9 @@ def parse_job(data: Any, source: str = "<job>", text: str | None = None, default
     warm_start = data.get("warm_start", 3)
     if isinstance(warm_start, bool) or not isinstance(warm_start, int) or warm_start < 0:
         raise fail("warm_start", f"a non-negative integer, got {warm_start!r}")
+    probes = data.get("probes", 8)
+    if isinstance(probes, bool) or not isinstance(probes, int) or probes < 0:
+        raise fail("probes", f"a non-negative integer, got {probes!r}")
     for key in ("db", "storage", "export"):
         if data.get(key) is not None and not isinstance(data[key], str):
             raise fail(key, f"a path or URL string, got {data[key]!r}")
@@ -140,7 +145,7 @@ def parse_job(data: Any, source: str = "<job>", text: str | None = None, default
     return Job(
         name=name, path=source, text=text, kernel=kernel, target=target, backend=backend, spaces=spaces,
         problems=problems, sampler=sampler, budget=budget, seed=seed, db=data.get("db"),
-        storage=data.get("storage"), export=data.get("export"), warm_start=warm_start, measure=dict(measure),
+        storage=data.get("storage"), export=data.get("export"), warm_start=warm_start, probes=probes, measure=dict(measure),
     )
 
 

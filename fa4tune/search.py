@@ -7,7 +7,7 @@ before Optuna hears of it, so a kill loses nothing that finished and `resume` pi
 One worker or many (`workers.py`: one process per GPU, on one host or several) run the same loop,
 sharing each problem's study through Optuna's storage. What must happen once happens under the
 study's lock in the results DB (`ResultsDB.locked`), where each worker:
-  - queues the default and warm-start configs unless they are stored, queued or running already;
+  - queues the default, warm-start and probe configs unless they are stored, queued or running already;
   - claims a candidate before measuring it: a config stored already is a repeat (Optuna hears the
     stored outcome), one another worker is measuring is a repeat too, and a budget slot is taken only
     while stored measurements plus claims in flight stay below the budget. The claim is the trial's
@@ -621,7 +621,8 @@ class _Context:
             study.tell(number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
 
     def _enqueue_starts(self, study, problem: Problem, name: str) -> None:
-        """The default first, then the best configs of the nearest tuned problems (warm start), each
+        """The default first, then the best configs of the nearest tuned problems (warm start), then
+        one-knob changes of the default (probes, ComposedSpace.probes), each
         once however many workers start together: under the study's lock, a config is queued only
         when it is neither stored nor queued nor running. Whether one is done already is the
         results DB's to say: an Optuna trial that was asked and then lost to a kill does not count."""
@@ -646,6 +647,8 @@ class _Context:
             enqueue(self.space.default_params(problem, self.target), "default")
             for params in neighbours:
                 enqueue(params, "warm-start")
+            for params in self.space.probes(problem, self.target, self.job.probes):
+                enqueue(params, "probe")
 
     def _neighbours(self, problem: Problem, domains: dict) -> list[dict]:
         """The params of the best configs of the nearest tuned problems (at most job.warm_start)."""

@@ -4,6 +4,7 @@ import pytest
 
 from conftest import write_job
 from fa4tune.db import ResultsDB
+from fa4tune.errors import JobError
 from fa4tune.job import load_job
 from fa4tune.kernels import get_kernel
 from fa4tune.measure.model import CostModelBackend
@@ -174,3 +175,19 @@ def test_optuna_storage_can_be_an_rdb_url(workdir):
     [study] = optuna.get_all_study_summaries(url)
     assert study.study_name == summary.results[0].study_name and study.n_trials >= 4
     assert not (workdir / "fa4tune-results" / "results.optuna.journal").exists()
+
+
+def test_probes_follow_the_default_and_a_bad_count_is_refused(workdir):
+    job = write_job(workdir, name="probed", spaces=SMALL_SPACE, budget={"trials": 5}, probes=3,
+                    problems=[{"head_dim": 64, "seqlen_q": 4096, "batch": 2, "nheads_q": 16}])
+    summary = run_search(load_job(job), say=quiet)
+    with ResultsDB.open(summary.db_location, create=False) as db:
+        trials = db.trials()
+    problem = Problem(head_dim=64, seqlen_q=4096, batch=2, nheads_q=16)
+    space = compose(KERNEL, load_job(job).spaces)
+    expected = [space.full_config(problem, H200, p) for p in space.probes(problem, H200, 3)]
+    assert [t["source"] for t in trials[:4]] == ["default", "probe", "probe", "probe"]
+    assert [t["config"] for t in trials[1:4]] == expected
+    bad = write_job(workdir, name="bad", probes=-1)
+    with pytest.raises(JobError, match="probes"):
+        load_job(bad)

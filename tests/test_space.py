@@ -111,3 +111,27 @@ def test_entry_point_plugin_is_discovered(entry_point_plugin):
     assert "even_stages" in spaces
     plugin = spaces["even_stages"](KERNEL)
     assert plugin.domains["num_stages"].values() == [2, 4]
+
+
+def test_probes_change_one_knob_each_nearest_first_and_stay_feasible():
+    space = compose(KERNEL)
+    target = get_target("H200")
+    problem = Problem(head_dim=64, seqlen_q=1024, batch=16, nheads_q=32, causal=True)
+    default = space.default_params(problem, target)
+    probes = space.probes(problem, target, 12)
+    assert len(probes) == 12
+    changed = [[k for k in default if not (probe[k] == default[k] and type(probe[k]) is type(default[k]))]
+               for probe in probes]
+    assert all(len(c) == 1 for c in changed), changed
+    keys = [tuple(sorted(space.full_config(problem, target, p).items())) for p in probes]
+    assert len(set(keys)) == len(keys), "two probes are the same kernel"
+    assert tuple(sorted(space.full_config(problem, target, default).items())) not in keys
+    assert all(space.check(problem, space.full_config(problem, target, p), target) == [] for p in probes)
+    # poly_degree alone is no kernel change while emu_share is 0: never probed by itself
+    assert ["poly_degree"] not in changed
+    # the first round changes each of the six knobs that can change here once, before any a second time
+    assert len({c[0] for c in changed[:6]}) == 6
+    # numbers: the nearest other value first, the larger on a tie
+    stages = [p["num_stages"] for p, c in zip(probes, changed) if c == ["num_stages"]]
+    assert stages[:2] == [default["num_stages"] + 1, default["num_stages"] - 1]
+    assert space.probes(problem, target, 0) == [] and space.probes(problem, target, 3) == probes[:3]

@@ -89,7 +89,7 @@ class Trial(ProblemConfigColumns, Base):
     study_name: Mapped[str] = mapped_column(String(512))
     optuna_number: Mapped[int | None] = mapped_column(Integer)
     config_key: Mapped[str] = mapped_column(Text)
-    # default, warm-start, sampler; or confirm: the re-timing of the best few before one is stored best
+    # default, warm-start, probe, sampler; or confirm: the re-timing of the best few before one is stored best
     source: Mapped[str] = mapped_column(String(32))
     status: Mapped[str] = mapped_column(String(16))  # ok, failed, wrong, pruned, stopped
     reason: Mapped[str | None] = mapped_column(Text)

@@ -8,7 +8,7 @@ import hashlib
 import json
 
 from ..errors import SpaceError
-from .base import Param, SearchSpace
+from .base import Param, SearchSpace, _same
 
 
 class ComposedSpace:
@@ -93,6 +93,36 @@ class ComposedSpace:
         form (knobs without effect reset), so equal kernels get equal configs."""
         return self.kernel.canonical_values({**self.default_config(problem, target), **params})
 
+    def probes(self, problem, target, count: int) -> list[dict]:
+        """Up to `count` params that each change one knob of the problem's default, feasible and
+        distinct as kernels: first the nearest other value of every knob in turn (for numbers the next
+        one up or down, the larger on a tie), then the next nearest, and so on. Measured right after
+        the default, they show the sampler which single knobs matter before it models the space."""
+        if count <= 0:
+            return []
+        default = self.default_params(problem, target)
+        seen = {_key(self.full_config(problem, target, default))}
+        alternatives = {}
+        for name, domain in self.domains(problem, target).items():
+            values = [v for v in (domain.values() or []) if not _same(v, default[name])]
+            if values and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+                values.sort(key=lambda v: (abs(v - default[name]), -v))
+            alternatives[name] = values
+        probes = []
+        for rank in range(max((len(v) for v in alternatives.values()), default=0)):
+            for name, values in alternatives.items():
+                if rank >= len(values):
+                    continue
+                params = {**default, name: values[rank]}
+                config = self.full_config(problem, target, params)
+                if _key(config) in seen or self.check(problem, config, target):
+                    continue
+                seen.add(_key(config))
+                probes.append(params)
+                if len(probes) >= count:
+                    return probes
+        return probes
+
     def check(self, problem, config_values: dict, target) -> list[str]:
         """Every reason the config is infeasible (plugins' and kernel's together), without duplicates."""
         try:
@@ -111,3 +141,7 @@ class ComposedSpace:
             for name in space.domains:
                 lines.append(f"{space.name}.{name}: {self.domains(problem, target)[name].describe()}")
         return lines
+
+
+def _key(config: dict) -> str:
+    return json.dumps(config, sort_keys=True, separators=(",", ":"))
