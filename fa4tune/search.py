@@ -599,6 +599,11 @@ class _Context:
         top = self.db.top_trials(name, self.backend.confirm_count)
         if not top:
             return
+        # The default is timed with them (when it ran correctly): a config replaces it only when it is
+        # faster by more than the backend's min_gain in the same interleaved rounds.
+        default = self.db.trial_by_config(name, self.space.full_config(problem, self.target, {}))
+        if default is not None and default["status"] == "ok" and all(t["id"] != default["id"] for t in top):
+            top.append(default)
         measurements = self.backend.confirm(problem, [t["config"] for t in top])
         clocks = next((m.details.get("clocks") for m in measurements if m.details.get("clocks")), None)
         if clocks:
@@ -606,6 +611,8 @@ class _Context:
         self.db.confirm_best(run_id=self.run.run_id, study_name=name, kernel=self.kernel.name,
                              kernel_hash=self.run.kernel_hash, target=self.target.name, problem=problem,
                              confirmed=list(zip(top, measurements)),
+                             prefer=default["id"] if default is not None else None,
+                             min_gain=self.backend.min_gain,
                              provenance={**self.provenance, "confirmed": {
                                  "candidates": len(top), "rounds": measurements[0].details.get("confirm_rounds"),
                                  "clocks": clocks}})

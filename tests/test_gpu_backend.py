@@ -92,6 +92,9 @@ def test_bad_options_are_refused_with_the_field_named(workdir):
     path = write_job(workdir, backend="gpu", measure={"compile_workers": -1})
     with pytest.raises(JobError, match="measure.compile_workers"):
         load_job(path)
+    path = write_job(workdir, backend="gpu", measure={"min_gain": 1.5})
+    with pytest.raises(JobError, match="measure.min_gain: a fraction"):
+        load_job(path)
 
 
 def test_repeated_deaths_stop_the_search(workdir):
@@ -172,6 +175,46 @@ def test_a_wrong_config_never_becomes_best_in_the_db(workdir):
         db.confirm_best(run_id=run_id, study_name="s", kernel=KERNEL.name, kernel_hash="h", target="H200",
                         problem=PROBLEM, provenance={}, confirmed=[({"id": wrong_id}, Measurement.ok(PROBLEM, 0.1))])
     db.close()
+
+
+@pytest.mark.parametrize("fastest_ms, kept", [(0.995, True), (0.98, False)])
+def test_the_default_stays_best_unless_the_fastest_beats_it_by_min_gain(workdir, fastest_ms, kept):
+    from fa4tune.measure.base import Measurement
+
+    db = ResultsDB.open("r.db")
+    run_id = db.start_run(job_name="j", kernel=KERNEL.name, kernel_hash="h", target="H200", backend="gpu",
+                          is_estimate=False, fa4tune_version="0", study_prefix="p")
+    common = dict(run_id=run_id, study_name="s", kernel=KERNEL.name, kernel_hash="h", target="H200",
+                  problem=PROBLEM, provenance={}, offer_best=False)
+    default_id = db.add_trial(optuna_number=0, config={"tile_n": 128}, source="default",
+                              measurement=Measurement.ok(PROBLEM, 1.0), **common)
+    other_id = db.add_trial(optuna_number=1, config={"tile_n": 96}, source="probe",
+                            measurement=Measurement.ok(PROBLEM, 0.99), **common)
+    db.confirm_best(run_id=run_id, study_name="s", kernel=KERNEL.name, kernel_hash="h", target="H200",
+                    problem=PROBLEM, provenance={}, prefer=default_id, min_gain=0.01,
+                    confirmed=[({"id": other_id}, Measurement.ok(PROBLEM, fastest_ms)),
+                               ({"id": default_id}, Measurement.ok(PROBLEM, 1.0))])
+    [best] = db.best_configs()
+    assert best.config == ({"tile_n": 128} if kept else {"tile_n": 96})
+    assert ("kept_default" in best.provenance) == kept
+    db.close()
+
+
+@pytest.mark.parametrize("min_gain, kept", [(0.5, True), (0.01, False)])
+def test_a_search_confirms_the_default_beside_the_best_and_keeps_it_within_min_gain(workdir, min_gain, kept):
+    # hdim 64 causal at 1k: the default tile_m is 192; 128 is ~15% faster on the planted (cost-model) GPU
+    problem = {"head_dim": 64, "seqlen_q": 1024, "batch": 16, "nheads_q": 32, "causal": True}
+    path = write_job(workdir, backend="gpu", target=None, spaces={"tiles": {"tile_m": [128, 192], "tile_n": [128]}},
+                     sampler="grid", problems=[problem], budget={"trials": 5},
+                     measure={**PLANTED, "confirm_rounds": 1, "confirm_top": 1, "min_gain": min_gain})
+    run_search(load_job(path), say=quiet)
+    with ResultsDB.open("fa4tune-results/results.db", create=False) as db:
+        [default] = [t for t in db.trials() if t["source"] == "default"]
+        confirmed = {t["config_key"] for t in db.trials() if t["source"] == "confirm"}
+        [best] = db.best_configs()
+    assert default["config"]["tile_m"] == 192 and default["config_key"] in confirmed and len(confirmed) == 2
+    assert best.config["tile_m"] == (192 if kept else 128)
+    assert ("kept_default" in best.provenance) == kept
 
 
 def test_pruner_stops_clearly_slower_candidates_after_the_cheap_timing(workdir):

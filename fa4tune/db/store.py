@@ -405,11 +405,13 @@ class ResultsDB:
             raise
 
     def confirm_best(self, *, run_id: int, study_name: str, kernel: str, kernel_hash: str, target: str,
-                     problem, confirmed: list[tuple[dict, object]], provenance: dict) -> int | None:
+                     problem, confirmed: list[tuple[dict, object]], provenance: dict,
+                     prefer: int | None = None, min_gain: float = 0.0) -> int | None:
         """Store the re-timing of the best few trials of a study (`confirmed`: (trial, measurement)
         pairs) as trials of source `confirm`, and offer the fastest ok one as the best config, in
-        one transaction. Only a trial that is ok can be confirmed. Returns the stored best's trial id,
-        or None when nothing became best."""
+        one transaction. Only a trial that is ok can be confirmed. `prefer` (the id of one of the
+        confirmed trials, the default config's) is offered first unless the fastest beats it by more
+        than `min_gain` (0.01: 1%). Returns the stored best's trial id, or None when nothing became best."""
         def work(session: Session) -> int | None:
             stored = []
             for trial, measurement in confirmed:
@@ -423,8 +425,16 @@ class ResultsDB:
                 stored.append((row, measurement))
             session.flush()
             ok = sorted(((m.time_ms, row.id, row, m) for row, m in stored if m.status == "ok"))
+            chosen = dict(provenance)
+            preferred = [item for item in ok if item[2].details.get("confirms_trial") == prefer]
+            if ok and preferred and preferred[0] is not ok[0]:
+                gain = 1.0 - ok[0][0] / preferred[0][0]
+                if gain <= min_gain:  # not measurably faster: keep the default (one kernel fewer to build)
+                    ok.remove(preferred[0])
+                    ok.insert(0, preferred[0])
+                    chosen["kept_default"] = {"fastest_gain": round(gain, 5), "min_gain": min_gain}
             for _, _, row, measurement in ok:  # the fastest that may become best
-                if _offer_best(session, _trial_entry(row, measurement, provenance), trial_id=row.id):
+                if _offer_best(session, _trial_entry(row, measurement, chosen), trial_id=row.id):
                     return row.id
                 if not _was_wrong(session, _trial_entry(row, measurement, provenance)):
                     return None  # a faster best is already stored

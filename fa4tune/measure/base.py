@@ -65,6 +65,7 @@ class Backend:
     confirms_best: ClassVar[bool] = False
     lookahead: int = 0
     confirm_count: int = 0
+    min_gain: float = 0.0  # a confirmed config replaces the default only when this much faster (0.01: 1%)
 
     def __init__(self, kernel, target) -> None:
         self.kernel = kernel

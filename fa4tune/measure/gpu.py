@@ -41,6 +41,7 @@ class GpuOptions:
     prune_after: int = 3  # completed candidates before the pruner may stop any
     confirm_top: int = 3  # re-time this many of the best at the end of each problem
     confirm_rounds: int = 5  # interleaved rounds of that re-timing
+    min_gain: float = 0.01  # the best replaces the default only when this much faster in those rounds
     max_worker_deaths: int = 5  # consecutive deaths (crash, hang) before the search gives up
     worker_module: str = DEFAULT_WORKER_MODULE  # what the workers run (tests plant their own)
     cache_dir: str | None = None  # exported kernels; default $FA4TUNE_KERNEL_CACHE or ~/.cache/fa4tune/kernels
@@ -63,6 +64,9 @@ class GpuOptions:
         workers = data.get("compile_workers", "auto")
         if workers != "auto" and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
             raise ValueError(f"{where}.compile_workers: auto or a non-negative integer, got {workers!r}")
+        gain = data.get("min_gain", cls.min_gain)
+        if isinstance(gain, bool) or not isinstance(gain, (int, float)) or not 0 <= gain < 1:
+            raise ValueError(f"{where}.min_gain: a fraction from 0 to below 1 (0.01 = 1% faster), got {gain!r}")
         margin = data.get("prune_margin", cls.prune_margin)
         if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float)) or margin < 0):
             raise ValueError(f"{where}.prune_margin: a non-negative number (0.1 = 10% slower), or null "
@@ -197,6 +201,10 @@ class GpuBackend(Backend):
     @property
     def confirm_count(self) -> int:
         return self.options.confirm_top
+
+    @property
+    def min_gain(self) -> float:
+        return self.options.min_gain
 
     def provenance(self) -> dict:
         d = self.device
