@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 
 from . import __version__
@@ -32,20 +31,18 @@ def _is_user_error(exc: BaseException) -> bool:
 # ---- search -----------------------------------------------------------------------------------------
 def cmd_search(args) -> int:
     from .job import load_job
+    from . import interrupts
     from .search import SearchInterrupted, run_search
 
     job = load_job(args.job)
     progress = sys.stderr.isatty() if args.progress is None else args.progress
 
-    def stop_on_term(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, stop_on_term)
     try:
-        summary = run_search(job, db=args.db, storage=args.storage, resume=args.resume, backend=args.backend,
-                             target=args.target, trials=args.trials, seconds=args.seconds,
-                             progress=progress and args.workers is None and args.gpus is None, say=_say,
-                             workers=args.workers, gpus=args.gpus)
+        with interrupts.installed():  # Ctrl-C and SIGTERM stop the search, never inside a critical section
+            summary = run_search(job, db=args.db, storage=args.storage, resume=args.resume, backend=args.backend,
+                                 target=args.target, trials=args.trials, seconds=args.seconds,
+                                 progress=progress and args.workers is None and args.gpus is None, say=_say,
+                                 workers=args.workers, gpus=args.gpus)
     except SearchInterrupted as stop:
         from .db import shown_location
 
@@ -56,8 +53,6 @@ def cmd_search(args) -> int:
         _say(f"fa4tune: interrupted; every finished trial is stored in {shown_location(s.db_location)} (run "
              f"{s.run_id}). Continue with: fa4tune search {args.job} --resume" + (f" {again}" if again else ""))
         return EXIT_INTERRUPTED
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     from .db import shown_location
 
     estimate = " (cost-model estimates)" if summary.is_estimate else ""

@@ -26,9 +26,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from importlib import metadata
 
-from . import __version__
+from . import __version__, interrupts
 from .db import DuplicateTrial, ResultsDB, config_key, resolve_location, shown_location, sqlite_path
-from .errors import BackendError, BackendUnavailable, Fa4tuneError, KernelError, StorageError
+from .errors import BackendUnavailable, Fa4tuneError, KernelError, StorageError
 from .job import Job
 from .measure.base import Backend, Measurement, make_backend, resolve_backend_name
 from .problem import Problem
@@ -376,8 +376,11 @@ class _Context:
                 candidate.heartbeat.join()
             if bar is not None:
                 bar.close()
-        # Others' trials still in flight: the best few are confirmed once all are in.
-        while self._measuring(study, name):
+        # Others' trials still in flight: the best few are confirmed once all are in. A trial another
+        # worker has asked for but not claimed holds no budget slot, yet is waited for too (a live
+        # worker settles it at once, a dead one's goes stale and recover() fails it): a finished
+        # problem leaves no trial RUNNING.
+        while self._measuring(study, name) or self._others_running(study):
             if not wait:
                 return None
             time.sleep(POLL_S)
@@ -430,6 +433,13 @@ class _Context:
     def _measuring(self, study, name: str) -> list:
         """Claimed trials being measured now (by any worker)."""
         return self._in_flight(study, lambda numbers: self.db.stored_among(name, numbers), reserved=False)
+
+    def _others_running(self, study) -> bool:
+        """Whether another worker (or an unnamed search) holds a RUNNING trial of the study."""
+        import optuna
+
+        return any(t.user_attrs.get(WORKER_ATTR) != self.worker
+                   for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)))
 
     def _slot_free(self, study, name: str, result: ProblemResult) -> bool:
         """Whether a budget slot is free now, or kept for a handed-back trial that this worker may
@@ -513,15 +523,18 @@ class _Context:
         import optuna
 
         while True:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # "heartbeat is supposed to be used with optimize"
-                trial = study.ask()
-            heartbeat = None
+            heartbeat = trial = None
             try:
-                # The heartbeat first: a trial with a worker's name always has one, so that if the
-                # worker dies now, the trial either goes stale or, unnamed, is handed back at once.
-                heartbeat = start_heartbeat(study, trial)
-                trial.set_user_attr(WORKER_ATTR, self.worker)
+                # Ctrl-C waits until the trial has its heartbeat and its worker's name: from there on
+                # the except below settles it; before, nothing could (it would stay RUNNING).
+                with interrupts.critical():
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")  # "heartbeat is supposed to be used with optimize"
+                        trial = study.ask()
+                    # The heartbeat first: a trial with a worker's name always has one, so that if the
+                    # worker dies now, the trial either goes stale or, unnamed, is handed back at once.
+                    heartbeat = start_heartbeat(study, trial)
+                    trial.set_user_attr(WORKER_ATTR, self.worker)
                 params = self.space.suggest(trial, problem, self.target)
             except optuna.exceptions.UpdateFinishedTrialError:
                 # Unnamed, it was taken for a dead search's and handed back (studies.trial_orphaned):
@@ -532,7 +545,8 @@ class _Context:
             except BaseException:
                 if heartbeat is not None:
                     heartbeat.join()
-                self._settle(study, name, trial.number)
+                if trial is not None:
+                    self._settle(study, name, trial.number)
                 raise
             break
         try:

@@ -113,16 +113,17 @@ def _worker_main(spec: WorkerSpec, conn) -> None:
     """Entry of a worker process: search the run's problems, send a report, exit with a status."""
     if spec.device is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = spec.device
+    from . import interrupts
     from .measure.worker import exit_with_parent
 
     exit_with_parent()  # a SIGKILLed coordinator leaves no worker behind
 
     def stop(signum, frame):
         # Once: the trial in flight is settled while a second signal (Ctrl-C reaches the whole
-        # process group, then the coordinator's SIGTERM) is ignored.
+        # process group, then the coordinator's SIGTERM) is ignored. Never inside a critical section.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise KeyboardInterrupt
+        interrupts.handler(signum, frame)
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)

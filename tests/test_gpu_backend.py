@@ -200,6 +200,40 @@ def test_the_default_stays_best_unless_the_fastest_beats_it_by_min_gain(workdir,
     db.close()
 
 
+def test_a_confirmation_judges_a_stored_best_it_retimed_by_its_own_rounds(workdir):
+    from fa4tune.measure.base import Measurement
+
+    db = ResultsDB.open("r.db")
+    run_id = db.start_run(job_name="j", kernel=KERNEL.name, kernel_hash="h", target="H200", backend="gpu",
+                          is_estimate=False, fa4tune_version="0", study_prefix="p")
+    common = dict(run_id=run_id, study_name="s", kernel=KERNEL.name, kernel_hash="h", target="H200",
+                  problem=PROBLEM, provenance={}, offer_best=False)
+    confirm = dict(run_id=run_id, study_name="s", kernel=KERNEL.name, kernel_hash="h", target="H200",
+                   problem=PROBLEM, provenance={})
+    default_id = db.add_trial(optuna_number=0, config={"tile_n": 128}, source="default",
+                              measurement=Measurement.ok(PROBLEM, 1.0), **common)
+    other_id = db.add_trial(optuna_number=1, config={"tile_n": 96}, source="probe",
+                            measurement=Measurement.ok(PROBLEM, 0.99), **common)
+    third_id = db.add_trial(optuna_number=2, config={"tile_n": 64}, source="sampler",
+                            measurement=Measurement.ok(PROBLEM, 1.2), **common)
+    # An earlier session stored tile_n 96 at 0.90 ms (a faster spell of the GPU)...
+    db.confirm_best(**confirm, confirmed=[({"id": other_id}, Measurement.ok(PROBLEM, 0.90))])
+    assert db.best_configs()[0].config == {"tile_n": 96}
+    # ...these rounds time it 0.4% faster than the default: within min_gain, so the default takes over,
+    # however much lower the earlier session's time was.
+    db.confirm_best(**confirm, prefer=default_id, min_gain=0.01,
+                    confirmed=[({"id": other_id}, Measurement.ok(PROBLEM, 0.996)),
+                               ({"id": default_id}, Measurement.ok(PROBLEM, 1.0))])
+    [best] = db.best_configs()
+    assert best.config == {"tile_n": 128} and best.provenance["kept_default"]["min_gain"] == 0.01
+    # A config these rounds did not re-time is compared by time: a slower one does not replace it,
+    # and the label stays with the default's entry.
+    db.confirm_best(**confirm, confirmed=[({"id": third_id}, Measurement.ok(PROBLEM, 1.1))])
+    [best] = db.best_configs()
+    assert best.config == {"tile_n": 128}
+    db.close()
+
+
 @pytest.mark.parametrize("min_gain, kept", [(0.5, True), (0.01, False)])
 def test_a_search_confirms_the_default_beside_the_best_and_keeps_it_within_min_gain(workdir, min_gain, kept):
     # hdim 64 causal at 1k: the default tile_m is 192; 128 is ~15% faster on the planted (cost-model) GPU

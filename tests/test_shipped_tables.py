@@ -1,6 +1,7 @@
 """The tuned tables fa4tune ships (tuning_configs/tables, reached through fa4tune/shipped_tables): every
 entry is a measured, feasible config that the lookup returns for its problem, and a wheel carries them."""
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -40,7 +41,13 @@ def test_every_shipped_entry_is_measured_feasible_and_found(path):
 
 
 def test_a_wheel_carries_the_shipped_tables(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation", "-q",
+    # Built from a copy without build/ and *.egg-info: a stale build/lib would carry the tables even if
+    # the package data were gone (and the build would write into the checkout).
+    source = tmp_path / "src"
+    shutil.copytree(REPO, source, symlinks=True, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "fa4tune-results",
+        ".gpuA", ".gpuB", ".run", ".whl", "out"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q",
                     "-w", str(tmp_path)], check=True, capture_output=True, timeout=300)
     [wheel] = tmp_path.glob("fa4tune-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())

@@ -222,7 +222,9 @@ def test_two_hosts_join_one_run_and_the_survivor_finishes_after_the_other_dies(w
     db_url, storage_url = postgres
     path = write_job(workdir, spaces=SPACE, problems=ONE_PROBLEM, budget={"trials": 12})
     args = (path, "--workers", 2, "--db", db_url, "--storage", storage_url, "--resume")
-    host_a = start_search(workdir, slow_env, *args, delay=0.3, new_session=True, FA4TUNE_WORKER_HOST="host-a",
+    # Host A measures slowly (3 s a candidate), so that the trial seen running is still running when
+    # the kill lands, however loaded the machine is.
+    host_a = start_search(workdir, slow_env, *args, delay=3.0, new_session=True, FA4TUNE_WORKER_HOST="host-a",
                           FA4TUNE_HEARTBEAT_S="1")
     host_b = start_search(workdir, slow_env, *args, delay=0.3, FA4TUNE_WORKER_HOST="host-b",
                           FA4TUNE_HEARTBEAT_S="1")

@@ -425,18 +425,25 @@ class ResultsDB:
                 stored.append((row, measurement))
             session.flush()
             ok = sorted(((m.time_ms, row.id, row, m) for row, m in stored if m.status == "ok"))
-            chosen = dict(provenance)
+            kept = None
             preferred = [item for item in ok if item[2].details.get("confirms_trial") == prefer]
             if ok and preferred and preferred[0] is not ok[0]:
                 gain = 1.0 - ok[0][0] / preferred[0][0]
                 if gain <= min_gain:  # not measurably faster: keep the default (one kernel fewer to build)
                     ok.remove(preferred[0])
                     ok.insert(0, preferred[0])
-                    chosen["kept_default"] = {"fastest_gain": round(gain, 5), "min_gain": min_gain}
+                    kept = {"fastest_gain": round(gain, 5), "min_gain": min_gain}
+            # A stored best whose config was re-timed here is judged by these side-by-side rounds, not
+            # by its time from another session (clocks, temperature); otherwise the lower time stands.
+            retimed = {row.config_key for _, _, row, _ in ok}
             for _, _, row, measurement in ok:  # the fastest that may become best
-                if _offer_best(session, _trial_entry(row, measurement, chosen), trial_id=row.id):
+                label = dict(provenance, kept_default=kept) if kept and row is ok[0][2] else provenance
+                entry = _trial_entry(row, measurement, label)
+                current = _find_best(session, entry)
+                decided_here = current is not None and config_key(current.config) in retimed
+                if _offer_best(session, entry, trial_id=row.id, replace=decided_here):
                     return row.id
-                if not _was_wrong(session, _trial_entry(row, measurement, provenance)):
+                if not _was_wrong(session, entry):
                     return None  # a faster best is already stored
             return None
 
@@ -754,13 +761,14 @@ def _was_wrong(session: Session, entry: BestEntry) -> bool:
     ) > 0
 
 
-def _offer_best(session: Session, entry: BestEntry, trial_id: int | None) -> bool:
-    """Store `entry` as best unless the stored one is at least as good, or the config ever gave a
-    wrong result for this problem and kernel code (then never); True when stored."""
+def _offer_best(session: Session, entry: BestEntry, trial_id: int | None, replace: bool = False) -> bool:
+    """Store `entry` as best unless the stored one is at least as good (`replace`: whatever it is),
+    or the config ever gave a wrong result for this problem and kernel code (then never); True when
+    stored."""
     if _was_wrong(session, entry):
         return False
     row = _find_best(session, entry)
-    if row is not None and not entry.beats(_best_entry(row)):
+    if row is not None and not replace and not entry.beats(_best_entry(row)):
         return False
     if row is None:
         row = BestConfig(kernel=entry.kernel, kernel_hash=entry.kernel_hash, target=entry.target,

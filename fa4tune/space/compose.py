@@ -96,8 +96,9 @@ class ComposedSpace:
     def probes(self, problem, target, count: int) -> list[dict]:
         """Up to `count` params that each change one knob of the problem's default, feasible and
         distinct as kernels: first the nearest other value of every knob in turn (for numbers the next
-        one up or down, the larger on a tie), then the next nearest, and so on. Measured right after
-        the default, they show the sampler which single knobs matter before it models the space."""
+        one up or down, the larger on a tie), then the next nearest, and so on. Knobs with a continuous
+        domain are not probed. Measured right after the default, they show the sampler which single
+        knobs matter before it models the space."""
         if count <= 0:
             return []
         default = self.default_params(problem, target)
@@ -105,7 +106,7 @@ class ComposedSpace:
         alternatives = {}
         for name, domain in self.domains(problem, target).items():
             values = [v for v in (domain.values() or []) if not _same(v, default[name])]
-            if values and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in [*values, default[name]]):
                 values.sort(key=lambda v: (abs(v - default[name]), -v))
             alternatives[name] = values
         probes = []

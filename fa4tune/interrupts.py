@@ -1,0 +1,55 @@
+"""Ctrl-C and SIGTERM that never land inside a critical section of the search.
+
+A search stops by KeyboardInterrupt, raised by the signal handler wherever the main thread happens to
+be. Between Optuna creating a trial (`study.ask`) and the search naming it as its own there is no
+`finally` that could settle the trial: an interrupt there would leave it RUNNING until a later search
+finds its heartbeat stale. `critical()` marks such a section: a signal that arrives inside it is
+raised as KeyboardInterrupt when the section ends (at the next statement that can settle the trial).
+`handler` is the signal handler that knows about it; `installed()` puts it in place for SIGINT and
+SIGTERM while a search runs (main thread only; elsewhere signals are not this module's business)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from contextlib import contextmanager
+
+_depth = 0
+_pending = False
+
+
+def handler(signum=None, frame=None) -> None:
+    """KeyboardInterrupt now, or at the end of the critical section the main thread is in."""
+    global _pending
+    if _depth:
+        _pending = True
+        return
+    raise KeyboardInterrupt
+
+
+@contextmanager
+def critical():
+    """A section no signal interrupts; one that arrived meanwhile is raised when it ends."""
+    global _depth, _pending
+    _depth += 1
+    try:
+        yield
+    finally:
+        _depth -= 1
+        if not _depth and _pending:
+            _pending = False
+            raise KeyboardInterrupt
+
+
+@contextmanager
+def installed(signals=(signal.SIGINT, signal.SIGTERM)):
+    """`handler` for these signals while the block runs (in the main thread; a no-op elsewhere)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, handler) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
