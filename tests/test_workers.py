@@ -26,8 +26,10 @@ JOURNAL = "fa4tune-results/results.optuna.journal"
 DB = "fa4tune-results/results.db"
 
 # Every process of the search (the CLI and the workers it spawns) imports this first: the cost model
-# takes FA4TUNE_TEST_MEASURE_S per measurement, so that workers overlap and a kill lands mid-trial,
-# and appends each finished measurement (problem, config) to the file FA4TUNE_TEST_MEASURE_LOG.
+# takes FA4TUNE_TEST_MEASURE_S per measurement, so that workers overlap, then waits while the file
+# FA4TUNE_TEST_HOLD exists (a test kills a worker it has seen measuring, then lets the others go: the
+# kill lands mid-trial however loaded the machine is), and appends each finished measurement
+# (problem, config) to the file FA4TUNE_TEST_MEASURE_LOG.
 SLOW_MODEL = """
 import json, os, time
 delay = float(os.environ.get("FA4TUNE_TEST_MEASURE_S", "0"))
@@ -36,6 +38,8 @@ if delay:
     measure = model.CostModelBackend.measure
     def slow(self, problem, config):
         time.sleep(delay)
+        while os.path.exists(os.environ.get("FA4TUNE_TEST_HOLD", "")):
+            time.sleep(0.02)
         result = measure(self, problem, config)
         line = json.dumps([problem.key(), config.to_dict()], sort_keys=True) + "\\n"
         with open(os.environ["FA4TUNE_TEST_MEASURE_LOG"], "a") as log:
@@ -59,6 +63,15 @@ def slow_env(tmp_path):
 def measurements(env) -> Counter:
     """How often each (problem, config) was measured to the end, by all processes."""
     return Counter(Path(env["FA4TUNE_TEST_MEASURE_LOG"]).read_text().splitlines())
+
+
+@pytest.fixture
+def hold(tmp_path):
+    """A file that holds every measurement of the searches given it while it exists."""
+    path = tmp_path / "hold"
+    path.touch()
+    yield path
+    path.unlink(missing_ok=True)
 
 
 def start_search(workdir, env, *args, delay=0.1, new_session=False, **extra_env):
@@ -165,12 +178,13 @@ def test_workers_never_measure_one_config_twice_even_in_a_tiny_space(workdir, sl
     assert sum(measured.values()) == 9 and max(measured.values()) == 1, measured
 
 
-def test_a_worker_killed_mid_trial_loses_nothing_journal(workdir, slow_env):
+def test_a_worker_killed_mid_trial_loses_nothing_journal(workdir, slow_env, hold):
     path = write_job(workdir, spaces=SPACE, problems=PROBLEMS, budget={"trials": 16})
-    proc = start_search(workdir, slow_env, path, "--workers", 4, delay=0.15)
+    proc = start_search(workdir, slow_env, path, "--workers", 4, delay=0.15, FA4TUNE_TEST_HOLD=str(hold))
     name, victim = claimed_trial(JOURNAL, proc=proc)
     pid = int(victim.user_attrs[WORKER_ATTR].rpartition(":")[2])
     os.kill(pid, signal.SIGKILL)
+    hold.unlink()
     out = finish(proc)
     assert "died (killed by SIGKILL); its trials were handed back; restarting it" in out, out
     stored, optuna_studies = assert_exactly_once(DB, JOURNAL, budget=16, n_studies=2)
@@ -198,13 +212,14 @@ def test_ctrl_c_stops_every_worker_and_says_how_to_resume(workdir, slow_env):
 
 
 # ---- PostgreSQL -------------------------------------------------------------------------------------
-def test_four_workers_share_each_study_through_postgresql_and_survive_a_kill(workdir, slow_env, postgres):
+def test_four_workers_share_each_study_through_postgresql_and_survive_a_kill(workdir, slow_env, postgres, hold):
     db_url, storage_url = postgres
     path = write_job(workdir, spaces=SPACE, problems=ONE_PROBLEM, budget={"trials": 12})
     proc = start_search(workdir, slow_env, path, "--workers", 4, "--db", db_url, "--storage", storage_url,
-                        delay=0.2)
+                        delay=0.2, FA4TUNE_TEST_HOLD=str(hold))
     name, victim = claimed_trial(storage_url, proc=proc)
     os.kill(int(victim.user_attrs[WORKER_ATTR].rpartition(":")[2]), signal.SIGKILL)
+    hold.unlink()
     out = finish(proc)
     assert "its trials were handed back; restarting it" in out, out
     stored, optuna_studies = assert_exactly_once(db_url, storage_url, budget=12, n_studies=1, workers=3)
@@ -215,17 +230,16 @@ def test_four_workers_share_each_study_through_postgresql_and_survive_a_kill(wor
     assert not (workdir / "fa4tune-results").exists()  # nothing local: both databases are on the server
 
 
-def test_two_hosts_join_one_run_and_the_survivor_finishes_after_the_other_dies(workdir, slow_env, postgres):
+def test_two_hosts_join_one_run_and_the_survivor_finishes_after_the_other_dies(workdir, slow_env, postgres, hold):
     """Two hosts (host names set apart) start together with --resume and join one run; host A is
     killed whole (coordinator and workers) mid-run. Host B cannot see A's processes: Optuna's
     heartbeat finds A's trials stale, they are handed back, and B completes every budget."""
     db_url, storage_url = postgres
     path = write_job(workdir, spaces=SPACE, problems=ONE_PROBLEM, budget={"trials": 12})
     args = (path, "--workers", 2, "--db", db_url, "--storage", storage_url, "--resume")
-    # Host A measures slowly (3 s a candidate), so that the trial seen running is still running when
-    # the kill lands, however loaded the machine is.
-    host_a = start_search(workdir, slow_env, *args, delay=3.0, new_session=True, FA4TUNE_WORKER_HOST="host-a",
-                          FA4TUNE_HEARTBEAT_S="1")
+    # Host A's measurements wait on the hold file: the trial seen running is running when A is killed.
+    host_a = start_search(workdir, slow_env, *args, delay=0.3, new_session=True, FA4TUNE_WORKER_HOST="host-a",
+                          FA4TUNE_HEARTBEAT_S="1", FA4TUNE_TEST_HOLD=str(hold))
     host_b = start_search(workdir, slow_env, *args, delay=0.3, FA4TUNE_WORKER_HOST="host-b",
                           FA4TUNE_HEARTBEAT_S="1")
     deadline = time.monotonic() + 60
