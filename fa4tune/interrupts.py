@@ -3,7 +3,9 @@
 A search stops by KeyboardInterrupt, raised by the signal handler wherever the main thread happens to
 be. Between Optuna creating a trial (`study.ask`) and the search naming it as its own there is no
 `finally` that could settle the trial: an interrupt there would leave it RUNNING until a later search
-finds its heartbeat stale. `critical()` marks such a section: a signal that arrives inside it is
+finds its heartbeat stale. A write transaction of the results DB is another: interrupted between its
+BEGIN and the session's close, it kept SQLite's write lock, and the search's own last write (the run
+marked interrupted) then waited for it forever. `critical()` marks such a section: a signal that arrives inside it is
 raised as KeyboardInterrupt when the section ends (at the next statement that can settle the trial).
 `handler` is the signal handler that knows about it; `installed()` puts it in place for SIGINT and
 SIGTERM while a search runs (main thread only; elsewhere signals are not this module's business)."""
@@ -29,8 +31,12 @@ def handler(signum=None, frame=None) -> None:
 
 @contextmanager
 def critical():
-    """A section no signal interrupts; one that arrived meanwhile is raised when it ends."""
+    """A section no signal interrupts; one that arrived meanwhile is raised when it ends. Signals are
+    handled by the main thread only, so in any other thread this does nothing."""
     global _depth, _pending
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     _depth += 1
     try:
         yield

@@ -2,6 +2,7 @@
 
 import os
 import signal
+from datetime import datetime
 
 import pytest
 
@@ -25,3 +26,29 @@ def test_a_signal_inside_a_critical_section_is_raised_when_it_ends():
         with interrupts.critical():  # nothing pending is left over from before
             pass
     assert signal.getsignal(signal.SIGTERM) is not interrupts.handler  # the previous handlers are back
+
+
+def test_a_results_db_transaction_is_never_cut_by_a_signal(tmp_path):
+    from fa4tune.db import ResultsDB
+    from fa4tune.db.models import Lock
+
+    db = ResultsDB.open(str(tmp_path / "r.db"))
+
+    def work(session):
+        session.add(Lock(name="written", updated_at=datetime.now()))
+        os.kill(os.getpid(), signal.SIGINT)  # mid-transaction: noted, raised after the commit
+        session.add(Lock(name="also written", updated_at=datetime.now()))
+
+    with interrupts.installed():
+        with pytest.raises(KeyboardInterrupt):
+            db._transact(work)
+        with pytest.raises(KeyboardInterrupt):
+            with db.locked("study") as lock:
+                os.kill(os.getpid(), signal.SIGINT)
+                lock.set_confirming("me")  # still inside the held lock: done, then the interrupt
+    # Everything was committed and no lock is left held: the next writes go through at once.
+    with db.locked("study") as lock:
+        assert lock.confirming() == "me"
+    with db._sessions() as session:
+        assert session.get(Lock, "written") is not None and session.get(Lock, "also written") is not None
+    db.close()

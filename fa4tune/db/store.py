@@ -17,6 +17,7 @@ from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
+from .. import interrupts
 from ..best import BestEntry, MergeReport
 from ..errors import Fa4tuneError, ResultsDBError
 from ..files import unwritable_ancestor
@@ -259,7 +260,9 @@ class ResultsDB:
         reports a transient conflict; what `work` returns."""
         for attempt in range(WRITE_ATTEMPTS):
             try:
-                with self._write_sessions.begin() as session:
+                # Ctrl-C waits for the end of the transaction: interrupted inside it, the session could
+                # be left holding the write lock (see fa4tune.interrupts).
+                with interrupts.critical(), self._write_sessions.begin() as session:
                     return work(session)
             except DBAPIError as exc:
                 if attempt == WRITE_ATTEMPTS - 1 or not _transient(exc):
@@ -274,6 +277,10 @@ class ResultsDB:
         interleave with, on one host or many. The lock is the transaction's: a worker that dies
         holding it releases it with its connection."""
         self._ensure_lock_row(name)
+        with interrupts.critical():  # the whole hold: never interrupted while the lock is taken or held
+            yield from self._hold(name)
+
+    def _hold(self, name: str):
         for attempt in range(WRITE_ATTEMPTS):
             session = self._write_sessions()
             try:
