@@ -3,7 +3,13 @@ the lookup reads tables without importing SQLAlchemy."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+
+
+def config_key(config: dict) -> str:
+    """A canonical text form of a config: equal configs, equal keys."""
+    return json.dumps(config, sort_keys=True, separators=(",", ":"))
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,6 @@ runs, trials and best configs. The only module in fa4tune that talks SQL."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import random
 import time
@@ -18,7 +17,7 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, SQLAlchemy
 from sqlalchemy.orm import Session, sessionmaker
 
 from .. import interrupts
-from ..best import BestEntry, MergeReport
+from ..best import BestEntry, MergeReport, config_key
 from ..errors import Fa4tuneError, ResultsDBError
 from ..files import unwritable_ancestor
 from .models import CONFIRM_SOURCE, SCHEMA_VERSION, UPGRADES, Base, BestConfig, Lock, Run, SchemaInfo, Trial
@@ -37,11 +36,6 @@ SQLITE_HEADER = b"SQLite format 3\x00"
 
 def now() -> datetime:
     return datetime.now(timezone.utc).replace(tzinfo=None)
-
-
-def config_key(config: dict) -> str:
-    """A canonical text form of a config: equal configs, equal keys."""
-    return json.dumps(config, sort_keys=True, separators=(",", ":"))
 
 
 def resolve_location(location: str | os.PathLike | None = None, job_location: str | None = None) -> str:
@@ -446,9 +440,7 @@ class ResultsDB:
             for _, _, row, measurement in ok:  # the fastest that may become best
                 label = dict(provenance, kept_default=kept) if kept and row is ok[0][2] else provenance
                 entry = _trial_entry(row, measurement, label)
-                current = _find_best(session, entry)
-                decided_here = current is not None and config_key(current.config) in retimed
-                if _offer_best(session, entry, trial_id=row.id, replace=decided_here):
+                if _offer_best(session, entry, trial_id=row.id, retimed=retimed):
                     return row.id
                 if not _was_wrong(session, entry):
                     return None  # a faster best is already stored
@@ -768,14 +760,15 @@ def _was_wrong(session: Session, entry: BestEntry) -> bool:
     ) > 0
 
 
-def _offer_best(session: Session, entry: BestEntry, trial_id: int | None, replace: bool = False) -> bool:
-    """Store `entry` as best unless the stored one is at least as good (`replace`: whatever it is),
-    or the config ever gave a wrong result for this problem and kernel code (then never); True when
-    stored."""
+def _offer_best(session: Session, entry: BestEntry, trial_id: int | None, retimed=frozenset()) -> bool:
+    """Store `entry` as best unless the stored one is at least as good, or the config ever gave a
+    wrong result for this problem and kernel code (then never); True when stored. A stored best whose
+    config key is in `retimed` was timed again in the same rounds as `entry`, which the caller offers
+    as their winner: it is replaced, whatever its time from another session."""
     if _was_wrong(session, entry):
         return False
     row = _find_best(session, entry)
-    if row is not None and not replace and not entry.beats(_best_entry(row)):
+    if row is not None and config_key(row.config) not in retimed and not entry.beats(_best_entry(row)):
         return False
     if row is None:
         row = BestConfig(kernel=entry.kernel, kernel_hash=entry.kernel_hash, target=entry.target,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 
+from ..best import config_key
 from ..errors import SpaceError
 from .base import Param, SearchSpace, _same
 
@@ -102,7 +103,7 @@ class ComposedSpace:
         if count <= 0:
             return []
         default = self.default_params(problem, target)
-        seen = {_key(self.full_config(problem, target, default))}
+        seen = {config_key(self.full_config(problem, target, default))}
         alternatives = {}
         for name, domain in self.domains(problem, target).items():
             values = [v for v in (domain.values() or []) if not _same(v, default[name])]
@@ -116,9 +117,9 @@ class ComposedSpace:
                     continue
                 params = {**default, name: values[rank]}
                 config = self.full_config(problem, target, params)
-                if _key(config) in seen or self.check(problem, config, target):
+                if config_key(config) in seen or self.check(problem, config, target):
                     continue
-                seen.add(_key(config))
+                seen.add(config_key(config))
                 probes.append(params)
                 if len(probes) >= count:
                     return probes
@@ -142,7 +143,3 @@ class ComposedSpace:
             for name in space.domains:
                 lines.append(f"{space.name}.{name}: {self.domains(problem, target)[name].describe()}")
         return lines
-
-
-def _key(config: dict) -> str:
-    return json.dumps(config, sort_keys=True, separators=(",", ":"))
