@@ -277,7 +277,9 @@ def test_pruner_stops_clearly_slower_candidates_after_the_cheap_timing(workdir):
 
 def test_compile_pool_hands_over_artifacts_and_survives_crashing_and_hanging_compiles(workdir):
     space = {"tiles": {"tile_m": [128], "tile_n": [64, 128, planted.POOL_CRASH_TILE_N, planted.POOL_HANG_TILE_N]}}
+    # Causal: its default is a single-tile kernel, whose shared memory takes every one of these tiles.
     path = write_job(workdir, backend="gpu", target=None, spaces=space, sampler="grid", budget={"trials": 10},
+                     problems=[{"head_dim": 128, "seqlen_q": 2048, "batch": 2, "nheads_q": 8, "causal": True}],
                      measure={**PLANTED, "compile_workers": 2, "cache_dir": str(workdir / "kernels"),
                               "confirm_rounds": 1, "compile_timeout": 2})
     summary = run_search(load_job(path), say=quiet)

@@ -26,6 +26,9 @@ SPREAD = [
     (FwdConfig(intra_wg_overlap=False, wg_pingpong=False, num_stages=3), "bf16", 128, 128, True),
     (FwdConfig(tile_m=192, tile_n=96, num_stages=5, emu_share=0.5, poly_degree=5), "bf16", 64, 64, True),
     (FwdConfig(tile_n=112, emu_share=0.375, poly_degree=4, rescale_threshold=4.0), "fp16", 192, 192, False),
+    (FwdConfig(rescale_threshold=8.0, persistent=True), "bf16", 128, 128, False),
+    (FwdConfig(tile_m=192, rescale_branch=False, persistent=True), "bf16", 64, 64, True),
+    (FwdConfig(intra_wg_overlap=False, rescale_branch=False, persistent=True), "fp16", 128, 128, True),
 ]
 
 
@@ -60,3 +63,15 @@ def test_infeasible_config_is_refused_before_compiling():
         compile_forward(FwdConfig(tile_n=192, num_stages=5), "bf16", 128, 128, False, "H200")
     with pytest.raises(ConfigError, match="poly_degree 1|degree 1"):
         compile_forward(FwdConfig(emu_share=0.25, poly_degree=1), "bf16", 128, 128, False, "H200")
+    # Persistent CTAs give O its own buffer: 3 stages of hdim 128 fit without it, not with it.
+    compile_key_ok = FwdConfig(num_stages=3)
+    assert not default_infeasible(compile_key_ok)
+    with pytest.raises(ConfigError, match="persistent.*o 32 KB"):
+        compile_forward(FwdConfig(num_stages=3, persistent=True), "bf16", 128, 128, False, "H200")
+
+
+def default_infeasible(config):
+    from fa4tune.kernels.config import infeasible_reasons
+    from fa4tune.target import get_target
+
+    return infeasible_reasons(Problem(dtype="bf16", head_dim=128), config, get_target("H200"))

@@ -88,7 +88,33 @@ KNOB_CONFIGS = [
     (128, FwdConfig(tile_n=160, rescale_threshold=8.0, emu_share=0.375, poly_degree=4)),
     (128, FwdConfig(tile_n=176, intra_wg_overlap=False, wg_pingpong=False, poly_degree=1)),
     (64, FwdConfig(tile_m=192, tile_n=128, rescale_threshold=8.0, intra_wg_overlap=False)),
+    (64, FwdConfig(tile_m=192, rescale_threshold=8.0, rescale_branch=False, persistent=True)),
+    (128, FwdConfig(rescale_branch=False)),
+    (128, FwdConfig(num_stages=1, intra_wg_overlap=False, persistent=True)),
 ]
+
+# Shapes with more tiles than SMs, so that a persistent CTA walks several tiles (and, causal, tiles
+# of different lengths, some of them without any key).
+MANY_TILE_SHAPES = [
+    (1000, 1000, 8, 8, 2),  # GQA, 8 x 64 tiles of 128 rows
+    (777, 1029, 3, 32, 32),  # seqlen_q < seqlen_k, ragged last tiles
+    (1029, 300, 4, 16, 4),  # seqlen_q > seqlen_k: causal tiles at the top see no key
+]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES + MANY_TILE_SHAPES, ids=lambda s: "q{}k{}b{}h{}x{}".format(*s))
+@pytest.mark.parametrize("head_dim,config", [
+    (128, FwdConfig(rescale_threshold=8.0, persistent=True)),
+    (64, FwdConfig(tile_m=192, rescale_threshold=8.0, persistent=True)),
+], ids=lambda x: getattr(x, "short", lambda: str(x))())
+def test_persistent_matches_reference(head_dim, config, shape, causal):
+    sq, sk, b, hq, hkv = shape
+    p = Problem(dtype="bf16", head_dim=head_dim, causal=causal, seqlen_q=sq, seqlen_k=sk, batch=b,
+                nheads_q=hq, nheads_kv=hkv)
+    out_err, lse_err = run_checked(config, p, seed=sq + sk + b)
+    assert out_err < OUT_TOL and lse_err < LSE_TOL, (out_err, lse_err)
+
 
 
 def test_knob_configs_cover_every_value():

@@ -48,9 +48,9 @@ def exhaustive_optimum(job):
 
 
 SMALL_SPACE = {"tiles": {"tile_n": [64, 96, 128, 160, 192]},
-               "pipeline": {"num_stages": [1, 2, 3, 4]},
+               "pipeline": {"num_stages": [1, 2, 3, 4], "persistent": [False]},
                "exp2": {"poly_degree": [3], "emu_share": [0.0, 0.125, 0.25]},
-               "softmax": {"rescale_threshold": [0.0, 4.0]}}
+               "softmax": {"rescale_threshold": [0.0, 4.0], "rescale_branch": [True]}}
 
 
 def test_search_reaches_the_exhaustive_optimum_of_a_small_space(workdir):
@@ -58,8 +58,9 @@ def test_search_reaches_the_exhaustive_optimum_of_a_small_space(workdir):
                      problems=[{"head_dim": 64, "seqlen_q": 4096, "batch": 2, "nheads_q": 16}])
     job = load_job(path)
     (best_ms, best_config), size = exhaustive_optimum(job)
-    # rescale_threshold: the two listed values plus the default config's 8.0, which a space always keeps.
-    assert size == 2 * 5 * 4 * 2 * 2 * 3 * 3  # the budget is 40 of 1440 configs
+    # rescale_threshold: the two listed values plus the default config's 8.0, which a space always keeps;
+    # persistent: the listed False plus the default's True.
+    assert size == 2 * 5 * 4 * 2 * 2 * 3 * 3 * 2  # the budget is 40 of 2880 configs
     summary = run_search(job, say=quiet)
     result = summary.results[0]
     assert result.measured <= 40

@@ -15,7 +15,11 @@ One CTA computes one (tile_m rows of Q) x (one head) x (one batch) tile of O and
 * causal masking is applied only to the K blocks that cross the diagonal (bottom-right aligned), and
   blocks above the diagonal are never loaded; causal tiles are scheduled longest first, grouped by heads
   so that the K/V of the heads in flight stay in L2;
-* O leaves through shared memory (reusing Q's buffer) and a TMA store; LSE is written per row.
+* O leaves through shared memory (reusing Q's buffer) and a TMA store; LSE is written per row;
+* with `persistent` the grid is one CTA per SM and each CTA walks the tiles (the longest-first causal
+  order included) with a fixed stride: the producer loads the next tile's Q and K/V while the consumers
+  finish this one, so the prologue and epilogue of a tile hide under its neighbours' main loops. O then
+  has its own shared buffer, and the consumers release Q after their last S GEMM.
 """
 
 from __future__ import annotations
@@ -82,6 +86,9 @@ class FlashForwardSm90:
         self.rescale_threshold = config.rescale_threshold
         self.emu_share = config.emu_share
         self.poly_degree = config.poly_degree
+        self.rescale_branch = config.rescale_branch
+        self.persistent = config.persistent
+        self.num_sms = target.sm_count
 
     # --------------------------------------------------------------------------------------------
     # Host side
@@ -117,8 +124,13 @@ class FlashForwardSm90:
         sV_layout = smem_tile_layout(self.dtype, tile_n, dv, self.num_stages)
         sO_layout = smem_tile_layout(self.dtype, tile_m, dv)
 
-        # O is staged in Q's buffer: Q is dead once every consumer has issued its last S GEMM.
+        # Single tile: O is staged in Q's buffer (Q is dead once every consumer has issued its last S
+        # GEMM). Persistent: the next tile's Q loads while this tile's O is stored, so O has its own.
         q_o_elems = max(cute.cosize(sQ_layout), cute.cosize(sO_layout))
+        o_elems = 0
+        if const_expr(self.persistent):
+            q_o_elems = cute.cosize(sQ_layout)
+            o_elems = cute.cosize(sO_layout)
 
         @cute.struct
         class SharedStorage:
@@ -132,6 +144,8 @@ class FlashForwardSm90:
             sV: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], resources.SMEM_ALIGN
             ]
+            if const_expr(self.persistent):
+                sO: cute.struct.Align[cute.struct.MemRange[self.dtype, o_elems], resources.SMEM_ALIGN]
 
         load = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(load, mQ, sQ_layout, (tile_m, d))
@@ -149,7 +163,11 @@ class FlashForwardSm90:
         bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
 
         num_m_blocks = cute.ceil_div(cute.size(mQ.shape[0]), tile_m)
-        if const_expr(self.causal):
+        if const_expr(self.persistent):
+            # One CTA per SM (shared memory allows no more), each walking the tiles with stride grid.
+            num_tiles = num_m_blocks * cute.size(mQ.shape[2]) * cute.size(mQ.shape[3])
+            grid = [cutlass.min(num_tiles, self.num_sms), 1, 1]
+        elif const_expr(self.causal):
             # One flat index, decoded longest-first in tile_coords.
             grid = [num_m_blocks * cute.size(mQ.shape[2]) * cute.size(mQ.shape[3]), 1, 1]
         else:
@@ -174,30 +192,54 @@ class FlashForwardSm90:
     # Device side
     # --------------------------------------------------------------------------------------------
     @cute.jit
-    def tile_coords(self, mQ: cute.Tensor, heads_per_l2_group: Int32):
-        """(m_block, head, batch) of this CTA.
+    def tile_coords(self, mQ: cute.Tensor, heads_per_l2_group: Int32, tile: Int32):
+        """(m_block, head, batch) of tile number `tile` (a persistent CTA's current tile, or this
+        CTA's block index).
 
-        Non-causal tiles all cost the same: the grid is (m, head, batch) as is. Causal tiles are
-        scheduled longest first (last rows first) and grouped by `heads_per_l2_group` heads whose K/V
-        fit in L2 together; inside a group the head index runs fastest."""
-        if const_expr(not self.causal):
-            m_block, head, batch = cute.arch.block_idx()
-            return m_block, head, batch
+        Non-causal tiles all cost the same: m blocks run fastest, then heads, then batches, so the
+        m blocks of one head, which share its K/V, run side by side. Causal tiles are scheduled longest
+        first (last rows first) and grouped by `heads_per_l2_group` heads whose K/V fit in L2
+        together; inside a group the head index runs fastest."""
         seqlen_q = mQ.shape[0]
         nheads = mQ.shape[2]
-        num_bh = nheads * mQ.shape[3]
         num_m = (seqlen_q + self.tile_m - 1) // self.tile_m
-        tile = cute.arch.block_idx()[0]
-        group_span = heads_per_l2_group * num_m
-        group = tile // group_span
-        within = tile - group * group_span
-        heads_here = cutlass.min(heads_per_l2_group, num_bh - group * heads_per_l2_group)
-        m_idx = within // heads_here
-        bh = group * heads_per_l2_group + (within - m_idx * heads_here)
-        m_block = num_m - 1 - m_idx
+        m_block = tile
+        bh = tile
+        if const_expr(not self.causal):
+            bh = tile // num_m
+            m_block = tile - bh * num_m
+        else:
+            num_bh = nheads * mQ.shape[3]
+            group_span = heads_per_l2_group * num_m
+            group = tile // group_span
+            within = tile - group * group_span
+            heads_here = cutlass.min(heads_per_l2_group, num_bh - group * heads_per_l2_group)
+            m_idx = within // heads_here
+            bh = group * heads_per_l2_group + (within - m_idx * heads_here)
+            m_block = num_m - 1 - m_idx
         batch = bh // nheads
         head = bh - batch * nheads
         return m_block, head, batch
+
+    def first_tile(self, mQ: cute.Tensor):
+        """This CTA's first tile number and the number of tiles. A non-persistent CTA has one tile:
+        its block index (the 3-D grid of non-causal runs flattened the way tile_coords reads it)."""
+        num_m = (mQ.shape[0] + self.tile_m - 1) // self.tile_m
+        num_tiles = num_m * mQ.shape[2] * mQ.shape[3]
+        bx, by, bz = cute.arch.block_idx()
+        tile = bx
+        if const_expr(not self.persistent and not self.causal):
+            tile = bx + num_m * (by + mQ.shape[2] * bz)
+        return tile, num_tiles
+
+    def next_tile(self, tile, num_tiles):
+        """The tile after `tile` for this CTA (num_tiles or more when it has no more): persistent CTAs
+        take one tile per round of grid-size tiles. (Causal tiles differ in length, so CTAs drift
+        apart in the tile order and the heads in flight no longer fit L2 together; dealing them in a
+        snake order drifted further and measured slower still, see docs/kernel-notes.md.)"""
+        if const_expr(not self.persistent):
+            return num_tiles
+        return tile + cute.arch.grid_dim()[0]
 
     @cute.jit
     def n_block_range(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
@@ -271,34 +313,50 @@ class FlashForwardSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner, dtype=self.dtype)
-
-        m_block, head, batch = self.tile_coords(mQ, heads_per_l2_group)
-        head_kv = head // (mQ.shape[2] // mK.shape[2])
-        seqlen_q = mQ.shape[0]
-        seqlen_k = mK.shape[0]
-        n_block_max, n_mask_min = self.n_block_range(m_block, seqlen_q, seqlen_k)
+        if const_expr(self.persistent):
+            sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        else:
+            sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner, dtype=self.dtype)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.produce(
                     mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
-                    m_block, head, head_kv, batch, n_block_max,
+                    heads_per_l2_group,
                 )
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(
-                mO, mLSE, sQ, sK, sV, sO, tma_o, mma_qk, mma_pv, pipe_q, pipe_k, pipe_v,
-                softmax_scale_log2, m_block, head, batch, seqlen_q, seqlen_k,
-                n_block_max, n_mask_min, tidx - 128,
+                mQ, mO, mLSE, sQ, sK, sV, sO, tma_o, mma_qk, mma_pv, pipe_q, pipe_k, pipe_v,
+                softmax_scale_log2, heads_per_l2_group, mK.shape[0], tidx - 128,
             )
 
     # ---- producer ------------------------------------------------------------------------------
     @cute.jit
     def produce(
+        self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v, heads_per_l2_group,
+    ):
+        """Load Q and the visible K/V blocks of each of this CTA's tiles. The stage sequence runs on
+        across tiles: a persistent CTA fills the next tile's stages as soon as they free up."""
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        tile, num_tiles = self.first_tile(mQ)
+        while tile < num_tiles:
+            m_block, head, batch = self.tile_coords(mQ, heads_per_l2_group, tile)
+            head_kv = head // (mQ.shape[2] // mK.shape[2])
+            n_block_max, _ = self.n_block_range(m_block, mQ.shape[0], mK.shape[0])
+            if n_block_max > 0:
+                kv_state, q_state = self.produce_tile(
+                    mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
+                    m_block, head, head_kv, batch, n_block_max, kv_state, q_state,
+                )
+            tile = self.next_tile(tile, num_tiles)
+
+    @cute.jit
+    def produce_tile(
         self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
-        m_block, head, head_kv, batch, n_block_max,
+        m_block, head, head_kv, batch, n_block_max, kv_state, q_state,
     ):
         gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
@@ -311,29 +369,29 @@ class FlashForwardSm90:
         tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one_cta, cute.group_modes(sV, 0, 2),
                                            cute.group_modes(gV, 0, 2))
 
-        if n_block_max > 0:
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-            # K of the first block goes first: the first S GEMM needs it together with Q.
-            self.load_stage(tma_k, pipe_k, tKgK, tKsK, n_block_max - 1, kv_state)
-            pipe_q.producer_acquire(q_state)
-            cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-            if const_expr(self.intra_wg_overlap):
-                # Consumers need K(j+1) before V(j): S GEMMs run one step ahead of PV GEMMs.
-                for i in cutlass.range(n_block_max - 1, unroll=1):
-                    n_block = n_block_max - 2 - i
-                    v_state = kv_state.clone()
-                    kv_state.advance()
-                    self.load_stage(tma_k, pipe_k, tKgK, tKsK, n_block, kv_state)
-                    self.load_stage(tma_v, pipe_v, tVgV, tVsV, n_block + 1, v_state)
-                self.load_stage(tma_v, pipe_v, tVgV, tVsV, 0, kv_state)
-            else:
-                self.load_stage(tma_v, pipe_v, tVgV, tVsV, n_block_max - 1, kv_state)
-                for i in cutlass.range(n_block_max - 1, unroll=1):
-                    n_block = n_block_max - 2 - i
-                    kv_state.advance()
-                    self.load_stage(tma_k, pipe_k, tKgK, tKsK, n_block, kv_state)
-                    self.load_stage(tma_v, pipe_v, tVgV, tVsV, n_block, kv_state)
+        # K of the first block goes first: the first S GEMM needs it together with Q.
+        self.load_stage(tma_k, pipe_k, tKgK, tKsK, n_block_max - 1, kv_state)
+        pipe_q.producer_acquire(q_state)
+        cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        q_state.advance()
+        if const_expr(self.intra_wg_overlap):
+            # Consumers need K(j+1) before V(j): S GEMMs run one step ahead of PV GEMMs.
+            for i in cutlass.range(n_block_max - 1, unroll=1):
+                n_block = n_block_max - 2 - i
+                v_state = kv_state.clone()
+                kv_state.advance()
+                self.load_stage(tma_k, pipe_k, tKgK, tKsK, n_block, kv_state)
+                self.load_stage(tma_v, pipe_v, tVgV, tVsV, n_block + 1, v_state)
+            self.load_stage(tma_v, pipe_v, tVgV, tVsV, 0, kv_state)
+        else:
+            self.load_stage(tma_v, pipe_v, tVgV, tVsV, n_block_max - 1, kv_state)
+            for i in cutlass.range(n_block_max - 1, unroll=1):
+                n_block = n_block_max - 2 - i
+                kv_state.advance()
+                self.load_stage(tma_k, pipe_k, tKgK, tKsK, n_block, kv_state)
+                self.load_stage(tma_v, pipe_v, tVgV, tVsV, n_block, kv_state)
+        kv_state.advance()  # the next tile starts on the next stage
+        return kv_state, q_state
 
     def load_stage(self, tma, pipe, gsrc, sdst, n_block, state):
         """Wait for the stage to be free, then TMA one K or V block into it."""
@@ -378,9 +436,8 @@ class FlashForwardSm90:
 
     @cute.jit
     def consume(
-        self, mO, mLSE, sQ, sK, sV, sO, tma_o, mma_qk, mma_pv, pipe_q, pipe_k, pipe_v,
-        softmax_scale_log2, m_block, head, batch, seqlen_q, seqlen_k,
-        n_block_max, n_mask_min, ctid,
+        self, mQ, mO, mLSE, sQ, sK, sV, sO, tma_o, mma_qk, mma_pv, pipe_q, pipe_k, pipe_v,
+        softmax_scale_log2, heads_per_l2_group, seqlen_k, ctid,
     ):
         wg = cute.arch.make_warp_uniform(ctid // 128)
         wg_mma_qk = mma_qk.get_slice(wg * 128)
@@ -390,67 +447,101 @@ class FlashForwardSm90:
         tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
         tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(swap_first_modes(sV)))
         acc_O = cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((self.tile_m, self.head_dim_v)), Float32)
-        acc_O.fill(0.0)
         tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n)))
         s_shape = wg_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
 
         softmax = OnlineSoftmax(
             softmax_scale_log2, cute.size(acc_rows_cols(acc_O), mode=[0]), self.rescale_threshold,
-            self.emu_share, self.poly_degree,
+            self.emu_share, self.poly_degree, self.rescale_branch,
         )
-        softmax.reset()
         row_scale = cute.make_rmem_tensor(softmax.num_rows, Float32)
 
         if const_expr(self.wg_pingpong and self.num_consumer_wg > 1):
             if wg == 0:  # the first warpgroup starts with its turn
                 cute.arch.barrier_arrive(barrier_id=BARRIER_TURN_FIRST, number_of_threads=256)
 
-        if n_block_max > 0:
-            pipe_q.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
-            kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-            if const_expr(self.intra_wg_overlap):
-                # First block: S GEMM, mask (seqlen and causal), softmax; its PV GEMM waits for the
-                # next S GEMM to be issued.
-                acc_S = cute.make_rmem_tensor(s_shape, Float32)
-                pipe_k.consumer_wait(kv)
-                wgmma(mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], accumulate=False, wait=0)
-                pipe_k.consumer_release(kv)
-                self.mask_scores(acc_S, thr_mma_qk, m_block, n_block_max - 1, seqlen_q, seqlen_k,
-                                 self.causal)
-                softmax.step(acc_S, True, row_scale)
-                tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
-                n_masked = 0
-                if const_expr(self.causal):
-                    n_masked = cutlass.max(n_block_max - 1 - n_mask_min, 0)
-                for i in cutlass.range(n_masked, unroll=1):
-                    kv = self.overlapped_step(kv, n_block_max - 2 - i, True, wg, acc_O, tOrP, s_shape,
-                                              tSrQ, tSrK, tOrVt, mma_qk, mma_pv, pipe_k, pipe_v,
-                                              softmax, row_scale, thr_mma_qk, m_block, seqlen_q, seqlen_k)
-                n_unmasked = n_block_max - 1
-                if const_expr(self.causal):
-                    n_unmasked = cutlass.min(n_block_max - 1, n_mask_min)
-                for i in cutlass.range(n_unmasked, unroll=1):
-                    kv = self.overlapped_step(kv, n_unmasked - 1 - i, False, wg, acc_O, tOrP, s_shape,
-                                              tSrQ, tSrK, tOrVt, mma_qk, mma_pv, pipe_k, pipe_v,
-                                              softmax, row_scale, thr_mma_qk, m_block, seqlen_q, seqlen_k)
-                # Last PV GEMM.
-                pipe_v.consumer_wait(kv)
-                wgmma(mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv.index], accumulate=True, wait=0)
-                pipe_v.consumer_release(kv)
-            else:
-                self.turn_wait(wg)
-                n_masked = 1
-                if const_expr(self.causal):
-                    n_masked = cutlass.max(n_block_max - n_mask_min, 1)
-                for i in cutlass.range(n_block_max, unroll=1):
-                    kv = self.serial_step(kv, n_block_max - 1 - i, i, n_masked, wg, acc_O, tOrP, s_shape,
+        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        seqlen_q = mQ.shape[0]
+        tile, num_tiles = self.first_tile(mQ)
+        while tile < num_tiles:
+            m_block, head, batch = self.tile_coords(mQ, heads_per_l2_group, tile)
+            n_block_max, n_mask_min = self.n_block_range(m_block, seqlen_q, seqlen_k)
+            acc_O.fill(0.0)
+            softmax.reset()
+            if n_block_max > 0:
+                kv, q_state = self.mainloop(
+                    kv, q_state, wg, acc_O, tOrP, s_shape, tSrQ, tSrK, tOrVt, mma_qk, mma_pv,
+                    pipe_q, pipe_k, pipe_v, softmax, row_scale, thr_mma_qk, m_block, seqlen_q, seqlen_k,
+                    n_block_max, n_mask_min,
+                )
+            lse = cute.make_rmem_tensor(softmax.num_rows, Float32)
+            softmax.finalize(acc_O, lse)
+            self.epilogue(acc_O, lse, mO, mLSE, sO, tma_o, mma_pv, ctid, m_block, head, batch, seqlen_q)
+            tile = self.next_tile(tile, num_tiles)
+        if const_expr(self.persistent):
+            if ctid < 32:  # the last O store must have read shared memory before the CTA exits
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def mainloop(
+        self, kv, q_state, wg, acc_O, tOrP, s_shape, tSrQ, tSrK, tOrVt, mma_qk, mma_pv,
+        pipe_q, pipe_k, pipe_v, softmax, row_scale, thr_mma_qk, m_block, seqlen_q, seqlen_k,
+        n_block_max, n_mask_min,
+    ):
+        """All K/V blocks of one tile (n_block_max > 0), last block first. Returns the pipeline states
+        for the next tile."""
+        pipe_q.consumer_wait(q_state)
+        if const_expr(self.intra_wg_overlap):
+            # First block: S GEMM, mask (seqlen and causal), softmax; its PV GEMM waits for the
+            # next S GEMM to be issued.
+            acc_S = cute.make_rmem_tensor(s_shape, Float32)
+            pipe_k.consumer_wait(kv)
+            wgmma(mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], accumulate=False, wait=0)
+            pipe_k.consumer_release(kv)
+            self.mask_scores(acc_S, thr_mma_qk, m_block, n_block_max - 1, seqlen_q, seqlen_k,
+                             self.causal)
+            softmax.step(acc_S, True, row_scale)
+            tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
+            n_masked = 0
+            if const_expr(self.causal):
+                n_masked = cutlass.max(n_block_max - 1 - n_mask_min, 0)
+            for i in cutlass.range(n_masked, unroll=1):
+                kv = self.overlapped_step(kv, n_block_max - 2 - i, True, wg, acc_O, tOrP, s_shape,
                                           tSrQ, tSrK, tOrVt, mma_qk, mma_pv, pipe_k, pipe_v,
                                           softmax, row_scale, thr_mma_qk, m_block, seqlen_q, seqlen_k)
-                self.turn_pass(wg)
+            n_unmasked = n_block_max - 1
+            if const_expr(self.causal):
+                n_unmasked = cutlass.min(n_block_max - 1, n_mask_min)
+            for i in cutlass.range(n_unmasked, unroll=1):
+                kv = self.overlapped_step(kv, n_unmasked - 1 - i, False, wg, acc_O, tOrP, s_shape,
+                                          tSrQ, tSrK, tOrVt, mma_qk, mma_pv, pipe_k, pipe_v,
+                                          softmax, row_scale, thr_mma_qk, m_block, seqlen_q, seqlen_k)
+            # Every S GEMM of the tile is done: Q's buffer may take the next tile's Q.
+            self.release_q(pipe_q, q_state)
+            # Last PV GEMM.
+            pipe_v.consumer_wait(kv)
+            wgmma(mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv.index], accumulate=True, wait=0)
+            pipe_v.consumer_release(kv)
+            kv.advance()
+        else:
+            self.turn_wait(wg)
+            n_masked = 1
+            if const_expr(self.causal):
+                n_masked = cutlass.max(n_block_max - n_mask_min, 1)
+            for i in cutlass.range(n_block_max, unroll=1):
+                kv = self.serial_step(kv, n_block_max - 1 - i, i, n_masked, wg, acc_O, tOrP, s_shape,
+                                      tSrQ, tSrK, tOrVt, mma_qk, mma_pv, pipe_k, pipe_v,
+                                      softmax, row_scale, thr_mma_qk, m_block, seqlen_q, seqlen_k)
+            self.turn_pass(wg)
+            self.release_q(pipe_q, q_state)
+        q_state.advance()
+        return kv, q_state
 
-        lse = cute.make_rmem_tensor(softmax.num_rows, Float32)
-        softmax.finalize(acc_O, lse)
-        self.epilogue(acc_O, lse, mO, mLSE, sO, tma_o, mma_pv, ctid, m_block, head, batch, seqlen_q)
+    def release_q(self, pipe_q, q_state):
+        # A single-tile CTA never reloads Q (and its O is staged in Q's buffer).
+        if const_expr(self.persistent):
+            pipe_q.consumer_release(q_state)
 
     @cute.jit
     def overlapped_step(self, kv, n_block, masked: cutlass.Constexpr[bool], wg, acc_O, tOrP, s_shape,
@@ -474,8 +565,12 @@ class FlashForwardSm90:
         softmax.step(acc_S, False, row_scale)
         warpgroup.wait_group(0)
         pipe_v.consumer_release(kv_v)
-        softmax.rescale(acc_O, row_scale)
-        tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
+        if const_expr(self.rescale_branch):
+            softmax.rescale(acc_O, row_scale)
+            tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
+        else:
+            tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
+            softmax.rescale(acc_O, row_scale)
         return kv
 
     @cute.jit
@@ -510,7 +605,11 @@ class FlashForwardSm90:
     def epilogue(self, acc_O, lse, mO, mLSE, sO, tma_o, mma_pv, ctid, m_block, head, batch, seqlen_q):
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
-        # Every consumer has issued (and waited for) its last S GEMM: Q's buffer is free for O.
+        if const_expr(self.persistent):
+            if ctid < 32:  # the previous tile's O store has read O's buffer
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        # Single tile: every consumer has issued (and waited for) its last S GEMM, so Q's buffer is
+        # free for O. Persistent: O's own buffer is free.
         cute.arch.barrier(barrier_id=BARRIER_EPILOGUE, number_of_threads=self.num_consumer_threads)
         store_atom = cute.make_copy_atom(
             cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
@@ -539,4 +638,5 @@ class FlashForwardSm90:
                                                cute.group_modes(gO, 0, 2))
             cute.copy(tma_o, tOsO, tOgO)
             cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            if const_expr(not self.persistent):
+                cute.arch.cp_async_bulk_wait_group(0, read=True)

@@ -42,8 +42,9 @@ def _round_up(n: int, align: int) -> int:
 
 
 def smem_layout_bytes(config: "FwdConfig", problem: "Problem") -> dict[str, int]:
-    """Bytes of each shared-memory buffer. O is staged through Q's buffer (Q is dead once the last
-    S GEMM has read it), so that region is sized for the larger of the two."""
+    """Bytes of each shared-memory buffer. A single-tile CTA stages O through Q's buffer (Q is dead
+    once the last S GEMM has read it), so that region is sized for the larger of the two; a persistent
+    CTA loads the next Q while O is stored, so O has a buffer of its own."""
     d, dv = problem.head_dim, problem.head_dim_v
     q = config.tile_m * d * ELEMENT_BYTES
     o = config.tile_m * dv * ELEMENT_BYTES
@@ -51,9 +52,13 @@ def smem_layout_bytes(config: "FwdConfig", problem: "Problem") -> dict[str, int]
     v = config.num_stages * config.tile_n * dv * ELEMENT_BYTES
     # full + empty barrier per stage for K and for V, plus Q's pair.
     barriers = (2 + 4 * config.num_stages) * MBARRIER_BYTES
+    if config.persistent:
+        q_o = {"q": _round_up(q, SMEM_ALIGN), "o": _round_up(o, SMEM_ALIGN)}
+    else:
+        q_o = {"q_o": _round_up(max(q, o), SMEM_ALIGN)}
     return {
         "barriers": _round_up(barriers, SMEM_ALIGN),
-        "q_o": _round_up(max(q, o), SMEM_ALIGN),
+        **q_o,
         "k": _round_up(k, SMEM_ALIGN),
         "v": _round_up(v, SMEM_ALIGN),
     }
@@ -70,7 +75,8 @@ def smem_reasons(config: "FwdConfig", problem: "Problem", target: Target) -> lis
         return [
             f"shared memory {used / 1024:.0f} KB exceeds the {target.smem_per_block // 1024} KB per block "
             f"of {target.name} (tile_m={config.tile_m}, tile_n={config.tile_n}, "
-            f"num_stages={config.num_stages}, head dims {problem.head_dim}/{problem.head_dim_v}: {parts})"
+            f"num_stages={config.num_stages}{', persistent' if config.persistent else ''}, "
+            f"head dims {problem.head_dim}/{problem.head_dim_v}: {parts})"
         ]
     return []
 

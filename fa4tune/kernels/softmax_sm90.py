@@ -9,6 +9,10 @@ when the new row max exceeds it by more than `rescale_threshold` (log2 units, af
 Otherwise the stale max stays and P values may reach 2^threshold, which fp32 sums and bf16 P carry
 without loss. The final normalisation divides by the sum taken against that same max, so the output is
 exact whatever the threshold.
+
+With `rescale_branch` a warp skips the O rescale when none of its rows moved its max (a vote and a
+branch); without, O is always multiplied (by 1.0 for the rows that kept their max), which costs the
+multiplies but leaves the compiler one straight block to schedule the softmax in.
 """
 
 from __future__ import annotations
@@ -41,12 +45,14 @@ class OnlineSoftmax:
         rescale_threshold: float,
         emu_share: float,
         poly_degree: int,
+        rescale_branch: bool = True,
     ):
         self.scale_log2 = scale_log2
         self.num_rows = num_rows
         self.rescale_threshold = rescale_threshold
         self.emu_share = emu_share
         self.poly_degree = poly_degree
+        self.rescale_branch = rescale_branch
         self.row_max = cute.make_rmem_tensor(num_rows, Float32)
         self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
 
@@ -139,15 +145,21 @@ class OnlineSoftmax:
 
     @cute.jit
     def rescale(self, acc_O: cute.Tensor, row_scale: cute.Tensor):
-        """O rows *= row_scale, skipped when no row of the warp moved its max."""
-        moved = row_scale[0] != 1.0
-        for r in cutlass.range_constexpr(1, self.num_rows):
-            moved = moved | (row_scale[r] != 1.0)
-        if cute.arch.vote_any_sync(moved):
-            out = acc_rows_cols(acc_O)
-            for r in cutlass.range_constexpr(self.num_rows):
-                for c in cutlass.range_constexpr(cute.size(out, mode=[1])):
-                    out[r, c] = out[r, c] * row_scale[r]
+        """O rows *= row_scale; with rescale_branch, skipped when no row of the warp moved its max."""
+        if cutlass.const_expr(self.rescale_branch):
+            moved = row_scale[0] != 1.0
+            for r in cutlass.range_constexpr(1, self.num_rows):
+                moved = moved | (row_scale[r] != 1.0)
+            if cute.arch.vote_any_sync(moved):
+                self._scale_rows(acc_O, row_scale)
+        else:
+            self._scale_rows(acc_O, row_scale)
+
+    def _scale_rows(self, acc_O: cute.Tensor, row_scale: cute.Tensor):
+        out = acc_rows_cols(acc_O)
+        for r in range(self.num_rows):  # unrolled at trace time
+            for c in range(cute.size(out, mode=[1])):
+                out[r, c] = out[r, c] * row_scale[r]
 
     @cute.jit
     def finalize(self, acc_O: cute.Tensor, lse: cute.Tensor):

@@ -9,7 +9,8 @@ Per K/V step of one CTA (tile_m query rows against tile_n keys) it costs
   - the shared-memory operand traffic of the GEMMs,
 and overlaps the GEMMs with the softmax side (intra-warpgroup overlap and warpgroup ping-pong). K/V loads have a
 latency that `num_stages - 1` loads in flight hide. CTAs are scheduled on sm_count × (CTAs per SM)
-slots (wave quantisation; causal CTAs longest first), and the kernel can never beat HBM."""
+slots (wave quantisation; causal CTAs longest first), and the kernel can never beat HBM. A persistent
+kernel pays the CTA start and the first loads once per SM; later tiles load under their predecessor."""
 
 from __future__ import annotations
 
@@ -103,9 +104,12 @@ class CostModel:
         tensor = 2.0 * tm * tn * (d + dv) / (t.tensor_flops_per_clk * self.tensor_efficiency())
         elements = tm * tn
         softmax = elements * softmax_clocks_per_element(t, config.emu_share, config.poly_degree, a)
-        softmax += rescale_fraction(config.rescale_threshold, steps) * tm * dv / t.alu_issue_per_clk
-        if config.rescale_threshold > 0:
-            softmax += 2.0 * tm / t.alu_issue_per_clk  # the per-row vote on whether to rescale
+        if getattr(config, "rescale_branch", True):
+            softmax += rescale_fraction(config.rescale_threshold, steps) * tm * dv / t.alu_issue_per_clk
+            if config.rescale_threshold > 0:
+                softmax += 2.0 * tm / t.alu_issue_per_clk  # the per-row vote on whether to rescale
+        else:  # O is multiplied on every step
+            softmax += tm * dv / t.alu_issue_per_clk
         if masked:
             softmax += 2.0 * elements / t.alu_issue_per_clk  # compare and select per element
         # Every consumer warpgroup reads the K and V tiles from shared memory, and Q once per step.
@@ -121,18 +125,23 @@ class CostModel:
         memory = max(ctas_per_sm * transfer, fetch / (config.num_stages - 1))
         return max(ctas_per_sm * compute, memory)
 
+    def start_clocks(self, config, problem) -> float:
+        """CTA start, Q's load and the first K/V round trip: once per tile, or once per SM when
+        persistent."""
+        a = self.assumptions
+        prologue = a.load_latency_clk + config.tile_m * problem.head_dim * 2 / a.l2_bytes_per_clk_per_sm
+        return a.cta_overhead_clk + prologue + a.load_latency_clk
+
     def cta_clocks(self, config, problem, ctas_per_sm: int, steps: int, masked_steps: int) -> float:
         t, a = self.target, self.assumptions
-        tm, d, dv = config.tile_m, problem.head_dim, problem.head_dim_v
-        prologue = a.load_latency_clk + tm * d * 2 / a.l2_bytes_per_clk_per_sm
+        tm, dv = config.tile_m, problem.head_dim_v
+        start = 0.0 if getattr(config, "persistent", False) else self.start_clocks(config, problem)
         epilogue = tm * dv * 2 / a.l2_bytes_per_clk_per_sm + ctas_per_sm * tm * dv / t.alu_issue_per_clk
         if steps == 0:
-            return a.cta_overhead_clk + epilogue
+            return min(start, a.cta_overhead_clk) + epilogue
         plain = self.step_clocks(config, problem, ctas_per_sm, steps, masked=False)
         masked = self.step_clocks(config, problem, ctas_per_sm, steps, masked=True)
-        first_load = a.load_latency_clk  # the pipeline fills once per CTA
-        return (a.cta_overhead_clk + prologue + first_load + (steps - masked_steps) * plain
-                + masked_steps * masked + epilogue)
+        return start + (steps - masked_steps) * plain + masked_steps * masked + epilogue
 
     def kv_steps(self, config, problem) -> list[tuple[int, int, int]]:
         """(steps, masked steps, number of CTAs) for each distinct kind of CTA."""
@@ -165,6 +174,8 @@ class CostModel:
         else:
             makespan = _longest_first_makespan(durations, slots)
             waves = None
+        if getattr(config, "persistent", False):
+            makespan += self.start_clocks(config, problem)
         compute_s = makespan / (t.clock_mhz * 1e6)
         hbm_s = problem.bytes_min / t.hbm_bytes_per_s
         total = max(compute_s, hbm_s) + a.launch_overhead_us * 1e-6

@@ -1,6 +1,8 @@
 """K/V pipeline and scheduling: how many TMA stages are in flight, whether a warpgroup overlaps its
 softmax with its next QK^T GEMM (two score tiles live at once: more registers), and whether the
-consumer warpgroups ping-pong so that one's softmax overlaps the other's GEMMs."""
+consumer warpgroups ping-pong so that one's softmax overlaps the other's GEMMs; and whether CTAs are
+persistent (one per SM, loading the next tile while finishing this one; O then needs its own shared
+memory)."""
 
 from __future__ import annotations
 
@@ -9,8 +11,8 @@ from .base import SearchSpace
 
 class PipelineSpace(SearchSpace):
     name = "pipeline"
-    knobs = ("num_stages", "intra_wg_overlap", "wg_pingpong")
-    description = "K/V pipeline depth, intra-warpgroup overlap, warpgroup ping-pong"
+    knobs = ("num_stages", "intra_wg_overlap", "wg_pingpong", "persistent")
+    description = "K/V pipeline depth, intra-warpgroup overlap, warpgroup ping-pong, persistent CTAs"
 
     def check(self, problem, config, target) -> list[str]:
         from ..kernels import resources

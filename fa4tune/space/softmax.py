@@ -1,6 +1,7 @@
 """Online-softmax rescaling: skip the O rescale while the running row max rose by at most
 `rescale_threshold` (log2 units). Unnormalised probabilities then reach 2**threshold, which the P
-operand's dtype must hold with headroom for the row sum."""
+operand's dtype must hold with headroom for the row sum. `rescale_branch`: skip the multiplies with a
+warp vote and a branch, or always multiply (one straight block for the compiler to schedule)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ _DTYPE_MAX = {"fp16": 65504.0, "bf16": 3.3895e38}
 
 class SoftmaxSpace(SearchSpace):
     name = "softmax"
-    knobs = ("rescale_threshold",)
-    description = "online softmax: threshold below which the O rescale is skipped"
+    knobs = ("rescale_threshold", "rescale_branch")
+    description = "online softmax: threshold below which the O rescale is skipped, and how it is skipped"
 
     def check(self, problem, config, target) -> list[str]:
         threshold = config.rescale_threshold
