@@ -216,8 +216,10 @@ def render(rows, header: dict) -> str:
         f"Measured {header['date']} on {header['gpu']} (driver {header['driver']}, CUDA {header['cuda']}); "
         f"torch {header['torch']}, nvidia-cutlass-dsl {header['dsl']}, flash-attn-4 {header['fa4']}. "
         f"Kernel hash {header['kernel_hash'][:12]}; results DB `{header['db']}`. "
-        f"Each column: {header['rounds']} interleaved rounds of `fa4tune.measure.timing.time_cuda` (L2 flushed "
-        "before every run, median of at least 20 runs), the median of the rounds; every column checked "
+        + (f"Each column: {header['rounds']} interleaved rounds of " if header["rounds"] > 1 else
+           "Each column: one round (the columns one after another) of ")
+        + "`fa4tune.measure.timing.time_cuda` (L2 flushed before every run, median of at least 20 runs)"
+        + (", the median of the rounds" if header["rounds"] > 1 else "") + "; every column checked "
         "against the fp32 reference first. TFLOP/s = 4·b·h·s_q·s_k·d (causal: unmasked pairs) / time. "
         "Written by `benchmarks/tuning_report.py`.",
         "",
