@@ -111,3 +111,20 @@ def test_never_faster_than_hbm_and_targets_differ():
     # The H100 has the H200's SM: same compute-bound time; B200's tensor cores are twice as fast.
     assert CostModel(get_target("H100-SXM")).time_s(config(), p)[0] == pytest.approx(MODEL.time_s(config(), p)[0], rel=0.01)
     assert CostModel(get_target("B200")).time_s(config(), p)[0] < MODEL.time_s(config(), p)[0]
+
+
+def test_persistent_hides_the_tile_start_and_deals_causal_tiles_in_turn():
+    from fa4tune.measure.model import _fixed_stride_makespan, _longest_first_makespan
+
+    # Tiles in order 3, 2, 1 on two CTAs: dealt in turn, CTA 0 gets 3 and 1; longest-first list
+    # scheduling gives the 1 to the CTA that finished first.
+    assert _fixed_stride_makespan([(3.0, 1), (2.0, 1), (1.0, 1)], 2) == 4.0
+    assert _longest_first_makespan([(3.0, 1), (2.0, 1), (1.0, 1)], 2) == 3.0
+    # Counts that do not divide the CTAs carry the deal over from one kind to the next.
+    assert _fixed_stride_makespan([(2.0, 3), (1.0, 3)], 2) == 2.0 + 2.0 + 1.0
+    model = CostModel(get_target("H200"))
+    base = get_kernel().default_config(Problem(dtype="bf16", head_dim=128, causal=False, seqlen_q=1024,
+                                               seqlen_k=1024, batch=16, nheads_q=16), get_target("H200"))
+    short = Problem(dtype="bf16", head_dim=128, seqlen_q=1024, seqlen_k=1024, batch=16, nheads_q=16)
+    one_tile = dataclasses.replace(base, persistent=False)
+    assert model.time_s(base, short)[0] < model.time_s(one_tile, short)[0]  # starts hidden

@@ -1,9 +1,10 @@
 """FA4-style forward attention for Hopper (sm_90a) in the CuTe DSL.
 
-One CTA computes one (tile_m rows of Q) x (one head) x (one batch) tile of O and its LSE:
+A CTA computes (tile_m rows of Q) x (one head) x (one batch) tiles of O and their LSE, one tile (or,
+with `persistent`, one after another):
 
-* warpgroup 0 is the producer: after setmaxnreg lowers its registers, one warp loads Q once and K/V
-  tiles through a `num_stages` TMA + mbarrier pipeline;
+* warpgroup 0 is the producer: after setmaxnreg lowers its registers, one warp loads each tile's Q and
+  its K/V blocks through a `num_stages` TMA + mbarrier pipeline;
 * warpgroups 1..tile_m/64 are consumers, 64 rows of Q each, with more registers. They issue
   S = Q K^T (both operands in shared memory) and O += P V (P from registers) as wgmma, and run the
   online softmax in registers between the two;
@@ -15,11 +16,13 @@ One CTA computes one (tile_m rows of Q) x (one head) x (one batch) tile of O and
 * causal masking is applied only to the K blocks that cross the diagonal (bottom-right aligned), and
   blocks above the diagonal are never loaded; causal tiles are scheduled longest first, grouped by heads
   so that the K/V of the heads in flight stay in L2;
-* O leaves through shared memory (reusing Q's buffer) and a TMA store; LSE is written per row;
+* O leaves through shared memory (Q's buffer, or with `persistent` a buffer of its own) and a TMA store;
+  LSE is written per row;
 * with `persistent` the grid is one CTA per SM and each CTA walks the tiles (the longest-first causal
   order included) with a fixed stride: the producer loads the next tile's Q and K/V while the consumers
-  finish this one, so the prologue and epilogue of a tile hide under its neighbours' main loops. O then
-  has its own shared buffer, and the consumers release Q after their last S GEMM.
+  finish this one, so the prologue and epilogue of a tile hide under its neighbours' main loops. The
+  consumers release Q once the tile's S GEMMs are done (after its last GEMM without
+  `intra_wg_overlap`).
 """
 
 from __future__ import annotations
@@ -48,9 +51,14 @@ from .softmax_sm90 import OnlineSoftmax
 
 DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 
-# Named barrier ids; 0 is __syncthreads.
-BARRIER_EPILOGUE = 1
+# Named barrier ids; 0 is __syncthreads. A warp that only arrives at a barrier may run on to that
+# barrier's next use before the waiting warps have left it, and its second arrival would then count
+# toward the first: the epilogue's two handoffs have an id each (with one id, the fast warps of a
+# persistent CTA could reach the next tile's O handoff early on a tile without keys). The turn
+# barriers are safe: a warpgroup passes the turn on only after it has waited for it.
+BARRIER_EPILOGUE = 1  # all consumers: O's buffer is free
 BARRIER_TURN_FIRST = 2  # one per consumer warpgroup: 2, 3, 4
+BARRIER_O_WRITTEN = 5  # consumers arrive, the storing warp waits: O is in shared memory
 
 
 class FlashForwardSm90:
@@ -164,7 +172,9 @@ class FlashForwardSm90:
 
         num_m_blocks = cute.ceil_div(cute.size(mQ.shape[0]), tile_m)
         if const_expr(self.persistent):
-            # One CTA per SM (shared memory allows no more), each walking the tiles with stride grid.
+            # One CTA per SM (the register split allows no more), each walking the tiles with stride
+            # grid. The SM count is the compile target's: on a GPU with fewer SMs the surplus CTAs
+            # run as a second wave, right but slower.
             num_tiles = num_m_blocks * cute.size(mQ.shape[2]) * cute.size(mQ.shape[3])
             grid = [cutlass.min(num_tiles, self.num_sms), 1, 1]
         elif const_expr(self.causal):
@@ -568,7 +578,7 @@ class FlashForwardSm90:
         if const_expr(self.rescale_branch):
             softmax.rescale(acc_O, row_scale)
             tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
-        else:
+        else:  # flash-attn-4's order: P first, then the (always taken) rescale
             tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
             softmax.rescale(acc_O, row_scale)
         return kv
@@ -630,9 +640,9 @@ class FlashForwardSm90:
         # of them and stores the tile, the others signal and are done.
         cute.arch.fence_view_async_shared()
         if ctid >= 32:
-            cute.arch.barrier_arrive(barrier_id=BARRIER_EPILOGUE, number_of_threads=self.num_consumer_threads)
+            cute.arch.barrier_arrive(barrier_id=BARRIER_O_WRITTEN, number_of_threads=self.num_consumer_threads)
         else:
-            cute.arch.barrier(barrier_id=BARRIER_EPILOGUE, number_of_threads=self.num_consumer_threads)
+            cute.arch.barrier(barrier_id=BARRIER_O_WRITTEN, number_of_threads=self.num_consumer_threads)
             gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim_v), (m_block, 0))
             tOsO, tOgO = cpasync.tma_partition(tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
                                                cute.group_modes(gO, 0, 2))

@@ -157,7 +157,9 @@ class OnlineSoftmax:
 
     def _scale_rows(self, acc_O: cute.Tensor, row_scale: cute.Tensor):
         out = acc_rows_cols(acc_O)
-        for r in range(self.num_rows):  # unrolled at trace time
+        # Plain Python loops, unrolled at trace time (this helper is not @cute.jit, on purpose: a
+        # staged loop here would index the accumulator fragment at run time).
+        for r in range(self.num_rows):
             for c in range(cute.size(out, mode=[1])):
                 out[r, c] = out[r, c] * row_scale[r]
 
