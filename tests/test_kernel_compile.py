@@ -10,8 +10,9 @@ import pytest
 
 pytestmark = pytest.mark.compile
 
-from fa4tune.kernels.config import ConfigError, FwdConfig, default_config  # noqa: E402
+from fa4tune.kernels.config import ConfigError, FwdConfig, default_config, infeasible_reasons  # noqa: E402
 from fa4tune.problem import Problem  # noqa: E402
+from fa4tune.target import get_target  # noqa: E402
 
 # (config or None for the default, dtype, head_dim, head_dim_v, causal)
 SPREAD = [
@@ -64,14 +65,6 @@ def test_infeasible_config_is_refused_before_compiling():
     with pytest.raises(ConfigError, match="poly_degree 1|degree 1"):
         compile_forward(FwdConfig(emu_share=0.25, poly_degree=1), "bf16", 128, 128, False, "H200")
     # Persistent CTAs give O its own buffer: 3 stages of hdim 128 fit without it, not with it.
-    compile_key_ok = FwdConfig(num_stages=3)
-    assert not default_infeasible(compile_key_ok)
+    assert not infeasible_reasons(Problem(dtype="bf16", head_dim=128), FwdConfig(num_stages=3), get_target("H200"))
     with pytest.raises(ConfigError, match="persistent.*o 32 KB"):
         compile_forward(FwdConfig(num_stages=3, persistent=True), "bf16", 128, 128, False, "H200")
-
-
-def default_infeasible(config):
-    from fa4tune.kernels.config import infeasible_reasons
-    from fa4tune.target import get_target
-
-    return infeasible_reasons(Problem(dtype="bf16", head_dim=128), config, get_target("H200"))

@@ -122,9 +122,8 @@ def test_persistent_hides_the_tile_start_and_deals_causal_tiles_in_turn():
     assert _longest_first_makespan([(3.0, 1), (2.0, 1), (1.0, 1)], 2) == 3.0
     # Counts that do not divide the CTAs carry the deal over from one kind to the next.
     assert _fixed_stride_makespan([(2.0, 3), (1.0, 3)], 2) == 2.0 + 2.0 + 1.0
-    model = CostModel(get_target("H200"))
-    base = get_kernel().default_config(Problem(dtype="bf16", head_dim=128, causal=False, seqlen_q=1024,
-                                               seqlen_k=1024, batch=16, nheads_q=16), get_target("H200"))
     short = Problem(dtype="bf16", head_dim=128, seqlen_q=1024, seqlen_k=1024, batch=16, nheads_q=16)
-    one_tile = dataclasses.replace(base, persistent=False)
-    assert model.time_s(base, short)[0] < model.time_s(one_tile, short)[0]  # starts hidden
+    persistent = KERNEL.default_config(short, H200)
+    assert persistent.persistent
+    one_tile = dataclasses.replace(persistent, persistent=False)
+    assert MODEL.time_s(persistent, short)[0] < MODEL.time_s(one_tile, short)[0]  # starts hidden

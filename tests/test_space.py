@@ -129,8 +129,9 @@ def test_probes_change_one_knob_each_nearest_first_and_stay_feasible():
     assert all(space.check(problem, space.full_config(problem, target, p), target) == [] for p in probes)
     # poly_degree alone is no kernel change while emu_share is 0: never probed by itself
     assert ["poly_degree"] not in changed
-    # the first round changes each of the six knobs that can change here once, before any a second time
-    assert len({c[0] for c in changed[:6]}) == 6
+    # the first round changes each knob that can change here once, before any a second time
+    knobs = len({c[0] for c in changed})
+    assert knobs >= 6 and len({c[0] for c in changed[:knobs]}) == knobs
     # numbers: the nearest other value first, the larger on a tie
     stages = [p["num_stages"] for p, c in zip(probes, changed) if c == ["num_stages"]]
     assert stages[:2] == [default["num_stages"] + 1, default["num_stages"] - 1]

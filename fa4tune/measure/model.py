@@ -104,7 +104,7 @@ class CostModel:
         tensor = 2.0 * tm * tn * (d + dv) / (t.tensor_flops_per_clk * self.tensor_efficiency())
         elements = tm * tn
         softmax = elements * softmax_clocks_per_element(t, config.emu_share, config.poly_degree, a)
-        if getattr(config, "rescale_branch", True):
+        if config.rescale_branch:
             softmax += rescale_fraction(config.rescale_threshold, steps) * tm * dv / t.alu_issue_per_clk
             if config.rescale_threshold > 0:
                 softmax += 2.0 * tm / t.alu_issue_per_clk  # the per-row vote on whether to rescale
@@ -135,10 +135,10 @@ class CostModel:
     def cta_clocks(self, config, problem, ctas_per_sm: int, steps: int, masked_steps: int) -> float:
         t, a = self.target, self.assumptions
         tm, dv = config.tile_m, problem.head_dim_v
-        start = 0.0 if getattr(config, "persistent", False) else self.start_clocks(config, problem)
+        start = 0.0 if config.persistent else self.start_clocks(config, problem)
         epilogue = tm * dv * 2 / a.l2_bytes_per_clk_per_sm + ctas_per_sm * tm * dv / t.alu_issue_per_clk
-        if steps == 0:
-            return min(start, a.cta_overhead_clk) + epilogue
+        if steps == 0:  # no loads: only the CTA start, and only without persistence
+            return (0.0 if config.persistent else a.cta_overhead_clk) + epilogue
         plain = self.step_clocks(config, problem, ctas_per_sm, steps, masked=False)
         masked = self.step_clocks(config, problem, ctas_per_sm, steps, masked=True)
         return start + (steps - masked_steps) * plain + masked_steps * masked + epilogue
@@ -171,14 +171,14 @@ class CostModel:
             clocks, count = durations[0]
             waves = -(-count // slots)
             makespan = waves * clocks
-        elif getattr(config, "persistent", False):
+        elif config.persistent:
             # Persistent CTAs take every slots-th tile of the longest-first order, whatever the lengths.
             makespan = _fixed_stride_makespan(list(reversed(durations)), slots)
             waves = None
         else:
             makespan = _longest_first_makespan(durations, slots)
             waves = None
-        if getattr(config, "persistent", False):
+        if config.persistent:
             makespan += self.start_clocks(config, problem)
         compute_s = makespan / (t.clock_mhz * 1e6)
         hbm_s = problem.bytes_min / t.hbm_bytes_per_s
