@@ -115,6 +115,14 @@ def sqlite_path(location: str) -> Path | None:
     return None
 
 
+def _new_run(session: Session, **fields) -> Run:
+    """A new run row, running from now, flushed so that it has its id."""
+    run = Run(status="running", started_at=now(), details={}, **fields)
+    session.add(run)
+    session.flush()
+    return run
+
+
 class ResultsDB:
     def __init__(self, engine: Engine, location: str) -> None:
         self.engine = engine
@@ -122,6 +130,7 @@ class ResultsDB:
         self._sessions = sessionmaker(engine, expire_on_commit=False)
         self._write_sessions = sessionmaker(engine.execution_options(**{WRITE_OPTION: True}),
                                             expire_on_commit=False)
+        self._lock_rows: set[str] = set()  # lock names known to have their row
 
     # ---- opening ------------------------------------------------------------------------------
     @staticmethod
@@ -145,16 +154,12 @@ class ResultsDB:
         location = resolve_location(location)
         path = sqlite_path(location)
         shown = shown_location(location)
+        if path is not None:
+            _check_sqlite_file(path, location, create)  # its own ResultsDBError
         try:
-            if path is not None:
-                _check_sqlite_file(path, location, create)
-                url = f"sqlite:///{path.resolve()}"
-            else:
-                url = engine_url(location)
+            url = f"sqlite:///{path.resolve()}" if path is not None else engine_url(location)
             engine = create_engine(url, future=True, **engine_options(url))
         except (ArgumentError, ImportError, ValueError, Fa4tuneError) as exc:
-            if isinstance(exc, ResultsDBError):
-                raise
             raise ResultsDBError(f"cannot use results DB {shown!r}: {exc}") from exc
         if engine.dialect.name == "sqlite":
             event.listen(engine, "connect", _sqlite_connect)
@@ -247,22 +252,30 @@ class ResultsDB:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ---- runs ---------------------------------------------------------------------------------
     # ---- transactions -------------------------------------------------------------------------
-    def _transact(self, work):
-        """`work(session)` in one write transaction, run again (from the start) when the database
-        reports a transient conflict; what `work` returns."""
+    @staticmethod
+    def _retrying(attempt_once):
+        """What `attempt_once()` returns, calling it again after a short, growing pause while the
+        database reports a transient conflict (at most WRITE_ATTEMPTS calls)."""
         for attempt in range(WRITE_ATTEMPTS):
             try:
-                # Ctrl-C waits for the end of the transaction: interrupted inside it, the session could
-                # be left holding the write lock (see fa4tune.interrupts).
-                with interrupts.critical(), self._write_sessions.begin() as session:
-                    return work(session)
+                return attempt_once()
             except DBAPIError as exc:
                 if attempt == WRITE_ATTEMPTS - 1 or not _transient(exc):
                     raise
             time.sleep(random.uniform(0.01, 0.03) * 2**attempt)
         raise AssertionError("unreachable")
+
+    def _transact(self, work):
+        """`work(session)` in one write transaction, run again (from the start) when the database
+        reports a transient conflict; what `work` returns."""
+        def once():
+            # Ctrl-C waits for the end of the transaction: interrupted inside it, the session could
+            # be left holding the write lock (see fa4tune.interrupts).
+            with interrupts.critical(), self._write_sessions.begin() as session:
+                return work(session)
+
+        return self._retrying(once)
 
     @contextmanager
     def locked(self, name: str):
@@ -275,17 +288,17 @@ class ResultsDB:
             yield from self._hold(name)
 
     def _hold(self, name: str):
-        for attempt in range(WRITE_ATTEMPTS):
+        def take():
             session = self._write_sessions()
             try:
                 session.begin()
                 session.execute(update(Lock).where(Lock.name == name).values(updated_at=now()))
-                break
-            except DBAPIError as exc:
+            except BaseException:
                 session.close()
-                if attempt == WRITE_ATTEMPTS - 1 or not _transient(exc):
-                    raise
-            time.sleep(random.uniform(0.01, 0.03) * 2**attempt)
+                raise
+            return session
+
+        session = self._retrying(take)
         try:
             yield LockedStudy(session, name)
             session.commit()
@@ -296,23 +309,21 @@ class ResultsDB:
             session.close()
 
     def _ensure_lock_row(self, name: str) -> None:
+        # Lock rows are never deleted: once seen, a name needs no second look from this connection.
+        if name in self._lock_rows:
+            return
         with self._sessions() as session:
-            if session.get(Lock, name) is not None:
-                return
-        try:
-            self._transact(lambda session: session.add(Lock(name=name, updated_at=now())))
-        except IntegrityError:
-            pass  # another worker made it first
+            exists = session.get(Lock, name) is not None
+        if not exists:
+            try:
+                self._transact(lambda session: session.add(Lock(name=name, updated_at=now())))
+            except IntegrityError:
+                pass  # another worker made it first
+        self._lock_rows.add(name)
 
     # ---- runs ---------------------------------------------------------------------------------
     def start_run(self, **fields) -> int:
-        def work(session: Session) -> int:
-            run = Run(status="running", started_at=now(), details={}, **fields)
-            session.add(run)
-            session.flush()
-            return run.id
-
-        return self._transact(work)
+        return self._transact(lambda session: _new_run(session, **fields).id)
 
     def open_run(self, *, resume: bool, study_prefix, **fields) -> tuple[int, str, bool]:
         """Start a run of a job, or with `resume` continue (join) its latest run of the same kernel
@@ -326,24 +337,9 @@ class ResultsDB:
             if previous is not None:
                 previous.status, previous.ended_at = "running", None
                 return previous.id, previous.study_prefix, True
-            run = Run(status="running", started_at=now(), details={}, study_prefix="pending", **fields)
-            session.add(run)
-            session.flush()
+            run = _new_run(session, study_prefix="pending", **fields)
             run.study_prefix = study_prefix(run.id)
             return run.id, run.study_prefix, False
-
-    def resume_run(self, run_id: int) -> None:
-        def work(session: Session) -> None:
-            run = session.get(Run, run_id)
-            run.status, run.ended_at = "running", None
-
-        self._transact(work)
-
-    def set_study_prefix(self, run_id: int, prefix: str) -> None:
-        def work(session: Session) -> None:
-            session.get(Run, run_id).study_prefix = prefix
-
-        self._transact(work)
 
     def finish_run(self, run_id: int, status: str) -> None:
         def work(session: Session) -> None:
