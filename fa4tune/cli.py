@@ -30,8 +30,9 @@ def _is_user_error(exc: BaseException) -> bool:
 
 # ---- search -----------------------------------------------------------------------------------------
 def cmd_search(args) -> int:
-    from .job import load_job
     from . import interrupts
+    from .db import shown_location
+    from .job import load_job
     from .search import SearchInterrupted, run_search
 
     job = load_job(args.job)
@@ -44,8 +45,6 @@ def cmd_search(args) -> int:
                                  progress=progress and args.workers is None and args.gpus is None, say=_say,
                                  workers=args.workers, gpus=args.gpus)
     except SearchInterrupted as stop:
-        from .db import shown_location
-
         s = stop.summary
         again = " ".join(f"{flag} {shown_location(str(value))}" for flag, value in (
             ("--db", args.db), ("--storage", args.storage), ("--workers", args.workers),
@@ -53,8 +52,6 @@ def cmd_search(args) -> int:
         _say(f"fa4tune: interrupted; every finished trial is stored in {shown_location(s.db_location)} (run "
              f"{s.run_id}). Continue with: fa4tune search {args.job} --resume" + (f" {again}" if again else ""))
         return EXIT_INTERRUPTED
-    from .db import shown_location
-
     estimate = " (cost-model estimates)" if summary.is_estimate else ""
     workers = f" by {summary.workers} workers" if summary.workers > 1 else ""
     _say(f"fa4tune: run {summary.run_id} done on {summary.target} with backend {summary.backend}{estimate}"

@@ -101,6 +101,10 @@ def _choose_target(job: Job, override):
     return job.target or get_target(None)
 
 
+# What a run records of the GPU it measures on (filled in by the GPU workers when they start).
+RUN_GPU_FIELDS = ("gpu_name", "sm_count", "cuda_driver", "nvidia_driver", "cuda_version", "clocks")
+
+
 def run_search(job: Job, *, db: str | None = None, storage: str | None = None, resume: bool = False,
                backend: str | Backend | None = None, target=None, trials: int | None = None,
                seconds: float | None = None, progress: bool = False, say=print, workers: int | None = None,
@@ -134,6 +138,8 @@ def run_search(job: Job, *, db: str | None = None, storage: str | None = None, r
         tgt = _choose_target(job, target)
     db_location = resolve_location(db, job.db)
     storage_location = storage or job.storage or default_storage_location(db_location)
+    # The GPU backend (a worker process) is closed however this ends: before the run is marked
+    # finished, after it is marked interrupted or failed.
     try:
         unsupported = {p.key(): kernel.unsupported_reasons(p, tgt) for p in job.problems}
         unsupported = {k: r for k, r in unsupported.items() if r}
@@ -145,76 +151,62 @@ def run_search(job: Job, *, db: str | None = None, storage: str | None = None, r
         _check_apart(db_location, storage_location)
         ResultsDB.check(db_location)
         check_storage(storage_location)
-    except BaseException:
-        if isinstance(backend, Backend):
-            backend.close()
-        raise
-    budget_trials = trials if trials is not None else job.budget.trials
-    budget_seconds = seconds if seconds is not None else job.budget.seconds
-    if not isinstance(backend, Backend) and (plan is None or backend_name == "model"):
-        backend = make_backend(backend_name, kernel, tgt)  # with workers, the model's for the run's record
+        budget_trials = trials if trials is not None else job.budget.trials
+        budget_seconds = seconds if seconds is not None else job.budget.seconds
+        if not isinstance(backend, Backend) and (plan is None or backend_name == "model"):
+            backend = make_backend(backend_name, kernel, tgt)  # with workers, the model's for the run's record
 
-    try:
         results_db = ResultsDB.open(db_location, create=True)
         optuna_storage = open_storage(storage_location)
-    except BaseException:
+        kernel_hash = kernel.source_hash()
         if isinstance(backend, Backend):
-            backend.close()
-        raise
-    kernel_hash = kernel.source_hash()
-    if isinstance(backend, Backend):
-        provenance = {**backend.provenance(), **_versions()}
-        is_estimate = backend.is_estimate
-    else:  # the GPU workers are not started yet: they fill in what the run records of the GPU
-        provenance = {"gpu_name": None, "sm_count": tgt.sm_count, **_versions()}
-        is_estimate = False
-    run_id, prefix, resumed = results_db.open_run(
-        resume=resume, study_prefix=lambda rid: f"{job.name}/{kernel.name}-{kernel_hash[:12]}/{tgt.name}/run{rid}",
-        job_name=job.name, job_path=job.path, job_text=job.text, kernel=kernel.name,
-        kernel_hash=kernel_hash, target=tgt.name, backend=backend_name, is_estimate=is_estimate,
-        gpu_name=provenance.get("gpu_name"), sm_count=provenance.get("sm_count"),
-        cuda_driver=provenance.get("cuda_driver"), nvidia_driver=provenance.get("nvidia_driver"),
-        cuda_version=provenance.get("cuda_version"), clocks=provenance.get("clocks"),
-        dsl_version=provenance["dsl_version"], torch_version=provenance["torch_version"],
-        fa4tune_version=__version__, storage_url=shown_location(storage_location),
-    )
-    if resume and not resumed:
-        say(f"fa4tune: no earlier run of job {job.name!r} in {shown_location(db_location)}; starting a new one")
-    elif resumed:
-        say(f"fa4tune: resuming run {run_id} of job {job.name!r}")
-    if is_estimate:
-        say(f"fa4tune: backend {backend_name}: times are ESTIMATES of a cost model for {tgt.name}, "
-            "not measurements")
-    summary = SearchSummary(run_id=run_id, db_location=db_location, storage=storage_location,
-                            backend=backend_name, target=tgt.name, is_estimate=is_estimate, resumed=resumed,
-                            workers=len(plan) if plan is not None else 1)
-    run = RunRef(job=job, run_id=run_id, prefix=prefix, kernel_hash=kernel_hash, target=tgt,
-                 budget_trials=budget_trials, budget_seconds=budget_seconds,
-                 shared=plan is not None or is_server_storage(storage_location))
-    try:
-        if plan is None:
-            # Its own seed where other hosts may share the studies (each with a search like this one).
-            context = _Context(run, space, backend, results_db, optuna_storage,
-                               _best_provenance(provenance, backend_name, run_id), progress, say,
-                               worker_seed=worker_seed(0) if run.shared else 0)
-            summary.results = context.tune_all()
-        else:
-            from .workers import run_workers
+            provenance = {**backend.provenance(), **_versions()}
+            is_estimate = backend.is_estimate
+        else:  # the GPU workers are not started yet: they fill in what the run records of the GPU
+            provenance = {"gpu_name": None, "sm_count": tgt.sm_count, **_versions()}
+            is_estimate = False
+        run_id, prefix, resumed = results_db.open_run(
+            resume=resume, study_prefix=lambda rid: f"{job.name}/{kernel.name}-{kernel_hash[:12]}/{tgt.name}/run{rid}",
+            job_name=job.name, job_path=job.path, job_text=job.text, kernel=kernel.name,
+            kernel_hash=kernel_hash, target=tgt.name, backend=backend_name, is_estimate=is_estimate,
+            **{k: provenance.get(k) for k in RUN_GPU_FIELDS},
+            dsl_version=provenance["dsl_version"], torch_version=provenance["torch_version"],
+            fa4tune_version=__version__, storage_url=shown_location(storage_location),
+        )
+        if resume and not resumed:
+            say(f"fa4tune: no earlier run of job {job.name!r} in {shown_location(db_location)}; starting a new one")
+        elif resumed:
+            say(f"fa4tune: resuming run {run_id} of job {job.name!r}")
+        if is_estimate:
+            say(f"fa4tune: backend {backend_name}: times are ESTIMATES of a cost model for {tgt.name}, "
+                "not measurements")
+        summary = SearchSummary(run_id=run_id, db_location=db_location, storage=storage_location,
+                                backend=backend_name, target=tgt.name, is_estimate=is_estimate, resumed=resumed,
+                                workers=len(plan) if plan is not None else 1)
+        run = RunRef(job=job, run_id=run_id, prefix=prefix, kernel_hash=kernel_hash, target=tgt,
+                     budget_trials=budget_trials, budget_seconds=budget_seconds,
+                     shared=plan is not None or is_server_storage(storage_location))
+        try:
+            if plan is None:
+                # Its own seed where other hosts may share the studies (each with a search like this one).
+                context = _Context(run, space, backend, results_db, optuna_storage,
+                                   _best_provenance(provenance, backend_name, run_id), progress, say,
+                                   worker_seed=worker_seed(0) if run.shared else 0)
+                summary.results = context.tune_all()
+            else:
+                from .workers import run_workers
 
-            summary.results = run_workers(run, plan, backend_name, db_location, storage_location, results_db,
-                                          optuna_storage, space, is_estimate, say)
-    except KeyboardInterrupt:
-        results_db.finish_run(run_id, "interrupted")
+                summary.results = run_workers(run, plan, backend_name, db_location, storage_location, results_db,
+                                              optuna_storage, space, is_estimate, say)
+        except KeyboardInterrupt:
+            results_db.finish_run(run_id, "interrupted")
+            raise SearchInterrupted(summary) from None
+        except BaseException:
+            results_db.finish_run(run_id, "failed")
+            raise
+    finally:
         if isinstance(backend, Backend):
             backend.close()
-        raise SearchInterrupted(summary) from None
-    except BaseException:
-        results_db.finish_run(run_id, "failed")
-        if isinstance(backend, Backend):
-            backend.close()
-        raise
-    if isinstance(backend, Backend):
-        backend.close()
     results_db.finish_run(run_id, "finished")
     if job.export:
         from .tables import export_table

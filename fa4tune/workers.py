@@ -156,7 +156,7 @@ def _work(spec: WorkerSpec) -> dict:
     from .db import ResultsDB
     from .job import parse_job
     from .measure.base import make_backend
-    from .search import _Context, _best_provenance, _versions
+    from .search import RUN_GPU_FIELDS, _Context, _best_provenance, _versions
     from .space import compose
     from .studies import open_storage, quiet_optuna, worker_seed
 
@@ -176,8 +176,7 @@ def _work(spec: WorkerSpec) -> dict:
     try:
         db = ResultsDB.open(spec.db, create=False)
         provenance = {**backend.provenance(), **_versions()}
-        db.fill_run(run.run_id, {k: provenance.get(k) for k in (
-            "gpu_name", "sm_count", "cuda_driver", "nvidia_driver", "cuda_version", "clocks")})
+        db.fill_run(run.run_id, {k: provenance.get(k) for k in RUN_GPU_FIELDS})
         context = _Context(run, compose(job.kernel, job.spaces), backend, db, open_storage(spec.storage),
                            _best_provenance(provenance, spec.backend, run.run_id), progress=False,
                            say=lambda message: print(f"[worker {spec.index}] {message}", flush=True),
