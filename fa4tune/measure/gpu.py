@@ -139,11 +139,23 @@ class GpuBackend(Backend):
         if failure:
             return Measurement(status="failed", reason=failure, compile_s=compile_s)
 
+        notes = []
+
         def on_ask(payload):
-            return should_stop(payload["cheap_ms"]) if should_stop is not None else None
+            if should_stop is None:
+                return None
+            try:
+                return should_stop(payload["cheap_ms"])
+            except Exception as exc:  # noqa: BLE001 - the verdict is an optimisation; without it, no stop
+                notes.append(f"no early-stop verdict ({type(exc).__name__}: {exc})"[:300])
+                return None
 
         request = self._request(problem, config_values, "search", artifact)
-        return self._measurement(problem, self._ask_worker(request, on_ask), compile_s)
+        reply = self._ask_worker(request, on_ask)
+        measurement = self._measurement(problem, reply, compile_s)
+        if notes and reply.ok:
+            measurement.details["notes"] = notes
+        return measurement
 
     def prefetch(self, problem, config) -> None:
         """Start compiling a candidate the search will measure soon."""

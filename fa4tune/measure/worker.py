@@ -156,7 +156,7 @@ class WorkerProcess:
         self.start()
         now = time.monotonic()
         self._pending = {"timeouts": dict(timeouts), "phase": FIRST_PHASE, "started": now,
-                         "phase_started": now, "phase_seconds": {}, "result_notes": []}
+                         "phase_started": now, "phase_seconds": {}}
         self._pending["deadline"] = now + self._pending["timeouts"].get(FIRST_PHASE, float("inf"))
         try:
             self._conn.send(request)
@@ -187,9 +187,6 @@ class WorkerProcess:
         if kind == "ask":
             try:
                 answer = on_ask(message[1]) if on_ask is not None else None
-            except Exception as exc:  # noqa: BLE001 - the verdict is an optimisation; without it, no stop
-                answer = None
-                pending["result_notes"].append(f"no early-stop verdict ({type(exc).__name__}: {exc})"[:300])
             except BaseException:
                 self.kill()  # interrupted while the child waits for the answer: it cannot be left mid-request
                 raise
@@ -199,10 +196,7 @@ class WorkerProcess:
                 pass
             return None
         if kind == "done":
-            result = message[1]
-            if pending["result_notes"] and isinstance(result, dict):
-                result = {**result, "notes": pending["result_notes"]}
-            return self._finish(Reply(ok=True, result=result), restart=False)
+            return self._finish(Reply(ok=True, result=message[1]), restart=False)
         if kind == "error":
             _, text, device_touched = message
             return self._finish(Reply(ok=False, reason=text), restart=device_touched)
