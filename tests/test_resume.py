@@ -112,3 +112,8 @@ def test_sigterm_is_an_interrupt_too(workdir):
     os.kill(proc.pid, signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130, out
+    assert "--resume" in out and "every finished trial is stored" in out
+    with ResultsDB.open("fa4tune-results/results.db", create=False) as db:
+        assert db.runs()[0]["status"] == "interrupted"
+    _, states = study_states(load_job(job_path))
+    assert optuna.trial.TrialState.RUNNING not in states
