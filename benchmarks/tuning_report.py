@@ -319,12 +319,12 @@ def build(args) -> str:
         fa4_error = f"{type(exc).__name__}: {exc}"[:100]
     runs = [r for r in db.runs() if r["kernel_hash"] == installed and r["target"] == target.name]
     # The search exported every kernel it measured: load those (milliseconds) instead of compiling again.
-    options = GpuOptions.parse({k: v for k, v in (job.measure or {}).items() if k == "cache_dir"})
-    artifacts = artifact_dir(options.kernel_cache(), package_version("nvidia-cutlass-dsl"), kernel)
+    dsl = package_version("nvidia-cutlass-dsl")
+    artifacts = artifact_dir(GpuOptions.parse(job.measure).kernel_cache(), dsl, kernel)
     last = runs[-1] if runs else {}
     header = {"kernel": kernel.name, "target": target.name, "date": datetime.date.today().isoformat(),
               "gpu": torch.cuda.get_device_name(), "driver": last.get("nvidia_driver") or "?",
-              "cuda": torch.version.cuda, "torch": torch.__version__, "dsl": package_version("nvidia-cutlass-dsl") or "not installed",
+              "cuda": torch.version.cuda, "torch": torch.__version__, "dsl": dsl or "not installed",
               "fa4": (package_version("flash-attn-4") or "installed") if fa4 is not None else "not installed",
               "kernel_hash": installed, "db": args.db, "rounds": args.rounds}
     rows = []
