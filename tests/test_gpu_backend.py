@@ -177,21 +177,29 @@ def test_a_wrong_config_never_becomes_best_in_the_db(workdir):
     db.close()
 
 
-@pytest.mark.parametrize("fastest_ms, kept", [(0.995, True), (0.98, False)])
-def test_the_default_stays_best_unless_the_fastest_beats_it_by_min_gain(workdir, fastest_ms, kept):
+def default_and_probe_trials():
+    """A results DB with a default (tile_n 128, 1.0 ms) and a probe (tile_n 96, 0.99 ms) trial of one
+    study, none of them offered as best yet: (db, the keywords confirm_best needs, default id, probe id)."""
     from fa4tune.measure.base import Measurement
 
     db = ResultsDB.open("r.db")
     run_id = db.start_run(job_name="j", kernel=KERNEL.name, kernel_hash="h", target="H200", backend="gpu",
                           is_estimate=False, fa4tune_version="0", study_prefix="p")
-    common = dict(run_id=run_id, study_name="s", kernel=KERNEL.name, kernel_hash="h", target="H200",
-                  problem=PROBLEM, provenance={}, offer_best=False)
+    confirm = dict(run_id=run_id, study_name="s", kernel=KERNEL.name, kernel_hash="h", target="H200",
+                   problem=PROBLEM, provenance={})
     default_id = db.add_trial(optuna_number=0, config={"tile_n": 128}, source="default",
-                              measurement=Measurement.ok(PROBLEM, 1.0), **common)
+                              measurement=Measurement.ok(PROBLEM, 1.0), offer_best=False, **confirm)
     other_id = db.add_trial(optuna_number=1, config={"tile_n": 96}, source="probe",
-                            measurement=Measurement.ok(PROBLEM, 0.99), **common)
-    db.confirm_best(run_id=run_id, study_name="s", kernel=KERNEL.name, kernel_hash="h", target="H200",
-                    problem=PROBLEM, provenance={}, prefer=default_id, min_gain=0.01,
+                            measurement=Measurement.ok(PROBLEM, 0.99), offer_best=False, **confirm)
+    return db, confirm, default_id, other_id
+
+
+@pytest.mark.parametrize("fastest_ms, kept", [(0.995, True), (0.98, False)])
+def test_the_default_stays_best_unless_the_fastest_beats_it_by_min_gain(workdir, fastest_ms, kept):
+    from fa4tune.measure.base import Measurement
+
+    db, confirm, default_id, other_id = default_and_probe_trials()
+    db.confirm_best(**confirm, prefer=default_id, min_gain=0.01,
                     confirmed=[({"id": other_id}, Measurement.ok(PROBLEM, fastest_ms)),
                                ({"id": default_id}, Measurement.ok(PROBLEM, 1.0))])
     [best] = db.best_configs()
@@ -203,19 +211,9 @@ def test_the_default_stays_best_unless_the_fastest_beats_it_by_min_gain(workdir,
 def test_a_confirmation_judges_a_stored_best_it_retimed_by_its_own_rounds(workdir):
     from fa4tune.measure.base import Measurement
 
-    db = ResultsDB.open("r.db")
-    run_id = db.start_run(job_name="j", kernel=KERNEL.name, kernel_hash="h", target="H200", backend="gpu",
-                          is_estimate=False, fa4tune_version="0", study_prefix="p")
-    common = dict(run_id=run_id, study_name="s", kernel=KERNEL.name, kernel_hash="h", target="H200",
-                  problem=PROBLEM, provenance={}, offer_best=False)
-    confirm = dict(run_id=run_id, study_name="s", kernel=KERNEL.name, kernel_hash="h", target="H200",
-                   problem=PROBLEM, provenance={})
-    default_id = db.add_trial(optuna_number=0, config={"tile_n": 128}, source="default",
-                              measurement=Measurement.ok(PROBLEM, 1.0), **common)
-    other_id = db.add_trial(optuna_number=1, config={"tile_n": 96}, source="probe",
-                            measurement=Measurement.ok(PROBLEM, 0.99), **common)
+    db, confirm, default_id, other_id = default_and_probe_trials()
     third_id = db.add_trial(optuna_number=2, config={"tile_n": 64}, source="sampler",
-                            measurement=Measurement.ok(PROBLEM, 1.2), **common)
+                            measurement=Measurement.ok(PROBLEM, 1.2), offer_best=False, **confirm)
     # An earlier session stored tile_n 96 at 0.90 ms (a faster spell of the GPU)...
     db.confirm_best(**confirm, confirmed=[({"id": other_id}, Measurement.ok(PROBLEM, 0.90))])
     assert db.best_configs()[0].config == {"tile_n": 96}
