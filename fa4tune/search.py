@@ -225,10 +225,9 @@ def _check_apart(db_location: str, storage_location: str) -> None:
         return
     storage_url = make_url(storage_location)
     same = False
-    if storage_url.get_backend_name() == "sqlite":
-        path = sqlite_path(db_location)
-        same = path is not None and storage_url.database and path.resolve() == \
-            sqlite_path(storage_location).resolve()
+    if storage_url.get_backend_name() == "sqlite":  # the same file (an in-memory storage is no file)
+        db_path, storage_path = sqlite_path(db_location), sqlite_path(storage_location)
+        same = db_path is not None and storage_path is not None and db_path.resolve() == storage_path.resolve()
     elif "://" in db_location:
         db_url = make_url(db_location)
         same = (db_url.get_backend_name(), db_url.host, db_url.port, db_url.database) == \

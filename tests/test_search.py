@@ -192,3 +192,14 @@ def test_probes_follow_the_default_and_a_bad_count_is_refused(workdir):
     bad = write_job(workdir, name="bad", probes=-1)
     with pytest.raises(JobError, match="probes"):
         load_job(bad)
+
+
+def test_results_db_and_storage_must_be_two_databases(tmp_path):
+    from fa4tune.errors import StorageError
+    from fa4tune.search import _check_apart
+
+    db = str(tmp_path / "r.db")
+    with pytest.raises(StorageError, match="the same database"):
+        _check_apart(db, f"sqlite:///{db}")
+    _check_apart(db, f"sqlite:///{tmp_path / 'optuna.db'}")
+    _check_apart(db, "sqlite:///:memory:")  # no file: apart (it raised AttributeError)
