@@ -53,8 +53,9 @@ def main() -> int:
     cfg = FwdConfig()
     compiled = compile_forward(cfg, "bf16", 128, 128, False)
     args = [from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=3) for t in (q, k, v, out)]
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
     args += [from_dlpack(lse, assumed_align=4).mark_layout_dynamic(leading_dim=2),
-             Float32(1 / math.sqrt(128) * math.log2(math.e)), Int32(1),
+             from_dlpack(counter, assumed_align=4), Float32(1 / math.sqrt(128) * math.log2(math.e)), Int32(1),
              cuda.CUstream(torch.cuda.current_stream().cuda_stream)]
     rows = [
         ("compiled kernel, prepared arguments", per_call_us(lambda: compiled.function(*args))),
@@ -69,7 +70,7 @@ def main() -> int:
     # The floor under fa4tune.attention: its prepared launch without the allocation and the key lookup.
     launch = next(iter(dispatch._LAUNCHES.values()))
     stream = torch.cuda.current_stream().cuda_stream
-    for pointer, t in zip(launch.pointers, (q, k, v, out, lse)):  # tensors that stay alive
+    for pointer, t in zip(launch.pointers, (q, k, v, out, lse, counter)):  # tensors that stay alive
         pointer.value = t.data_ptr()
 
     def packed_launch():

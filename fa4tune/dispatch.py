@@ -32,7 +32,8 @@ _LAUNCHES: dict = {}
 _PREPARE_LOCK = threading.Lock()
 
 # The compiled kernel takes each tensor as a memref descriptor: data pointer, i32 extents, i64 strides
-# of every mode but the last (which is 1). Four 4-D tensors (q, k, v, out) and the 3-D LSE.
+# of every mode but the last (which is 1). Four 4-D tensors (q, k, v, out) and the 3-D LSE; the tile
+# counter's layout is static, (1,), so its descriptor is the pointer alone.
 DESCRIPTOR_4D = struct.Struct("<Q4i3q")
 DESCRIPTOR_3D = struct.Struct("<Q3i4x2q")
 
@@ -113,7 +114,7 @@ class _Launch:
     def __init__(self, executor, problem: Problem, config, target, q, k, v, softmax_scale) -> None:
         import torch
 
-        from .kernels.interface import heads_per_l2_group
+        from .kernels.interface import heads_per_l2_group, tile_counter
 
         self.executor = executor
         self.problem, self.config = problem, config
@@ -126,8 +127,10 @@ class _Launch:
         self.descriptors = [pack_descriptor(t.shape, t.stride()) for t in (q, k, v)]
         self.descriptors.append(pack_descriptor(self.out_shape, out_strides))
         self.descriptors.append(pack_descriptor(self.lse_shape, lse_strides))
+        self.descriptors.append(ctypes.create_string_buffer(8))  # the tile counter
         # The first 8 bytes of each descriptor are its data pointer: the only part a call changes.
         self.pointers = [ctypes.c_uint64.from_buffer(d) for d in self.descriptors]
+        self._tile_counter = tile_counter
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(problem.head_dim)
         self.scale_log2 = ctypes.c_float(scale * math.log2(math.e))
         self.l2_group = ctypes.c_int32(heads_per_l2_group(problem, target))
@@ -150,10 +153,11 @@ class _Launch:
         out = self._empty(self.out_shape, dtype=self.dtype, device=self.device)
         lse = self._empty(self.lse_shape, dtype=self._float32, device=self.device)
         stream = self._current_stream(self.device).cuda_stream
+        counter = self._tile_counter(self.device, stream)
         with self.lock:  # the descriptors are shared; the launch copies them before it returns
             p = self.pointers
             p[0].value, p[1].value, p[2].value = q_ptr, k_ptr, v_ptr
-            p[3].value, p[4].value = out.data_ptr(), lse.data_ptr()
+            p[3].value, p[4].value, p[5].value = out.data_ptr(), lse.data_ptr(), counter.data_ptr()
             self.stream.value = stream
             if self._current_device() == self.device_index:
                 self.executor.run_compiled_program(self.arguments)

@@ -106,16 +106,18 @@ def test_packed_arguments_match_what_the_dsl_passes():
     out = torch.empty(launch.out_shape, dtype=torch.bfloat16)
     lse = torch.empty(launch.lse_shape, dtype=torch.float32)
     stream_handle = 0x7F00DEAD
-    for pointer, t in zip(launch.pointers, (q, k, v, out, lse)):
+    counter = torch.zeros(1, dtype=torch.int32)
+    for pointer, t in zip(launch.pointers, (q, k, v, out, lse, counter), strict=True):
         pointer.value = t.data_ptr()
     launch.stream.value = stream_handle
 
     tensors = [from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=3) for t in (q, k, v, out)]
     tensors.append(from_dlpack(lse, assumed_align=4).mark_layout_dynamic(leading_dim=2))
+    tensors.append(from_dlpack(counter, assumed_align=4))
     reference_args, _ = compiled.function.generate_execution_args(
         *tensors, Float32(0.07 * math.log2(math.e)), Int32(heads_per_l2_group(problem, target)),
         cuda.CUstream(stream_handle))
-    sizes = [48, 48, 48, 48, 40, 4, 4, 8]
+    sizes = [48, 48, 48, 48, 40, 8, 4, 4, 8]
     assert len(reference_args) == len(launch.arguments) == len(sizes)
     for index, (theirs, ours, size) in enumerate(zip(reference_args, launch.arguments, sizes)):
         theirs = theirs.value if isinstance(theirs, ctypes.c_void_p) else theirs

@@ -275,22 +275,25 @@ def test_pruner_stops_clearly_slower_candidates_after_the_cheap_timing(workdir):
 
 def test_compile_pool_hands_over_artifacts_and_survives_crashing_and_hanging_compiles(workdir):
     space = {"tiles": {"tile_m": [128], "tile_n": [64, 128, planted.POOL_CRASH_TILE_N, planted.POOL_HANG_TILE_N]}}
-    # Causal: its default is a single-tile kernel, whose shared memory takes every one of these tiles.
+    # Head dim 64: shared memory and registers take every one of these tiles at tile_m 128; the space
+    # also holds the default's tile_m 192, where 160 and 176 spill and are rejected before any compile.
     path = write_job(workdir, backend="gpu", target=None, spaces=space, sampler="grid", budget={"trials": 10},
-                     problems=[{"head_dim": 128, "seqlen_q": 2048, "batch": 2, "nheads_q": 8, "causal": True}],
+                     problems=[{"head_dim": 64, "seqlen_q": 2048, "batch": 2, "nheads_q": 8, "causal": True}],
                      measure={**PLANTED, "compile_workers": 2, "cache_dir": str(workdir / "kernels"),
                               "confirm_rounds": 1, "compile_timeout": 2})
     summary = run_search(load_job(path), say=quiet)
     with ResultsDB.open("fa4tune-results/results.db", create=False) as db:
-        trials = {t["config"]["tile_n"]: t for t in db.trials() if t["source"] != "confirm"}
-    assert summary.results[0].measured == 4
+        trials = {(t["config"]["tile_m"], t["config"]["tile_n"]): t for t in db.trials() if t["source"] != "confirm"}
+    assert summary.results[0].measured == 6
+    assert {trials[192, n]["status"] for n in (160, 176)} == {"pruned"}  # rejected, never compiled
+    trials = {tile_n: t for (tile_m, tile_n), t in trials.items() if tile_m == 128}
     crashed = trials[planted.POOL_CRASH_TILE_N]
     assert crashed["status"] == "failed" and crashed["reason"].startswith("compile failed") and "exit status 4" in crashed["reason"]
     hung = trials[planted.POOL_HANG_TILE_N]
     assert hung["status"] == "failed" and "compile timed out after 2 s" in hung["reason"]
     for tile_n in (64, 128):
         assert trials[tile_n]["status"] == "ok" and trials[tile_n]["details"]["artifact_seen"]
-    assert len(list((workdir / "kernels").rglob("*.o"))) == 2
+    assert len(list((workdir / "kernels").rglob("*.o"))) == 4  # 128 and 192 rows, 64 and 128 keys
 
 
 # The CLI with the planted worker, slowed down so that a kill lands in the middle of the search.

@@ -160,3 +160,47 @@ def test_other_head_dims_match_reference(head_dim, head_dim_v, causal):
     out_err, lse_err = run_checked(default_config(p), p, seed=5)
     assert out_err <= OUT_TOL, out_err
     assert lse_err <= LSE_TOL, lse_err
+
+
+def test_tile_counter_is_zero_after_every_launch_and_graphs_get_their_own():
+    """Persistent causal CTAs take tiles from a per-stream counter that each launch must leave at
+    zero: back-to-back launches of different tile counts must all be right, and a CUDA graph must
+    replay right (its counter is zeroed inside the graph)."""
+    from fa4tune.kernels import interface
+    from fa4tune.kernels.interface import attention_forward
+    from fa4tune.kernels.reference import attention_reference
+
+    config = FwdConfig(rescale_threshold=8.0, persistent=True)
+    problems = [Problem(head_dim=128, causal=True, seqlen_q=sq, seqlen_k=sk, batch=b, nheads_q=h)
+                for sq, sk, b, h in ((1000, 1000, 3, 16), (300, 1029, 2, 4), (2048, 2048, 2, 80))]
+    inputs = [make_inputs(p, seed=i) for i, p in enumerate(problems)]
+    stream = torch.cuda.current_stream()
+    for _ in range(3):
+        for p, (q, k, v) in zip(problems, inputs):
+            out = torch.full((p.batch, p.seqlen_q, p.nheads_q, p.head_dim_v), float("nan"), dtype=q.dtype,
+                             device="cuda")
+            attention_forward(q, k, v, config, causal=True, out=out)
+            counter = interface._COUNTERS[(q.device, stream.cuda_stream)]  # the one the launch used
+            ref_out, _ = attention_reference(q, k, v, causal=True)
+            err = ((out.float() - ref_out).norm() / ref_out.norm()).item()
+            assert err < OUT_TOL, (p.key(), err)
+            assert counter.item() == 0, f"{p.key()} left the tile counter at {counter.item()}"
+
+    p, (q, k, v) = problems[2], inputs[2]
+    side = torch.cuda.Stream()
+    side.wait_stream(stream)
+    with torch.cuda.stream(side):
+        attention_forward(q, k, v, config, causal=True)  # warm-up (compiled already) on the side stream
+    stream.wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    out = torch.full((p.batch, p.seqlen_q, p.nheads_q, p.head_dim_v), float("nan"), dtype=q.dtype, device="cuda")
+    with torch.cuda.graph(graph):
+        attention_forward(q, k, v, config, causal=True, out=out)
+    ref_out, _ = attention_reference(q, k, v, causal=True)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        err = ((out.float() - ref_out).norm() / ref_out.norm()).item()
+        assert err < OUT_TOL, err
+    assert counter.item() == 0

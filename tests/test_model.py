@@ -113,15 +113,14 @@ def test_never_faster_than_hbm_and_targets_differ():
     assert CostModel(get_target("B200")).time_s(config(), p)[0] < MODEL.time_s(config(), p)[0]
 
 
-def test_persistent_hides_the_tile_start_and_deals_causal_tiles_in_turn():
-    from fa4tune.measure.model import _fixed_stride_makespan, _longest_first_makespan
+def test_persistent_hides_the_tile_start_and_takes_causal_tiles_longest_first():
+    from fa4tune.measure.model import _longest_first_makespan
 
-    # Tiles in order 3, 2, 1 on two CTAs: dealt in turn, CTA 0 gets 3 and 1; longest-first list
-    # scheduling gives the 1 to the CTA that finished first.
-    assert _fixed_stride_makespan([(3.0, 1), (2.0, 1), (1.0, 1)], 2) == 4.0
-    assert _longest_first_makespan([(3.0, 1), (2.0, 1), (1.0, 1)], 2) == 3.0
-    # Counts that do not divide the CTAs carry the deal over from one kind to the next.
-    assert _fixed_stride_makespan([(2.0, 3), (1.0, 3)], 2) == 2.0 + 2.0 + 1.0
+    # Tiles 3, 2, 1 on two slots: the 1 goes to the slot that finished first (the 2's).
+    assert _longest_first_makespan([(1.0, 1), (3.0, 1), (2.0, 1)], 2) == 3.0
+    # Whole rounds at once, then the rest on the least-loaded slots: the 2s leave the slots at 2 and
+    # 4, a round of 1s at 3 and 5, the last 1 goes to the 3.
+    assert _longest_first_makespan([(2.0, 3), (1.0, 3)], 2) == 5.0
     short = Problem(dtype="bf16", head_dim=128, seqlen_q=1024, seqlen_k=1024, batch=16, nheads_q=16)
     persistent = KERNEL.default_config(short, H200)
     assert persistent.persistent

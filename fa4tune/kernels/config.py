@@ -45,7 +45,7 @@ class FwdConfig:
     warpgroup's softmax overlaps the other's GEMMs.  rescale_branch: a warp skips the O rescale (a
     vote and a branch) when none of its rows moved its max; otherwise O is always multiplied.
     persistent: one CTA per SM walks the tiles, loading the next tile while it finishes this one
-    (O then needs its own shared-memory buffer).
+    (O then needs its own shared-memory buffer); causal tiles come from a global counter, longest first.
     """
 
     tile_m: int = 128
@@ -154,10 +154,9 @@ def default_config(problem: Problem, target: Target | None = None) -> FwdConfig:
         cfg = FwdConfig(tile_m=128, tile_n=80)
     # Rescale O only when a row max rose by more than 2^8: rare after the first blocks, and P stays
     # well inside bf16/fp16 range (measured: +1-7% at 1k tokens, neutral at 16k; docs/kernel-notes.md).
-    # Persistent CTAs for non-causal runs: +10% at 1k tokens, +2-3% at 4k, even at 16k (H200, v4 in
-    # docs/kernel-notes.md). Causal tiles differ in length and a fixed assignment balances them worse
-    # than the hardware's, so causal runs stay one CTA per tile unless the search finds otherwise.
-    cfg = replace(cfg, rescale_threshold=8.0, persistent=not problem.causal)
+    # Persistent CTAs: non-causal +10% at 1k tokens, +2-3% at 4k, even at 16k; causal (tiles from the
+    # kernel's counter) +12-20% at 1k, +5% at 4k, +0.5-1% at 16k (H200, v4 and v5 in docs/kernel-notes.md).
+    cfg = replace(cfg, rescale_threshold=8.0, persistent=True)
     if cfg.persistent and resources.smem_reasons(cfg, problem, target or get_target(None)):
         cfg = replace(cfg, persistent=False)  # O's own buffer does not fit (hdim 192, 256)
     if target is not None and infeasible_reasons(problem, cfg, target):

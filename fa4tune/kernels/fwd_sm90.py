@@ -18,11 +18,14 @@ with `persistent`, one after another):
   so that the K/V of the heads in flight stay in L2;
 * O leaves through shared memory (Q's buffer, or with `persistent` a buffer of its own) and a TMA store;
   LSE is written per row;
-* with `persistent` the grid is one CTA per SM and each CTA walks the tiles (the longest-first causal
-  order included) with a fixed stride: the producer loads the next tile's Q and K/V while the consumers
-  finish this one, so the prologue and epilogue of a tile hide under its neighbours' main loops. The
-  consumers release Q once the tile's S GEMMs are done (after its last GEMM without
-  `intra_wg_overlap`).
+* with `persistent` the grid is one CTA per SM and each CTA walks the tiles: the producer loads the
+  next tile's Q and K/V while the consumers finish this one, so the prologue and epilogue of a tile hide
+  under its neighbours' main loops. The consumers release Q once the tile's S GEMMs are done (after its
+  last GEMM without `intra_wg_overlap`). Non-causal tiles all cost the same and go to the CTAs with a
+  fixed stride. Causal tiles differ in length, so a fixed stride would let the CTAs drift apart in the
+  longest-first order (and the heads in flight out of L2): each CTA's producer takes its next tile from
+  a global counter instead (an atomic add) and hands the number to its consumers through shared memory.
+  The counter starts at zero and the last fetch of a launch puts it back to zero.
 """
 
 from __future__ import annotations
@@ -59,6 +62,11 @@ DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 BARRIER_EPILOGUE = 1  # all consumers: O's buffer is free
 BARRIER_TURN_FIRST = 2  # one per consumer warpgroup: 2, 3, 4
 BARRIER_O_WRITTEN = 5  # consumers arrive, the storing warp waits: O is in shared memory
+# The tile-number handoff of a counter-scheduled CTA (producer warp and consumers): the producer waits on
+# EMPTY before it writes the next tile's number and arrives on FULL; the consumers wait on FULL, read,
+# and arrive on EMPTY (once up front, then after every number but the last).
+BARRIER_TILE_FULL = 6
+BARRIER_TILE_EMPTY = 7
 
 
 class FlashForwardSm90:
@@ -96,6 +104,8 @@ class FlashForwardSm90:
         self.poly_degree = config.poly_degree
         self.rescale_branch = config.rescale_branch
         self.persistent = config.persistent
+        # Persistent causal CTAs take their tiles from a global counter (see the module docstring).
+        self.tile_counter = config.persistent and causal
         self.num_sms = target.sm_count
 
     # --------------------------------------------------------------------------------------------
@@ -109,6 +119,7 @@ class FlashForwardSm90:
         mV: cute.Tensor,  # (batch, seqlen_k, nheads_kv, head_dim_v)
         mO: cute.Tensor,  # (batch, seqlen_q, nheads_q, head_dim_v)
         mLSE: cute.Tensor,  # (batch, nheads_q, seqlen_q), float32
+        mTileCounter: cute.Tensor,  # (1,) int32, zero between launches; used by counter-scheduled CTAs
         softmax_scale_log2: Float32,
         heads_per_l2_group: Int32,
         stream: cuda.CUstream,
@@ -154,6 +165,8 @@ class FlashForwardSm90:
             ]
             if const_expr(self.persistent):
                 sO: cute.struct.Align[cute.struct.MemRange[self.dtype, o_elems], resources.SMEM_ALIGN]
+            if const_expr(self.tile_counter):
+                next_tile: cute.struct.MemRange[Int32, 1]
 
         load = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(load, mQ, sQ_layout, (tile_m, d))
@@ -184,7 +197,7 @@ class FlashForwardSm90:
             # All m blocks of a head are adjacent, so their shared K/V is read once into L2.
             grid = [num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[3])]
         self.kernel(
-            tma_mQ, tma_mK, tma_mV, tma_mO, mLSE,
+            tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, mTileCounter,
             tma_q, tma_k, tma_v, tma_o,
             sQ_layout, sK_layout, sV_layout, sO_layout,
             mma_qk, mma_pv,
@@ -234,22 +247,36 @@ class FlashForwardSm90:
     def first_tile(self, mQ: cute.Tensor):
         """This CTA's first tile number and the number of tiles. A non-persistent CTA has one tile:
         its block index (the 3-D grid of non-causal runs flattened the way tile_coords reads it)."""
-        num_m = (mQ.shape[0] + self.tile_m - 1) // self.tile_m
-        num_tiles = num_m * mQ.shape[2] * mQ.shape[3]
         bx, by, bz = cute.arch.block_idx()
         tile = bx
         if const_expr(not self.persistent and not self.causal):
-            tile = bx + num_m * (by + mQ.shape[2] * bz)
-        return tile, num_tiles
+            tile = bx + cute.arch.grid_dim()[0] * (by + mQ.shape[2] * bz)
+        num_m = (mQ.shape[0] + self.tile_m - 1) // self.tile_m
+        return tile, num_m * mQ.shape[2] * mQ.shape[3]
 
     def next_tile(self, tile, num_tiles):
-        """The tile after `tile` for this CTA (num_tiles or more when it has no more): persistent CTAs
-        take one tile per round of grid-size tiles. (Causal tiles differ in length, so CTAs drift
-        apart in the tile order and the heads in flight no longer fit L2 together; dealing them in a
-        snake order drifted further and measured slower still, see docs/kernel-notes.md.)"""
+        """The tile after `tile` for a CTA without the counter (num_tiles or more when it has no
+        more): persistent CTAs take one tile per round of grid-size tiles."""
         if const_expr(not self.persistent):
             return num_tiles
         return tile + cute.arch.grid_dim()[0]
+
+    @property
+    def tile_handoff_threads(self) -> int:
+        return 32 + self.num_consumer_threads  # the producer warp and the consumers
+
+    @cute.jit
+    def fetch_tile(self, mTileCounter: cute.Tensor, num_tiles: Int32):
+        """The producer warp's next tile from the global counter: the first tiles are the block
+        indices, so fetch k returns tile grid + k. A launch makes exactly num_tiles fetches (one per
+        tile past the first grid ones, one more per CTA that finds none left), so the fetch that sees
+        num_tiles - 1 is the last and puts the counter back to zero for the next launch."""
+        old = Int32(0)
+        if cute.arch.lane_idx() == 0:
+            old = cute.arch.atomic_add(mTileCounter.iterator, Int32(1), sem="relaxed", scope="gpu")
+            if old == num_tiles - 1:
+                mTileCounter[0] = Int32(0)
+        return cute.arch.shuffle_sync(old, 0) + cute.arch.grid_dim()[0]
 
     @cute.jit
     def n_block_range(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
@@ -276,6 +303,7 @@ class FlashForwardSm90:
         mV: cute.Tensor,
         mO: cute.Tensor,
         mLSE: cute.Tensor,
+        mTileCounter: cute.Tensor,
         tma_q: cute.CopyAtom,
         tma_k: cute.CopyAtom,
         tma_v: cute.CopyAtom,
@@ -327,25 +355,29 @@ class FlashForwardSm90:
             sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         else:
             sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner, dtype=self.dtype)
+        sTile = None
+        if const_expr(self.tile_counter):
+            sTile = storage.next_tile.get_tensor(cute.make_layout(1))
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.produce(
                     mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
-                    heads_per_l2_group,
+                    heads_per_l2_group, mTileCounter, sTile,
                 )
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(
                 mQ, mO, mLSE, sQ, sK, sV, sO, tma_o, mma_qk, mma_pv, pipe_q, pipe_k, pipe_v,
-                softmax_scale_log2, heads_per_l2_group, mK.shape[0], tidx - 128,
+                softmax_scale_log2, heads_per_l2_group, mK.shape[0], tidx - 128, sTile,
             )
 
     # ---- producer ------------------------------------------------------------------------------
     @cute.jit
     def produce(
         self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v, heads_per_l2_group,
+        mTileCounter, sTile,
     ):
         """Load Q and the visible K/V blocks of each of this CTA's tiles. The stage sequence runs on
         across tiles: a persistent CTA fills the next tile's stages as soon as they free up."""
@@ -361,7 +393,13 @@ class FlashForwardSm90:
                     mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
                     m_block, head, head_kv, batch, n_block_max, kv_state, q_state,
                 )
-            tile = self.next_tile(tile, num_tiles)
+            if const_expr(self.tile_counter):
+                tile = self.fetch_tile(mTileCounter, num_tiles)
+                cute.arch.barrier(barrier_id=BARRIER_TILE_EMPTY, number_of_threads=self.tile_handoff_threads)
+                sTile[0] = tile
+                cute.arch.barrier_arrive(barrier_id=BARRIER_TILE_FULL, number_of_threads=self.tile_handoff_threads)
+            else:
+                tile = self.next_tile(tile, num_tiles)
 
     @cute.jit
     def produce_tile(
@@ -447,7 +485,7 @@ class FlashForwardSm90:
     @cute.jit
     def consume(
         self, mQ, mO, mLSE, sQ, sK, sV, sO, tma_o, mma_qk, mma_pv, pipe_q, pipe_k, pipe_v,
-        softmax_scale_log2, heads_per_l2_group, seqlen_k, ctid,
+        softmax_scale_log2, heads_per_l2_group, seqlen_k, ctid, sTile,
     ):
         wg = cute.arch.make_warp_uniform(ctid // 128)
         wg_mma_qk = mma_qk.get_slice(wg * 128)
@@ -474,6 +512,8 @@ class FlashForwardSm90:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         seqlen_q = mQ.shape[0]
         tile, num_tiles = self.first_tile(mQ)
+        if const_expr(self.tile_counter):  # the number slot starts empty
+            cute.arch.barrier_arrive(barrier_id=BARRIER_TILE_EMPTY, number_of_threads=self.tile_handoff_threads)
         while tile < num_tiles:
             m_block, head, batch = self.tile_coords(mQ, heads_per_l2_group, tile)
             n_block_max, n_mask_min = self.n_block_range(m_block, seqlen_q, seqlen_k)
@@ -488,7 +528,14 @@ class FlashForwardSm90:
             lse = cute.make_rmem_tensor(softmax.num_rows, Float32)
             softmax.finalize(acc_O, lse)
             self.epilogue(acc_O, lse, mO, mLSE, sO, tma_o, mma_pv, ctid, m_block, head, batch, seqlen_q)
-            tile = self.next_tile(tile, num_tiles)
+            if const_expr(self.tile_counter):
+                cute.arch.barrier(barrier_id=BARRIER_TILE_FULL, number_of_threads=self.tile_handoff_threads)
+                tile = sTile[0]
+                if tile < num_tiles:
+                    cute.arch.barrier_arrive(barrier_id=BARRIER_TILE_EMPTY,
+                                             number_of_threads=self.tile_handoff_threads)
+            else:
+                tile = self.next_tile(tile, num_tiles)
         if const_expr(self.persistent):
             if ctid < 32:  # the last O store must have read shared memory before the CTA exits
                 cute.arch.cp_async_bulk_wait_group(0, read=True)

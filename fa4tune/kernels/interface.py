@@ -87,8 +87,9 @@ def compile_forward(
 
     bshd = [dynamic_tensor(elem, 4, 16) for _ in range(4)]
     lse = dynamic_tensor(cutlass.Float32, 3, 4)
+    counter = make_fake_tensor(cutlass.Int32, (1,), stride=(1,), memspace=AddressSpace.generic, assumed_align=4)
     start = time.perf_counter()
-    args = (*bshd, lse,
+    args = (*bshd, lse, counter,
             cutlass.Float32(1.0), cutlass.Int32(1), make_fake_stream())
     function = cute.compile(kernel, *args, options=options) if options else cute.compile(kernel, *args)
     compiled = CompiledForward(kernel, function, time.perf_counter() - start, key)
@@ -147,6 +148,31 @@ def heads_per_l2_group(problem: Problem, target: Target) -> int:
     fit = max(1, int((target.l2_bytes / 2) // max(kv_bytes, 1)))
     group = 1 << (fit.bit_length() - 1)
     return max(1, min(group, problem.batch * problem.nheads_q))
+
+
+_COUNTERS: dict = {}
+_COUNTERS_LOCK = threading.Lock()
+
+
+def tile_counter(device, stream: int):
+    """The (1,) int32 tile counter for a launch on `stream` (its handle) of `device`. A kernel whose
+    CTAs take tiles from the counter needs it at zero when it starts, and leaves it at zero when it
+    has run to the end; launches that could overlap must not share one. So each stream has its own,
+    zeroed once (in order on that stream); while the stream captures a CUDA graph every call gets a
+    new one, zeroed inside the graph, so that a graph never shares its counter with eager calls or
+    with another graph."""
+    import torch
+
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    key = (device, stream)
+    counter = _COUNTERS.get(key)
+    if counter is None:
+        with _COUNTERS_LOCK:
+            counter = _COUNTERS.get(key)
+            if counter is None:
+                counter = _COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return counter
 
 
 class UnsupportedInput(ValueError):
@@ -233,9 +259,10 @@ def attention_forward(q, k, v, config: FwdConfig, causal: bool = False, softmax_
     if lse is None:
         lse = torch.empty((batch, nheads_q, seqlen_q), dtype=torch.float32, device=q.device)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(problem.head_dim)
-    stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+    stream_handle = torch.cuda.current_stream(q.device).cuda_stream
     tensors = [from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=3) for t in (q, k, v, out)]
     lse_t = from_dlpack(lse, assumed_align=4).mark_layout_dynamic(leading_dim=2)
-    compiled.function(*tensors, lse_t, Float32(scale * math.log2(math.e)),
-                      Int32(heads_per_l2_group(problem, target)), stream)
+    counter = from_dlpack(tile_counter(q.device, stream_handle), assumed_align=4)
+    compiled.function(*tensors, lse_t, counter, Float32(scale * math.log2(math.e)),
+                      Int32(heads_per_l2_group(problem, target)), cuda.CUstream(stream_handle))
     return out, lse

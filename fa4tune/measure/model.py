@@ -171,11 +171,9 @@ class CostModel:
             clocks, count = durations[0]
             waves = -(-count // slots)
             makespan = waves * clocks
-        elif config.persistent:
-            # Persistent CTAs take every slots-th tile of the longest-first order, whatever the lengths.
-            makespan = _fixed_stride_makespan(list(reversed(durations)), slots)
-            waves = None
         else:
+            # Causal tiles longest first, each to the first free slot (persistent CTAs take theirs from
+            # the kernel's tile counter, so they fill the slots the same way).
             makespan = _longest_first_makespan(durations, slots)
             waves = None
         if config.persistent:
@@ -190,19 +188,6 @@ class CostModel:
             "hbm_ms": hbm_s * 1e3,
             "bound": "memory" if hbm_s > compute_s else "compute",
         }
-
-
-def _fixed_stride_makespan(durations: list[tuple[float, int]], slots: int) -> float:
-    """Tiles (duration, count), in order, dealt to `slots` CTAs in turn: tile j goes to CTA j % slots."""
-    finish = [0.0] * slots
-    start = 0
-    for duration, count in durations:
-        rounds, rest = divmod(count, slots)
-        for s in range(slots):
-            extra = 1 if (s - start) % slots < rest else 0
-            finish[s] += (rounds + extra) * duration
-        start = (start + count) % slots
-    return max(finish)
 
 
 def _longest_first_makespan(durations: list[tuple[float, int]], slots: int) -> float:
