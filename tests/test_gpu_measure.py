@@ -51,7 +51,13 @@ def test_short_real_search_stores_a_verified_confirmed_best(workdir):
     confirms = [t for t in trials if t["source"] == "confirm"]
     assert len(confirms) == min(2, len(ok)) and all(len(c["details"]["rounds_ms"]) == 2 for c in confirms)
     assert not best.is_estimate and best.config in [c["config"] for c in confirms]
-    assert best.time_ms == min(c["time_ms"] for c in confirms if c["status"] == "ok")
+    fastest = min(c["time_ms"] for c in confirms if c["status"] == "ok")
+    kept = best.provenance.get("kept_default")
+    if kept is None:
+        assert best.time_ms == fastest
+    else:  # the default was confirmed too and the fastest beat it by no more than min_gain
+        assert kept["fastest_gain"] <= kept["min_gain"]
+        assert fastest < best.time_ms <= fastest / (1 - kept["min_gain"])
     assert run["gpu_name"] and run["sm_count"] and run["cuda_version"] and run["dsl_version"]
     assert any(t["details"].get("compiled_by") == "pool" for t in ok), "the compile pool handed over no kernel"
 
