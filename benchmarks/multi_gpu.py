@@ -78,11 +78,6 @@ def table(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def config_text(config: dict, reference: dict) -> str:
-    changed = {k: v for k, v in config.items() if reference.get(k) != v}
-    return " ".join(f"{k}={v}" for k, v in changed.items()) or "same"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--job", type=Path, default=REPO / "tuning_configs" / "h200-bf16.yaml")
@@ -110,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     single_s = run("one", job_file, args.out, one)
     many_s = run("many", job_file, args.out, many)
 
+    from fa4tune.cli import config_text
+
     single, multi = best_configs(args.out / "one.db"), best_configs(args.out / "many.db")
     rows = [["problem", "1: best ms", "1: trials", f"{label}: best ms", f"{label}: trials", f"{label} config vs 1",
              "time ratio"]]
@@ -121,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
                          str(b[2]) if b else "-", "missing", "-"])
             continue
         same += a[1] == b[1]
-        rows.append([key, f"{a[0]:.4g}", str(a[2]), f"{b[0]:.4g}", str(b[2]), config_text(b[1], a[1]),
-                     f"{b[0] / a[0]:.3f}"])
+        rows.append([key, f"{a[0]:.4g}", str(a[2]), f"{b[0]:.4g}", str(b[2]),
+                     config_text(b[1], a[1], unchanged="same"), f"{b[0] / a[0]:.3f}"])
     print()
     print(table(rows))
     print()

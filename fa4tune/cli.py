@@ -80,9 +80,11 @@ def _format_table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-def _config_text(config: dict, default: dict | None = None) -> str:
-    shown = {k: v for k, v in config.items() if default is None or default.get(k) != v}
-    return " ".join(f"{k}={v}" for k, v in shown.items()) or "(default)"
+def config_text(config: dict, reference: dict | None = None, unchanged: str = "(default)") -> str:
+    """The knobs of `config` that differ from `reference` (all of them without one), as k=v words;
+    `unchanged` when none differs."""
+    shown = {k: v for k, v in config.items() if reference is None or reference.get(k) != v}
+    return " ".join(f"{k}={v}" for k, v in shown.items()) or unchanged
 
 
 def _default_of(kernel, problem_dict: dict, target_name: str) -> dict | None:
@@ -104,7 +106,7 @@ def _entries_rows(entries, installed: dict) -> list[list]:
         stale = "STALE" if installed.get(e.kernel) != e.kernel_hash else ""
         rows.append([e.problem_key, e.target, f"{e.time_ms:.4g}", f"{e.tflops:.0f}",
                      "estimate" if e.is_estimate else "measured", stale,
-                     _config_text(e.config, _default_of(kernel, e.problem, e.target))])
+                     config_text(e.config, _default_of(kernel, e.problem, e.target))])
     return rows
 
 
@@ -152,7 +154,7 @@ def cmd_show(args) -> int:
                     _say(_format_table(
                         ["#", "ms", "TFLOP/s", "source", "config"],
                         [[i + 1, f"{t['time_ms']:.4g}", f"{t['tflops']:.0f}", t["source"],
-                          _config_text(t["config"], default)] for i, t in enumerate(ok)],
+                          config_text(t["config"], default)] for i, t in enumerate(ok)],
                     ))
     return 0
 
