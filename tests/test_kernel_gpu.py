@@ -162,7 +162,7 @@ def test_other_head_dims_match_reference(head_dim, head_dim_v, causal):
     assert lse_err <= LSE_TOL, lse_err
 
 
-def test_tile_counter_is_zero_after_every_launch_and_graphs_get_their_own():
+def test_tile_counter_is_zero_after_every_launch_and_graphs_get_their_own(monkeypatch):
     """Persistent causal CTAs take tiles from a per-stream counter that each launch must leave at
     zero: back-to-back launches of different tile counts must all be right, and a CUDA graph must
     replay right (its counter is zeroed inside the graph)."""
@@ -194,8 +194,14 @@ def test_tile_counter_is_zero_after_every_launch_and_graphs_get_their_own():
     stream.wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     out = torch.full((p.batch, p.seqlen_q, p.nheads_q, p.head_dim_v), float("nan"), dtype=q.dtype, device="cuda")
+    handed_out = []
+    original = interface.tile_counter
+    monkeypatch.setattr(interface, "tile_counter", lambda *a: handed_out.append(original(*a)) or handed_out[-1])
     with torch.cuda.graph(graph):
         attention_forward(q, k, v, config, causal=True, out=out)
+    [graph_counter] = handed_out  # kept alive here, as the graph's memory pool keeps it for the graph
+    eager = list(interface._COUNTERS.values())
+    assert all(graph_counter.data_ptr() != c.data_ptr() for c in eager), "the graph shares an eager counter"
     ref_out, _ = attention_reference(q, k, v, causal=True)
     for _ in range(3):
         out.fill_(float("nan"))
@@ -203,4 +209,5 @@ def test_tile_counter_is_zero_after_every_launch_and_graphs_get_their_own():
         torch.cuda.synchronize()
         err = ((out.float() - ref_out).norm() / ref_out.norm()).item()
         assert err < OUT_TOL, err
-    assert counter.item() == 0
+        assert graph_counter.item() == 0, "a replay left the graph's counter non-zero"
+    assert all(c.item() == 0 for c in eager)

@@ -126,3 +126,12 @@ def test_persistent_hides_the_tile_start_and_takes_causal_tiles_longest_first():
     assert persistent.persistent
     one_tile = dataclasses.replace(persistent, persistent=False)
     assert MODEL.time_s(persistent, short)[0] < MODEL.time_s(one_tile, short)[0]  # starts hidden
+    # Causal persistent CTAs take tiles from the kernel's counter: longest first, each to the first
+    # free slot, plus one start per SM (not one per tile).
+    causal = dataclasses.replace(short, causal=True)
+    config = KERNEL.default_config(causal, H200)
+    assert config.persistent
+    k = MODEL.ctas_per_sm(config, causal)
+    durations = [(MODEL.cta_clocks(config, causal, k, s, m), n) for s, m, n in MODEL.kv_steps(config, causal)]
+    clocks = _longest_first_makespan(durations, H200.sm_count * k) + MODEL.start_clocks(config, causal)
+    assert MODEL.time_s(config, causal)[1]["compute_ms"] == pytest.approx(clocks / (H200.clock_mhz * 1e3))
