@@ -1,7 +1,8 @@
 """Write docs/tuning-report.md: default, tuned, flash-attn-4 and cuDNN measured side by side.
 
-From the results DB of a GPU search: per problem the default and the tuned config, TFLOP/s of default, tuned, flash-attn-4 and cuDNN measured side by side (one process,
-interleaved rounds), the trials the search needed to reach its best, and its wall time.
+From the results DB of a GPU search: per problem the default and the tuned config, their TFLOP/s and
+flash-attn-4's and cuDNN's (one process, interleaved rounds), the trials the search needed to reach
+its best, and its wall time.
 
     python benchmarks/tuning_report.py [--db fa4tune-results/h200-bf16.db] [--job tuning_configs/h200-bf16.yaml]
                                        [--out docs/tuning-report.md] [--rounds 5]
@@ -283,6 +284,7 @@ def main(argv=None) -> int:
 def build(args) -> str:
     import torch
 
+    from fa4tune.cli import config_text
     from fa4tune.db import ResultsDB
     from fa4tune.doctor import package_version
     from fa4tune.errors import Fa4tuneError
@@ -339,8 +341,7 @@ def build(args) -> str:
             continue
         tuned = kernel.make_config(entry.config)
         row["loaded"] = sum(preload(artifacts, config, problem, target) for config in {default, tuned})
-        changed = {k: v for k, v in entry.config.items() if default.to_dict().get(k) != v}
-        row["changed"] = " ".join(f"{k}={v}" for k, v in changed.items()) or "(default)"
+        row["changed"] = config_text(entry.config, default.to_dict())
         row["story"] = search_story(db, key, entry)
         row["cells"] = measure_problem(problem, default, tuned, target, fa4, fa4_error, args.rounds)
         print(f"{key}: " + ", ".join(f"{c} {fmt_cell(row['cells'].get(c, ''))}" for c in COLUMNS)

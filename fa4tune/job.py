@@ -121,12 +121,12 @@ def parse_job(data: Any, source: str = "<job>", text: str | None = None, default
     seed = data.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise fail("seed", f"an integer, got {seed!r}")
-    warm_start = data.get("warm_start", 3)
-    if isinstance(warm_start, bool) or not isinstance(warm_start, int) or warm_start < 0:
-        raise fail("warm_start", f"a non-negative integer, got {warm_start!r}")
-    probes = data.get("probes", 8)
-    if isinstance(probes, bool) or not isinstance(probes, int) or probes < 0:
-        raise fail("probes", f"a non-negative integer, got {probes!r}")
+    counts = {}  # how many configs to enqueue after the default
+    for key, default in (("warm_start", 3), ("probes", 8)):
+        value = data.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise fail(key, f"a non-negative integer, got {value!r}")
+        counts[key] = value
     for key in ("db", "storage", "export"):
         if data.get(key) is not None and not isinstance(data[key], str):
             raise fail(key, f"a path or URL string, got {data[key]!r}")
@@ -145,7 +145,7 @@ def parse_job(data: Any, source: str = "<job>", text: str | None = None, default
     return Job(
         name=name, path=source, text=text, kernel=kernel, target=target, backend=backend, spaces=spaces,
         problems=problems, sampler=sampler, budget=budget, seed=seed, db=data.get("db"),
-        storage=data.get("storage"), export=data.get("export"), warm_start=warm_start, probes=probes, measure=dict(measure),
+        storage=data.get("storage"), export=data.get("export"), **counts, measure=dict(measure),
     )
 
 

@@ -371,7 +371,7 @@ class _Context:
         # worker has asked for but not claimed holds no budget slot, yet is waited for too (a live
         # worker settles it at once, a dead one's goes stale and recover() fails it): a finished
         # problem leaves no trial RUNNING.
-        while self._measuring(study, name) or self._others_running(study):
+        while self._still_running(study, name):
             if not wait:
                 return None
             time.sleep(POLL_S)
@@ -425,12 +425,16 @@ class _Context:
         """Claimed trials being measured now (by any worker)."""
         return self._in_flight(study, lambda numbers: self.db.stored_among(name, numbers), reserved=False)
 
-    def _others_running(self, study) -> bool:
-        """Whether another worker (or an unnamed search) holds a RUNNING trial of the study."""
+    def _still_running(self, study, name: str) -> bool:
+        """Whether a claimed trial is being measured (by any worker), or another worker (or an unnamed
+        search) holds a RUNNING trial of the study: one read of the study's running trials for both."""
         import optuna
 
-        return any(t.user_attrs.get(WORKER_ATTR) != self.worker
-                   for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)))
+        running = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+        if self._in_flight(study, lambda numbers: self.db.stored_among(name, numbers), trials=running,
+                           reserved=False):
+            return True
+        return any(t.user_attrs.get(WORKER_ATTR) != self.worker for t in running)
 
     def _slot_free(self, study, name: str, result: ProblemResult) -> bool:
         """Whether a budget slot is free now, or kept for a handed-back trial that this worker may

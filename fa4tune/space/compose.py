@@ -117,9 +117,10 @@ class ComposedSpace:
                     continue
                 params = {**default, name: values[rank]}
                 config = self.full_config(problem, target, params)
-                if config_key(config) in seen or self.check(problem, config, target):
+                key = config_key(config)
+                if key in seen or self.check(problem, config, target):
                     continue
-                seen.add(config_key(config))
+                seen.add(key)
                 probes.append(params)
                 if len(probes) >= count:
                     return probes
