@@ -114,7 +114,7 @@ class _Launch:
     def __init__(self, executor, problem: Problem, config, target, q, k, v, softmax_scale) -> None:
         import torch
 
-        from .kernels.interface import heads_per_l2_group, tile_counter
+        from .kernels.interface import heads_per_l2_group, tile_counter, unused_counter
 
         self.executor = executor
         self.problem, self.config = problem, config
@@ -130,7 +130,9 @@ class _Launch:
         self.descriptors.append(ctypes.create_string_buffer(8))  # the tile counter
         # The first 8 bytes of each descriptor are its data pointer: the only part a call changes.
         self.pointers = [ctypes.c_uint64.from_buffer(d) for d in self.descriptors]
-        self._tile_counter = tile_counter
+        # Kernels that ignore the tile counter get one fixed dummy: no per-call lookup or allocation.
+        self._tile_counter = tile_counter if config.uses_tile_counter(problem.causal) else None
+        self._unused_counter = unused_counter(q.device)
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(problem.head_dim)
         self.scale_log2 = ctypes.c_float(scale * math.log2(math.e))
         self.l2_group = ctypes.c_int32(heads_per_l2_group(problem, target))
@@ -153,7 +155,7 @@ class _Launch:
         out = self._empty(self.out_shape, dtype=self.dtype, device=self.device)
         lse = self._empty(self.lse_shape, dtype=self._float32, device=self.device)
         stream = self._current_stream(self.device).cuda_stream
-        counter = self._tile_counter(self.device, stream)
+        counter = self._tile_counter(self.device, stream) if self._tile_counter else self._unused_counter
         with self.lock:  # the descriptors are shared; the launch copies them before it returns
             p = self.pointers
             p[0].value, p[1].value, p[2].value = q_ptr, k_ptr, v_ptr

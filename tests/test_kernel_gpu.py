@@ -180,7 +180,7 @@ def test_tile_counter_is_zero_after_every_launch_and_graphs_get_their_own(monkey
             out = torch.full((p.batch, p.seqlen_q, p.nheads_q, p.head_dim_v), float("nan"), dtype=q.dtype,
                              device="cuda")
             attention_forward(q, k, v, config, causal=True, out=out)
-            counter = interface._COUNTERS[(q.device, stream.cuda_stream)]  # the one the launch used
+            counter = interface._COUNTERS[interface._stream_key(q.device, stream.cuda_stream)]  # the launch's
             ref_out, _ = attention_reference(q, k, v, causal=True)
             err = ((out.float() - ref_out).norm() / ref_out.norm()).item()
             assert err < OUT_TOL, (p.key(), err)
@@ -211,3 +211,33 @@ def test_tile_counter_is_zero_after_every_launch_and_graphs_get_their_own(monkey
         assert err < OUT_TOL, err
         assert graph_counter.item() == 0, "a replay left the graph's counter non-zero"
     assert all(c.item() == 0 for c in eager)
+
+
+def test_kernels_that_ignore_the_counter_get_one_dummy_even_in_a_graph():
+    """Non-causal and one-CTA-per-tile kernels never touch the tile counter: they get one fixed dummy
+    per device (no allocation per call, none inside a graph), and a captured graph replays right."""
+    from fa4tune.kernels import interface
+    from fa4tune.kernels.interface import attention_forward, launch_counter
+    from fa4tune.kernels.reference import attention_reference
+
+    p = Problem(head_dim=64, causal=False, seqlen_q=1000, seqlen_k=1000, batch=2, nheads_q=8)
+    q, k, v = make_inputs(p, seed=11)
+    stream = torch.cuda.current_stream()
+    counting = FwdConfig(persistent=True)
+    for config, causal in ((counting, False), (FwdConfig(persistent=False), True)):
+        assert launch_counter(config, causal, q.device, stream.cuda_stream) is interface._UNUSED[q.device]
+    assert launch_counter(counting, True, q.device, stream.cuda_stream) is not interface._UNUSED[q.device]
+
+    attention_forward(q, k, v, counting)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    out = torch.full_like(q, float("nan"))
+    with torch.cuda.graph(graph):  # captures on a stream of its own
+        attention_forward(q, k, v, counting, out=out)
+        handed = launch_counter(counting, False, q.device, torch.cuda.current_stream().cuda_stream)
+    assert handed is interface._UNUSED[q.device]
+    ref_out, _ = attention_reference(q, k, v)
+    graph.replay()
+    torch.cuda.synchronize()
+    err = ((out.float() - ref_out).norm() / ref_out.norm()).item()
+    assert err < OUT_TOL, err

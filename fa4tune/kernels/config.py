@@ -98,6 +98,11 @@ class FwdConfig:
             return replace(self, poly_degree=FwdConfig.poly_degree)
         return self
 
+    def uses_tile_counter(self, causal: bool) -> bool:
+        """Whether the kernel's CTAs take their tiles from the global tile counter: persistent
+        causal CTAs do (their tiles differ in length); every other kernel ignores the counter."""
+        return self.persistent and bool(causal)
+
     def short(self) -> str:
         return (
             f"{self.tile_m}x{self.tile_n}s{self.num_stages}"

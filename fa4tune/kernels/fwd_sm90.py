@@ -45,6 +45,7 @@ from .config import FwdConfig, check_config
 from .sm90_helpers import (
     acc_as_operand_a,
     acc_rows_cols,
+    convert_to_16bit,
     permute_modes,
     smem_tile_layout,
     swap_first_modes,
@@ -105,7 +106,7 @@ class FlashForwardSm90:
         self.rescale_branch = config.rescale_branch
         self.persistent = config.persistent
         # Persistent causal CTAs take their tiles from a global counter (see the module docstring).
-        self.tile_counter = config.persistent and causal
+        self.tile_counter = config.uses_tile_counter(causal)
         self.num_sms = target.sm_count
 
     # --------------------------------------------------------------------------------------------
@@ -156,6 +157,8 @@ class FlashForwardSm90:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            if const_expr(self.tile_counter):  # in the barrier region, where resources books it
+                tile_slot: cute.struct.MemRange[Int32, 2]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, q_o_elems], resources.SMEM_ALIGN]
             sK: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], resources.SMEM_ALIGN
@@ -165,8 +168,6 @@ class FlashForwardSm90:
             ]
             if const_expr(self.persistent):
                 sO: cute.struct.Align[cute.struct.MemRange[self.dtype, o_elems], resources.SMEM_ALIGN]
-            if const_expr(self.tile_counter):
-                next_tile: cute.struct.MemRange[Int32, 1]
 
         load = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(load, mQ, sQ_layout, (tile_m, d))
@@ -357,7 +358,7 @@ class FlashForwardSm90:
             sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner, dtype=self.dtype)
         sTile = None
         if const_expr(self.tile_counter):
-            sTile = storage.next_tile.get_tensor(cute.make_layout(1))
+            sTile = storage.tile_slot.get_tensor(cute.make_layout(1))
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -559,7 +560,7 @@ class FlashForwardSm90:
             self.mask_scores(acc_S, thr_mma_qk, m_block, n_block_max - 1, seqlen_q, seqlen_k,
                              self.causal)
             softmax.step(acc_S, True, row_scale)
-            tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
+            convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
             n_masked = 0
             if const_expr(self.causal):
                 n_masked = cutlass.max(n_block_max - 1 - n_mask_min, 0)
@@ -622,12 +623,10 @@ class FlashForwardSm90:
         softmax.step(acc_S, False, row_scale)
         warpgroup.wait_group(0)
         pipe_v.consumer_release(kv_v)
-        if const_expr(self.rescale_branch):
-            softmax.rescale(acc_O, row_scale)
-            tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
-        else:  # flash-attn-4's order: P first, then the (always taken) rescale
-            tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
-            softmax.rescale(acc_O, row_scale)
+        # P before the rescale: its conversions then sit among the exponentials, not behind the
+        # rescale's branch.
+        convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
+        softmax.rescale(acc_O, row_scale)
         return kv
 
     @cute.jit
@@ -647,10 +646,11 @@ class FlashForwardSm90:
             self.mask_scores(acc_S, thr_mma_qk, m_block, n_block, seqlen_q, seqlen_k, self.causal)
         if i == 0:
             softmax.step(acc_S, True, row_scale)
+            convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
         else:
             softmax.step(acc_S, False, row_scale)
+            convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
             softmax.rescale(acc_O, row_scale)
-        tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
         pipe_v.consumer_wait(kv)
         self.turn_wait(wg)
         wgmma(mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv.index], accumulate=True, wait=0)

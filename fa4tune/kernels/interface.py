@@ -154,18 +154,39 @@ _COUNTERS: dict = {}
 _COUNTERS_LOCK = threading.Lock()
 
 
+def _stream_key(device, stream: int) -> tuple:
+    """(device, the driver's unique id of the stream): unlike a handle, the id of a destroyed stream
+    is never given to a new one, so a new stream cannot inherit a counter that old work still uses."""
+    from cuda.bindings import driver as cuda
+
+    err, stream_id = cuda.cuStreamGetId(cuda.CUstream(stream))
+    if err != cuda.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuStreamGetId failed for stream {stream:#x}: {err.name}")
+    return device, int(stream_id)
+
+
+def _capturing(stream: int) -> bool:
+    from cuda.bindings import driver as cuda
+
+    err, status = cuda.cuStreamIsCapturing(cuda.CUstream(stream))
+    if err != cuda.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuStreamIsCapturing failed for stream {stream:#x}: {err.name}")
+    return status != cuda.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+
+
 def tile_counter(device, stream: int):
     """The (1,) int32 tile counter for a launch on `stream` (its handle) of `device`. A kernel whose
     CTAs take tiles from the counter needs it at zero when it starts, and leaves it at zero when it
     has run to the end; launches that could overlap must not share one. So each stream has its own,
     zeroed once (in order on that stream); while the stream captures a CUDA graph every call gets a
     new one, zeroed inside the graph, so that a graph never shares its counter with eager calls or
-    with another graph."""
+    with another graph. Counters of destroyed streams are not freed (4 bytes each)."""
     import torch
 
-    if torch.cuda.is_current_stream_capturing():
-        return torch.zeros(1, dtype=torch.int32, device=device)
-    key = (device, stream)
+    if _capturing(stream):
+        with torch.cuda.device(device):
+            return torch.zeros(1, dtype=torch.int32, device=device)
+    key = _stream_key(device, stream)
     counter = _COUNTERS.get(key)
     if counter is None:
         with _COUNTERS_LOCK:
@@ -173,6 +194,28 @@ def tile_counter(device, stream: int):
             if counter is None:
                 counter = _COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
     return counter
+
+
+_UNUSED: dict = {}
+
+
+def unused_counter(device):
+    """What a kernel that ignores the tile counter is given for it (it has the argument all the
+    same): one int32 per device, never read or written, so no allocation per call, in a graph or not."""
+    import torch
+
+    counter = _UNUSED.get(device)
+    if counter is None:
+        with _COUNTERS_LOCK:
+            counter = _UNUSED.setdefault(device, torch.zeros(1, dtype=torch.int32, device=device))
+    return counter
+
+
+def launch_counter(config: FwdConfig, causal: bool, device, stream: int):
+    """The counter argument of one launch: the stream's tile counter if this kernel uses it."""
+    if config.uses_tile_counter(causal):
+        return tile_counter(device, stream)
+    return unused_counter(device)
 
 
 class UnsupportedInput(ValueError):
@@ -262,7 +305,7 @@ def attention_forward(q, k, v, config: FwdConfig, causal: bool = False, softmax_
     stream_handle = torch.cuda.current_stream(q.device).cuda_stream
     tensors = [from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=3) for t in (q, k, v, out)]
     lse_t = from_dlpack(lse, assumed_align=4).mark_layout_dynamic(leading_dim=2)
-    counter = from_dlpack(tile_counter(q.device, stream_handle), assumed_align=4)
+    counter = from_dlpack(launch_counter(config, causal, q.device, stream_handle), assumed_align=4)
     compiled.function(*tensors, lse_t, counter, Float32(scale * math.log2(math.e)),
                       Int32(heads_per_l2_group(problem, target)), cuda.CUstream(stream_handle))
     return out, lse

@@ -52,8 +52,8 @@ def smem_layout_bytes(config: "FwdConfig", problem: "Problem") -> dict[str, int]
     v = config.num_stages * config.tile_n * dv * ELEMENT_BYTES
     # full + empty barrier per stage for K and for V, plus Q's pair.
     barriers = (2 + 4 * config.num_stages) * MBARRIER_BYTES
-    if config.persistent and problem.causal:
-        barriers += 8  # the next tile's number, handed from the producer to the consumers
+    if config.uses_tile_counter(problem.causal):
+        barriers += 8  # the next tile's number (padded to 8), handed from the producer to the consumers
     if config.persistent:
         q_o = {"q": _round_up(q, SMEM_ALIGN), "o": _round_up(o, SMEM_ALIGN)}
     else:
