@@ -78,6 +78,9 @@ def main() -> int:
         launch.executor.run_compiled_program(launch.arguments)
 
     rows.append(("compiled host function, packed arguments (fa4tune.attention's floor)", per_call_us(packed_launch)))
+    # Causal: the table's kernel is persistent, so each call also fetches the stream's tile counter.
+    rows.append(("fa4tune.attention, causal (also fetches the stream's tile counter)",
+                 per_call_us(lambda: fa4tune.attention(q, k, v, causal=True))))
     print(f"# fa4tune.attention used config {launch.config.short()} "
           f"({dispatch.explain(q, k, v).source} in the lookup)", file=sys.stderr)
     try:

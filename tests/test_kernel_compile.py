@@ -68,3 +68,10 @@ def test_infeasible_config_is_refused_before_compiling():
     assert not infeasible_reasons(Problem(dtype="bf16", head_dim=128), FwdConfig(num_stages=3), get_target("H200"))
     with pytest.raises(ConfigError, match="persistent.*o 32 KB"):
         compile_forward(FwdConfig(num_stages=3, persistent=True), "bf16", 128, 128, False, "H200")
+
+
+def test_only_persistent_causal_kernels_take_tiles_from_the_counter():
+    # The kernel, the resource model and the launches (a counter per stream, or one dummy) all ask this.
+    for persistent in (False, True):
+        for causal in (False, True):
+            assert FwdConfig(persistent=persistent).uses_tile_counter(causal) is (persistent and causal)
