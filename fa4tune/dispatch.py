@@ -152,6 +152,14 @@ class _Launch:
         if (q_ptr | k_ptr | v_ptr) & 15:
             raise UnsupportedInput("q, k and v must start at 16-byte aligned addresses (for the TMA); "
                                    "use .contiguous() on a sliced tensor")
+        if self._current_device() == self.device_index:
+            return self._launch(q_ptr, k_ptr, v_ptr)
+        # The kernel launches on the current device, and the tile counter's driver queries resolve
+        # the legacy stream there: make it the tensors' one.
+        with self._device_guard(self.device_index):
+            return self._launch(q_ptr, k_ptr, v_ptr)
+
+    def _launch(self, q_ptr: int, k_ptr: int, v_ptr: int):
         out = self._empty(self.out_shape, dtype=self.dtype, device=self.device)
         lse = self._empty(self.lse_shape, dtype=self._float32, device=self.device)
         stream = self._current_stream(self.device).cuda_stream
@@ -161,11 +169,7 @@ class _Launch:
             p[0].value, p[1].value, p[2].value = q_ptr, k_ptr, v_ptr
             p[3].value, p[4].value, p[5].value = out.data_ptr(), lse.data_ptr(), counter.data_ptr()
             self.stream.value = stream
-            if self._current_device() == self.device_index:
-                self.executor.run_compiled_program(self.arguments)
-            else:  # the kernel launches on the current device: make it the tensors' one
-                with self._device_guard(self.device_index):
-                    self.executor.run_compiled_program(self.arguments)
+            self.executor.run_compiled_program(self.arguments)
         return out, lse
 
 

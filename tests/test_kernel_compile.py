@@ -70,8 +70,26 @@ def test_infeasible_config_is_refused_before_compiling():
         compile_forward(FwdConfig(num_stages=3, persistent=True), "bf16", 128, 128, False, "H200")
 
 
-def test_only_persistent_causal_kernels_take_tiles_from_the_counter():
-    # The kernel, the resource model and the launches (a counter per stream, or one dummy) all ask this.
-    for persistent in (False, True):
-        for causal in (False, True):
-            assert FwdConfig(persistent=persistent).uses_tile_counter(causal) is (persistent and causal)
+
+@pytest.mark.parametrize("persistent,causal", [(True, True), (True, False), (False, True)])
+def test_shared_storage_is_what_the_resource_model_books(persistent, causal, monkeypatch):
+    """The search rejects configs by resources.smem_bytes; a kernel whose shared storage is larger
+    would pass that check and fail to launch at the limit. (Before the tile-number slot moved into
+    the barrier region, a persistent causal kernel took 1 KB more than the model said.)"""
+    import cutlass.utils
+
+    from fa4tune.kernels import resources
+    from fa4tune.kernels.interface import compile_forward
+
+    sizes = []
+    allocate = cutlass.utils.SmemAllocator.allocate
+
+    def recording_allocate(self, struct, *args, **kwargs):
+        sizes.append(struct.size_in_bytes())
+        return allocate(self, struct, *args, **kwargs)
+
+    monkeypatch.setattr(cutlass.utils.SmemAllocator, "allocate", recording_allocate)
+    config = FwdConfig(persistent=persistent)
+    compile_forward(config, "bf16", 128, 128, causal, "H200", use_cache=False)
+    assert sizes, "the kernel no longer allocates its shared storage through SmemAllocator"
+    assert sizes[-1] == resources.smem_bytes(config, Problem(dtype="bf16", head_dim=128, causal=causal))
