@@ -16,6 +16,8 @@ On a CPU the script runs on the cost model, to try it: --backend model --workers
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import subprocess
 import sys
 import time
@@ -48,13 +50,18 @@ def derived_job(job_path: Path, problems: int | None, trials: int | None, keep_t
 
 
 def run(tag: str, job_file: Path, out: Path, placement: list[str]) -> float:
-    """One search; its wall time in seconds. Its output goes to OUT/TAG.log."""
+    """One search; its wall time in seconds. Its output goes to OUT/TAG.log. Each run compiles into
+    an empty kernel cache of its own (OUT/TAG-kernels), so the second run does not load what the
+    first compiled."""
     command = [sys.executable, "-m", "fa4tune.cli", "search", str(job_file), "--db", str(out / f"{tag}.db"),
                "--storage", str(out / f"{tag}.journal"), "--no-progress", *placement]
+    cache = out / f"{tag}-kernels"
+    shutil.rmtree(cache, ignore_errors=True)
+    env = {**os.environ, "FA4TUNE_KERNEL_CACHE": str(cache)}
     print(f"{tag}: {' '.join(command[2:])}", flush=True)
     started = time.monotonic()
     with open(out / f"{tag}.log", "w") as log:
-        code = subprocess.call(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        code = subprocess.call(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
     seconds = time.monotonic() - started
     if code != 0:
         sys.exit(f"{tag} failed with exit status {code}; see {out / f'{tag}.log'}")
