@@ -342,6 +342,28 @@ def test_the_multi_gpu_benchmark_runs_on_cpu_workers(workdir):
     assert "seconds" not in timed and "export" not in timed and not (workdir / "t.yaml").exists()
 
 
+def test_the_multi_gpu_benchmark_simulates_gpus_on_a_cpu(workdir):
+    """--simulate: the gpu backend's real worker processes, pool and confirmation, with sleeps for the
+    GPU (benchmarks/simulated_gpu_worker.py); each run's workers report their time with a trial in flight."""
+    job = write_job(workdir, spaces=SPACE, problems=ONE_PROBLEM, budget={"trials": 30})
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    sleeps = {"FA4TUNE_SIM_COMPILE_S": "0.05", "FA4TUNE_SIM_CHEAP_S": "0.01", "FA4TUNE_SIM_FULL_S": "0.02"}
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "multi_gpu.py"), "--job", str(job), "--simulate",
+                          "--gpus", "0,1", "--trials", "4", "--compile-workers", "2", "--out", str(workdir / "bench")],
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": path, **sleeps})
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert len([line for line in lines if line.startswith("| bf16-")]) == 1
+    assert any(line.startswith("wall time: 1 = ") and "2 GPUs = " in line for line in lines)
+    assert len([line for line in lines if line.startswith("one: worker ")]) == 1
+    assert 1 <= len([line for line in lines if line.startswith("many: worker ")]) <= 2
+    with ResultsDB.open(str(workdir / "bench" / "many.db"), create=False) as db:
+        [run] = db.runs()
+        assert run["gpu_name"].startswith("simulated") and run["backend"] == "gpu"
+    timed = (workdir / "bench" / "job.yaml").read_text()
+    assert "simulated_gpu_worker" in timed
+
+
 def test_one_worker_confirms_a_study_unless_it_died(workdir):
     """The re-timing of a study's best few (gpu backend) is claimed under the study's lock: by one
     worker while it lives, by another once it is dead."""
