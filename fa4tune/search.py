@@ -421,9 +421,10 @@ class _Context:
         stored = stored_among([t.number for t in claimed if t.state == optuna.trial.TrialState.RUNNING])
         return [t for t in claimed if t.number not in stored]
 
-    def _measuring(self, study, name: str) -> list:
-        """Claimed trials being measured now (by any worker)."""
-        return self._in_flight(study, lambda numbers: self.db.stored_among(name, numbers), reserved=False)
+    def _measuring(self, study, name: str, trials=None) -> list:
+        """Claimed trials being measured now (by any worker); `trials`: the study's, if already read."""
+        return self._in_flight(study, lambda numbers: self.db.stored_among(name, numbers), trials=trials,
+                               reserved=False)
 
     def _still_running(self, study, name: str) -> bool:
         """Whether a claimed trial is being measured (by any worker), or another worker (or an unnamed
@@ -431,8 +432,7 @@ class _Context:
         import optuna
 
         running = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
-        if self._in_flight(study, lambda numbers: self.db.stored_among(name, numbers), trials=running,
-                           reserved=False):
+        if self._measuring(study, name, trials=running):
             return True
         return any(t.user_attrs.get(WORKER_ATTR) != self.worker for t in running)
 
