@@ -1,8 +1,10 @@
 """Host-side cost of one forward call: fa4tune's entry points against calling the compiled kernel with
 prepared arguments (and flash-attn-4 when installed). Prints microseconds per call.
 
-Measured on a tiny problem so the GPU never holds the host back: calls are issued in bursts of 100 and
-the host clock is read around each call (the queue is drained between bursts, outside the timed region).
+Measured on a tiny problem so the GPU never holds the host back: each entry point is called in bursts
+of 100 with the host clock read around each call, and the queue is drained between bursts (untimed).
+The entry points take turns, a burst each per round, so that a slow spell of the host falls on all of
+them alike; the last column is each row's median minus the compiled kernel's.
 """
 
 from __future__ import annotations
@@ -14,23 +16,25 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def per_call_us(fn, calls: int = 2000, burst: int = 100) -> tuple[float, float, float]:
-    """(median, p99, max) host microseconds of one call. Calls go in bursts with the queue drained
-    between them (untimed), so that the launch queue never fills and blocks the host on the GPU."""
+def interleaved_us(rows: dict, rounds: int = 40, burst: int = 100) -> dict:
+    """{name: sorted host microseconds per call} of each callable, measured in turns."""
     import torch
 
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    while len(samples) < calls:
-        for _ in range(burst):
-            start = time.perf_counter()
+    for fn in rows.values():  # warm-up: caches, allocator pools, lazy loading
+        for _ in range(50):
             fn()
-            samples.append((time.perf_counter() - start) * 1e6)
-        torch.cuda.synchronize()
-    samples.sort()
-    return samples[len(samples) // 2], samples[int(len(samples) * 0.99)], samples[-1]
+    torch.cuda.synchronize()
+    samples = {name: [] for name in rows}
+    clock = time.perf_counter
+    for _ in range(rounds):
+        for name, fn in rows.items():
+            got = samples[name]
+            for _ in range(burst):
+                start = clock()
+                fn()
+                got.append((clock() - start) * 1e6)
+            torch.cuda.synchronize()
+    return {name: sorted(values) for name, values in samples.items()}
 
 
 def main() -> int:
@@ -57,41 +61,45 @@ def main() -> int:
     args += [from_dlpack(lse, assumed_align=4).mark_layout_dynamic(leading_dim=2),
              from_dlpack(counter, assumed_align=4), Float32(1 / math.sqrt(128) * math.log2(math.e)), Int32(1),
              cuda.CUstream(torch.cuda.current_stream().cuda_stream)]
-    rows = [
-        ("compiled kernel, prepared arguments", per_call_us(lambda: compiled.function(*args))),
-        ("fa4tune.kernels.interface.attention_forward", per_call_us(
-            lambda: attention_forward(q, k, v, cfg, out=out, lse=lse))),
-    ]
     import fa4tune
     from fa4tune import dispatch
 
-    rows.append(("fa4tune.attention (lookup + dispatch, allocates out and lse)",
-                 per_call_us(lambda: fa4tune.attention(q, k, v))))
-    # The floor under fa4tune.attention: its prepared launch without the allocation and the key lookup.
+    fa4tune.attention(q, k, v)  # prepares the launch
     launch = next(iter(dispatch._LAUNCHES.values()))
-    stream = torch.cuda.current_stream().cuda_stream
-    for pointer, t in zip(launch.pointers, (q, k, v, out, lse, counter)):  # tensors that stay alive
+    # The floor rows get a launch of their own (fa4tune.attention rewrites its launch's pointers),
+    # pointed once at tensors that stay alive.
+    floor = dispatch._Launch(launch.problem, launch.config, dispatch._device_target(q.device), q, k, v, None)
+    floor.bind(compile_forward(launch.config, "bf16", 128, 128, False).function.to(launch.device_index))
+    for pointer, t in zip(floor.pointers, (q, k, v, out, lse, counter)):
         pointer.value = t.data_ptr()
-
-    def packed_launch():
-        launch.stream.value = stream
-        launch.executor.run_compiled_program(launch.arguments)
-
-    rows.append(("compiled host function, packed arguments (fa4tune.attention's floor)", per_call_us(packed_launch)))
-    # Causal: the table's kernel is persistent, so each call also fetches the stream's tile counter.
-    rows.append(("fa4tune.attention, causal (also fetches the stream's tile counter)",
-                 per_call_us(lambda: fa4tune.attention(q, k, v, causal=True))))
-    print(f"# fa4tune.attention used config {launch.config.short()} "
-          f"({dispatch.explain(q, k, v).source} in the lookup)", file=sys.stderr)
+    floor.stream.value = torch.cuda.current_stream().cuda_stream
+    direct = "yes" if launch.result is not None else "no: the DSL's run_compiled_program (fallback)"
+    rows = {
+        "compiled kernel, prepared DSL arguments (the reference)": lambda: compiled.function(*args),
+        "fa4tune.attention (lookup, allocates out and lse, launch)": lambda: fa4tune.attention(q, k, v),
+        "fa4tune.attention, causal (also fetches the stream's tile counter)":
+            lambda: fa4tune.attention(q, k, v, causal=True),
+        "its floor: the host function called with the packed pointer array": floor._run,
+        "the DSL's run_compiled_program with the same packed arguments":
+            lambda: floor.executor.run_compiled_program(floor.arguments),
+        "fa4tune.kernels.interface.attention_forward (converts tensors every call)":
+            lambda: attention_forward(q, k, v, cfg, out=out, lse=lse),
+    }
     try:
         from flash_attn.cute import flash_attn_func
 
-        rows.append(("flash-attn-4 flash_attn_func", per_call_us(lambda: flash_attn_func(q, k, v))))
+        rows["flash-attn-4 flash_attn_func"] = lambda: flash_attn_func(q, k, v)
     except Exception as exc:
         print(f"# flash-attn-4 not measured: {type(exc).__name__}", file=sys.stderr)
-    print("| entry point | host µs per call: median | p99 | max |\n|---|---|---|---|")
-    for name, (med, p99, worst) in rows:
-        print(f"| {name} | {med:.1f} | {p99:.1f} | {worst:.1f} |")
+    print(f"# fa4tune.attention used config {launch.config.short()} ({dispatch.explain(q, k, v).source} in the "
+          f"lookup); direct host call: {direct}; {torch.cuda.get_device_name()}", file=sys.stderr)
+    results = interleaved_us(rows)
+    reference = results[next(iter(rows))]
+    base = reference[len(reference) // 2]
+    print("| entry point | host µs per call: median | p99 | median minus the reference |\n|---|---|---|---|")
+    for name, values in results.items():
+        median, p99 = values[len(values) // 2], values[int(len(values) * 0.99)]
+        print(f"| {name} | {median:.1f} | {p99:.1f} | {median - base:+.1f} |")
     return 0
 
 

@@ -41,11 +41,15 @@ DESCRIPTOR_3D = struct.Struct("<Q3i4x2q")
 def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None):
     """(out, lse) of softmax(scale · q kᵀ [+ causal mask]) v with the tuned kernel; see the module."""
     try:
+        # get_device(): an int (-1 off the GPU), cheaper to build and hash than a torch.device.
         key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-               q.device, k.device, v.device, causal, softmax_scale)
+               q.get_device(), k.get_device(), v.get_device(), causal, softmax_scale)
     except AttributeError:  # not tensors: _prepare says which
         key = None
-    launch = _LAUNCHES.get(key)
+    try:
+        launch = _LAUNCHES.get(key)
+    except TypeError:  # an unhashable causal or scale: _prepare says which
+        key = launch = None
     if launch is None:
         launch = _prepare(key, q, k, v, causal, softmax_scale)
     return launch(q, k, v)
@@ -97,28 +101,43 @@ def _prepare(key, q, k, v, causal, softmax_scale) -> "_Launch":
 
     config = lookup(problem, target).config
     with _PREPARE_LOCK:
-        launch = _LAUNCHES.get(key)
+        launch = _LAUNCHES.get(key) if key is not None else None
         if launch is None:
             compiled = compile_forward(config, problem.dtype, problem.head_dim, problem.head_dim_v, causal, target)
-            launch = _Launch(compiled.function.to(), problem, config, target, q, k, v, softmax_scale)
-            if len(_LAUNCHES) >= MAX_PREPARED:
-                _LAUNCHES.clear()
-            _LAUNCHES[key] = launch
+            launch = _Launch(problem, config, target, q, k, v, softmax_scale)
+            # The executor holds the kernel's function in the context of the tensors' device.
+            launch.bind(compiled.function.to(launch.device_index))
+            if key is not None:
+                if len(_LAUNCHES) >= MAX_PREPARED:
+                    _LAUNCHES.clear()
+                _LAUNCHES[key] = launch
     return launch
+
+
+def _raw_stream_getter():
+    """A function device_index -> the current stream's handle. torch's raw getter (what Triton's
+    launcher uses) returns the handle as an int without building a Stream object; builds without it
+    go through torch.cuda.current_stream."""
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw
+    return lambda index: torch.cuda.current_stream(index).cuda_stream
 
 
 class _Launch:
     """The packed arguments of one (shapes, strides, dtypes, device, causal, scale) and the compiled
     host function. A call rewrites the data pointers and the stream, and launches."""
 
-    def __init__(self, executor, problem: Problem, config, target, q, k, v, softmax_scale) -> None:
+    def __init__(self, problem: Problem, config, target, q, k, v, softmax_scale) -> None:
         import torch
 
         from .kernels.interface import heads_per_l2_group, tile_counter, unused_counter
 
-        self.executor = executor
         self.problem, self.config = problem, config
         self.device = q.device
+        self.device_index = q.device.index if q.device.index is not None else 0
         self.dtype = q.dtype
         self.out_shape = (problem.batch, problem.seqlen_q, problem.nheads_q, problem.head_dim_v)
         self.lse_shape = (problem.batch, problem.nheads_q, problem.seqlen_q)
@@ -132,45 +151,99 @@ class _Launch:
         self.pointers = [ctypes.c_uint64.from_buffer(d) for d in self.descriptors]
         # Kernels that ignore the tile counter get one fixed dummy: no per-call lookup or allocation.
         self._tile_counter = tile_counter if config.uses_tile_counter(problem.causal) else None
-        self._unused_counter = unused_counter(q.device)
+        self._unused_counter = unused_counter(q.device) if self._tile_counter is None else None
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(problem.head_dim)
         self.scale_log2 = ctypes.c_float(scale * math.log2(math.e))
         self.l2_group = ctypes.c_int32(heads_per_l2_group(problem, target))
         self.stream = ctypes.c_void_p(0)
+        # The compiled host function's arguments: one pointer per kernel argument, in order.
         self.arguments = [ctypes.addressof(d) for d in self.descriptors] + [
             ctypes.addressof(self.scale_log2), ctypes.addressof(self.l2_group), ctypes.addressof(self.stream)]
         self.lock = threading.Lock()
-        self.device_index = q.device.index if q.device.index is not None else 0
-        self._current_device = torch.cuda.current_device
+        self._get_device = torch._C._cuda_getDevice if hasattr(torch._C, "_cuda_getDevice") \
+            else torch.cuda.current_device
         self._device_guard = torch.cuda.device
-        self._current_stream = torch.cuda.current_stream
+        self._raw_stream = _raw_stream_getter()
         self._empty = torch.empty
         self._float32 = torch.float32
+        self._run = None
+
+    def bind(self, executor) -> None:
+        """Launch through `executor` (the compiled function bound to this launch's device)."""
+        self.executor = executor
+        self._run, self.result = direct_call(executor, self.arguments)
 
     def __call__(self, q, k, v):
         q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
         if (q_ptr | k_ptr | v_ptr) & 15:
             raise UnsupportedInput("q, k and v must start at 16-byte aligned addresses (for the TMA); "
                                    "use .contiguous() on a sliced tensor")
-        if self._current_device() == self.device_index:
+        if self._get_device() == self.device_index:
             return self._launch(q_ptr, k_ptr, v_ptr)
-        # The kernel launches on the current device, and the tile counter's driver queries resolve
-        # the legacy stream there: make it the tensors' one.
+        # The kernel launches in the current device's context, and the tile counter's driver queries
+        # resolve the legacy stream there: make it the tensors' one.
         with self._device_guard(self.device_index):
             return self._launch(q_ptr, k_ptr, v_ptr)
 
     def _launch(self, q_ptr: int, k_ptr: int, v_ptr: int):
         out = self._empty(self.out_shape, dtype=self.dtype, device=self.device)
         lse = self._empty(self.lse_shape, dtype=self._float32, device=self.device)
-        stream = self._current_stream(self.device).cuda_stream
+        stream = self._raw_stream(self.device_index)
         counter = self._tile_counter(self.device, stream) if self._tile_counter else self._unused_counter
         with self.lock:  # the descriptors are shared; the launch copies them before it returns
             p = self.pointers
             p[0].value, p[1].value, p[2].value = q_ptr, k_ptr, v_ptr
             p[3].value, p[4].value, p[5].value = out.data_ptr(), lse.data_ptr(), counter.data_ptr()
             self.stream.value = stream
-            self.executor.run_compiled_program(self.arguments)
+            error = self._run()
+        if error:
+            raise launch_error(error)
         return out, lse
+
+
+def direct_call(executor, arguments: list[int]):
+    """(run, result): `run()` calls the executor's compiled host function with `arguments` (addresses)
+    and returns its CUDA error code (0: launched).
+
+    The DSL's `run_compiled_program` converts the argument list into a new pointer array on every
+    call; here the array is built once, as the DSL builds it (the arguments, then the address of the
+    error code the host function writes, then the kernels' function handles), with an error slot of
+    this launch's own. An executor without that layout falls back to `run_compiled_program`."""
+    try:
+        capi = executor.capi_func
+        kernel_ptrs = list(executor._kernel_ptrs or ())
+        result_type = type(executor.cuda_result) if executor._has_cuda_result else None
+    except AttributeError:
+        result_type = capi = None
+    if capi is None:
+        def run():
+            executor.run_compiled_program(arguments)
+            return 0
+        return run, None
+    result = result_type() if result_type is not None else None
+    extra = ([ctypes.addressof(result)] if result is not None else []) + [p.value for p in kernel_ptrs]
+    packed = (ctypes.c_void_p * (len(arguments) + len(extra)))(*arguments, *extra)
+    if result is None:
+        def run():
+            capi(packed)
+            return 0
+        return run, None
+
+    def run():
+        capi(packed)
+        return result.value
+    return run, result
+
+
+def launch_error(code: int) -> RuntimeError:
+    """The exception of a launch whose host function returned CUDA error `code`."""
+    try:
+        from cuda.bindings import runtime as cudart
+
+        name = cudart.cudaGetErrorName(cudart.cudaError_t(code))[1].decode()
+    except Exception:  # noqa: BLE001  (an unknown code: the number says it)
+        name = "unknown CUDA error"
+    return RuntimeError(f"the fa4tune kernel launch failed: {name} ({code})")
 
 
 def pack_descriptor(shape, strides) -> ctypes.Array:

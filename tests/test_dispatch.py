@@ -4,6 +4,7 @@ are byte for byte what the CuTe DSL itself passes to the compiled kernel."""
 
 import ctypes
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -102,7 +103,7 @@ def test_packed_arguments_match_what_the_dsl_passes():
     problem = fa4tune.dispatch.problem_of(q, k, v, True)
     config = default_config(problem, target)
     compiled = compile_forward(config, "bf16", 128, 128, True, target)
-    launch = _Launch(None, problem, config, target, q, k, v, softmax_scale=0.07)
+    launch = _Launch(problem, config, target, q, k, v, softmax_scale=0.07)
     out = torch.empty(launch.out_shape, dtype=torch.bfloat16)
     lse = torch.empty(launch.lse_shape, dtype=torch.float32)
     stream_handle = 0x7F00DEAD
@@ -122,3 +123,78 @@ def test_packed_arguments_match_what_the_dsl_passes():
     for index, (theirs, ours, size) in enumerate(zip(reference_args, launch.arguments, sizes)):
         theirs = theirs.value if isinstance(theirs, ctypes.c_void_p) else theirs
         assert ctypes.string_at(theirs, size) == ctypes.string_at(ours, size), f"argument {index} differs"
+
+
+class _RecordingHostFunction:
+    """Stands in for a compiled host function: records the pointer array it is called with and
+    writes `code` into the error slot that the array names after the arguments."""
+
+    restype = ctypes.c_int32  # what the DSL reads to decide that the function reports an error code
+
+    def __init__(self, n_arguments: int) -> None:
+        self.n_arguments, self.calls, self.code = n_arguments, [], 0
+
+    def __call__(self, packed) -> None:
+        self.calls.append(list(packed))
+        ctypes.c_int32.from_address(packed[self.n_arguments]).value = self.code
+
+
+@pytest.mark.compile
+def test_direct_call_packs_the_arguments_as_the_dsl_does():
+    """fa4tune.attention calls the compiled host function with a pointer array it built once; it must
+    be the array the DSL's own executor builds (arguments, error slot, kernel handles), with an error
+    slot of its own, and a non-zero error code must come back. A DSL that changes the layout fails here."""
+    import os
+
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    from cutlass.base_dsl.jit_executor import JitExecutor
+
+    from fa4tune.dispatch import direct_call, launch_error
+
+    buffers = [ctypes.create_string_buffer(16) for _ in range(9)]
+    arguments = [ctypes.addressof(b) for b in buffers]
+    host = _RecordingHostFunction(len(arguments))
+    kernels = [ctypes.c_void_p(0x7000), ctypes.c_void_p(0x7100)]
+    executor = JitExecutor(SimpleNamespace(capi_func=host), SimpleNamespace(kernel_functions_ptrs=kernels), False)
+    theirs = list(executor._get_invoke_packed_args(arguments))
+
+    run, result = direct_call(executor, arguments)
+    assert run() == 0
+    host.code = 700
+    assert run() == 700 and result.value == 700
+    assert executor.cuda_result.value == 0  # the executor's own slot is not shared with the launch
+    ours = host.calls[0]
+    assert host.calls[1] == ours  # built once
+    n = len(arguments)
+    assert ours[:n] == theirs[:n] == arguments
+    assert theirs[n] == executor._cuda_result_addr and ours[n] == ctypes.addressof(result)
+    assert ours[n + 1:] == theirs[n + 1:] == [0x7000, 0x7100]
+    assert "cudaErrorIllegalAddress (700)" in str(launch_error(700))
+
+
+def test_direct_call_falls_back_to_the_dsl_call():
+    """An executor without the compiled function's internals is called through run_compiled_program."""
+    from fa4tune.dispatch import direct_call
+
+    seen = []
+    executor = SimpleNamespace(run_compiled_program=seen.append)
+    run, result = direct_call(executor, [1, 2, 3])
+    assert run() == 0 and result is None and seen == [[1, 2, 3]]
+
+
+def test_stream_queries_without_libcuda_use_the_bindings_and_name_failures(monkeypatch):
+    """Where libcuda cannot be opened through ctypes the queries go through cuda-python, and a
+    driver error is raised with the stream and the code, not returned as an answer."""
+    from cuda.bindings import driver
+
+    from fa4tune.kernels.interface import _StreamQueries
+
+    queries = _StreamQueries()
+    queries.lib = None
+    monkeypatch.setattr(driver, "cuStreamGetId", lambda s: (driver.CUresult.CUDA_SUCCESS, 77))
+    monkeypatch.setattr(driver, "cuStreamIsCapturing", lambda s: (
+        driver.CUresult.CUDA_SUCCESS, driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE))
+    assert queries.stream_id(0x10) == 77 and queries.capturing(0x10) is True
+    monkeypatch.setattr(driver, "cuStreamGetId", lambda s: (driver.CUresult.CUDA_ERROR_INVALID_HANDLE, 0))
+    with pytest.raises(RuntimeError, match="cuStreamGetId failed for stream 0x10: CUDA driver error 400"):
+        queries.stream_id(0x10)
