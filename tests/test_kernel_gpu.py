@@ -117,13 +117,14 @@ def test_persistent_matches_reference(head_dim, config, shape, causal):
 
 
 
-# tile_m 192 leaves warpgroups without rows in the last m block (seqlen % 192 in 1..128), which then
-# only keep the pipeline and the GEMM turns going: both turn orders, with and without intra-warpgroup
-# overlap, one CTA per tile and persistent. (1024: two idle warpgroups; 1060: one.)
+# tile_m 192 with one CTA per tile leaves warpgroups without rows in the last m block (seqlen % 192
+# in 1..128), which then only keep the pipeline and the GEMM turns going: with and without
+# intra-warpgroup overlap. (1024: two idle warpgroups; 1060: one.) Without ping-pong these configs
+# can hang (docs/kernel-notes.md, v7; the search spaces exclude them), so they are not run here.
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("config", [
-    FwdConfig(tile_m=192, intra_wg_overlap=False, rescale_threshold=8.0, persistent=True),
-    FwdConfig(tile_m=192, wg_pingpong=False, num_stages=3),
+    FwdConfig(tile_m=192, intra_wg_overlap=False, rescale_threshold=8.0),
+    FwdConfig(tile_m=192, num_stages=3),
 ], ids=lambda c: c.short())
 def test_warpgroups_without_rows_keep_the_tile_right(config, causal):
     for seqlen_q, seqlen_k in ((1024, 1024), (1060, 1500)):
