@@ -41,9 +41,11 @@ DESCRIPTOR_3D = struct.Struct("<Q3i4x2q")
 def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None):
     """(out, lse) of softmax(scale · q kᵀ [+ causal mask]) v with the tuned kernel; see the module."""
     try:
-        # get_device(): an int (-1 off the GPU), cheaper to build and hash than a torch.device.
+        # get_device(): an int (-1 off the GPU), cheaper to build and hash than a torch.device; with
+        # is_cuda it names the device. A causal that is not a bool (1 equals True) goes to _prepare.
         key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-               q.get_device(), k.get_device(), v.get_device(), causal, softmax_scale)
+               q.get_device(), k.get_device(), v.get_device(), q.is_cuda, k.is_cuda, v.is_cuda, causal,
+               softmax_scale) if causal is True or causal is False else None
     except AttributeError:  # not tensors: _prepare says which
         key = None
     try:

@@ -180,21 +180,3 @@ def test_direct_call_falls_back_to_the_dsl_call():
     executor = SimpleNamespace(run_compiled_program=seen.append)
     run, result = direct_call(executor, [1, 2, 3])
     assert run() == 0 and result is None and seen == [[1, 2, 3]]
-
-
-def test_stream_queries_without_libcuda_use_the_bindings_and_name_failures(monkeypatch):
-    """Where libcuda cannot be opened through ctypes the queries go through cuda-python, and a
-    driver error is raised with the stream and the code, not returned as an answer."""
-    from cuda.bindings import driver
-
-    from fa4tune.kernels.interface import _StreamQueries
-
-    queries = _StreamQueries()
-    queries.lib = None
-    monkeypatch.setattr(driver, "cuStreamGetId", lambda s: (driver.CUresult.CUDA_SUCCESS, 77))
-    monkeypatch.setattr(driver, "cuStreamIsCapturing", lambda s: (
-        driver.CUresult.CUDA_SUCCESS, driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE))
-    assert queries.stream_id(0x10) == 77 and queries.capturing(0x10) is True
-    monkeypatch.setattr(driver, "cuStreamGetId", lambda s: (driver.CUresult.CUDA_ERROR_INVALID_HANDLE, 0))
-    with pytest.raises(RuntimeError, match="cuStreamGetId failed for stream 0x10: CUDA driver error 400"):
-        queries.stream_id(0x10)

@@ -16,10 +16,6 @@ with `persistent`, one after another):
 * causal masking is applied only to the K blocks that cross the diagonal (bottom-right aligned), and
   blocks above the diagonal are never loaded; causal tiles are scheduled longest first, grouped by heads
   so that the K/V of the heads in flight stay in L2;
-* with three consumer warpgroups (tile_m 192) and one CTA per tile, a warpgroup whose rows all lie
-  past the end of Q (in the last m block) issues no GEMM and no exponential: it only waits for and
-  releases the K/V stages and passes the GEMM turns, so the warpgroups with rows have the tensor
-  cores and the MUFU to themselves;
 * O leaves through shared memory (Q's buffer, or with `persistent` a buffer of its own) and a TMA store;
   LSE is written per row;
 * with `persistent` the grid is one CTA per SM and each CTA walks the tiles: the producer loads the
@@ -525,17 +521,11 @@ class FlashForwardSm90:
             acc_O.fill(0.0)
             softmax.reset()
             if n_block_max > 0:
-                if self.has_no_rows(wg, m_block, seqlen_q):
-                    # All of this warpgroup's rows lie past the end of Q (the last m block of a
-                    # seqlen that tile_m does not divide): it keeps the pipeline and the turns going
-                    # but leaves the tensor cores and the MUFU to the warpgroups with rows.
-                    kv, q_state = self.idle_mainloop(kv, q_state, wg, pipe_q, pipe_k, pipe_v, n_block_max)
-                else:
-                    kv, q_state = self.mainloop(
-                        kv, q_state, wg, acc_O, tOrP, s_shape, tSrQ, tSrK, tOrVt, mma_qk, mma_pv,
-                        pipe_q, pipe_k, pipe_v, softmax, row_scale, thr_mma_qk, m_block, seqlen_q, seqlen_k,
-                        n_block_max, n_mask_min,
-                    )
+                kv, q_state = self.mainloop(
+                    kv, q_state, wg, acc_O, tOrP, s_shape, tSrQ, tSrK, tOrVt, mma_qk, mma_pv,
+                    pipe_q, pipe_k, pipe_v, softmax, row_scale, thr_mma_qk, m_block, seqlen_q, seqlen_k,
+                    n_block_max, n_mask_min,
+                )
             lse = cute.make_rmem_tensor(softmax.num_rows, Float32)
             softmax.finalize(acc_O, lse)
             self.epilogue(acc_O, lse, mO, mLSE, sO, tma_o, mma_pv, ctid, m_block, head, batch, seqlen_q)
@@ -601,56 +591,6 @@ class FlashForwardSm90:
                 kv = self.serial_step(kv, n_block_max - 1 - i, i, n_masked, wg, acc_O, tOrP, s_shape,
                                       tSrQ, tSrK, tOrVt, mma_qk, mma_pv, pipe_k, pipe_v,
                                       softmax, row_scale, thr_mma_qk, m_block, seqlen_q, seqlen_k)
-            self.turn_pass(wg)
-            self.release_q(pipe_q, q_state)
-        q_state.advance()
-        return kv, q_state
-
-    def has_no_rows(self, wg, m_block, seqlen_q):
-        """Whether consumer warpgroup `wg` has no row of Q in this tile, checked only where it pays
-        and costs nothing (docs/kernel-notes.md, v7): with three consumer warpgroups (tile_m 192,
-        which leaves one or two of them idle in the last m block of every power-of-two seqlen) and
-        one CTA per tile. With two, whose tiles divide those seqlens, the branch buys nothing and
-        moves the PV GEMM's wait in the SASS. In a persistent CTA the pipeline states that leave the
-        branch, on the warpgroup index, are no longer uniform to ptxas, and the main loop's stage and
-        descriptor arithmetic leaves the uniform datapath (4-5% slower, measured)."""
-        if const_expr(self.num_consumer_wg < 3 or self.persistent):
-            return False
-        return m_block * self.tile_m + wg * 64 >= seqlen_q
-
-    @cute.jit
-    def idle_mainloop(self, kv, q_state, wg, pipe_q, pipe_k, pipe_v, n_block_max):
-        """The main loop of a warpgroup without rows in this tile: no GEMM and no softmax, only the
-        pipeline's waits and releases (every consumer warp releases every stage, and waits for it
-        first so as never to arrive a phase early) and the GEMM turns, in mainloop's order. Its O
-        stays zero; the epilogue writes neither its O rows (the TMA store clips them) nor its LSE."""
-        pipe_q.consumer_wait(q_state)
-        if const_expr(self.intra_wg_overlap):
-            pipe_k.consumer_wait(kv)
-            pipe_k.consumer_release(kv)
-            for _ in cutlass.range(n_block_max - 1, unroll=1):
-                kv_v = kv.clone()
-                kv.advance()
-                pipe_k.consumer_wait(kv)
-                self.turn_wait(wg)
-                self.turn_pass(wg)
-                pipe_k.consumer_release(kv)
-                pipe_v.consumer_wait(kv_v)
-                pipe_v.consumer_release(kv_v)
-            self.release_q(pipe_q, q_state)
-            pipe_v.consumer_wait(kv)
-            pipe_v.consumer_release(kv)
-            kv.advance()
-        else:
-            self.turn_wait(wg)
-            for _ in cutlass.range(n_block_max, unroll=1):
-                pipe_k.consumer_wait(kv)
-                self.turn_pass(wg)
-                pipe_k.consumer_release(kv)
-                pipe_v.consumer_wait(kv)
-                self.turn_wait(wg)
-                pipe_v.consumer_release(kv)
-                kv.advance()
             self.turn_pass(wg)
             self.release_q(pipe_q, q_state)
         q_state.advance()
