@@ -16,6 +16,7 @@ from datetime import datetime
 import logging
 import os
 import socket
+import time
 import warnings
 import zlib
 from pathlib import Path
@@ -132,6 +133,23 @@ class JournalFlock:
             os.close(fd)
 
 
+SCHEMA_RACE_ATTEMPTS = 5
+# What a process that lost the race to create Optuna's schema sees: concurrent CREATE TABLE (a
+# duplicate row type or relation), or a second first row of the version tables.
+SCHEMA_RACE_MARKS = ("pg_type_typname_nsp_index", "already exists", "version_info_pkey", "alembic_version_pkc")
+
+
+def lost_schema_race(exc: BaseException) -> bool:
+    """Whether opening an RDB storage failed because another process created Optuna's tables at the
+    same moment: opening it again finds them made."""
+    while exc is not None:
+        message = str(exc)
+        if any(mark in message for mark in SCHEMA_RACE_MARKS):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def open_storage(location: str, heartbeat: bool | None = None):
     """An Optuna storage: an RDB URL, or a journal file path (optionally written `journal:PATH`). A
     server storage records heartbeats (unless `heartbeat` is False) and hands stale trials back."""
@@ -149,9 +167,15 @@ def open_storage(location: str, heartbeat: bool | None = None):
                 seconds = heartbeat_seconds()
                 options = {"heartbeat_interval": seconds, "grace_period": HEARTBEAT_GRACE * seconds,
                            "heartbeat_stale_trial_callback": HandBack()}
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                return optuna.storages.RDBStorage(url, engine_kwargs=engine_options(url), **options)
+            for attempt in range(SCHEMA_RACE_ATTEMPTS):
+                try:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                        return optuna.storages.RDBStorage(url, engine_kwargs=engine_options(url), **options)
+                except Exception as exc:  # noqa: BLE001  (only a lost schema race is tried again)
+                    if attempt + 1 == SCHEMA_RACE_ATTEMPTS or not lost_schema_race(exc):
+                        raise
+                    time.sleep(0.2 * (attempt + 1))
         path = journal_path(location)
         if path.is_dir():
             raise StorageError(f"Optuna storage {location!r} is a directory; give a journal file path")

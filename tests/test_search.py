@@ -178,6 +178,45 @@ def test_optuna_storage_can_be_an_rdb_url(workdir):
     assert not (workdir / "fa4tune-results" / "results.optuna.journal").exists()
 
 
+def test_opening_an_rdb_storage_retries_a_lost_schema_race_and_nothing_else(workdir, monkeypatch):
+    """Two hosts that open one PostgreSQL storage at once may both create Optuna's tables; the loser
+    gets a duplicate-key error from the catalog and must open it again, not fail the join. Any
+    other error still fails at once, and a race lost every time fails after the retries."""
+    import optuna
+    from sqlalchemy.exc import IntegrityError
+
+    from fa4tune import studies
+    from fa4tune.errors import StorageError
+
+    monkeypatch.setattr(studies.time, "sleep", lambda s: None)
+    real = optuna.storages.RDBStorage
+    race = IntegrityError("CREATE TABLE studies", {}, Exception(
+        'duplicate key value violates unique constraint "pg_type_typname_nsp_index"'))
+    calls = []
+
+    def flaky(url, *args, fails=1, error=race, **kwargs):
+        calls.append(url)
+        if len(calls) <= fails:
+            raise error
+        return real(url, *args, **kwargs)
+
+    url = f"sqlite:///{workdir / 'optuna.sqlite'}"
+    monkeypatch.setattr(optuna.storages, "RDBStorage", flaky)
+    assert isinstance(studies.open_storage(url), real) and len(calls) == 2
+    calls.clear()
+    monkeypatch.setattr(optuna.storages, "RDBStorage", lambda url, *a, **k: flaky(url, *a, fails=99, **k))
+    with pytest.raises(StorageError, match="pg_type_typname_nsp_index"):
+        studies.open_storage(url)
+    assert len(calls) == studies.SCHEMA_RACE_ATTEMPTS
+    calls.clear()
+    other = IntegrityError("INSERT", {}, Exception("null value in column violates not-null constraint"))
+    monkeypatch.setattr(optuna.storages, "RDBStorage",
+                        lambda url, *a, **k: flaky(url, *a, fails=99, error=other, **k))
+    with pytest.raises(StorageError, match="not-null"):
+        studies.open_storage(url)
+    assert len(calls) == 1
+
+
 def test_probes_follow_the_default_and_a_bad_count_is_refused(workdir):
     job = write_job(workdir, name="probed", spaces=SMALL_SPACE, budget={"trials": 5}, probes=3,
                     problems=[{"head_dim": 64, "seqlen_q": 4096, "batch": 2, "nheads_q": 16}])
