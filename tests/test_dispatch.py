@@ -171,6 +171,15 @@ def test_direct_call_packs_the_arguments_as_the_dsl_does():
     assert ours[n + 1:] == theirs[n + 1:] == [0x7000, 0x7100]
     assert "cudaErrorIllegalAddress (700)" in str(launch_error(700))
 
+    # The CUDA-dialect executor (what cute.compile gives here) has no execution context and no
+    # kernel handles: the array is the arguments and the error slot.
+    host = _RecordingHostFunction(len(arguments))
+    executor = JitExecutor(SimpleNamespace(capi_func=host), None, False)
+    theirs = list(executor._get_invoke_packed_args(arguments))
+    run, result = direct_call(executor, arguments)
+    assert run() == 0 and len(host.calls[0]) == len(theirs) == n + 1
+    assert host.calls[0][:n] == theirs[:n] and host.calls[0][n] == ctypes.addressof(result)
+
 
 def test_direct_call_falls_back_to_the_dsl_call():
     """An executor without the compiled function's internals is called through run_compiled_program."""
