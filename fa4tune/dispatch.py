@@ -107,7 +107,8 @@ def _prepare(key, q, k, v, causal, softmax_scale) -> "_Launch":
         if launch is None:
             compiled = compile_forward(config, problem.dtype, problem.head_dim, problem.head_dim_v, causal, target)
             launch = _Launch(problem, config, target, q, k, v, softmax_scale)
-            # The executor holds the kernel's function in the context of the tensors' device.
+            # An executor for the tensors' device (the CUDA-dialect one cute.compile gives here loads
+            # a context-free library and ignores it; the host function launches on the current device).
             launch.bind(compiled.function.to(launch.device_index))
             if key is not None:
                 if len(_LAUNCHES) >= MAX_PREPARED:

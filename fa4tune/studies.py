@@ -142,9 +142,10 @@ SCHEMA_RACE_MARKS = ("pg_type_typname_nsp_index", "already exists", "version_inf
 def lost_schema_race(exc: BaseException) -> bool:
     """Whether opening an RDB storage failed because another process created Optuna's tables at the
     same moment: opening it again finds them made."""
-    while exc is not None:
-        message = str(exc)
-        if any(mark in message for mark in SCHEMA_RACE_MARKS):
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if any(mark in str(exc) for mark in SCHEMA_RACE_MARKS):
             return True
         exc = exc.__cause__ or exc.__context__
     return False
