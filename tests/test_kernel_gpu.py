@@ -117,6 +117,27 @@ def test_persistent_matches_reference(head_dim, config, shape, causal):
 
 
 
+# tile_m 192 with one CTA per tile leaves warpgroups without rows in the last m block (seqlen % 192
+# in 1..128), which then only keep the pipeline and the GEMM turns going: with and without
+# intra-warpgroup overlap, with and without ping-pong (whose idle loop once hung: docs/kernel-notes.md,
+# v7), one CTA per tile and persistent (causal only: persistent non-causal kernels have no idle path).
+# (1024: two idle warpgroups; 1060: one.)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("config", [
+    FwdConfig(tile_m=192, intra_wg_overlap=False, rescale_threshold=8.0),
+    FwdConfig(tile_m=192, num_stages=3),
+    FwdConfig(tile_m=192, num_stages=3, wg_pingpong=False),
+    FwdConfig(tile_m=192, intra_wg_overlap=False, wg_pingpong=False),
+    FwdConfig(tile_m=192, persistent=True, rescale_threshold=8.0),
+], ids=lambda c: c.short())
+def test_warpgroups_without_rows_keep_the_tile_right(config, causal):
+    for seqlen_q, seqlen_k in ((1024, 1024), (1060, 1500)):
+        p = Problem(head_dim=64, causal=causal, seqlen_q=seqlen_q, seqlen_k=seqlen_k, batch=3, nheads_q=16,
+                    nheads_kv=4)
+        out_err, lse_err = run_checked(config, p, seed=seqlen_q)
+        assert out_err <= OUT_TOL and lse_err <= LSE_TOL, (p.key(), out_err, lse_err)
+
+
 def test_knob_configs_cover_every_value():
     for knob, values in KNOBS.items():
         seen = {getattr(cfg, knob) for _, cfg in KNOB_CONFIGS}
@@ -254,13 +275,11 @@ def test_kernels_that_ignore_the_counter_get_one_dummy_even_in_a_graph(monkeypat
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_tensors_on_another_gpu_than_the_current_one():
-    """With cuda:0 current and the tensors on cuda:1, fa4tune.attention launches on cuda:1 (the host
-    function launches on the current device), with cuda:1's tile counter, and matches the reference.
-    (attention_forward launches on the current device; making it switch waits for the next re-tune,
-    as fa4tune/kernels/interface.py is part of the kernel hash.)"""
+    """With cuda:0 current and the tensors on cuda:1, both entry points launch on cuda:1 (the host
+    function launches on the current device), with cuda:1's tile counter, and match the reference."""
     import fa4tune
-    from fa4tune import dispatch
     from fa4tune.kernels import interface
+    from fa4tune.kernels.interface import attention_forward
     from fa4tune.kernels.reference import attention_reference
 
     p = Problem(head_dim=128, causal=True, seqlen_q=1000, seqlen_k=1000, batch=2, nheads_q=8)
@@ -268,14 +287,74 @@ def test_tensors_on_another_gpu_than_the_current_one():
         q, k, v = make_inputs(p, seed=5)
         ref_out, ref_lse = attention_reference(q, k, v, causal=True)
     torch.cuda.set_device(0)
-    out, lse = fa4tune.attention(q, k, v, causal=True)
-    torch.cuda.synchronize(1)
-    assert out.device == q.device and torch.cuda.current_device() == 0
-    err = ((out.float() - ref_out).norm() / ref_out.norm()).item()
-    assert err < OUT_TOL, err
-    finite = torch.isfinite(ref_lse)
-    assert (lse[finite] - ref_lse[finite]).abs().max().item() < LSE_TOL
-    [launch] = [launch for launch in dispatch._LAUNCHES.values() if launch.device == q.device]
-    if launch.config.uses_tile_counter(True):
-        assert any(key[0] == q.device for key in interface._COUNTERS), "no tile counter of cuda:1 was made"
+    config = FwdConfig(persistent=True)
+    for run in (lambda: attention_forward(q, k, v, config, causal=True), lambda: fa4tune.attention(q, k, v, causal=True)):
+        out, lse = run()
+        torch.cuda.synchronize(1)
+        assert out.device == q.device and torch.cuda.current_device() == 0
+        err = ((out.float() - ref_out).norm() / ref_out.norm()).item()
+        assert err < OUT_TOL, err
+        finite = torch.isfinite(ref_lse)
+        assert (lse[finite] - ref_lse[finite]).abs().max().item() < LSE_TOL
+    assert any(key[0] == q.device for key in interface._COUNTERS), "no tile counter of cuda:1 was made"
     assert all(c.item() == 0 for c in interface._COUNTERS.values())
+
+
+def test_stream_queries_through_libcuda_agree_with_the_bindings():
+    """The counter's two driver queries go through ctypes on libcuda; they must give what the
+    cuda-python bindings give, capturing or not."""
+    from cuda.bindings import driver
+
+    from fa4tune.kernels import interface
+
+    queries = interface._queries()
+    assert queries.lib is not None, "libcuda was not opened: the slow path would be used"
+    side = torch.cuda.Stream()
+    for handle in (side.cuda_stream, torch.cuda.current_stream().cuda_stream):
+        assert queries.stream_id(handle) == int(driver.cuStreamGetId(driver.CUstream(handle))[1])
+        assert not queries.capturing(handle)
+    x = torch.zeros(4, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        x.add_(1)
+        seen = queries.capturing(side.cuda_stream)
+    assert seen
+    assert queries.stream_id(side.cuda_stream) != queries.stream_id(torch.cuda.current_stream().cuda_stream)
+
+
+_HUNG_IN_THE_SEARCH = [
+    # (head_dim, seqlen, batch, heads, config): the three candidates that hung in the v7 H200 search
+    (64, 4096, 4, 32, dict(tile_m=192, tile_n=80, num_stages=3, rescale_threshold=8.0, wg_pingpong=False)),
+    (128, 1024, 16, 16, dict(tile_m=192, tile_n=80, num_stages=4, emu_share=0.375, wg_pingpong=False)),
+    (128, 4096, 4, 16, dict(tile_m=192, tile_n=64, num_stages=3, poly_degree=4, emu_share=0.25,
+                            rescale_threshold=2.0, wg_pingpong=False, rescale_branch=False)),
+]
+
+_LAUNCH_LOOP = """
+import sys, torch
+sys.path.insert(0, {root!r})
+from fa4tune.kernels.config import FwdConfig
+from fa4tune.kernels.interface import attention_forward
+for d, s, b, h, knobs in {cases!r}:
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    config = FwdConfig(**knobs)
+    for _ in range(1000):
+        attention_forward(q, k, v, config, causal=True)
+    torch.cuda.synchronize()
+print("done")
+"""
+
+
+def test_configs_that_hung_in_the_search_finish():
+    """1000 launches of each config that hung in the v7 search (idle warpgroups, no ping-pong), in a
+    child process so that a hang fails the test after its timeout instead of stalling the suite."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = _LAUNCH_LOOP.format(root=str(Path(__file__).resolve().parents[1]), cases=_HUNG_IN_THE_SEARCH)
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired:
+        pytest.fail("a config that hung in the search hung again (1000 launches each, 240 s)")
+    assert done.returncode == 0 and "done" in done.stdout, done.stderr[-2000:]

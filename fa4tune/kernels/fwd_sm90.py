@@ -16,6 +16,10 @@ with `persistent`, one after another):
 * causal masking is applied only to the K blocks that cross the diagonal (bottom-right aligned), and
   blocks above the diagonal are never loaded; causal tiles are scheduled longest first, grouped by heads
   so that the K/V of the heads in flight stay in L2;
+* with three consumer warpgroups (tile_m 192), a warpgroup whose rows all lie past the end of Q (in
+  the last m block) issues no GEMM and no exponential: it only waits for and releases the K/V stages
+  and passes the GEMM turns, so the warpgroups with rows have the tensor cores and the MUFU to
+  themselves;
 * O leaves through shared memory (Q's buffer, or with `persistent` a buffer of its own) and a TMA store;
   LSE is written per row;
 * with `persistent` the grid is one CTA per SM and each CTA walks the tiles: the producer loads the
@@ -521,11 +525,17 @@ class FlashForwardSm90:
             acc_O.fill(0.0)
             softmax.reset()
             if n_block_max > 0:
-                kv, q_state = self.mainloop(
-                    kv, q_state, wg, acc_O, tOrP, s_shape, tSrQ, tSrK, tOrVt, mma_qk, mma_pv,
-                    pipe_q, pipe_k, pipe_v, softmax, row_scale, thr_mma_qk, m_block, seqlen_q, seqlen_k,
-                    n_block_max, n_mask_min,
-                )
+                if self.has_no_rows(wg, m_block, seqlen_q):
+                    # All of this warpgroup's rows lie past the end of Q (the last m block of a
+                    # seqlen that tile_m does not divide): it keeps the pipeline and the turns going
+                    # but leaves the tensor cores and the MUFU to the warpgroups with rows.
+                    kv, q_state = self.idle_mainloop(kv, q_state, wg, pipe_q, pipe_k, pipe_v, n_block_max)
+                else:
+                    kv, q_state = self.mainloop(
+                        kv, q_state, wg, acc_O, tOrP, s_shape, tSrQ, tSrK, tOrVt, mma_qk, mma_pv,
+                        pipe_q, pipe_k, pipe_v, softmax, row_scale, thr_mma_qk, m_block, seqlen_q, seqlen_k,
+                        n_block_max, n_mask_min,
+                    )
             lse = cute.make_rmem_tensor(softmax.num_rows, Float32)
             softmax.finalize(acc_O, lse)
             self.epilogue(acc_O, lse, mO, mLSE, sO, tma_o, mma_pv, ctid, m_block, head, batch, seqlen_q)
@@ -595,6 +605,75 @@ class FlashForwardSm90:
             self.release_q(pipe_q, q_state)
         q_state.advance()
         return kv, q_state
+
+    def has_no_rows(self, wg, m_block, seqlen_q):
+        """Whether consumer warpgroup `wg` has no row of Q in this tile, checked only with three
+        consumer warpgroups (tile_m 192, which leaves one or two of them idle in the last m block of
+        every power-of-two seqlen). With two, whose tiles divide those seqlens, the branch buys
+        nothing and moves the PV GEMM's wait in the SASS. Nor in persistent non-causal kernels:
+        there the branch cost 2.5-3.7% at hdim 64, 1k-16k tokens (H200), where causal ones gained
+        1-8%; without it their SASS is v6's.
+
+        The tile's first row is marked warp-uniform before the compare. Without that, ptxas does not
+        treat the branch as uniform, and a persistent CTA carries the pipeline states that leave it
+        to its next tile: its main loop's stage and descriptor arithmetic then left the uniform
+        datapath (41 R2UR; 4-5% slower, measured). With the mark the persistent main loop keeps
+        UIADD3.64 as in v6 (CPU SASS, not measured)."""
+        if const_expr(self.num_consumer_wg < 3 or (self.persistent and not self.causal)):
+            return False
+        first_row = cute.arch.make_warp_uniform(m_block * self.tile_m + wg * 64)
+        return first_row >= seqlen_q
+
+    @cute.jit
+    def idle_mainloop(self, kv, q_state, wg, pipe_q, pipe_k, pipe_v, n_block_max):
+        """The main loop of a warpgroup without rows in this tile: no GEMM and no softmax, only the
+        pipeline's waits and releases (every consumer warp releases every stage, and waits for it
+        first so as never to arrive a phase early) and the GEMM turns, in mainloop's order. Its O
+        stays zero; the epilogue writes neither its O rows (the TMA store clips them) nor its LSE.
+
+        A release is one lane's arrive. In mainloop a wgmma (warpgroup-aligned) stands between
+        each wait and its release, so every lane has seen the stage full before lane 0 frees it.
+        Here a warp barrier does that: without it the compiler merged the releases around the V
+        wait (lane 0: arrive K, wait V, arrive V; the other lanes: wait V), lane 0 could free V
+        before the other lanes had seen it full, and once the stage was refilled those lanes waited
+        on a phase of the same parity that never came (the hangs of docs/kernel-notes.md, v7)."""
+        pipe_q.consumer_wait(q_state)
+        if const_expr(self.intra_wg_overlap):
+            self.idle_take(pipe_k, kv)
+            for _ in cutlass.range(n_block_max - 1, unroll=1):
+                kv_v = kv.clone()
+                kv.advance()
+                pipe_k.consumer_wait(kv)
+                self.turn_wait(wg)
+                self.turn_pass(wg)
+                cute.arch.sync_warp()
+                pipe_k.consumer_release(kv)
+                self.idle_take(pipe_v, kv_v)
+            self.release_q(pipe_q, q_state)
+            self.idle_take(pipe_v, kv)
+            kv.advance()
+        else:
+            self.turn_wait(wg)
+            for _ in cutlass.range(n_block_max, unroll=1):
+                pipe_k.consumer_wait(kv)
+                self.turn_pass(wg)
+                cute.arch.sync_warp()
+                pipe_k.consumer_release(kv)
+                pipe_v.consumer_wait(kv)
+                self.turn_wait(wg)
+                cute.arch.sync_warp()
+                pipe_v.consumer_release(kv)
+                kv.advance()
+            self.turn_pass(wg)
+            self.release_q(pipe_q, q_state)
+        q_state.advance()
+        return kv, q_state
+
+    def idle_take(self, pipe, state):
+        """Wait until the stage is full in every lane, then release it (one arrive per warp)."""
+        pipe.consumer_wait(state)
+        cute.arch.sync_warp()
+        pipe.consumer_release(state)
 
     def release_q(self, pipe_q, q_state):
         # A single-tile CTA never reloads Q (and its O is staged in Q's buffer).

@@ -154,24 +154,95 @@ _COUNTERS: dict = {}
 _COUNTERS_LOCK = threading.Lock()
 
 
+class _StreamQueries:
+    """The two driver queries a counter needs, per call of a causal launch: is the stream capturing
+    a graph, and its unique id. Called through ctypes on libcuda (under a microsecond each); the
+    cuda-python bindings, where libcuda cannot be opened that way, cost a few microseconds more."""
+
+    def __init__(self) -> None:
+        import ctypes
+        import ctypes.util
+
+        self.lib = None
+        for name in ("libcuda.so.1", None):
+            try:
+                name = name or ctypes.util.find_library("cuda")  # asked only if the first fails
+                lib = ctypes.CDLL(name) if name else None
+            except OSError:
+                continue
+            if lib is not None and not hasattr(lib, "cuStreamGetId"):
+                lib = None  # a driver before CUDA 12.0: the bindings say what is missing
+            if lib is not None:
+                lib.cuStreamGetId.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_ulonglong)]
+                lib.cuStreamIsCapturing.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
+                lib.cuStreamGetId.restype = lib.cuStreamIsCapturing.restype = ctypes.c_int
+                self.lib = lib
+                break
+        self.ctypes = ctypes
+
+    def stream_id(self, stream: int) -> int:
+        if self.lib is None:
+            from cuda.bindings import driver as cuda
+
+            err, value = cuda.cuStreamGetId(cuda.CUstream(stream))
+            code = int(err)
+        else:
+            out = self.ctypes.c_ulonglong()
+            code = self.lib.cuStreamGetId(stream, self.ctypes.byref(out))
+            value = out.value
+        if code:
+            raise RuntimeError(f"cuStreamGetId failed for stream {stream:#x}: CUDA driver error {code}")
+        return int(value)
+
+    def capturing(self, stream: int) -> bool:
+        if self.lib is None:
+            from cuda.bindings import driver as cuda
+
+            err, value = cuda.cuStreamIsCapturing(cuda.CUstream(stream))
+            code, value = int(err), int(value)
+        else:
+            out = self.ctypes.c_int()
+            code = self.lib.cuStreamIsCapturing(stream, self.ctypes.byref(out))
+            value = out.value
+        if code:
+            raise RuntimeError(f"cuStreamIsCapturing failed for stream {stream:#x}: CUDA driver error {code}")
+        return value != 0  # CU_STREAM_CAPTURE_STATUS_NONE
+
+
+_QUERIES: list = []
+
+
+def _queries() -> _StreamQueries:
+    if not _QUERIES:
+        _QUERIES.append(_StreamQueries())
+    return _QUERIES[0]
+
+
 def _stream_key(device, stream: int) -> tuple:
     """(device, the driver's unique id of the stream): unlike a handle, the id of a destroyed stream
     is never given to a new one, so a new stream cannot inherit a counter that old work still uses."""
-    from cuda.bindings import driver as cuda
-
-    err, stream_id = cuda.cuStreamGetId(cuda.CUstream(stream))
-    if err != cuda.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cuStreamGetId failed for stream {stream:#x}: {err.name}")
-    return device, int(stream_id)
+    return device, _queries().stream_id(stream)
 
 
 def _capturing(stream: int) -> bool:
-    from cuda.bindings import driver as cuda
+    return _queries().capturing(stream)
 
-    err, status = cuda.cuStreamIsCapturing(cuda.CUstream(stream))
-    if err != cuda.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cuStreamIsCapturing failed for stream {stream:#x}: {err.name}")
-    return status != cuda.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+
+def _indexed(device):
+    """`device` as a torch.device with its index ("cuda" alone: the current device)."""
+    import torch
+
+    if isinstance(device, torch.device) and device.index is not None:
+        return device
+    device = torch.device(device)
+    return device if device.index is not None else torch.device(device.type, torch.cuda.current_device())
+
+
+def _current_device() -> int:
+    import torch
+
+    get = getattr(torch._C, "_cuda_getDevice", None)  # torch.cuda.current_device without its checks
+    return get() if get is not None else torch.cuda.current_device()
 
 
 def tile_counter(device, stream: int):
@@ -180,12 +251,16 @@ def tile_counter(device, stream: int):
     has run to the end; launches that could overlap must not share one. So each stream has its own,
     zeroed once (in order on that stream); while the stream captures a CUDA graph every call gets a
     new one, zeroed inside the graph, so that a graph never shares its counter with eager calls or
-    with another graph. Counters of destroyed streams are not freed (4 bytes each)."""
+    with another graph. Counters of destroyed streams are not freed (4 bytes each). The stream's
+    driver queries run in `device`'s context (the legacy stream, handle 0, is per context)."""
     import torch
 
-    if _capturing(stream):
+    device = _indexed(device)
+    if _current_device() != device.index:
         with torch.cuda.device(device):
-            return torch.zeros(1, dtype=torch.int32, device=device)
+            return tile_counter(device, stream)
+    if _capturing(stream):
+        return torch.zeros(1, dtype=torch.int32, device=device)
     key = _stream_key(device, stream)
     counter = _COUNTERS.get(key)
     if counter is None:
@@ -201,13 +276,18 @@ _UNUSED: dict = {}
 
 def unused_counter(device):
     """What a kernel that ignores the tile counter is given for it (it has the argument all the
-    same): one int32 per device, never read or written, so no allocation per call, in a graph or not."""
+    same): one int32 per device, never read or written, so no allocation per call. It is left
+    uninitialised: if the first call comes during a graph capture, the graph's pool provides it and
+    the graph records no node for it."""
     import torch
 
+    device = _indexed(device)
     counter = _UNUSED.get(device)
     if counter is None:
         with _COUNTERS_LOCK:
-            counter = _UNUSED.setdefault(device, torch.zeros(1, dtype=torch.int32, device=device))
+            counter = _UNUSED.get(device)
+            if counter is None:
+                counter = _UNUSED[device] = torch.empty(1, dtype=torch.int32, device=device)
     return counter
 
 
@@ -302,10 +382,13 @@ def attention_forward(q, k, v, config: FwdConfig, causal: bool = False, softmax_
     if lse is None:
         lse = torch.empty((batch, nheads_q, seqlen_q), dtype=torch.float32, device=q.device)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(problem.head_dim)
-    stream_handle = torch.cuda.current_stream(q.device).cuda_stream
     tensors = [from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=3) for t in (q, k, v, out)]
     lse_t = from_dlpack(lse, assumed_align=4).mark_layout_dynamic(leading_dim=2)
-    counter = from_dlpack(launch_counter(config, causal, q.device, stream_handle), assumed_align=4)
-    compiled.function(*tensors, lse_t, counter, Float32(scale * math.log2(math.e)),
-                      Int32(heads_per_l2_group(problem, target)), cuda.CUstream(stream_handle))
+    # The host function launches on the current device, and the counter's stream queries resolve
+    # the legacy stream there: both must be the tensors' device.
+    with torch.cuda.device(q.device):
+        stream_handle = torch.cuda.current_stream(q.device).cuda_stream
+        counter = from_dlpack(launch_counter(config, causal, q.device, stream_handle), assumed_align=4)
+        compiled.function(*tensors, lse_t, counter, Float32(scale * math.log2(math.e)),
+                          Int32(heads_per_l2_group(problem, target)), cuda.CUstream(stream_handle))
     return out, lse
