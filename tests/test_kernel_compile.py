@@ -1,5 +1,6 @@
 """Compile the forward kernel for sm_90a on the CPU (no GPU needed) and check ptxas's report: every
-default config and a spread of others must build and must not spill registers to local memory."""
+default config and a spread of others must build and must not spill registers to local memory. Their
+PTX is also checked for a stage released before the whole warp saw it full (the race that hung v7)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ SPREAD = [
     (FwdConfig(rescale_threshold=8.0, persistent=True), "bf16", 128, 128, False),
     (FwdConfig(tile_m=192, rescale_branch=False, persistent=True), "bf16", 64, 64, True),
     (FwdConfig(intra_wg_overlap=False, rescale_branch=False, persistent=True), "fp16", 128, 128, True),
+    # Warpgroups without rows (tile_m 192, one CTA per tile) without ping-pong: the configs that hung.
+    (FwdConfig(tile_m=192, num_stages=3, wg_pingpong=False), "bf16", 64, 64, True),
+    (FwdConfig(tile_m=192, intra_wg_overlap=False, wg_pingpong=False), "bf16", 64, 64, False),
 ]
 
 
@@ -39,22 +43,74 @@ def _ptxas_report(text: str) -> list[tuple[int, int, int]]:
         r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", text)]
 
 
+def _early_releases(ptx: str) -> list[tuple[int, int]]:
+    """(line of the release, line of the wait before it) for every consumer release (an mbarrier
+    arrive without expect_tx) with no warp-wide sync since the last mbarrier wait, in text order.
+
+    A release is one lane's arrive; the wait before it runs in every lane. Unless something that
+    all lanes pass (bar.warp.sync, or a warpgroup-aligned wgmma.wait_group, as in the main loop)
+    stands between them, lane 0 may free the stage before the other lanes have seen it full; once
+    the stage is refilled they wait for a phase that never comes. The compiler produced exactly
+    that in v7's idle loop (lane 0: arrive K, wait V, arrive V). Text order, not control flow: a
+    heuristic that flagged every unfixed v7 config tried (8) and no config of the fixed kernel."""
+    found, wait_line, synced = [], None, True
+    for number, line in enumerate(ptx.splitlines(), 1):
+        op = re.sub(r"^@!?%?\w+\s+", "", line.strip())  # drop a guard predicate
+        if op.startswith("mbarrier.try_wait") or op.startswith("mbarrier.test_wait"):
+            wait_line, synced = number, False
+        elif op.startswith(("bar.warp.sync", "wgmma.wait_group")):
+            synced = True
+        elif op.startswith("mbarrier.arrive") and "expect_tx" not in op and not synced:
+            found.append((number, wait_line))
+    return found
+
+
+# Trimmed from the PTX of the unfixed v7 idle loop (192x128, 3 stages, no ping-pong, causal): lane 0
+# (the fall-through of the branch) releases K, waits for V and releases V.
+_UNFIXED_IDLE_LOOP = """
+    mbarrier.try_wait.parity.shared.b64 P1, [%r202], %r1482, 10000000;
+    @P1 bra.uni DONE;
+    @%p26 bra $L__BB0_55;
+    mbarrier.arrive.shared.b64 %rd15, [%r40+40], %r210;
+    mbarrier.try_wait.parity.shared.b64 P1, [%r209], %r1479, 10000000;
+    mbarrier.arrive.shared.b64 %rd16, [%r212+88], %r210;
+    bra.uni $L__BB0_56;
+"""
+
+
+def test_early_release_check_flags_the_unfixed_idle_loop_and_passes_synced_ones():
+    assert _early_releases(_UNFIXED_IDLE_LOOP) == [(5, 2), (7, 6)]
+    synced = _UNFIXED_IDLE_LOOP.replace("    @%p26", "    bar.warp.sync -1;\n    @%p26").replace(
+        "    mbarrier.arrive.shared.b64 %rd16", "    bar.warp.sync -1;\n    mbarrier.arrive.shared.b64 %rd16")
+    assert _early_releases(synced) == []
+    after_wgmma = "mbarrier.try_wait.parity.shared.b64 P1, [%r4], %r200, 1;\nwgmma.wait_group.sync.aligned 0;\n" \
+                  "@%p30 mbarrier.arrive.shared.b64 %rd26, [%r5], %r282;\n"
+    assert _early_releases(after_wgmma) == []
+    assert _early_releases(after_wgmma.replace("wgmma.wait_group.sync.aligned 0;\n", "")) == [(2, 1)]
+    producer = "mbarrier.try_wait.parity.shared.b64 P1, [%r5], %r1, 1;\nmbarrier.arrive.expect_tx.shared.b64 %rd9, [%r4], %r2;\n"
+    assert _early_releases(producer) == []
+
+
 @pytest.mark.parametrize("config,dtype,head_dim,head_dim_v,causal", SPREAD,
                          ids=lambda v: v.short() if isinstance(v, FwdConfig) else str(v))
-def test_compiles_for_sm90a_without_spills(config, dtype, head_dim, head_dim_v, causal, capfd):
+def test_compiles_for_sm90a_without_spills(config, dtype, head_dim, head_dim_v, causal, capfd, tmp_path):
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     from fa4tune.kernels.interface import compile_forward
 
     problem = Problem(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal)
     config = config or default_config(problem)
     # Bypass the cache: the remarks are only printed by a real compile.
-    compiled = compile_forward(config, dtype, head_dim, head_dim_v, causal, "H200", options="remarks{ptx}",
-                               use_cache=False)
+    compiled = compile_forward(config, dtype, head_dim, head_dim_v, causal, "H200",
+                               options=f"remarks{{ptx}} --keep-ptx --dump-dir {tmp_path}", use_cache=False)
     report = _ptxas_report("".join(capfd.readouterr()))
     assert report, "ptxas printed no resource report: the spill check would be blind"
     for stack, stores, loads in report:
         assert (stack, stores, loads) == (0, 0, 0), f"{config.short()} spills: {report}"
     assert compiled.compile_seconds > 0
+    ptx = compiled.function.__ptx__
+    assert ptx and "mbarrier.arrive" in ptx, "no PTX kept: the release check would be blind"
+    assert not _early_releases(ptx), f"{config.short()}: releases before the warp saw the stage full " \
+                                     f"(PTX lines: release, wait): {_early_releases(ptx)}"
 
 
 def test_infeasible_config_is_refused_before_compiling():
