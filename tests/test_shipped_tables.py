@@ -40,6 +40,17 @@ def test_every_shipped_entry_is_measured_feasible_and_found(path):
         assert (found.source, found.config) == ("exact", config)
 
 
+@pytest.mark.parametrize("path", TABLES, ids=lambda p: p.name)
+def test_every_shipped_table_was_tuned_for_the_installed_kernel_code(path):
+    """A kernel code change without a re-tune would ship configs measured on other code (the lookup
+    still uses them, with a warning). Comments and docstrings do not count (tests/test_kernel_hash.py)."""
+    table = read_table(path)
+    installed = get_kernel(table["kernel"]).source_hash()
+    assert table["kernel_hash"] == installed, (
+        f"{path.name} was tuned for {table['kernel']} {table['kernel_hash'][:12]}, installed {installed[:12]}: "
+        "re-tune it (fa4tune search) or keep the kernel change off main until then")
+
+
 def test_a_wheel_carries_the_shipped_tables(tmp_path):
     # Built from a copy without build/ and *.egg-info: a stale build/lib would carry the tables even if
     # the package data were gone (and the build would write into the checkout).

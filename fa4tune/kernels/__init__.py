@@ -4,9 +4,12 @@ is compiled; the config module is plain Python and is imported lazily on first u
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib
+import io
 import threading
+import tokenize
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -27,8 +30,9 @@ class KernelSpec:
     config_module: str  # module (relative to this package) with FwdConfig-style API
     config_class_name: str
     default_spaces: tuple[str, ...]
-    # Files whose bytes decide the compiled kernel: a change makes tuned tables stale. Globs relative to
-    # this directory; the registry and the fp32 reference do not change what the kernel computes.
+    # Files whose code decides the compiled kernel: a change makes tuned tables stale (comments and
+    # docstrings do not count: see code_text). Globs relative to this directory; the registry and the
+    # fp32 reference do not change what the kernel computes.
     source_globs: tuple[str, ...] = ("*.py",)
     source_excludes: tuple[str, ...] = ("__init__.py", "reference.py")
     _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
@@ -88,18 +92,53 @@ class KernelSpec:
         return sorted(p for p in files if p.name not in self.source_excludes)
 
     def source_hash(self) -> str:
-        """sha256 over the kernel's source files (names and bytes), computed once per process."""
+        """sha256 over the kernel's source files (names and code_text), computed once per process."""
         with self._lock:
             cached = self.__dict__.get("_source_hash")
             if cached is None:
-                digest = hashlib.sha256()
+                digest = hashlib.sha256(CODE_HASH_SCHEME + b"\0")
                 for path in self.source_files():
                     digest.update(path.name.encode() + b"\0")
-                    digest.update(path.read_bytes())
+                    digest.update(code_text(path.read_text(encoding="utf-8")).encode())
                     digest.update(b"\0")
                 cached = digest.hexdigest()
                 self.__dict__["_source_hash"] = cached  # frozen dataclass: cache beside the fields
             return cached
+
+
+# Names what source_hash covers; a new scheme gives every kernel a new hash (and stale tables).
+CODE_HASH_SCHEME = b"code-text-1"
+
+
+def code_text(source: str) -> str:
+    """Python source without its comments, docstrings, blank lines and trailing spaces: what is left
+    can change the compiled kernel, what is cut cannot, so editing it leaves tuned tables valid. The
+    cuts come from token and node positions, on which Python versions agree (an AST dump does not:
+    3.12 added fields). Source that does not parse is taken whole."""
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+        tree = ast.parse(source)
+    except (SyntaxError, tokenize.TokenError):
+        return source
+    lines = source.splitlines()
+    spans = [(tok.start, tok.end) for tok in tokens if tok.type == tokenize.COMMENT]
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+                    and isinstance(first.value.value, str)):
+                # The AST counts columns in UTF-8 bytes; lines are cut in characters.
+                def column(row: int, byte: int) -> int:
+                    return len(lines[row - 1].encode()[:byte].decode(errors="ignore"))
+
+                spans.append(((first.lineno, column(first.lineno, first.col_offset)),
+                              (first.end_lineno, column(first.end_lineno, first.end_col_offset))))
+    for (row, col), (end_row, end_col) in sorted(spans, reverse=True):  # later cuts first
+        if row == end_row:
+            lines[row - 1] = lines[row - 1][:col] + lines[row - 1][end_col:]
+        else:
+            lines[row - 1:end_row] = [lines[row - 1][:col], lines[end_row - 1][end_col:]]
+    return "\n".join(line.rstrip() for line in lines if line.strip())
 
 
 KERNELS: dict[str, KernelSpec] = {

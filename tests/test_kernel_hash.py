@@ -1,0 +1,107 @@
+"""The kernel hash names the code that decides the compiled kernel: comments, docstrings and blank
+lines may change without making tuned tables stale; any code change makes them stale."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+import fa4tune.kernels as kernels
+from fa4tune.kernels import KernelSpec, code_text, get_kernel
+
+SOURCE = '''"""Module docstring."""
+import math  # a comment
+
+SCALE = 2.0
+
+
+class Tile:
+    """Class docstring,
+    over two lines."""
+
+    size = 128  # µ-comment with non-ASCII
+
+    def area(self, n):
+        """Method docstring."""
+        # a whole-line comment
+
+        return self.size * n
+
+
+def label(name="µ"): "a docstring after non-ASCII on its line"; return f"#{name}"
+'''
+
+
+def test_code_text_drops_comments_docstrings_and_blank_lines_only():
+    text = code_text(SOURCE)
+    assert text.splitlines() == [
+        "import math",
+        "SCALE = 2.0",
+        "class Tile:",
+        "    size = 128",
+        "    def area(self, n):",
+        "        return self.size * n",
+        'def label(name="µ"): ; return f"#{name}"',
+    ]
+
+
+@pytest.mark.parametrize("old,new", [
+    ('"""Module docstring."""', '"""Another module docstring,\n\nlonger."""'),
+    ("# a comment", "# another comment"),
+    ('"""Method docstring."""', "'Method docstring, reworded.'"),
+    ("        # a whole-line comment\n", ""),
+    ("\n\nclass Tile", "\n\n\n\nclass Tile"),
+    ("return self.size * n", "return self.size * n   "),
+])
+def test_edits_that_cannot_change_the_code_keep_its_text(old, new):
+    assert old in SOURCE
+    assert code_text(SOURCE.replace(old, new)) == code_text(SOURCE)
+
+
+@pytest.mark.parametrize("old,new", [
+    ("SCALE = 2.0", "SCALE = 2.5"),
+    ("size = 128", "size = 192"),
+    ('f"#{name}"', 'f"# {name}"'),  # a '#' inside a string is not a comment
+    ("return self.size * n", "return n * self.size"),
+    ("    size = 128", "    size = 128\n    'not a docstring: second statement'"),
+])
+def test_code_edits_change_its_text(old, new):
+    assert old in SOURCE
+    assert code_text(SOURCE.replace(old, new)) != code_text(SOURCE)
+
+
+def test_source_that_does_not_parse_is_taken_whole():
+    broken = "def f(:\n    # comment\n    return 1\n"
+    assert code_text(broken) == broken
+
+
+@pytest.fixture
+def kernel_copy(tmp_path, monkeypatch):
+    """A fresh spec of the installed kernel reading a copy of its sources."""
+    copy = tmp_path / "kernels"
+    shutil.copytree(kernels.KERNELS_DIR, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(kernels, "KERNELS_DIR", copy)
+    installed = get_kernel()
+
+    def fresh_hash() -> str:
+        return KernelSpec(name=installed.name, arch=installed.arch, family=installed.family,
+                          config_module=installed.config_module, config_class_name=installed.config_class_name,
+                          default_spaces=installed.default_spaces).source_hash()
+
+    return copy, fresh_hash, installed.source_hash()
+
+
+def test_kernel_hash_survives_doc_edits_and_not_code_edits(kernel_copy):
+    copy, fresh_hash, installed = kernel_copy
+    assert fresh_hash() == installed
+    kernel = copy / "fwd_sm90.py"
+    source = kernel.read_text(encoding="utf-8")
+    first_docstring_line = source.split('"""', 2)[1].splitlines()[0]
+    kernel.write_text(source.replace(first_docstring_line, "Reworded.", 1) + "\n# a note\n", encoding="utf-8")
+    assert fresh_hash() == installed
+    kernel.write_text(source.replace("BARRIER_EPILOGUE = 1", "BARRIER_EPILOGUE = 3", 1), encoding="utf-8")
+    assert "BARRIER_EPILOGUE = 1" in source and fresh_hash() != installed
+    (copy / "fwd_sm90.py").write_text(source, encoding="utf-8")
+    (copy / "extra_helpers.py").write_text("X = 1\n", encoding="utf-8")
+    assert fresh_hash() != installed  # a new kernel file counts too
