@@ -19,7 +19,7 @@ with `persistent`, one after another):
 * with three consumer warpgroups (tile_m 192), a warpgroup whose rows all lie past the end of Q (in
   the last m block) issues no GEMM and no exponential: it only waits for and releases the K/V stages
   and passes the GEMM turns, so the warpgroups with rows have the tensor cores and the MUFU to
-  themselves;
+  themselves (not in persistent non-causal kernels, where it measured slower);
 * O leaves through shared memory (Q's buffer, or with `persistent` a buffer of its own) and a TMA store;
   LSE is written per row;
 * with `persistent` the grid is one CTA per SM and each CTA walks the tiles: the producer loads the
@@ -617,8 +617,9 @@ class FlashForwardSm90:
         The tile's first row is marked warp-uniform before the compare. Without that, ptxas does not
         treat the branch as uniform, and a persistent CTA carries the pipeline states that leave it
         to its next tile: its main loop's stage and descriptor arithmetic then left the uniform
-        datapath (41 R2UR; 4-5% slower, measured). With the mark the persistent main loop keeps
-        UIADD3.64 as in v6 (CPU SASS, not measured)."""
+        datapath (41 R2UR). With the mark it keeps UIADD3.64 as in v6 (17 R2UR), yet persistent
+        non-causal kernels still measured 2.5-3.7% slower with the branch (4-5% without the mark),
+        for a reason not found; hence the gate above (docs/kernel-notes.md, v7)."""
         if const_expr(self.num_consumer_wg < 3 or (self.persistent and not self.causal)):
             return False
         first_row = cute.arch.make_warp_uniform(m_block * self.tile_m + wg * 64)
@@ -628,7 +629,8 @@ class FlashForwardSm90:
     def idle_mainloop(self, kv, q_state, wg, pipe_q, pipe_k, pipe_v, n_block_max):
         """The main loop of a warpgroup without rows in this tile: no GEMM and no softmax, only the
         pipeline's waits and releases (every consumer warp releases every stage, and waits for it
-        first so as never to arrive a phase early) and the GEMM turns, in mainloop's order. Its O
+        first so as never to arrive a phase early) and the GEMM turns: the same stages, phases and
+        turns as mainloop (with intra-warpgroup overlap, V's wait comes after the turn is passed). Its O
         stays zero; the epilogue writes neither its O rows (the TMA store clips them) nor its LSE.
 
         A release is one lane's arrive. In mainloop a wgmma (warpgroup-aligned) stands between
