@@ -71,9 +71,35 @@ def test_code_edits_change_its_text(old, new):
     assert code_text(SOURCE.replace(old, new)) != code_text(SOURCE)
 
 
+def test_line_separators_other_than_newline_do_not_shift_the_cuts():
+    # str.splitlines would also split on \u2028, \x0c, \x85, ...: every later cut would then land
+    # one line early, cutting code and keeping the docstring.
+    for separator in ("\u2028", "\x0c", "\x85"):
+        source = f"# note{separator}x\ndef f():\n    'doc'\n    return 1\n"
+        assert code_text(source) == "def f():\n    return 1"
+        assert code_text(source.replace("def f", "def g")) != code_text(source)
+
+
+def test_code_after_a_docstring_on_its_closing_line_counts():
+    source = 'def f():\n    """a\n    b"""; x = 1\n    return x\n'
+    assert code_text(source) == "def f():\n; x = 1\n    return x"
+    assert code_text(source.replace("x = 1", "x = 2")) != code_text(source)
+
+
+@pytest.mark.parametrize("old,new", [
+    ('ASM = """\nmov.b32 %r0, 1;\n\nret;\n"""', 'ASM = """\nmov.b32 %r0, 1;\nret;\n"""'),
+    ('ASM = """\nmov.b32 %r0, 1;\n\nret;\n"""', 'ASM = """\nmov.b32 %r0, 1;  \n\nret;\n"""'),
+    ('ASM = f"""\n{X}\n\n"""', 'ASM = f"""\n{X}\n"""'),
+])
+def test_blank_lines_and_trailing_spaces_inside_code_strings_count(old, new):
+    assert code_text(old) != code_text(new)
+
+
 def test_source_that_does_not_parse_is_taken_whole():
     broken = "def f(:\n    # comment\n    return 1\n"
     assert code_text(broken) == broken
+    with_nul = "x = 1  # \0\n"
+    assert code_text(with_nul) == with_nul  # ast.parse raises ValueError on 3.10-3.11
 
 
 @pytest.fixture
