@@ -139,11 +139,12 @@ def code_text(source: str) -> str:
     # Rows that end inside a string literal other than a docstring keep their trailing spaces, and
     # rows wholly inside one are kept even when blank. (3.12 splits f-strings into several tokens.)
     ends_in_string, inside_string, fstring_starts = set(), set(), []
+    fstring_start, fstring_end = getattr(tokenize, "FSTRING_START", None), getattr(tokenize, "FSTRING_END", None)
     for tok in tokens:
-        if tok.type == getattr(tokenize, "FSTRING_START", None):
+        if tok.type == fstring_start:
             fstring_starts.append(tok.start)
             continue
-        if tok.type == getattr(tokenize, "FSTRING_END", None):
+        if tok.type == fstring_end:
             start = fstring_starts.pop()
         elif tok.type == tokenize.STRING:
             start = tok.start
