@@ -8,7 +8,12 @@ BEGIN and the session's close, it kept SQLite's write lock, and the search's own
 marked interrupted) then waited for it forever. `critical()` marks such a section: a signal that arrives inside it is
 raised as KeyboardInterrupt when the section ends (at the next statement that can settle the trial).
 `handler` is the signal handler that knows about it; `installed()` puts it in place for SIGINT and
-SIGTERM while a search runs (main thread only; elsewhere signals are not this module's business)."""
+SIGTERM while a search runs (main thread only; elsewhere signals are not this module's business).
+
+Python runs a signal handler wherever the main thread is, a weakref callback or a `__del__` run by the
+garbage collector included, and there an exception is printed ("Exception ignored in ...") and dropped:
+the KeyboardInterrupt is lost and the search went on to its budget. So a signal is also remembered
+until the search ends, and the search's loops call `checkpoint()`, which raises it again."""
 
 from __future__ import annotations
 
@@ -18,11 +23,13 @@ from contextlib import contextmanager
 
 _depth = 0
 _pending = False
+_received = False  # a signal arrived since `installed()` began (for the whole life of a worker process)
 
 
 def handler(signum=None, frame=None) -> None:
     """KeyboardInterrupt now, or at the end of the critical section the main thread is in."""
-    global _pending
+    global _pending, _received
+    _received = True
     if _depth:
         _pending = True
         return
@@ -47,15 +54,25 @@ def critical():
             raise KeyboardInterrupt
 
 
+def checkpoint() -> None:
+    """KeyboardInterrupt if a signal arrived whose KeyboardInterrupt was swallowed on the way (see the
+    module's docstring); call it where a loop of the search may stop. Outside a critical section only."""
+    if _received and not _depth and threading.current_thread() is threading.main_thread():
+        raise KeyboardInterrupt
+
+
 @contextmanager
 def installed(signals=(signal.SIGINT, signal.SIGTERM)):
     """`handler` for these signals while the block runs (in the main thread; a no-op elsewhere)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    global _received
+    _received = False
     previous = {sig: signal.signal(sig, handler) for sig in signals}
     try:
         yield
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+        _received = False

@@ -333,6 +333,7 @@ class _Context:
         queue: deque[_Candidate] = deque()
         try:
             while True:
+                interrupts.checkpoint()  # a Ctrl-C that the garbage collector swallowed stops it here
                 result = self._result(problem, name, result)  # other workers' trials count too
                 stop = self._stop_reason(result, size, state, name)
                 if stop:
@@ -372,6 +373,7 @@ class _Context:
         # worker settles it at once, a dead one's goes stale and recover() fails it): a finished
         # problem leaves no trial RUNNING.
         while self._still_running(study, name):
+            interrupts.checkpoint()
             if not wait:
                 return None
             time.sleep(POLL_S)

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 
+from . import interrupts
 from .errors import BackendError, BackendUnavailable, Fa4tuneError
 
 MAX_RESTARTS = 3  # per worker slot
@@ -113,7 +114,6 @@ def _worker_main(spec: WorkerSpec, conn) -> None:
     """Entry of a worker process: search the run's problems, send a report, exit with a status."""
     if spec.device is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = spec.device
-    from . import interrupts
     from .measure.worker import exit_with_parent
 
     exit_with_parent()  # a SIGKILLed coordinator leaves no worker behind
@@ -242,6 +242,7 @@ def run_workers(run, plan: list[str | None], backend_name: str, db_location: str
     try:
         running = list(slots)
         while running:
+            interrupts.checkpoint()  # a signal whose KeyboardInterrupt was swallowed (see fa4tune.interrupts)
             wait([slot.process.sentinel for slot in running], timeout=1.0)
             for slot in list(running):
                 slot.collect()

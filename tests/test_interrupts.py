@@ -53,3 +53,72 @@ def test_a_results_db_transaction_is_never_cut_by_a_signal(tmp_path):
     with db._sessions() as session:
         assert session.get(Lock, "written") is not None and session.get(Lock, "also written") is not None
     db.close()
+
+
+class _SignalsWhenCollected:
+    """Sends this process `sig` from `__del__` and runs on until Python has run the handler there,
+    where the KeyboardInterrupt it raises is printed as "Exception ignored" and dropped."""
+
+    def __init__(self, sig, seen):
+        self.sig, self.seen = sig, seen
+
+    def __del__(self):
+        try:
+            os.kill(os.getpid(), self.sig)
+            for _ in range(100000):
+                pass
+        finally:
+            self.seen.append(interrupts._received)
+
+
+def _signal_inside_del(sig) -> None:
+    seen = []
+    victim = _SignalsWhenCollected(sig, seen)
+    del victim  # __del__ runs here; its KeyboardInterrupt never reaches this frame
+    assert seen == [True], "the handler did not run inside __del__"
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_signal_swallowed_by_a_finalizer_is_raised_at_the_next_checkpoint():
+    with interrupts.installed():
+        interrupts.checkpoint()  # nothing arrived yet: goes on
+        _signal_inside_del(signal.SIGTERM)
+        with interrupts.critical():
+            interrupts.checkpoint()  # never inside a critical section
+        with pytest.raises(KeyboardInterrupt):
+            interrupts.checkpoint()
+        with pytest.raises(KeyboardInterrupt):  # until the search ends
+            interrupts.checkpoint()
+    interrupts.checkpoint()  # the next search starts afresh
+    with interrupts.installed():
+        interrupts.checkpoint()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_search_stops_when_the_garbage_collector_swallowed_its_ctrl_c(workdir, monkeypatch):
+    """What made a CI run fail: SIGTERM landed in a weakref callback and the search ran to its budget."""
+    from conftest import write_job
+    from fa4tune.db import ResultsDB
+    from fa4tune.job import load_job
+    from fa4tune.measure.model import CostModelBackend
+    from fa4tune.search import SearchInterrupted, run_search
+
+    measure = CostModelBackend.measure
+    calls = []
+
+    def measure_and_signal(self, problem, config):
+        calls.append(1)
+        if len(calls) == 3:
+            _signal_inside_del(signal.SIGINT)
+        return measure(self, problem, config)
+
+    monkeypatch.setattr(CostModelBackend, "measure", measure_and_signal)
+    job = load_job(write_job(workdir, spaces={"tiles": {}, "pipeline": {}, "exp2": {}}, budget={"trials": 50},
+                             sampler="random"))
+    with interrupts.installed():
+        with pytest.raises(SearchInterrupted):
+            run_search(job, say=lambda *a: None)
+    assert len(calls) <= 4, "the search went on after the signal"
+    with ResultsDB.open("fa4tune-results/results.db", create=False) as db:
+        assert db.runs()[0]["status"] == "interrupted"
+        assert 2 <= db.count_trials(db.trials()[0]["study_name"], measured_only=False) <= 4
