@@ -122,6 +122,9 @@ def cmd_show(args) -> int:
         entries = table_entries(document)
         _say(f"table {args.table}: {document['kernel']} hash {document['kernel_hash'][:12]} on "
              f"{document['target']}, {len(entries)} entries")
+        for record in document.get("carried", []):
+            _say(f"carried from {record['from_hash'][:12]} (the code of {record['from_revision'][:12]}) to "
+                 f"{record['to_hash'][:12]} on {record['date'][:10]}: {record['checked']}")
         if installed.get(document["kernel"]) != document["kernel_hash"]:
             _say(f"STALE: the installed {document['kernel']} has hash "
                  f"{installed.get(document['kernel'], '?')[:12]}; these configs were tuned for other code")
@@ -193,6 +196,15 @@ def cmd_import(args) -> int:
     return 0
 
 
+def cmd_carry(args) -> int:
+    from .carry import carry_table
+
+    carry_table(args.table, args.rev, repo=args.repo, write=args.write, say=_say)
+    if not args.write:
+        _say("fa4tune carry: checked only; --write rewrites the table")
+    return 0
+
+
 # ---- report / doctor --------------------------------------------------------------------------------
 def cmd_report(args) -> int:
     from .report import write_report
@@ -257,6 +269,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("table")
     p.add_argument("--db", help=db_help)
     p.set_defaults(func=cmd_import)
+
+    p = sub.add_parser("carry", help="carry a table over a kernel change that compiles its entries to the same code")
+    p.add_argument("table")
+    p.add_argument("--from", dest="rev", required=True, metavar="REV",
+                   help="the git revision the table was tuned on (its kernel_hash must be that code's)")
+    p.add_argument("--repo", default=".", help="the git repository (default: the current directory)")
+    p.add_argument("--write", action="store_true", help="rewrite the table (YAML and JSON) once every entry agrees")
+    p.set_defaults(func=cmd_carry)
 
     p = sub.add_parser("report", help="write plots (HTML + PNG) of the searches in a DB")
     p.add_argument("--db", help=db_help)

@@ -18,6 +18,8 @@ from .target import TargetError, get_target
 
 TABLE_FORMAT = "fa4tune-table/1"
 TABLES_DIR = "tuning_configs/tables"
+# What `fa4tune carry` records of each move of a table to new kernel code (fa4tune.carry).
+CARRIED_FIELDS = ("from_hash", "from_revision", "to_hash", "checked", "date")
 ENTRY_FIELDS = ("problem_key", "bucket_key", "problem", "config", "time_ms", "tflops", "is_estimate",
                 "provenance", "source")
 
@@ -87,6 +89,10 @@ def read_table(path: str | os.PathLike) -> dict:
             raise TableError(f"{path}: {key}: missing or not a string")
     if not isinstance(document.get("entries"), list):
         raise TableError(f"{path}: entries: missing or not a list")
+    carried = document.get("carried", [])
+    if not isinstance(carried, list) or not all(
+            isinstance(r, dict) and all(isinstance(r.get(k), str) for k in CARRIED_FIELDS) for r in carried):
+        raise TableError(f"{path}: carried: a list of records with {', '.join(CARRIED_FIELDS)} (fa4tune carry)")
     for index, row in enumerate(document["entries"]):
         where = f"{path}: entries[{index}]"
         if not isinstance(row, dict) or set(ENTRY_FIELDS) - set(row):

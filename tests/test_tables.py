@@ -81,6 +81,8 @@ def test_a_table_for_another_kernel_hash_is_refused_and_nothing_is_written(searc
     (lambda d: d["entries"][0].update(problem_key="x"), "does not match"),
     (lambda d: d["entries"][0]["config"].update(tile_n=100), r"entries\[0\].config"),
     (lambda d: d.update(target="Z9"), "target: unknown target"),
+    (lambda d: d.update(carried={"from_hash": "x"}), "carried: a list of records"),
+    (lambda d: d.update(carried=[{"from_hash": "x", "to_hash": "y"}]), "carried: a list of records with from_hash"),
 ])
 def test_malformed_tables_name_the_field(searched, workdir, edit, message):
     with ResultsDB.open(searched, create=False) as db:
