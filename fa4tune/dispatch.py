@@ -24,7 +24,7 @@ import math
 import struct
 import threading
 
-from .kernels.interface import UnsupportedInput, check_device, problem_of  # noqa: F401  (part of this API)
+from .kernels.interface import UnsupportedInput, check_device, current_device_getter, problem_of  # noqa: F401  (API)
 from .problem import Problem
 
 MAX_PREPARED = 4096  # prepared launches kept; beyond it the cache starts over (shapes that never repeat)
@@ -163,8 +163,7 @@ class _Launch:
         self.arguments = [ctypes.addressof(d) for d in self.descriptors] + [
             ctypes.addressof(self.scale_log2), ctypes.addressof(self.l2_group), ctypes.addressof(self.stream)]
         self.lock = threading.Lock()
-        self._get_device = torch._C._cuda_getDevice if hasattr(torch._C, "_cuda_getDevice") \
-            else torch.cuda.current_device
+        self._get_device = current_device_getter()
         self._device_guard = torch.cuda.device
         self._raw_stream = _raw_stream_getter()
         self._empty = torch.empty

@@ -181,33 +181,26 @@ class _StreamQueries:
                 break
         self.ctypes = ctypes
 
-    def stream_id(self, stream: int) -> int:
+    def _query(self, name: str, stream: int, out_type) -> int:
+        """The value the driver function `name` writes for `stream`; RuntimeError on a driver error."""
         if self.lib is None:
             from cuda.bindings import driver as cuda
 
-            err, value = cuda.cuStreamGetId(cuda.CUstream(stream))
-            code = int(err)
-        else:
-            out = self.ctypes.c_ulonglong()
-            code = self.lib.cuStreamGetId(stream, self.ctypes.byref(out))
-            value = out.value
-        if code:
-            raise RuntimeError(f"cuStreamGetId failed for stream {stream:#x}: CUDA driver error {code}")
-        return int(value)
-
-    def capturing(self, stream: int) -> bool:
-        if self.lib is None:
-            from cuda.bindings import driver as cuda
-
-            err, value = cuda.cuStreamIsCapturing(cuda.CUstream(stream))
+            err, value = getattr(cuda, name)(cuda.CUstream(stream))
             code, value = int(err), int(value)
         else:
-            out = self.ctypes.c_int()
-            code = self.lib.cuStreamIsCapturing(stream, self.ctypes.byref(out))
+            out = out_type()
+            code = getattr(self.lib, name)(stream, self.ctypes.byref(out))
             value = out.value
         if code:
-            raise RuntimeError(f"cuStreamIsCapturing failed for stream {stream:#x}: CUDA driver error {code}")
-        return value != 0  # CU_STREAM_CAPTURE_STATUS_NONE
+            raise RuntimeError(f"{name} failed for stream {stream:#x}: CUDA driver error {code}")
+        return value
+
+    def stream_id(self, stream: int) -> int:
+        return self._query("cuStreamGetId", stream, self.ctypes.c_ulonglong)
+
+    def capturing(self, stream: int) -> bool:
+        return self._query("cuStreamIsCapturing", stream, self.ctypes.c_int) != 0  # 0: CU_STREAM_CAPTURE_STATUS_NONE
 
 
 _QUERIES: list = []
@@ -239,11 +232,22 @@ def _indexed(device):
     return device if device.index is not None else torch.device(device.type, torch.cuda.current_device())
 
 
-def _current_device() -> int:
+def current_device_getter():
+    """torch.cuda.current_device without its checks (torch's C function), where torch has it."""
     import torch
 
-    get = getattr(torch._C, "_cuda_getDevice", None)  # torch.cuda.current_device without its checks
-    return get() if get is not None else torch.cuda.current_device()
+    return getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
+
+def _cached(table: dict, key, make):
+    """table[key], made by `make()` the first time (under the lock, so once; read without it)."""
+    value = table.get(key)
+    if value is None:
+        with _COUNTERS_LOCK:
+            value = table.get(key)
+            if value is None:
+                value = table[key] = make()
+    return value
 
 
 def tile_counter(device, stream: int):
@@ -257,19 +261,12 @@ def tile_counter(device, stream: int):
     import torch
 
     device = _indexed(device)
-    if _current_device() != device.index:
+    if current_device_getter()() != device.index:
         with torch.cuda.device(device):
             return tile_counter(device, stream)
     if _capturing(stream):
         return torch.zeros(1, dtype=torch.int32, device=device)
-    key = _stream_key(device, stream)
-    counter = _COUNTERS.get(key)
-    if counter is None:
-        with _COUNTERS_LOCK:
-            counter = _COUNTERS.get(key)
-            if counter is None:
-                counter = _COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
-    return counter
+    return _cached(_COUNTERS, _stream_key(device, stream), lambda: torch.zeros(1, dtype=torch.int32, device=device))
 
 
 _UNUSED: dict = {}
@@ -283,13 +280,7 @@ def unused_counter(device):
     import torch
 
     device = _indexed(device)
-    counter = _UNUSED.get(device)
-    if counter is None:
-        with _COUNTERS_LOCK:
-            counter = _UNUSED.get(device)
-            if counter is None:
-                counter = _UNUSED[device] = torch.empty(1, dtype=torch.int32, device=device)
-    return counter
+    return _cached(_UNUSED, device, lambda: torch.empty(1, dtype=torch.int32, device=device))
 
 
 def launch_counter(config: FwdConfig, causal: bool, device, stream: int):

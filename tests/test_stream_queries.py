@@ -1,0 +1,95 @@
+"""The tile counter's driver queries and its once-only allocation, on the CPU with the driver faked:
+both ways to the driver (ctypes on libcuda, the cuda-python bindings) give the value and name the
+failing call."""
+
+import ctypes
+import threading
+import time
+
+import pytest
+
+from fa4tune.kernels import interface
+
+
+class FakeLibcuda:
+    """libcuda's two stream queries: they write `values[name]` through the pointer, return `code`."""
+
+    def __init__(self, values, code=0):
+        self.values, self.code, self.calls = values, code, []
+        for name in values:
+            setattr(self, name, self._function(name))
+
+    def _function(self, name):
+        def call(stream, out):
+            self.calls.append((name, stream))
+            out._obj.value = self.values[name]
+            return self.code
+        return call
+
+
+def queries(lib):
+    q = interface._StreamQueries.__new__(interface._StreamQueries)
+    q.lib, q.ctypes = lib, ctypes
+    return q
+
+
+def test_ctypes_queries_return_the_values_the_driver_writes():
+    lib = FakeLibcuda({"cuStreamGetId": 2**40 + 7, "cuStreamIsCapturing": 1})
+    q = queries(lib)
+    assert q.stream_id(0x1234) == 2**40 + 7
+    assert q.capturing(0x1234) is True
+    lib.values["cuStreamIsCapturing"] = 0
+    assert q.capturing(0x1234) is False
+    assert lib.calls == [("cuStreamGetId", 0x1234)] + [("cuStreamIsCapturing", 0x1234)] * 2
+
+
+@pytest.mark.parametrize("name, call", [("cuStreamGetId", "stream_id"), ("cuStreamIsCapturing", "capturing")])
+def test_a_driver_error_names_the_call_the_stream_and_the_code(name, call):
+    q = queries(FakeLibcuda({"cuStreamGetId": 1, "cuStreamIsCapturing": 0}, code=400))
+    with pytest.raises(RuntimeError, match=rf"{name} failed for stream 0xbeef: CUDA driver error 400"):
+        getattr(q, call)(0xBEEF)
+
+
+def test_the_bindings_are_used_where_libcuda_could_not_be_opened(monkeypatch):
+    driver = pytest.importorskip("cuda.bindings.driver")
+    seen = []
+
+    def fake(result):
+        def call(stream):
+            seen.append(int(stream))
+            return result
+        return call
+
+    monkeypatch.setattr(driver, "cuStreamGetId", fake((driver.CUresult.CUDA_SUCCESS, 99)))
+    monkeypatch.setattr(driver, "cuStreamIsCapturing",
+                        fake((driver.CUresult.CUDA_SUCCESS,
+                              driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE)))
+    q = queries(None)
+    assert q.stream_id(5) == 99 and q.capturing(5) is True
+    monkeypatch.setattr(driver, "cuStreamGetId", fake((driver.CUresult.CUDA_ERROR_INVALID_HANDLE, 0)))
+    with pytest.raises(RuntimeError, match=r"cuStreamGetId failed for stream 0x5: CUDA driver error 400"):
+        q.stream_id(5)
+    assert seen == [5, 5, 5]
+
+
+def test_a_counter_is_made_once_however_many_threads_ask_at_once():
+    table, made, start = {}, [], threading.Barrier(8)
+
+    def make():
+        time.sleep(0.01)  # widen the window between the lookup and the insert
+        made.append(object())
+        return made[-1]
+
+    got = []
+
+    def ask():
+        start.wait()
+        got.append(interface._cached(table, "key", make))
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(made) == 1 and got == made * 8 and table == {"key": made[0]}
+    assert interface._cached(table, "key", make) is made[0] and len(made) == 1
