@@ -725,6 +725,8 @@ class FlashForwardSm90:
         pipe_k.consumer_release(kv)
         if i < n_masked:
             self.mask_scores(acc_S, thr_mma_qk, m_block, n_block, seqlen_q, seqlen_k, self.causal)
+        # P is converted in both branches, so that a block takes one run-time branch, not two, and
+        # the conversion still comes before the rescale.
         if i == 0:
             softmax.step(acc_S, True, row_scale)
             convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
