@@ -43,15 +43,27 @@ from .target import get_target
 _FINGERPRINT = r"""
 import hashlib, json, os, sys
 from pathlib import Path
+
+root = Path(sys.argv[1]).resolve()
+# An editable install's finder would serve modules this tree lacks from another checkout.
+sys.meta_path[:] = [f for f in sys.meta_path
+                    if not any("editable" in str(getattr(x, attr, "")).lower()
+                               for x in (f, type(f)) for attr in ("__module__", "__name__"))]
 import fa4tune
 from fa4tune.kernels import get_kernel
 from fa4tune.kernels import interface
 from fa4tune.problem import Problem
 from fa4tune.target import get_target
 
-root = Path(sys.argv[1]).resolve()
-if not Path(fa4tune.__file__).resolve().is_relative_to(root):
-    sys.exit(f"imported fa4tune from {fa4tune.__file__}, not from {root}")
+
+def check_origin():
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if (name == "fa4tune" or name.startswith("fa4tune.")) and path and not Path(path).resolve().is_relative_to(root):
+            sys.exit(f"imported {name} from {path}, not from the tree at {root}")
+
+
+check_origin()
 dump = Path(os.environ["CUTE_DSL_DUMP_DIR"])
 print(json.dumps({"hash": get_kernel(sys.argv[2]).source_hash()}), flush=True)
 for line in sys.stdin:
@@ -72,6 +84,7 @@ for line in sys.stdin:
         digests[kind] = hashlib.sha256(path.read_bytes()).hexdigest()
     launch = {"heads_per_l2_group": interface.heads_per_l2_group(problem, target),
               "tile_counter": bool(config.uses_tile_counter(problem.causal))}
+    check_origin()
     print(json.dumps({"key": job["key"], "digests": digests, "launch": launch}), flush=True)
 """
 
@@ -94,7 +107,8 @@ def _git(repo: Path, *args: str) -> bytes:
 def export_tree(repo: Path, rev: str, into: Path) -> str:
     """The `fa4tune` package of `rev` written under `into`; returns the full commit id."""
     commit = _git(repo, "rev-parse", "--verify", f"{rev}^{{commit}}").decode().strip()
-    archive = _git(repo, "archive", "--format=tar", commit, "fa4tune")
+    top = Path(_git(repo, "rev-parse", "--show-toplevel").decode().strip())  # `repo` may be inside it
+    archive = _git(top, "archive", "--format=tar", commit, "fa4tune")
     with tarfile.open(fileobj=BytesIO(archive)) as tar:
         if hasattr(tarfile, "data_filter"):
             tar.extractall(into, filter="data")
@@ -104,14 +118,19 @@ def export_tree(repo: Path, rev: str, into: Path) -> str:
 
 
 def fingerprints(root: Path, kernel: str, jobs: list[dict], dump: Path, timeout: float = 3600) -> tuple[str, dict]:
-    """(kernel hash, {job key: {"digests", "launch"}}) of the fa4tune tree at `root`, each job compiled
-    in one child interpreter for the job's target."""
+    """(kernel hash, {job key: {"digests", "launch"}}) of the fa4tune tree at `root`: every job is
+    compiled, for its target's arch, in one child interpreter that imports nothing of fa4tune from
+    elsewhere."""
     dump.mkdir(parents=True, exist_ok=True)
     arches = {get_target(job["target"]).arch for job in jobs}
     if len(arches) > 1:
         raise CarryError(f"one table, one arch; these jobs are for {', '.join(sorted(arches))}")
-    env = dict(os.environ, PYTHONPATH=str(root), CUTE_DSL_KEEP=",".join(ARTIFACTS), CUTE_DSL_DUMP_DIR=str(dump),
-               CUTE_DSL_DISABLE_FILE_CACHING="1", CUTE_DSL_ARCH=arches.pop() if arches else "sm_90a")
+    # The user's DSL settings stay out (line info, debug code and the like would change the PTX of
+    # both trees, or of one); the tree comes first on the path, before the user's own entries.
+    env = {name: value for name, value in os.environ.items() if not name.startswith("CUTE_DSL_")}
+    env.update(PYTHONPATH=os.pathsep.join([str(root)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])),
+               CUTE_DSL_KEEP=",".join(ARTIFACTS), CUTE_DSL_DUMP_DIR=str(dump), CUTE_DSL_DISABLE_FILE_CACHING="1",
+               CUTE_DSL_ARCH=arches.pop() if arches else "sm_90a")
     stdin = "".join(json.dumps(job) + "\n" for job in jobs)
     try:
         done = subprocess.run([sys.executable, "-c", _FINGERPRINT, str(root), kernel], input=stdin, env=env,
@@ -121,16 +140,23 @@ def fingerprints(root: Path, kernel: str, jobs: list[dict], dump: Path, timeout:
     if done.returncode:
         raise CarryError(f"compiling the configs of the tree at {root} failed (exit {done.returncode}):\n"
                          + (done.stderr.strip()[-3000:] or done.stdout.strip()[-3000:]))
-    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    lines = []
+    for line in done.stdout.splitlines():
+        try:
+            lines.append(json.loads(line))
+        except ValueError:
+            continue  # the DSL's or a library's own output
+    lines = [line for line in lines if isinstance(line, dict)]
     if not lines or "hash" not in lines[0]:
         raise CarryError(f"the tree at {root} printed no kernel hash:\n{done.stdout[-2000:]}")
-    results = {line["key"]: line for line in lines[1:]}
-    missing = [job["key"] for job in jobs if job["key"] not in results]
+    results = {line["key"]: line for line in lines[1:] if "key" in line}
+    missing = [job["name"] for job in jobs if job["key"] not in results]
     if missing:
         raise CarryError(f"the tree at {root} compiled no code for {', '.join(missing)}")
-    for key, result in results.items():
+    for job in jobs:
+        result = results[job["key"]]
         if set(result["digests"]) != set(ARTIFACTS):
-            raise CarryError(f"{key}: the DSL kept {sorted(result['digests'])} of {list(ARTIFACTS)} "
+            raise CarryError(f"{job['name']}: the DSL kept {sorted(result['digests'])} of {list(ARTIFACTS)} "
                              f"(CUTE_DSL_KEEP={env['CUTE_DSL_KEEP']}); this DSL version cannot be checked")
     return lines[0]["hash"], results
 
@@ -138,8 +164,9 @@ def fingerprints(root: Path, kernel: str, jobs: list[dict], dump: Path, timeout:
 def table_jobs(document: dict) -> list[dict]:
     """One compile job per table entry (the launch arguments depend on the whole problem, not only on
     what the compile sees)."""
-    return [{"key": row["problem_key"], "kernel": document["kernel"], "target": document["target"],
-             "problem": row["problem"], "config": row["config"]} for row in document["entries"]]
+    return [{"key": str(index), "name": row["problem_key"], "kernel": document["kernel"],
+             "target": document["target"], "problem": row["problem"], "config": row["config"]}
+            for index, row in enumerate(document["entries"])]
 
 
 def installed_tree() -> Path:
@@ -181,7 +208,7 @@ def carry_table(path: str | os.PathLike, rev: str, repo: str | os.PathLike = "."
         what += [f"{name} {a['launch'][name]} -> {b['launch'].get(name)}" for name in a["launch"]
                  if a["launch"][name] != b["launch"].get(name)]
         if what:
-            changed.append(f"{job['key']} ({', '.join(what)})")
+            changed.append(f"{job['name']} ({', '.join(what)})")
     if changed:
         raise CarryError(f"{path}: the code of {len(changed)} of {len(jobs)} entries changed from "
                          f"{old_hash[:12]} to {new_hash[:12]}; re-tune them:\n  " + "\n  ".join(changed))
@@ -195,9 +222,16 @@ def carry_table(path: str | os.PathLike, rev: str, repo: str | os.PathLike = "."
         f"{old_hash[:12]} -> {new_hash[:12]}")
     if write:
         yaml_path = path if path.suffix in (".yaml", ".yml") else path.with_suffix(".yaml")
-        for target_path, text in ((yaml_path, render_yaml(carried)), (yaml_path.with_suffix(".json"),
-                                                                        render_json(carried))):
-            write_atomically(target_path, text)
-            say(f"fa4tune carry: wrote {target_path}")
+        texts = {yaml_path: render_yaml(carried), yaml_path.with_suffix(".json"): render_json(carried)}
+        before = {p: p.read_text(encoding="utf-8") if p.exists() else None for p in texts}
+        try:
+            for target_path, text in texts.items():
+                write_atomically(target_path, text)
+        except OSError as exc:  # the pair stays as it was: put back what was written
+            for p, text in before.items():
+                if text is not None:
+                    write_atomically(p, text)
+            raise CarryError(f"cannot write {target_path}: {exc.strerror or exc}") from exc
+        say(f"fa4tune carry: wrote {', '.join(map(str, texts))}")
     return carried
 

@@ -13,7 +13,8 @@ SIGTERM while a search runs (main thread only; elsewhere signals are not this mo
 Python runs a signal handler wherever the main thread is, a weakref callback or a `__del__` run by the
 garbage collector included, and there an exception is printed ("Exception ignored in ...") and dropped:
 the KeyboardInterrupt is lost and the search went on to its budget. So a signal is also remembered
-until the search ends, and the search's loops call `checkpoint()`, which raises it again."""
+until the next search begins (`forget`), and the search's loops call `checkpoint()`, which raises it
+again."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from contextlib import contextmanager
 
 _depth = 0
 _pending = False
-_received = False  # a signal arrived since `installed()` began (for the whole life of a worker process)
+_received = False  # a signal arrived since the search began (see `forget`; a worker process: its whole life)
 
 
 def handler(signum=None, frame=None) -> None:
@@ -54,6 +55,12 @@ def critical():
             raise KeyboardInterrupt
 
 
+def forget() -> None:
+    """A new search begins: signals that stopped an earlier one in this process do not stop it."""
+    global _received
+    _received = False
+
+
 def checkpoint() -> None:
     """KeyboardInterrupt if a signal arrived whose KeyboardInterrupt was swallowed on the way (see the
     module's docstring); call it where a loop of the search may stop. Outside a critical section only."""
@@ -67,12 +74,11 @@ def installed(signals=(signal.SIGINT, signal.SIGTERM)):
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    global _received
-    _received = False
+    forget()
     previous = {sig: signal.signal(sig, handler) for sig in signals}
     try:
         yield
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
-        _received = False
+        forget()

@@ -112,6 +112,7 @@ def run_search(job: Job, *, db: str | None = None, storage: str | None = None, r
     """Run (or with `resume`, continue or join) a search job, in this process or, with `workers` or
     `gpus`, in that many worker processes sharing the studies. Everything that can be checked is
     checked before the results DB or the Optuna storage is touched."""
+    interrupts.forget()  # a signal that stopped an earlier search in this process is not this one's
     quiet_optuna()
     kernel = job.kernel
     if isinstance(backend, Backend):
@@ -198,6 +199,7 @@ def run_search(job: Job, *, db: str | None = None, storage: str | None = None, r
 
                 summary.results = run_workers(run, plan, backend_name, db_location, storage_location, results_db,
                                               optuna_storage, space, is_estimate, say)
+            interrupts.checkpoint()  # one swallowed during the last confirmation: interrupted, not finished
         except KeyboardInterrupt:
             results_db.finish_run(run_id, "interrupted")
             raise SearchInterrupted(summary) from None

@@ -122,3 +122,31 @@ def test_a_search_stops_when_the_garbage_collector_swallowed_its_ctrl_c(workdir,
     with ResultsDB.open("fa4tune-results/results.db", create=False) as db:
         assert db.runs()[0]["status"] == "interrupted"
         assert 2 <= db.count_trials(db.trials()[0]["study_name"], measured_only=False) <= 4
+
+
+def test_a_signal_that_stopped_one_search_does_not_stop_the_next(workdir, monkeypatch):
+    from conftest import write_job
+    from fa4tune.db import ResultsDB
+    from fa4tune.job import load_job
+    from fa4tune.measure.model import CostModelBackend
+    from fa4tune.search import SearchInterrupted, run_search
+
+    measure = CostModelBackend.measure
+    calls = []
+
+    def measure_and_signal(self, problem, config):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return measure(self, problem, config)
+
+    monkeypatch.setattr(CostModelBackend, "measure", measure_and_signal)
+    job = load_job(write_job(workdir, budget={"trials": 6}, sampler="random"))
+    with interrupts.installed():
+        with pytest.raises(SearchInterrupted):
+            run_search(job, say=lambda *a: None)
+        summary = run_search(job, resume=True, say=lambda *a: None)  # same process, same handlers
+    assert summary.resumed
+    with ResultsDB.open("fa4tune-results/results.db", create=False) as db:
+        assert db.runs()[0]["status"] == "finished"
+        assert sum(t["status"] != "pruned" for t in db.trials()) == 6

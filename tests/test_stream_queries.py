@@ -66,10 +66,14 @@ def test_the_bindings_are_used_where_libcuda_could_not_be_opened(monkeypatch):
                               driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE)))
     q = queries(None)
     assert q.stream_id(5) == 99 and q.capturing(5) is True
-    monkeypatch.setattr(driver, "cuStreamGetId", fake((driver.CUresult.CUDA_ERROR_INVALID_HANDLE, 0)))
+    # On an error the bindings give None for the value.
+    monkeypatch.setattr(driver, "cuStreamGetId", fake((driver.CUresult.CUDA_ERROR_INVALID_HANDLE, None)))
     with pytest.raises(RuntimeError, match=r"cuStreamGetId failed for stream 0x5: CUDA driver error 400"):
         q.stream_id(5)
-    assert seen == [5, 5, 5]
+    monkeypatch.setattr(driver, "cuStreamIsCapturing", fake((driver.CUresult.CUDA_ERROR_INVALID_HANDLE, None)))
+    with pytest.raises(RuntimeError, match=r"cuStreamIsCapturing failed for stream 0x5: CUDA driver error 400"):
+        q.capturing(5)
+    assert seen == [5, 5, 5, 5]
 
 
 def test_a_counter_is_made_once_however_many_threads_ask_at_once():

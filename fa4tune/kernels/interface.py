@@ -186,15 +186,15 @@ class _StreamQueries:
         if self.lib is None:
             from cuda.bindings import driver as cuda
 
-            err, value = getattr(cuda, name)(cuda.CUstream(stream))
-            code, value = int(err), int(value)
+            err, value = getattr(cuda, name)(cuda.CUstream(stream))  # value None when err is set
+            code = int(err)
         else:
             out = out_type()
             code = getattr(self.lib, name)(stream, self.ctypes.byref(out))
             value = out.value
         if code:
             raise RuntimeError(f"{name} failed for stream {stream:#x}: CUDA driver error {code}")
-        return value
+        return int(value)
 
     def stream_id(self, stream: int) -> int:
         return self._query("cuStreamGetId", stream, self.ctypes.c_ulonglong)
