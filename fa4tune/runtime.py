@@ -4,7 +4,8 @@
 
 The ladder: the exact problem, else a tuned problem of the same bucket, else the nearest tuned
 problem of the same dtype, head dims and causality (distance in log seqlen and log batch·heads), else
-the kernel's default. A source is read once and kept in memory; a lookup is a dict access after the
+the kernel's default; at every rung, configs tuned for the installed kernel code come before stale
+ones. A source is read once and kept in memory; a lookup is a dict access after the
 first call for a problem. It never raises for a missing, empty or unreadable source: it returns the
 default and warns once. Importing this module imports neither torch nor cutlass."""
 
@@ -41,17 +42,28 @@ class LookupResult:
         return iter((self.config, self.source))
 
 
+MAX_CACHED = 4096  # lookups remembered per source
+
+
 class _Index:
     """The best configs of one source, grouped for the ladder."""
 
-    def __init__(self, entries, origin: str) -> None:
+    def __init__(self, entries, origin: str, warn=None) -> None:
         self.origin = origin
-        # (kernel, target) -> [(entry, its bucket)], buckets computed once at load.
+        # (kernel, target) -> [(entry, its problem's key, its bucket)], computed once at load from the
+        # problem itself (not from the keys stored beside it, which an older fa4tune may have written).
         self.by_target: dict[tuple[str, str], list] = {}
+        skipped = []
         for entry in entries:
-            bucket = Problem.from_dict(entry.problem).bucket()
-            self.by_target.setdefault((entry.kernel, entry.target), []).append((entry, bucket))
-        self.results: dict = {}  # (kernel, target, problem) -> LookupResult
+            try:
+                problem = Problem.from_dict(entry.problem)
+            except (ValueError, TypeError) as exc:  # a problem this fa4tune cannot read: not usable here
+                skipped.append(f"{entry.problem_key} ({exc})")
+                continue
+            self.by_target.setdefault((entry.kernel, entry.target), []).append((entry, problem.key(), problem.bucket()))
+        if skipped and warn is not None:
+            warn(f"{origin}: {len(skipped)} entries skipped, their problems unreadable: {'; '.join(skipped[:3])}")
+        self.results: dict = {}  # (kernel, target, problem) -> LookupResult, at most MAX_CACHED
 
 
 class Lookup:
@@ -79,13 +91,13 @@ class Lookup:
             self._warn("no tuned table or DB (set FA4TUNE_TABLE or FA4TUNE_DB); using default configs")
             return _Index([], "default")
         try:
-            entries = _read_source(source)
+            entries = _read_source(source, self._warn)
         except Exception as exc:  # the lookup must never take the caller down
             self._warn(f"cannot read tuned configs from {source} ({exc}); using default configs")
             return _Index([], source)
         if not entries:
             self._warn(f"no tuned configs in {source}; using default configs")
-        return _Index(entries, source)
+        return _Index(entries, source, self._warn)
 
     def index(self) -> _Index:
         index = self._index
@@ -114,6 +126,8 @@ class Lookup:
         hit = index.results.get(key)
         if hit is None:
             hit = self._climb(index, spec, tgt, problem)
+            if len(index.results) >= MAX_CACHED:  # a server seeing ever new shapes: start over
+                index.results.clear()
             index.results[key] = hit  # a dict store is atomic; two threads at worst compute it twice
         return hit
 
@@ -122,12 +136,11 @@ class Lookup:
         candidates = index.by_target.get((spec.name, target.name), [])
         bucket = problem.bucket()
         key = problem.key()
-        bucket_key = bucket.key()
         ranked = []
-        for entry, other in candidates:
-            if entry.problem_key == key:
+        for entry, other_key, other in candidates:
+            if other_key == key:
                 rung = 0
-            elif entry.bucket_key == bucket_key:
+            elif other == bucket:
                 rung = 1
             else:
                 distance = bucket.distance(other)
@@ -135,8 +148,8 @@ class Lookup:
                     continue
                 rung = 2 + distance
             # Current kernel code first, then the closest; the problem key breaks ties stably.
-            ranked.append((rung, entry.kernel_hash != installed, entry.problem_key, entry))
-        for rung, stale, _, entry in sorted(ranked, key=lambda r: r[:3]):
+            ranked.append((entry.kernel_hash != installed, rung, entry.problem_key, entry))
+        for stale, rung, _, entry in sorted(ranked, key=lambda r: r[:3]):
             try:
                 config = spec.make_config(entry.config)
             except spec.config_error:
@@ -151,14 +164,17 @@ class Lookup:
         return LookupResult(spec.default_config(problem, target), "default", None, False, index.origin)
 
 
-def _read_source(source: str) -> list:
-    from .tables import read_table, table_entries
+def _read_source(source: str, warn) -> list:
+    from .tables import TableError, read_table, table_entries
 
     path = Path(source)
-    if path.is_dir():
+    if path.is_dir():  # one unreadable table of a directory costs its own entries only
         entries = []
         for table in sorted(path.glob("*.yaml")):
-            entries.extend(table_entries(read_table(table)))
+            try:
+                entries.extend(table_entries(read_table(table)))
+            except TableError as exc:
+                warn(f"skipped {table}: {exc}")
         return entries
     if path.suffix in (".yaml", ".yml", ".json"):
         return table_entries(read_table(path))

@@ -105,6 +105,9 @@ def read_table(path: str | os.PathLike) -> dict:
         if problem.key() != row["problem_key"]:
             raise TableError(f"{where}.problem_key: {row['problem_key']!r} does not match its problem "
                              f"({problem.key()})")
+        if row["bucket_key"] != problem.bucket().key():
+            raise TableError(f"{where}.bucket_key: {row['bucket_key']!r} does not match its problem's bucket "
+                             f"({problem.bucket().key()})")
         if not isinstance(row["config"], dict):
             raise TableError(f"{where}.config: a mapping of knobs")
         if not isinstance(row["time_ms"], (int, float)) or row["time_ms"] <= 0:

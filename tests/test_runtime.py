@@ -86,6 +86,53 @@ def test_stale_tables_are_flagged(workdir):
     assert hit.stale and hit.source == "exact" and hit.config.tile_n == 96
 
 
+def test_current_entries_come_before_stale_ones_at_any_rung(workdir):
+    same_bucket = Problem(head_dim=128, seqlen_q=3000, batch=2, nheads_q=16)
+    path = str(workdir / "mixed.db")
+    with ResultsDB.open(path) as db:
+        db.merge_best([entry(TUNED_4K, 96, kernel_hash="0" * 64), entry(same_bucket, 160)])
+    hit = lookup(TUNED_4K, "H200", source=path)
+    assert (hit.source, hit.config.tile_n, hit.stale) == ("bucket", 160, False)
+    assert lookup(TUNED_16K, "H200", source=path).source == "nearest"  # current, though farther
+    stale_only = str(workdir / "stale.db")
+    with ResultsDB.open(stale_only) as db:  # only stale entries: still better than the default
+        db.merge_best([entry(TUNED_16K, 112, kernel_hash="0" * 64)])
+    with pytest.warns(RuntimeWarning, match="stale"):
+        hit = lookup(TUNED_16K, "H200", source=stale_only)
+    assert (hit.source, hit.config.tile_n, hit.stale) == ("exact", 112, True)
+
+
+def test_the_bucket_rung_compares_problems_not_the_keys_stored_beside_them(workdir):
+    """A DB row whose stored bucket key is not its problem's (an older fa4tune wrote it) is no
+    reason to hand a causal config to a non-causal problem."""
+    causal = Problem(head_dim=128, seqlen_q=4096, batch=2, nheads_q=16, causal=True)
+    wrong = BestEntry(**{**entry(causal, 96).__dict__, "bucket_key": TUNED_4K.bucket().key()})
+    path = str(workdir / "old.db")
+    with ResultsDB.open(path) as db:
+        db.merge_best([wrong])
+    assert lookup(TUNED_4K, "H200", source=path).source == "default"
+    assert lookup(causal, "H200", source=path).source == "exact"
+
+
+def test_an_unreadable_entry_or_table_costs_only_itself(workdir):
+    unreadable = BestEntry(**{**entry(TUNED_16K, 160).__dict__,
+                              "problem": {**TUNED_16K.to_dict(), "window": 128}})  # a field from the future
+    path = str(workdir / "shared.db")
+    with ResultsDB.open(path) as db:
+        db.merge_best([entry(TUNED_4K, 96), unreadable])
+    source = Lookup(path)
+    with pytest.warns(RuntimeWarning, match="1 entries skipped"):
+        assert source(TUNED_4K, "H200").source == "exact"
+    assert source(TUNED_16K, "H200").source == "nearest"  # from the 4k entry; nothing raised
+    tables = workdir / "tables"
+    tables.mkdir()
+    (tables / "a.yaml").write_text(render_yaml(table_document([entry(TUNED_4K, 96)], KERNEL.name,
+                                                              KERNEL.source_hash(), "H200")))
+    (tables / "b.yaml").write_text("format: something-else\n")
+    with pytest.warns(RuntimeWarning, match="skipped .*b.yaml"):
+        assert lookup(TUNED_4K, "H200", source=str(tables)).source == "exact"
+
+
 def test_a_borrowed_config_that_does_not_fit_is_skipped(workdir):
     # tile_n=192 with hdim 256 and 2 stages does not fit in shared memory: the lookup falls back.
     d256 = Problem(head_dim=256, seqlen_q=4096)

@@ -79,6 +79,7 @@ def test_a_table_for_another_kernel_hash_is_refused_and_nothing_is_written(searc
     (lambda d: d["entries"][0].pop("config"), r"entries\[0\]: missing field\(s\) config"),
     (lambda d: d["entries"][0]["problem"].update(head_dim=80), r"entries\[0\].problem: unsupported head_dim"),
     (lambda d: d["entries"][0].update(problem_key="x"), "does not match"),
+    (lambda d: d["entries"][0].update(bucket_key="x"), r"entries\[0\].bucket_key: 'x' does not match"),
     (lambda d: d["entries"][0]["config"].update(tile_n=100), r"entries\[0\].config"),
     (lambda d: d.update(target="Z9"), "target: unknown target"),
     (lambda d: d.update(carried={"from_hash": "x"}), "carried: a list of records"),
