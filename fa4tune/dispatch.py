@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import ctypes
 import math
+import numbers
 import struct
 import threading
 
-from .kernels.interface import UnsupportedInput, check_device, current_device_getter, problem_of  # noqa: F401  (API)
+from .kernels.interface import (UnsupportedInput, check_device, check_no_grad,  # noqa: F401  (API)
+                                current_device_getter, problem_of)
 from .problem import Problem
 
 MAX_PREPARED = 4096  # prepared launches kept; beyond it the cache starts over (shapes that never repeat)
@@ -46,6 +48,8 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None)
         key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
                q.get_device(), k.get_device(), v.get_device(), q.is_cuda, k.is_cuda, v.is_cuda, causal,
                softmax_scale) if causal is True or causal is False else None
+        if q.requires_grad or k.requires_grad or v.requires_grad:  # checked on every call, not once
+            check_no_grad(q, k, v)
     except AttributeError:  # not tensors: _prepare says which
         key = None
     try:
@@ -81,21 +85,28 @@ def _device_target(device):
 
     from .target import target_for_device_name
 
-    name = torch.cuda.get_device_name(device)
-    capability = torch.cuda.get_device_capability(device)
-    target = target_for_device_name(name)
-    if capability != (9, 0) or target is None or target.arch != "sm_90a":
+    props = torch.cuda.get_device_properties(device)
+    name, capability = props.name, (props.major, props.minor)
+    target = target_for_device_name(name, props.multi_processor_count)
+    if capability != (9, 0) or (target is not None and target.arch != "sm_90a"):
         raise UnsupportedInput(f"fa4tune.attention runs on Hopper GPUs (H100, H200: sm_90a); {device} is {name} "
-                               f"(sm_{capability[0]}{capability[1]})")
+                               f"(compute capability {capability[0]}.{capability[1]})")
+    if target is None:
+        raise UnsupportedInput(f"fa4tune has no description of {name} ({device}), a Hopper GPU it was not built "
+                               "for; it knows H100 and H200 (fa4tune/target.py)")
     return target
 
 
 # ---- prepared launches ------------------------------------------------------------------------------
 def _prepare(key, q, k, v, causal, softmax_scale) -> "_Launch":
     problem = problem_of(q, k, v, causal)
-    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale)
-                                          and softmax_scale > 0):
-        raise UnsupportedInput(f"softmax_scale must be a positive finite number or None, got {softmax_scale!r}")
+    check_no_grad(q, k, v)
+    # Any real number (a numpy float too), not a bool; a tensor would cost a device sync per call.
+    if softmax_scale is not None and not (isinstance(softmax_scale, numbers.Real)
+                                          and not isinstance(softmax_scale, bool)
+                                          and math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise UnsupportedInput(f"softmax_scale must be a positive finite number or None (a Python or numpy "
+                               f"number, not a tensor or bool), got {softmax_scale!r}")
     check_device(q, k, v)
     target = _device_target(q.device)
     from .kernels.interface import compile_forward
@@ -155,7 +166,7 @@ class _Launch:
         # Kernels that ignore the tile counter get one fixed dummy: no per-call lookup or allocation.
         self._tile_counter = tile_counter if config.uses_tile_counter(problem.causal) else None
         self._unused_counter = unused_counter(q.device) if self._tile_counter is None else None
-        scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(problem.head_dim)
+        scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(problem.head_dim)
         self.scale_log2 = ctypes.c_float(scale * math.log2(math.e))
         self.l2_group = ctypes.c_int32(heads_per_l2_group(problem, target))
         self.stream = ctypes.c_void_p(0)

@@ -30,9 +30,9 @@ def diagnose(db_location: str | None = None) -> list[tuple[str, bool, str]]:
             if torch.cuda.is_available():
                 from .target import target_for_device_name
 
-                name = torch.cuda.get_device_name()
-                props = torch.cuda.get_device_properties(0)
-                target = target_for_device_name(name)
+                props = torch.cuda.get_device_properties(torch.cuda.current_device())
+                name = props.name
+                target = target_for_device_name(name, props.multi_processor_count)
                 gpu_detail = (f"{name}, {props.multi_processor_count} SMs, sm_{props.major}{props.minor}; "
                               f"target {target.name if target else 'UNKNOWN (no tuned tables)'}")
                 gpu_ok = target is not None

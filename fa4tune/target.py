@@ -3,7 +3,7 @@ kernels and the cost model. The one place where hardware numbers live."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 
 class TargetError(ValueError):
@@ -60,6 +60,9 @@ TARGETS: dict[str, Target] = {
     for t in (
         Target(name="H100-SXM", sm_count=132, clock_mhz=1830, hbm_bytes_per_s=3.35e12,
                l2_bytes=50 * 2**20, **_HOPPER),
+        # H100 PCIe: 114 SMs, a lower boost clock and HBM2e (NVIDIA's H100 datasheet).
+        Target(name="H100-PCIe", sm_count=114, clock_mhz=1755, hbm_bytes_per_s=2.0e12,
+               l2_bytes=50 * 2**20, **_HOPPER),
         # H200: the H100's SM at the same clocks with faster HBM3e. The matrix rate is the one measured
         # on our H200 (bf16 8192^3 GEMM, DESIGN.md), the copy rate 4.3 TB/s as measured there.
         Target(name="H200", sm_count=132, clock_mhz=1830, hbm_bytes_per_s=4.3e12,
@@ -87,12 +90,18 @@ def get_target(name: str | Target | None = None) -> Target:
     raise TargetError(f"unknown target {name!r}; known targets: {', '.join(TARGETS)}")
 
 
-def target_for_device_name(device_name: str) -> Target | None:
-    """Map a CUDA device name such as 'NVIDIA H200' or 'NVIDIA H100 80GB HBM3' to a target."""
+def target_for_device_name(device_name: str, sm_count: int | None = None) -> Target | None:
+    """Map a CUDA device name such as 'NVIDIA H200' or 'NVIDIA H100 80GB HBM3' to a target. With the
+    device's SM count (`multi_processor_count`), a device with other SMs than its model's (a MIG slice,
+    a cut-down part) gets the target with its own count: persistent kernels size their grid by it."""
     upper = device_name.upper()
-    for token, key in (("H200", "H200"), ("H100", "H100-SXM"), ("H800", "H100-SXM"), ("B200", "B200")):
+    for token, key in (("H200", "H200"), ("H100 PCIE", "H100-PCIe"), ("H100", "H100-SXM"), ("H800", "H100-SXM"),
+                       ("B200", "B200")):
         if token in upper:
-            return TARGETS[key]
+            target = TARGETS[key]
+            if sm_count is not None and sm_count != target.sm_count:
+                target = replace(target, sm_count=int(sm_count))
+            return target
     return None
 
 
@@ -103,6 +112,7 @@ def detect_target() -> Target | None:
 
         if not torch.cuda.is_available():
             return None
-        return target_for_device_name(torch.cuda.get_device_name())
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return target_for_device_name(props.name, props.multi_processor_count)
     except Exception:
         return None

@@ -78,12 +78,13 @@ def gpu_target(plan: list[str | None], wanted):
     from .target import get_target, target_for_device_name
 
     visible = visible_gpus()
-    names = {torch.cuda.get_device_name(visible.index(device)) for device in plan}
-    if len(names) != 1:
-        raise BackendError(f"the workers' GPUs are of different models ({', '.join(sorted(names))}); pick GPUs of "
-                           "one model with --gpus")
-    name = names.pop()
-    detected = target_for_device_name(name)
+    models = {(props.name, props.multi_processor_count)
+              for props in (torch.cuda.get_device_properties(visible.index(device)) for device in plan)}
+    if len(models) != 1:
+        shown = ", ".join(sorted(f"{name} ({sms} SMs)" for name, sms in models))
+        raise BackendError(f"the workers' GPUs are of different models ({shown}); pick GPUs of one model with --gpus")
+    name, sm_count = models.pop()
+    detected = target_for_device_name(name, sm_count)
     if detected is None:
         raise BackendError(f"the gpu backend needs a GPU fa4tune knows (H100, H200, B200); this host has {name}. "
                            "Use backend: model for estimates.")

@@ -11,6 +11,7 @@ import torch
 
 import fa4tune
 from fa4tune.dispatch import UnsupportedInput, explain
+from fa4tune.kernels import get_kernel
 from fa4tune.problem import Problem
 
 
@@ -43,6 +44,10 @@ def test_attention_is_the_dispatch_function():
     (lambda: (qkv()[0], qkv()[1].half(), qkv()[2]), "one dtype"),
     (lambda: qkv(device="cpu"), "needs CUDA tensors; q is on cpu"),
     (lambda: qkv(device="meta"), "needs CUDA tensors; q is on meta"),
+    (lambda: (qkv()[0], *qkv(hkv=0)[1:]), "empty tensors are not supported"),
+    # torch calls this contiguous (.contiguous() returns it as it is), but the TMA needs every stride aligned.
+    (lambda: (torch.empty(2, 256, 1, 128, dtype=torch.bfloat16).as_strided((2, 256, 1, 128), (32768, 128, 1, 1)),
+              *qkv(hkv=1, device="cpu")[1:]), r"size-1 dims too; use q.clone\(memory_format=torch.contiguous_format\)"),
 ])
 def test_unsupported_inputs_are_named(make, match):
     q, k, v = make()
@@ -53,8 +58,27 @@ def test_unsupported_inputs_are_named(make, match):
 def test_bad_causal_and_scale():
     with pytest.raises(UnsupportedInput, match="causal must be True or False"):
         fa4tune.attention(*qkv(), causal="yes")
-    with pytest.raises(UnsupportedInput, match="softmax_scale must be a positive finite number"):
-        fa4tune.attention(*qkv(device="cpu"), softmax_scale=-0.1)
+    for bad in (-0.1, True, float("nan"), torch.tensor(0.1), "0.1"):
+        with pytest.raises(UnsupportedInput, match="softmax_scale must be a positive finite number"):
+            fa4tune.attention(*qkv(device="cpu"), softmax_scale=bad)
+    numpy = pytest.importorskip("numpy")
+    with pytest.raises(UnsupportedInput, match="needs CUDA tensors"):  # a numpy float is a number: on to the device
+        fa4tune.attention(*qkv(device="cpu"), softmax_scale=numpy.float32(0.1))
+
+
+def test_inputs_that_require_grad_are_refused_while_autograd_records():
+    """No backward: outputs without a grad_fn would leave q, k and v without gradients, silently."""
+    q, k, v = qkv(device="cpu")
+    k.requires_grad_(True)
+    with pytest.raises(UnsupportedInput, match="forward only .* torch.no_grad"):
+        fa4tune.attention(q, k, v)
+    with torch.no_grad():  # nothing records: on to the device check
+        with pytest.raises(UnsupportedInput, match="needs CUDA tensors"):
+            fa4tune.attention(q, k, v)
+    from fa4tune.kernels.interface import attention_forward
+
+    with pytest.raises(UnsupportedInput, match="forward only"):
+        attention_forward(q, k, v, get_kernel().default_config(Problem(), None))
 
 
 def test_explain_uses_the_tuned_config_of_the_db(workdir, monkeypatch):

@@ -40,7 +40,9 @@ def _import_dsl(target: Target):
 
 def compile_key(config: FwdConfig, dtype: str, head_dim: int, head_dim_v: int, causal: bool,
                 target: Target) -> tuple:
-    return (config.canonical(), normalize_dtype(dtype), head_dim, head_dim_v, bool(causal), target.arch)
+    # The SM count too: a persistent kernel's grid is sized by it at compile time.
+    return (config.canonical(), normalize_dtype(dtype), head_dim, head_dim_v, bool(causal), target.arch,
+            target.sm_count)
 
 
 def compile_forward(
@@ -325,23 +327,35 @@ def problem_of(q, k, v, causal) -> Problem:
                                f"v is {tuple(v.shape)}")
     if k.shape[0] != q.shape[0]:
         raise UnsupportedInput(f"q and k must have the same batch size; q is {tuple(q.shape)}, k is {tuple(k.shape)}")
+    if 0 in q.shape or 0 in k.shape:
+        raise UnsupportedInput(f"empty tensors are not supported: q {tuple(q.shape)}, k {tuple(k.shape)}")
     if q.shape[2] % k.shape[2]:
         raise UnsupportedInput(f"the heads of q ({q.shape[2]}) must be a multiple of the heads of k and v "
                                f"({k.shape[2]}) (grouped-query attention)")
-    if 0 in q.shape or 0 in k.shape:
-        raise UnsupportedInput(f"empty tensors are not supported: q {tuple(q.shape)}, k {tuple(k.shape)}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
             raise UnsupportedInput(f"{name} must be contiguous in its last dimension (head_dim); its strides are "
                                    f"{t.stride()} (use {name}.contiguous())")
         if any(s % 8 for s in t.stride()[:-1]):
+            # .contiguous() returns a tensor whose only odd strides are of size-1 dims unchanged.
             raise UnsupportedInput(f"{name}'s strides {t.stride()} must be multiples of 8 elements (16 bytes, "
-                                   "for the TMA); use .contiguous()")
+                                   f"for the TMA), those of size-1 dims too; use "
+                                   f"{name}.clone(memory_format=torch.contiguous_format)")
     if not isinstance(causal, bool):
         raise UnsupportedInput(f"causal must be True or False, got {causal!r}")
     return Problem(dtype=str(q.dtype), head_dim=q.shape[3], head_dim_v=v.shape[3], causal=causal,
                    seqlen_q=q.shape[1], seqlen_k=k.shape[1], batch=q.shape[0], nheads_q=q.shape[2],
                    nheads_kv=k.shape[2])
+
+
+def check_no_grad(q, k, v) -> None:
+    """UnsupportedInput when autograd would record this call: the kernel has no backward, and
+    outputs without a grad_fn would leave q, k and v without gradients, silently."""
+    import torch
+
+    if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
+        raise UnsupportedInput("fa4tune.attention is forward only (no backward), and q, k or v requires grad: "
+                               "call it under torch.no_grad() or torch.inference_mode(), or pass detached tensors")
 
 
 def check_device(q, k, v) -> None:
@@ -360,20 +374,24 @@ def attention_forward(q, k, v, config: FwdConfig, causal: bool = False, softmax_
     """Run the kernel on CUDA tensors on the current stream. Returns (out, lse): out like q with
     head_dim_v, lse (batch, nheads_q, seqlen_q) float32 in natural log."""
     import torch
+
+    target = get_target(target)
+    problem = problem_of(q, k, v, causal)
+    check_no_grad(q, k, v)
+    check_device(q, k, v)
+    # The DSL only once the input is known to be good (its first import fixes the arch it builds for).
+    _import_dsl(target)
     from cuda.bindings import driver as cuda
     from cutlass import Float32, Int32
     from cutlass.cute.runtime import from_dlpack
 
-    target = get_target(target)
-    problem = problem_of(q, k, v, causal)
-    check_device(q, k, v)
     compiled = compile_forward(config, problem.dtype, problem.head_dim, problem.head_dim_v, causal, target)
     batch, seqlen_q, nheads_q, _ = q.shape
     if out is None:
         out = torch.empty((batch, seqlen_q, nheads_q, problem.head_dim_v), dtype=q.dtype, device=q.device)
     if lse is None:
         lse = torch.empty((batch, nheads_q, seqlen_q), dtype=torch.float32, device=q.device)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(problem.head_dim)
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(problem.head_dim)
     tensors = [from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=3) for t in (q, k, v, out)]
     lse_t = from_dlpack(lse, assumed_align=4).mark_layout_dynamic(leading_dim=2)
     # The host function launches on the current device, and the counter's stream queries resolve

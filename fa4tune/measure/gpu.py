@@ -17,7 +17,7 @@ import math
 import os
 import statistics
 import zlib
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from ..errors import BackendError, BackendUnavailable
@@ -242,14 +242,14 @@ class GpuBackend(Backend):
     def _request(self, problem, config: dict, mode: str, artifact: str | None, salt: int = 0) -> dict:
         key = f"{problem.key()}|{sorted(config.items())}|{salt}"
         return {"op": "measure", "mode": mode, "problem": problem.to_dict(), "config": config,
-                "target": self.target.name, "artifact": artifact, "seed": zlib.crc32(key.encode()),
+                "target": self.target.to_dict(), "artifact": artifact, "seed": zlib.crc32(key.encode()),
                 "tolerance": asdict(TOLERANCES[problem.dtype])}
 
     def _artifact_path(self, problem, config: dict) -> Path:
         return artifact_path(self._artifact_dir, self.kernel.make_config(config), problem, self.target)
 
     def _compile_request(self, problem, config: dict, path: Path) -> dict:
-        return {"op": "compile", "problem": problem.to_dict(), "config": config, "target": self.target.name,
+        return {"op": "compile", "problem": problem.to_dict(), "config": config, "target": self.target.to_dict(),
                 "artifact": str(path)}
 
     def _compiled(self, problem, config: dict) -> tuple[str | None, float | None, str | None]:
@@ -335,6 +335,8 @@ def _worker_target(info: dict, wanted):
         raise BackendError(f"the gpu backend needs a GPU fa4tune knows (H100, H200, B200); the worker sees "
                            f"{info.get('gpu_name') or 'no GPU'}. Use backend: model for estimates.")
     detected = get_target(info["target"])
+    if info.get("sm_count") and info["sm_count"] != detected.sm_count:  # a MIG slice, say
+        detected = replace(detected, sm_count=int(info["sm_count"]))
     if wanted is not None and get_target(wanted).name != detected.name:
         raise BackendError(f"the job targets {get_target(wanted).name} but this GPU is {detected.name} "
                            f"({info.get('gpu_name')}); drop `target:` or use the model backend")

@@ -38,7 +38,7 @@ def describe(state: dict) -> dict:
         raise RuntimeError("no CUDA GPU is visible to the measuring worker")
     device = torch.cuda.current_device()
     props = torch.cuda.get_device_properties(device)
-    target = target_for_device_name(props.name)
+    target = target_for_device_name(props.name, props.multi_processor_count)
     if target is not None:
         os.environ.setdefault("CUTE_DSL_ARCH", target.arch)
     torch.cuda.init()
@@ -177,10 +177,11 @@ def measure(request: dict, channel, state: dict) -> dict:
 def _candidate(request: dict):
     from ..kernels.config import FwdConfig
     from ..problem import Problem
-    from ..target import get_target
+    from ..target import Target, get_target
 
+    target = request["target"]  # the whole description: a device's own SM count is not its model's
     return (Problem.from_dict(request["problem"]), FwdConfig.from_dict(request["config"]),
-            get_target(request["target"]))
+            Target(**target) if isinstance(target, dict) else get_target(target))
 
 
 def _kernel(request: dict, problem, config, target):

@@ -1,0 +1,50 @@
+"""A CUDA device is mapped to its target with its own SM count: a persistent kernel sizes its grid by
+it, so an H100 PCIe (114 SMs) or a MIG slice must not be compiled for 132."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from fa4tune.kernels import get_kernel
+from fa4tune.kernels.interface import compile_key
+from fa4tune.target import TARGETS, get_target, target_for_device_name
+
+
+@pytest.mark.parametrize("name, sms, expected, expected_sms", [
+    ("NVIDIA H200", 132, "H200", 132),
+    ("NVIDIA H100 80GB HBM3", 132, "H100-SXM", 132),
+    ("NVIDIA H100 PCIe", 114, "H100-PCIe", 114),
+    ("NVIDIA H100 80GB HBM3 MIG 3g.40gb", 60, "H100-SXM", 60),  # a MIG slice: the model's target, its SMs
+    ("NVIDIA H200", None, "H200", 132),  # no count given: the model's
+    ("NVIDIA A100-SXM4-80GB", 108, None, None),
+])
+def test_a_device_gets_its_models_target_with_its_own_sm_count(name, sms, expected, expected_sms):
+    target = target_for_device_name(name, sms)
+    if expected is None:
+        assert target is None
+        return
+    assert (target.name, target.sm_count) == (expected, expected_sms)
+    assert target.arch == TARGETS[expected].arch and target.l2_bytes == TARGETS[expected].l2_bytes
+
+
+def test_kernels_for_other_sm_counts_are_compiled_apart():
+    config = get_kernel().make_config({})
+    h200, slice_ = get_target("H200"), target_for_device_name("NVIDIA H200", 66)
+    assert compile_key(config, "bf16", 128, 128, True, h200) != compile_key(config, "bf16", 128, 128, True, slice_)
+
+
+def test_dispatch_names_a_hopper_gpu_it_has_no_description_of(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from fa4tune.dispatch import UnsupportedInput, _device_target
+
+    def props(name, major, minor, sms):
+        return lambda device: SimpleNamespace(name=name, major=major, minor=minor, multi_processor_count=sms)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props("NVIDIA H20", 9, 0, 78))
+    with pytest.raises(UnsupportedInput, match="no description of NVIDIA H20 .* knows H100 and H200"):
+        _device_target("cuda:0")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props("NVIDIA A100-SXM4-80GB", 8, 0, 108))
+    with pytest.raises(UnsupportedInput, match=r"runs on Hopper GPUs .* \(compute capability 8.0\)"):
+        _device_target("cuda:0")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props("NVIDIA H100 PCIe", 9, 0, 114))
+    assert (_device_target("cuda:0").name, _device_target("cuda:0").sm_count) == ("H100-PCIe", 114)
