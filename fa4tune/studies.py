@@ -196,15 +196,45 @@ def this_host() -> str:
     return os.environ.get("FA4TUNE_WORKER_HOST") or socket.gethostname()
 
 
+_BOOT_ID: list = []
+
+
+def _process_identity(pid: int) -> str | None:
+    """The boot and the start time (clock ticks after boot) of a live process: with its pid, what no
+    later process shares. A pid alone does not do: a search restarted in a container (a pid namespace)
+    gets the pid of the one that was killed. None where there is no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            start = f.read().rpartition(")")[2].split()[19]  # field 22, starttime
+        if not _BOOT_ID:
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                _BOOT_ID.append(f.read().strip()[:8])
+    except (OSError, IndexError):
+        return None
+    return f"{_BOOT_ID[0]}.{start}"
+
+
 def worker_name(pid: int | None = None) -> str:
-    return f"{this_host()}:{os.getpid() if pid is None else pid}"
+    """host:pid:identity (host:pid where the process's identity cannot be read)."""
+    pid = os.getpid() if pid is None else pid
+    identity = _process_identity(pid)
+    return f"{this_host()}:{pid}:{identity}" if identity else f"{this_host()}:{pid}"
+
+
+def parse_worker(worker: str) -> tuple[str, str, str | None]:
+    """(host, pid, identity or None) of a worker name; names of earlier fa4tune versions are host:pid."""
+    head, _, last = worker.rpartition(":")
+    if last.isdigit():
+        return head, last, None
+    host, _, pid = head.rpartition(":")
+    return host, pid, last
 
 
 def worker_gone(worker: str) -> bool:
     """Whether a worker is known to be dead. A worker of this host is dead when its process is (a
-    zombie counts as dead); of another host nothing is known here: its trials are Optuna's
-    heartbeat's to judge."""
-    host, _, pid = worker.rpartition(":")
+    zombie counts as dead), or when its pid now belongs to another process; of another host nothing
+    is known here: its trials are Optuna's heartbeat's to judge."""
+    host, pid, identity = parse_worker(worker)
     if host != this_host() or not pid.isdigit():
         return False
     try:
@@ -213,6 +243,10 @@ def worker_gone(worker: str) -> bool:
         return True
     except PermissionError:
         return False
+    if identity is not None:
+        now = _process_identity(int(pid))
+        if now is not None and now != identity:
+            return True
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rpartition(")")[2].split()[0] == "Z"

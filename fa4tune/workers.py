@@ -197,8 +197,11 @@ class _Slot:
         self.process = None
         self.conn = None
         self.report: dict | None = None
+        self.worker: str | None = None  # its worker name (host:pid:identity), once started
 
     def start(self) -> None:
+        from .studies import worker_name
+
         context = multiprocessing.get_context("spawn")
         receive, send = context.Pipe(duplex=False)
         self.process = context.Process(target=_worker_main, args=(self.spec, send),
@@ -206,6 +209,7 @@ class _Slot:
         self.process.start()
         send.close()
         self.conn, self.report = receive, None
+        self.worker = worker_name(self.process.pid)  # read while it lives: its identity is in the name
 
     def collect(self) -> None:
         try:
@@ -220,7 +224,6 @@ def run_workers(run, plan: list[str | None], backend_name: str, db_location: str
     """Run the job's problems in len(plan) worker processes; the per-problem results."""
     from .measure.worker import describe_exit
     from .search import _Context
-    from .studies import worker_name
 
     job = run.job
     if job.text is None:
@@ -268,8 +271,7 @@ def run_workers(run, plan: list[str | None], backend_name: str, db_location: str
                     failures.append(f"worker {index} stopped: {error}")
                     say(f"fa4tune: worker {index} stopped: {error}")
                     continue
-                dead = worker_name(slot.process.pid)
-                _hand_back(context, frozenset({dead}))
+                _hand_back(context, frozenset({slot.worker}))
                 reason = error or describe_exit(code)
                 if slot.restarts >= MAX_RESTARTS:
                     failures.append(f"worker {index} died {slot.restarts + 1} times (last: {reason})")

@@ -17,7 +17,7 @@ import pytest
 from conftest import REPO, sigint_default, write_job
 from fa4tune.cli import main
 from fa4tune.db import ResultsDB
-from fa4tune.studies import CLAIM_ATTR, GIVEN_BACK_ATTR, WORKER_ATTR, open_storage
+from fa4tune.studies import CLAIM_ATTR, GIVEN_BACK_ATTR, WORKER_ATTR, open_storage, parse_worker
 
 SPACE = ["tiles", "pipeline", "exp2", "softmax"]
 PROBLEMS = [{"head_dim": [64, 128], "seqlen_q": 2048, "batch": 2, "nheads_q": 8}]
@@ -182,7 +182,7 @@ def test_a_worker_killed_mid_trial_loses_nothing_journal(workdir, slow_env, hold
     path = write_job(workdir, spaces=SPACE, problems=PROBLEMS, budget={"trials": 16})
     proc = start_search(workdir, slow_env, path, "--workers", 4, delay=0.15, FA4TUNE_TEST_HOLD=str(hold))
     name, victim = claimed_trial(JOURNAL, proc=proc)
-    pid = int(victim.user_attrs[WORKER_ATTR].rpartition(":")[2])
+    pid = int(parse_worker(victim.user_attrs[WORKER_ATTR])[1])
     os.kill(pid, signal.SIGKILL)
     hold.unlink()
     out = finish(proc)
@@ -218,7 +218,7 @@ def test_four_workers_share_each_study_through_postgresql_and_survive_a_kill(wor
     proc = start_search(workdir, slow_env, path, "--workers", 4, "--db", db_url, "--storage", storage_url,
                         delay=0.2, FA4TUNE_TEST_HOLD=str(hold))
     name, victim = claimed_trial(storage_url, proc=proc)
-    os.kill(int(victim.user_attrs[WORKER_ATTR].rpartition(":")[2]), signal.SIGKILL)
+    os.kill(int(parse_worker(victim.user_attrs[WORKER_ATTR])[1]), signal.SIGKILL)
     hold.unlink()
     out = finish(proc)
     assert "its trials were handed back; restarting it" in out, out
@@ -403,3 +403,21 @@ def test_compile_workers_are_shared_by_the_search_workers_of_a_host(monkeypatch)
     assert [GpuOptions.auto_compile_workers(n) for n in (1, 2, 4, 8)] == [8, 6, 2, 0]
     monkeypatch.setattr(os, "cpu_count", lambda: 3)
     assert GpuOptions.auto_compile_workers(1) == 0 and GpuOptions().workers() == 0
+
+
+def test_a_pid_taken_over_by_a_later_process_is_a_dead_worker(monkeypatch):
+    """A search killed and started again in a container gets the same pid (1, say): its own old
+    trials must still count as a dead worker's, or a resume waits for them for ever."""
+    from fa4tune import studies
+
+    me = studies.worker_name()
+    host, pid, identity = studies.parse_worker(me)
+    assert (host, int(pid)) == (studies.this_host(), os.getpid())
+    if identity is None:
+        pytest.skip("no /proc: workers are named by host and pid only")
+    assert not studies.worker_gone(me)
+    boot, _, start = identity.partition(".")
+    assert studies.worker_gone(f"{host}:{pid}:{boot}.{int(start) - 1}")  # this pid, an earlier process
+    assert not studies.worker_gone(f"{host}:{pid}")  # a name of an earlier fa4tune: the pid lives
+    assert studies.parse_worker(f"{host}:{pid}") == (host, pid, None)
+    assert not studies.worker_gone(f"elsewhere:{pid}:{identity}")  # another host's: not judged here
