@@ -252,9 +252,12 @@ def _best_provenance(provenance: dict, backend_name: str, run_id: int) -> dict:
 
 
 def _sampler_for(job: Job, space: ComposedSpace, problem: Problem, target, worker_seed: int = 0,
-                 shared: bool = False):
+                 shared: bool = False, earlier_trials: int = 0):
+    """The problem's sampler. A study that already has trials (a resume, a restarted worker) gets a
+    seed of its own: with the first session's, a random sampler replays the configs measured then, and
+    a run of repeats reads as convergence."""
     grid = space.grid(problem, target) if job.sampler.name == "grid" else None
-    return make_sampler(job.sampler, problem_seed(job.seed, problem.key(), worker_seed), grid=grid,
+    return make_sampler(job.sampler, problem_seed(job.seed, problem.key(), worker_seed, earlier_trials), grid=grid,
                         where=f"{job.path}: sampler", shared=shared)
 
 
@@ -307,11 +310,16 @@ class _Context:
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            return optuna.create_study(
+            study = optuna.create_study(
                 study_name=self.run.study_name(self.space, problem), storage=self.storage, direction="minimize",
                 sampler=_sampler_for(self.job, self.space, problem, self.target, self.worker_seed, self.run.shared),
                 pruner=(self.backend.make_pruner() if self.backend else None) or optuna.pruners.NopPruner(),
                 load_if_exists=True)
+            earlier = len(study.get_trials(deepcopy=False))
+            if earlier:
+                study.sampler = _sampler_for(self.job, self.space, problem, self.target, self.worker_seed,
+                                             self.run.shared, earlier)
+        return study
 
     def tune(self, problem: Problem, wait: bool = True) -> ProblemResult | None:
         """Search one problem until a stop reason, then confirm and summarise it; None when other

@@ -387,10 +387,11 @@ def make_sampler(spec, seed: int, grid: dict | None = None, where: str = "sample
         raise JobError(f"{where}: bad options {spec.options} for the {spec.name} sampler: {exc}") from exc
 
 
-def problem_seed(seed: int, problem_key: str, worker: int = 0) -> int:
+def problem_seed(seed: int, problem_key: str, worker: int = 0, earlier_trials: int = 0) -> int:
     """A per-problem seed, stable across runs and processes. Workers sharing a study (`worker` > 0)
-    each get their own, or they would all propose the same configs."""
-    return (seed * 1_000_003 + zlib.crc32(problem_key.encode()) + worker * 7919) % (2**31)
+    each get their own, or they would all propose the same configs; so does each session of a study
+    (by the number of trials it found), or a resume would propose the configs of the first again."""
+    return (seed * 1_000_003 + zlib.crc32(problem_key.encode()) + worker * 7919 + earlier_trials * 104_729) % (2**31)
 
 
 def worker_seed(index: int) -> int:

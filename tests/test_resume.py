@@ -8,6 +8,7 @@ import sys
 import time
 
 import optuna
+import pytest
 
 from conftest import sigint_default, write_job
 from fa4tune.db import ResultsDB
@@ -117,3 +118,30 @@ def test_sigterm_is_an_interrupt_too(workdir):
         assert db.runs()[0]["status"] == "interrupted"
     _, states = study_states(load_job(job_path))
     assert optuna.trial.TrialState.RUNNING not in states
+
+
+def test_a_resumed_random_search_proposes_new_configs(workdir):
+    """With the first session's seed the random sampler replayed the configs measured then, and the
+    run of repeats stopped the problem as converged long before its budget."""
+    from fa4tune.measure.model import CostModelBackend
+    from fa4tune.search import SearchInterrupted
+    from fa4tune.target import get_target
+
+    job = load_job(write_job(workdir, spaces=SPACE, budget={"trials": 120}, sampler="random", warm_start=0))
+
+    class Interrupting(CostModelBackend):
+        calls = 0
+
+        def measure(self, problem, config):
+            Interrupting.calls += 1
+            if Interrupting.calls == 60:
+                raise KeyboardInterrupt
+            return super().measure(problem, config)
+
+    target = get_target("H200")
+    with pytest.raises(SearchInterrupted):
+        run_search(job, backend=Interrupting(job.kernel, target), say=lambda *a: None)
+    summary = run_search(job, backend=CostModelBackend(job.kernel, target), resume=True, say=lambda *a: None)
+    result = summary.results[0]
+    assert result.measured == 120 and "budget" in result.stopped, (result.stopped, result.measured, result.repeats)
+    assert result.repeats < 5
