@@ -187,3 +187,28 @@ def test_many_processes_write_one_sqlite_db_without_database_is_locked(tmp_path)
     with ResultsDB.open(path, create=False) as db:
         assert db.counts()["trials"] == 4 * 25 * 2 and len(db.runs()[0]["clocks"]["seen"]) == 4 * 25
         assert db.best_configs()[0].time_ms == 1.0
+
+
+def test_a_config_that_was_ever_wrong_does_not_stand_in_for_the_fastest_in_the_min_gain_test(tmp_path):
+    """W (3% faster than the default) gave a wrong result once, in another study: it is out. Then X,
+    0.5% faster, must still beat the default by the 1% min gain, and does not: the default stays."""
+    from fa4tune.kernels import get_kernel
+
+    kernel, problem = get_kernel(), Problem(head_dim=128, seqlen_q=2048, batch=2, nheads_q=8)
+    db = ResultsDB.open(str(tmp_path / "r.db"))
+    run = db.start_run(job_name="j", kernel=kernel.name, kernel_hash="h", target="H200", backend="gpu",
+                       is_estimate=False, fa4tune_version="0", study_prefix="p")
+    common = dict(run_id=run, kernel=kernel.name, kernel_hash="h", target="H200", problem=problem, provenance={})
+    db.add_trial(study_name="old", optuna_number=0, config={"tile_n": 64}, source="sampler",
+                 measurement=Measurement(status="wrong", reason="output error 0.3"), offer_best=False, **common)
+    ids = {}
+    for number, (name, tile_n, ms) in enumerate((("D", 128, 1.0), ("X", 96, 0.995), ("W", 64, 0.97))):
+        ids[name] = db.add_trial(study_name="s", optuna_number=number, config={"tile_n": tile_n},
+                                 source="default" if name == "D" else "sampler",
+                                 measurement=Measurement.ok(problem, ms), offer_best=False, **common)
+    db.confirm_best(study_name="s", prefer=ids["D"], min_gain=0.01, confirmed=[
+        ({"id": ids[n]}, Measurement.ok(problem, ms)) for n, ms in (("W", 0.97), ("X", 0.995), ("D", 1.0))],
+        **common)
+    [best] = db.best_configs()
+    assert best.config == {"tile_n": 128} and best.provenance.get("kept_default")
+    db.close()

@@ -421,7 +421,10 @@ class ResultsDB:
                 row.details = {**row.details, "confirms_trial": original.id}
                 stored.append((row, measurement))
             session.flush()
-            ok = sorted(((m.time_ms, row.id, row, m) for row, m in stored if m.status == "ok"))
+            # A config that ever gave a wrong result never becomes best: out before the default is
+            # weighed against the fastest, or the next one would win without that test.
+            ok = sorted((m.time_ms, row.id, row, m) for row, m in stored if m.status == "ok"
+                        and not _was_wrong(session, _trial_entry(row, m, provenance)))
             kept = None
             preferred = [item for item in ok if item[2].details.get("confirms_trial") == prefer]
             if ok and preferred and preferred[0] is not ok[0]:
