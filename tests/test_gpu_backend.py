@@ -369,3 +369,24 @@ def test_a_failing_early_stop_verdict_measures_fully_and_keeps_the_worker(backen
     second = backend.measure(PROBLEM, config(64), should_stop=lambda ms: None)
     assert second.status == "ok", second.reason
     assert second.details["pid"] == first.details["pid"] and second.details["served"] == 2
+
+
+def test_a_reply_waiting_in_the_pipe_is_taken_though_the_caller_came_past_the_deadline(workdir):
+    """The compile pool's one thread may be busy starting another worker while a compile finishes:
+    the reply that waits in the pipe is the candidate's, not a timeout (which would kill the worker
+    and fail a good config for good)."""
+    import time
+
+    from fa4tune.measure.worker import WorkerProcess
+
+    worker = WorkerProcess("planted_worker", start_timeout=60, env={"FA4TUNE_WORKER_ROLE": "compile"})
+    worker.start()
+    try:
+        worker.submit({"op": "compile", "config": {"tile_n": 128}, "artifact": str(workdir / "a.o")},
+                      {"compile": 0.5})
+        time.sleep(1.0)  # past the 0.5 s deadline; the compile took 0.01 s
+        assert worker.connection.poll(5)
+        reply = worker.step(0.05)
+        assert reply.ok and reply.result["artifact"] == str(workdir / "a.o") and not reply.restarted, reply
+    finally:
+        worker.close()

@@ -230,10 +230,12 @@ class WorkerProcess:
             raise _Gone("the worker is not running", timed_out=False)
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            # Past the deadline, a reply already in the pipe still counts: the caller may have come
+            # late (the compile pool's one thread was starting another worker meanwhile).
+            if remaining <= 0 and not conn.poll(0):
                 raise _Gone("timed out", timed_out=True)
             # Poll in short slices so that a child that died without closing its end is noticed.
-            if conn.poll(min(remaining, 0.5)):
+            if conn.poll(min(max(remaining, 0.0), 0.5)):
                 try:
                     return conn.recv()
                 except (EOFError, OSError):
