@@ -23,6 +23,8 @@ POOL_HANG_TILE_N = 176  # the compile worker never finishes it
 
 def describe(state: dict) -> dict:
     if os.environ.get("FA4TUNE_WORKER_ROLE") == "compile":
+        if os.environ.get("PLANTED_POOL_DOWN"):  # no compile worker can start (no DSL there, say)
+            raise RuntimeError("planted: the compile worker cannot start")
         return {"role": "compile", "pid": os.getpid()}
     return {"role": "measure", "pid": os.getpid(), "gpu_name": "planted H200 (CPU test)", "target": "H200",
             "sm_count": 132, "cuda_version": "12.8", "cuda_driver": "12.8", "nvidia_driver": "planted",

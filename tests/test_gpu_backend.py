@@ -390,3 +390,21 @@ def test_a_reply_waiting_in_the_pipe_is_taken_though_the_caller_came_past_the_de
         assert reply.ok and reply.result["artifact"] == str(workdir / "a.o") and not reply.restarted, reply
     finally:
         worker.close()
+
+
+def test_a_compile_pool_that_cannot_work_fails_no_candidate(workdir, monkeypatch):
+    """When no compile worker starts, that is the pool's failure, not the candidates': the measuring
+    worker compiles them itself, and every good config is measured."""
+    monkeypatch.setenv("PLANTED_POOL_DOWN", "1")
+    space = {"tiles": {"tile_m": [128], "tile_n": [64, 128]}}
+    path = write_job(workdir, backend="gpu", target=None, spaces=space, sampler="grid", budget={"trials": 10},
+                     problems=[{"head_dim": 64, "seqlen_q": 2048, "batch": 2, "nheads_q": 8}],
+                     measure={**PLANTED, "compile_workers": 2, "cache_dir": str(workdir / "kernels"),
+                              "confirm_rounds": 1})
+    summary = run_search(load_job(path), say=quiet)
+    with ResultsDB.open("fa4tune-results/results.db", create=False) as db:
+        trials = [t for t in db.trials() if t["source"] != "confirm" and t["config"]["tile_m"] == 128]
+        assert db.best_configs()
+    assert summary.results[0].measured >= 2
+    assert {t["config"]["tile_n"]: t["status"] for t in trials} == {64: "ok", 128: "ok"}
+    assert not any(t["details"].get("artifact_seen") for t in trials)  # compiled by the measuring worker

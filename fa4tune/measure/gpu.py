@@ -98,6 +98,9 @@ class GpuOptions:
         return base / "fa4tune" / "kernels"
 
 
+POOL_FAILURES_TO_GIVE_UP = 3
+
+
 class GpuBackend(Backend):
     name = "gpu"
     is_estimate = False
@@ -124,6 +127,7 @@ class GpuBackend(Backend):
         self.device = info
         self.clock_samples = [info["clocks"]] if info.get("clocks") else []
         self.deaths = 0
+        self.pool_failures = 0  # jobs in a row the compile pool could not take
         self.lookahead = self.options.workers()
         if self.lookahead:
             from .pool import CompilePool
@@ -261,6 +265,16 @@ class GpuBackend(Backend):
         self.pool.submit(key, self._compile_request(problem, config, path))
         reply = self.pool.result(key)
         self.pool.forget(key)
+        if reply.unserved:
+            # The pool could not take the job (no compile worker starts, the pool stopped): not the
+            # candidate's failure. The measuring worker compiles it, under its own compile timeout;
+            # after a few such in a row, the pool is given up.
+            self.pool_failures += 1
+            if self.pool_failures >= POOL_FAILURES_TO_GIVE_UP:
+                self.pool.close()
+                self.pool = None
+            return None, None, None
+        self.pool_failures = 0
         if not reply.ok:
             return None, reply.seconds, f"compile failed: {reply.reason}"
         return reply.result["artifact"], reply.result.get("compile_s"), None

@@ -72,7 +72,7 @@ class CompilePool:
             while job.state != "done" and not self._closed and self._thread.is_alive():
                 self._cond.wait(timeout=1.0)
             if job.reply is None:
-                return Reply(ok=False, reason=f"the compile pool stopped ({self._error or 'closed'})")
+                return Reply(ok=False, reason=f"the compile pool stopped ({self._error or 'closed'})", unserved=True)
             return job.reply
 
     def forget(self, key: str) -> None:
@@ -115,7 +115,7 @@ class CompilePool:
                 try:
                     self._workers[index].submit(message, {"compile": self.compile_timeout})
                 except WorkerUnavailable as exc:
-                    self._complete(index, key, Reply(ok=False, reason=str(exc)))
+                    self._complete(index, key, Reply(ok=False, reason=str(exc), unserved=True))
             with self._cond:
                 busy = dict(self._running)
             for index, key in busy.items():

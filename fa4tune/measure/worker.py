@@ -41,7 +41,8 @@ class WorkerUnavailable(RuntimeError):
 class Reply:
     """The outcome of one request: `result` when the worker finished it, else `reason` (an
     exception in the worker, its death, or a timeout). `restarted` says the worker is gone and the
-    next request starts a new one."""
+    next request starts a new one. `unserved` says the request never reached a working worker (none
+    could be started, or the pool stopped): the failure is not the request's."""
 
     ok: bool
     result: dict | None = None
@@ -50,6 +51,7 @@ class Reply:
     seconds: float = 0.0
     restarted: bool = False
     phase_seconds: dict = field(default_factory=dict)
+    unserved: bool = False
 
 
 def describe_exit(exitcode: int | None) -> str:
