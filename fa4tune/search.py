@@ -389,7 +389,10 @@ class _Context:
             time.sleep(POLL_S)
             self.recover(study, name)
         if self.backend.confirms_best and not self.db.confirmed(name) and self._claim_confirmation(name):
-            self._confirm(problem, name)
+            try:
+                self._confirm(problem, name)
+            finally:  # done (or failed): trials measured later, by a resume or another host, need one too
+                self._release_confirmation(name)
         result = self._result(problem, name, result)
         if self.summarise:
             self.say(self.summary_line(problem, result))
@@ -522,6 +525,11 @@ class _Context:
                 return False
             lock.set_confirming(self.worker)
             return True
+
+    def _release_confirmation(self, name: str) -> None:
+        with self.db.locked(name) as lock:
+            if lock.confirming() == self.worker:
+                lock.set_confirming(None)
 
     # ---- one candidate ------------------------------------------------------------------------
     def _ask(self, study, problem: Problem, name: str) -> "_Candidate":

@@ -421,3 +421,36 @@ def test_a_pid_taken_over_by_a_later_process_is_a_dead_worker(monkeypatch):
     assert not studies.worker_gone(f"{host}:{pid}")  # a name of an earlier fa4tune: the pid lives
     assert studies.parse_worker(f"{host}:{pid}") == (host, pid, None)
     assert not studies.worker_gone(f"elsewhere:{pid}:{identity}")  # another host's: not judged here
+
+
+def test_trials_measured_after_a_confirmation_by_another_host_are_confirmed_too(workdir, monkeypatch):
+    """Host A searched and confirmed; host B resumes the study with a larger budget. A's claim on the
+    confirmation must not outlive it (another host's worker is never known dead here), or B's
+    trials are never re-timed and, where only confirmations store a best, never become best."""
+    from fa4tune.job import load_job
+    from fa4tune.measure.model import CostModelBackend
+    from fa4tune.search import run_search
+    from fa4tune.target import get_target
+
+    class Confirming(CostModelBackend):  # like the gpu backend: a best only through a confirmation
+        confirms_best = True
+        confirm_count = 3
+        calls = 0
+
+        def confirm(self, problem, configs):
+            Confirming.calls += 1
+            return [self.measure(problem, self.kernel.make_config(c)) for c in configs]
+
+    job = load_job(write_job(workdir, spaces={"tiles": {}, "pipeline": {}, "exp2": {}, "softmax": {}},
+                             budget={"trials": 4}, warm_start=0))
+    for host, trials, resume in (("host-a", 4, False), ("host-b", 40, True)):
+        monkeypatch.setenv("FA4TUNE_WORKER_HOST", host)
+        before = Confirming.calls
+        run_search(job, backend=Confirming(job.kernel, get_target("H200")), trials=trials, resume=resume,
+                   say=lambda *a: None)
+        assert Confirming.calls == before + 1, f"{host} did not confirm"
+    with ResultsDB.open("fa4tune-results/results.db", create=False) as db:
+        name = db.trials()[0]["study_name"]
+        assert db.confirmed(name)
+        fastest = db.top_trials(name, 1)[0]["time_ms"]
+        assert db.best_configs()[0].time_ms <= fastest * 1.0001
