@@ -184,9 +184,9 @@ def cmd_export(args) -> int:
 
 def cmd_import(args) -> int:
     from .db import ResultsDB
-    from .tables import import_table, read_table
+    from .tables import check_importable, import_table
 
-    read_table(args.table)  # a bad table fails before a DB is created
+    check_importable(args.table)  # a bad or stale table fails before a DB is created
     with ResultsDB.open(args.db, create=True) as db:
         report = import_table(db, args.table)
         _say(f"fa4tune: imported {args.table} into {db.location}: {len(report.added)} added, "

@@ -20,6 +20,7 @@ The results DB also refuses a second search trial of one config in a study (Dupl
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from collections import deque
@@ -152,6 +153,11 @@ def run_search(job: Job, *, db: str | None = None, storage: str | None = None, r
         _check_apart(db_location, storage_location)
         ResultsDB.check(db_location)
         check_storage(storage_location)
+        if trials is not None and (isinstance(trials, bool) or not isinstance(trials, int) or trials < 1):
+            raise Fa4tuneError(f"--trials: a positive whole number of measured trials per problem, got {trials!r}")
+        if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+                                    or not math.isfinite(seconds) or seconds <= 0):
+            raise Fa4tuneError(f"--seconds: a positive number of seconds per problem, got {seconds!r}")
         budget_trials = trials if trials is not None else job.budget.trials
         budget_seconds = seconds if seconds is not None else job.budget.seconds
         if not isinstance(backend, Backend) and (plan is None or backend_name == "model"):

@@ -56,6 +56,13 @@ def export_table(db, out: str | os.PathLike | None, *, kernel=None, target: str,
     OUT.yaml and OUT.json; returns the paths. An error, and nothing written, when there is nothing."""
     spec = get_kernel(kernel) if not hasattr(kernel, "source_hash") else kernel
     kernel_hash = kernel_hash or spec.source_hash()
+    if len(kernel_hash) < 64:  # a prefix, as show, doctor and the hint below print them
+        matches = {e.kernel_hash for e in db.best_configs(kernel=spec.name, target=target)
+                   if e.kernel_hash.startswith(kernel_hash)}
+        if len(matches) > 1:
+            raise TableError(f"kernel hash {kernel_hash!r} is the start of {len(matches)} hashes in {db.location}: "
+                             f"give more of it ({', '.join(sorted(h[:16] for h in matches))})")
+        kernel_hash = matches.pop() if matches else kernel_hash
     entries = db.best_configs(kernel=spec.name, kernel_hash=kernel_hash, target=target)
     if not entries:
         others = {e.kernel_hash[:12] for e in db.best_configs(kernel=spec.name, target=target)}
@@ -87,6 +94,10 @@ def read_table(path: str | os.PathLike) -> dict:
     for key in ("kernel", "kernel_hash", "target"):
         if not isinstance(document.get(key), str):
             raise TableError(f"{path}: {key}: missing or not a string")
+    try:  # the lookup matches target names exactly: "h200" is read as H200
+        document["target"] = get_target(document["target"]).name
+    except TargetError as exc:
+        raise TableError(f"{path}: target: {exc}") from exc
     if not isinstance(document.get("entries"), list):
         raise TableError(f"{path}: entries: missing or not a list")
     carried = document.get("carried", [])
@@ -123,9 +134,10 @@ def table_entries(document: dict) -> list[BestEntry]:
     ]
 
 
-def import_table(db, path: str | os.PathLike) -> MergeReport:
-    """Merge a table into the DB. A table of another kernel version (hash) is refused: its configs
-    were tuned for code that is no longer installed."""
+def check_importable(path: str | os.PathLike) -> dict:
+    """The table at `path` if it can be merged into a DB (TableError if not): well formed, tuned for
+    the installed kernel code, for a known target, with configs the kernel takes. Nothing is opened
+    or written."""
     document = read_table(path)
     spec = get_kernel(document["kernel"])
     installed = spec.source_hash()
@@ -135,13 +147,15 @@ def import_table(db, path: str | os.PathLike) -> MergeReport:
             f"({installed[:12]}): the table was tuned for other kernel code and is stale. Re-tune with "
             "`fa4tune search`, or import it with the fa4tune version that exported it."
         )
-    try:
-        get_target(document["target"])
-    except TargetError as exc:
-        raise TableError(f"{path}: target: {exc}") from exc
     for index, row in enumerate(document["entries"]):
         try:
             spec.make_config(row["config"])
         except spec.config_error as exc:
             raise TableError(f"{path}: entries[{index}].config: {exc}") from exc
-    return db.merge_best(table_entries(document))
+    return document
+
+
+def import_table(db, path: str | os.PathLike) -> MergeReport:
+    """Merge a table into the DB. A table of another kernel version (hash) is refused: its configs
+    were tuned for code that is no longer installed."""
+    return db.merge_best(table_entries(check_importable(path)))

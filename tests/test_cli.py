@@ -124,6 +124,18 @@ def test_bad_job_fields(workdir, capsys, fields, fragments):
     assert written(workdir) == [], "nothing may be written for a bad job"
 
 
+@pytest.mark.parametrize("flags, fragments", [
+    (["--trials", "0"], ["--trials", "positive whole number"]),
+    (["--trials", "-2"], ["--trials", "positive whole number"]),
+    (["--seconds", "-1"], ["--seconds", "positive number"]),
+    (["--seconds", "nan"], ["--seconds", "positive number"]),
+])
+def test_bad_budget_overrides(workdir, capsys, flags, fragments):
+    job = write_job(workdir)
+    assert_bad_input(capsys, ["search", job, *flags], *fragments)
+    assert written(workdir) == [], "nothing may be written for a bad budget"
+
+
 def test_missing_optional_sampler_dependency_is_explained(workdir, capsys):
     if importlib.util.find_spec("cmaes") is not None:
         pytest.skip("cmaes is installed here")

@@ -102,3 +102,38 @@ def test_export_of_nothing_is_an_error(workdir):
         with pytest.raises(TableError, match="no best configs"):
             export_table(db, "t.yaml", kernel=KERNEL, target="H200")
     assert not (workdir / "t.yaml").exists()
+
+
+def test_a_stale_table_is_refused_before_any_db_is_created(searched, workdir, capsys):
+    from fa4tune.cli import main
+
+    with ResultsDB.open(searched, create=False) as db:
+        export_table(db, "t.yaml", kernel=KERNEL, target="H200")
+    document = yaml.safe_load((workdir / "t.yaml").read_text())
+    document["kernel_hash"] = "f" * 64
+    (workdir / "old.yaml").write_text(yaml.safe_dump(document))
+    assert main(["import", "old.yaml", "--db", "new.db"]) == 2
+    assert "stale" in capsys.readouterr().err and not (workdir / "new.db").exists()
+
+
+def test_a_target_name_in_any_case_is_read_as_the_target(searched, workdir):
+    from fa4tune.problem import Problem
+    from fa4tune.runtime import lookup
+
+    with ResultsDB.open(searched, create=False) as db:
+        export_table(db, "t.yaml", kernel=KERNEL, target="H200")
+        problem = Problem.from_dict(db.best_configs()[0].problem)
+    document = yaml.safe_load((workdir / "t.yaml").read_text())
+    document["target"] = "h200"
+    (workdir / "lower.yaml").write_text(yaml.safe_dump(document))
+    assert read_table("lower.yaml")["target"] == "H200"
+    assert lookup(problem, "H200", source=str(workdir / "lower.yaml")).source == "exact"
+
+
+def test_export_takes_a_kernel_hash_as_short_as_show_prints_it(searched, workdir):
+    installed = KERNEL.source_hash()
+    with ResultsDB.open(searched, create=False) as db:
+        assert export_table(db, "t.yaml", kernel=KERNEL, target="H200", kernel_hash=installed[:12])
+        with pytest.raises(TableError, match="no best configs"):
+            export_table(db, "u.yaml", kernel=KERNEL, target="H200", kernel_hash="0123456789ab")
+    assert read_table("t.yaml")["kernel_hash"] == installed
