@@ -195,12 +195,14 @@ def _target(target):
         import sys
 
         name = os.environ.get("FA4TUNE_TARGET")
-        detected = None
-        if not name and "torch" in sys.modules:
+        if name:
+            _target_cache["default"] = get_target(name)
+        elif "torch" in sys.modules:
             from .target import detect_target
 
-            detected = detect_target()
-        _target_cache["default"] = get_target(name) if name else detected or get_target(DEFAULT_TARGET)
+            _target_cache["default"] = detect_target() or get_target(DEFAULT_TARGET)
+        else:  # not kept: once torch is imported, the GPU is asked
+            return get_target(DEFAULT_TARGET)
     return _target_cache["default"]
 
 

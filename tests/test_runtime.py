@@ -194,3 +194,21 @@ def test_attention_is_not_pretended():
             fa4tune.attention
     else:  # issue 4 has landed: the hook must hand out the real function
         assert callable(fa4tune.attention)
+
+
+def test_the_gpu_is_asked_once_torch_is_there_even_after_an_earlier_lookup():
+    """A lookup before torch is imported cannot ask the GPU and uses the H200; that guess must not
+    stick once torch is imported (an H100 host would keep the H200's tables)."""
+    script = """
+import sys
+import fa4tune.target as target
+from fa4tune import runtime
+assert "torch" not in sys.modules
+target.detect_target = lambda: target.get_target("H100-SXM")
+first = runtime._target(None).name
+import torch
+print(first, runtime._target(None).name)
+"""
+    env = {k: v for k, v in __import__("os").environ.items() if k != "FA4TUNE_TARGET"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.split() == ["H200", "H100-SXM"]
