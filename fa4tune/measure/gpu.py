@@ -127,6 +127,7 @@ class GpuBackend(Backend):
         self.device = info
         self.clock_samples = [info["clocks"]] if info.get("clocks") else []
         self.deaths = 0
+        self.last_death: str | None = None
         self.pool_failures = 0  # jobs in a row the compile pool could not take
         self.lookahead = self.options.workers()
         if self.lookahead:
@@ -280,17 +281,20 @@ class GpuBackend(Backend):
         return reply.result["artifact"], reply.result.get("compile_s"), None
 
     def _ask_worker(self, request: dict, on_ask, timeouts: dict | None = None) -> Reply:
+        if self.deaths >= self.options.max_worker_deaths:
+            # Raised on the request after the last death, so that the death's own candidate was
+            # stored as failed (raised with it, its outcome was lost and a resume ran it again).
+            raise BackendUnavailable(
+                f"the gpu worker died {self.deaths} times in a row (last: {self.last_death}); the GPU may be "
+                "unusable. Check `nvidia-smi`, then resume the search with --resume."
+            )
         timeouts = timeouts or {"compile": self.options.compile_timeout, "run": self.options.run_timeout}
         try:
             reply = self.worker.request(request, timeouts, on_ask)
         except WorkerUnavailable as exc:
             raise BackendUnavailable(f"the gpu worker cannot be restarted: {exc}") from None
         self.deaths = self.deaths + 1 if reply.restarted else 0
-        if self.deaths >= self.options.max_worker_deaths:
-            raise BackendUnavailable(
-                f"the gpu worker died {self.deaths} times in a row (last: {reply.reason}); the GPU may be "
-                "unusable. Check `nvidia-smi`, then resume the search with --resume."
-            )
+        self.last_death = reply.reason if reply.restarted else self.last_death
         return reply
 
     def _measurement(self, problem, reply: Reply, pool_compile_s: float | None) -> Measurement:
