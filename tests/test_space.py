@@ -69,6 +69,21 @@ def test_the_default_is_always_in_the_searched_domain():
     assert domains["tile_n"].contains(default["tile_n"]) and domains["tile_n"].contains(64)
 
 
+def test_a_continuous_range_over_a_knob_with_few_values_means_those_values_in_it():
+    """Only the ends used to be checked: {low: 0, high: 8} over the thresholds 0, 2, 4, 8 passed, and
+    every value between the legal ones was then proposed and rejected."""
+    problem = Problem(head_dim=128, seqlen_q=4096)
+    space = compose(KERNEL, {"softmax": {"rescale_threshold": Range(0.0, 8.0)}})
+    assert space.domains(problem, H200)["rescale_threshold"] == Choice((0.0, 2.0, 4.0, 8.0))
+    # A range that leaves out the default keeps its values and gains the default (it used to shrink
+    # to the default alone).
+    space = compose(KERNEL, {"exp2": {"emu_share": Range(0.125, 0.5)}})
+    default = KERNEL.default_config(problem, H200).emu_share
+    assert set(space.domains(problem, H200)["emu_share"].values()) == {default, 0.125, 0.25, 0.375, 0.5}
+    with pytest.raises(SpaceError, match="range float 2.5..3.5 holds none of its values"):
+        compose(KERNEL, {"softmax": {"rescale_threshold": Range(2.5, 3.5)}})
+
+
 def test_checks_union_plugins_and_kernel_with_reasons():
     space = compose(KERNEL)
     problem = Problem(head_dim=256, seqlen_q=4096)

@@ -103,6 +103,13 @@ class Range(Param):
         k = (value - self.low) / self.step
         return abs(k - round(k)) < 1e-9
 
+    def with_value(self, value) -> "Param":
+        """A continuous range is widened to the value (a Choice of it alone would drop the range)."""
+        if self.contains(value) or self.values() is not None or not isinstance(value, (int, float)) \
+                or isinstance(value, bool):
+            return super().with_value(value)
+        return Range(min(self.low, value), max(self.high, value), log=self.log and value > 0)
+
     def describe(self) -> str:
         kind = "int" if self.integer else "float"
         step = f" step {self.step:g}" if self.step else ""
@@ -171,7 +178,18 @@ class SearchSpace:
                 f"space {self.name!r} has no parameter {', '.join(map(repr, unknown))}; "
                 f"its parameters: {', '.join(base) or 'none'}"
             )
+        overrides = dict(overrides)
         for name, domain in overrides.items():
+            legal = base[name].values()
+            if legal is not None and domain.values() is None:
+                # A continuous range over a knob with a few legal values means those values in it
+                # (its ends alone being legal does not make the values between them legal).
+                inside = [v for v in legal if domain.low - 1e-12 <= v <= domain.high + 1e-12]
+                if not inside:
+                    raise SpaceError(f"space {self.name!r}: {name} range {domain.describe()} holds none of its "
+                                     f"values {base[name].describe()}")
+                overrides[name] = Choice(inside)
+                continue
             illegal = [v for v in (domain.values() or [domain.low, domain.high]) if not base[name].contains(v)]
             if illegal:
                 raise SpaceError(
