@@ -26,6 +26,7 @@ import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from importlib import metadata
+from pathlib import Path
 
 from . import __version__, interrupts
 from .db import DuplicateTrial, ResultsDB, config_key, resolve_location, shown_location, sqlite_path
@@ -151,6 +152,18 @@ def run_search(job: Job, *, db: str | None = None, storage: str | None = None, r
         for problem in job.problems:  # sampler options and grid domains, before anything is written
             _sampler_for(job, space, problem, tgt)
         _check_apart(db_location, storage_location)
+        if job.export:  # found out only after the whole search otherwise
+            from .files import unwritable_ancestor
+
+            yaml_path = Path(job.export)
+            yaml_path = yaml_path if yaml_path.suffix in (".yaml", ".yml") else yaml_path.with_suffix(".yaml")
+            for target_path in (yaml_path, yaml_path.with_suffix(".json")):
+                blocked = unwritable_ancestor(target_path)
+                if blocked is not None:
+                    raise Fa4tuneError(f"{job.path}: export: cannot write {target_path}: {blocked} is not a "
+                                       "writable directory")
+                if target_path.is_dir():
+                    raise Fa4tuneError(f"{job.path}: export: {target_path} is a directory")
         ResultsDB.check(db_location)
         check_storage(storage_location)
         if trials is not None and (isinstance(trials, bool) or not isinstance(trials, int) or trials < 1):

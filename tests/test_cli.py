@@ -117,6 +117,7 @@ def test_malformed_yaml_names_the_file_and_line(workdir, capsys):
     ({"target": "A100"}, ["target", "unknown target", "H200"]),
     ({"colour": "blue"}, ["colour", "unknown field", "known fields"]),
     ({"target": "B200"}, ["no kernel supports", "sm_100a"]),
+    ({"export": "job.yaml/table.yaml"}, ["export: cannot write", "job.yaml is not a writable directory"]),
 ])
 def test_bad_job_fields(workdir, capsys, fields, fragments):
     job = write_job(workdir, **fields)
