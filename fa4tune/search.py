@@ -149,8 +149,9 @@ def run_search(job: Job, *, db: str | None = None, storage: str | None = None, r
         if unsupported:
             lines = "; ".join(f"{k}: {', '.join(r)}" for k, r in unsupported.items())
             raise KernelError(f"{job.path}: no kernel supports these problems on {tgt.name}: {lines}")
-        for problem in job.problems:  # sampler options and grid domains, before anything is written
-            _sampler_for(job, space, problem, tgt)
+        for problem in job.problems:  # sampler options, grid domains, plugins' defaults and checks,
+            _sampler_for(job, space, problem, tgt)  # before anything is written
+            space.check(problem, space.full_config(problem, tgt, {}), tgt)
         _check_apart(db_location, storage_location)
         if job.export:  # found out only after the whole search otherwise
             from .files import unwritable_ancestor

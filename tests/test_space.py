@@ -151,3 +151,73 @@ def test_probes_change_one_knob_each_nearest_first_and_stay_feasible():
     stages = [p["num_stages"] for p, c in zip(probes, changed) if c == ["num_stages"]]
     assert stages[:2] == [default["num_stages"] + 1, default["num_stages"] - 1]
     assert space.probes(problem, target, 0) == [] and space.probes(problem, target, 3) == probes[:3]
+
+
+def test_a_plugins_mistakes_are_named_before_any_search():
+    from fa4tune.space import SearchSpace
+
+    class NotParams(SearchSpace):
+        name, knobs = "not_params", ("num_stages",)
+
+        def params(self):
+            return {"num_stages": [2, 4]}
+
+    class OtherKnob(SearchSpace):
+        name, knobs = "other_knob", ("num_stages",)
+
+        def params(self):
+            return {"tile_n": Choice([64])}
+
+    class SevenStages(SearchSpace):
+        name, knobs = "seven", ("num_stages",)
+
+        def params(self):
+            return {"num_stages": Choice([2, 7])}
+
+    for cls, message in ((NotParams, "domain of num_stages must be a Choice or a Range"),
+                         (OtherKnob, r"a domain to each of its knobs \(num_stages\); it gave tile_n"),
+                         (SevenStages, r"num_stages value\(s\) 7 are not values the kernel takes")):
+        with pytest.raises(SpaceError, match=f"space '{cls.name}' .*{message}"):
+            cls(KERNEL)
+
+
+def test_a_plugin_check_that_raises_is_named_and_a_plugin_default_is_the_starting_config():
+    from fa4tune.space import ComposedSpace, SearchSpace
+
+    class Broken(SearchSpace):
+        name, knobs = "broken", ("num_stages",)
+
+        def check(self, problem, config, target):
+            return 1 / 0
+
+    class StartAtThree(SearchSpace):
+        name, knobs = "start_at_three", ("num_stages",)
+
+        def default(self, problem, target):
+            return {"num_stages": 3}
+
+    problem = Problem(head_dim=64, seqlen_q=4096)
+    broken = ComposedSpace(KERNEL, [get_space("tiles")(KERNEL), Broken(KERNEL)])
+    with pytest.raises(SpaceError, match=r"space 'broken': check\(\) raised ZeroDivisionError"):
+        broken.check(problem, broken.full_config(problem, H200, {}), H200)
+    three = ComposedSpace(KERNEL, [get_space("tiles")(KERNEL), StartAtThree(KERNEL)])
+    assert three.full_config(problem, H200, {})["num_stages"] == 3
+    assert three.domains(problem, H200)["num_stages"].contains(3)
+
+
+def test_a_broken_entry_point_stops_only_the_jobs_that_need_it(entry_point_plugin, tmp_path, monkeypatch):
+    import fa4tune.space
+
+    dist = tmp_path / "site2" / "fa4tune_broken-1.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: fa4tune-broken\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[fa4tune.spaces]\nbroken = no_such_module_anywhere:Space\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site2"))
+    fa4tune.space.rediscover()
+    try:
+        assert get_space("tiles").name == "tiles"  # a built-in: the entry points are not loaded
+        assert get_space("even_stages").name == "even_stages"  # another plugin: only its own is loaded
+        with pytest.raises(SpaceError, match="cannot load search space entry point 'broken'"):
+            get_space("broken")
+    finally:
+        fa4tune.space.rediscover()

@@ -48,21 +48,22 @@ def _load(target: str) -> type:
     return getattr(importlib.import_module(module_name), attr)
 
 
+def _load_entry_point(ep) -> type[SearchSpace]:
+    origin = f"entry point {ep.name!r} = {ep.value!r} ({ENTRY_POINT_GROUP})"
+    try:
+        cls = ep.load()
+    except Exception as exc:  # a broken plugin must say which one it is
+        raise SpaceError(f"cannot load search space {origin}: {type(exc).__name__}: {exc}") from exc
+    _validate_class(cls, origin)
+    if cls.name != ep.name:
+        raise SpaceError(f"{origin} names its class {cls.name!r}; the entry point must use that name")
+    if ep.name in _BUILTINS:
+        raise SpaceError(f"{origin} reuses the built-in space name {ep.name!r}")
+    return cls
+
+
 def _discover() -> dict[str, type[SearchSpace]]:
-    found: dict[str, type[SearchSpace]] = {}
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        origin = f"entry point {ep.name!r} = {ep.value!r} ({ENTRY_POINT_GROUP})"
-        try:
-            cls = ep.load()
-        except Exception as exc:  # a broken plugin must say which one it is
-            raise SpaceError(f"cannot load search space {origin}: {type(exc).__name__}: {exc}") from exc
-        _validate_class(cls, origin)
-        if cls.name != ep.name:
-            raise SpaceError(f"{origin} names its class {cls.name!r}; the entry point must use that name")
-        if ep.name in _BUILTINS:
-            raise SpaceError(f"{origin} reuses the built-in space name {ep.name!r}")
-        found[ep.name] = cls
-    return found
+    return {ep.name: _load_entry_point(ep) for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 
 def available_spaces() -> dict[str, type[SearchSpace]]:
@@ -85,7 +86,19 @@ def rediscover() -> None:
 
 
 def get_space(name: str) -> type[SearchSpace]:
-    spaces = available_spaces()
+    """A plugin class by name. Built-in and registered ones are found without loading the entry
+    points, so that a broken third-party plugin stops only the jobs that name it (or an unknown name)."""
+    if name in _registered:
+        return _registered[name]
+    if name in _BUILTINS:
+        return _load(_BUILTINS[name])
+    with _lock:
+        if _discovered is not None and name in _discovered:
+            return _discovered[name]
+    named = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
+    if named:
+        return _load_entry_point(named[0])
+    spaces = available_spaces()  # unknown: the error lists every space (and names a broken plugin)
     if name not in spaces:
         raise SpaceError(f"unknown search space {name!r}; known spaces: {', '.join(sorted(spaces))}")
     return spaces[name]

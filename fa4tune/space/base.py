@@ -170,7 +170,7 @@ class SearchSpace:
 
     def __init__(self, kernel, overrides: dict[str, Param] | None = None) -> None:
         self.kernel = kernel
-        base = self.params()
+        base = self._checked_params()
         overrides = overrides or {}
         unknown = sorted(set(overrides) - set(base))
         if unknown:
@@ -197,6 +197,28 @@ class SearchSpace:
                     f"domain {base[name].describe()}"
                 )
         self.domains: dict[str, Param] = {**base, **overrides}
+
+    def _checked_params(self) -> dict[str, Param]:
+        """params(), checked against the class's knobs and the kernel's legal values: a plugin's
+        mistake is named here, before any search, not as a traceback in the middle of one."""
+        who = f"space {self.name!r} ({type(self).__module__}.{type(self).__qualname__})"
+        base = self.params()
+        if not isinstance(base, dict):
+            raise SpaceError(f"{who}: params() must return a dict of knob name to domain, got {type(base).__name__}")
+        if set(base) != set(self.knobs):
+            raise SpaceError(f"{who}: params() must give a domain to each of its knobs ({', '.join(self.knobs)}); "
+                             f"it gave {', '.join(map(str, base)) or 'none'}")
+        legal = self.kernel.knobs
+        for name, domain in base.items():
+            if not isinstance(domain, Param):
+                raise SpaceError(f"{who}: the domain of {name} must be a Choice or a Range, got {domain!r}")
+            values = domain.values()
+            if name in legal and values is not None:
+                illegal = [v for v in values if not any(_same(v, ok) for ok in legal[name])]
+                if illegal:
+                    raise SpaceError(f"{who}: {name} value(s) {', '.join(map(repr, illegal))} are not values the "
+                                     f"kernel takes ({', '.join(map(repr, legal[name]))})")
+        return base
 
     def params(self) -> dict[str, Param]:
         """The full domain of each parameter: by default the kernel's legal values of that knob."""

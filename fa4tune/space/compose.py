@@ -35,7 +35,19 @@ class ComposedSpace:
 
     # ---- per-problem domains and defaults -------------------------------------------------------
     def default_config(self, problem, target) -> dict:
-        return self.kernel.default_config(problem, target).to_dict()
+        """The kernel's default for the problem, with the starting values of plugins that override
+        `SearchSpace.default` (each for its own knobs)."""
+        config = self.kernel.default_config(problem, target).to_dict()
+        for space in self.spaces:
+            if type(space).default is SearchSpace.default:
+                continue
+            values = space.default(problem, target)
+            stray = sorted(set(values) - set(space.domains)) if isinstance(values, dict) else None
+            if stray is None or stray:
+                raise SpaceError(f"space {space.name!r}: default() must return a dict of its own knobs "
+                                 f"({', '.join(space.domains)}), got {values!r}")
+            config.update(values)
+        return config
 
     def domains(self, problem, target) -> dict[str, Param]:
         """Each parameter's domain, widened to hold the problem's default so the default is measurable."""
@@ -134,7 +146,14 @@ class ComposedSpace:
             return [str(exc)]
         reasons: list[str] = []
         for space in self.spaces:
-            reasons.extend(f"{r}" for r in space.check(problem, config, target))
+            try:
+                found = space.check(problem, config, target)
+            except Exception as exc:  # a plugin's bug, named as such
+                raise SpaceError(f"space {space.name!r}: check() raised {type(exc).__name__}: {exc} (config "
+                                 f"{config_values})") from exc
+            if not isinstance(found, (list, tuple)):
+                raise SpaceError(f"space {space.name!r}: check() must return a list of reasons, got {found!r}")
+            reasons.extend(f"{r}" for r in found)
         reasons.extend(self.kernel.infeasible_reasons(problem, config, target))
         return list(dict.fromkeys(reasons))
 
