@@ -49,6 +49,19 @@ def test_row_slices_cover_first_and_last_rows():
     assert row_slices(10, 10, True, rows=16) == [(0, 10, 10)]
 
 
+def test_a_wrong_tile_in_the_middle_is_caught():
+    """Finite, wrong values in the middle of batch, heads and rows (a scheduler that computed another
+    tile there) pass the NaN check and the slices at the ends: the middle slice catches them."""
+    q, k, v = inputs((120, 120, 3, 4, 2))
+    out, lse = attention_reference(q, k, v, causal=True)
+    slices = reference_slices(q, k, v, True, None, rows=16)
+    assert compare(out.to(torch.bfloat16), lse, slices).verdict(TOLERANCES["bf16"]) is None
+    wrong = out.clone()
+    wrong[1, 48:64, 2] = out[1, 64:80, 2]  # rows 48..63 of the middle batch and head: another tile's
+    assert "output error" in compare(wrong, lse, slices).verdict(TOLERANCES["bf16"])
+    assert (1, 2, 57, 65) in [index for index, _, _ in slices]
+
+
 def test_compare_catches_nan_lse_mismatch_and_large_errors():
     q, k, v = inputs((40, 40, 2, 4, 2))
     out, lse = attention_reference(q, k, v, causal=True)

@@ -2,7 +2,10 @@
 
 The reference of a whole problem does not fit (16k x 16k scores per head, 128k x 128k at long
 context), so it is computed on slices: the first and the last batch, the first and the last query
-head (so both ends of the GQA groups), and the first and the last block of query rows. For a
+head (so both ends of the GQA groups), and the first and the last block of query rows; and one slice
+from the middle of all three (middle batch, middle head, a block of rows from the middle), where a
+tile scheduler or an L2 grouping that computes the wrong tile would write finite, wrong values that
+the ends never see. For a
 bottom-right-aligned causal mask a block of rows is itself a bottom-right-aligned problem once the
 keys are cut where its last row stops seeing them, so each slice goes through the same
 `attention_reference`. Unwritten outputs are caught over the whole tensors: the outputs are filled
@@ -46,6 +49,10 @@ class Check:
         return None
 
 
+def _keys_seen(end: int, seqlen_q: int, seqlen_k: int, causal: bool) -> int:
+    return seqlen_k if not causal else max(0, min(seqlen_k, end + seqlen_k - seqlen_q))
+
+
 def row_slices(seqlen_q: int, seqlen_k: int, causal: bool, rows: int = ROWS_PER_SLICE) -> list[tuple[int, int, int]]:
     """(first row, end row, keys seen) of the query-row blocks to check. Without a mask every key is
     seen; with the bottom-right causal mask row i sees keys j <= i + seqlen_k - seqlen_q, so a block
@@ -53,11 +60,20 @@ def row_slices(seqlen_q: int, seqlen_k: int, causal: bool, rows: int = ROWS_PER_
     blocks = [(0, min(rows, seqlen_q))]
     if seqlen_q > rows:
         blocks.append((max(rows, seqlen_q - rows), seqlen_q))
-    slices = []
-    for start, end in blocks:
-        keys = seqlen_k if not causal else max(0, min(seqlen_k, end + seqlen_k - seqlen_q))
-        slices.append((start, end, keys))
-    return slices
+    return [(start, end, _keys_seen(end, seqlen_q, seqlen_k, causal)) for start, end in blocks]
+
+
+def middle_slice(batch: int, nheads_q: int, seqlen_q: int, seqlen_k: int, causal: bool,
+                 rows: int = ROWS_PER_SLICE) -> tuple[int, int, int, int, int] | None:
+    """(batch, head, first row, end row, keys seen) of the slice from the middle, or None when the
+    first and last slices already cover every row (no rows between them). Half a block wide, it
+    starts off the tile grid (an odd row), so it cuts across tiles of every size."""
+    if seqlen_q <= 2 * rows:
+        return None
+    width = max(1, rows // 2)
+    start = (seqlen_q - width) // 2 | 1
+    end = start + width
+    return batch // 2, nheads_q // 2, start, end, _keys_seen(end, seqlen_q, seqlen_k, causal)
 
 
 def reference_slices(q, k, v, causal: bool, softmax_scale: float | None, rows: int = ROWS_PER_SLICE):
@@ -69,22 +85,24 @@ def reference_slices(q, k, v, causal: bool, softmax_scale: float | None, rows: i
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     group = nheads_q // nheads_kv
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
+    picked = [(b, h, start, end, keys) for b in sorted({0, batch - 1}) for h in sorted({0, nheads_q - 1})
+              for start, end, keys in row_slices(seqlen_q, seqlen_k, causal, rows)]
+    middle = middle_slice(batch, nheads_q, seqlen_q, seqlen_k, causal, rows)
+    if middle is not None:
+        picked.append(middle)
     out = []
-    for b in sorted({0, batch - 1}):
-        for h in sorted({0, nheads_q - 1}):
-            kv = h // group
-            for start, end, keys in row_slices(seqlen_q, seqlen_k, causal, rows):
-                qs = q[b:b + 1, start:end, h:h + 1]
-                if keys == 0:  # causal rows before the first key: O = 0 and LSE = -inf by definition
-                    import torch
+    for b, h, start, end, keys in picked:
+        kv = h // group
+        qs = q[b:b + 1, start:end, h:h + 1]
+        if keys == 0:  # causal rows before the first key: O = 0 and LSE = -inf by definition
+            import torch
 
-                    ref_o = torch.zeros((1, end - start, 1, v.shape[3]), dtype=torch.float32, device=q.device)
-                    ref_lse = torch.full((1, 1, end - start), float("-inf"), device=q.device)
-                else:
-                    ref_o, ref_lse = attention_reference(qs, k[b:b + 1, :keys, kv:kv + 1],
-                                                         v[b:b + 1, :keys, kv:kv + 1], causal=causal,
-                                                         softmax_scale=scale)
-                out.append(((b, h, start, end), ref_o, ref_lse))
+            ref_o = torch.zeros((1, end - start, 1, v.shape[3]), dtype=torch.float32, device=q.device)
+            ref_lse = torch.full((1, 1, end - start), float("-inf"), device=q.device)
+        else:
+            ref_o, ref_lse = attention_reference(qs, k[b:b + 1, :keys, kv:kv + 1], v[b:b + 1, :keys, kv:kv + 1],
+                                                 causal=causal, softmax_scale=scale)
+        out.append(((b, h, start, end), ref_o, ref_lse))
     return out
 
 
