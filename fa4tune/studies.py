@@ -416,8 +416,11 @@ def make_pruner(margin: float, min_completed: int = 3):
             self.min_completed = min_completed
 
         def best(self, study) -> float | None:
-            values = [t.value for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))]
-            return min(values) if len(values) >= self.min_completed else None
+            completed = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            # Distinct configs: a repeat of a measured config is told COMPLETE with its stored value,
+            # and is no second opinion on how fast the space can be.
+            distinct = {tuple(sorted(t.params.items(), key=lambda item: item[0])) for t in completed}
+            return min(t.value for t in completed) if len(distinct) >= self.min_completed else None
 
         def prune(self, study, trial) -> bool:
             step = trial.last_step

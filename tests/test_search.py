@@ -242,3 +242,26 @@ def test_results_db_and_storage_must_be_two_databases(tmp_path):
         _check_apart(db, f"sqlite:///{db}")
     _check_apart(db, f"sqlite:///{tmp_path / 'optuna.db'}")
     _check_apart(db, "sqlite:///:memory:")  # no file: apart (it raised AttributeError)
+
+
+def test_the_pruner_waits_for_distinct_configs_not_repeats():
+    """A repeat of a measured config is told COMPLETE with its stored value: three of one config are
+    not three opinions on how fast the space can be."""
+    import optuna
+
+    from fa4tune.studies import make_pruner
+
+    pruner = make_pruner(0.1, min_completed=3)
+    study = optuna.create_study(pruner=pruner)
+    for value in (1.0, 1.0, 1.0):
+        study.enqueue_trial({"x": 1})
+        trial = study.ask()
+        trial.suggest_int("x", 0, 9)
+        study.tell(trial, value)
+    assert pruner.best(study) is None
+    for x, value in ((2, 1.5), (3, 0.9)):
+        study.enqueue_trial({"x": x})
+        trial = study.ask()
+        trial.suggest_int("x", 0, 9)
+        study.tell(trial, value)
+    assert pruner.best(study) == 0.9
