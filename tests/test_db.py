@@ -212,3 +212,36 @@ def test_a_config_that_was_ever_wrong_does_not_stand_in_for_the_fastest_in_the_m
     [best] = db.best_configs()
     assert best.config == {"tile_n": 128} and best.provenance.get("kept_default")
     db.close()
+
+
+def test_a_new_db_is_switched_to_wal_while_a_reader_looks_at_it(tmp_path):
+    """A search creating its DB while `fa4tune show` (or a test) reads it failed with "database is
+    locked": switching a file to WAL needs it alone, and SQLite refused at once."""
+    import threading
+    import time
+
+    from fa4tune.db.store import _sqlite_connect
+
+    path = str(tmp_path / "new.db")
+    first = sqlite3.connect(path, isolation_level=None)
+    first.execute("create table t(x)")
+    first.close()
+    held = threading.Event()
+
+    def reader():
+        connection = sqlite3.connect(path, isolation_level=None)
+        connection.execute("begin")
+        connection.execute("select * from t").fetchall()  # a shared lock, in rollback-journal mode
+        held.set()
+        time.sleep(0.5)
+        connection.execute("commit")
+        connection.close()
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    held.wait()
+    writer = sqlite3.connect(path, timeout=0.05)  # SQLite's own wait alone would give up at once
+    _sqlite_connect(writer, None)
+    thread.join()
+    assert writer.execute("pragma journal_mode").fetchone() == ("wal",)
+    writer.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
+import sqlite3
 import time
 from contextlib import contextmanager
 from datetime import datetime, timezone
@@ -24,6 +25,8 @@ from .models import CONFIRM_SOURCE, SCHEMA_VERSION, UPGRADES, Base, BestConfig, 
 
 # Write transactions carry this execution option: on SQLite they begin IMMEDIATE (below).
 WRITE_OPTION = "fa4tune_write"
+SQLITE_BUSY_TIMEOUT_S = 60  # how long a SQLite connection waits for another's lock
+
 # A write transaction that meets a transient conflict (SQLite busy past its timeout, a PostgreSQL
 # serialization failure or deadlock, two workers inserting the same best config) is run again.
 WRITE_ATTEMPTS = 8
@@ -589,10 +592,23 @@ def _sqlite_connect(dbapi_connection, _record) -> None:
     # fa4tune begins its transactions itself (_sqlite_begin), not the sqlite3 module.
     dbapi_connection.isolation_level = None
     cursor = dbapi_connection.cursor()
-    # WAL lets readers (show, lookup, other workers) run while a search writes; the busy timeout
-    # rides out the short write locks of concurrent workers instead of failing with "database is locked".
-    cursor.execute("PRAGMA journal_mode=WAL")
-    cursor.execute("PRAGMA busy_timeout=60000")
+    # The busy timeout rides out the short write locks of concurrent workers instead of failing with
+    # "database is locked". It comes first: switching a new file to WAL needs it alone, while a
+    # reader (`fa4tune show`, a test polling it) may hold it.
+    cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_S * 1000:.0f}")
+    # WAL lets readers (show, lookup, other workers) run while a search writes. SQLite refuses the
+    # switch at once, without waiting, where waiting could deadlock (two connections both switching):
+    # so it is tried again, for as long as the busy timeout.
+    deadline, pause = time.monotonic() + SQLITE_BUSY_TIMEOUT_S, 0.01
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            break
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) and "busy" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(pause)
+            pause = min(pause * 2, 0.5)
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.execute("PRAGMA synchronous=NORMAL")
     cursor.close()
