@@ -396,6 +396,8 @@ class _Context:
             for candidate in queue:  # asked but never measured: nothing to learn from them
                 study.tell(candidate.trial.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
                 candidate.heartbeat.join()
+                if not candidate.reasons and self.backend.lookahead:
+                    self.backend.discard(problem, self.kernel.make_config(candidate.config))
             if bar is not None:
                 bar.close()
         # Others' trials still in flight: the best few are confirmed once all are in. A trial another

@@ -411,3 +411,22 @@ def test_a_compile_pool_that_cannot_work_fails_no_candidate(workdir, monkeypatch
     assert summary.results[0].measured >= 2
     assert {t["config"]["tile_n"]: t["status"] for t in trials} == {64: "ok", 128: "ok"}
     assert not any(t["details"].get("artifact_seen") for t in trials)  # compiled by the measuring worker
+
+
+def test_prefetched_compiles_that_will_not_be_measured_are_dropped():
+    from fa4tune.measure.pool import CompilePool
+
+    pool = CompilePool("planted_worker", 1, 30, env={"FA4TUNE_WORKER_ROLE": "compile"}, start_timeout=60)
+    try:
+        hang = {"op": "compile", "config": {"tile_n": planted.POOL_HANG_TILE_N}, "artifact": "/tmp/never.o"}
+        pool.submit("busy", hang)  # occupies the one worker
+        pool.submit("queued", {"op": "compile", "config": {"tile_n": 64}, "artifact": "/tmp/queued.o"})
+        deadline = time.monotonic() + 30
+        while not pool._running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pool.discard("queued")
+        pool.discard("busy")  # running: left to finish
+        assert not pool.submitted("queued") and pool.submitted("busy")
+        assert "queued" not in pool._queue
+    finally:
+        pool.close()

@@ -77,6 +77,9 @@ class Backend:
     def prefetch(self, problem, config) -> None:
         """A candidate that `measure` will be asked for soon (a hint; nothing by default)."""
 
+    def discard(self, problem, config) -> None:
+        """A prefetched candidate that will not be measured after all (nothing by default)."""
+
     def confirm(self, problem, configs: list[dict]) -> list[Measurement]:
         """Measure `configs` again, side by side, before the fastest is stored as best."""
         raise NotImplementedError

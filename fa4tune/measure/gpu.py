@@ -168,6 +168,12 @@ class GpuBackend(Backend):
             path = self._artifact_path(problem, config.to_dict())
             self.pool.submit(str(path), self._compile_request(problem, config.to_dict(), path))
 
+    def discard(self, problem, config) -> None:
+        """Drop a prefetched compile that no one will wait for: queued, it never runs (it would
+        delay the next problem's compiles); done, it is forgotten (a failure is not reused)."""
+        if self.pool is not None:
+            self.pool.discard(str(self._artifact_path(problem, config.to_dict())))
+
     def confirm(self, problem, configs: list[dict]) -> list[Measurement]:
         """Time `configs` again, interleaved: round r times each of them once, so that a slow spell
         of the GPU hits one round of every candidate rather than every round of one. Each result is

@@ -75,6 +75,17 @@ class CompilePool:
                 return Reply(ok=False, reason=f"the compile pool stopped ({self._error or 'closed'})", unserved=True)
             return job.reply
 
+    def discard(self, key: str) -> None:
+        """Drop a job no one will wait for: taken off the queue if it has not started, forgotten if
+        done; a running one finishes (its artifact is kept for whoever compiles that key next)."""
+        with self._cond:
+            job = self._jobs.get(key)
+            if job is None or job.state == "running":
+                return
+            if job.state == "queued":
+                self._queue.remove(key)
+            del self._jobs[key]
+
     def forget(self, key: str) -> None:
         """Drop a finished job (its artifact stays on disk)."""
         with self._cond:
