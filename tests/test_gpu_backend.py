@@ -43,6 +43,9 @@ def backend(workdir):
 def test_crash_exit_hang_and_device_error_fail_and_replace_the_worker(backend):
     assert backend.target.name == "H200" and backend.provenance()["gpu_name"].startswith("planted")
     first = backend.measure(PROBLEM, config(128))
+    # Every trial says where it ran (a resumed run keeps its first session's provenance).
+    assert first.details["device"] == {"gpu_name": "planted H200 (CPU test)", "sm_count": 132,
+                                       "nvidia_driver": "planted", "cuda_driver": "12.8", "cuda_version": "12.8"}
     assert first.status == "ok" and first.time_ms > 0 and first.spread_ms > 0
     pid = first.details["pid"]
     again = backend.measure(PROBLEM, config(64))

@@ -99,6 +99,9 @@ class GpuOptions:
 
 
 POOL_FAILURES_TO_GIVE_UP = 3
+# What each trial records of the worker's GPU and software (the worker's describe()).
+DEVICE_FIELDS = ("gpu_name", "sm_count", "pci_bus", "nvidia_driver", "cuda_driver", "cuda_version", "torch_version",
+                 "dsl_version")
 
 
 class GpuBackend(Backend):
@@ -306,7 +309,10 @@ class GpuBackend(Backend):
     def _measurement(self, problem, reply: Reply, pool_compile_s: float | None) -> Measurement:
         """A Measurement from the worker's reply. The tolerance is enforced here as well: a result
         that says ok with errors above tolerance (or none) is stored as wrong."""
-        details = {"phase_seconds": {k: round(v, 3) for k, v in reply.phase_seconds.items()}}
+        details = {"phase_seconds": {k: round(v, 3) for k, v in reply.phase_seconds.items()},
+                   # Where it ran, with every trial: a resumed run (or another host joining it) keeps
+                   # the run's first provenance, which need not be this one's.
+                   "device": {k: self.device.get(k) for k in DEVICE_FIELDS if self.device.get(k) is not None}}
         if not reply.ok:
             replaced = "; worker replaced" if reply.restarted else ""
             return Measurement(status="failed", reason=f"{reply.reason}{replaced}", compile_s=pool_compile_s,
