@@ -48,3 +48,15 @@ def test_dispatch_names_a_hopper_gpu_it_has_no_description_of(monkeypatch):
         _device_target("cuda:0")
     monkeypatch.setattr(torch.cuda, "get_device_properties", props("NVIDIA H100 PCIe", 9, 0, 114))
     assert (_device_target("cuda:0").name, _device_target("cuda:0").sm_count) == ("H100-PCIe", 114)
+
+
+def test_the_gpu_worker_compiles_for_the_whole_target_it_is_sent():
+    """The search sends the worker its target whole: a MIG slice's SM count must reach the compile."""
+    from fa4tune.measure.gpu_worker import _candidate
+    from fa4tune.problem import Problem
+
+    slice_ = target_for_device_name("NVIDIA H200", 66)
+    request = {"problem": Problem(head_dim=64).to_dict(), "config": get_kernel().make_config({}).to_dict(),
+               "target": slice_.to_dict()}
+    assert _candidate(request)[2] == slice_
+    assert _candidate({**request, "target": "H200"})[2] == get_target("H200")  # a name, as before
