@@ -278,7 +278,7 @@ def _sampler_for(job: Job, space: ComposedSpace, problem: Problem, target, worke
     a run of repeats reads as convergence."""
     grid = space.grid(problem, target) if job.sampler.name == "grid" else None
     return make_sampler(job.sampler, problem_seed(job.seed, problem.key(), worker_seed, earlier_trials), grid=grid,
-                        where=f"{job.path}: sampler", shared=shared)
+                        where=f"{job.path}: sampler", shared=shared, grid_seed=problem_seed(job.seed, problem.key()))
 
 
 @dataclass(frozen=True)
@@ -395,6 +395,7 @@ class _Context:
         finally:
             for candidate in queue:  # asked but never measured: nothing to learn from them
                 study.tell(candidate.trial.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
+                self._grid_again(study, candidate.trial.number)
                 candidate.heartbeat.join()
                 if not candidate.reasons and self.backend.lookahead:
                     self.backend.discard(problem, self.kernel.make_config(candidate.config))
@@ -677,6 +678,21 @@ class _Context:
             _tell_stored(study, number, stored)
         else:
             study.tell(number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
+            self._grid_again(study, number)
+
+    def _grid_again(self, study, number: int) -> None:
+        """A grid point asked for but never measured is queued again: the grid sampler counts a
+        failed trial's point as visited and would never propose it again."""
+        import optuna
+
+        if self.job.sampler.name != "grid":
+            return
+        params = study._storage.get_trial(study._storage.get_trial_id_from_study_id_trial_number(
+            study._study_id, number)).params
+        waiting = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
+        # Not enqueue_trial's skip_if_exists: the failed trial itself has these params.
+        if params and not any(t.params == params for t in waiting):
+            study.enqueue_trial(params)
 
     def _enqueue_starts(self, study, problem: Problem, name: str) -> None:
         """The default first, then the best configs of the nearest tuned problems (warm start), then

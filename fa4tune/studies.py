@@ -354,7 +354,18 @@ def _grid_sampler_class():
 
     class AskTellGridSampler(GridSampler):
         """Optuna's grid sampler stops the study from inside `tell` once the grid is done, which only
-        works under study.optimize; the search loop notices an exhausted space itself."""
+        works under study.optimize; the search loop notices an exhausted space itself.
+
+        Its seed also shuffles the grid, and a trial's grid id indexes the shuffled grid: every
+        worker and every session of a study must shuffle alike (`grid_seed`), or the ids that one
+        marked visited name other points for the next, which are then never measured. The seed of
+        its choices among unvisited points (`seed`) may differ."""
+
+        def __init__(self, search_space, seed=None, grid_seed: int = 0) -> None:
+            from optuna.samplers._lazy_random_state import LazyRandomState
+
+            super().__init__(search_space, seed=grid_seed)
+            self._rng = LazyRandomState(seed)
 
         def after_trial(self, study, trial, state, values) -> None:
             pass
@@ -362,7 +373,8 @@ def _grid_sampler_class():
     return AskTellGridSampler
 
 
-def make_sampler(spec, seed: int, grid: dict | None = None, where: str = "sampler", shared: bool = False):
+def make_sampler(spec, seed: int, grid: dict | None = None, where: str = "sampler", shared: bool = False,
+                 grid_seed: int = 0):
     """An Optuna sampler from a job's sampler spec; bad options are a JobError naming the field. A
     `shared` study (several workers) gets TPE's constant liar unless the job says otherwise, so that
     workers do not all propose the same configs around the best so far."""
@@ -377,7 +389,7 @@ def make_sampler(spec, seed: int, grid: dict | None = None, where: str = "sample
         "random": lambda **o: s.RandomSampler(seed=seed, **o),
         "cmaes": lambda **o: s.CmaEsSampler(seed=seed, **o),
         "gp": lambda **o: s.GPSampler(seed=seed, **o),
-        "grid": lambda **o: _grid_sampler_class()(grid, seed=seed, **o),
+        "grid": lambda **o: _grid_sampler_class()(grid, seed=seed, grid_seed=grid_seed, **o),
     }
     try:
         with warnings.catch_warnings():

@@ -1,6 +1,7 @@
 """A search killed (SIGKILL) or interrupted (SIGINT) mid-run loses no finished trial, and --resume
 continues the same studies up to the budget without measuring anything twice."""
 
+import itertools
 import os
 import signal
 import subprocess
@@ -145,3 +146,45 @@ def test_a_resumed_random_search_proposes_new_configs(workdir):
     result = summary.results[0]
     assert result.measured == 120 and "budget" in result.stopped, (result.stopped, result.measured, result.repeats)
     assert result.repeats < 5
+
+
+def test_an_interrupted_grid_search_measures_every_point_when_resumed(workdir):
+    """The grid sampler counts a failed trial's point as visited: the point that an interrupt cut
+    short is queued again. And a resumed session shuffles the grid as the first did: a trial's grid
+    id indexes the shuffled grid, so another seed would take the visited ids for other points."""
+    from fa4tune.db import config_key
+    from fa4tune.measure.model import CostModelBackend
+    from fa4tune.search import SearchInterrupted
+    from fa4tune.space import compose
+    from fa4tune.target import get_target
+
+    # A grid large enough that, once the sampler thinks it exhausted, its re-proposals (repeats) stop
+    # the search before they stumble on the lost point by chance.
+    job = load_job(write_job(workdir, spaces={"tiles": {}, "pipeline": {"num_stages": [2, 3]}},
+                             budget={"trials": 1000}, sampler="grid", warm_start=0, probes=0))
+
+    class Interrupting(CostModelBackend):
+        calls = 0
+
+        def measure(self, problem, config):
+            Interrupting.calls += 1
+            if Interrupting.calls in (20, 50, 80, 110):
+                raise KeyboardInterrupt
+            return super().measure(problem, config)
+
+    target = get_target("H200")
+    for session in range(6):  # interrupted four times, resumed each time
+        try:
+            summary = run_search(job, backend=Interrupting(job.kernel, target), resume=session > 0,
+                                 say=lambda *a: None)
+            break
+        except SearchInterrupted:
+            continue
+    assert session == 4 and "exhausted" in summary.results[0].stopped, summary.results[0].stopped
+    space, problem = compose(job.kernel, job.spaces), job.problems[0]
+    grid = space.grid(problem, target)
+    wanted = {config_key(space.full_config(problem, target, dict(zip(grid, values))))
+              for values in itertools.product(*grid.values())}
+    with ResultsDB.open("fa4tune-results/results.db", create=False) as db:
+        stored = {t["config_key"] for t in db.trials()}
+    assert wanted <= stored, f"{len(wanted - stored)} grid points never measured"
