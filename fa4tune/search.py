@@ -38,7 +38,7 @@ from .space import ComposedSpace, compose
 from .studies import (CLAIM_ATTR, WORKER_ATTR, check_storage, default_storage_location, fail_stale, give_back,
                       hand_back, is_server_storage, make_sampler, open_storage, problem_seed,
                       queued_params, quiet_optuna, start_heartbeat, study_name, trial_orphaned, worker_gone,
-                      worker_name, worker_seed)
+                      try_sampler_options, worker_name, worker_seed)
 from .target import get_target
 
 SOURCE_ATTR = "fa4tune_source"
@@ -149,6 +149,7 @@ def run_search(job: Job, *, db: str | None = None, storage: str | None = None, r
         if unsupported:
             lines = "; ".join(f"{k}: {', '.join(r)}" for k, r in unsupported.items())
             raise KernelError(f"{job.path}: no kernel supports these problems on {tgt.name}: {lines}")
+        try_sampler_options(job.sampler, where=f"{job.path}: sampler")
         for problem in job.problems:  # sampler options, grid domains, plugins' defaults and checks,
             _sampler_for(job, space, problem, tgt)  # before anything is written
             space.check(problem, space.full_config(problem, tgt, {}), tgt)

@@ -399,6 +399,30 @@ def make_sampler(spec, seed: int, grid: dict | None = None, where: str = "sample
         raise JobError(f"{where}: bad options {spec.options} for the {spec.name} sampler: {exc}") from exc
 
 
+def try_sampler_options(spec, where: str = "sampler") -> None:
+    """Run a sampler built with the job's options on a toy study past its start-up trials: an option
+    of the right name but a wrong type (TPE's gamma as a number, say) fails only when the sampler
+    first uses it, which in a search is after several measured trials. JobError naming the field."""
+    if not spec.options or spec.name == "grid":
+        return
+    import optuna
+
+    sampler = make_sampler(spec, 0, where=where)
+    startup = spec.options.get("n_startup_trials", 10)
+    trials = min(int(startup) + 3 if isinstance(startup, int) else 13, 40)
+    study = optuna.create_study(sampler=sampler, storage=optuna.storages.InMemoryStorage())
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for _ in range(trials):
+                trial = study.ask()
+                x, k = trial.suggest_float("x", 0.0, 1.0), trial.suggest_categorical("k", [1, 2, 3])
+                study.tell(trial, (x - 0.3) ** 2 + k)
+    except Exception as exc:  # noqa: BLE001 - any failure here is the options'
+        raise JobError(f"{where}: bad options {spec.options} for the {spec.name} sampler: "
+                       f"{type(exc).__name__}: {exc}") from exc
+
+
 def problem_seed(seed: int, problem_key: str, worker: int = 0, earlier_trials: int = 0) -> int:
     """A per-problem seed, stable across runs and processes. Workers sharing a study (`worker` > 0)
     each get their own, or they would all propose the same configs; so does each session of a study
