@@ -688,11 +688,20 @@ class _Context:
 
         if self.job.sampler.name != "grid":
             return
-        params = study._storage.get_trial(study._storage.get_trial_id_from_study_id_trial_number(
-            study._study_id, number)).params
+        trial = study._storage.get_trial(study._storage.get_trial_id_from_study_id_trial_number(
+            study._study_id, number))
+        sampler = study.sampler
+        params = queued_params(trial)
+        if set(params) != set(sampler._param_names):
+            # Cut short while suggesting: the grid id names the whole point (every session shuffles
+            # the grid alike); without one there is no point to queue.
+            grid_id = trial.system_attrs.get("grid_id")
+            if grid_id is None or not 0 <= grid_id < len(sampler._all_grids):
+                return
+            params = dict(zip(sampler._param_names, sampler._all_grids[grid_id]))
         waiting = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
         # Not enqueue_trial's skip_if_exists: the failed trial itself has these params.
-        if params and not any(t.params == params for t in waiting):
+        if not any(queued_params(t) == params for t in waiting):
             study.enqueue_trial(params)
 
     def _enqueue_starts(self, study, problem: Problem, name: str) -> None:

@@ -403,13 +403,14 @@ def try_sampler_options(spec, where: str = "sampler") -> None:
     """Run a sampler built with the job's options on a toy study past its start-up trials: an option
     of the right name but a wrong type (TPE's gamma as a number, say) fails only when the sampler
     first uses it, which in a search is after several measured trials. JobError naming the field."""
-    if not spec.options or spec.name == "grid":
+    # Not the grid's, nor CMA-ES's (its options, x0 say, name the job's own parameters).
+    if not spec.options or spec.name in ("grid", "cmaes"):
         return
     import optuna
 
     sampler = make_sampler(spec, 0, where=where)
     startup = spec.options.get("n_startup_trials", 10)
-    trials = min(int(startup) + 3 if isinstance(startup, int) else 13, 40)
+    trials = min(startup + 3, 200) if isinstance(startup, int) and not isinstance(startup, bool) else 13
     study = optuna.create_study(sampler=sampler, storage=optuna.storages.InMemoryStorage())
     try:
         with warnings.catch_warnings():

@@ -116,6 +116,7 @@ def test_malformed_yaml_names_the_file_and_line(workdir, capsys):
     # The right name, a wrong type: TPE first calls gamma after its start-up trials.
     ({"sampler": {"name": "tpe", "gamma": 5, "n_startup_trials": 2}, "budget": {"trials": 40}},
      ["sampler", "bad options", "gamma"]),
+    ({"sampler": {"name": "tpe", "gamma": 0.5, "n_startup_trials": 50}}, ["sampler", "bad options", "gamma"]),
     ({"backend": "fpga"}, ["backend", "known backends"]),
     ({"target": "A100"}, ["target", "unknown target", "H200"]),
     ({"colour": "blue"}, ["colour", "unknown field", "known fields"]),

@@ -188,3 +188,29 @@ def test_an_interrupted_grid_search_measures_every_point_when_resumed(workdir):
     with ResultsDB.open("fa4tune-results/results.db", create=False) as db:
         stored = {t["config_key"] for t in db.trials()}
     assert wanted <= stored, f"{len(wanted - stored)} grid points never measured"
+
+
+def test_a_grid_search_cut_short_while_suggesting_resumes(workdir, monkeypatch):
+    """An interrupt in the middle of a trial's suggestions leaves it with part of a grid point: the
+    whole point (named by its grid id) is queued again, not the part, which the grid sampler refuses
+    (every resume then crashed)."""
+    from fa4tune.measure.model import CostModelBackend
+    from fa4tune.search import SearchInterrupted
+    from fa4tune.target import get_target
+
+    job = load_job(write_job(workdir, spaces={"tiles": {}, "pipeline": {"num_stages": [2, 3]}},
+                             budget={"trials": 1000}, sampler="grid", warm_start=0, probes=0))
+    suggest, calls = optuna.trial.Trial.suggest_categorical, []
+
+    def interrupted_once(self, name, choices):
+        calls.append(name)
+        if len(calls) == 40:  # in the middle of one trial's suggestions
+            raise KeyboardInterrupt
+        return suggest(self, name, choices)
+
+    monkeypatch.setattr(optuna.trial.Trial, "suggest_categorical", interrupted_once)
+    target = get_target("H200")
+    with pytest.raises(SearchInterrupted):
+        run_search(job, backend=CostModelBackend(job.kernel, target), say=lambda *a: None)
+    summary = run_search(job, backend=CostModelBackend(job.kernel, target), resume=True, say=lambda *a: None)
+    assert "exhausted" in summary.results[0].stopped, summary.results[0].stopped

@@ -82,6 +82,14 @@ def test_a_continuous_range_over_a_knob_with_few_values_means_those_values_in_it
     assert set(space.domains(problem, H200)["emu_share"].values()) == {default, 0.125, 0.25, 0.375, 0.5}
     with pytest.raises(SpaceError, match="range float 2.5..3.5 holds none of its values"):
         compose(KERNEL, {"softmax": {"rescale_threshold": Range(2.5, 3.5)}})
+    # As a job writes it: YAML's {low: 0, high: 8} is an integer range.
+    from fa4tune.space import parse_domain
+
+    space = compose(KERNEL, {"softmax": {"rescale_threshold": parse_domain({"low": 0, "high": 8}, "x")},
+                             "tiles": {"tile_n": parse_domain({"low": 64, "high": 128}, "tile_n")}})
+    domains = space.domains(problem, H200)
+    assert domains["rescale_threshold"] == Choice((0.0, 2.0, 4.0, 8.0))
+    assert set(domains["tile_n"].values()) >= {64, 128} and 65 not in domains["tile_n"].values()
 
 
 def test_checks_union_plugins_and_kernel_with_reasons():

@@ -60,3 +60,14 @@ def test_the_gpu_worker_compiles_for_the_whole_target_it_is_sent():
                "target": slice_.to_dict()}
     assert _candidate(request)[2] == slice_
     assert _candidate({**request, "target": "H200"})[2] == get_target("H200")  # a name, as before
+
+
+def test_a_search_refuses_a_gpu_with_other_sms_than_its_model():
+    """Timings are stored and exported under the target's name: a MIG slice's would pass for the
+    whole H200's."""
+    from fa4tune.errors import BackendError
+    from fa4tune.measure.gpu import _worker_target
+
+    assert _worker_target({"target": "H200", "sm_count": 132, "gpu_name": "NVIDIA H200"}, None).name == "H200"
+    with pytest.raises(BackendError, match="has 66 SMs, not the 132 of an H200 .*whole GPU"):
+        _worker_target({"target": "H200", "sm_count": 66, "gpu_name": "NVIDIA H200 MIG 3g.71gb"}, None)

@@ -17,7 +17,7 @@ import math
 import os
 import statistics
 import zlib
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from ..errors import BackendError, BackendUnavailable
@@ -283,6 +283,7 @@ class GpuBackend(Backend):
             if self.pool_failures >= POOL_FAILURES_TO_GIVE_UP:
                 self.pool.close()
                 self.pool = None
+                self.lookahead = 0  # nothing compiles ahead now: the search asks one at a time
             return None, None, None
         self.pool_failures = 0
         if not reply.ok:
@@ -365,8 +366,12 @@ def _worker_target(info: dict, wanted):
         raise BackendError(f"the gpu backend needs a GPU fa4tune knows (H100, H200, B200); the worker sees "
                            f"{info.get('gpu_name') or 'no GPU'}. Use backend: model for estimates.")
     detected = get_target(info["target"])
-    if info.get("sm_count") and info["sm_count"] != detected.sm_count:  # a MIG slice, say
-        detected = replace(detected, sm_count=int(info["sm_count"]))
+    if info.get("sm_count") and info["sm_count"] != detected.sm_count:
+        # Results are stored and exported under the target's name: timings of a part of the GPU
+        # would pass for the whole GPU's.
+        raise BackendError(f"this GPU ({info.get('gpu_name')}) has {info['sm_count']} SMs, not the {detected.sm_count} "
+                           f"of an {detected.name} (a MIG slice?): a search would store its timings as the whole "
+                           "GPU's. Search on a whole GPU.")
     if wanted is not None and get_target(wanted).name != detected.name:
         raise BackendError(f"the job targets {get_target(wanted).name} but this GPU is {detected.name} "
                            f"({info.get('gpu_name')}); drop `target:` or use the model backend")

@@ -181,7 +181,9 @@ class SearchSpace:
         overrides = dict(overrides)
         for name, domain in overrides.items():
             legal = base[name].values()
-            if legal is not None and domain.values() is None:
+            # A range without a step (YAML's {low: 0, high: 8} is an integer one) over a knob with a
+            # few legal values: those values in it.
+            if legal is not None and isinstance(domain, Range) and domain.step is None:
                 # A continuous range over a knob with a few legal values means those values in it
                 # (its ends alone being legal does not make the values between them legal).
                 inside = [v for v in legal if domain.low - 1e-12 <= v <= domain.high + 1e-12]
