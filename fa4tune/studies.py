@@ -2,7 +2,7 @@
 on request), the samplers a job may name, and how studies are named. Optuna's storage is kept apart
 from the results DB so that many workers share a study through Optuna, not through our tables.
 
-Many workers: every trial a worker asks for carries the worker's name (`host:pid`, WORKER_ATTR),
+Many workers: every trial a worker asks for carries the worker's name (`host:pid:identity`, WORKER_ATTR),
 and the config it claimed a budget slot for (CLAIM_ATTR, see search.py). A worker that dies leaves
 its trials RUNNING; they are handed back (failed, and queued again by Optuna's retry callback) by
 whoever sees it dead: on its own host, a process that no longer exists; on another host, Optuna's
@@ -25,7 +25,7 @@ from .errors import JobError, StorageError
 from .files import unwritable_ancestor
 
 RDB_PREFIXES = ("sqlite:", "postgresql", "mysql", "oracle", "mssql")
-WORKER_ATTR = "fa4tune_worker"  # host:pid of the worker that asked the trial
+WORKER_ATTR = "fa4tune_worker"  # host:pid:identity of the worker that asked the trial
 CLAIM_ATTR = "fa4tune_claim"  # the config (key) whose measurement the trial holds a budget slot for
 GIVEN_BACK_ATTR = "fa4tune_given_back"  # a queued trial put back unmeasured: the number it was popped as
 # Heartbeats on server storages (PostgreSQL, MySQL): every FA4TUNE_HEARTBEAT_S seconds (default 10) a
