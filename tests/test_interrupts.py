@@ -6,7 +6,11 @@ from datetime import datetime
 
 import pytest
 
+from conftest import write_job
 from fa4tune import interrupts
+from fa4tune.db import ResultsDB
+from fa4tune.job import load_job
+from fa4tune.search import SearchInterrupted, run_search
 
 
 def test_a_signal_inside_a_critical_section_is_raised_when_it_ends():
@@ -30,7 +34,6 @@ def test_a_signal_inside_a_critical_section_is_raised_when_it_ends():
 
 
 def test_a_results_db_transaction_is_never_cut_by_a_signal(tmp_path):
-    from fa4tune.db import ResultsDB
     from fa4tune.db.models import Lock
 
     db = ResultsDB.open(str(tmp_path / "r.db"))
@@ -94,25 +97,26 @@ def test_a_signal_swallowed_by_a_finalizer_is_raised_at_the_next_checkpoint():
         interrupts.checkpoint()
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-def test_a_search_stops_when_the_garbage_collector_swallowed_its_ctrl_c(workdir, monkeypatch):
-    """What made a CI run fail: SIGTERM landed in a weakref callback and the search ran to its budget."""
-    from conftest import write_job
-    from fa4tune.db import ResultsDB
-    from fa4tune.job import load_job
+def signal_at_measurement(monkeypatch, number: int, send) -> list:
+    """The cost model's measure, calling `send()` at its `number`-th call; the list of calls."""
     from fa4tune.measure.model import CostModelBackend
-    from fa4tune.search import SearchInterrupted, run_search
 
-    measure = CostModelBackend.measure
-    calls = []
+    measure, calls = CostModelBackend.measure, []
 
     def measure_and_signal(self, problem, config):
         calls.append(1)
-        if len(calls) == 3:
-            _signal_inside_del(signal.SIGINT)
+        if len(calls) == number:
+            send()
         return measure(self, problem, config)
 
     monkeypatch.setattr(CostModelBackend, "measure", measure_and_signal)
+    return calls
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_search_stops_when_the_garbage_collector_swallowed_its_ctrl_c(workdir, monkeypatch):
+    """What made a CI run fail: SIGTERM landed in a weakref callback and the search ran to its budget."""
+    calls = signal_at_measurement(monkeypatch, 3, lambda: _signal_inside_del(signal.SIGINT))
     job = load_job(write_job(workdir, spaces={"tiles": {}, "pipeline": {}, "exp2": {}}, budget={"trials": 50},
                              sampler="random"))
     with interrupts.installed():
@@ -125,22 +129,7 @@ def test_a_search_stops_when_the_garbage_collector_swallowed_its_ctrl_c(workdir,
 
 
 def test_a_signal_that_stopped_one_search_does_not_stop_the_next(workdir, monkeypatch):
-    from conftest import write_job
-    from fa4tune.db import ResultsDB
-    from fa4tune.job import load_job
-    from fa4tune.measure.model import CostModelBackend
-    from fa4tune.search import SearchInterrupted, run_search
-
-    measure = CostModelBackend.measure
-    calls = []
-
-    def measure_and_signal(self, problem, config):
-        calls.append(1)
-        if len(calls) == 2:
-            os.kill(os.getpid(), signal.SIGINT)
-        return measure(self, problem, config)
-
-    monkeypatch.setattr(CostModelBackend, "measure", measure_and_signal)
+    signal_at_measurement(monkeypatch, 2, lambda: os.kill(os.getpid(), signal.SIGINT))
     job = load_job(write_job(workdir, budget={"trials": 6}, sampler="random"))
     with interrupts.installed():
         with pytest.raises(SearchInterrupted):
