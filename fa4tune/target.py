@@ -95,8 +95,8 @@ def target_for_device_name(device_name: str, sm_count: int | None = None) -> Tar
     device's SM count (`multi_processor_count`), a device with other SMs than its model's (a MIG slice,
     a cut-down part) gets the target with its own count: persistent kernels size their grid by it."""
     upper = device_name.upper()
-    for token, key in (("H200", "H200"), ("H100 PCIE", "H100-PCIe"), ("H100", "H100-SXM"), ("H800", "H100-SXM"),
-                       ("B200", "B200")):
+    for token, key in (("H200", "H200"), ("H100 PCIE", "H100-PCIe"), ("H100", "H100-SXM"), ("H800 PCIE", "H100-PCIe"),
+                       ("H800", "H100-SXM"), ("B200", "B200")):
         if token in upper:
             target = TARGETS[key]
             if sm_count is not None and sm_count != target.sm_count:

@@ -14,6 +14,8 @@ from fa4tune.target import TARGETS, get_target, target_for_device_name
     ("NVIDIA H200", 132, "H200", 132),
     ("NVIDIA H100 80GB HBM3", 132, "H100-SXM", 132),
     ("NVIDIA H100 PCIe", 114, "H100-PCIe", 114),
+    ("NVIDIA H800 PCIe", 114, "H100-PCIe", 114),
+    ("NVIDIA H100 NVL", 132, "H100-SXM", 132),
     ("NVIDIA H100 80GB HBM3 MIG 3g.40gb", 60, "H100-SXM", 60),  # a MIG slice: the model's target, its SMs
     ("NVIDIA H200", None, "H200", 132),  # no count given: the model's
     ("NVIDIA A100-SXM4-80GB", 108, None, None),
