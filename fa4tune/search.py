@@ -42,6 +42,7 @@ from .studies import (CLAIM_ATTR, WORKER_ATTR, check_storage, default_storage_lo
 from .target import get_target
 
 SOURCE_ATTR = "fa4tune_source"
+MAX_GRID_REQUEUES = 3  # a grid point that failed unmeasured this often is not queued again
 # A sampler that keeps proposing configs it has already seen has converged on this problem.
 MAX_CONSECUTIVE_REPEATS = 25
 # How often a worker that waits for other workers' last trials of a problem looks again.
@@ -519,6 +520,7 @@ class _Context:
                     give_back(study, mine)  # a queued config: another worker (or pass) takes it
                 else:
                     study.tell(trial.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
+                    self._grid_again(study, trial.number)
                 return "full"
             trial.set_user_attr(CLAIM_ATTR, key)
             return "claimed"
@@ -688,21 +690,31 @@ class _Context:
 
         if self.job.sampler.name != "grid":
             return
-        trial = study._storage.get_trial(study._storage.get_trial_id_from_study_id_trial_number(
-            study._study_id, number))
         sampler = study.sampler
-        params = queued_params(trial)
-        if set(params) != set(sampler._param_names):
-            # Cut short while suggesting: the grid id names the whole point (every session shuffles
-            # the grid alike); without one there is no point to queue.
+
+        def point(trial) -> dict | None:
+            params = queued_params(trial)
+            if set(params) == set(sampler._param_names):
+                return params
+            # Cut short while suggesting (or a retry's copy): the grid id names the whole point, as
+            # every session shuffles the grid alike; without one there is no point.
             grid_id = trial.system_attrs.get("grid_id")
             if grid_id is None or not 0 <= grid_id < len(sampler._all_grids):
-                return
-            params = dict(zip(sampler._param_names, sampler._all_grids[grid_id]))
-        waiting = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
-        # Not enqueue_trial's skip_if_exists: the failed trial itself has these params.
-        if not any(queued_params(t) == params for t in waiting):
-            study.enqueue_trial(params)
+                return None
+            return dict(zip(sampler._param_names, sampler._all_grids[grid_id]))
+
+        params = point(study._storage.get_trial(study._storage.get_trial_id_from_study_id_trial_number(
+            study._study_id, number)))
+        if params is None:
+            return
+        trials = study.get_trials(deepcopy=False)
+        # Not enqueue_trial's skip_if_exists: the failed trial itself has these params. Nor again
+        # when the point failed unmeasured MAX_GRID_REQUEUES times: it fails for its own reasons.
+        if any(t.state == optuna.trial.TrialState.WAITING and point(t) == params for t in trials):
+            return
+        if sum(t.state == optuna.trial.TrialState.FAIL and point(t) == params for t in trials) > MAX_GRID_REQUEUES:
+            return
+        study.enqueue_trial(params)
 
     def _enqueue_starts(self, study, problem: Problem, name: str) -> None:
         """The default first, then the best configs of the nearest tuned problems (warm start), then

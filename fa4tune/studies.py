@@ -408,9 +408,14 @@ def try_sampler_options(spec, where: str = "sampler") -> None:
         return
     import optuna
 
-    sampler = make_sampler(spec, 0, where=where)
-    startup = spec.options.get("n_startup_trials", 10)
-    trials = min(startup + 3, 200) if isinstance(startup, int) and not isinstance(startup, bool) else 13
+    startup = spec.options.get("n_startup_trials")
+    if startup is not None and (isinstance(startup, bool) or not isinstance(startup, int) or startup < 0):
+        raise JobError(f"{where}: n_startup_trials must be a whole number of 0 or more, got {startup!r}")
+    # The start-up cut short, so that the options the sampler uses after it are used here too.
+    tried = type(spec)(name=spec.name, options={**spec.options, "n_startup_trials": min(startup, 3)}) \
+        if startup is not None else spec
+    sampler = make_sampler(tried, 0, where=where)
+    trials = 13
     study = optuna.create_study(sampler=sampler, storage=optuna.storages.InMemoryStorage())
     try:
         with warnings.catch_warnings():

@@ -117,6 +117,8 @@ def test_malformed_yaml_names_the_file_and_line(workdir, capsys):
     ({"sampler": {"name": "tpe", "gamma": 5, "n_startup_trials": 2}, "budget": {"trials": 40}},
      ["sampler", "bad options", "gamma"]),
     ({"sampler": {"name": "tpe", "gamma": 0.5, "n_startup_trials": 50}}, ["sampler", "bad options", "gamma"]),
+    ({"sampler": {"name": "tpe", "gamma": 0.2, "n_startup_trials": 500}}, ["sampler", "bad options", "gamma"]),
+    ({"sampler": {"name": "tpe", "n_startup_trials": -3}}, ["sampler", "n_startup_trials", "0 or more"]),
     ({"backend": "fpga"}, ["backend", "known backends"]),
     ({"target": "A100"}, ["target", "unknown target", "H200"]),
     ({"colour": "blue"}, ["colour", "unknown field", "known fields"]),

@@ -214,3 +214,40 @@ def test_a_grid_search_cut_short_while_suggesting_resumes(workdir, monkeypatch):
         run_search(job, backend=CostModelBackend(job.kernel, target), say=lambda *a: None)
     summary = run_search(job, backend=CostModelBackend(job.kernel, target), resume=True, say=lambda *a: None)
     assert "exhausted" in summary.results[0].stopped, summary.results[0].stopped
+
+
+def test_a_grid_point_that_always_fails_unmeasured_is_not_queued_for_ever(workdir):
+    """A point queued again after each failure would be the first thing every resume does, though it
+    fails for its own reasons (here a plugin's check raises on it): it is queued again at most
+    MAX_GRID_REQUEUES times."""
+    from fa4tune.errors import SpaceError
+    from fa4tune.search import MAX_GRID_REQUEUES
+    from fa4tune.space import Choice, SearchSpace, _registered, register_space
+
+    class Boom(SearchSpace):
+        name, knobs = "boom_on_96", ("num_stages",)
+
+        def params(self):
+            return {"num_stages": Choice([2])}
+
+        def check(self, problem, config, target):
+            if config.tile_n == 96:
+                raise RuntimeError("planted plugin bug")
+            return []
+
+    register_space(Boom)
+    try:
+        job = load_job(write_job(workdir, spaces={"tiles": {"tile_m": [128], "tile_n": [64, 96, 128]},
+                                                  "boom_on_96": {}},
+                                 budget={"trials": 20}, sampler="grid", warm_start=0, probes=0))
+        for session in range(MAX_GRID_REQUEUES + 4):
+            with pytest.raises(SpaceError, match="planted plugin bug"):  # a plugin's bug stops the search
+                run_search(job, resume=session > 0, say=lambda *a: None)
+        storage = optuna.storages.JournalStorage(
+            optuna.storages.journal.JournalFileBackend("fa4tune-results/results.optuna.journal"))
+        study = optuna.load_study(study_name=optuna.get_all_study_summaries(storage)[0].study_name, storage=storage)
+        requeued = [t for t in study.get_trials(deepcopy=False)
+                    if "fixed_params" in t.system_attrs and t.system_attrs["fixed_params"].get("tile_n") == 96]
+        assert len(requeued) == MAX_GRID_REQUEUES, len(requeued)
+    finally:
+        _registered.pop(Boom.name, None)

@@ -89,6 +89,9 @@ def test_a_continuous_range_over_a_knob_with_few_values_means_those_values_in_it
                              "tiles": {"tile_n": parse_domain({"low": 64, "high": 128}, "tile_n")}})
     domains = space.domains(problem, H200)
     assert domains["rescale_threshold"] == Choice((0.0, 2.0, 4.0, 8.0))
+    # A range whose every value is legal stays the ordered range it was (and so does the study name).
+    stages = compose(KERNEL, {"pipeline": {"num_stages": parse_domain({"low": 2, "high": 4}, "num_stages")}})
+    assert stages.spaces[0].domains["num_stages"] == Range(2, 4, integer=True)
     assert set(domains["tile_n"].values()) >= {64, 128} and 65 not in domains["tile_n"].values()
 
 

@@ -182,15 +182,15 @@ class SearchSpace:
         for name, domain in overrides.items():
             legal = base[name].values()
             # A range without a step (YAML's {low: 0, high: 8} is an integer one) over a knob with a
-            # few legal values: those values in it.
-            if legal is not None and isinstance(domain, Range) and domain.step is None:
-                # A continuous range over a knob with a few legal values means those values in it
-                # (its ends alone being legal does not make the values between them legal).
+            # few legal values, some of the range's values not among them, means the legal values
+            # in it: its ends alone being legal does not make the values between them legal.
+            if legal is not None and isinstance(domain, Range) and domain.step is None and \
+                    (domain.values() is None or not all(base[name].contains(v) for v in domain.values())):
                 inside = [v for v in legal if domain.low - 1e-12 <= v <= domain.high + 1e-12]
                 if not inside:
                     raise SpaceError(f"space {self.name!r}: {name} range {domain.describe()} holds none of its "
                                      f"values {base[name].describe()}")
-                overrides[name] = Choice(inside)
+                overrides[name] = domain_of(inside)  # an evenly spaced run stays an ordered range
                 continue
             illegal = [v for v in (domain.values() or [domain.low, domain.high]) if not base[name].contains(v)]
             if illegal:
