@@ -212,3 +212,13 @@ print(first, runtime._target(None).name)
     env = {k: v for k, v in __import__("os").environ.items() if k != "FA4TUNE_TARGET"}
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env)
     assert out.stdout.split() == ["H200", "H100-SXM"]
+
+
+def test_the_lookup_cache_is_bounded(tuned_db, monkeypatch):
+    """A server seeing ever new shapes must not grow the per-source cache without end."""
+    monkeypatch.setattr(fa4tune.runtime, "MAX_CACHED", 8)
+    source = Lookup(tuned_db)
+    for seqlen in range(1000, 1050):
+        source(Problem(head_dim=128, seqlen_q=seqlen, batch=2, nheads_q=16), "H200")
+        assert len(source.index().results) <= 8
+    assert source(TUNED_4K, "H200").source == "exact"

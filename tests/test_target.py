@@ -73,3 +73,20 @@ def test_a_search_refuses_a_gpu_with_other_sms_than_its_model():
     assert _worker_target({"target": "H200", "sm_count": 132, "gpu_name": "NVIDIA H200"}, None).name == "H200"
     with pytest.raises(BackendError, match="has 66 SMs, not the 132 of an H200 .*whole GPU"):
         _worker_target({"target": "H200", "sm_count": 66, "gpu_name": "NVIDIA H200 MIG 3g.71gb"}, None)
+
+
+def test_a_multi_worker_search_refuses_gpus_with_other_sms_than_their_model(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from fa4tune import workers
+    from fa4tune.errors import BackendError
+
+    monkeypatch.setattr(workers, "visible_gpus", lambda: ["0", "1"])
+
+    def props(sms):
+        return lambda index: SimpleNamespace(name="NVIDIA H200", multi_processor_count=sms)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props(132))
+    assert workers.gpu_target(["0", "1"], None).name == "H200"
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props(66))
+    with pytest.raises(BackendError, match="have 66 SMs, not the 132 of an H200"):
+        workers.gpu_target(["0", "1"], None)
