@@ -32,9 +32,8 @@ from io import BytesIO
 from pathlib import Path
 
 from .errors import Fa4tuneError
-from .files import write_atomically
 from .kernels import get_kernel
-from .tables import read_table, render_json, render_yaml
+from .tables import read_table, write_table
 from .target import get_target
 
 # Run in each tree's own interpreter (PYTHONPATH = that tree): compiles every job read from stdin and
@@ -179,7 +178,8 @@ def carry_table(path: str | os.PathLike, rev: str, repo: str | os.PathLike = "."
     """Check that the fa4tune tree at `tree` (default: the installed one) compiles every entry of the
     table at `path` to the code that the tree at git revision `rev` of `repo` compiles it to, and
     launches it alike; with `write`, rewrite the table (YAML and JSON) for the new tree's kernel hash.
-    Returns the carried document; CarryError when it cannot be carried."""
+    Returns the carried document; CarryError when it cannot be carried (TableError when it cannot be
+    written: the YAML and JSON pair is then put back as it was)."""
     path = Path(path)
     document = read_table(path)
     spec = get_kernel(document["kernel"])
@@ -221,17 +221,6 @@ def carry_table(path: str | os.PathLike, rev: str, repo: str | os.PathLike = "."
     say(f"fa4tune carry: all {len(jobs)} entries compile to the same code and launch; "
         f"{old_hash[:12]} -> {new_hash[:12]}")
     if write:
-        yaml_path = path if path.suffix in (".yaml", ".yml") else path.with_suffix(".yaml")
-        texts = {yaml_path: render_yaml(carried), yaml_path.with_suffix(".json"): render_json(carried)}
-        before = {p: p.read_text(encoding="utf-8") if p.exists() else None for p in texts}
-        try:
-            for target_path, text in texts.items():
-                write_atomically(target_path, text)
-        except OSError as exc:  # the pair stays as it was: put back what was written
-            for p, text in before.items():
-                if text is not None:
-                    write_atomically(p, text)
-            raise CarryError(f"cannot write {target_path}: {exc.strerror or exc}") from exc
-        say(f"fa4tune carry: wrote {', '.join(map(str, texts))}")
+        say(f"fa4tune carry: wrote {', '.join(write_table(carried, path))}")
     return carried
 

@@ -26,7 +26,6 @@ import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from importlib import metadata
-from pathlib import Path
 
 from . import __version__, interrupts
 from .db import DuplicateTrial, ResultsDB, config_key, resolve_location, shown_location, sqlite_path
@@ -157,10 +156,9 @@ def run_search(job: Job, *, db: str | None = None, storage: str | None = None, r
         _check_apart(db_location, storage_location)
         if job.export:  # found out only after the whole search otherwise
             from .files import unwritable_ancestor
+            from .tables import table_paths
 
-            yaml_path = Path(job.export)
-            yaml_path = yaml_path if yaml_path.suffix in (".yaml", ".yml") else yaml_path.with_suffix(".yaml")
-            for target_path in (yaml_path, yaml_path.with_suffix(".json")):
+            for target_path in table_paths(job.export):
                 blocked = unwritable_ancestor(target_path)
                 if blocked is not None:
                     raise Fa4tuneError(f"{job.path}: export: cannot write {target_path}: {blocked} is not a "

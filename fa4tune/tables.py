@@ -71,16 +71,30 @@ def export_table(db, out: str | os.PathLike | None, *, kernel=None, target: str,
         raise TableError(f"no best configs of {spec.name} (hash {kernel_hash[:12]}) on {target} in "
                          f"{db.location}{hint}")
     document = table_document(entries, spec.name, kernel_hash, target)
-    out_path = Path(out or default_table_path(spec.name, target))
-    yaml_path = out_path if out_path.suffix in (".yaml", ".yml") else out_path.with_suffix(".yaml")
-    json_path = yaml_path.with_suffix(".json")
-    yaml_text, json_text = render_yaml(document), render_json(document)
+    return write_table(document, out or default_table_path(spec.name, target))
+
+
+def table_paths(out: str | os.PathLike) -> tuple[Path, Path]:
+    """The YAML and JSON files of a table named `out` (with or without its suffix)."""
+    out = Path(out)
+    yaml_path = out if out.suffix in (".yaml", ".yml") else out.with_suffix(".yaml")
+    return yaml_path, yaml_path.with_suffix(".json")
+
+
+def write_table(document: dict, out: str | os.PathLike) -> list[str]:
+    """Write a table's YAML and JSON files; returns their paths. A TableError when one cannot be
+    written, with the pair put back as it was."""
+    texts = dict(zip(table_paths(out), (render_yaml(document), render_json(document))))
+    before = {path: path.read_text(encoding="utf-8") if path.is_file() else None for path in texts}
     try:
-        write_atomically(yaml_path, yaml_text)
-        write_atomically(json_path, json_text)
+        for path, text in texts.items():
+            write_atomically(path, text)
     except OSError as exc:
-        raise TableError(f"cannot write table {yaml_path}: {exc.strerror or exc}") from exc
-    return [str(yaml_path), str(json_path)]
+        for written, text in before.items():
+            if text is not None:
+                write_atomically(written, text)
+        raise TableError(f"cannot write table {path}: {exc.strerror or exc}") from exc
+    return [str(path) for path in texts]
 
 
 def read_table(path: str | os.PathLike) -> dict:

@@ -137,3 +137,13 @@ def test_export_takes_a_kernel_hash_as_short_as_show_prints_it(searched, workdir
         with pytest.raises(TableError, match="no best configs"):
             export_table(db, "u.yaml", kernel=KERNEL, target="H200", kernel_hash="0123456789ab")
     assert read_table("t.yaml")["kernel_hash"] == installed
+
+
+def test_a_table_pair_that_cannot_be_written_is_put_back(tmp_path):
+    from fa4tune.tables import write_table
+
+    (tmp_path / "t.yaml").write_text("old yaml\n")
+    (tmp_path / "t.json").mkdir()  # the JSON cannot be written
+    with pytest.raises(TableError, match="cannot write table .*t.json"):
+        write_table({"format": "x", "estimates": False}, tmp_path / "t")
+    assert (tmp_path / "t.yaml").read_text() == "old yaml\n"
