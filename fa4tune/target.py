@@ -105,6 +105,16 @@ def target_for_device_name(device_name: str, sm_count: int | None = None) -> Tar
     return None
 
 
+def partial_gpu(target: Target, gpu_name: str) -> str | None:
+    """Why a search must not run on this GPU, when it has other SMs than its model (a MIG slice):
+    its timings would be stored and exported under the model's name. None for a whole GPU."""
+    whole = TARGETS[target.name].sm_count
+    if target.sm_count == whole:
+        return None
+    return (f"{gpu_name} has {target.sm_count} SMs, not the {whole} of an {target.name} (a MIG slice?): a search "
+            "would store its timings as the whole GPU's. Search on a whole GPU.")
+
+
 def detect_target() -> Target | None:
     """The target of the current CUDA device, or None without a (known) GPU. Never raises."""
     try:

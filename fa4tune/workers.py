@@ -75,7 +75,7 @@ def gpu_target(plan: list[str | None], wanted):
     """The target of the workers' GPUs, which must all be one model that fa4tune knows."""
     import torch
 
-    from .target import get_target, target_for_device_name
+    from .target import get_target, partial_gpu, target_for_device_name
 
     visible = visible_gpus()
     models = {(props.name, props.multi_processor_count)
@@ -85,10 +85,9 @@ def gpu_target(plan: list[str | None], wanted):
         raise BackendError(f"the workers' GPUs are of different models ({shown}); pick GPUs of one model with --gpus")
     name, sm_count = models.pop()
     detected = target_for_device_name(name, sm_count)
-    if detected is not None and detected.sm_count != get_target(detected.name).sm_count:
-        raise BackendError(f"the workers' GPUs ({name}) have {sm_count} SMs, not the {get_target(detected.name).sm_count} "
-                           f"of an {detected.name} (MIG slices?): a search would store their timings as the whole "
-                           "GPU's. Search on whole GPUs.")
+    partial = partial_gpu(detected, f"each of the workers' GPUs ({name})") if detected is not None else None
+    if partial:
+        raise BackendError(partial)
     if detected is None:
         raise BackendError(f"the gpu backend needs a GPU fa4tune knows (H100, H200, B200); this host has {name}. "
                            "Use backend: model for estimates.")

@@ -88,5 +88,5 @@ def test_a_multi_worker_search_refuses_gpus_with_other_sms_than_their_model(monk
     monkeypatch.setattr(torch.cuda, "get_device_properties", props(132))
     assert workers.gpu_target(["0", "1"], None).name == "H200"
     monkeypatch.setattr(torch.cuda, "get_device_properties", props(66))
-    with pytest.raises(BackendError, match="have 66 SMs, not the 132 of an H200"):
+    with pytest.raises(BackendError, match="each of the workers. GPUs .* has 66 SMs, not the 132 of an H200"):
         workers.gpu_target(["0", "1"], None)

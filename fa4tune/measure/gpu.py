@@ -17,7 +17,7 @@ import math
 import os
 import statistics
 import zlib
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from ..errors import BackendError, BackendUnavailable
@@ -360,18 +360,16 @@ def artifact_path(directory: Path, config, problem, target) -> Path:
 def _worker_target(info: dict, wanted):
     """The target of the GPU the worker sees; an error when fa4tune does not know it, or when the
     job asked for another."""
-    from ..target import get_target
+    from ..target import get_target, partial_gpu
 
     if not info.get("target"):
         raise BackendError(f"the gpu backend needs a GPU fa4tune knows (H100, H200, B200); the worker sees "
                            f"{info.get('gpu_name') or 'no GPU'}. Use backend: model for estimates.")
     detected = get_target(info["target"])
-    if info.get("sm_count") and info["sm_count"] != detected.sm_count:
-        # Results are stored and exported under the target's name: timings of a part of the GPU
-        # would pass for the whole GPU's.
-        raise BackendError(f"this GPU ({info.get('gpu_name')}) has {info['sm_count']} SMs, not the {detected.sm_count} "
-                           f"of an {detected.name} (a MIG slice?): a search would store its timings as the whole "
-                           "GPU's. Search on a whole GPU.")
+    if info.get("sm_count"):
+        partial = partial_gpu(replace(detected, sm_count=int(info["sm_count"])), f"this GPU ({info.get('gpu_name')})")
+        if partial:
+            raise BackendError(partial)
     if wanted is not None and get_target(wanted).name != detected.name:
         raise BackendError(f"the job targets {get_target(wanted).name} but this GPU is {detected.name} "
                            f"({info.get('gpu_name')}); drop `target:` or use the model backend")
