@@ -344,8 +344,6 @@ class _Context:
     def tune(self, problem: Problem, wait: bool = True) -> ProblemResult | None:
         """Search one problem until a stop reason, then confirm and summarise it; None when other
         workers still measure its last trials and `wait` is False (come back later)."""
-        import optuna
-
         study = self.study(problem)
         name = study.study_name
         state = self._state.setdefault(name, {"started": time.monotonic(), "repeats": 0, "consecutive": 0,
@@ -394,8 +392,7 @@ class _Context:
                     bar.set_postfix_str(f"{shown}, pruned {result.pruned}")
         finally:
             for candidate in queue:  # asked but never measured: nothing to learn from them
-                study.tell(candidate.trial.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
-                self._grid_again(study, candidate.trial.number)
+                self._fail_unmeasured(study, candidate.trial.number)
                 candidate.heartbeat.join()
                 if not candidate.reasons and self.backend.lookahead:
                     self.backend.discard(problem, self.kernel.make_config(candidate.config))
@@ -517,8 +514,7 @@ class _Context:
                 if "fixed_params" in mine.system_attrs or "failed_trial" in mine.system_attrs:
                     give_back(study, mine)  # a queued config: another worker (or pass) takes it
                 else:
-                    study.tell(trial.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
-                    self._grid_again(study, trial.number)
+                    self._fail_unmeasured(study, trial.number)
                 return "full"
             trial.set_user_attr(CLAIM_ATTR, key)
             return "claimed"
@@ -672,20 +668,18 @@ class _Context:
 
     def _settle(self, study, name: str, number: int) -> None:
         """Finish an Optuna trial from the results DB: its stored outcome, or failed if none."""
-        import optuna
-
         stored = self.db.trial_by_number(name, number)
         if stored is not None:
             _tell_stored(study, number, stored)
         else:
-            study.tell(number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
-            self._grid_again(study, number)
+            self._fail_unmeasured(study, number)
 
-    def _grid_again(self, study, number: int) -> None:
-        """A grid point asked for but never measured is queued again: the grid sampler counts a
-        failed trial's point as visited and would never propose it again."""
+    def _fail_unmeasured(self, study, number: int) -> None:
+        """Fail a trial that was asked for but never measured. A grid point is queued again: the
+        grid sampler counts a failed trial's point as visited and would never propose it again."""
         import optuna
 
+        study.tell(number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
         if self.job.sampler.name != "grid":
             return
         sampler = study.sampler
