@@ -99,8 +99,7 @@ def _device_target(device):
 
 # ---- prepared launches ------------------------------------------------------------------------------
 def _prepare(key, q, k, v, causal, softmax_scale) -> "_Launch":
-    problem = problem_of(q, k, v, causal)
-    check_no_grad(q, k, v)
+    problem = problem_of(q, k, v, causal)  # (attention() has checked requires_grad already)
     # Any real number (a numpy float too), not a bool; a tensor would cost a device sync per call.
     if softmax_scale is not None and not (isinstance(softmax_scale, numbers.Real)
                                           and not isinstance(softmax_scale, bool)
