@@ -46,7 +46,7 @@ def main() -> int:
     from cutlass.cute.runtime import from_dlpack
 
     from fa4tune.kernels.config import FwdConfig
-    from fa4tune.kernels.interface import attention_forward, compile_forward
+    from fa4tune.kernels.interface import attention_forward, compile_forward, current_tile_counter, tile_counter
 
     if not torch.cuda.is_available():
         print("benchmarks/dispatch.py needs an NVIDIA GPU", file=sys.stderr)
@@ -73,6 +73,7 @@ def main() -> int:
     for pointer, t in zip(floor.pointers, (q, k, v, out, lse, counter)):
         pointer.value = t.data_ptr()
     floor.stream.value = torch.cuda.current_stream().cuda_stream
+    handle = torch.cuda.current_stream().cuda_stream
     direct = "yes" if launch.result is not None else "no: the DSL's run_compiled_program (fallback)"
     rows = {
         "compiled kernel, prepared DSL arguments (the reference)": lambda: compiled.function(*args),
@@ -84,6 +85,9 @@ def main() -> int:
             lambda: floor.executor.run_compiled_program(floor.arguments),
         "fa4tune.kernels.interface.attention_forward (converts tensors every call)":
             lambda: attention_forward(q, k, v, cfg, out=out, lse=lse),
+        "the causal call's counter lookup alone (torch's stream id)": lambda: current_tile_counter(q.device),
+        "the same through the two driver queries (tile_counter)":
+            lambda: tile_counter(q.device, handle),
     }
     try:
         from flash_attn.cute import flash_attn_func

@@ -146,7 +146,7 @@ class _Launch:
     def __init__(self, problem: Problem, config, target, q, k, v, softmax_scale) -> None:
         import torch
 
-        from .kernels.interface import heads_per_l2_group, tile_counter, unused_counter
+        from .kernels.interface import current_tile_counter, heads_per_l2_group, unused_counter
 
         self.problem, self.config = problem, config
         self.device = q.device
@@ -163,7 +163,7 @@ class _Launch:
         # The first 8 bytes of each descriptor are its data pointer: the only part a call changes.
         self.pointers = [ctypes.c_uint64.from_buffer(d) for d in self.descriptors]
         # Kernels that ignore the tile counter get one fixed dummy: no per-call lookup or allocation.
-        self._tile_counter = tile_counter if config.uses_tile_counter(problem.causal) else None
+        self._tile_counter = current_tile_counter if config.uses_tile_counter(problem.causal) else None
         self._unused_counter = unused_counter(q.device) if self._tile_counter is None else None
         scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(problem.head_dim)
         self.scale_log2 = ctypes.c_float(scale * math.log2(math.e))
@@ -192,16 +192,16 @@ class _Launch:
                                    "use .contiguous() on a sliced tensor")
         if self._get_device() == self.device_index:
             return self._launch(q_ptr, k_ptr, v_ptr)
-        # The kernel launches in the current device's context, and the tile counter's driver queries
-        # resolve the legacy stream there: make it the tensors' one.
+        # The kernel launches in the current device's context, on its current stream, whose tile
+        # counter the launch takes: make it the tensors' one.
         with self._device_guard(self.device_index):
             return self._launch(q_ptr, k_ptr, v_ptr)
 
     def _launch(self, q_ptr: int, k_ptr: int, v_ptr: int):
         out = self._empty(self.out_shape, dtype=self.dtype, device=self.device)
         lse = self._empty(self.lse_shape, dtype=self._float32, device=self.device)
+        counter = self._tile_counter(self.device) if self._tile_counter else self._unused_counter
         stream = self._raw_stream(self.device_index)
-        counter = self._tile_counter(self.device, stream) if self._tile_counter else self._unused_counter
         with self.lock:  # the descriptors are shared; the launch copies them before it returns
             p = self.pointers
             p[0].value, p[1].value, p[2].value = q_ptr, k_ptr, v_ptr

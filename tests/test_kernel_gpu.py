@@ -201,7 +201,7 @@ def test_tile_counter_is_zero_after_every_launch_and_graphs_get_their_own(monkey
             out = torch.full((p.batch, p.seqlen_q, p.nheads_q, p.head_dim_v), float("nan"), dtype=q.dtype,
                              device="cuda")
             attention_forward(q, k, v, config, causal=True, out=out)
-            counter = interface._COUNTERS[interface._stream_key(q.device, stream.cuda_stream)]  # the launch's
+            counter = interface.current_tile_counter(q.device)  # the launch's: the current stream's
             ref_out, _ = attention_reference(q, k, v, causal=True)
             err = ((out.float() - ref_out).norm() / ref_out.norm()).item()
             assert err < OUT_TOL, (p.key(), err)
@@ -216,8 +216,9 @@ def test_tile_counter_is_zero_after_every_launch_and_graphs_get_their_own(monkey
     graph = torch.cuda.CUDAGraph()
     out = torch.full((p.batch, p.seqlen_q, p.nheads_q, p.head_dim_v), float("nan"), dtype=q.dtype, device="cuda")
     handed_out = []
-    original = interface.tile_counter
-    monkeypatch.setattr(interface, "tile_counter", lambda *a: handed_out.append(original(*a)) or handed_out[-1])
+    original = interface.current_tile_counter
+    monkeypatch.setattr(interface, "current_tile_counter",
+                        lambda *a: handed_out.append(original(*a)) or handed_out[-1])
     with torch.cuda.graph(graph):
         attention_forward(q, k, v, config, causal=True, out=out)
     [graph_counter] = handed_out  # kept alive here, as the graph's memory pool keeps it for the graph
@@ -245,11 +246,10 @@ def test_kernels_that_ignore_the_counter_get_one_dummy_even_in_a_graph(monkeypat
 
     p = Problem(head_dim=64, causal=False, seqlen_q=1000, seqlen_k=1000, batch=2, nheads_q=8)
     q, k, v = make_inputs(p, seed=11)
-    stream = torch.cuda.current_stream()
     counting = FwdConfig(persistent=True)
     for config, causal in ((counting, False), (FwdConfig(persistent=False), True)):
-        assert launch_counter(config, causal, q.device, stream.cuda_stream) is interface._UNUSED[q.device]
-    assert launch_counter(counting, True, q.device, stream.cuda_stream) is not interface._UNUSED[q.device]
+        assert launch_counter(config, causal, q.device) is interface._UNUSED[q.device]
+    assert launch_counter(counting, True, q.device) is not interface._UNUSED[q.device]
 
     attention_forward(q, k, v, counting)  # compile outside the capture
     fa4tune.attention(q, k, v)
@@ -259,6 +259,7 @@ def test_kernels_that_ignore_the_counter_get_one_dummy_even_in_a_graph(monkeypat
         raise AssertionError("a kernel that ignores the tile counter asked for a stream's counter")
 
     monkeypatch.setattr(interface, "tile_counter", no_counter_here)
+    monkeypatch.setattr(interface, "current_tile_counter", no_counter_here)
     graph = torch.cuda.CUDAGraph()
     out = torch.full_like(q, float("nan"))
     with torch.cuda.graph(graph):  # captures on a stream of its own
@@ -298,6 +299,48 @@ def test_tensors_on_another_gpu_than_the_current_one():
         assert (lse[finite] - ref_lse[finite]).abs().max().item() < LSE_TOL
     assert any(key[0] == q.device for key in interface._COUNTERS), "no tile counter of cuda:1 was made"
     assert all(c.item() == 0 for c in interface._COUNTERS.values())
+
+
+def test_the_launch_paths_name_torch_streams_by_torch_id_and_external_ones_by_the_driver(monkeypatch):
+    """current_tile_counter, the launch paths' lookup: torch's pool streams and the legacy stream get
+    a counter each without a driver query; an external stream is named by the driver's unique id, as
+    tile_counter names it; a capture gets a new counter on every call. Pins the torch stream id
+    layout that the shortcut reads (native ids odd, an external stream's id its handle)."""
+    from cuda.bindings import runtime
+
+    from fa4tune.kernels import interface
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    legacy = torch.cuda.default_stream(device)
+    low, high = torch.cuda.Stream(device), torch.cuda.Stream(device, priority=-1)
+    err, raw = runtime.cudaStreamCreate()
+    assert int(err) == 0
+    external = torch.cuda.ExternalStream(int(raw), device=device)
+    try:
+        for stream in (low, high):
+            assert stream.stream_id & 1 and stream.stream_id != stream.cuda_stream
+        assert legacy.cuda_stream == 0 and legacy.stream_id == 0
+        assert external.stream_id == external.cuda_stream
+        counters = {}
+        with monkeypatch.context() as patched:
+            patched.setattr(interface, "_queries", lambda: pytest.fail("a driver query for a torch stream"))
+            for name, stream in (("legacy", legacy), ("low", low), ("high", high)):
+                with torch.cuda.stream(stream):
+                    counters[name] = interface.current_tile_counter(device)
+                    assert interface.current_tile_counter(device) is counters[name]
+        with torch.cuda.stream(external):
+            counters["external"] = interface.current_tile_counter(device)
+        assert counters["external"] is interface.tile_counter(device, external.cuda_stream)
+        assert len({c.data_ptr() for c in counters.values()}) == 4, "two streams share a counter"
+        assert all(c.item() == 0 for c in counters.values())
+
+        graph, seen = torch.cuda.CUDAGraph(), []
+        with torch.cuda.graph(graph):
+            seen += [interface.current_tile_counter(device) for _ in range(2)]
+        assert len({c.data_ptr() for c in seen + list(counters.values())}) == 6
+    finally:
+        torch.cuda.synchronize()
+        runtime.cudaStreamDestroy(raw)
 
 
 def test_stream_queries_through_libcuda_agree_with_the_bindings():

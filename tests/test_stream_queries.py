@@ -97,3 +97,72 @@ def test_a_counter_is_made_once_however_many_threads_ask_at_once():
         t.join()
     assert len(made) == 1 and got == made * 8 and table == {"key": made[0]}
     assert interface._cached(table, "key", make) is made[0] and len(made) == 1
+
+
+class FakeCounter:
+    def __bool__(self):
+        raise AssertionError("the counter's truth was asked: a CUDA tensor would be read back, a sync per call")
+
+
+class FakeTorchStreams:
+    """torch's current-device and current-stream getters, for current_tile_counter."""
+
+    def __init__(self, torch_id, handle, capturing=False, device_index=0):
+        self.torch_id, self.handle, self.is_capturing, self.device_index = torch_id, handle, capturing, device_index
+
+    def functions(self):
+        return (lambda: self.device_index, lambda: self.is_capturing,
+                lambda index: (self.torch_id, index, 1), lambda index: self.handle)
+
+
+@pytest.fixture
+def fake_launch_path(monkeypatch):
+    """current_tile_counter with torch's getters faked: returns (set the fake, the driver-path calls)."""
+    torch = pytest.importorskip("torch")
+    driver_path = []
+    monkeypatch.setattr(interface, "_COUNTERS", {})
+    monkeypatch.setattr(interface, "_zeroed_counter", lambda device: FakeCounter())
+    monkeypatch.setattr(interface, "_current_handle", lambda device: 0xCAFE0)
+    monkeypatch.setattr(interface, "tile_counter", lambda device, stream: driver_path.append((device, stream)) or "driver")
+
+    def use(fake):
+        monkeypatch.setattr(interface, "_TORCH_STREAMS", [None if fake is None else fake.functions()])
+        return torch.device("cuda", 0)
+
+    return use, driver_path
+
+
+@pytest.mark.parametrize("torch_id, handle", [(0x2B, 0x55A0), (0, 0)])  # a pool stream; the legacy stream
+def test_a_stream_torch_made_gets_its_counter_by_torch_id_without_a_driver_query(fake_launch_path, torch_id, handle):
+    use, driver_path = fake_launch_path
+    device = use(FakeTorchStreams(torch_id, handle))
+    counter = interface.current_tile_counter(device)
+    assert interface.current_tile_counter(device) is counter
+    assert interface._COUNTERS == {(device, "torch", torch_id): counter} and driver_path == []
+
+
+@pytest.mark.parametrize("torch_id, handle", [
+    (0x7F00AB00, 0x7F00AB00),  # an external stream: torch's id is its handle, which can be reused
+    (0x40, 0x55A0),  # an even id that is not the handle: a layout this code does not know
+])
+def test_other_streams_go_by_the_driver(fake_launch_path, torch_id, handle):
+    use, driver_path = fake_launch_path
+    device = use(FakeTorchStreams(torch_id, handle))
+    assert interface.current_tile_counter(device) == "driver"
+    assert driver_path == [(device, handle)] and interface._COUNTERS == {}
+
+
+def test_a_capture_gets_a_new_counter_every_call(fake_launch_path):
+    use, driver_path = fake_launch_path
+    device = use(FakeTorchStreams(0x2B, 0x55A0, capturing=True))
+    first, second = interface.current_tile_counter(device), interface.current_tile_counter(device)
+    assert first is not second and interface._COUNTERS == {} and driver_path == []
+
+
+@pytest.mark.parametrize("fake", [FakeTorchStreams(0x2B, 0x55A0, device_index=1), None],
+                         ids=["another device is current", "torch lacks the getters"])
+def test_otherwise_the_counter_comes_from_the_driver_path(fake_launch_path, fake):
+    use, driver_path = fake_launch_path
+    device = use(fake)
+    assert interface.current_tile_counter(device) == "driver"
+    assert driver_path == [(device, 0xCAFE0)] and interface._COUNTERS == {}

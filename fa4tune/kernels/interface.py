@@ -157,10 +157,10 @@ _COUNTERS_LOCK = threading.Lock()
 
 
 class _StreamQueries:
-    """The two driver queries a counter needs, per call of a causal launch: is the stream capturing
-    a graph, and its unique id. Called through ctypes on libcuda, the cuda-python bindings where
-    libcuda cannot be opened that way (which cost a few microseconds more per causal call on the
-    H200's host; README, Dispatch)."""
+    """The two driver queries tile_counter makes per call: is the stream capturing a graph, and its
+    unique id (the launch paths ask torch instead, except for external streams: current_tile_counter).
+    Called through ctypes on libcuda, the cuda-python bindings where libcuda cannot be opened that
+    way (which cost a few microseconds more per call on the H200's host; README, Dispatch)."""
 
     def __init__(self) -> None:
         import ctypes
@@ -267,8 +267,8 @@ def tile_counter(device, stream: int):
         with torch.cuda.device(device):
             return tile_counter(device, stream)
     if _capturing(stream):
-        return torch.zeros(1, dtype=torch.int32, device=device)
-    return _cached(_COUNTERS, _stream_key(device, stream), lambda: torch.zeros(1, dtype=torch.int32, device=device))
+        return _zeroed_counter(device)
+    return _cached(_COUNTERS, _stream_key(device, stream), lambda: _zeroed_counter(device))
 
 
 _UNUSED: dict = {}
@@ -285,10 +285,63 @@ def unused_counter(device):
     return _cached(_UNUSED, device, lambda: torch.empty(1, dtype=torch.int32, device=device))
 
 
-def launch_counter(config: FwdConfig, causal: bool, device, stream: int):
-    """The counter argument of one launch: the stream's tile counter if this kernel uses it."""
+_TORCH_STREAMS: list = []
+
+
+def _torch_streams():
+    """torch's C functions for the current device and stream: (the current device's index, is its
+    current stream capturing, (the torch id, device index, device type) of device i's current
+    stream, that stream's handle); None where this torch lacks one of them."""
+    if not _TORCH_STREAMS:
+        import torch
+
+        names = ("_cuda_isCurrentStreamCapturing", "_cuda_getCurrentStream", "_cuda_getCurrentRawStream")
+        functions = (current_device_getter(), *(getattr(torch._C, name, None) for name in names))
+        _TORCH_STREAMS.append(functions if all(functions) else None)
+    return _TORCH_STREAMS[0]
+
+
+def current_tile_counter(device):
+    """tile_counter(device, torch's current stream on `device`), without the two driver queries
+    where torch can answer (they cost several microseconds per causal call; README, Dispatch).
+    torch's own capture state stands for the driver's, and a stream that torch made is named by
+    torch's id: torch never destroys its pool's streams, and the legacy stream (handle 0) lives as
+    long as the context, so the id cannot pass to another stream. An external stream (torch's id is
+    its handle, which a new stream can get once it is destroyed) still goes by the driver's id."""
+    torch_streams = _TORCH_STREAMS[0] if _TORCH_STREAMS else _torch_streams()
+    index = getattr(device, "index", None)  # a torch.device's; per call, so no import and no _indexed
+    if torch_streams is None or not isinstance(index, int) or torch_streams[0]() != index:
+        device = _indexed(device)
+        return tile_counter(device, _current_handle(device))
+    _, capturing, current_stream, raw_stream = torch_streams
+    if capturing():
+        return _zeroed_counter(device)
+    torch_id = current_stream(index)[0]
+    handle = raw_stream(index)
+    if handle and (torch_id == handle or not torch_id & 1):  # native ids are odd, external ones the handle
+        return tile_counter(device, handle)
+    key = (device, "torch", torch_id)
+    counter = _COUNTERS.get(key)  # (not `or`: a tensor's truth would read it back from the GPU)
+    return counter if counter is not None else _cached(_COUNTERS, key, lambda: _zeroed_counter(device))
+
+
+def _current_handle(device) -> int:
+    import torch
+
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _zeroed_counter(device):
+    import torch
+
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def launch_counter(config: FwdConfig, causal: bool, device):
+    """The counter argument of one launch on torch's current stream of `device`: that stream's tile
+    counter if this kernel uses it."""
     if config.uses_tile_counter(causal):
-        return tile_counter(device, stream)
+        return current_tile_counter(device)
     return unused_counter(device)
 
 
@@ -394,11 +447,11 @@ def attention_forward(q, k, v, config: FwdConfig, causal: bool = False, softmax_
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(problem.head_dim)
     tensors = [from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=3) for t in (q, k, v, out)]
     lse_t = from_dlpack(lse, assumed_align=4).mark_layout_dynamic(leading_dim=2)
-    # The host function launches on the current device, and the counter's stream queries resolve
-    # the legacy stream there: both must be the tensors' device.
+    # The host function launches on the current device, and the counter is that device's current
+    # stream's: both must be the tensors' device.
     with torch.cuda.device(q.device):
         stream_handle = torch.cuda.current_stream(q.device).cuda_stream
-        counter = from_dlpack(launch_counter(config, causal, q.device, stream_handle), assumed_align=4)
+        counter = from_dlpack(launch_counter(config, causal, q.device), assumed_align=4)
         compiled.function(*tensors, lse_t, counter, Float32(scale * math.log2(math.e)),
                           Int32(heads_per_l2_group(problem, target)), cuda.CUstream(stream_handle))
     return out, lse
