@@ -201,7 +201,8 @@ def test_tile_counter_is_zero_after_every_launch_and_graphs_get_their_own(monkey
             out = torch.full((p.batch, p.seqlen_q, p.nheads_q, p.head_dim_v), float("nan"), dtype=q.dtype,
                              device="cuda")
             attention_forward(q, k, v, config, causal=True, out=out)
-            counter = interface.current_tile_counter(q.device)  # the launch's: the current stream's
+            # the launch's: the current stream's, named by torch's id (a KeyError if it took another)
+            counter = interface._COUNTERS[(q.device, "torch", stream.stream_id)]
             ref_out, _ = attention_reference(q, k, v, causal=True)
             err = ((out.float() - ref_out).norm() / ref_out.norm()).item()
             assert err < OUT_TOL, (p.key(), err)
@@ -252,8 +253,12 @@ def test_kernels_that_ignore_the_counter_get_one_dummy_even_in_a_graph(monkeypat
     assert launch_counter(counting, True, q.device) is not interface._UNUSED[q.device]
 
     attention_forward(q, k, v, counting)  # compile outside the capture
+    fa4tune.dispatch.clear()
     fa4tune.attention(q, k, v)
     torch.cuda.synchronize()
+    # fa4tune.attention's launch holds its counter getter from when it was made, before the patch
+    [launch] = fa4tune.dispatch._LAUNCHES.values()
+    assert launch._tile_counter is None and launch._unused_counter is interface._UNUSED[q.device]
 
     def no_counter_here(*args):
         raise AssertionError("a kernel that ignores the tile counter asked for a stream's counter")
@@ -341,6 +346,45 @@ def test_the_launch_paths_name_torch_streams_by_torch_id_and_external_ones_by_th
     finally:
         torch.cuda.synchronize()
         runtime.cudaStreamDestroy(raw)
+
+
+def test_fa4tune_attention_takes_the_counter_of_the_stream_it_launches_on(monkeypatch):
+    """fa4tune.attention with a persistent causal kernel, on two streams in turn: each launch takes its
+    stream's counter (two streams, two counters), the results match the reference, and both counters
+    are back at zero."""
+    from types import SimpleNamespace
+
+    import fa4tune
+    from fa4tune.kernels import interface
+    from fa4tune.kernels.reference import attention_reference
+
+    p = Problem(head_dim=128, causal=True, seqlen_q=2048, seqlen_k=2048, batch=2, nheads_q=16)
+    q, k, v = make_inputs(p, seed=17)
+    config = FwdConfig(rescale_threshold=8.0, persistent=True)
+    assert config.uses_tile_counter(True)
+    monkeypatch.setattr(fa4tune.runtime, "lookup", lambda problem, target: SimpleNamespace(config=config))
+    ref_out, _ = attention_reference(q, k, v, causal=True)
+    taken = []
+    original = interface.current_tile_counter
+    monkeypatch.setattr(interface, "current_tile_counter",
+                        lambda device: taken.append((torch.cuda.current_stream().stream_id, original(device)))
+                        or taken[-1][1])
+    fa4tune.dispatch.clear()  # launches made from here on bind the recording getter
+    streams = [torch.cuda.Stream(), torch.cuda.Stream(priority=-1)]
+    for stream in streams * 2:
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            out, _ = fa4tune.attention(q, k, v, causal=True)
+        torch.cuda.current_stream().wait_stream(stream)
+        err = ((out.float() - ref_out).norm() / ref_out.norm()).item()
+        assert err < OUT_TOL, err
+    assert [stream_id for stream_id, _ in taken] == [s.stream_id for s in streams * 2]
+    [launch] = fa4tune.dispatch._LAUNCHES.values()
+    assert launch.config == config
+    fa4tune.dispatch.clear()  # its launch holds the recording getter
+    first, second = taken[0][1], taken[1][1]
+    assert first is not second and taken[2][1] is first and taken[3][1] is second
+    assert first.item() == 0 and second.item() == 0
 
 
 def test_stream_queries_through_libcuda_agree_with_the_bindings():

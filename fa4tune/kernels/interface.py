@@ -302,12 +302,14 @@ def _torch_streams():
 
 
 def current_tile_counter(device):
-    """tile_counter(device, torch's current stream on `device`), without the two driver queries
-    where torch can answer (they cost several microseconds per causal call; README, Dispatch).
-    torch's own capture state stands for the driver's, and a stream that torch made is named by
-    torch's id: torch never destroys its pool's streams, and the legacy stream (handle 0) lives as
-    long as the context, so the id cannot pass to another stream. An external stream (torch's id is
-    its handle, which a new stream can get once it is destroyed) still goes by the driver's id."""
+    """The tile counter for a launch on torch's current stream of `device`, under tile_counter's
+    rules (one per stream, a new one per call while the stream captures), but without the two
+    driver queries where torch can answer (they cost several microseconds per causal call; README,
+    Dispatch). torch's own capture state stands for the driver's, and a stream that torch made is
+    named by torch's id: torch never destroys its pool's streams, and the legacy stream (handle 0)
+    lives as long as the context, so the id cannot pass to another stream. An external stream
+    (torch's id is its handle, which a new stream can get once it is destroyed) still goes by the
+    driver's id."""
     torch_streams = _TORCH_STREAMS[0] if _TORCH_STREAMS else _torch_streams()
     index = getattr(device, "index", None)  # a torch.device's; per call, so no import and no _indexed
     if torch_streams is None or not isinstance(index, int) or torch_streams[0]() != index:
