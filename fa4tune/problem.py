@@ -129,6 +129,14 @@ class Problem:
     def bucket(self) -> "Bucket":
         return Bucket.of(self)
 
+    def distance(self, other: "Problem") -> float:
+        """Bucket.distance on the exact sizes: how close two problems of one bucket are."""
+        if self.bucket().family() != other.bucket().family():
+            return math.inf
+        return _size_distance((self.seqlen_q, self.seqlen_k, self.batch * self.nheads_q, self.qheads_per_kvhead),
+                              (other.seqlen_q, other.seqlen_k, other.batch * other.nheads_q,
+                               other.qheads_per_kvhead))
+
     def compile_key(self) -> tuple:
         """What a compiled kernel depends on, beyond its config (shapes are run-time)."""
         return (self.dtype, self.head_dim, self.head_dim_v, self.causal)
@@ -188,9 +196,13 @@ class Bucket:
         """Distance in log2 seqlen and log2 batch·heads (infinite across families)."""
         if self.family() != other.family():
             return math.inf
-        return (
-            abs(math.log2(self.seqlen_q) - math.log2(other.seqlen_q))
-            + abs(math.log2(self.seqlen_k) - math.log2(other.seqlen_k))
-            + 0.5 * abs(math.log2(self.batch_heads) - math.log2(other.batch_heads))
-            + 0.25 * abs(math.log2(self.qheads_per_kvhead) - math.log2(other.qheads_per_kvhead))
-        )
+        return _size_distance((self.seqlen_q, self.seqlen_k, self.batch_heads, self.qheads_per_kvhead),
+                              (other.seqlen_q, other.seqlen_k, other.batch_heads, other.qheads_per_kvhead))
+
+
+_SIZE_WEIGHTS = (1.0, 1.0, 0.5, 0.25)  # seqlen_q, seqlen_k, batch·heads, q heads per kv head
+
+
+def _size_distance(a: tuple, b: tuple) -> float:
+    """Weighted distance in log2 of (seqlen_q, seqlen_k, batch·heads, q heads per kv head)."""
+    return sum(w * abs(math.log2(x) - math.log2(y)) for w, x, y in zip(_SIZE_WEIGHTS, a, b))

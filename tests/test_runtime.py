@@ -51,6 +51,23 @@ def test_the_fallback_ladder(tuned_db):
     assert lookup(TUNED_4K, "H100-SXM", source=tuned_db).source == "default"
 
 
+def test_within_a_rung_the_closest_tuned_problem_lends_its_config(workdir):
+    """Two tuned problems in one bucket (2500 and 4096 tokens round up to 4096): 3000 tokens borrow
+    from 2500, 3900 from 4096, whatever order their keys sort in; the same among nearest buckets."""
+    path = str(workdir / "tuned.db")
+    tuned_2500 = Problem(head_dim=128, seqlen_q=2500, batch=2, nheads_q=16)
+    tuned_9000 = Problem(head_dim=128, seqlen_q=9000, batch=2, nheads_q=16)  # bucket 16k, as TUNED_16K
+    with ResultsDB.open(path) as db:
+        db.merge_best([entry(tuned_2500, 64), entry(TUNED_4K, 96), entry(tuned_9000, 128), entry(TUNED_16K, 160)])
+    for seqlen, tile_n, source in ((3000, 64, "bucket"), (3900, 96, "bucket"), (10000, 128, "bucket"),
+                                   (16000, 160, "bucket"), (20000, 160, "nearest")):
+        hit = lookup(Problem(head_dim=128, seqlen_q=seqlen, batch=2, nheads_q=16), "H200", source=path)
+        assert (seqlen, hit.source, hit.config.tile_n) == (seqlen, source, tile_n)
+    # Among entries of one nearest bucket, the closer problem: 40000 tokens (bucket 64k) from 16k's bucket.
+    hit = lookup(Problem(head_dim=128, seqlen_q=40000, batch=2, nheads_q=16), "H200", source=path)
+    assert (hit.source, hit.config.tile_n) == ("nearest", 160)
+
+
 def test_missing_or_empty_sources_give_the_default_and_warn_once(workdir):
     with pytest.warns(RuntimeWarning, match="cannot read tuned configs"):
         hit = lookup(TUNED_4K, "H200", source=str(workdir / "nowhere.db"))
