@@ -3,7 +3,8 @@
 It claims to be an H200 and "measures" with the cost model, except for planted candidates, chosen by
 tile_n, that do what a bad kernel does to a real worker: crash it, end it, hang it, raise a device
 error, or give wrong results at a tempting speed. PLANTED_DELAY (seconds) slows every measurement so
-that a test can kill a search in the middle."""
+that a test can kill a search in the middle; once the file PLANTED_GPU_DOWN names exists, every run
+crashes, as on a GPU that has gone bad."""
 
 from __future__ import annotations
 
@@ -63,8 +64,8 @@ def measure(request: dict, channel, state: dict) -> dict:
     delay = float(os.environ.get("PLANTED_DELAY", "0"))
     if delay:
         time.sleep(delay)
-    if tile_n == SEGFAULT_TILE_N:
-        os.kill(os.getpid(), signal.SIGSEGV)
+    if tile_n == SEGFAULT_TILE_N or os.path.exists(os.environ.get("PLANTED_GPU_DOWN") or "\0"):
+        os.kill(os.getpid(), signal.SIGSEGV)  # (PLANTED_GPU_DOWN: a file that, once made, crashes every run)
     if tile_n == HANG_TILE_N:
         time.sleep(3600)
     if tile_n == DEVICE_ERROR_TILE_N:

@@ -108,7 +108,35 @@ def test_repeated_deaths_stop_the_search(workdir):
         # The death that reaches the limit still gives its candidate's outcome (stored, never run
         # again by a resume); the next request is refused.
         assert b.measure(PROBLEM, config(planted.HANG_TILE_N)).status == "failed"
-        with pytest.raises(BackendUnavailable, match="died 2 times in a row .*timed out"):
+        with pytest.raises(BackendUnavailable, match="died 2 times in a row .*timed out.*no config has measured ok"):
+            b.measure(PROBLEM, config(64))
+
+
+def test_deaths_in_a_row_on_a_good_gpu_do_not_stop_the_search(workdir):
+    """A stretch of crashing candidates reaches max_worker_deaths, but the config that measured ok
+    before measures ok again (the GPU is fine): the search goes on, and the count starts again."""
+    with GpuBackend(KERNEL, None, **{**PLANTED, "max_worker_deaths": 2}) as b:
+        assert b.measure(PROBLEM, config(128)).status == "ok"
+        for _ in range(3):  # each time two deaths, then the check, which passes
+            for tile_n in (planted.SEGFAULT_TILE_N, planted.HANG_TILE_N):
+                assert b.measure(PROBLEM, config(tile_n)).status == "failed"
+            after = b.measure(PROBLEM, config(64))
+            assert after.status == "ok" and b.deaths == 0
+            assert after.details["served"] == 2, "the check ran in the new worker, before this candidate"
+
+
+def test_deaths_in_a_row_stop_the_search_when_the_good_config_fails_too(workdir, monkeypatch):
+    from fa4tune.errors import BackendUnavailable
+
+    down = workdir / "gpu-down"
+    monkeypatch.setenv("PLANTED_GPU_DOWN", str(down))
+    with GpuBackend(KERNEL, None, **{**PLANTED, "max_worker_deaths": 2}) as b:
+        assert b.measure(PROBLEM, config(128)).status == "ok"
+        down.touch()  # from now on every run crashes
+        assert b.measure(PROBLEM, config(64)).status == "failed"
+        assert b.measure(PROBLEM, config(112)).status == "failed"
+        with pytest.raises(BackendUnavailable, match=r"died 2 times in a row .*a config that measured ok before "
+                                                     r"\(128x128.*\) failed too: .*SIGSEGV.*GPU may be unusable"):
             b.measure(PROBLEM, config(64))
 
 

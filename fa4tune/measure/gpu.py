@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from ..errors import BackendError, BackendUnavailable
+from ..problem import Problem
 from .base import Backend, Measurement
 from .gpu_worker import ROLE_VARIABLE
 from .verify import TOLERANCES
@@ -42,7 +43,7 @@ class GpuOptions:
     confirm_top: int = 3  # re-time this many of the best at the end of each problem
     confirm_rounds: int = 5  # interleaved rounds of that re-timing
     min_gain: float = 0.01  # the best replaces the default only when this much faster in those rounds
-    max_worker_deaths: int = 5  # consecutive deaths (crash, hang) before the search gives up
+    max_worker_deaths: int = 5  # consecutive deaths (crash, hang), then a known-good config decides
     worker_module: str = DEFAULT_WORKER_MODULE  # what the workers run (tests plant their own)
     cache_dir: str | None = None  # exported kernels; default $FA4TUNE_KERNEL_CACHE or ~/.cache/fa4tune/kernels
 
@@ -131,6 +132,7 @@ class GpuBackend(Backend):
         self.clock_samples = [info["clocks"]] if info.get("clocks") else []
         self.deaths = 0
         self.last_death: str | None = None
+        self.known_good: tuple | None = None  # (problem, config, artifact) of the last ok measurement
         self.pool_failures = 0  # jobs in a row the compile pool could not take
         self.lookahead = self.options.workers()
         if self.lookahead:
@@ -292,12 +294,17 @@ class GpuBackend(Backend):
 
     def _ask_worker(self, request: dict, on_ask, timeouts: dict | None = None) -> Reply:
         if self.deaths >= self.options.max_worker_deaths:
-            # Raised on the request after the last death, so that the death's own candidate was
+            # Checked on the request after the last death, so that the death's own candidate was
             # stored as failed (raised with it, its outcome was lost and a resume ran it again).
-            raise BackendUnavailable(
-                f"the gpu worker died {self.deaths} times in a row (last: {self.last_death}); the GPU may be "
-                "unusable. Check `nvidia-smi`, then resume the search with --resume."
-            )
+            # Deaths in a row may be a bad stretch of the space, not a bad GPU: a config that
+            # measured ok before is measured again, and only if it fails too does the search stop.
+            unhealthy = self._health_check()
+            if unhealthy:
+                raise BackendUnavailable(
+                    f"the gpu worker died {self.deaths} times in a row (last: {self.last_death}), {unhealthy}; "
+                    "the GPU may be unusable. Check `nvidia-smi`, then resume the search with --resume."
+                )
+            self.deaths = 0
         timeouts = timeouts or {"compile": self.options.compile_timeout, "run": self.options.run_timeout}
         try:
             reply = self.worker.request(request, timeouts, on_ask)
@@ -305,7 +312,25 @@ class GpuBackend(Backend):
             raise BackendUnavailable(f"the gpu worker cannot be restarted: {exc}") from None
         self.deaths = self.deaths + 1 if reply.restarted else 0
         self.last_death = reply.reason if reply.restarted else self.last_death
+        if request.get("op") == "measure" and reply.ok and (reply.result or {}).get("status") == "ok":
+            self.known_good = (request["problem"], request["config"], request.get("artifact"))
         return reply
+
+    def _health_check(self) -> str | None:
+        """None when a config that measured ok in this session measures ok again; else what failed."""
+        if self.known_good is None:
+            return "and no config has measured ok in this session to check the GPU with"
+        problem, config, artifact = self.known_good
+        request = self._request(Problem.from_dict(problem), config, "retime", artifact)
+        timeouts = {"compile": self.options.compile_timeout, "run": self.options.run_timeout}
+        try:
+            reply = self.worker.request(request, timeouts, None)
+        except WorkerUnavailable as exc:
+            return f"and the worker cannot be restarted: {exc}"
+        if reply.ok and (reply.result or {}).get("status") == "ok":
+            return None
+        return (f"and a config that measured ok before ({self.kernel.make_config(config).short()}) failed too: "
+                f"{reply.reason or (reply.result or {}).get('reason') or (reply.result or {}).get('status')}")
 
     def _measurement(self, problem, reply: Reply, pool_compile_s: float | None) -> Measurement:
         """A Measurement from the worker's reply. The tolerance is enforced here as well: a result
