@@ -332,13 +332,12 @@ class _Context:
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             study = optuna.create_study(
                 study_name=self.run.study_name(self.space, problem), storage=self.storage, direction="minimize",
-                sampler=_sampler_for(self.job, self.space, problem, self.target, self.worker_seed, self.run.shared),
+                sampler=optuna.samplers.RandomSampler(),  # replaced below, once its trials are counted
                 pruner=(self.backend.make_pruner() if self.backend else None) or optuna.pruners.NopPruner(),
                 load_if_exists=True)
             earlier = len(study.get_trials(deepcopy=False))
-            if earlier:
-                study.sampler = _sampler_for(self.job, self.space, problem, self.target, self.worker_seed,
-                                             self.run.shared, earlier)
+            study.sampler = _sampler_for(self.job, self.space, problem, self.target, self.worker_seed,
+                                         self.run.shared, earlier)
         return study
 
     def tune(self, problem: Problem, wait: bool = True) -> ProblemResult | None:
