@@ -199,19 +199,32 @@ def this_host() -> str:
 _BOOT_ID: list = []
 
 
-def _process_identity(pid: int) -> str | None:
-    """The boot and the start time (clock ticks after boot) of a live process: with its pid, what no
-    later process shares. A pid alone does not do: a search restarted in a container (a pid namespace)
-    gets the pid of the one that was killed. None where there is no /proc."""
+def _stat_fields(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state first), or None."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            start = f.read().rpartition(")")[2].split()[19]  # field 22, starttime
+            return f.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+
+
+def _identity_of(fields: list[str] | None) -> str | None:
+    """The boot and the start time (clock ticks after boot) of a live process, from its stat fields:
+    with its pid, what no later process shares. A pid alone does not do: a search restarted in a
+    container (a pid namespace) gets the pid of the one that was killed. None where there is no /proc."""
+    if fields is None or len(fields) < 20:
+        return None
+    try:
         if not _BOOT_ID:
             with open("/proc/sys/kernel/random/boot_id") as f:
                 _BOOT_ID.append(f.read().strip()[:8])
-    except (OSError, IndexError):
+    except OSError:
         return None
-    return f"{_BOOT_ID[0]}.{start}"
+    return f"{_BOOT_ID[0]}.{fields[19]}"  # field 22, starttime
+
+
+def _process_identity(pid: int) -> str | None:
+    return _identity_of(_stat_fields(pid))
 
 
 def worker_name(pid: int | None = None) -> str:
@@ -243,15 +256,14 @@ def worker_gone(worker: str) -> bool:
         return True
     except PermissionError:
         return False
+    fields = _stat_fields(int(pid))  # read once: identity and state of one and the same process
+    if fields is None:
+        return False
     if identity is not None:
-        now = _process_identity(int(pid))
+        now = _identity_of(fields)
         if now is not None and now != identity:
             return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] == "Z"
-    except OSError:
-        return False
+    return bool(fields) and fields[0] == "Z"
 
 
 def trial_orphaned(trial, shared: bool, dead=frozenset()) -> bool:

@@ -421,6 +421,15 @@ def test_a_pid_taken_over_by_a_later_process_is_a_dead_worker(monkeypatch):
     assert not studies.worker_gone(f"{host}:{pid}")  # a name of an earlier fa4tune: the pid lives
     assert studies.parse_worker(f"{host}:{pid}") == (host, pid, None)
     assert not studies.worker_gone(f"elsewhere:{pid}:{identity}")  # another host's: not judged here
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    named = studies.worker_name(child.pid)  # while it may still run
+    deadline = time.monotonic() + 30
+    while studies._stat_fields(child.pid)[0] != "Z":  # exited, not yet reaped: a zombie
+        assert time.monotonic() < deadline, "the child did not exit"
+        time.sleep(0.01)
+    assert studies.worker_gone(named) and studies.worker_gone(f"{host}:{child.pid}")
+    child.wait()
+    assert studies.worker_gone(named)  # reaped: no such process
 
 
 def test_trials_measured_after_a_confirmation_by_another_host_are_confirmed_too(workdir, monkeypatch):
