@@ -108,7 +108,7 @@ def test_repeated_deaths_stop_the_search(workdir):
         # The death that reaches the limit still gives its candidate's outcome (stored, never run
         # again by a resume); the next request is refused.
         assert b.measure(PROBLEM, config(planted.HANG_TILE_N)).status == "failed"
-        with pytest.raises(BackendUnavailable, match="died 2 times in a row .*timed out.*no config has measured ok"):
+        with pytest.raises(BackendUnavailable, match="died 2 times in a row .*timed out.*no config of this problem"):
             b.measure(PROBLEM, config(64))
 
 
@@ -135,8 +135,28 @@ def test_deaths_in_a_row_stop_the_search_when_the_good_config_fails_too(workdir,
         down.touch()  # from now on every run crashes
         assert b.measure(PROBLEM, config(64)).status == "failed"
         assert b.measure(PROBLEM, config(112)).status == "failed"
-        with pytest.raises(BackendUnavailable, match=r"died 2 times in a row .*a config that measured ok before "
-                                                     r"\(128x128.*\) failed too: .*SIGSEGV.*GPU may be unusable"):
+        with pytest.raises(BackendUnavailable, match=r"died 2 times in a row .*a config of this problem that measured "
+                                                     r"ok before \(128x128.*\) failed too: failed, .*SIGSEGV.*GPU may be "
+                                                     "unusable"):
+            b.measure(PROBLEM, config(64))
+
+
+@pytest.mark.parametrize("vouching", ["another problem's config", "a config stored as wrong"])
+def test_only_a_good_config_of_the_same_problem_vouches_for_the_gpu(workdir, vouching):
+    """A problem whose every candidate kills the worker (its inputs do not fit, say) stops the search,
+    though another problem's config still runs; and a config the backend stored as wrong (the
+    worker said ok) vouches for nothing."""
+    from fa4tune.errors import BackendUnavailable
+
+    other = Problem(head_dim=128, seqlen_q=1024, batch=2, nheads_q=8)
+    with GpuBackend(KERNEL, None, **{**PLANTED, "max_worker_deaths": 2}) as b:
+        if vouching == "another problem's config":
+            assert b.measure(other, config(128)).status == "ok"
+        else:
+            assert b.measure(PROBLEM, config(planted.WRONG_TILE_N)).status == "wrong"
+        for tile_n in (planted.SEGFAULT_TILE_N, planted.HANG_TILE_N):
+            assert b.measure(PROBLEM, config(tile_n)).status == "failed"
+        with pytest.raises(BackendUnavailable, match="no config of this problem has measured ok"):
             b.measure(PROBLEM, config(64))
 
 

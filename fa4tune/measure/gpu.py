@@ -132,7 +132,10 @@ class GpuBackend(Backend):
         self.clock_samples = [info["clocks"]] if info.get("clocks") else []
         self.deaths = 0
         self.last_death: str | None = None
-        self.known_good: tuple | None = None  # (problem, config, artifact) of the last ok measurement
+        # problem key -> (problem, config, artifact) of its last ok measurement in this session; the
+        # key of the last problem measured ok (for a request that names no problem: clocks)
+        self.known_good: dict[str, tuple] = {}
+        self.last_good: str | None = None
         self.pool_failures = 0  # jobs in a row the compile pool could not take
         self.lookahead = self.options.workers()
         if self.lookahead:
@@ -165,7 +168,14 @@ class GpuBackend(Backend):
         measurement = self._measurement(problem, reply, compile_s)
         if notes and reply.ok:
             measurement.details["notes"] = notes
+        self._note_good(problem, config_values, artifact, measurement)
         return measurement
+
+    def _note_good(self, problem, config: dict, artifact: str | None, measurement: Measurement) -> None:
+        """Remember a config that measured ok (as stored: within tolerance) for the health check."""
+        if measurement.status == "ok":
+            self.known_good[problem.key()] = (problem, config, artifact)
+            self.last_good = problem.key()
 
     def prefetch(self, problem, config) -> None:
         """Start compiling a candidate the search will measure soon."""
@@ -197,6 +207,7 @@ class GpuBackend(Backend):
                     continue
                 request = self._request(problem, config, "retime", artifacts[index], salt=round_index)
                 measurement = self._measurement(problem, self._ask_worker(request, None), None)
+                self._note_good(problem, config, artifacts[index], measurement)
                 if measurement.status != "ok":
                     failed[index] = measurement
                 else:
@@ -296,9 +307,11 @@ class GpuBackend(Backend):
         if self.deaths >= self.options.max_worker_deaths:
             # Checked on the request after the last death, so that the death's own candidate was
             # stored as failed (raised with it, its outcome was lost and a resume ran it again).
-            # Deaths in a row may be a bad stretch of the space, not a bad GPU: a config that
-            # measured ok before is measured again, and only if it fails too does the search stop.
-            unhealthy = self._health_check()
+            # Deaths in a row may be a bad stretch of the space, not a bad GPU: a config of this
+            # problem that measured ok before is measured again, and only if it fails too (or there
+            # is none: the problem itself may be what kills the worker) does the search stop.
+            key = Problem.from_dict(request["problem"]).key() if "problem" in request else self.last_good
+            unhealthy = self._health_check(key)
             if unhealthy:
                 raise BackendUnavailable(
                     f"the gpu worker died {self.deaths} times in a row (last: {self.last_death}), {unhealthy}; "
@@ -312,25 +325,26 @@ class GpuBackend(Backend):
             raise BackendUnavailable(f"the gpu worker cannot be restarted: {exc}") from None
         self.deaths = self.deaths + 1 if reply.restarted else 0
         self.last_death = reply.reason if reply.restarted else self.last_death
-        if request.get("op") == "measure" and reply.ok and (reply.result or {}).get("status") == "ok":
-            self.known_good = (request["problem"], request["config"], request.get("artifact"))
         return reply
 
-    def _health_check(self) -> str | None:
-        """None when a config that measured ok in this session measures ok again; else what failed."""
-        if self.known_good is None:
-            return "and no config has measured ok in this session to check the GPU with"
-        problem, config, artifact = self.known_good
-        request = self._request(Problem.from_dict(problem), config, "retime", artifact)
+    def _health_check(self, problem_key: str | None) -> str | None:
+        """None when a config of the problem that measured ok in this session measures ok again;
+        else what failed."""
+        good = self.known_good.get(problem_key) if problem_key is not None else None
+        if good is None:
+            return "and no config of this problem has measured ok in this session to check the GPU with"
+        problem, config, artifact = good
+        request = self._request(problem, config, "retime", artifact)
         timeouts = {"compile": self.options.compile_timeout, "run": self.options.run_timeout}
         try:
             reply = self.worker.request(request, timeouts, None)
         except WorkerUnavailable as exc:
             return f"and the worker cannot be restarted: {exc}"
-        if reply.ok and (reply.result or {}).get("status") == "ok":
+        measurement = self._measurement(problem, reply, None)
+        if measurement.status == "ok":
             return None
-        return (f"and a config that measured ok before ({self.kernel.make_config(config).short()}) failed too: "
-                f"{reply.reason or (reply.result or {}).get('reason') or (reply.result or {}).get('status')}")
+        return (f"and a config of this problem that measured ok before ({self.kernel.make_config(config).short()}) "
+                f"failed too: {measurement.status}, {measurement.reason}")
 
     def _measurement(self, problem, reply: Reply, pool_compile_s: float | None) -> Measurement:
         """A Measurement from the worker's reply. The tolerance is enforced here as well: a result
