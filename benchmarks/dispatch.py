@@ -72,8 +72,8 @@ def main() -> int:
     floor.bind(compile_forward(launch.config, "bf16", 128, 128, False).function.to(launch.device_index))
     for pointer, t in zip(floor.pointers, (q, k, v, out, lse, counter)):
         pointer.value = t.data_ptr()
-    floor.stream.value = torch.cuda.current_stream().cuda_stream
     handle = torch.cuda.current_stream().cuda_stream
+    floor.stream.value = handle
     direct = "yes" if launch.result is not None else "no: the DSL's run_compiled_program (fallback)"
     rows = {
         "compiled kernel, prepared DSL arguments (the reference)": lambda: compiled.function(*args),

@@ -318,14 +318,17 @@ class GpuBackend(Backend):
                     "the GPU may be unusable. Check `nvidia-smi`, then resume the search with --resume."
                 )
             self.deaths = 0
-        timeouts = timeouts or {"compile": self.options.compile_timeout, "run": self.options.run_timeout}
         try:
-            reply = self.worker.request(request, timeouts, on_ask)
+            reply = self.worker.request(request, timeouts or self._timeouts(), on_ask)
         except WorkerUnavailable as exc:
             raise BackendUnavailable(f"the gpu worker cannot be restarted: {exc}") from None
         self.deaths = self.deaths + 1 if reply.restarted else 0
         self.last_death = reply.reason if reply.restarted else self.last_death
         return reply
+
+    def _timeouts(self) -> dict:
+        """A measurement's timeouts, per phase."""
+        return {"compile": self.options.compile_timeout, "run": self.options.run_timeout}
 
     def _health_check(self, problem_key: str | None) -> str | None:
         """None when a config of the problem that measured ok in this session measures ok again;
@@ -334,10 +337,8 @@ class GpuBackend(Backend):
         if good is None:
             return "and no config of this problem has measured ok in this session to check the GPU with"
         problem, config, artifact = good
-        request = self._request(problem, config, "retime", artifact)
-        timeouts = {"compile": self.options.compile_timeout, "run": self.options.run_timeout}
         try:
-            reply = self.worker.request(request, timeouts, None)
+            reply = self.worker.request(self._request(problem, config, "retime", artifact), self._timeouts(), None)
         except WorkerUnavailable as exc:
             return f"and the worker cannot be restarted: {exc}"
         measurement = self._measurement(problem, reply, None)
