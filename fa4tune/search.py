@@ -350,6 +350,11 @@ class _Context:
         if state["first"]:
             self.recover(study, name)
             self._enqueue_starts(study, problem, name)
+            # A resume whose first candidates kill the GPU worker checks the GPU with an earlier session's config.
+            good = self.db.known_good_config(kernel=self.kernel.name, kernel_hash=self.run.kernel_hash,
+                                             target=self.target.name, problem_key=problem.key())
+            if good is not None:
+                self.backend.note_stored_good(problem, good)
             state["first"] = False
         result = self._result(problem, name)
         result.repeats = state["repeats"]

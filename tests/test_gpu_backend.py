@@ -160,6 +160,86 @@ def test_only_a_good_config_of_the_same_problem_vouches_for_the_gpu(workdir, vou
             b.measure(PROBLEM, config(64))
 
 
+# hdim 256: the default's tile_n is 80, which kills the planted worker while compiling, as does every
+# config of this space (tile_n 80 throughout); tile_n 64 measures ok.
+HDIM256 = {"head_dim": 256, "seqlen_q": 2048, "batch": 2, "nheads_q": 8}
+CRASHING_SPACE = {"tiles": {"tile_m": [128], "tile_n": [planted.EXIT_TILE_N]},
+                  "pipeline": {"num_stages": [1, 2], "intra_wg_overlap": [True], "wg_pingpong": [True, False],
+                               "persistent": [False]}}
+RESULTS = "fa4tune-results/results.db"
+
+
+def crashing_job(workdir):
+    """A new search of HDIM256 whose four candidates all kill the worker: two deaths, the health check,
+    two more."""
+    return load_job(write_job(workdir, name="crashing", backend="gpu", target=None, spaces=CRASHING_SPACE,
+                              sampler="grid", problems=[HDIM256], measure={**PLANTED, "max_worker_deaths": 2}))
+
+
+@pytest.mark.parametrize("gpu", ["healthy", "down"])
+def test_a_config_the_results_db_holds_as_ok_vouches_for_the_gpu(workdir, monkeypatch, gpu):
+    """A search (a resume, say) whose first candidates all kill the worker has no good config of its
+    own: the GPU is checked with the one an earlier run measured ok (compiled again, by the measuring
+    worker), and the search goes on while that still measures ok."""
+    from fa4tune.errors import BackendUnavailable
+
+    down = workdir / "gpu-down"
+    monkeypatch.setenv("PLANTED_GPU_DOWN", str(down))
+    earlier = write_job(workdir, name="earlier", backend="gpu", target=None, sampler="grid", problems=[HDIM256],
+                        spaces={"tiles": {"tile_m": [128], "tile_n": [64, planted.EXIT_TILE_N]}},
+                        measure={**PLANTED, "confirm_rounds": 1})
+    run_search(load_job(earlier), say=quiet)
+    with ResultsDB.open(RESULTS, create=False) as db:
+        assert [b.config["tile_n"] for b in db.best_configs()] == [64]
+    if gpu == "down":
+        down.touch()
+        with pytest.raises(BackendUnavailable, match=r"died 2 times in a row .*a config of this problem that measured "
+                                                     r"ok before \(128x64.*\) failed too: failed, .*SIGSEGV"):
+            run_search(crashing_job(workdir), say=quiet)
+        return
+    [result] = run_search(crashing_job(workdir), say=quiet).results
+    assert "exhausted" in result.stopped and result.measured == 4
+    with ResultsDB.open(RESULTS, create=False) as db:
+        later = [t for t in db.trials() if t["config"]["tile_n"] == planted.EXIT_TILE_N and t["run_id"] == 2]
+    assert len(later) == 4 and all("exit status 3" in t["reason"] for t in later)
+
+
+DECOYS = {"another problem": {"problem": Problem(head_dim=256, seqlen_q=1024, batch=2, nheads_q=8)},
+          "another kernel hash": {"kernel_hash": "0" * 64}, "another target": {"target": "H100-SXM"},
+          "an estimate": {"is_estimate": True}, "a config stored as wrong": {}}
+
+
+@pytest.mark.parametrize("decoy", DECOYS)
+def test_only_a_measured_never_wrong_db_config_of_the_same_problem_and_kernel_code_vouches(workdir, decoy):
+    """The decoy, an ok trial in the results DB that is not this problem's, kernel code's or target's,
+    an estimate, or a config that was also wrong, vouches for nothing: the search stops. A genuine one
+    (slower than the decoy, which would crash if measured) then lets it go on."""
+    from fa4tune.errors import BackendUnavailable
+    from fa4tune.measure.base import Measurement
+
+    db = ResultsDB.open(RESULTS)
+    run_id = db.start_run(job_name="earlier", kernel=KERNEL.name, kernel_hash=KERNEL.source_hash(), target="H200",
+                          backend="gpu", is_estimate=False, fa4tune_version="0", study_prefix="p")
+
+    def store(study, tile_n, time_ms, problem=Problem(**HDIM256), kernel_hash=KERNEL.source_hash(), target="H200",
+              is_estimate=False, status="ok"):
+        measurement = (Measurement.ok(problem, time_ms, is_estimate=is_estimate) if status == "ok"
+                       else Measurement(status=status, reason="above tolerance"))
+        db.add_trial(run_id=run_id, study_name=study, optuna_number=0, kernel=KERNEL.name, kernel_hash=kernel_hash,
+                     target=target, problem=problem, config=FwdConfig(tile_n=tile_n).to_dict(),
+                     measurement=measurement, source="sampler", provenance={})
+
+    store("decoy", planted.SEGFAULT_TILE_N, 0.5, **DECOYS[decoy])  # stored best of its problem
+    if decoy == "a config stored as wrong":
+        store("decoy-again", planted.SEGFAULT_TILE_N, None, status="wrong")
+    with pytest.raises(BackendUnavailable, match="no config of this problem has measured ok"):
+        run_search(crashing_job(workdir), say=quiet)
+    store("genuine", 64, 1.0)
+    db.close()
+    [result] = run_search(crashing_job(workdir), say=quiet).results
+    assert "exhausted" in result.stopped and result.measured == 4
+
+
 GRID_SPACE = {"tiles": {"tile_m": [128], "tile_n": [64, planted.EXIT_TILE_N, planted.SEGFAULT_TILE_N, planted.HANG_TILE_N, 128,
                                    planted.WRONG_TILE_N]}}
 
@@ -283,6 +363,24 @@ def test_a_confirmation_judges_a_stored_best_it_retimed_by_its_own_rounds(workdi
     db.confirm_best(**confirm, confirmed=[({"id": third_id}, Measurement.ok(PROBLEM, 1.1))])
     [best] = db.best_configs()
     assert best.config == {"tile_n": 128}
+    db.close()
+
+
+def test_the_db_vouches_with_the_best_configs_trial_else_the_fastest_never_a_wrong_one(workdir):
+    from fa4tune.measure.base import Measurement
+
+    db, confirm, default_id, probe_id = default_and_probe_trials()
+    where = dict(kernel=KERNEL.name, kernel_hash="h", target="H200", problem_key=PROBLEM.key())
+    assert db.known_good_config(**where) == {"tile_n": 96}  # no best yet: the fastest
+    db.confirm_best(**confirm, prefer=default_id, min_gain=0.01,
+                    confirmed=[({"id": probe_id}, Measurement.ok(PROBLEM, 0.995)),
+                               ({"id": default_id}, Measurement.ok(PROBLEM, 1.0))])
+    assert db.best_configs()[0].config == {"tile_n": 128}
+    assert db.known_good_config(**where) == {"tile_n": 128}  # the best, though not the fastest
+    db.add_trial(**{**confirm, "study_name": "another study"}, optuna_number=0, config={"tile_n": 128},
+                 source="sampler", measurement=Measurement(status="wrong", reason="above tolerance"))
+    assert db.known_good_config(**where) == {"tile_n": 96}
+    assert db.known_good_config(**{**where, "kernel_hash": "other"}) is None
     db.close()
 
 

@@ -513,6 +513,22 @@ class ResultsDB:
         with self._sessions() as session:
             return [_columns(t) for t in session.scalars(query)]
 
+    def known_good_config(self, *, kernel: str, kernel_hash: str, target: str, problem_key: str) -> dict | None:
+        """A config of the problem measured ok (not estimated) with this kernel code on this target, and
+        never wrong there: its best config's trial, else its fastest ok trial; None when there is none.
+        Evidence that the problem runs at all, for the gpu backend's health check."""
+        same = (Trial.kernel == kernel, Trial.kernel_hash == kernel_hash, Trial.target == target,
+                Trial.problem_key == problem_key)
+        wrong = select(Trial.config_key).where(*same, Trial.status == "wrong")
+        ok = select(Trial).where(*same, Trial.status == "ok", Trial.is_estimate.is_(False),
+                                 Trial.config_key.not_in(wrong))
+        best = select(BestConfig.trial_id).where(BestConfig.kernel == kernel, BestConfig.kernel_hash == kernel_hash,
+                                                 BestConfig.target == target, BestConfig.problem_key == problem_key)
+        with self._sessions() as session:
+            row = (session.scalars(ok.where(Trial.id == best.scalar_subquery())).first()
+                   or session.scalars(ok.order_by(Trial.time_ms, Trial.id)).first())
+            return dict(row.config) if row is not None else None
+
     # ---- best configs -------------------------------------------------------------------------
     def best_configs(self, *, kernel: str | None = None, kernel_hash: str | None = None,
                      target: str | None = None) -> list[BestEntry]:

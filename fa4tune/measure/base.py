@@ -80,6 +80,10 @@ class Backend:
     def discard(self, problem, config) -> None:
         """A prefetched candidate that will not be measured after all (nothing by default)."""
 
+    def note_stored_good(self, problem, config: dict) -> None:
+        """A config of `problem` that the results DB holds as measured ok, told when the problem starts
+        (nothing by default; the gpu backend checks the GPU with it after crashes)."""
+
     def confirm(self, problem, configs: list[dict]) -> list[Measurement]:
         """Measure `configs` again, side by side, before the fastest is stored as best."""
         raise NotImplementedError

@@ -136,6 +136,9 @@ class GpuBackend(Backend):
         # key of the last problem measured ok (for a request that names no problem: clocks)
         self.known_good: dict[str, tuple] = {}
         self.last_good: str | None = None
+        # problem key -> (problem, config, None) that the results DB holds as measured ok: the health
+        # check's fallback when this session has measured none of the problem ok
+        self.stored_good: dict[str, tuple] = {}
         self.pool_failures = 0  # jobs in a row the compile pool could not take
         self.lookahead = self.options.workers()
         if self.lookahead:
@@ -176,6 +179,10 @@ class GpuBackend(Backend):
         if measurement.status == "ok":
             self.known_good[problem.key()] = (problem, config, artifact)
             self.last_good = problem.key()
+
+    def note_stored_good(self, problem, config: dict) -> None:
+        # No artifact: an earlier session's object file may be gone, so the measuring worker compiles it.
+        self.stored_good[problem.key()] = (problem, config, None)
 
     def prefetch(self, problem, config) -> None:
         """Start compiling a candidate the search will measure soon."""
@@ -331,11 +338,12 @@ class GpuBackend(Backend):
         return {"compile": self.options.compile_timeout, "run": self.options.run_timeout}
 
     def _health_check(self, problem_key: str | None) -> str | None:
-        """None when a config of the problem that measured ok in this session measures ok again;
-        else what failed."""
-        good = self.known_good.get(problem_key) if problem_key is not None else None
+        """None when a config of the problem that measured ok (in this session, else as the results
+        DB holds) measures ok again; else what failed."""
+        good = self.known_good.get(problem_key) or self.stored_good.get(problem_key)
         if good is None:
-            return "and no config of this problem has measured ok in this session to check the GPU with"
+            return ("and no config of this problem has measured ok in this session or in the results DB to check "
+                    "the GPU with")
         problem, config, artifact = good
         try:
             reply = self.worker.request(self._request(problem, config, "retime", artifact), self._timeouts(), None)
