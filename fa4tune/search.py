@@ -42,7 +42,8 @@ from .target import get_target
 
 SOURCE_ATTR = "fa4tune_source"
 MAX_GRID_REQUEUES = 3  # a grid point that failed unmeasured this often is not queued again
-# A sampler that keeps proposing configs it has already seen has converged on this problem.
+# A sampler that keeps proposing configs it has already seen has converged on this problem (not the
+# grid sampler: it asks for each point once, and its repeats are points that are one config).
 MAX_CONSECUTIVE_REPEATS = 25
 # How often a worker that waits for other workers' last trials of a problem looks again.
 POLL_S = 0.2
@@ -368,16 +369,19 @@ class _Context:
                 interrupts.checkpoint()  # a Ctrl-C that the garbage collector swallowed stops it here
                 result = self._result(problem, name, result)  # other workers' trials count too
                 stop = self._stop_reason(result, size, state, name)
+                grid = "open" if stop or queue else self._grid_left(study)
+                if grid == "done":
+                    stop = f"grid exhausted (all {len(study.sampler._all_grids)} points tried)"
                 if stop:
                     result.stopped = stop
                     break
-                if not queue and not self._slot_free(study, name, result):
+                if not queue and (grid == "busy" or not self._slot_free(study, name, result)):
                     if not wait:
-                        return None  # the budget is claimed: other workers measure the last trials
+                        return None  # the budget or the grid's last points: other workers measure them
                     time.sleep(POLL_S)
                     self.recover(study, name)
                     continue
-                while len(queue) < 1 + self.backend.lookahead:
+                while len(queue) < 1 + self.backend.lookahead and (not queue or self._grid_left(study) == "open"):
                     queue.append(self._ask(study, problem, name))
                 outcome = self._run(study, problem, name, queue.popleft())
                 if outcome in ("full", "lost"):
@@ -440,9 +444,24 @@ class _Context:
             return f"space exhausted (all {size} configs tried)"
         if result.pruned >= self.job.budget.pruned_cap:
             return f"{result.pruned} infeasible suggestions; the space is mostly infeasible for this problem"
-        if state["consecutive"] >= MAX_CONSECUTIVE_REPEATS:
+        if state["consecutive"] >= MAX_CONSECUTIVE_REPEATS and self.job.sampler.name != "grid":
             return "converged (the sampler only proposes configs already tried)"
         return ""
+
+    def _grid_left(self, study) -> str:
+        """A grid search's points: "open" while one is queued or was never asked for, "busy" while
+        the last ones are being measured, else "done" (each measured, pruned, or failed unmeasured
+        past its requeues). Asked for more then, the grid sampler proposes a point again."""
+        if self.job.sampler.name != "grid":
+            return "open"
+        import optuna
+
+        state = optuna.trial.TrialState
+        trials = study.get_trials(deepcopy=False)
+        asked = {t.system_attrs["grid_id"] for t in trials if "grid_id" in t.system_attrs and t.state != state.WAITING}
+        if len(asked) < len(study.sampler._all_grids) or any(t.state == state.WAITING for t in trials):
+            return "open"
+        return "busy" if any(t.state == state.RUNNING for t in trials) else "done"
 
     # ---- sharing the study --------------------------------------------------------------------
     def _in_flight(self, study, stored_among, trials=None, exclude: int | None = None,

@@ -11,10 +11,11 @@ import time
 import optuna
 import pytest
 
-from conftest import sigint_default, write_job
+from conftest import COLLAPSED_GRID, sigint_default, write_job
 from fa4tune.db import ResultsDB
 from fa4tune.job import load_job
 from fa4tune.search import run_search
+from fa4tune.studies import open_storage
 
 # The CLI with a cost model slowed down to 20 ms a measurement, so that a kill lands mid-search.
 SLOW_CLI = """
@@ -158,8 +159,8 @@ def test_an_interrupted_grid_search_measures_every_point_when_resumed(workdir):
     from fa4tune.space import compose
     from fa4tune.target import get_target
 
-    # A grid large enough that, once the sampler thinks it exhausted, its re-proposals (repeats) stop
-    # the search before they stumble on the lost point by chance.
+    # A grid large enough for four interrupts. A lost point that were not queued again would never be
+    # measured: the search ends once the sampler has asked for every point.
     job = load_job(write_job(workdir, spaces={"tiles": {}, "pipeline": {"num_stages": [2, 3]}},
                              budget={"trials": 1000}, sampler="grid", warm_start=0, probes=0))
 
@@ -216,10 +217,25 @@ def test_a_grid_search_cut_short_while_suggesting_resumes(workdir, monkeypatch):
     assert "exhausted" in summary.results[0].stopped, summary.results[0].stopped
 
 
+def test_a_resumed_grid_search_whose_every_point_was_tried_asks_for_none(workdir):
+    """Resumed with a larger budget, a study whose grid is exhausted ends at once, its best config
+    kept: asked again, the grid sampler would only propose points tried already."""
+    job = load_job(write_job(workdir, spaces=COLLAPSED_GRID, sampler="grid", budget={"trials": 100}))
+    first = run_search(job, say=lambda *a: None)
+    storage = open_storage(first.storage)
+    asked = len(optuna.load_study(study_name=first.results[0].study_name, storage=storage).trials)
+    again = run_search(job, resume=True, trials=200, say=lambda *a: None).results[0]
+    assert again.stopped == first.results[0].stopped and "grid exhausted" in again.stopped
+    assert len(optuna.load_study(study_name=again.study_name, storage=storage).trials) == asked
+    assert (again.measured, again.best_config) == (first.results[0].measured, first.results[0].best_config)
+    with ResultsDB.open(first.db_location, create=False) as db:
+        assert [b.config for b in db.best_configs()] == [again.best_config]
+
+
 def test_a_grid_point_that_always_fails_unmeasured_is_not_queued_for_ever(workdir):
     """A point queued again after each failure would be the first thing every resume does, though it
     fails for its own reasons (here a plugin's check raises on it): it is queued again at most
-    MAX_GRID_REQUEUES times."""
+    MAX_GRID_REQUEUES times, and then counts as tried (the grid sampler must not propose it again)."""
     from fa4tune.errors import SpaceError
     from fa4tune.search import MAX_GRID_REQUEUES
     from fa4tune.space import Choice, SearchSpace, _registered, register_space
@@ -240,9 +256,10 @@ def test_a_grid_point_that_always_fails_unmeasured_is_not_queued_for_ever(workdi
         job = load_job(write_job(workdir, spaces={"tiles": {"tile_m": [128], "tile_n": [64, 96, 128]},
                                                   "boom_on_96": {}},
                                  budget={"trials": 20}, sampler="grid", warm_start=0, probes=0))
-        for session in range(MAX_GRID_REQUEUES + 4):
+        for session in range(MAX_GRID_REQUEUES + 1):
             with pytest.raises(SpaceError, match="planted plugin bug"):  # a plugin's bug stops the search
                 run_search(job, resume=session > 0, say=lambda *a: None)
+        assert "grid exhausted" in run_search(job, resume=True, say=lambda *a: None).results[0].stopped
         storage = optuna.storages.JournalStorage(
             optuna.storages.journal.JournalFileBackend("fa4tune-results/results.optuna.journal"))
         study = optuna.load_study(study_name=optuna.get_all_study_summaries(storage)[0].study_name, storage=storage)

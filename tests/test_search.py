@@ -2,8 +2,8 @@ import itertools
 
 import pytest
 
-from conftest import write_job
-from fa4tune.db import ResultsDB
+from conftest import COLLAPSED_GRID, write_job
+from fa4tune.db import ResultsDB, config_key
 from fa4tune.errors import JobError
 from fa4tune.job import load_job
 from fa4tune.kernels import get_kernel
@@ -11,6 +11,7 @@ from fa4tune.measure.model import CostModelBackend
 from fa4tune.problem import Problem
 from fa4tune.search import run_search
 from fa4tune.space import compose
+from fa4tune.studies import open_storage
 from fa4tune.target import get_target
 
 KERNEL = get_kernel()
@@ -78,6 +79,27 @@ def test_grid_sampler_exhausts_a_tiny_space(workdir):
     assert "exhausted" in result.stopped
     assert result.measured + result.pruned == size
     assert result.best_ms == pytest.approx(best_ms)
+
+
+@pytest.mark.parametrize("lookahead", [0, 2])
+def test_a_grid_search_asks_for_each_point_once_and_ends_when_all_were_tried(workdir, lookahead):
+    """Once every point was asked for, the grid sampler proposes visited ones again; with points
+    that are one config the stored configs never reach the space's size, and the repeats went on
+    until they read as convergence. Candidates asked ahead (lookahead) must not outrun the grid."""
+    import optuna
+
+    job = load_job(write_job(workdir, spaces=COLLAPSED_GRID, sampler="grid", budget={"trials": 100}))
+    (best_ms, _), size = exhaustive_optimum(job)
+    spy = SpyBackend(KERNEL, H200)
+    spy.lookahead = lookahead
+    summary = run_search(job, backend=spy, say=quiet)
+    result = summary.results[0]
+    assert result.stopped == f"grid exhausted (all {size} points tried)"
+    assert result.best_ms == pytest.approx(best_ms)
+    assert len(spy.seen) == result.measured == len({config_key(c) for _, c in spy.seen})
+    trials = optuna.load_study(study_name=result.study_name, storage=open_storage(summary.storage)).trials
+    grid_ids = [t.system_attrs["grid_id"] for t in trials if "grid_id" in t.system_attrs]
+    assert sorted(grid_ids) == list(range(size)), "a grid point was proposed twice, or never"
 
 
 def test_infeasible_configs_never_reach_the_backend(workdir):

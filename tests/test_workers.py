@@ -14,9 +14,10 @@ from pathlib import Path
 import optuna
 import pytest
 
-from conftest import REPO, sigint_default, write_job
+from conftest import COLLAPSED_GRID, REPO, sigint_default, write_job
 from fa4tune.cli import main
 from fa4tune.db import ResultsDB
+from fa4tune.search import MAX_CONSECUTIVE_REPEATS
 from fa4tune.studies import CLAIM_ATTR, GIVEN_BACK_ATTR, WORKER_ATTR, open_storage, parse_worker
 
 SPACE = ["tiles", "pipeline", "exp2", "softmax"]
@@ -176,6 +177,19 @@ def test_workers_never_measure_one_config_twice_even_in_a_tiny_space(workdir, sl
     assert_exactly_once(DB, JOURNAL, budget=9, n_studies=1)
     measured = measurements(slow_env)
     assert sum(measured.values()) == 9 and max(measured.values()) == 1, measured
+
+
+def test_workers_end_a_grid_search_when_every_point_was_tried(workdir, slow_env):
+    """Workers sharing a grid whose points are fewer configs: each config is measured once, and each
+    worker ends the study as exhausted (none asks the grid sampler for a point again)."""
+    path = write_job(workdir, spaces=COLLAPSED_GRID, sampler="grid", budget={"trials": 100})
+    out = finish(start_search(workdir, slow_env, path, "--workers", 3, delay=0.1))
+    assert "grid exhausted (all 8 points tried)]" in out, out
+    measured = measurements(slow_env)
+    assert max(measured.values()) == 1, measured
+    [trials] = studies(JOURNAL).values()
+    assert {t.system_attrs["grid_id"] for t in trials if "grid_id" in t.system_attrs} == set(range(8))
+    assert len(trials) < MAX_CONSECUTIVE_REPEATS, len(trials)  # no worker asked on until "converged"
 
 
 def test_a_worker_killed_mid_trial_loses_nothing_journal(workdir, slow_env, hold):
