@@ -370,6 +370,9 @@ class _Context:
                 result = self._result(problem, name, result)  # other workers' trials count too
                 stop = self._stop_reason(result, size, state, name)
                 grid = "open" if stop or queue else self._grid_left(study)
+                if grid == "done":  # checked again where a failed point and its queued copy are written
+                    with self.db.locked(name):
+                        grid = self._grid_left(study)
                 if grid == "done":
                     stop = f"grid exhausted (all {len(study.sampler._all_grids)} points tried)"
                 if stop:
@@ -400,7 +403,7 @@ class _Context:
                     bar.set_postfix_str(f"{shown}, pruned {result.pruned}")
         finally:
             for candidate in queue:  # asked but never measured: nothing to learn from them
-                self._fail_unmeasured(study, candidate.trial.number)
+                self._fail_unmeasured(study, name, candidate.trial.number)
                 candidate.heartbeat.join()
                 if not candidate.reasons and self.backend.lookahead:
                     self.backend.discard(problem, self.kernel.make_config(candidate.config))
@@ -457,6 +460,8 @@ class _Context:
         import optuna
 
         state = optuna.trial.TrialState
+        if study._storage.get_n_trials(study._study_id) < len(study.sampler._all_grids):
+            return "open"  # not every point asked for yet (a count, not a read of every trial)
         trials = study.get_trials(deepcopy=False)
         asked = {t.system_attrs["grid_id"] for t in trials if "grid_id" in t.system_attrs and t.state != state.WAITING}
         if len(asked) < len(study.sampler._all_grids) or any(t.state == state.WAITING for t in trials):
@@ -537,7 +542,7 @@ class _Context:
                 if "fixed_params" in mine.system_attrs or "failed_trial" in mine.system_attrs:
                     give_back(study, mine)  # a queued config: another worker (or pass) takes it
                 else:
-                    self._fail_unmeasured(study, trial.number)
+                    self._fail_and_requeue(study, trial.number)
                 return "full"
             trial.set_user_attr(CLAIM_ATTR, key)
             return "claimed"
@@ -695,11 +700,22 @@ class _Context:
         if stored is not None:
             _tell_stored(study, number, stored)
         else:
-            self._fail_unmeasured(study, number)
+            self._fail_unmeasured(study, name, number)
 
-    def _fail_unmeasured(self, study, number: int) -> None:
-        """Fail a trial that was asked for but never measured. A grid point is queued again: the
-        grid sampler counts a failed trial's point as visited and would never propose it again."""
+    def _fail_unmeasured(self, study, name: str, number: int) -> None:
+        """Fail a trial that was asked for but never measured. A grid search's point is failed and
+        queued again under the study's lock, so that no worker judges the grid exhausted between
+        the two (_grid_left)."""
+        if self.job.sampler.name != "grid":
+            self._fail_and_requeue(study, number)
+            return
+        with self.db.locked(name):
+            self._fail_and_requeue(study, number)
+
+    def _fail_and_requeue(self, study, number: int) -> None:
+        """_fail_unmeasured's body, for a caller that holds the study's lock. A grid point is queued
+        again: the grid sampler counts a failed trial's point as visited and would never propose it
+        again."""
         import optuna
 
         study.tell(number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)

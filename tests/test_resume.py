@@ -217,6 +217,63 @@ def test_a_grid_search_cut_short_while_suggesting_resumes(workdir, monkeypatch):
     assert "exhausted" in summary.results[0].stopped, summary.results[0].stopped
 
 
+@pytest.mark.parametrize("cut", ["claim", "lookahead"])
+def test_a_grid_point_failed_unmeasured_is_queued_again_under_the_studys_lock(workdir, monkeypatch, cut):
+    """Between a point's failure and its copy in the queue, another worker would see every point
+    asked for and none queued or running, and end the grid as exhausted with that point never
+    measured: both happen under the study's lock, where that worker checks again before it stops.
+    Cut short while claiming (the trial is settled) or while waiting in the lookahead queue."""
+    import contextlib
+
+    from fa4tune.measure.model import CostModelBackend
+    from fa4tune.search import SearchInterrupted, _Context
+    from fa4tune.target import get_target
+
+    job = load_job(write_job(workdir, spaces={"tiles": {"tile_m": [128], "tile_n": [64, 96, 128, 160]}},
+                             sampler="grid", budget={"trials": 100}, warm_start=0, probes=0))
+    backend = CostModelBackend(job.kernel, get_target("H200"))
+    backend.lookahead = 1 if cut == "lookahead" else 0
+    events, held = [], []
+    locked, tell, enqueue = ResultsDB.locked, optuna.study.Study.tell, optuna.study.Study.enqueue_trial
+    claim = _Context._claim
+
+    @contextlib.contextmanager
+    def spy_locked(self, name):
+        with locked(self, name) as lock:
+            held.append(name)
+            try:
+                yield lock
+            finally:
+                held.pop()
+
+    def spy_tell(self, trial, *args, state=None, **kwargs):
+        if state == optuna.trial.TrialState.FAIL:
+            events.append(("fail", bool(held)))
+        return tell(self, trial, *args, state=state, **kwargs)
+
+    def spy_enqueue(self, params, *args, **kwargs):
+        events.append(("queued", bool(held)))
+        return enqueue(self, params, *args, **kwargs)
+
+    def interrupted_claim(self, study, name, problem, candidate):
+        if len(self.db.trials()) == 2:  # the third point's claim
+            raise KeyboardInterrupt
+        return claim(self, study, name, problem, candidate)
+
+    monkeypatch.setattr(ResultsDB, "locked", spy_locked)
+    monkeypatch.setattr(optuna.study.Study, "tell", spy_tell)
+    monkeypatch.setattr(optuna.study.Study, "enqueue_trial", spy_enqueue)
+    monkeypatch.setattr(_Context, "_claim", interrupted_claim)
+    with pytest.raises(SearchInterrupted):
+        run_search(job, backend=backend, say=lambda *a: None)
+    failed = [e for e in events if e[0] == "fail"]
+    assert failed and ("queued", True) in events, events
+    assert all(under for _, under in events), f"failed or queued outside the study's lock: {events}"
+    monkeypatch.setattr(_Context, "_claim", claim)
+    summary = run_search(job, backend=backend, resume=True, say=lambda *a: None)
+    assert "exhausted" in summary.results[0].stopped and summary.results[0].measured == 4
+
+
 def test_a_resumed_grid_search_whose_every_point_was_tried_asks_for_none(workdir):
     """Resumed with a larger budget, a study whose grid is exhausted ends at once, its best config
     kept: asked again, the grid sampler would only propose points tried already."""
