@@ -447,11 +447,12 @@ def attention_forward(q, k, v, config: FwdConfig, causal: bool = False, softmax_
     if lse is None:
         lse = torch.empty((batch, nheads_q, seqlen_q), dtype=torch.float32, device=q.device)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(problem.head_dim)
-    tensors = [from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=3) for t in (q, k, v, out)]
-    lse_t = from_dlpack(lse, assumed_align=4).mark_layout_dynamic(leading_dim=2)
     # The host function launches on the current device, and the counter is that device's current
-    # stream's: both must be the tensors' device.
+    # stream's: both must be the tensors' device. So must the current device be when torch exports a
+    # tensor through DLPack (torch 2.11 refuses a tensor of another device).
     with torch.cuda.device(q.device):
+        tensors = [from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=3) for t in (q, k, v, out)]
+        lse_t = from_dlpack(lse, assumed_align=4).mark_layout_dynamic(leading_dim=2)
         stream_handle = torch.cuda.current_stream(q.device).cuda_stream
         counter = from_dlpack(launch_counter(config, causal, q.device), assumed_align=4)
         compiled.function(*tensors, lse_t, counter, Float32(scale * math.log2(math.e)),
