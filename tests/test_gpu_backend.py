@@ -204,6 +204,31 @@ def test_a_config_the_results_db_holds_as_ok_vouches_for_the_gpu(workdir, monkey
     assert len(later) == 4 and all("exit status 3" in t["reason"] for t in later)
 
 
+def test_the_db_config_that_checks_the_gpu_comes_from_the_compile_pools_cache(workdir, monkeypatch):
+    """With a compile pool, the DB's config is not compiled again by the measuring worker at every
+    check: the pool hands over its object file, found in the kernel cache where the earlier run put it."""
+    from fa4tune.measure.gpu import GpuBackend
+
+    pool = {**PLANTED, "compile_workers": 2, "cache_dir": str(workdir / "kernels"), "confirm_rounds": 1}
+    earlier = write_job(workdir, name="earlier", backend="gpu", target=None, sampler="grid", problems=[HDIM256],
+                        spaces={"tiles": {"tile_m": [128], "tile_n": [64, planted.EXIT_TILE_N]}}, measure=pool)
+    run_search(load_job(earlier), say=quiet)
+    cached = {str(p) for p in (workdir / "kernels").rglob("*.o")}
+    checks, request = [], GpuBackend._request
+
+    def spy(self, problem, config, mode, artifact, salt=0):
+        if mode == "retime" and self.deaths:  # a health check (after deaths), not a confirmation
+            checks.append((config["tile_n"], artifact))
+        return request(self, problem, config, mode, artifact, salt)
+
+    monkeypatch.setattr(GpuBackend, "_request", spy)
+    crashing = write_job(workdir, name="crashing", backend="gpu", target=None, spaces=CRASHING_SPACE, sampler="grid",
+                         problems=[HDIM256], measure={**pool, "max_worker_deaths": 2})
+    [result] = run_search(load_job(crashing), say=quiet).results
+    assert "exhausted" in result.stopped and result.measured == 4
+    assert checks and all(tile_n == 64 and artifact in cached for tile_n, artifact in checks), (checks, cached)
+
+
 DECOYS = {"another problem": {"problem": Problem(head_dim=256, seqlen_q=1024, batch=2, nheads_q=8)},
           "another kernel hash": {"kernel_hash": "0" * 64}, "another target": {"target": "H100-SXM"},
           "an estimate": {"is_estimate": True}, "a config stored as wrong": {}}

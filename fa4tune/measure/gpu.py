@@ -181,7 +181,8 @@ class GpuBackend(Backend):
             self.last_good = problem.key()
 
     def note_stored_good(self, problem, config: dict) -> None:
-        # No artifact: an earlier session's object file may be gone, so the measuring worker compiles it.
+        # No artifact yet: the health check asks the compile pool (whose cache may hold it), else the
+        # measuring worker compiles it.
         self.stored_good[problem.key()] = (problem, config, None)
 
     def prefetch(self, problem, config) -> None:
@@ -345,6 +346,13 @@ class GpuBackend(Backend):
             return ("and no config of this problem has measured ok in this session or in the results DB to check "
                     "the GPU with")
         problem, config, artifact = good
+        if artifact is None:
+            # A config from the results DB: the compile pool has its object file in the kernel cache
+            # when an earlier session compiled it there, and keeps it for the next check.
+            artifact, _, failure = self._compiled(problem, config)
+            if failure is not None:
+                return (f"and a config of this problem that measured ok before "
+                        f"({self.kernel.make_config(config).short()}) failed too: {failure}")
         try:
             reply = self.worker.request(self._request(problem, config, "retime", artifact), self._timeouts(), None)
         except WorkerUnavailable as exc:
