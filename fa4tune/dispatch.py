@@ -25,8 +25,8 @@ import numbers
 import struct
 import threading
 
-from .kernels.interface import (UnsupportedInput, check_device, check_no_grad,  # noqa: F401  (API)
-                                current_device_getter, problem_of)
+from .kernels.interface import (UnsupportedInput, check_device, check_grid,  # noqa: F401  (API)
+                                check_no_grad, current_device_getter, problem_of)
 from .problem import Problem
 
 MAX_PREPARED = 4096  # prepared launches kept; beyond it the cache starts over (shapes that never repeat)
@@ -50,7 +50,7 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None)
                softmax_scale) if causal is True or causal is False else None
         if q.requires_grad or k.requires_grad or v.requires_grad:  # checked on every call, not once
             check_no_grad(q, k, v)
-    except AttributeError:  # not tensors: _prepare says which
+    except (AttributeError, RuntimeError):  # not tensors, or nested ones (no shape): _prepare says which
         key = None
     try:
         launch = _LAUNCHES.get(key)
@@ -112,6 +112,7 @@ def _prepare(key, q, k, v, causal, softmax_scale) -> "_Launch":
     from .runtime import lookup
 
     config = lookup(problem, target).config
+    check_grid(config, problem)  # a default's: the lookup skips borrowed configs that cannot launch
     with _PREPARE_LOCK:
         launch = _LAUNCHES.get(key) if key is not None else None
         if launch is None:
@@ -189,7 +190,7 @@ class _Launch:
         q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
         if (q_ptr | k_ptr | v_ptr) & 15:
             raise UnsupportedInput("q, k and v must start at 16-byte aligned addresses (for the TMA); "
-                                   "use .contiguous() on a sliced tensor")
+                                   "pass a .clone() of a tensor sliced at an odd offset")
         if self._get_device() == self.device_index:
             return self._launch(q_ptr, k_ptr, v_ptr)
         # The kernel launches in the current device's context, on its current stream, whose tile

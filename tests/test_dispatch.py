@@ -48,6 +48,12 @@ def test_attention_is_the_dispatch_function():
     # torch calls this contiguous (.contiguous() returns it as it is), but the TMA needs every stride aligned.
     (lambda: (torch.empty(2, 256, 1, 128, dtype=torch.bfloat16).as_strided((2, 256, 1, 128), (32768, 128, 1, 1)),
               *qkv(hkv=1, device="cpu")[1:]), r"size-1 dims too; use q.clone\(memory_format=torch.contiguous_format\)"),
+    # An expanded view: the DSL took the zero stride as a constant and read the descriptor wrong.
+    (lambda: (qkv()[0], *(t[:, :, :1].expand(2, 256, 4, 128) for t in qkv(hkv=1, device="cpu")[1:])),
+     r"k has a zero stride .* \(an expanded view\)"),
+    (lambda: (torch.nested.nested_tensor([torch.zeros(256, 4, 128, dtype=torch.bfloat16)] * 2), *qkv()[1:]),
+     "dense tensors; q is nested"),
+    (lambda: (qkv(device="cpu")[0].to_sparse(), *qkv()[1:]), "dense tensors; q is torch.sparse_coo"),
 ])
 def test_unsupported_inputs_are_named(make, match):
     q, k, v = make()
@@ -213,3 +219,30 @@ def test_direct_call_falls_back_to_the_dsl_call():
     executor = SimpleNamespace(run_compiled_program=seen.append)
     run, result = direct_call(executor, [1, 2, 3])
     assert run() == 0 and result is None and seen == [[1, 2, 3]]
+
+
+def test_a_config_whose_launch_grid_cannot_hold_the_problem_is_infeasible():
+    """One CTA per tile, non-causal: (m blocks, heads, batch) grid, y and z at most 65535; persistent
+    and causal launches are flat."""
+    from fa4tune.kernels.config import FwdConfig, infeasible_reasons
+    from fa4tune.target import get_target
+
+    big = Problem(head_dim=128, seqlen_q=128, batch=65536, nheads_q=1)
+    one_per_tile = FwdConfig(persistent=False)
+    assert any("batch 65536 > 65535" in r for r in infeasible_reasons(big, one_per_tile, get_target("H200")))
+    causal = Problem(**{**big.to_dict(), "causal": True})
+    for config, problem in ((FwdConfig(persistent=True), big), (one_per_tile, causal),
+                            (one_per_tile, Problem(head_dim=128, seqlen_q=128, batch=65535, nheads_q=1))):
+        assert not infeasible_reasons(problem, config, get_target("H200")), (config, problem)
+
+
+def test_outputs_passed_in_are_checked():
+    from fa4tune.kernels.interface import check_output
+
+    good = torch.empty(2, 4, 8)
+    check_output("lse", good, (2, 4, 8), torch.float32, good.device)
+    for t, match in ((torch.empty(2, 4, 9), "lse must be"), (good.half(), "lse must be"),
+                     (torch.empty(2, 4, 1).expand(2, 4, 8), "without zero strides"),
+                     (torch.empty(2, 8, 4).transpose(1, 2), "contiguous in its last dimension"), ([1], "dense torch")):
+        with pytest.raises(UnsupportedInput, match=match):
+            check_output("lse", t, (2, 4, 8), torch.float32, good.device)

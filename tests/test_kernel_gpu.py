@@ -171,6 +171,41 @@ def test_fp16_inputs():
 
 
 
+def test_attention_forward_writes_into_the_callers_out_and_lse_and_refuses_bad_ones():
+    """out= and lse= are written with their own strides: the right ones receive the result (a
+    strided out too), a wrong shape, dtype or a zero stride is refused before the launch."""
+    from fa4tune.kernels.interface import UnsupportedInput, attention_forward
+    from fa4tune.kernels.reference import attention_reference
+
+    p = Problem(head_dim=128, causal=True, seqlen_q=1000, seqlen_k=1000, batch=2, nheads_q=4)
+    q, k, v = make_inputs(p, seed=11)
+    ref_out, ref_lse = attention_reference(q, k, v, causal=True)
+    out = torch.full((2, 4, 1000, 128), float("nan"), dtype=q.dtype, device="cuda").transpose(1, 2)
+    lse = torch.full((2, 4, 1000), float("nan"), device="cuda")
+    got_out, got_lse = attention_forward(q, k, v, FwdConfig(), causal=True, out=out, lse=lse)
+    assert got_out is out and got_lse is lse
+    assert ((out.float() - ref_out).norm() / ref_out.norm()).item() < OUT_TOL
+    assert (lse - ref_lse).abs().max().item() < LSE_TOL
+    bad = [(dict(out=torch.empty(2, 1000, 4, 64, dtype=q.dtype, device="cuda")), "out must be"),
+           (dict(out=torch.empty_like(q, dtype=torch.float16)), "out must be"),
+           (dict(lse=torch.empty(2, 4, 999, device="cuda")), "lse must be"),
+           (dict(lse=torch.empty(1, 1, 1000, device="cuda").expand(2, 4, 1000)), "without zero strides")]
+    for kwargs, match in bad:
+        with pytest.raises(UnsupportedInput, match=match):
+            attention_forward(q, k, v, FwdConfig(), causal=True, **kwargs)
+
+
+def test_a_batch_the_launch_grid_cannot_hold_is_refused_by_name():
+    """Head dim 256, non-causal: the default runs one CTA per tile on a (m blocks, heads, batch) grid,
+    whose z extent CUDA caps at 65535."""
+    import fa4tune
+    from fa4tune.kernels.interface import UnsupportedInput
+
+    q = torch.zeros(65536, 8, 1, 256, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(UnsupportedInput, match=r"batch 65536 > 65535 .*split the batch"):
+        fa4tune.attention(q, q, q)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim,head_dim_v", [(96, 96), (192, 128), (192, 192), (256, 256)])
 def test_other_head_dims_match_reference(head_dim, head_dim_v, causal):

@@ -126,10 +126,24 @@ def unsupported_reasons(problem: Problem, target: Target) -> list[str]:
     return reasons
 
 
+MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z extents
+
+
+def grid_reasons(config: FwdConfig, problem: Problem) -> list[str]:
+    """Why the launch grid cannot hold the problem. One CTA per tile without causality launches a
+    (m blocks, heads, batch) grid, whose y and z extents CUDA caps; the other launches are flat."""
+    if config.persistent or problem.causal:
+        return []
+    return [f"{name} {value} > {MAX_GRID_YZ} (the grid's {axis} extent with one CTA per tile, non-causal)"
+            for name, value, axis in (("heads", problem.nheads_q, "y"), ("batch", problem.batch, "z"))
+            if value > MAX_GRID_YZ]
+
+
 def infeasible_reasons(problem: Problem, config: FwdConfig, target: Target) -> list[str]:
     """Every reason this config cannot be built or cannot be right for this problem on this target."""
     return (
         unsupported_reasons(problem, target)
+        + grid_reasons(config, problem)
         + resources.tile_reasons(config, problem)
         + resources.smem_reasons(config, problem, target)
         + resources.register_reasons(config, problem, target)

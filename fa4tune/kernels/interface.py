@@ -362,6 +362,9 @@ def problem_of(q, k, v, causal) -> Problem:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise UnsupportedInput(f"attention takes torch tensors; {name} is a {type(t).__name__}")
+        if t.layout is not torch.strided or t.is_nested:
+            raise UnsupportedInput(f"attention takes dense tensors; {name} is "
+                                   f"{'nested' if t.is_nested else t.layout}")
         if t.dim() != 4:
             raise UnsupportedInput(f"attention takes 4-D tensors (batch, seqlen, heads, head_dim); "
                                    f"{name} has shape {tuple(t.shape)}")
@@ -388,6 +391,11 @@ def problem_of(q, k, v, causal) -> Problem:
         raise UnsupportedInput(f"the heads of q ({q.shape[2]}) must be a multiple of the heads of k and v "
                                f"({k.shape[2]}) (grouped-query attention)")
     for name, t in (("q", q), ("k", k), ("v", v)):
+        if 0 in t.stride():
+            # An expanded view (k[:, :, :1].expand(...), say): the kernel's copies take each row from
+            # its own address. (GQA needs no expansion: pass k and v with their own heads.)
+            raise UnsupportedInput(f"{name} has a zero stride {t.stride()} (an expanded view); pass "
+                                   f"{name}.contiguous(), or k and v with fewer heads than q (GQA)")
         if t.stride(-1) != 1:
             raise UnsupportedInput(f"{name} must be contiguous in its last dimension (head_dim); its strides are "
                                    f"{t.stride()} (use {name}.contiguous())")
@@ -421,7 +429,34 @@ def check_device(q, k, v) -> None:
         if t.device != q.device:
             raise UnsupportedInput(f"q, k and v must be on one device; q is on {q.device}, {name} on {t.device}")
         if t.data_ptr() % 16:
-            raise UnsupportedInput(f"{name} must start at a 16-byte aligned address (for the TMA)")
+            raise UnsupportedInput(f"{name} must start at a 16-byte aligned address (for the TMA); "
+                                   f"pass {name}.clone()")
+
+
+def check_output(name: str, t, shape: tuple, dtype, device, align: int = 16) -> None:
+    """An output tensor the caller passed (attention_forward's out or lse): the kernel writes it
+    with its own strides, so anything but this shape, dtype and device, a unit last stride and an
+    `align`-byte aligned start (16 for the TMA store of out), or UnsupportedInput."""
+    import torch
+
+    if not isinstance(t, torch.Tensor) or t.layout is not torch.strided or t.is_nested:
+        raise UnsupportedInput(f"{name} must be a dense torch tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device:
+        raise UnsupportedInput(f"{name} must be {tuple(shape)} {dtype} on {device}; it is {tuple(t.shape)} "
+                               f"{t.dtype} on {t.device}")
+    if t.stride(-1) != 1 or 0 in t.stride() or t.data_ptr() % align:
+        raise UnsupportedInput(f"{name} must be contiguous in its last dimension, without zero strides, and "
+                               f"start {align}-byte aligned; its strides are {t.stride()}")
+
+
+def check_grid(config: FwdConfig, problem: Problem) -> None:
+    """UnsupportedInput when the config's launch grid cannot hold the problem (config.grid_reasons)."""
+    from .config import grid_reasons
+
+    reasons = grid_reasons(config, problem)
+    if reasons:
+        raise UnsupportedInput(f"config {config.short()} cannot launch {problem.key()}: {'; '.join(reasons)}; "
+                               "split the batch")
 
 
 def attention_forward(q, k, v, config: FwdConfig, causal: bool = False, softmax_scale: float | None = None,
@@ -440,12 +475,20 @@ def attention_forward(q, k, v, config: FwdConfig, causal: bool = False, softmax_
     from cutlass import Float32, Int32
     from cutlass.cute.runtime import from_dlpack
 
+    check_grid(config, problem)
     compiled = compile_forward(config, problem.dtype, problem.head_dim, problem.head_dim_v, causal, target)
     batch, seqlen_q, nheads_q, _ = q.shape
+    out_shape, lse_shape = (batch, seqlen_q, nheads_q, problem.head_dim_v), (batch, nheads_q, seqlen_q)
     if out is None:
-        out = torch.empty((batch, seqlen_q, nheads_q, problem.head_dim_v), dtype=q.dtype, device=q.device)
+        out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+    else:
+        check_output("out", out, out_shape, q.dtype, q.device)
+        if any(s % 8 for s in out.stride()[:-1]):
+            raise UnsupportedInput(f"out's strides {out.stride()} must be multiples of 8 elements (TMA store)")
     if lse is None:
-        lse = torch.empty((batch, nheads_q, seqlen_q), dtype=torch.float32, device=q.device)
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    else:
+        check_output("lse", lse, lse_shape, torch.float32, q.device, align=4)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(problem.head_dim)
     # The host function launches on the current device, and the counter is that device's current
     # stream's: both must be the tensors' device. So must the current device be when torch exports a
