@@ -132,9 +132,11 @@ def cmd_show(args) -> int:
         return 0
 
     from .db import ResultsDB
+    from .target import get_target
 
+    target = get_target(args.target).name if args.target else None  # the DB holds "H200", not "h200"
     with ResultsDB.open(args.db, create=False) as db:
-        entries = [e for e in db.best_configs(kernel=args.kernel, target=args.target)]
+        entries = [e for e in db.best_configs(kernel=args.kernel, target=target)]
         if not entries:
             _say(f"no best configs in {db.location}")
             return 0
@@ -163,21 +165,50 @@ def cmd_show(args) -> int:
 
 
 # ---- export / import --------------------------------------------------------------------------------
+def _refuse_overwrite(out: str) -> None:
+    """An existing table is someone's tuning (the shipped one: measurements and their carry records):
+    `export` replaces it only when told to, and says what would be lost."""
+    from .tables import TableError, read_table, table_paths
+
+    for path in table_paths(out):
+        if not path.is_file():  # a directory in the way is the write's error to report
+            continue
+        try:
+            document = read_table(path)
+        except TableError as exc:
+            holds = f"something that is not a readable table ({exc})"
+        else:
+            rows = document["entries"]
+            estimated = sum(row["is_estimate"] for row in rows)
+            carried = len(document.get("carried", []))
+            holds = (f"{len(rows)} entries ({len(rows) - estimated} measured, {estimated} cost-model estimates) "
+                     f"of {document['kernel']} hash {document['kernel_hash'][:12]} on {document['target']}"
+                     + (f", with {carried} carry records" if carried else ""))
+        raise Fa4tuneError(f"{path} exists and holds {holds}; export writes nothing over it without --force "
+                           "(or give another --out)")
+
+
 def cmd_export(args) -> int:
     from .db import ResultsDB
     from .kernels import get_kernel
-    from .tables import export_table
+    from .tables import default_table_path, export_table
+    from .target import get_target
 
     kernel = get_kernel(args.kernel)
     with ResultsDB.open(args.db, create=False) as db:
-        targets = [args.target] if args.target else sorted({e.target for e in db.best_configs(kernel=kernel.name)})
+        targets = ([get_target(args.target).name] if args.target
+                   else sorted({e.target for e in db.best_configs(kernel=kernel.name)}))
         if not targets:
             raise Fa4tuneError(f"no best configs of {kernel.name} in {db.location}: nothing to export")
         if args.out and len(targets) > 1:
             raise Fa4tuneError(f"the DB has configs for several targets ({', '.join(targets)}); "
                                "pick one with --target when giving --out")
-        for target in targets:
-            for path in export_table(db, args.out, kernel=kernel, target=target, kernel_hash=args.kernel_hash):
+        outs = {target: args.out or default_table_path(kernel.name, target) for target in targets}
+        if not args.force:
+            for out in outs.values():  # every table checked before any is written
+                _refuse_overwrite(out)
+        for target, out in outs.items():
+            for path in export_table(db, out, kernel=kernel, target=target, kernel_hash=args.kernel_hash):
                 _say(f"fa4tune: exported {path}")
     return 0
 
@@ -263,6 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernel")
     p.add_argument("--target")
     p.add_argument("--kernel-hash", help="export configs of another kernel version (default: installed)")
+    p.add_argument("--force", action="store_true", help="replace an existing table at the output path")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("import", help="merge an exported table into a DB")

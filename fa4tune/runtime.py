@@ -4,10 +4,11 @@
 
 The ladder: the exact problem, else a tuned problem of the same bucket, else the nearest tuned
 problem of the same dtype, head dims and causality (distance in log seqlen and log batch·heads), else
-the kernel's default; at every rung, configs tuned for the installed kernel code come before stale
-ones. A source is read once and kept in memory; a lookup is a dict access after the
-first call for a problem. It never raises for a missing, empty or unreadable source: it returns the
-default and warns once. Importing this module imports neither torch nor cutlass."""
+the kernel's default; configs tuned for the installed kernel code come before stale ones, and at
+every rung measurements before cost-model estimates. A source is read once and kept in memory; a
+lookup is a dict access after the first call for a problem. It never raises for a missing, empty or
+unreadable source: it returns the default and warns once. Importing this module imports neither
+torch nor cutlass."""
 
 from __future__ import annotations
 
@@ -29,14 +30,15 @@ PACKAGE_TABLES = Path(__file__).resolve().parent / "shipped_tables"
 @dataclass(frozen=True)
 class LookupResult:
     """What `lookup` found: the config, which rung of the ladder it came from ("exact", "bucket",
-    "nearest", "default"), the tuned problem it was borrowed from, and whether that tuning was done
-    on other kernel code (stale)."""
+    "nearest", "default"), the tuned problem it was borrowed from, whether that tuning was done
+    on other kernel code (stale), and whether its time was a cost-model estimate, not a measurement."""
 
     config: object
     source: str
     problem_key: str | None = None
     stale: bool = False
     origin: str | None = None  # the DB or table it came from
+    estimate: bool = False
 
     def __iter__(self):  # `config, how = lookup(p)`
         return iter((self.config, self.source))
@@ -139,20 +141,16 @@ class Lookup:
         key = problem.key()
         ranked = []
         for entry, other_problem, other_key, other in candidates:
-            if other_key == key:
-                rung = 0
-            elif other == bucket:
-                rung = 1
-            else:
-                distance = bucket.distance(other)
-                if distance == float("inf"):
-                    continue
-                rung = 2 + distance
-            # Current kernel code first, then the closest bucket, then the closest problem (within a
-            # bucket, 3000 tokens borrow from 2500 before 4096); the problem key breaks ties stably.
-            closeness = problem.distance(other_problem) if rung else 0.0
-            ranked.append((entry.kernel_hash != installed, rung, closeness, entry.problem_key, entry))
-        for stale, rung, _, _, entry in sorted(ranked, key=lambda r: r[:4]):
+            closeness = problem.distance(other_problem)  # exact sizes: 4100 tokens borrow from 4096, not 8192
+            if closeness == float("inf"):
+                continue
+            rung = 0 if other_key == key else 1 if other == bucket else 2
+            # Current kernel code first, then the rung, then a measurement before an estimate (an
+            # exported estimate table beside a shipped one must not shadow its measurements), then the
+            # closest problem; the problem key breaks ties stably.
+            ranked.append((entry.kernel_hash != installed, rung, entry.is_estimate, closeness,
+                           entry.problem_key, entry))
+        for stale, rung, estimate, _, _, entry in sorted(ranked, key=lambda r: r[:5]):
             try:
                 config = spec.make_config(entry.config)
             except spec.config_error:
@@ -163,7 +161,7 @@ class Lookup:
                 self._warn(f"{index.origin} was tuned for other {spec.name} code (hash "
                            f"{entry.kernel_hash[:12]}, installed {installed[:12]}): its configs are stale")
             how = "exact" if rung == 0 else "bucket" if rung == 1 else "nearest"
-            return LookupResult(config, how, entry.problem_key, stale, index.origin)
+            return LookupResult(config, how, entry.problem_key, stale, index.origin, estimate)
         return LookupResult(spec.default_config(problem, target), "default", None, False, index.origin)
 
 

@@ -83,7 +83,7 @@ def table_paths(out: str | os.PathLike) -> tuple[Path, Path]:
 
 def write_table(document: dict, out: str | os.PathLike) -> list[str]:
     """Write a table's YAML and JSON files; returns their paths. A TableError when one cannot be
-    written, with the pair put back as it was."""
+    written, with the pair put back as it was (a file that was not there is removed again)."""
     texts = dict(zip(table_paths(out), (render_yaml(document), render_json(document))))
     before = {path: path.read_text(encoding="utf-8") if path.is_file() else None for path in texts}
     try:
@@ -93,6 +93,8 @@ def write_table(document: dict, out: str | os.PathLike) -> list[str]:
         for written, text in before.items():
             if text is not None:
                 write_atomically(written, text)
+            elif written.is_file():
+                written.unlink()
         raise TableError(f"cannot write table {path}: {exc.strerror or exc}") from exc
     return [str(path) for path in texts]
 
@@ -137,6 +139,13 @@ def read_table(path: str | os.PathLike) -> dict:
             raise TableError(f"{where}.config: a mapping of knobs")
         if not isinstance(row["time_ms"], (int, float)) or row["time_ms"] <= 0:
             raise TableError(f"{where}.time_ms: a positive number")
+        if not isinstance(row["is_estimate"], bool):  # the lookup ranks measurements before estimates
+            raise TableError(f"{where}.is_estimate: true or false")
+    # The label `fa4tune export` writes (and the YAML header warns by): whether any entry is an estimate.
+    estimates = any(row["is_estimate"] for row in document["entries"])
+    if document.get("estimates") is not estimates:
+        raise TableError(f"{path}: estimates: missing or not {str(estimates).lower()} (whether any entry is a "
+                         "cost-model estimate)")
     return document
 
 

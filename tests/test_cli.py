@@ -192,6 +192,48 @@ def test_table_for_another_kernel_hash(workdir, capsys):
     assert code == 0 and "STALE" in out
 
 
+def test_export_replaces_a_table_only_with_force(workdir, capsys):
+    """A measured table with its carry records is not lost to an estimate export; a job's own export
+    is rewritten by each run of the job."""
+    job = write_job(workdir, export="job-table.yaml")
+    for _ in range(2):
+        assert run_cli(capsys, "search", job, "--no-progress")[0] == 0
+    shipped = REPO / "tuning_configs" / "tables" / "h200-bf16.yaml"
+    (workdir / "tables").mkdir()
+    for suffix in (".yaml", ".json"):
+        (workdir / "tables" / f"h200-bf16{suffix}").write_bytes(shipped.with_suffix(suffix).read_bytes())
+    before = {p: p.read_bytes() for p in (workdir / "tables").iterdir()}
+    table = yaml.safe_load(shipped.read_text())
+    assert_bad_input(capsys, ["export", "--out", "tables/h200-bf16.yaml"], "tables/h200-bf16.yaml exists",
+                     f"{len(table['entries'])} entries ({len(table['entries'])} measured, 0 cost-model estimates)",
+                     f"hash {table['kernel_hash'][:12]}", f"{len(table['carried'])} carry records", "--force")
+    assert {p: p.read_bytes() for p in (workdir / "tables").iterdir()} == before
+    (workdir / "tables" / "h200-bf16.yaml").unlink()  # the JSON half alone is refused too
+    assert_bad_input(capsys, ["export", "--out", "tables/h200-bf16.yaml"], "tables/h200-bf16.json exists")
+    assert run_cli(capsys, "export")[0] == 0
+    assert_bad_input(capsys, ["export"], "tuning_configs/tables/fa4_fwd_sm90-h200.yaml exists",
+                     "1 entries (0 measured, 1 cost-model estimates)")
+    assert run_cli(capsys, "export", "--out", "tables/h200-bf16.yaml", "--force")[0] == 0
+    assert yaml.safe_load((workdir / "tables" / "h200-bf16.yaml").read_text())["estimates"] is True
+
+
+def test_export_and_show_take_a_target_in_any_case(workdir, capsys):
+    assert run_cli(capsys, "search", write_job(workdir), "--no-progress")[0] == 0
+    code, out, _ = run_cli(capsys, "export", "--target", "h200", "--out", "t.yaml")
+    assert code == 0 and "exported t.yaml" in out
+    code, out, _ = run_cli(capsys, "show", "--target", "h200")
+    assert code == 0 and "bf16-d128x128-full-q2048-k2048-b2-h8x8" in out
+    for command in ("export", "show"):
+        assert_bad_input(capsys, [command, "--target", "Z9"], "unknown target 'Z9'", "H200")
+
+
+def test_a_table_half_written_is_taken_back(workdir, capsys):
+    assert run_cli(capsys, "search", write_job(workdir), "--no-progress")[0] == 0
+    (workdir / "out" / "t.json").mkdir(parents=True)
+    assert_bad_input(capsys, ["export", "--out", "out/t.yaml"], "cannot write table out/t.json")
+    assert not (workdir / "out" / "t.yaml").exists()
+
+
 def test_malformed_table_and_missing_files(workdir, capsys):
     (workdir / "t.yaml").write_text("format: [")
     assert_bad_input(capsys, ["import", "t.yaml", "--db", "new.db"], "t.yaml", "malformed YAML")

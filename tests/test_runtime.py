@@ -19,11 +19,16 @@ TUNED_4K = Problem(head_dim=128, seqlen_q=4096, batch=2, nheads_q=16)
 TUNED_16K = Problem(head_dim=128, seqlen_q=16384, batch=2, nheads_q=16)
 
 
-def entry(problem, tile_n, kernel_hash=None, target="H200"):
+def entry(problem, tile_n, kernel_hash=None, target="H200", is_estimate=True):
     config = {**KERNEL.default_config(problem, None).to_dict(), "tile_n": tile_n}
     return BestEntry(kernel=KERNEL.name, kernel_hash=kernel_hash or KERNEL.source_hash(), target=target,
                      problem=problem.to_dict(), problem_key=problem.key(), bucket_key=problem.bucket().key(),
-                     config=config, time_ms=1.0, tflops=500.0, is_estimate=True, provenance={}, source="test")
+                     config=config, time_ms=1.0, tflops=500.0, is_estimate=is_estimate, provenance={},
+                     source="test")
+
+
+def write_table_file(path, entries):
+    path.write_text(render_yaml(table_document(entries, KERNEL.name, KERNEL.source_hash(), "H200")))
 
 
 @pytest.fixture
@@ -68,6 +73,32 @@ def test_within_a_rung_the_closest_tuned_problem_lends_its_config(workdir):
     assert (hit.source, hit.config.tile_n) == ("nearest", 160)
 
 
+def test_the_nearest_rung_ranks_the_problems_not_their_buckets(workdir):
+    """4100 causal tokens (bucket 8k) borrow from the 4096-token problem beside them, not from the one
+    whose bucket is nearer (8192 tokens, 32 query heads over 8)."""
+    tuned_4k = Problem(head_dim=128, seqlen_q=4096, batch=4, nheads_q=16, causal=True)
+    tuned_8k = Problem(head_dim=128, seqlen_q=8192, batch=2, nheads_q=32, nheads_kv=8, causal=True)
+    write_table_file(workdir / "t.yaml", [entry(tuned_4k, 96), entry(tuned_8k, 160)])
+    hit = lookup(Problem(head_dim=128, seqlen_q=4100, batch=4, nheads_q=16, causal=True), "H200",
+                 source=str(workdir / "t.yaml"))
+    assert (hit.source, hit.problem_key, hit.config.tile_n) == ("nearest", tuned_4k.key(), 96)
+
+
+def test_a_measurement_comes_before_an_estimate_at_the_same_rung(workdir):
+    """`fa4tune export` of a cost-model search writes beside the shipped table (its file name sorts
+    first): its estimate of the same problem must not shadow the measurement."""
+    tables = workdir / "tables"
+    tables.mkdir()
+    write_table_file(tables / "fa4_fwd_sm90-h200.yaml", [entry(TUNED_4K, 96)])
+    write_table_file(tables / "h200-bf16.yaml", [entry(TUNED_4K, 160, is_estimate=False)])
+    hit = lookup(TUNED_4K, "H200", source=str(tables))
+    assert (hit.source, hit.config.tile_n) == ("exact", 160) and hit.estimate is False
+    same_bucket = Problem(head_dim=128, seqlen_q=3000, batch=2, nheads_q=16)
+    assert lookup(same_bucket, "H200", source=str(tables)).config.tile_n == 160
+    hit = lookup(TUNED_4K, "H200", source=str(tables / "fa4_fwd_sm90-h200.yaml"))  # an estimate is still used
+    assert (hit.source, hit.config.tile_n, hit.estimate) == ("exact", 96, True)
+
+
 def test_missing_or_empty_sources_give_the_default_and_warn_once(workdir):
     with pytest.warns(RuntimeWarning, match="cannot read tuned configs"):
         hit = lookup(TUNED_4K, "H200", source=str(workdir / "nowhere.db"))
@@ -76,7 +107,7 @@ def test_missing_or_empty_sources_give_the_default_and_warn_once(workdir):
         warnings.simplefilter("error")
         assert lookup(TUNED_16K, "H200", source=str(workdir / "nowhere.db")).source == "default"
     empty = workdir / "empty.yaml"
-    empty.write_text(render_yaml(table_document([], KERNEL.name, KERNEL.source_hash(), "H200")))
+    write_table_file(empty, [])
     with pytest.warns(RuntimeWarning, match="no tuned configs"):
         assert lookup(TUNED_4K, "H200", source=str(empty)).source == "default"
     garbage = workdir / "garbage.yaml"
@@ -143,8 +174,7 @@ def test_an_unreadable_entry_or_table_costs_only_itself(workdir):
     assert source(TUNED_16K, "H200").source == "nearest"  # from the 4k entry; nothing raised
     tables = workdir / "tables"
     tables.mkdir()
-    (tables / "a.yaml").write_text(render_yaml(table_document([entry(TUNED_4K, 96)], KERNEL.name,
-                                                              KERNEL.source_hash(), "H200")))
+    write_table_file(tables / "a.yaml", [entry(TUNED_4K, 96)])
     (tables / "b.yaml").write_text("format: something-else\n")
     with pytest.warns(RuntimeWarning, match="skipped .*b.yaml"):
         assert lookup(TUNED_4K, "H200", source=str(tables)).source == "exact"
@@ -191,7 +221,7 @@ def test_thread_safe_and_cheap(tuned_db):
 
 def test_importing_fa4tune_and_looking_up_a_table_stays_light(workdir):
     table = workdir / "t.yaml"
-    table.write_text(render_yaml(table_document([entry(TUNED_4K, 96)], KERNEL.name, KERNEL.source_hash(), "H200")))
+    write_table_file(table, [entry(TUNED_4K, 96)])
     code = (
         "import sys, fa4tune\n"
         f"hit = fa4tune.lookup(fa4tune.Problem(head_dim=128, seqlen_q=4096, batch=2, nheads_q=16), 'H200', source={str(table)!r})\n"

@@ -84,6 +84,10 @@ def test_a_table_for_another_kernel_hash_is_refused_and_nothing_is_written(searc
     (lambda d: d.update(target="Z9"), "target: unknown target"),
     (lambda d: d.update(carried={"from_hash": "x"}), "carried: a list of records"),
     (lambda d: d.update(carried=[{"from_hash": "x", "to_hash": "y"}]), "carried: a list of records with from_hash"),
+    # `carry --write` renders the label: a table without it must fail here, not with a KeyError there.
+    (lambda d: d.pop("estimates"), "estimates: missing or not true"),
+    (lambda d: d.update(estimates=False), "estimates: missing or not true"),
+    (lambda d: d["entries"][0].update(is_estimate="no"), r"entries\[0\].is_estimate: true or false"),
 ])
 def test_malformed_tables_name_the_field(searched, workdir, edit, message):
     with ResultsDB.open(searched, create=False) as db:
@@ -147,3 +151,7 @@ def test_a_table_pair_that_cannot_be_written_is_put_back(tmp_path):
     with pytest.raises(TableError, match="cannot write table .*t.json"):
         write_table({"format": "x", "estimates": False}, tmp_path / "t")
     assert (tmp_path / "t.yaml").read_text() == "old yaml\n"
+    (tmp_path / "new.json").mkdir()  # and a YAML file that was not there is not left behind
+    with pytest.raises(TableError, match="cannot write table .*new.json"):
+        write_table({"format": "x", "estimates": False}, tmp_path / "new.yaml")
+    assert not (tmp_path / "new.yaml").exists()
