@@ -203,6 +203,11 @@ def _target(target):
 
             _target_cache["default"] = detect_target() or get_target(DEFAULT_TARGET)
         else:  # not kept: once torch is imported, the GPU is asked
+            if "assumed" not in _target_cache:  # said once: a later call may answer differently
+                _target_cache["assumed"] = True
+                warnings.warn(f"fa4tune.lookup: no target given and torch not imported, so the GPU was not "
+                              f"asked: looking up for {DEFAULT_TARGET} (pass target=, or set FA4TUNE_TARGET)",
+                              RuntimeWarning, stacklevel=4)
             return get_target(DEFAULT_TARGET)
     return _target_cache["default"]
 

@@ -269,3 +269,18 @@ def test_the_lookup_cache_is_bounded(tuned_db, monkeypatch):
         source(Problem(head_dim=128, seqlen_q=seqlen, batch=2, nheads_q=16), "H200")
         assert len(source.index().results) <= 8
     assert source(TUNED_4K, "H200").source == "exact"
+
+
+def test_a_lookup_without_target_before_torch_is_imported_says_what_it_assumed(monkeypatch):
+    """Without torch the GPU is not asked (importing it costs seconds): the lookup is for H200 then, and
+    says so once, since after torch is imported the same call may look up for the local GPU instead."""
+    from fa4tune import runtime
+
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    monkeypatch.delenv("FA4TUNE_TARGET", raising=False)
+    monkeypatch.setattr(runtime, "_target_cache", {})
+    with pytest.warns(RuntimeWarning, match="torch not imported, so the GPU was not asked: looking up for H200"):
+        assert runtime._target(None).name == "H200"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert runtime._target(None).name == "H200"  # said once
