@@ -50,7 +50,10 @@ def test_attention_is_the_dispatch_function():
               *qkv(hkv=1, device="cpu")[1:]), r"size-1 dims too; use q.clone\(memory_format=torch.contiguous_format\)"),
     # An expanded view: the DSL took the zero stride as a constant and read the descriptor wrong.
     (lambda: (qkv()[0], *(t[:, :, :1].expand(2, 256, 4, 128) for t in qkv(hkv=1, device="cpu")[1:])),
-     r"k has a zero stride .* \(an expanded view\)"),
+     r"k has a zero stride .* \(an expanded view\?\); pass k.clone\(memory_format=torch.contiguous_format\)"),
+    # A size-1 dim with stride 0: torch calls it contiguous (.contiguous() returns it unchanged).
+    (lambda: (torch.empty_strided((2, 1, 4, 128), (512, 0, 128, 1), dtype=torch.bfloat16),
+              *qkv(sk=1, device="cpu")[1:]), r"q has a zero stride \(512, 0, 128, 1\)"),
     (lambda: (torch.nested.nested_tensor([torch.zeros(256, 4, 128, dtype=torch.bfloat16)] * 2), *qkv()[1:]),
      "dense tensors; q is nested"),
     (lambda: (qkv(device="cpu")[0].to_sparse(), *qkv()[1:]), "dense tensors; q is torch.sparse_coo"),
@@ -241,8 +244,11 @@ def test_outputs_passed_in_are_checked():
 
     good = torch.empty(2, 4, 8)
     check_output("lse", good, (2, 4, 8), torch.float32, good.device)
+    check_output("lse", torch.empty(2, 8, 8)[:, :4], (2, 4, 8), torch.float32, good.device)  # strided, apart
+    check_output("out", torch.empty(1, 1, 4, 8), (1, 1, 4, 8), torch.float32, good.device)  # size-1 dims
     for t, match in ((torch.empty(2, 4, 9), "lse must be"), (good.half(), "lse must be"),
                      (torch.empty(2, 4, 1).expand(2, 4, 8), "without zero strides"),
+                     (torch.empty(64).as_strided((2, 4, 8), (32, 4, 1)), "elements that share memory"),
                      (torch.empty(2, 8, 4).transpose(1, 2), "contiguous in its last dimension"), ([1], "dense torch")):
         with pytest.raises(UnsupportedInput, match=match):
             check_output("lse", t, (2, 4, 8), torch.float32, good.device)

@@ -392,10 +392,12 @@ def problem_of(q, k, v, causal) -> Problem:
                                f"({k.shape[2]}) (grouped-query attention)")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if 0 in t.stride():
-            # An expanded view (k[:, :, :1].expand(...), say): the kernel's copies take each row from
-            # its own address. (GQA needs no expansion: pass k and v with their own heads.)
-            raise UnsupportedInput(f"{name} has a zero stride {t.stride()} (an expanded view); pass "
-                                   f"{name}.contiguous(), or k and v with fewer heads than q (GQA)")
+            # An expanded view (k[:, :, :1].expand(...), say), or a size-1 dim given stride 0 (which torch
+            # calls contiguous): the DSL's DLPack import takes a zero stride for a constant and misreads
+            # the descriptor. (GQA needs no expansion: pass k and v with their own heads.)
+            raise UnsupportedInput(f"{name} has a zero stride {t.stride()} (an expanded view?); pass "
+                                   f"{name}.clone(memory_format=torch.contiguous_format), or k and v with fewer "
+                                   "heads than q (GQA)")
         if t.stride(-1) != 1:
             raise UnsupportedInput(f"{name} must be contiguous in its last dimension (head_dim); its strides are "
                                    f"{t.stride()} (use {name}.contiguous())")
@@ -444,9 +446,21 @@ def check_output(name: str, t, shape: tuple, dtype, device, align: int = 16) -> 
     if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device:
         raise UnsupportedInput(f"{name} must be {tuple(shape)} {dtype} on {device}; it is {tuple(t.shape)} "
                                f"{t.dtype} on {t.device}")
-    if t.stride(-1) != 1 or 0 in t.stride() or t.data_ptr() % align:
-        raise UnsupportedInput(f"{name} must be contiguous in its last dimension, without zero strides, and "
-                               f"start {align}-byte aligned; its strides are {t.stride()}")
+    if t.stride(-1) != 1 or 0 in t.stride() or t.data_ptr() % align or _overlapping(t):
+        raise UnsupportedInput(f"{name} must be contiguous in its last dimension, without zero strides or "
+                               f"elements that share memory, and start {align}-byte aligned; its strides are "
+                               f"{t.stride()}")
+
+
+def _overlapping(t) -> bool:
+    """Whether two elements of t share memory (the kernel's writes to them would race): each dim's
+    stride, in increasing order, must step over everything the smaller ones span."""
+    span = 1
+    for stride, size in sorted((stride, size) for size, stride in zip(t.shape, t.stride()) if size > 1):
+        if stride < span:
+            return True
+        span = stride * size
+    return False
 
 
 def check_grid(config: FwdConfig, problem: Problem) -> None:
@@ -456,7 +470,7 @@ def check_grid(config: FwdConfig, problem: Problem) -> None:
     reasons = grid_reasons(config, problem)
     if reasons:
         raise UnsupportedInput(f"config {config.short()} cannot launch {problem.key()}: {'; '.join(reasons)}; "
-                               "split the batch")
+                               "split the batch (or the heads)")
 
 
 def attention_forward(q, k, v, config: FwdConfig, causal: bool = False, softmax_scale: float | None = None,
