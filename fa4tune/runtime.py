@@ -4,8 +4,8 @@
 
 The ladder: the exact problem, else a tuned problem of the same bucket, else the nearest tuned
 problem of the same dtype, head dims and causality (distance in log seqlen and log batch·heads), else
-the kernel's default; configs tuned for the installed kernel code come before stale ones, and at
-every rung measurements before cost-model estimates. A source is read once and kept in memory; a
+the kernel's default; configs tuned for the installed kernel code come before stale ones, and in the
+problem's bucket measurements before cost-model estimates. A source is read once and kept in memory; a
 lookup is a dict access after the first call for a problem. It never raises for a missing, empty or
 unreadable source: it returns the default and warns once. Importing this module imports neither
 torch nor cutlass."""
@@ -145,12 +145,15 @@ class Lookup:
             if closeness == float("inf"):
                 continue
             rung = 0 if other_key == key else 1 if other == bucket else 2
-            # Current kernel code first, then the rung, then a measurement before an estimate (an
-            # exported estimate table beside a shipped one must not shadow its measurements), then the
-            # closest problem; the problem key breaks ties stably.
-            ranked.append((entry.kernel_hash != installed, rung, entry.is_estimate, closeness,
-                           entry.problem_key, entry))
-        for stale, rung, estimate, _, _, entry in sorted(ranked, key=lambda r: r[:5]):
+            # Current kernel code first. In the problem's own bucket (the unit a config is shared in) a
+            # measurement comes before an estimate, even of the exact problem: the cost model errs by
+            # more than tuning gains, and an estimate table exported beside the shipped one must not
+            # shadow its measurements; then the rung. Beyond the bucket the closest problem comes first,
+            # a measurement before an estimate only at equal distance. The problem key breaks ties.
+            own_bucket = rung < 2
+            ranked.append((entry.kernel_hash != installed, not own_bucket, own_bucket and entry.is_estimate, rung,
+                           closeness, entry.is_estimate, entry.problem_key, entry))
+        for stale, _, _, rung, _, estimate, _, entry in sorted(ranked, key=lambda r: r[:7]):
             try:
                 config = spec.make_config(entry.config)
             except spec.config_error:

@@ -99,6 +99,24 @@ def test_a_measurement_comes_before_an_estimate_at_the_same_rung(workdir):
     assert (hit.source, hit.config.tile_n, hit.estimate) == ("exact", 96, True)
 
 
+def test_in_its_bucket_a_measurement_beats_an_exact_estimate_beyond_it_the_closest_problem_wins(workdir):
+    """An estimate of the exact problem (3000 tokens) does not shadow a measurement of its bucket
+    (4096): the cost model errs by more than tuning gains. Beyond the bucket, the closer problem
+    lends its config, estimate or not: a 12000-token problem borrows from an 8192-token estimate, not
+    from a 65536-token measurement."""
+    tables = workdir / "tables"
+    tables.mkdir()
+    exact = Problem(head_dim=128, seqlen_q=3000, batch=2, nheads_q=16)
+    near, far = (Problem(head_dim=128, seqlen_q=s, batch=2, nheads_q=16) for s in (8192, 65536))
+    write_table_file(tables / "a-estimates.yaml", [entry(exact, 96), entry(near, 128)])
+    write_table_file(tables / "b-measured.yaml", [entry(TUNED_4K, 160, is_estimate=False),
+                                                  entry(far, 176, is_estimate=False)])
+    hit = lookup(exact, "H200", source=str(tables))
+    assert (hit.source, hit.config.tile_n, hit.estimate) == ("bucket", 160, False)
+    hit = lookup(Problem(head_dim=128, seqlen_q=12000, batch=2, nheads_q=16), "H200", source=str(tables))
+    assert (hit.source, hit.config.tile_n, hit.estimate) == ("nearest", 128, True)
+
+
 def test_missing_or_empty_sources_give_the_default_and_warn_once(workdir):
     with pytest.warns(RuntimeWarning, match="cannot read tuned configs"):
         hit = lookup(TUNED_4K, "H200", source=str(workdir / "nowhere.db"))
