@@ -346,13 +346,14 @@ class GpuBackend(Backend):
             return ("and no config of this problem has measured ok in this session or in the results DB to check "
                     "the GPU with")
         problem, config, artifact = good
+        short = self.kernel.make_config(config).short()
+        failed_too = f"and a config of this problem that measured ok before ({short}) failed too"
         if artifact is None:
             # A config from the results DB: the compile pool has its object file in the kernel cache
             # when an earlier session compiled it there, and keeps it for the next check.
             artifact, _, failure = self._compiled(problem, config)
             if failure is not None:
-                return (f"and a config of this problem that measured ok before "
-                        f"({self.kernel.make_config(config).short()}) failed too: {failure}")
+                return f"{failed_too}: {failure}"
         try:
             reply = self.worker.request(self._request(problem, config, "retime", artifact), self._timeouts(), None)
         except WorkerUnavailable as exc:
@@ -360,8 +361,7 @@ class GpuBackend(Backend):
         measurement = self._measurement(problem, reply, None)
         if measurement.status == "ok":
             return None
-        return (f"and a config of this problem that measured ok before ({self.kernel.make_config(config).short()}) "
-                f"failed too: {measurement.status}, {measurement.reason}")
+        return f"{failed_too}: {measurement.status}, {measurement.reason}"
 
     def _measurement(self, problem, reply: Reply, pool_compile_s: float | None) -> Measurement:
         """A Measurement from the worker's reply. The tolerance is enforced here as well: a result
