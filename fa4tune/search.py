@@ -677,7 +677,7 @@ class _Context:
         if not top:
             return
         # The default is timed with them (when it ran correctly): a config replaces it only when it is
-        # faster by more than the backend's min_gain in the same interleaved rounds.
+        # faster by more than the backend's min_gain, and in each of the same interleaved rounds.
         default = self.db.trial_by_config(name, self.space.full_config(problem, self.target, {}))
         if default is not None and default["status"] == "ok" and all(t["id"] != default["id"] for t in top):
             top.append(default)

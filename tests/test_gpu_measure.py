@@ -49,15 +49,18 @@ def test_short_real_search_stores_a_verified_confirmed_best(workdir):
     assert ok and all(t["max_error"] <= TOLERANCES["bf16"].out for t in ok)
     assert all(t["spread_ms"] is not None and t["spread_ms"] < 0.2 * t["time_ms"] for t in ok), "noisy timings"
     confirms = [t for t in trials if t["source"] == "confirm"]
-    assert len(confirms) == min(2, len(ok)) and all(len(c["details"]["rounds_ms"]) == 2 for c in confirms)
+    # The best two, and the default beside them when it is not one of them.
+    assert min(2, len(ok)) <= len(confirms) <= min(2, len(ok)) + 1
+    assert all(len(c["details"]["rounds_ms"]) == 2 for c in confirms)
     assert not best.is_estimate and best.config in [c["config"] for c in confirms]
     fastest = min(c["time_ms"] for c in confirms if c["status"] == "ok")
     kept = best.provenance.get("kept_default")
     if kept is None:
         assert best.time_ms == fastest
-    else:  # the default was confirmed too and the fastest beat it by no more than min_gain
-        assert kept["fastest_gain"] <= kept["min_gain"]
-        assert fastest <= best.time_ms <= fastest / (1 - kept["min_gain"])
+    else:  # the default was confirmed too, and nothing beat it by min_gain in every round
+        assert best.time_ms >= fastest
+        won, compared = kept["rounds_won"]
+        assert kept["fastest_gain"] <= kept["min_gain"] or won < compared == 2
     assert run["gpu_name"] and run["sm_count"] and run["cuda_version"] and run["dsl_version"]
     assert any(t["details"].get("compiled_by") == "pool" for t in ok), "the compile pool handed over no kernel"
 

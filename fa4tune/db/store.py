@@ -410,8 +410,10 @@ class ResultsDB:
         """Store the re-timing of the best few trials of a study (`confirmed`: (trial, measurement)
         pairs) as trials of source `confirm`, and offer the fastest ok one as the best config, in
         one transaction. Only a trial that is ok can be confirmed. `prefer` (the id of one of the
-        confirmed trials, the default config's) is offered first unless the fastest beats it by more
-        than `min_gain` (0.01: 1%). Returns the stored best's trial id, or None when nothing became best."""
+        confirmed trials, the default config's) is offered first unless another beats it
+        (`beats_default`: faster by more than `min_gain`, 0.003 = 0.3%, and in every round timed
+        beside it); the fastest that does goes before it. Returns the stored best's trial id, or None
+        when nothing became best."""
         def work(session: Session) -> int | None:
             stored = []
             for trial, measurement in confirmed:
@@ -431,11 +433,15 @@ class ResultsDB:
             kept = None
             preferred = [item for item in ok if item[2].details.get("confirms_trial") == prefer]
             if ok and preferred and preferred[0] is not ok[0]:
-                gain = 1.0 - ok[0][0] / preferred[0][0]
-                if gain <= min_gain:  # not measurably faster: keep the default (one kernel fewer to build)
-                    ok.remove(preferred[0])
-                    ok.insert(0, preferred[0])
-                    kept = {"fastest_gain": round(gain, 5), "min_gain": min_gain}
+                default = preferred[0]
+                faster = ok[:ok.index(default)]
+                winner = next((item for item in faster if beats_default(item[3], default[3], min_gain)), None)
+                if winner is None:  # none measurably faster: keep the default (one kernel fewer to build)
+                    kept = {"fastest_gain": round(1.0 - ok[0][0] / default[0], 5), "min_gain": min_gain,
+                            "rounds_won": _rounds_won(ok[0][3], default[3])}
+                    winner = default
+                ok.remove(winner)
+                ok.insert(0, winner)
             # A stored best whose config was re-timed here is judged by these side-by-side rounds, not
             # by its time from another session (clocks, temperature); otherwise the lower time stands.
             retimed = {row.config_key for _, _, row, _ in ok}
@@ -769,6 +775,27 @@ def _find_best(session: Session, entry: BestEntry) -> BestConfig | None:
             BestConfig.target == entry.target, BestConfig.problem_key == entry.problem_key,
         ).with_for_update()
     ).first()
+
+
+def beats_default(candidate, default, min_gain: float) -> bool:
+    """Whether a confirmed candidate is measurably faster than the default timed beside it: by more
+    than `min_gain` (median over the rounds) and in every round where both were timed (the rounds
+    are paired: one round times all of them back to back). With 5 rounds, two configs of equal speed
+    pass the second test one time in 32; measurements without rounds are judged by the first alone."""
+    if not 1.0 - candidate.time_ms / default.time_ms > min_gain:
+        return False
+    won = _rounds_won(candidate, default)
+    return won is None or won[0] == won[1]
+
+
+def _rounds_won(candidate, default) -> list[int] | None:
+    """[rounds where the candidate was faster than the default, rounds compared], or None when the
+    two measurements do not carry paired rounds."""
+    mine = (candidate.details or {}).get("rounds_ms") or []
+    theirs = (default.details or {}).get("rounds_ms") or []
+    if not mine or len(mine) != len(theirs):
+        return None
+    return [sum(a < b for a, b in zip(mine, theirs)), len(mine)]
 
 
 def _trial_entry(trial: Trial, measurement, provenance: dict) -> BestEntry:

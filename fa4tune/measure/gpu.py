@@ -42,7 +42,7 @@ class GpuOptions:
     prune_after: int = 3  # completed candidates before the pruner may stop any
     confirm_top: int = 3  # re-time this many of the best at the end of each problem
     confirm_rounds: int = 5  # interleaved rounds of that re-timing
-    min_gain: float = 0.01  # the best replaces the default only when this much faster in those rounds
+    min_gain: float = 0.003  # the best replaces the default only when this much faster, and in every round
     max_worker_deaths: int = 5  # consecutive deaths (crash, hang), then a known-good config decides
     worker_module: str = DEFAULT_WORKER_MODULE  # what the workers run (tests plant their own)
     cache_dir: str | None = None  # exported kernels; default $FA4TUNE_KERNEL_CACHE or ~/.cache/fa4tune/kernels
@@ -200,7 +200,8 @@ class GpuBackend(Backend):
     def confirm(self, problem, configs: list[dict]) -> list[Measurement]:
         """Time `configs` again, interleaved: round r times each of them once, so that a slow spell
         of the GPU hits one round of every candidate rather than every round of one. Each result is
-        the median over rounds; its spread the larger of the rounds' own and the spread across rounds."""
+        the median over rounds (their times in `details["rounds_ms"]`, in round order); its spread
+        the larger of the rounds' own and the spread across rounds."""
         rounds: list[list[Measurement]] = [[] for _ in configs]
         failed: dict[int, Measurement] = {}
         artifacts = {}
@@ -210,7 +211,11 @@ class GpuBackend(Backend):
                 failed[index] = Measurement(status="failed", reason=failure, compile_s=compile_s)
             artifacts[index] = artifact
         for round_index in range(self.options.confirm_rounds):
-            for index, config in enumerate(configs):
+            # Each round starts one config later, so that none is always timed first or last (the
+            # rounds are compared pairwise: store.beats_default).
+            for step in range(len(configs)):
+                index = (round_index + step) % len(configs)
+                config = configs[index]
                 if index in failed:
                     continue
                 request = self._request(problem, config, "retime", artifacts[index], salt=round_index)
