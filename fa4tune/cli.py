@@ -183,7 +183,7 @@ def _refuse_overwrite(out: str) -> None:
             carried = len(document.get("carried", []))
             holds = (f"{len(rows)} entries ({len(rows) - estimated} measured, {estimated} cost-model estimates) "
                      f"of {document['kernel']} hash {document['kernel_hash'][:12]} on {document['target']}"
-                     + (f", with {carried} carry records" if carried else ""))
+                     + (f", with {carried} carry record{'s' if carried > 1 else ''}" if carried else ""))
         raise Fa4tuneError(f"{path} exists and holds {holds}; export writes nothing over it without --force "
                            "(or give another --out)")
 

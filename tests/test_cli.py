@@ -200,13 +200,17 @@ def test_export_replaces_a_table_only_with_force(workdir, capsys):
         assert run_cli(capsys, "search", job, "--no-progress")[0] == 0
     shipped = REPO / "tuning_configs" / "tables" / "h200-bf16.yaml"
     (workdir / "tables").mkdir()
-    for suffix in (".yaml", ".json"):
-        (workdir / "tables" / f"h200-bf16{suffix}").write_bytes(shipped.with_suffix(suffix).read_bytes())
-    before = {p: p.read_bytes() for p in (workdir / "tables").iterdir()}
+    (workdir / "tables" / "h200-bf16.json").write_bytes(shipped.with_suffix(".json").read_bytes())
+    # The shipped table as it was after a carry over a refactor: with its carry record.
     table = yaml.safe_load(shipped.read_text())
+    table["carried"] = [{"checked": "ir, ptx and launch arguments of all entries identical",
+                         "date": "2026-11-29T20:03:02Z", "from_hash": "9" * 64, "from_revision": "a" * 40,
+                         "to_hash": table["kernel_hash"]}]
+    (workdir / "tables" / "h200-bf16.yaml").write_text(yaml.safe_dump(table, sort_keys=False))
+    before = {p: p.read_bytes() for p in (workdir / "tables").iterdir()}
     assert_bad_input(capsys, ["export", "--out", "tables/h200-bf16.yaml"], "tables/h200-bf16.yaml exists",
                      f"{len(table['entries'])} entries ({len(table['entries'])} measured, 0 cost-model estimates)",
-                     f"hash {table['kernel_hash'][:12]}", f"{len(table['carried'])} carry records", "--force")
+                     f"hash {table['kernel_hash'][:12]}", "on H200, with 1 carry record;", "--force")
     assert {p: p.read_bytes() for p in (workdir / "tables").iterdir()} == before
     (workdir / "tables" / "h200-bf16.yaml").unlink()  # the JSON half alone is refused too
     assert_bad_input(capsys, ["export", "--out", "tables/h200-bf16.yaml"], "tables/h200-bf16.json exists")
