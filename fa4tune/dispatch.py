@@ -24,6 +24,7 @@ import math
 import numbers
 import struct
 import threading
+import warnings
 
 from .kernels.interface import (UnsupportedInput, check_device, check_grid,  # noqa: F401  (API)
                                 check_no_grad, current_device_getter, problem_of)
@@ -83,18 +84,31 @@ def _device_target(device):
     """The Target of a CUDA device, or UnsupportedInput when the kernel cannot run on it."""
     import torch
 
-    from .target import target_for_device_name
+    from .target import target_for_device
 
     props = torch.cuda.get_device_properties(device)
     name, capability = props.name, (props.major, props.minor)
-    target = target_for_device_name(name, props.multi_processor_count)
-    if capability != (9, 0) or (target is not None and target.arch != "sm_90a"):
+    target = target_for_device(props)  # an undescribed Hopper GPU too (target.undescribed_hopper)
+    if capability != (9, 0) or target is None or target.arch != "sm_90a":
         raise UnsupportedInput(f"fa4tune.attention runs on Hopper GPUs (H100, H200: sm_90a); {device} is {name} "
                                f"(compute capability {capability[0]}.{capability[1]})")
-    if target is None:
-        raise UnsupportedInput(f"fa4tune has no description of {name} ({device}), a Hopper GPU it was not built "
-                               "for; it knows H100 and H200 (fa4tune/target.py)")
     return target
+
+
+def _say_undescribed(target) -> None:
+    """Warn once per model that a Hopper GPU without a description runs the default configs (from
+    attention's first call for a shape; stacklevel: the caller of attention)."""
+    from .target import is_described
+
+    if is_described(target) or target.name in _UNDESCRIBED_SEEN:
+        return
+    _UNDESCRIBED_SEEN.add(target.name)
+    warnings.warn(f"fa4tune.attention: {target.name} is a Hopper GPU that fa4tune has no description or tuned "
+                  f"table of (it knows H100 and H200); running the kernel's default configs, sized to its "
+                  f"{target.sm_count} SMs", RuntimeWarning, stacklevel=4)
+
+
+_UNDESCRIBED_SEEN: set = set()
 
 
 # ---- prepared launches ------------------------------------------------------------------------------
@@ -108,6 +122,7 @@ def _prepare(key, q, k, v, causal, softmax_scale) -> "_Launch":
                                f"number, not a tensor or bool), got {softmax_scale!r}")
     check_device(q, k, v)
     target = _device_target(q.device)
+    _say_undescribed(target)
     from .kernels.interface import compile_forward
     from .runtime import lookup
 

@@ -28,13 +28,19 @@ def diagnose(db_location: str | None = None) -> list[tuple[str, bool, str]]:
 
             lines.append(("torch", True, f"{torch.__version__} (CUDA build {torch.version.cuda or 'none'})"))
             if torch.cuda.is_available():
-                from .target import target_for_device_name
+                from .target import is_described, target_for_device
 
                 props = torch.cuda.get_device_properties(torch.cuda.current_device())
                 name = props.name
-                target = target_for_device_name(name, props.multi_processor_count)
-                gpu_detail = (f"{name}, {props.multi_processor_count} SMs, sm_{props.major}{props.minor}; "
-                              f"target {target.name if target else 'UNKNOWN (no tuned tables)'}")
+                target = target_for_device(props)
+                if target is None:
+                    known = "target UNKNOWN (no tuned tables)"
+                elif is_described(target):
+                    known = f"target {target.name}"
+                else:  # fa4tune.attention runs it (target.undescribed_hopper); a search does not
+                    known = ("target UNKNOWN: fa4tune.attention runs the default configs, searches need a "
+                             "described GPU (fa4tune/target.py)")
+                gpu_detail = f"{name}, {props.multi_processor_count} SMs, sm_{props.major}{props.minor}; {known}"
                 gpu_ok = target is not None
         except Exception as exc:
             lines.append(("torch", False, f"import failed: {exc}"))

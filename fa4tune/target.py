@@ -105,6 +105,15 @@ def target_for_device_name(device_name: str, sm_count: int | None = None) -> Tar
     return None
 
 
+def undescribed_hopper(device_name: str, sm_count: int, l2_bytes: int | None = None) -> Target:
+    """A Hopper GPU (sm_90) that TARGETS does not describe (an H20, say): the SM every sm_90 part
+    shares (shared memory, registers, the sm_90a instructions), with the device's own SM count and L2
+    size; the clock and throughputs, which only the cost model reads, are the H100 SXM's. It carries
+    the device's name, which no tuned table names, so lookups give the kernel's default configs."""
+    base = TARGETS["H100-SXM"]
+    return replace(base, name=device_name, sm_count=int(sm_count), l2_bytes=int(l2_bytes or base.l2_bytes))
+
+
 def partial_gpu(target: Target, gpu_name: str) -> str | None:
     """Why a search must not run on this GPU, when it has other SMs than its model (a MIG slice):
     its timings would be stored and exported under the model's name. None for a whole GPU."""
@@ -115,14 +124,28 @@ def partial_gpu(target: Target, gpu_name: str) -> str | None:
             "would store its timings as the whole GPU's. Search on a whole GPU.")
 
 
+def target_for_device(props) -> Target | None:
+    """The target of a CUDA device from its properties (torch's): its model's, with its own SM count;
+    for a Hopper GPU that no target describes, undescribed_hopper; None for any other GPU."""
+    target = target_for_device_name(props.name, props.multi_processor_count)
+    if target is None and (props.major, props.minor) == (9, 0):
+        target = undescribed_hopper(props.name, props.multi_processor_count, getattr(props, "L2_cache_size", None))
+    return target
+
+
+def is_described(target: Target) -> bool:
+    """Whether the target is one of TARGETS (a MIG slice's included), not an undescribed_hopper."""
+    return target.name in TARGETS
+
+
 def detect_target() -> Target | None:
-    """The target of the current CUDA device, or None without a (known) GPU. Never raises."""
+    """The target of the current CUDA device (target_for_device), or None without a GPU it can run
+    on. Never raises."""
     try:
         import torch
 
         if not torch.cuda.is_available():
             return None
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        return target_for_device_name(props.name, props.multi_processor_count)
+        return target_for_device(torch.cuda.get_device_properties(torch.cuda.current_device()))
     except Exception:
         return None

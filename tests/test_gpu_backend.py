@@ -374,28 +374,32 @@ def rounds(problem, *times_ms):
     return Measurement.ok(problem, sorted(times_ms)[len(times_ms) // 2], details={"rounds_ms": list(times_ms)})
 
 
-@pytest.mark.parametrize("third_rounds, best_tile_n", [
-    ((0.99, 0.99, 0.99, 0.99, 0.99), 64),   # 1% faster in every round: it replaces the default
-    ((0.99, 0.99, 1.001, 0.99, 0.99), 128),  # 1% faster by the median, slower in one round: kept
+@pytest.mark.parametrize("other_rounds, third_rounds, best_tile_n", [
+    # tile_n 96 is the fastest by the median (2%) but loses the fourth round to the default: a slow
+    # spell of the GPU may do that once, so it cannot be told from the default.
+    ((0.97, 0.98, 0.98, 1.01, 0.97), (0.99, 0.99, 0.99, 0.99, 0.99), 64),  # 64: 1% faster in every round
+    ((0.97, 0.98, 0.98, 1.01, 0.97), (0.99, 0.99, 1.001, 0.99, 0.99), 128),  # 64 loses a round: kept
+    ((0.97, 0.98, 0.98, 0.99, 0.97), (0.99, 0.99, 0.99, 0.99, 0.99), 96),  # both win every round: the faster
+    ((0.97, 0.98, 0.98, 0.97), (0.99, 0.99, 1.001, 0.99, 0.99), 128),  # 4 rounds against 5 pair up with none
 ])
-def test_a_config_replaces_the_default_only_when_faster_in_every_round(workdir, third_rounds, best_tile_n):
+def test_a_config_replaces_the_default_only_when_faster_in_every_round(workdir, other_rounds, third_rounds,
+                                                                       best_tile_n):
     db, confirm, default_id, other_id = default_and_probe_trials()
     from fa4tune.measure.base import Measurement
 
     third_id = db.add_trial(optuna_number=2, config={"tile_n": 64}, source="sampler",
                             measurement=Measurement.ok(PROBLEM, 0.995), offer_best=False, **confirm)
-    # tile_n 96 is the fastest by the median (2%) but loses the fourth round to the default: a
-    # slow spell of the GPU may do that once, so it cannot be told from the default.
     db.confirm_best(**confirm, prefer=default_id, min_gain=0.003, confirmed=[
-        ({"id": other_id}, rounds(PROBLEM, 0.97, 0.98, 0.98, 1.01, 0.97)),
+        ({"id": other_id}, rounds(PROBLEM, *other_rounds)),
         ({"id": third_id}, rounds(PROBLEM, *third_rounds)),
         ({"id": default_id}, rounds(PROBLEM, 1.0, 1.0, 1.0, 1.0, 1.0))])
     [best] = db.best_configs()
     assert best.config == {"tile_n": best_tile_n}
     if best_tile_n == 128:
-        assert best.provenance["kept_default"] == {"fastest_gain": 0.02, "min_gain": 0.003, "rounds_won": [4, 5]}
+        won = [4, 5] if len(other_rounds) == 5 else None
+        assert best.provenance["kept_default"] == {"fastest_gain": 0.02, "min_gain": 0.003, "rounds_won": won}
     else:
-        assert "kept_default" not in best.provenance and best.time_ms == 0.99
+        assert "kept_default" not in best.provenance and best.time_ms == {64: 0.99, 96: 0.98}[best_tile_n]
     db.close()
 
 

@@ -132,6 +132,38 @@ def test_attention_runs_the_tables_config_on_the_current_stream(workdir, monkeyp
     fa4tune.runtime.reset()
 
 
+def test_attention_runs_on_a_hopper_gpu_without_a_description(monkeypatch):
+    """An H20, say: the H200 here, under another name and with 66 SMs: default configs, a persistent
+    grid sized to 66 SMs, results matching the reference."""
+    import types
+
+    import fa4tune
+    from fa4tune import dispatch
+    from fa4tune.kernels import interface
+    from fa4tune.kernels.reference import attention_reference
+
+    real = torch.cuda.get_device_properties
+
+    def renamed(device=None):
+        props = real(device)
+        return types.SimpleNamespace(name="NVIDIA H20 (test)", major=props.major, minor=props.minor,
+                                     multi_processor_count=66, L2_cache_size=props.L2_cache_size)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", renamed)
+    monkeypatch.setattr(dispatch, "_UNDESCRIBED_SEEN", set())
+    dispatch.clear()
+    q, k, v = (torch.randn(2, 3000, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    with pytest.warns(RuntimeWarning, match="NVIDIA H20 \\(test\\) is a Hopper GPU"):
+        out, lse = fa4tune.attention(q, k, v, causal=True)
+    [launch] = dispatch._LAUNCHES.values()
+    assert launch.config.persistent and dispatch.explain(q, k, v, causal=True).source == "default"
+    assert launch.l2_group.value >= 1 and any(key[-1] == 66 for key in interface._CACHE)  # compiled for 66 SMs
+    ref_out, ref_lse = attention_reference(q, k, v, causal=True)
+    assert ((out.float() - ref_out).norm() / ref_out.norm()).item() < 1e-2
+    assert (lse - ref_lse).abs().max().item() < 1e-3
+    dispatch.clear()
+
+
 def test_kernel_exported_in_another_process_equals_a_fresh_compile(workdir):
     from fa4tune.kernels.config import FwdConfig
     from fa4tune.kernels.interface import _CACHE, attention_forward, compile_forward, load_compiled

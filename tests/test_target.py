@@ -1,6 +1,7 @@
 """A CUDA device is mapped to its target with its own SM count: a persistent kernel sizes its grid by
 it, so an H100 PCIe (114 SMs) or a MIG slice must not be compiled for 132."""
 
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -35,21 +36,64 @@ def test_kernels_for_other_sm_counts_are_compiled_apart():
     assert compile_key(config, "bf16", 128, 128, True, h200) != compile_key(config, "bf16", 128, 128, True, slice_)
 
 
-def test_dispatch_names_a_hopper_gpu_it_has_no_description_of(monkeypatch):
+def test_dispatch_runs_a_hopper_gpu_it_has_no_description_of_on_default_configs(monkeypatch):
     torch = pytest.importorskip("torch")
+    from fa4tune import dispatch
     from fa4tune.dispatch import UnsupportedInput, _device_target
 
     def props(name, major, minor, sms):
         return lambda device: SimpleNamespace(name=name, major=major, minor=minor, multi_processor_count=sms)
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", props("NVIDIA H20", 9, 0, 78))
-    with pytest.raises(UnsupportedInput, match="no description of NVIDIA H20 .* knows H100 and H200"):
-        _device_target("cuda:0")
+    monkeypatch.setattr(dispatch, "_UNDESCRIBED_SEEN", set())
+    h20 = _device_target("cuda:0")
+    assert (h20.name, h20.arch, h20.sm_count, h20.smem_per_block) == ("NVIDIA H20", "sm_90a", 78, 227 * 1024)
+    with pytest.warns(RuntimeWarning, match="NVIDIA H20 is a Hopper GPU .* default configs, sized to its 78 SMs"):
+        dispatch._say_undescribed(h20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once per model, and never for a GPU fa4tune describes
+        dispatch._say_undescribed(_device_target("cuda:1"))
+        dispatch._say_undescribed(get_target("H200"))
+        dispatch._say_undescribed(target_for_device_name("NVIDIA H200", 66))
+    # fa4tune.lookup with no target asks the same question and gets the same answer.
+    from fa4tune import runtime
+    from fa4tune.problem import Problem
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    runtime.reset()
+    try:
+        problem = Problem(head_dim=128, seqlen_q=8192, batch=2, nheads_q=32, nheads_kv=8, causal=True)
+        assert runtime.lookup(problem).source == "default"
+        assert dispatch.explain(torch.empty(2, 8192, 32, 128, device="meta", dtype=torch.bfloat16),
+                                *(torch.empty(2, 8192, 8, 128, device="meta", dtype=torch.bfloat16),) * 2,
+                                causal=True).source == "default"
+    finally:
+        runtime.reset()
     monkeypatch.setattr(torch.cuda, "get_device_properties", props("NVIDIA A100-SXM4-80GB", 8, 0, 108))
     with pytest.raises(UnsupportedInput, match=r"runs on Hopper GPUs .* \(compute capability 8.0\)"):
         _device_target("cuda:0")
     monkeypatch.setattr(torch.cuda, "get_device_properties", props("NVIDIA H100 PCIe", 9, 0, 114))
     assert (_device_target("cuda:0").name, _device_target("cuda:0").sm_count) == ("H100-PCIe", 114)
+
+
+def test_an_undescribed_hopper_gets_default_configs_sized_to_its_sms_and_l2():
+    from fa4tune import runtime
+    from fa4tune.kernels.interface import heads_per_l2_group
+    from fa4tune.problem import Problem
+    from fa4tune.target import undescribed_hopper
+
+    h20 = undescribed_hopper("NVIDIA H20", 78, 60 * 2**20)
+    problem = Problem(head_dim=128, seqlen_q=8192, batch=2, nheads_q=32, nheads_kv=8, causal=True)
+    # The shipped H200 table has this very problem; a GPU it does not describe borrows nothing from it.
+    assert runtime.lookup(problem, "H200").source == "exact"
+    result = runtime.lookup(problem, h20)
+    assert result.source == "default" and result.config == get_kernel().default_config(problem, h20)
+    # K/V of 1 MB per head: 16 heads side by side in half of a 60 MB L2, 8 in half of 20 MB.
+    assert heads_per_l2_group(problem, h20) == 16
+    assert heads_per_l2_group(problem, undescribed_hopper("x", 78, 20 * 2**20)) == 8
+    assert undescribed_hopper("x", 78).l2_bytes == get_target("H100-SXM").l2_bytes  # torch did not say
+    assert h20.l2_bytes == 60 * 2**20 and h20.tensor_flops_per_clk == get_target("H100-SXM").tensor_flops_per_clk
 
 
 def test_the_gpu_worker_compiles_for_the_whole_target_it_is_sent():
@@ -90,3 +134,20 @@ def test_a_multi_worker_search_refuses_gpus_with_other_sms_than_their_model(monk
     monkeypatch.setattr(torch.cuda, "get_device_properties", props(66))
     with pytest.raises(BackendError, match="each of the workers. GPUs .* has 66 SMs, not the 132 of an H200"):
         workers.gpu_target(["0", "1"], None)
+
+
+@pytest.mark.parametrize("name, major, known, healthy", [
+    ("NVIDIA H20", 9, "target UNKNOWN: fa4tune.attention runs the default configs", True),
+    ("NVIDIA A100-SXM4-80GB", 8, "target UNKNOWN (no tuned tables)", False),
+    ("NVIDIA H100 PCIe", 9, "target H100-PCIe", True),
+])
+def test_doctor_says_what_runs_on_the_gpu(monkeypatch, workdir, name, major, known, healthy):
+    torch = pytest.importorskip("torch")
+    from fa4tune.doctor import diagnose
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(name=name, major=major, minor=0, multi_processor_count=114))
+    [gpu] = [line for line in diagnose(str(workdir / "r.db")) if line[0] == "gpu"]
+    assert gpu[1] == healthy and gpu[2].startswith(f"{name}, 114 SMs, sm_{major}0; {known}")

@@ -411,8 +411,8 @@ class ResultsDB:
         pairs) as trials of source `confirm`, and offer the fastest ok one as the best config, in
         one transaction. Only a trial that is ok can be confirmed. `prefer` (the id of one of the
         confirmed trials, the default config's) is offered first unless another beats it
-        (`beats_default`: faster by more than `min_gain`, 0.003 = 0.3%, and in every round timed
-        beside it); the fastest that does goes before it. Returns the stored best's trial id, or None
+        (`beats_default`: faster by more than `min_gain` (0.003 = 0.3%, the gpu backend's default),
+        and in every round timed beside it); the fastest that does goes before it. Returns the stored best's trial id, or None
         when nothing became best."""
         def work(session: Session) -> int | None:
             stored = []
@@ -784,15 +784,20 @@ def beats_default(candidate, default, min_gain: float) -> bool:
     pass the second test one time in 32; measurements without rounds are judged by the first alone."""
     if not 1.0 - candidate.time_ms / default.time_ms > min_gain:
         return False
+    if not _rounds(candidate) and not _rounds(default):
+        return True
     won = _rounds_won(candidate, default)
-    return won is None or won[0] == won[1]
+    return won is not None and won[0] == won[1]  # rounds that do not pair up show nothing
+
+
+def _rounds(measurement) -> list:
+    return (measurement.details or {}).get("rounds_ms") or []
 
 
 def _rounds_won(candidate, default) -> list[int] | None:
     """[rounds where the candidate was faster than the default, rounds compared], or None when the
-    two measurements do not carry paired rounds."""
-    mine = (candidate.details or {}).get("rounds_ms") or []
-    theirs = (default.details or {}).get("rounds_ms") or []
+    two measurements do not carry paired rounds (none, or different numbers of them)."""
+    mine, theirs = _rounds(candidate), _rounds(default)
     if not mine or len(mine) != len(theirs):
         return None
     return [sum(a < b for a, b in zip(mine, theirs)), len(mine)]

@@ -65,8 +65,8 @@ class Backend:
     confirms_best: ClassVar[bool] = False
     lookahead: int = 0
     confirm_count: int = 0
-    min_gain: float = 0.0  # a confirmed config replaces the default only when this much faster (0.01: 1%)
-    # and faster in every confirmation round (store.beats_default)
+    min_gain: float = 0.0  # a confirmed config replaces the default only when this much faster (0.003:
+    # 0.3%) and faster in every confirmation round (store.beats_default)
 
     def __init__(self, kernel, target) -> None:
         self.kernel = kernel
