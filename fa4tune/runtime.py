@@ -204,7 +204,7 @@ def _target(target):
         elif "torch" in sys.modules:
             from .target import detect_target
 
-            _target_cache["default"] = detect_target() or get_target(DEFAULT_TARGET)
+            _target_cache["default"] = detect_target(undescribed=True) or get_target(DEFAULT_TARGET)
         else:  # not kept: once torch is imported, the GPU is asked
             if "assumed" not in _target_cache:  # said once: a later call may answer differently
                 _target_cache["assumed"] = True

@@ -138,14 +138,16 @@ def is_described(target: Target) -> bool:
     return target.name in TARGETS
 
 
-def detect_target() -> Target | None:
-    """The target of the current CUDA device (target_for_device), or None without a GPU it can run
-    on. Never raises."""
+def detect_target(undescribed: bool = False) -> Target | None:
+    """The target of the current CUDA device, or None without a GPU that TARGETS describes; with
+    `undescribed`, a Hopper GPU it does not describe gets undescribed_hopper (what fa4tune.attention
+    and lookups run it with; searches and the cost model need a described GPU). Never raises."""
     try:
         import torch
 
         if not torch.cuda.is_available():
             return None
-        return target_for_device(torch.cuda.get_device_properties(torch.cuda.current_device()))
+        target = target_for_device(torch.cuda.get_device_properties(torch.cuda.current_device()))
+        return target if target is not None and (undescribed or is_described(target)) else None
     except Exception:
         return None

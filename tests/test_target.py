@@ -65,6 +65,8 @@ def test_dispatch_runs_a_hopper_gpu_it_has_no_description_of_on_default_configs(
     try:
         problem = Problem(head_dim=128, seqlen_q=8192, batch=2, nheads_q=32, nheads_kv=8, causal=True)
         assert runtime.lookup(problem).source == "default"
+        # The cost model and searches take a described GPU only: get_target(None) falls back to H200.
+        assert get_target(None).name == "H200"
         assert dispatch.explain(torch.empty(2, 8192, 32, 128, device="meta", dtype=torch.bfloat16),
                                 *(torch.empty(2, 8192, 8, 128, device="meta", dtype=torch.bfloat16),) * 2,
                                 causal=True).source == "default"

@@ -412,8 +412,8 @@ class ResultsDB:
         one transaction. Only a trial that is ok can be confirmed. `prefer` (the id of one of the
         confirmed trials, the default config's) is offered first unless another beats it
         (`beats_default`: faster by more than `min_gain` (0.003 = 0.3%, the gpu backend's default),
-        and in every round timed beside it); the fastest that does goes before it. Returns the stored best's trial id, or None
-        when nothing became best."""
+        and in every round timed beside it); the fastest that does goes before it. Returns the
+        stored best's trial id, or None when nothing became best."""
         def work(session: Session) -> int | None:
             stored = []
             for trial, measurement in confirmed:
