@@ -147,7 +147,7 @@ def test_attention_runs_on_a_hopper_gpu_without_a_description(monkeypatch):
     def renamed(device=None):
         props = real(device)
         return types.SimpleNamespace(name="NVIDIA H20 (test)", major=props.major, minor=props.minor,
-                                     multi_processor_count=66, L2_cache_size=props.L2_cache_size)
+                                     multi_processor_count=66, L2_cache_size=getattr(props, "L2_cache_size", None))
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", renamed)
     monkeypatch.setattr(dispatch, "_UNDESCRIBED_SEEN", set())
