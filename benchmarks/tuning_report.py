@@ -129,6 +129,7 @@ def runners_for(problem, default, tuned, target, q, k, v, fa4, fa4_error):
                 o = F.scaled_dot_product_attention(qt, *gqa["kv"], is_causal=problem.causal)
         return o.transpose(1, 2)
 
+    cudnn.gqa = gqa
     runners["cuDNN"] = cudnn
     if problem.causal and problem.seqlen_q != problem.seqlen_k:
         runners["cuDNN"] = "n/a (SDPA's causal mask is top-left aligned)"
@@ -176,20 +177,30 @@ def measure_problem(problem, default, tuned, target, fa4, fa4_error, rounds: int
             continue
         timed[name] = []
     flusher = L2Flusher()
-    for _ in range(rounds):  # interleaved: a slow spell of the GPU hits one round of every column
-        for name in timed:
+    names = list(timed)
+    for round_index in range(rounds):  # interleaved: a slow spell of the GPU hits one round of every column
+        for step in range(len(names)):  # each round starts one column later: none always goes first
+            name = names[(round_index + step) % len(names)]
             timed[name].append(time_cuda(runners[name], flusher=flusher).median_ms)
     for name, medians in timed.items():
         ms = statistics.median(medians)
         cells[name] = {"ms": ms, "tflops": problem.flops / (ms * 1e-3) / 1e12,
                        "round_spread": (max(medians) - min(medians)) / ms}
+    if "cuDNN" in timed and problem.nheads_q != problem.nheads_kv and not gqa_native(runners):
+        cells["cuDNN"]["note"] = "K/V heads repeated"
     return cells
+
+
+def gqa_native(runners) -> bool:
+    """Whether the cuDNN column ran grouped-query attention itself (else with K/V heads repeated,
+    more memory traffic than the problem has)."""
+    return getattr(runners.get("cuDNN"), "gqa", {}).get("native", True)
 
 
 # ---- the report -------------------------------------------------------------------------------------
 def fmt_cell(cell) -> str:
     if isinstance(cell, dict):
-        return f"{cell['tflops']:.0f}"
+        return f"{cell['tflops']:.0f}" + (f" ({cell['note']})" if cell.get("note") else "")
     return str(cell).replace("|", "/")
 
 

@@ -61,3 +61,17 @@ def test_without_a_gpu_it_refuses_and_writes_nothing(workdir, capsys):
     out = workdir / "report.md"
     assert report.main(["--out", str(out)]) == 2
     assert "needs an NVIDIA GPU" in capsys.readouterr().err and not out.exists()
+
+
+def test_a_cudnn_column_with_repeated_kv_heads_says_so():
+    """cuDNN's SDPA may refuse GQA; the report then times it with K/V heads repeated (more traffic
+    than the problem has), and the cell must say so."""
+    def cudnn():
+        return None
+
+    cudnn.gqa = {"native": False, "kv": ()}
+    assert not report.gqa_native({"cuDNN": cudnn})
+    cudnn.gqa = {"native": True, "kv": ()}
+    assert report.gqa_native({"cuDNN": cudnn}) and report.gqa_native({"cuDNN": "n/a (...)"})
+    assert report.fmt_cell({"tflops": 629.4, "note": "K/V heads repeated"}) == "629 (K/V heads repeated)"
+    assert report.fmt_cell({"tflops": 629.4}) == "629"

@@ -62,6 +62,23 @@ def test_a_wrong_tile_in_the_middle_is_caught():
     assert (1, 2, 57, 65) in [index for index, _, _ in slices]
 
 
+def test_an_error_in_long_causal_rows_is_not_drowned_by_the_short_ones():
+    """O of a row that sees few keys is large (it averages few V rows), so summed over the slices
+    the first rows' error would hide the last rows': each slice is judged on its own."""
+    q, k, v = inputs((600, 600, 1, 1, 1))
+    out, lse = attention_reference(q, k, v, causal=True)
+    slices = reference_slices(q, k, v, True, None, rows=16)
+    tol = TOLERANCES["bf16"]
+    assert compare(out, lse, slices).verdict(tol) is None
+    off = out.clone()
+    off[0, 584:600] *= 1.05  # the last block of rows 5% off, LSE untouched (a wrong P·V, say)
+    first, last = [ref_o.norm().item() ** 2 for index, ref_o, _ in slices if index[2] in (0, 584)]
+    assert last / (first + last) < 0.03, "the first rows dominate the norm, as at long causal seqlens"
+    check = compare(off, lse, slices)
+    assert check.worst == (0, 0, 584, 600) and 0.049 < check.out_error < 0.051
+    assert check.verdict(tol) == "output error 0.05 above tolerance 0.01 (batch 0, head 0, rows 584-599)"
+
+
 def test_compare_catches_nan_lse_mismatch_and_large_errors():
     q, k, v = inputs((40, 40, 2, 4, 2))
     out, lse = attention_reference(q, k, v, causal=True)
@@ -83,6 +100,36 @@ def test_compare_catches_nan_lse_mismatch_and_large_errors():
     shifted = lse.clone()
     shifted[-1, -1, -1] += 0.01
     assert "LSE error" in compare(out, shifted, slices).verdict(tol)
+
+
+def test_the_check_after_timing_runs_the_kernel_again_on_poisoned_outputs():
+    """A kernel whose later launches write nothing (a tile counter left non-zero: every tile looks
+    taken) leaves the first run's correct output in place; the check after the timed runs must
+    not read it."""
+    from fa4tune.measure.gpu_worker import check_again
+
+    q, k, v = inputs((40, 40, 2, 4, 2))
+    ref_out, ref_lse = attention_reference(q, k, v, causal=True)
+    slices = reference_slices(q, k, v, True, None, rows=16)
+    out, lse = torch.full_like(ref_out, math.nan), torch.full_like(ref_lse, math.nan)
+    launches = []
+
+    def first_launch_only():  # the first launch writes everything, the later ones nothing
+        if not launches:
+            out.copy_(ref_out), lse.copy_(ref_lse)
+        launches.append(1)
+
+    first_launch_only()
+    assert compare(out, lse, slices).verdict(TOLERANCES["bf16"]) is None
+    for _ in range(5):  # the timed runs
+        first_launch_only()
+    after = check_again(first_launch_only, out, lse, slices, synchronize=lambda: None)
+    assert "never written" in after.verdict(TOLERANCES["bf16"]) and len(launches) == 7
+
+    def every_launch():
+        out.copy_(ref_out), lse.copy_(ref_lse)
+
+    assert check_again(every_launch, out, lse, slices, synchronize=lambda: None).verdict(TOLERANCES["bf16"]) is None
 
 
 def test_l2_flusher_refuses_host_memory():
