@@ -7,7 +7,8 @@ and the search goes on. With `compile_workers` > 0, compile workers (pool.py) co
 candidates while the GPU times the current one, and hand over object files.
 
 Per candidate (mode "search"): correctness gate on fresh random inputs (verify.py), a cheap timing
-that the search's pruner may stop (status `stopped`), the full timing, then one more run on poisoned outputs, checked again.
+that the search's pruner may stop (status `stopped`), the full timing, then one more run on
+poisoned outputs, checked again.
 At the end of a problem the best few are timed again, interleaved round by round (`confirm`), and
 only then is one stored as the best config."""
 
