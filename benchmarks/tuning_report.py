@@ -143,7 +143,7 @@ def _first(result):
 def measure_problem(problem, default, tuned, target, fa4, fa4_error, rounds: int) -> dict:
     import torch
 
-    from fa4tune.measure.timing import L2Flusher, time_cuda
+    from fa4tune.measure.timing import L2Flusher, round_order, time_cuda
     from fa4tune.measure.verify import TOLERANCES, compare, reference_slices
 
     dtype = torch.bfloat16 if problem.dtype == "bf16" else torch.float16
@@ -179,8 +179,7 @@ def measure_problem(problem, default, tuned, target, fa4, fa4_error, rounds: int
     flusher = L2Flusher()
     names = list(timed)
     for round_index in range(rounds):  # interleaved: a slow spell of the GPU hits one round of every column
-        for step in range(len(names)):  # each round starts one column later: none always goes first
-            name = names[(round_index + step) % len(names)]
+        for name in (names[index] for index in round_order(len(names), round_index)):
             timed[name].append(time_cuda(runners[name], flusher=flusher).median_ms)
     for name, medians in timed.items():
         ms = statistics.median(medians)

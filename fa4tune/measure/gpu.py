@@ -25,6 +25,7 @@ from ..errors import BackendError, BackendUnavailable
 from ..problem import Problem
 from .base import Backend, Measurement
 from .gpu_worker import ROLE_VARIABLE
+from .timing import round_order
 from .verify import TOLERANCES
 from .worker import Reply, WorkerProcess, WorkerUnavailable
 
@@ -212,10 +213,7 @@ class GpuBackend(Backend):
                 failed[index] = Measurement(status="failed", reason=failure, compile_s=compile_s)
             artifacts[index] = artifact
         for round_index in range(self.options.confirm_rounds):
-            # Each round starts one config later, so that none is always timed first or last (the
-            # rounds are compared pairwise: store.beats_default).
-            for step in range(len(configs)):
-                index = (round_index + step) % len(configs)
+            for index in round_order(len(configs), round_index):  # paired rounds: store.beats_default
                 config = configs[index]
                 if index in failed:
                     continue

@@ -42,6 +42,12 @@ class L2Flusher:
         self.buffer.fill_(0x5A5A5A5A)
 
 
+def round_order(count: int, round_index: int) -> list[int]:
+    """The order in which interleaved round `round_index` times `count` candidates: each round starts
+    one later, so that none is always timed first or last (rounds compared pairwise stay fair)."""
+    return [(round_index + step) % count for step in range(count)]
+
+
 def _spin_cycles() -> int:
     import torch
 
