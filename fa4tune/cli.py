@@ -6,6 +6,7 @@ after saying how to resume it."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -36,6 +37,10 @@ def cmd_search(args) -> int:
     from .search import SearchInterrupted, run_search
 
     job = load_job(args.job)
+    if args.export is not None:
+        if not args.export.strip():
+            raise Fa4tuneError("--export: a table path, got an empty one")
+        job = dataclasses.replace(job, export=args.export)
     progress = sys.stderr.isatty() if args.progress is None else args.progress
 
     try:
@@ -47,7 +52,7 @@ def cmd_search(args) -> int:
     except SearchInterrupted as stop:
         s = stop.summary
         again = " ".join(f"{flag} {shown_location(str(value))}" for flag, value in (
-            ("--db", args.db), ("--storage", args.storage), ("--workers", args.workers),
+            ("--db", args.db), ("--storage", args.storage), ("--export", args.export), ("--workers", args.workers),
             ("--gpus", ",".join(map(str, args.gpus or [])))) if value)
         _say(f"fa4tune: interrupted; every finished trial is stored in {shown_location(s.db_location)} (run "
              f"{s.run_id}). Continue with: fa4tune search {args.job} --resume" + (f" {again}" if again else ""))
@@ -274,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=_gpu_list, metavar="LIST", help="one worker process per listed GPU, e.g. 0,1,2,3")
     p.add_argument("--backend", choices=["auto", "model", "gpu"], help="override the job's backend")
     p.add_argument("--target", help="override the job's target (model backend)")
+    p.add_argument("--export", metavar="PATH", help="write the table here instead of the job's `export` path")
     p.add_argument("--trials", type=int, help="override the measured-trial budget per problem")
     p.add_argument("--seconds", type=float, help="override the time budget per problem")
     p.add_argument("--progress", dest="progress", action="store_true", default=None, help="show progress bars")

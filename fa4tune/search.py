@@ -166,6 +166,9 @@ def run_search(job: Job, *, db: str | None = None, storage: str | None = None, r
                                        "writable directory")
                 if target_path.is_dir():
                     raise Fa4tuneError(f"{job.path}: export: {target_path} is a directory")
+            estimates = backend.is_estimate if isinstance(backend, Backend) else backend_name == "model"
+            if estimates:
+                _refuse_estimates_over_measurements(job)
         ResultsDB.check(db_location)
         check_storage(storage_location)
         if trials is not None and (isinstance(trials, bool) or not isinstance(trials, int) or trials < 1):
@@ -196,7 +199,12 @@ def run_search(job: Job, *, db: str | None = None, storage: str | None = None, r
             fa4tune_version=__version__, storage_url=shown_location(storage_location),
         )
         if resume and not resumed:
-            say(f"fa4tune: no earlier run of job {job.name!r} in {shown_location(db_location)}; starting a new one")
+            other = results_db.latest_run(job.name, kernel.name, kernel_hash, tgt.name, is_estimate=not is_estimate)
+            say(f"fa4tune: no earlier {'cost-model' if is_estimate else 'measured'} run of job {job.name!r} in "
+                f"{shown_location(db_location)}"
+                + (f" (run {other['id']} {'is estimated' if other['is_estimate'] else 'was measured on a GPU'}; "
+                   f"a {'cost-model' if is_estimate else 'measured'} search does not continue it)" if other else "")
+                + "; starting a new one")
         elif resumed:
             say(f"fa4tune: resuming run {run_id} of job {job.name!r}")
         if is_estimate:
@@ -237,6 +245,26 @@ def run_search(job: Job, *, db: str | None = None, storage: str | None = None, r
         summary.exported = export_table(results_db, job.export, kernel=kernel, target=tgt.name)
     results_db.close()
     return summary
+
+
+def _refuse_estimates_over_measurements(job: Job) -> None:
+    """A cost-model search does not export over a table that holds measurements (the shipped table,
+    say, when its job is run with --backend model): the measurements would be gone from the file."""
+    from .tables import TableError, read_table, table_paths
+
+    for path in table_paths(job.export):
+        if not path.is_file():
+            continue
+        try:
+            entries = read_table(path)["entries"]
+        except TableError:  # not a table we can read: nothing measured to keep
+            continue
+        measured = sum(not row["is_estimate"] for row in entries)
+        if measured:
+            raise Fa4tuneError(
+                f"{job.path}: export: {path} holds {measured} measured entr{'y' if measured == 1 else 'ies'}, and "
+                "this search gives cost-model estimates: it would write them over the measurements. Export "
+                "somewhere else (fa4tune search --export PATH), or run the search on the GPU")
 
 
 def _check_apart(db_location: str, storage_location: str) -> None:

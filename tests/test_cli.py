@@ -221,6 +221,29 @@ def test_export_replaces_a_table_only_with_force(workdir, capsys):
     assert yaml.safe_load((workdir / "tables" / "h200-bf16.yaml").read_text())["estimates"] is True
 
 
+def test_a_cost_model_search_does_not_export_over_measurements(workdir, capsys):
+    """The shipped job run with --backend model used to replace the shipped table's measurements with
+    estimates; now it stops before anything is written, and --export sends the table elsewhere."""
+    shipped = REPO / "tuning_configs" / "tables" / "h200-bf16.yaml"
+    (workdir / "tables").mkdir()
+    for path in (shipped, shipped.with_suffix(".json")):
+        (workdir / "tables" / path.name).write_bytes(path.read_bytes())
+    before = {p: p.read_bytes() for p in (workdir / "tables").iterdir()}
+    measured = sum(not e["is_estimate"] for e in yaml.safe_load(shipped.read_text())["entries"])
+    job = write_job(workdir, export="tables/h200-bf16.yaml")
+    assert_bad_input(capsys, ["search", job, "--no-progress"], "export: tables/h200-bf16.yaml holds "
+                     f"{measured} measured entries", "cost-model estimates", "--export PATH")
+    assert {p: p.read_bytes() for p in (workdir / "tables").iterdir()} == before
+    assert not (workdir / "fa4tune-results").exists()  # refused before the DB was made
+    code, out, _ = run_cli(capsys, "search", job, "--no-progress", "--export", "mine.yaml")
+    assert code == 0 and "exported mine.yaml" in out, out
+    assert yaml.safe_load((workdir / "mine.yaml").read_text())["estimates"] is True
+    assert {p: p.read_bytes() for p in (workdir / "tables").iterdir()} == before
+    # A table of estimates is the model's to replace, as before.
+    assert run_cli(capsys, "search", write_job(workdir, name="again", export="mine.yaml"), "--no-progress")[0] == 0
+    assert_bad_input(capsys, ["search", job, "--no-progress", "--export", " "], "--export: a table path")
+
+
 def test_export_and_show_take_a_target_in_any_case(workdir, capsys):
     assert run_cli(capsys, "search", write_job(workdir), "--no-progress")[0] == 0
     code, out, _ = run_cli(capsys, "export", "--target", "h200", "--out", "t.yaml")

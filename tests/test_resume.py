@@ -1,6 +1,7 @@
 """A search killed (SIGKILL) or interrupted (SIGINT) mid-run loses no finished trial, and --resume
 continues the same studies up to the budget without measuring anything twice."""
 
+import dataclasses
 import itertools
 import os
 import signal
@@ -14,6 +15,7 @@ import pytest
 from conftest import COLLAPSED_GRID, sigint_default, write_job
 from fa4tune.db import ResultsDB
 from fa4tune.job import load_job
+from fa4tune.measure.model import CostModelBackend
 from fa4tune.search import run_search
 from fa4tune.studies import open_storage
 
@@ -325,3 +327,43 @@ def test_a_grid_point_that_always_fails_unmeasured_is_not_queued_for_ever(workdi
         assert len(requeued) == MAX_GRID_REQUEUES, len(requeued)
     finally:
         _registered.pop(Boom.name, None)
+
+
+class _MeasuringModel(CostModelBackend):
+    """Stands in for the GPU backend: the cost model's times, stored as measurements."""
+    name = "gpu"
+    is_estimate = False
+
+    def measure(self, problem, config):
+        return dataclasses.replace(super().measure(problem, config), is_estimate=False)
+
+
+def test_a_cost_model_resume_does_not_join_a_measured_run(workdir):
+    """Estimates in a measured run's studies would use up their trial budgets (a measured resume
+    would then measure nothing more) and teach their samplers model times."""
+    job_path = write_job(workdir, spaces=SPACE, budget={"trials": 6}, sampler="random")
+    job = load_job(job_path)
+    measured = run_search(job, backend=_MeasuringModel(job.kernel, job.target), say=lambda *a: None)
+    with ResultsDB.open("fa4tune-results/results.db", create=False) as db:
+        before = db.trials()
+    assert not measured.is_estimate and len(before) >= 6 and not any(t["is_estimate"] for t in before)
+
+    said = []
+    estimated = run_search(load_job(job_path), resume=True, trials=10, say=said.append)
+    assert not estimated.resumed and estimated.run_id != measured.run_id
+    assert any("no earlier cost-model run of job 'job'" in line and f"run {measured.run_id} was measured on a GPU"
+               in line for line in said), said
+    with ResultsDB.open("fa4tune-results/results.db", create=False) as db:
+        after = db.trials()
+    assert [t for t in after if t["run_id"] == measured.run_id] == before  # the measured run untouched
+    new = [t for t in after if t["run_id"] == estimated.run_id]
+    assert new and all(t["is_estimate"] for t in new)
+    assert {t["study_name"] for t in new}.isdisjoint({t["study_name"] for t in before})
+
+    # A measured resume still continues the measured run, and its budget counts only measurements.
+    again = run_search(load_job(job_path), resume=True, trials=8, backend=_MeasuringModel(job.kernel, job.target),
+                       say=lambda *a: None)
+    assert again.resumed and again.run_id == measured.run_id
+    with ResultsDB.open("fa4tune-results/results.db", create=False) as db:
+        joined = [t for t in db.trials() if t["run_id"] == measured.run_id]
+    assert sum(t["status"] != "pruned" for t in joined) == 8

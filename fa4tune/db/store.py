@@ -330,13 +330,15 @@ class ResultsDB:
 
     def open_run(self, *, resume: bool, study_prefix, **fields) -> tuple[int, str, bool]:
         """Start a run of a job, or with `resume` continue (join) its latest run of the same kernel
-        code and target: (run id, study prefix, whether an earlier run was continued). Serialised
-        per job, so that hosts starting together with --resume join one run. `study_prefix(run_id)`
-        names the run's studies."""
+        code and target that measures the same way (a cost-model search never continues a measured
+        run: its estimates would count toward the measured studies' budgets and teach their samplers):
+        (run id, study prefix, whether an earlier run was continued). Serialised per job, so that
+        hosts starting together with --resume join one run. `study_prefix(run_id)` names the run's
+        studies."""
         key = (fields["job_name"], fields["kernel"], fields["kernel_hash"], fields["target"])
         with self.locked("job:" + "/".join(key)) as lock:
             session = lock.session
-            previous = _latest_run(session, *key) if resume else None
+            previous = _latest_run(session, *key, is_estimate=fields["is_estimate"]) if resume else None
             if previous is not None:
                 previous.status, previous.ended_at = "running", None
                 return previous.id, previous.study_prefix, True
@@ -372,9 +374,12 @@ class ResultsDB:
 
         self._transact(work)
 
-    def latest_run(self, job_name: str, kernel: str, kernel_hash: str, target: str) -> dict | None:
+    def latest_run(self, job_name: str, kernel: str, kernel_hash: str, target: str,
+                   is_estimate: bool | None = None) -> dict | None:
+        """The job's latest run of this kernel code on `target` (of estimates or of measurements only,
+        when `is_estimate` says which)."""
         with self._sessions() as session:
-            run = _latest_run(session, job_name, kernel, kernel_hash, target)
+            run = _latest_run(session, job_name, kernel, kernel_hash, target, is_estimate)
             return _columns(run) if run else None
 
     def run(self, run_id: int) -> dict | None:
@@ -667,10 +672,14 @@ def _create_schema(session: Session) -> None:
     session.add(SchemaInfo(key="schema_version", value=str(SCHEMA_VERSION)))
 
 
-def _latest_run(session: Session, job_name: str, kernel: str, kernel_hash: str, target: str) -> Run | None:
+def _latest_run(session: Session, job_name: str, kernel: str, kernel_hash: str, target: str,
+                is_estimate: bool | None = None) -> Run | None:
+    same = [Run.job_name == job_name, Run.kernel == kernel, Run.kernel_hash == kernel_hash, Run.target == target]
+    if is_estimate is not None:
+        same.append(Run.is_estimate.is_(is_estimate))
     return session.scalars(
         select(Run)
-        .where(Run.job_name == job_name, Run.kernel == kernel, Run.kernel_hash == kernel_hash, Run.target == target)
+        .where(*same)
         .order_by(Run.id.desc())
         .limit(1)
     ).first()
