@@ -2,7 +2,9 @@
 
 From the results DB of a GPU search: per problem the default and the tuned config, their TFLOP/s and
 flash-attn-4's and cuDNN's (one process, interleaved rounds), the trials the search needed to reach
-its best, and its wall time.
+its best, and its wall time. fa4tune always writes O and LSE, so flash-attn-4 is timed doing the same
+(`return_lse=True`: the column the target is judged by) and, beside it, as it runs by default, O
+alone; cuDNN (torch SDPA, no gradient) computes O alone.
 
     python benchmarks/tuning_report.py [--db fa4tune-results/h200-bf16.db] [--job tuning_configs/h200-bf16.yaml]
                                        [--out docs/tuning-report.md] [--rounds 5]
@@ -22,7 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-COLUMNS = ("default", "tuned", "flash-attn-4", "cuDNN")
+FA4, FA4_O = "flash-attn-4", "flash-attn-4, O only"
+COLUMNS = ("default", "tuned", FA4, FA4_O, "cuDNN")
 GRID_HEAD_DIMS, GRID_SEQLENS = (64, 128), (1024, 4096, 16384)
 NEAR_BEST = 0.02  # "reached the best": within 2% of the search's final best
 
@@ -109,9 +112,10 @@ def runners_for(problem, default, tuned, target, q, k, v, fa4, fa4_error):
 
     runners = {"default": ours(default), "tuned": ours(tuned)}
     if fa4 is not None:
-        runners["flash-attn-4"] = lambda: _first(fa4(q, k, v, causal=problem.causal))
+        runners[FA4] = lambda: _with_lse(fa4(q, k, v, causal=problem.causal, return_lse=True))
+        runners[FA4_O] = lambda: _first(fa4(q, k, v, causal=problem.causal))
     else:
-        runners["flash-attn-4"] = f"not installed ({fa4_error})"
+        runners[FA4] = runners[FA4_O] = f"not installed ({fa4_error})"
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     gqa = {"native": problem.nheads_q != problem.nheads_kv, "kv": (kt, vt)}
 
@@ -138,6 +142,13 @@ def runners_for(problem, default, tuned, target, q, k, v, fa4, fa4_error):
 
 def _first(result):
     return result[0] if isinstance(result, tuple) else result
+
+
+def _with_lse(result):
+    """(O, LSE) from flash-attn-4 asked for its LSE; an error if it gave none (it would not be checked)."""
+    if not (isinstance(result, tuple) and len(result) >= 2 and result[1] is not None):
+        raise RuntimeError("flash-attn-4 returned no LSE for return_lse=True")
+    return result[0], result[1]
 
 
 def measure_problem(problem, default, tuned, target, fa4, fa4_error, rounds: int) -> dict:
@@ -217,8 +228,9 @@ def geomean(values):
 def render(rows, header: dict) -> str:
     grid = [r for r in rows if r["grid"] and r.get("cells")]
     vs_default = geomean(ratio(r["cells"], "tuned", "default") for r in grid)
-    vs_fa4 = [ratio(r["cells"], "tuned", "flash-attn-4") for r in grid]
+    vs_fa4 = [ratio(r["cells"], "tuned", FA4) for r in grid]
     known_fa4 = [x for x in vs_fa4 if x is not None]
+    known_fa4_o = [x for x in (ratio(r["cells"], "tuned", FA4_O) for r in grid) if x is not None]
     near = [r for r in rows if r.get("story", {}).get("to_near") is not None]
     within_40 = sum(r["story"]["to_near"] <= 40 for r in near)
     lines = [
@@ -231,16 +243,21 @@ def render(rows, header: dict) -> str:
            "Each column: one round (the columns one after another) of ")
         + "`fa4tune.measure.timing.time_cuda` (L2 flushed before every run, median of at least 20 runs)"
         + (", the median of the rounds" if header["rounds"] > 1 else "") + "; every column checked "
-        "against the fp32 reference first. TFLOP/s = 4·b·h·s_q·s_k·d (causal: unmasked pairs) / time. "
-        "Written by `benchmarks/tuning_report.py`.",
+        "against the fp32 reference first (O, and LSE where a column returns it). TFLOP/s = 4·b·h·s_q·s_k·d "
+        "(causal: unmasked pairs) / time. fa4tune writes O and LSE; `flash-attn-4` is called with "
+        "`return_lse=True` to do the same, and `flash-attn-4, O only` as it runs by default (no LSE); cuDNN "
+        "(torch SDPA without gradients) computes O only. Written by `benchmarks/tuning_report.py`.",
         "",
         "## Summary",
         "",
         f"- Tuned against default, geometric mean over the {len(grid)} grid problems: "
         + (f"**{vs_default:.3f}x** (target ≥ 1.05)" if vs_default else "not measured"),
-        "- Tuned against flash-attn-4 on the grid: "
+        "- Tuned against flash-attn-4 (both writing O and LSE) on the grid: "
         + (f"lowest **{min(known_fa4):.3f}x**, {sum(x >= 1.0 for x in known_fa4)} of {len(known_fa4)} shapes "
            "at or above 1.0 (target: all)" if known_fa4 else "flash-attn-4 not measured"),
+        "- Tuned against flash-attn-4 computing O only: "
+        + (f"lowest {min(known_fa4_o):.3f}x, {sum(x >= 1.0 for x in known_fa4_o)} of {len(known_fa4_o)} shapes "
+           "at or above 1.0" if known_fa4_o else "not measured"),
         f"- The search held a config within 2% of its final best after at most 40 measured trials on "
         f"{within_40} of {len(rows)} problems (target: all).",
         "",
@@ -251,22 +268,22 @@ def render(rows, header: dict) -> str:
         "best (of all it measured; stopped = cut short by the pruner).",
         "",
         "| problem | default config | tuned (changed knobs) | " + " | ".join(COLUMNS)
-        + " | tuned / default | tuned / FA4 | trials to 2% / to best (of) | search wall time |",
-        "|" + "---|" * (len(COLUMNS) + 7),
+        + " | tuned / default | tuned / FA4 | tuned / FA4, O only | trials to 2% / to best (of) | search wall time |",
+        "|" + "---|" * (len(COLUMNS) + 8),
     ]
     for r in rows:
         if not r.get("cells"):
             lines.append(f"| {r['key']} | {r.get('default', '')} | {r.get('note', 'not tuned')} |"
-                         + " |" * (len(COLUMNS) + 4))
+                         + " |" * (len(COLUMNS) + 5))
             continue
         s = r["story"]
         trials = (f"{s.get('to_near') or '-'} / {s.get('to_best') or '-'} ({s['measured']}"
                   + (f", {s['stopped']} stopped" if s.get("stopped") else "") + ")")
-        vs_d, vs_f = ratio(r["cells"], "tuned", "default"), ratio(r["cells"], "tuned", "flash-attn-4")
+        ratios = [ratio(r["cells"], "tuned", other) for other in ("default", FA4, FA4_O)]
         lines.append(
             f"| {r['key']} | {r['default']} | {r['changed']} | "
             + " | ".join(fmt_cell(r["cells"].get(c, "")) for c in COLUMNS)
-            + f" | {f'{vs_d:.3f}' if vs_d else '-'} | {f'{vs_f:.3f}' if vs_f else '-'} | {trials} | "
+            + "".join(f" | {f'{x:.3f}' if x else '-'}" for x in ratios) + f" | {trials} | "
             f"{s.get('wall_s', 0):.0f} s |"
         )
     return "\n".join(lines) + "\n"

@@ -16,6 +16,9 @@ spec.loader.exec_module(report)
 
 GRID = Problem(head_dim=128, seqlen_q=4096, batch=4, nheads_q=16)
 KERNEL = get_kernel()
+HEADER = {"kernel": "k", "target": "H200", "date": "d", "gpu": "NVIDIA H200", "driver": "580", "cuda": "13.0",
+          "torch": "2.11", "dsl": "4.8.1", "fa4": "4.0.0b36", "kernel_hash": "abcdef0123456789", "db": "x.db",
+          "rounds": 3}
 
 
 def test_search_story_counts_trials_to_the_best(workdir):
@@ -36,18 +39,34 @@ def test_search_story_counts_trials_to_the_best(workdir):
 
 def test_render_says_what_is_missing():
     cells = {"default": {"tflops": 600.0}, "tuned": {"tflops": 660.0},
-             "flash-attn-4": "not installed (ModuleNotFoundError: flash_attn)", "cuDNN": {"tflops": 610.0}}
+             "flash-attn-4": "not installed (ModuleNotFoundError: flash_attn)",
+             "flash-attn-4, O only": "not installed (ModuleNotFoundError: flash_attn)", "cuDNN": {"tflops": 610.0}}
     rows = [{"key": GRID.key(), "grid": True, "default": "128x128s2", "changed": "tile_n=160", "cells": cells,
              "story": {"measured": 30, "to_near": 12, "to_best": 20, "wall_s": 55.0, "stopped": 4}},
             {"key": "other", "grid": False, "default": "128x128s2", "note": "not tuned (no best config in the DB)"}]
-    header = {"kernel": "k", "target": "H200", "date": "d", "gpu": "NVIDIA H200", "driver": "580", "cuda": "12.8",
-              "torch": "2.13", "dsl": "4.8.1", "fa4": "not installed", "kernel_hash": "abcdef0123456789",
-              "db": "x.db", "rounds": 5}
-    text = report.render(rows, header)
+    text = report.render(rows, {**HEADER, "fa4": "not installed"})
     assert "**1.100x** (target ≥ 1.05)" in text
     assert "flash-attn-4 not measured" in text
     assert "not installed (ModuleNotFoundError: flash_attn)" in text
     assert "| 600 | 660 |" in text and "12 / 20 (30, 4 stopped)" in text and "not tuned" in text
+    assert all(line.count("|") == text.splitlines()[-3].count("|") for line in text.splitlines()[-3:])
+
+
+def test_flash_attn_4_is_judged_by_the_column_that_writes_lse_too():
+    """fa4tune writes O and LSE: the target compares it with flash-attn-4 doing the same; the O-only
+    column (flash-attn-4's default) is shown beside it with its own ratio."""
+    cells = {"default": {"tflops": 580.0}, "tuned": {"tflops": 584.0}, "flash-attn-4": {"tflops": 581.0},
+             "flash-attn-4, O only": {"tflops": 587.0}, "cuDNN": {"tflops": 480.0}}
+    rows = [{"key": GRID.key(), "grid": True, "default": "192x128", "changed": "(default)", "cells": cells,
+             "story": {"measured": 40, "to_near": 1, "to_best": 1, "wall_s": 27.0}}]
+    text = report.render(rows, HEADER)
+    assert "(both writing O and LSE) on the grid: lowest **1.005x**, 1 of 1 shapes" in text
+    assert "computing O only: lowest 0.995x, 0 of 1 shapes" in text
+    assert "| 580 | 584 | 581 | 587 | 480 | 1.007 | 1.005 | 0.995 |" in text
+    assert report._with_lse(("o", "lse", None)) == ("o", "lse")
+    import pytest
+    with pytest.raises(RuntimeError, match="no LSE"):
+        report._with_lse(("o", None))
     assert report.is_grid(GRID) and not report.is_grid(Problem(head_dim=128, seqlen_q=8192, batch=2, nheads_q=32,
                                                                   nheads_kv=8))
 
