@@ -8,7 +8,8 @@ bfloat16 or float16 CUDA tensors on a Hopper GPU; nheads_q a multiple of nheads_
 flash-attn-4's `flash_attn.cute.flash_attn_func`, it returns the output (batch, seqlen_q, nheads_q,
 head_dim_v) in q's dtype and the log-sum-exp (batch, nheads_q, seqlen_q) in float32, natural log.
 The causal mask is aligned to the bottom right, as in FlashAttention. The kernel runs on the current
-CUDA stream; nothing is synchronised.
+CUDA stream; nothing is synchronised. Inputs with nothing to compute (batch, seqlen_q or seqlen_k 0)
+give O zero and LSE -inf, as in flash-attn, without a kernel.
 
 The first call for a shape validates the inputs, looks the config up (fa4tune.lookup: $FA4TUNE_TABLE,
 $FA4TUNE_DB, else the shipped tables), compiles it once (the kernels' compile cache) and prepares the
@@ -27,7 +28,8 @@ import threading
 import warnings
 
 from .kernels.interface import (UnsupportedInput, check_device, check_grid,  # noqa: F401  (API)
-                                check_no_grad, current_device_getter, problem_of)
+                                check_inputs, check_no_grad, current_device_getter, empty_outputs,
+                                make_problem, problem_of)
 from .problem import Problem
 
 MAX_PREPARED = 4096  # prepared launches kept; beyond it the cache starts over (shapes that never repeat)
@@ -112,8 +114,8 @@ _UNDESCRIBED_SEEN: set = set()
 
 
 # ---- prepared launches ------------------------------------------------------------------------------
-def _prepare(key, q, k, v, causal, softmax_scale) -> "_Launch":
-    problem = problem_of(q, k, v, causal)  # (attention() has checked requires_grad already)
+def _prepare(key, q, k, v, causal, softmax_scale) -> "_Launch | _Empty":
+    empty = check_inputs(q, k, v, causal)  # (attention() has checked requires_grad already)
     # Any real number (a numpy float too), not a bool; a tensor would cost a device sync per call.
     if softmax_scale is not None and not (isinstance(softmax_scale, numbers.Real)
                                           and not isinstance(softmax_scale, bool)
@@ -121,7 +123,13 @@ def _prepare(key, q, k, v, causal, softmax_scale) -> "_Launch":
         raise UnsupportedInput(f"softmax_scale must be a positive finite number or None (a Python or numpy "
                                f"number, not a tensor or bool), got {softmax_scale!r}")
     check_device(q, k, v)
-    target = _device_target(q.device)
+    target = _device_target(q.device)  # empty inputs too: whether a call is refused does not depend on sizes
+    if empty:
+        launch = _Empty()
+        with _PREPARE_LOCK:
+            _remember(key, launch)
+        return launch
+    problem = make_problem(q, k, v, causal)
     _say_undescribed(target)
     from .kernels.interface import compile_forward
     from .runtime import lookup
@@ -136,11 +144,16 @@ def _prepare(key, q, k, v, causal, softmax_scale) -> "_Launch":
             # An executor for the tensors' device (the CUDA-dialect one cute.compile gives here loads
             # a context-free library and ignores it; the host function launches on the current device).
             launch.bind(compiled.function.to(launch.device_index))
-            if key is not None:
-                if len(_LAUNCHES) >= MAX_PREPARED:
-                    _LAUNCHES.clear()
-                _LAUNCHES[key] = launch
+            _remember(key, launch)
     return launch
+
+
+def _remember(key, launch) -> None:
+    """Keep a prepared launch for its key (the caller holds _PREPARE_LOCK)."""
+    if key is not None:
+        if len(_LAUNCHES) >= MAX_PREPARED:
+            _LAUNCHES.clear()
+        _LAUNCHES[key] = launch
 
 
 def _raw_stream_getter():
@@ -153,6 +166,17 @@ def _raw_stream_getter():
     if raw is not None:
         return raw
     return lambda index: torch.cuda.current_stream(index).cuda_stream
+
+
+class _Empty:
+    """Inputs with nothing to compute (no batch, query rows or keys): O zero and LSE -inf on the
+    tensors' device and its current stream, without a kernel."""
+
+    def __call__(self, q, k, v):
+        import torch
+
+        with torch.cuda.device(q.device):
+            return empty_outputs(q, v)
 
 
 class _Launch:

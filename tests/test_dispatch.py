@@ -44,7 +44,9 @@ def test_attention_is_the_dispatch_function():
     (lambda: (qkv()[0], qkv()[1].half(), qkv()[2]), "one dtype"),
     (lambda: qkv(device="cpu"), "needs CUDA tensors; q is on cpu"),
     (lambda: qkv(device="meta"), "needs CUDA tensors; q is on meta"),
-    (lambda: (qkv()[0], *qkv(hkv=0)[1:]), "empty tensors are not supported"),
+    (lambda: (qkv(hq=0)[0], *qkv()[1:]), "need at least one head"),
+    (lambda: (qkv()[0], *qkv(hkv=0)[1:]), "need at least one head"),
+    (lambda: qkv(sk=0, device="cpu"), "needs CUDA tensors; q is on cpu"),  # empty, but on no GPU either
     # torch calls this contiguous (.contiguous() returns it as it is), but the TMA needs every stride aligned.
     (lambda: (torch.empty(2, 256, 1, 128, dtype=torch.bfloat16).as_strided((2, 256, 1, 128), (32768, 128, 1, 1)),
               *qkv(hkv=1, device="cpu")[1:]), r"size-1 dims too; use q.clone\(memory_format=torch.contiguous_format\)"),
@@ -62,6 +64,30 @@ def test_unsupported_inputs_are_named(make, match):
     q, k, v = make()
     with pytest.raises(UnsupportedInput, match=match):
         fa4tune.attention(q, k, v)
+
+
+def test_inputs_with_nothing_to_compute_are_told_apart_and_answered_without_a_kernel():
+    """No batch, no query rows or no keys: nothing to compute (and nothing read, so strides do not
+    matter); the answer is O zero and LSE -inf, as flash-attn gives. A missing head is an error."""
+    from fa4tune.kernels.interface import check_inputs, empty_outputs
+
+    assert not check_inputs(*qkv(), False)
+    for shape in ({"b": 0}, {"sq": 0}, {"sk": 0}):
+        q, k, v = qkv(**shape, device="cpu")
+        assert check_inputs(q, k, v, True)
+        assert check_inputs(q, k[..., ::2].as_strided(k.shape, (3, 5, 7, 1)), v, False)  # odd strides: not read
+        out, lse = empty_outputs(q, v)
+        assert out.shape == (q.shape[0], q.shape[1], 4, 128) and out.dtype == q.dtype and torch.all(out == 0)
+        assert lse.shape == (q.shape[0], 4, q.shape[1]) and lse.dtype == torch.float32
+        assert torch.all(lse == -math.inf)
+        given = torch.full_like(out, float("nan")), torch.full_like(lse, float("nan"))
+        assert empty_outputs(q, v, *given) == given and torch.all(given[0] == 0) and torch.all(given[1] == -math.inf)
+        with pytest.raises(UnsupportedInput, match="empty inputs .* have nothing to look up"):
+            explain(q, k, v)
+    with pytest.raises(UnsupportedInput, match=r"out must be \(2, 0, 4, 128\)"):
+        empty_outputs(*qkv(sq=0, device="cpu")[::2], out=torch.zeros(2, 1, 4, 128, dtype=torch.bfloat16))
+    with pytest.raises(UnsupportedInput, match="causal must be True or False"):
+        check_inputs(*qkv(sk=0), 1)
 
 
 def test_bad_causal_and_scale():

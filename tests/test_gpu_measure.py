@@ -4,6 +4,7 @@ kernel exported by one process and loaded by another computes exactly what a fre
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -93,6 +94,42 @@ def test_attention_matches_the_reference(shape):
         finite = torch.isfinite(ref_lse)
         assert torch.equal(finite, torch.isfinite(lse))
         assert (lse[finite] - ref_lse[finite]).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_inputs_with_nothing_to_compute_give_zero_and_minus_inf(causal, monkeypatch):
+    """No batch, no query rows or no keys: O zero and LSE -inf on the tensors' device and current
+    stream, as in flash-attn, with no kernel compiled; attention_forward fills a caller's out and lse."""
+    import fa4tune
+    from fa4tune import dispatch
+    from fa4tune.kernels import interface
+    from fa4tune.kernels.config import FwdConfig
+    from fa4tune.kernels.interface import UnsupportedInput, attention_forward
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("an empty input compiled a kernel")
+
+    monkeypatch.setattr(interface, "compile_forward", no_compile)
+    dispatch.clear()
+    stream = torch.cuda.Stream()
+    for b, sq, sk in ((2, 100, 0), (2, 0, 100), (0, 100, 100)):
+        q = torch.randn(b, sq, 4, 128, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(b, sk, 2, 128, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(b, sk, 2, 64, device="cuda", dtype=torch.bfloat16)
+        for _ in range(2):  # the second call takes the prepared path
+            with torch.cuda.stream(stream):
+                out, lse = fa4tune.attention(q, k, v, causal=causal)
+            stream.synchronize()
+            assert out.shape == (b, sq, 4, 64) and out.dtype == torch.bfloat16 and out.device == q.device
+            assert lse.shape == (b, 4, sq) and lse.dtype == torch.float32 and lse.device == q.device
+            assert torch.all(out == 0) and torch.all(lse == -math.inf)
+        out = torch.full((b, sq, 4, 64), float("nan"), device="cuda", dtype=torch.bfloat16)
+        lse = torch.full((b, 4, sq), float("nan"), device="cuda")
+        got = attention_forward(q, k, v, FwdConfig(), causal=causal, out=out, lse=lse)
+        assert got[0] is out and got[1] is lse and torch.all(out == 0) and torch.all(lse == -math.inf)
+    with pytest.raises(UnsupportedInput, match="at least one head"):
+        fa4tune.attention(torch.randn(2, 0, 4, 128, device="cuda", dtype=torch.bfloat16),
+                          *(torch.randn(2, 8, 0, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2)))
 
 
 def test_attention_runs_the_tables_config_on_the_current_stream(workdir, monkeypatch):

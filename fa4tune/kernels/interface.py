@@ -352,9 +352,27 @@ class UnsupportedInput(ValueError):
 
 
 def problem_of(q, k, v, causal) -> Problem:
-    """The Problem of three tensors, or UnsupportedInput naming what is not supported. Checks all
-    but the device, so that it runs on CPU and meta tensors too (fa4tune.attention and
-    attention_forward both validate their inputs here)."""
+    """The Problem of three tensors, or UnsupportedInput naming what is not supported (empty inputs
+    too: they have no problem to look up or tune). Checks all but the device, so that it runs on CPU
+    and meta tensors too."""
+    if check_inputs(q, k, v, causal):
+        raise UnsupportedInput(f"empty inputs (q {tuple(q.shape)}, k {tuple(k.shape)}) have nothing to look up "
+                               "or tune")
+    return make_problem(q, k, v, causal)
+
+
+def make_problem(q, k, v, causal) -> Problem:
+    """The Problem of inputs that check_inputs passed, not empty."""
+    return Problem(dtype=str(q.dtype), head_dim=q.shape[3], head_dim_v=v.shape[3], causal=causal,
+                   seqlen_q=q.shape[1], seqlen_k=k.shape[1], batch=q.shape[0], nheads_q=q.shape[2],
+                   nheads_kv=k.shape[2])
+
+
+def check_inputs(q, k, v, causal) -> bool:
+    """UnsupportedInput naming what is not supported, for every check but the device (so that it runs
+    on CPU and meta tensors too; fa4tune.attention and attention_forward both validate their inputs
+    here). True when there is nothing to compute: no batch, no query rows or no keys. The callers then
+    return O zero and LSE -inf, as flash-attn does, without a launch."""
     import torch
 
     from .config import SUPPORTED_HEAD_DIMS
@@ -385,11 +403,15 @@ def problem_of(q, k, v, causal) -> Problem:
                                f"v is {tuple(v.shape)}")
     if k.shape[0] != q.shape[0]:
         raise UnsupportedInput(f"q and k must have the same batch size; q is {tuple(q.shape)}, k is {tuple(k.shape)}")
-    if 0 in q.shape or 0 in k.shape:
-        raise UnsupportedInput(f"empty tensors are not supported: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if q.shape[2] == 0 or k.shape[2] == 0:
+        raise UnsupportedInput(f"q, k and v need at least one head; q is {tuple(q.shape)}, k is {tuple(k.shape)}")
     if q.shape[2] % k.shape[2]:
         raise UnsupportedInput(f"the heads of q ({q.shape[2]}) must be a multiple of the heads of k and v "
                                f"({k.shape[2]}) (grouped-query attention)")
+    if not isinstance(causal, bool):
+        raise UnsupportedInput(f"causal must be True or False, got {causal!r}")
+    if 0 in (q.shape[0], q.shape[1], k.shape[1]):
+        return True  # nothing is read, so neither strides nor alignment matter
     for name, t in (("q", q), ("k", k), ("v", v)):
         if 0 in t.stride():
             # An expanded view (k[:, :, :1].expand(...), say), or a size-1 dim given stride 0 (which torch
@@ -406,11 +428,27 @@ def problem_of(q, k, v, causal) -> Problem:
             raise UnsupportedInput(f"{name}'s strides {t.stride()} must be multiples of 8 elements (16 bytes, "
                                    f"for the TMA), those of size-1 dims too; use "
                                    f"{name}.clone(memory_format=torch.contiguous_format)")
-    if not isinstance(causal, bool):
-        raise UnsupportedInput(f"causal must be True or False, got {causal!r}")
-    return Problem(dtype=str(q.dtype), head_dim=q.shape[3], head_dim_v=v.shape[3], causal=causal,
-                   seqlen_q=q.shape[1], seqlen_k=k.shape[1], batch=q.shape[0], nheads_q=q.shape[2],
-                   nheads_kv=k.shape[2])
+    return False
+
+
+def empty_outputs(q, v, out=None, lse=None):
+    """(out, lse) of attention with nothing to compute (check_inputs said so): O zero (a row without
+    keys sums nothing; flash-attn's convention) and LSE -inf, into `out` and `lse` when given."""
+    import torch
+
+    batch, seqlen_q, nheads_q, _ = q.shape
+    out_shape, lse_shape = (batch, seqlen_q, nheads_q, v.shape[3]), (batch, nheads_q, seqlen_q)
+    if out is None:
+        out = torch.zeros(out_shape, dtype=q.dtype, device=q.device)
+    else:
+        check_output("out", out, out_shape, q.dtype, q.device)
+        out.zero_()
+    if lse is None:
+        lse = torch.full(lse_shape, -math.inf, dtype=torch.float32, device=q.device)
+    else:
+        check_output("lse", lse, lse_shape, torch.float32, q.device, align=4)
+        lse.fill_(-math.inf)
+    return out, lse
 
 
 def check_no_grad(q, k, v) -> None:
@@ -424,7 +462,8 @@ def check_no_grad(q, k, v) -> None:
 
 
 def check_device(q, k, v) -> None:
-    """CUDA tensors on one device, each starting 16-byte aligned (TMA), or UnsupportedInput."""
+    """CUDA tensors on one device, each starting 16-byte aligned (TMA), or UnsupportedInput. (torch
+    gives an empty tensor the data pointer 0, wherever its view starts.)"""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not t.is_cuda:
             raise UnsupportedInput(f"attention needs CUDA tensors; {name} is on {t.device}")
@@ -476,13 +515,17 @@ def check_grid(config: FwdConfig, problem: Problem) -> None:
 def attention_forward(q, k, v, config: FwdConfig, causal: bool = False, softmax_scale: float | None = None,
                       out=None, lse=None, target: Target | str | None = None):
     """Run the kernel on CUDA tensors on the current stream. Returns (out, lse): out like q with
-    head_dim_v, lse (batch, nheads_q, seqlen_q) float32 in natural log."""
+    head_dim_v, lse (batch, nheads_q, seqlen_q) float32 in natural log (O zero and LSE -inf, without
+    a launch, when batch, seqlen_q or seqlen_k is 0)."""
     import torch
 
     target = get_target(target)
-    problem = problem_of(q, k, v, causal)
+    empty = check_inputs(q, k, v, causal)
     check_no_grad(q, k, v)
     check_device(q, k, v)
+    if empty:
+        return empty_outputs(q, v, out, lse)
+    problem = make_problem(q, k, v, causal)
     # The DSL only once the input is known to be good (its first import fixes the arch it builds for).
     _import_dsl(target)
     from cuda.bindings import driver as cuda
