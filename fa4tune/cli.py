@@ -52,8 +52,9 @@ def cmd_search(args) -> int:
     except SearchInterrupted as stop:
         s = stop.summary
         again = " ".join(f"{flag} {shown_location(str(value))}" for flag, value in (
-            ("--db", args.db), ("--storage", args.storage), ("--export", args.export), ("--workers", args.workers),
-            ("--gpus", ",".join(map(str, args.gpus or [])))) if value)
+            ("--db", args.db), ("--storage", args.storage), ("--export", args.export), ("--backend", args.backend),
+            ("--target", args.target), ("--trials", args.trials), ("--seconds", args.seconds),
+            ("--workers", args.workers), ("--gpus", ",".join(map(str, args.gpus or [])))) if value)
         _say(f"fa4tune: interrupted; every finished trial is stored in {shown_location(s.db_location)} (run "
              f"{s.run_id}). Continue with: fa4tune search {args.job} --resume" + (f" {again}" if again else ""))
         return EXIT_INTERRUPTED

@@ -9,7 +9,7 @@ flash-attn-4's `flash_attn.cute.flash_attn_func`, it returns the output (batch, 
 head_dim_v) in q's dtype and the log-sum-exp (batch, nheads_q, seqlen_q) in float32, natural log.
 The causal mask is aligned to the bottom right, as in FlashAttention. The kernel runs on the current
 CUDA stream; nothing is synchronised. Inputs with nothing to compute (batch, seqlen_q or seqlen_k 0)
-give O zero and LSE -inf, as in flash-attn, without a kernel.
+give O zero and LSE -inf, as in flash-attn-4, without a kernel.
 
 The first call for a shape validates the inputs, looks the config up (fa4tune.lookup: $FA4TUNE_TABLE,
 $FA4TUNE_DB, else the shipped tables), compiles it once (the kernels' compile cache) and prepares the
@@ -122,7 +122,7 @@ def _prepare(key, q, k, v, causal, softmax_scale) -> "_Launch | _Empty":
                                           and math.isfinite(softmax_scale) and softmax_scale > 0):
         raise UnsupportedInput(f"softmax_scale must be a positive finite number or None (a Python or numpy "
                                f"number, not a tensor or bool), got {softmax_scale!r}")
-    check_device(q, k, v)
+    check_device(q, k, v, aligned=not empty)  # nothing is read from empty inputs
     target = _device_target(q.device)  # empty inputs too: whether a call is refused does not depend on sizes
     if empty:
         launch = _Empty()

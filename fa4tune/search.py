@@ -166,9 +166,6 @@ def run_search(job: Job, *, db: str | None = None, storage: str | None = None, r
                                        "writable directory")
                 if target_path.is_dir():
                     raise Fa4tuneError(f"{job.path}: export: {target_path} is a directory")
-            estimates = backend.is_estimate if isinstance(backend, Backend) else backend_name == "model"
-            if estimates:
-                _refuse_estimates_over_measurements(job)
         ResultsDB.check(db_location)
         check_storage(storage_location)
         if trials is not None and (isinstance(trials, bool) or not isinstance(trials, int) or trials < 1):
@@ -180,16 +177,18 @@ def run_search(job: Job, *, db: str | None = None, storage: str | None = None, r
         budget_seconds = seconds if seconds is not None else job.budget.seconds
         if not isinstance(backend, Backend) and (plan is None or backend_name == "model"):
             backend = make_backend(backend_name, kernel, tgt)  # with workers, the model's for the run's record
+        # (Not a Backend: the GPU workers, not started yet; they fill in what the run records of the GPU.)
+        is_estimate = backend.is_estimate if isinstance(backend, Backend) else False
+        if is_estimate and job.export:
+            _refuse_estimates_over_measurements(job)  # before the DB or the storage is touched
 
         results_db = ResultsDB.open(db_location, create=True)
         optuna_storage = open_storage(storage_location)
         kernel_hash = kernel.source_hash()
         if isinstance(backend, Backend):
             provenance = {**backend.provenance(), **_versions()}
-            is_estimate = backend.is_estimate
-        else:  # the GPU workers are not started yet: they fill in what the run records of the GPU
+        else:
             provenance = {"gpu_name": None, "sm_count": tgt.sm_count, **_versions()}
-            is_estimate = False
         run_id, prefix, resumed = results_db.open_run(
             resume=resume, study_prefix=lambda rid: f"{job.name}/{kernel.name}-{kernel_hash[:12]}/{tgt.name}/run{rid}",
             job_name=job.name, job_path=job.path, job_text=job.text, kernel=kernel.name,
@@ -202,7 +201,7 @@ def run_search(job: Job, *, db: str | None = None, storage: str | None = None, r
             other = results_db.latest_run(job.name, kernel.name, kernel_hash, tgt.name, is_estimate=not is_estimate)
             say(f"fa4tune: no earlier {'cost-model' if is_estimate else 'measured'} run of job {job.name!r} in "
                 f"{shown_location(db_location)}"
-                + (f" (run {other['id']} {'is estimated' if other['is_estimate'] else 'was measured on a GPU'}; "
+                + (f" (run {other['id']} {'is a cost-model run' if other['is_estimate'] else 'was measured on a GPU'}; "
                    f"a {'cost-model' if is_estimate else 'measured'} search does not continue it)" if other else "")
                 + "; starting a new one")
         elif resumed:
@@ -262,9 +261,9 @@ def _refuse_estimates_over_measurements(job: Job) -> None:
         measured = sum(not row["is_estimate"] for row in entries)
         if measured:
             raise Fa4tuneError(
-                f"{job.path}: export: {path} holds {measured} measured entr{'y' if measured == 1 else 'ies'}, and "
-                "this search gives cost-model estimates: it would write them over the measurements. Export "
-                "somewhere else (fa4tune search --export PATH), or run the search on the GPU")
+                f"cannot export to {path}: it holds {measured} measured entr{'y' if measured == 1 else 'ies'}, and "
+                "this search gives cost-model estimates, which would replace them in the file. Export somewhere "
+                "else (fa4tune search --export PATH, or the job's `export`), or run the search on the GPU")
 
 
 def _check_apart(db_location: str, storage_location: str) -> None:

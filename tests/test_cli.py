@@ -231,7 +231,7 @@ def test_a_cost_model_search_does_not_export_over_measurements(workdir, capsys):
     before = {p: p.read_bytes() for p in (workdir / "tables").iterdir()}
     measured = sum(not e["is_estimate"] for e in yaml.safe_load(shipped.read_text())["entries"])
     job = write_job(workdir, export="tables/h200-bf16.yaml")
-    assert_bad_input(capsys, ["search", job, "--no-progress"], "export: tables/h200-bf16.yaml holds "
+    assert_bad_input(capsys, ["search", job, "--no-progress"], "cannot export to tables/h200-bf16.yaml: it holds "
                      f"{measured} measured entries", "cost-model estimates", "--export PATH")
     assert {p: p.read_bytes() for p in (workdir / "tables").iterdir()} == before
     assert not (workdir / "fa4tune-results").exists()  # refused before the DB was made

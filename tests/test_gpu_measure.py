@@ -99,7 +99,7 @@ def test_attention_matches_the_reference(shape):
 @pytest.mark.parametrize("causal", [False, True])
 def test_inputs_with_nothing_to_compute_give_zero_and_minus_inf(causal, monkeypatch):
     """No batch, no query rows or no keys: O zero and LSE -inf on the tensors' device and current
-    stream, as in flash-attn, with no kernel compiled; attention_forward fills a caller's out and lse."""
+    stream, as in flash-attn-4, with no kernel compiled; attention_forward fills a caller's out and lse."""
     import fa4tune
     from fa4tune import dispatch
     from fa4tune.kernels import interface
@@ -127,6 +127,20 @@ def test_inputs_with_nothing_to_compute_give_zero_and_minus_inf(causal, monkeypa
         lse = torch.full((b, 4, sq), float("nan"), device="cuda")
         got = attention_forward(q, k, v, FwdConfig(), causal=causal, out=out, lse=lse)
         assert got[0] is out and got[1] is lse and torch.all(out == 0) and torch.all(lse == -math.inf)
+    # Written on the current stream: a CUDA graph captures the writes (work on another stream would
+    # fail the capture), and its replay writes them again.
+    q, k = (torch.randn(2, s, h, 128, device="cuda", dtype=torch.bfloat16) for s, h in ((100, 4), (0, 2)))
+    fa4tune.attention(q, k, k, causal=causal)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = fa4tune.attention(q, k, k, causal=causal)
+    out.fill_(float("nan")), lse.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.all(out == 0) and torch.all(lse == -math.inf)
+    # Nothing is read: a q that does not start 16-byte aligned is no reason to refuse.
+    odd = torch.randn(2 * 100 * 4 * 128 + 1, device="cuda", dtype=torch.bfloat16)[1:].view(2, 100, 4, 128)
+    assert odd.data_ptr() % 16 and torch.all(fa4tune.attention(odd, k, k)[0] == 0)
     with pytest.raises(UnsupportedInput, match="at least one head"):
         fa4tune.attention(torch.randn(2, 0, 4, 128, device="cuda", dtype=torch.bfloat16),
                           *(torch.randn(2, 8, 0, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2)))

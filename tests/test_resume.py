@@ -35,8 +35,8 @@ sys.exit(main(sys.argv[1:]))
 SPACE = ["tiles", "pipeline", "exp2", "softmax"]
 
 
-def start_search(job_path, workdir):
-    return subprocess.Popen([sys.executable, "-c", SLOW_CLI, "search", str(job_path), "--no-progress"],
+def start_search(job_path, workdir, *extra):
+    return subprocess.Popen([sys.executable, "-c", SLOW_CLI, "search", str(job_path), "--no-progress", *extra],
                             cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             preexec_fn=sigint_default)
 
@@ -108,6 +108,19 @@ def test_ctrl_c_stores_everything_and_says_how_to_resume(workdir):
     assert optuna.trial.TrialState.RUNNING not in states
     finished = [s for s in states if s in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)]
     assert len(finished) >= stored
+
+
+def test_the_resume_hint_repeats_the_options_that_pick_the_run(workdir):
+    """A resume continues only a run of the same kind and target: the hint must repeat --backend and
+    --target (and the budgets) as given, or following it starts another run."""
+    job_path = write_job(workdir, spaces=SPACE, budget={"trials": 300}, sampler="random", backend="auto")
+    proc = start_search(job_path, workdir, "--backend", "model", "--target", "h100-sxm", "--trials", "250",
+                        "--export", "elsewhere.yaml")
+    wait_for_trials(workdir, 3, proc)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out
+    assert ("--resume --export elsewhere.yaml --backend model --target h100-sxm --trials 250" in out), out
 
 
 def test_sigterm_is_an_interrupt_too(workdir):

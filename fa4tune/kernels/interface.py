@@ -372,7 +372,8 @@ def check_inputs(q, k, v, causal) -> bool:
     """UnsupportedInput naming what is not supported, for every check but the device (so that it runs
     on CPU and meta tensors too; fa4tune.attention and attention_forward both validate their inputs
     here). True when there is nothing to compute: no batch, no query rows or no keys. The callers then
-    return O zero and LSE -inf, as flash-attn does, without a launch."""
+    return O zero and LSE -inf, as flash-attn-4 does (and this kernel for rows without keys), without
+    a launch."""
     import torch
 
     from .config import SUPPORTED_HEAD_DIMS
@@ -433,7 +434,8 @@ def check_inputs(q, k, v, causal) -> bool:
 
 def empty_outputs(q, v, out=None, lse=None):
     """(out, lse) of attention with nothing to compute (check_inputs said so): O zero (a row without
-    keys sums nothing; flash-attn's convention) and LSE -inf, into `out` and `lse` when given."""
+    keys sums nothing) and LSE -inf (log of that empty sum; flash-attn-4's convention, where FA2/FA3
+    write +inf), into `out` and `lse` when given."""
     import torch
 
     batch, seqlen_q, nheads_q, _ = q.shape
@@ -461,15 +463,15 @@ def check_no_grad(q, k, v) -> None:
                                "call it under torch.no_grad() or torch.inference_mode(), or pass detached tensors")
 
 
-def check_device(q, k, v) -> None:
-    """CUDA tensors on one device, each starting 16-byte aligned (TMA), or UnsupportedInput. (torch
-    gives an empty tensor the data pointer 0, wherever its view starts.)"""
+def check_device(q, k, v, aligned: bool = True) -> None:
+    """CUDA tensors on one device, each starting 16-byte aligned (TMA; not checked with `aligned`
+    False: inputs with nothing to compute are not read), or UnsupportedInput."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not t.is_cuda:
             raise UnsupportedInput(f"attention needs CUDA tensors; {name} is on {t.device}")
         if t.device != q.device:
             raise UnsupportedInput(f"q, k and v must be on one device; q is on {q.device}, {name} on {t.device}")
-        if t.data_ptr() % 16:
+        if aligned and t.data_ptr() % 16:
             raise UnsupportedInput(f"{name} must start at a 16-byte aligned address (for the TMA); "
                                    f"pass {name}.clone()")
 
@@ -522,7 +524,7 @@ def attention_forward(q, k, v, config: FwdConfig, causal: bool = False, softmax_
     target = get_target(target)
     empty = check_inputs(q, k, v, causal)
     check_no_grad(q, k, v)
-    check_device(q, k, v)
+    check_device(q, k, v, aligned=not empty)
     if empty:
         return empty_outputs(q, v, out, lse)
     problem = make_problem(q, k, v, causal)
