@@ -2,6 +2,7 @@
 crashing, exiting, hanging and raising candidates are recorded as failed and the worker is replaced;
 a wrong result never becomes best; a SIGKILLed search loses no finished trial and resumes."""
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -460,6 +461,32 @@ def test_the_db_vouches_with_the_best_configs_trial_else_the_fastest_never_a_wro
     assert db.known_good_config(**where) == {"tile_n": 96}
     assert db.known_good_config(**{**where, "kernel_hash": "other"}) is None
     db.close()
+
+
+def test_a_measured_best_imported_without_a_trial_vouches_unless_it_was_wrong_here(workdir):
+    """A table's measured entry, imported into a DB that has no trial of its problem, is evidence that
+    the problem runs (it was measured where the table was made); an estimate is not, nor a config
+    this DB has seen give a wrong result."""
+    from fa4tune.best import BestEntry
+    from fa4tune.measure.base import Measurement
+
+    where = dict(kernel=KERNEL.name, kernel_hash="h", target="H200", problem_key=PROBLEM.key())
+    entry = BestEntry(kernel=KERNEL.name, kernel_hash="h", target="H200", problem=PROBLEM.to_dict(),
+                      problem_key=PROBLEM.key(), bucket_key=PROBLEM.bucket().key(), config={"tile_n": 112},
+                      time_ms=1.0, tflops=1.0, is_estimate=True, provenance={}, source="import")
+    with ResultsDB.open("estimate.db") as db:
+        db.merge_best([entry])
+        assert db.known_good_config(**where) is None
+    with ResultsDB.open("measured.db") as db:
+        db.merge_best([dataclasses.replace(entry, is_estimate=False)])
+        assert db.known_good_config(**where) == {"tile_n": 112}
+        assert db.known_good_config(**{**where, "target": "H100-SXM"}) is None
+        run = db.start_run(job_name="j", kernel=KERNEL.name, kernel_hash="h", target="H200", backend="gpu",
+                           is_estimate=False, fa4tune_version="0", study_prefix="p")
+        db.add_trial(run_id=run, study_name="s", optuna_number=0, kernel=KERNEL.name, kernel_hash="h", target="H200",
+                     problem=PROBLEM, config={"tile_n": 112}, measurement=Measurement(status="wrong", reason="x"),
+                     source="sampler", provenance={})
+        assert db.known_good_config(**where) is None
 
 
 @pytest.mark.parametrize("min_gain, kept", [(0.5, True), (0.01, False)])

@@ -526,19 +526,27 @@ class ResultsDB:
 
     def known_good_config(self, *, kernel: str, kernel_hash: str, target: str, problem_key: str) -> dict | None:
         """A config of the problem measured ok (not estimated) with this kernel code on this target, and
-        never wrong there: its best config's trial, else its fastest ok trial; None when there is none.
-        Evidence that the problem runs at all, for the gpu backend's health check."""
+        never wrong there: its best config's trial, else its fastest ok trial, else a measured best
+        config without a trial here (imported from a table: measured where the table was made);
+        None when there is none. Evidence that the problem runs at all, for the gpu backend's health
+        check."""
         same = (Trial.kernel == kernel, Trial.kernel_hash == kernel_hash, Trial.target == target,
                 Trial.problem_key == problem_key)
         wrong = select(Trial.config_key).where(*same, Trial.status == "wrong")
         ok = select(Trial).where(*same, Trial.status == "ok", Trial.is_estimate.is_(False),
                                  Trial.config_key.not_in(wrong))
-        best = select(BestConfig.trial_id).where(BestConfig.kernel == kernel, BestConfig.kernel_hash == kernel_hash,
-                                                 BestConfig.target == target, BestConfig.problem_key == problem_key)
+        this_best = (BestConfig.kernel == kernel, BestConfig.kernel_hash == kernel_hash,
+                     BestConfig.target == target, BestConfig.problem_key == problem_key)
+        best = select(BestConfig.trial_id).where(*this_best)
         with self._sessions() as session:
             row = (session.scalars(ok.where(Trial.id == best.scalar_subquery())).first()
                    or session.scalars(ok.order_by(Trial.time_ms, Trial.id)).first())
-            return dict(row.config) if row is not None else None
+            if row is not None:
+                return dict(row.config)
+            imported = session.scalars(select(BestConfig).where(*this_best, BestConfig.is_estimate.is_(False))).first()
+            if imported is not None and config_key(imported.config) not in set(session.scalars(wrong)):
+                return dict(imported.config)
+            return None
 
     # ---- best configs -------------------------------------------------------------------------
     def best_configs(self, *, kernel: str | None = None, kernel_hash: str | None = None,
