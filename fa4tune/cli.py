@@ -174,15 +174,11 @@ def cmd_show(args) -> int:
 def _refuse_overwrite(out: str) -> None:
     """An existing table is someone's tuning (the shipped one: measurements and their carry records):
     `export` replaces it only when told to, and says what would be lost."""
-    from .tables import TableError, read_table, table_paths
+    from .tables import TableError, existing_tables
 
-    for path in table_paths(out):
-        if not path.is_file():  # a directory in the way is the write's error to report
-            continue
-        try:
-            document = read_table(path)
-        except TableError as exc:
-            holds = f"something that is not a readable table ({exc})"
+    for path, document in existing_tables(out):
+        if isinstance(document, TableError):
+            holds = f"something that is not a readable table ({document})"
         else:
             rows = document["entries"]
             estimated = sum(row["is_estimate"] for row in rows)

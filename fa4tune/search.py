@@ -249,16 +249,12 @@ def run_search(job: Job, *, db: str | None = None, storage: str | None = None, r
 def _refuse_estimates_over_measurements(job: Job) -> None:
     """A cost-model search does not export over a table that holds measurements (the shipped table,
     say, when its job is run with --backend model): the measurements would be gone from the file."""
-    from .tables import TableError, read_table, table_paths
+    from .tables import TableError, existing_tables
 
-    for path in table_paths(job.export):
-        if not path.is_file():
+    for path, document in existing_tables(job.export):
+        if isinstance(document, TableError):  # not a table we can read: nothing measured to keep
             continue
-        try:
-            entries = read_table(path)["entries"]
-        except TableError:  # not a table we can read: nothing measured to keep
-            continue
-        measured = sum(not row["is_estimate"] for row in entries)
+        measured = sum(not row["is_estimate"] for row in document["entries"])
         if measured:
             raise Fa4tuneError(
                 f"cannot export to {path}: it holds {measured} measured entr{'y' if measured == 1 else 'ies'}, and "

@@ -81,6 +81,19 @@ def table_paths(out: str | os.PathLike) -> tuple[Path, Path]:
     return yaml_path, yaml_path.with_suffix(".json")
 
 
+def existing_tables(out: str | os.PathLike) -> list[tuple[Path, dict | TableError]]:
+    """The files of the table named `out` that exist (a directory in the way is the write's error to
+    report), each with its document or the TableError reading it gave: what writing `out` would replace."""
+    found = []
+    for path in table_paths(out):
+        if path.is_file():
+            try:
+                found.append((path, read_table(path)))
+            except TableError as exc:
+                found.append((path, exc))
+    return found
+
+
 def write_table(document: dict, out: str | os.PathLike) -> list[str]:
     """Write a table's YAML and JSON files; returns their paths. A TableError when one cannot be
     written, with the pair put back as it was (a file that was not there is removed again)."""
