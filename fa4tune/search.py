@@ -812,6 +812,8 @@ class _Context:
                 neighbours.append((distance, not current, entry.problem_key, entry.config))
         seen = []
         for _, _, _, config in sorted(neighbours, key=lambda n: n[:3]):
+            # A config stored before a knob existed ran with that knob at its schema default.
+            config = self.kernel.canonical_values(config)
             params = {k: config[k] for k in domains if k in config}
             if len(params) != len(domains) or params in seen:
                 continue

@@ -31,6 +31,9 @@ SPREAD = [
     (FwdConfig(rescale_threshold=8.0, persistent=True), "bf16", 128, 128, False),
     (FwdConfig(tile_m=192, rescale_branch=False, persistent=True), "bf16", 64, 64, True),
     (FwdConfig(intra_wg_overlap=False, rescale_branch=False, persistent=True), "fp16", 128, 128, True),
+    # Per-warpgroup O stores: two and three consumer warpgroups, causal (tile counter) and not.
+    (FwdConfig(rescale_threshold=8.0, persistent=True, wg_epilogue=True), "bf16", 128, 128, False),
+    (FwdConfig(tile_m=192, persistent=True, wg_epilogue=True), "bf16", 64, 64, True),
     # Warpgroups without rows (tile_m 192, one CTA per tile) without ping-pong: the configs that hung.
     (FwdConfig(tile_m=192, num_stages=3, wg_pingpong=False), "bf16", 64, 64, True),
     (FwdConfig(tile_m=192, intra_wg_overlap=False, wg_pingpong=False), "bf16", 64, 64, False),
@@ -124,11 +127,15 @@ def test_infeasible_config_is_refused_before_compiling():
     assert not infeasible_reasons(Problem(dtype="bf16", head_dim=128), FwdConfig(num_stages=3), get_target("H200"))
     with pytest.raises(ConfigError, match="persistent.*o 32 KB"):
         compile_forward(FwdConfig(num_stages=3, persistent=True), "bf16", 128, 128, False, "H200")
+    # Per-warpgroup O stores need O's own buffer: a single-tile CTA stages O in Q's.
+    with pytest.raises(ConfigError, match="wg_epilogue=True needs persistent=True"):
+        compile_forward(FwdConfig(wg_epilogue=True), "bf16", 128, 128, False, "H200")
 
 
 
-@pytest.mark.parametrize("persistent,causal", [(True, True), (True, False), (False, True)])
-def test_shared_storage_is_what_the_resource_model_books(persistent, causal, monkeypatch):
+@pytest.mark.parametrize("persistent,causal,wg_epilogue",
+                         [(True, True, False), (True, False, False), (False, True, False), (True, False, True)])
+def test_shared_storage_is_what_the_resource_model_books(persistent, causal, wg_epilogue, monkeypatch):
     """The search rejects configs by resources.smem_bytes; a kernel whose shared storage is larger
     would pass that check and fail to launch at the limit. (Before the tile-number slot moved into
     the barrier region, a persistent causal kernel took 1 KB more than the model said.)"""
@@ -145,7 +152,7 @@ def test_shared_storage_is_what_the_resource_model_books(persistent, causal, mon
         return allocate(self, struct, *args, **kwargs)
 
     monkeypatch.setattr(cutlass.utils.SmemAllocator, "allocate", recording_allocate)
-    config = FwdConfig(persistent=persistent)
+    config = FwdConfig(persistent=persistent, wg_epilogue=wg_epilogue)
     compile_forward(config, "bf16", 128, 128, causal, "H200", use_cache=False)
     assert sizes, "the kernel no longer allocates its shared storage through SmemAllocator"
     assert sizes[-1] == resources.smem_bytes(config, Problem(dtype="bf16", head_dim=128, causal=causal))

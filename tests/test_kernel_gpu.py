@@ -91,6 +91,8 @@ KNOB_CONFIGS = [
     (64, FwdConfig(tile_m=192, rescale_threshold=8.0, rescale_branch=False, persistent=True)),
     (128, FwdConfig(rescale_branch=False)),
     (128, FwdConfig(num_stages=1, intra_wg_overlap=False, persistent=True)),
+    (64, FwdConfig(tile_m=192, tile_n=96, persistent=True, wg_epilogue=True)),
+    (128, FwdConfig(tile_n=144, intra_wg_overlap=False, rescale_threshold=4.0, persistent=True, wg_epilogue=True)),
 ]
 
 # Shapes with more tiles than SMs, so that a persistent CTA walks several tiles (and, causal, tiles
@@ -107,6 +109,8 @@ MANY_TILE_SHAPES = [
 @pytest.mark.parametrize("head_dim,config", [
     (128, FwdConfig(rescale_threshold=8.0, persistent=True)),
     (64, FwdConfig(tile_m=192, rescale_threshold=8.0, persistent=True)),
+    (128, FwdConfig(rescale_threshold=8.0, persistent=True, wg_epilogue=True)),
+    (64, FwdConfig(tile_m=192, rescale_threshold=8.0, persistent=True, wg_epilogue=True)),
 ], ids=lambda x: getattr(x, "short", lambda: str(x))())
 def test_persistent_matches_reference(head_dim, config, shape, causal):
     sq, sk, b, hq, hkv = shape
@@ -129,6 +133,7 @@ def test_persistent_matches_reference(head_dim, config, shape, causal):
     FwdConfig(tile_m=192, num_stages=3, wg_pingpong=False),
     FwdConfig(tile_m=192, intra_wg_overlap=False, wg_pingpong=False),
     FwdConfig(tile_m=192, persistent=True, rescale_threshold=8.0),
+    FwdConfig(tile_m=192, persistent=True, wg_epilogue=True, wg_pingpong=False),
 ], ids=lambda c: c.short())
 def test_warpgroups_without_rows_keep_the_tile_right(config, causal):
     for seqlen_q, seqlen_k in ((1024, 1024), (1060, 1500)):

@@ -26,6 +26,7 @@ KNOBS: dict[str, tuple] = {
     "wg_pingpong": (True, False),
     "rescale_branch": (True, False),
     "persistent": (False, True),
+    "wg_epilogue": (False, True),
 }
 
 KERNEL_ARCHS = ("sm_90a",)
@@ -46,6 +47,8 @@ class FwdConfig:
     vote and a branch) when none of its rows moved its max; otherwise O is always multiplied.
     persistent: one CTA per SM walks the tiles, loading the next tile while it finishes this one
     (O then needs its own shared-memory buffer); causal tiles come from a global counter, longest first.
+    wg_epilogue: (persistent only) each consumer warpgroup stores its own rows of O through a buffer of
+    its own as soon as its main loop is done, without waiting for the other warpgroups.
     """
 
     tile_m: int = 128
@@ -58,6 +61,7 @@ class FwdConfig:
     wg_pingpong: bool = True
     rescale_branch: bool = True
     persistent: bool = False
+    wg_epilogue: bool = False
 
     def __post_init__(self) -> None:
         bad = []
@@ -109,6 +113,7 @@ class FwdConfig:
             f"-e{self.emu_share:g}p{self.poly_degree}-r{self.rescale_threshold:g}"
             f"{'-ov' if self.intra_wg_overlap else ''}{'-pp' if self.wg_pingpong else ''}"
             f"{'' if self.rescale_branch else '-rm'}{'-ps' if self.persistent else ''}"
+            f"{'-we' if self.wg_epilogue else ''}"
         )
 
 
@@ -145,6 +150,7 @@ def infeasible_reasons(problem: Problem, config: FwdConfig, target: Target) -> l
         unsupported_reasons(problem, target)
         + grid_reasons(config, problem)
         + resources.tile_reasons(config, problem)
+        + resources.epilogue_reasons(config)
         + resources.smem_reasons(config, problem, target)
         + resources.register_reasons(config, problem, target)
         + exp2_poly.accuracy_reasons(config.poly_degree, config.emu_share, problem.dtype)

@@ -52,6 +52,7 @@ from .sm90_helpers import (
     convert_to_16bit,
     permute_modes,
     smem_tile_layout,
+    stages_as_rows,
     swap_first_modes,
     wgmma,
 )
@@ -72,6 +73,10 @@ BARRIER_O_WRITTEN = 5  # consumers arrive, the storing warp waits: O is in share
 # and arrive on EMPTY (once up front, then after every number but the last).
 BARRIER_TILE_FULL = 6
 BARRIER_TILE_EMPTY = 7
+# With `wg_epilogue` each consumer warpgroup has its own pair: its O rows' buffer is free (8, 9, 10),
+# and its O rows are in shared memory (11, 12, 13).
+BARRIER_WG_O_FREE_FIRST = 8
+BARRIER_WG_O_WRITTEN_FIRST = 11
 
 
 class FlashForwardSm90:
@@ -109,6 +114,7 @@ class FlashForwardSm90:
         self.poly_degree = config.poly_degree
         self.rescale_branch = config.rescale_branch
         self.persistent = config.persistent
+        self.wg_epilogue = config.wg_epilogue
         # Persistent causal CTAs take their tiles from a global counter (see the module docstring).
         self.tile_counter = config.uses_tile_counter(causal)
         self.num_sms = target.sm_count
@@ -147,6 +153,11 @@ class FlashForwardSm90:
         sK_layout = smem_tile_layout(self.dtype, tile_n, d, self.num_stages)
         sV_layout = smem_tile_layout(self.dtype, tile_n, dv, self.num_stages)
         sO_layout = smem_tile_layout(self.dtype, tile_m, dv)
+        sO_box, o_box = sO_layout, (tile_m, dv)
+        if const_expr(self.wg_epilogue):
+            # One (64, dv) buffer per consumer warpgroup, each stored by its own TMA store.
+            sO_layout = smem_tile_layout(self.dtype, 64, dv, self.num_consumer_wg)
+            sO_box, o_box = cute.select(sO_layout, mode=[0, 1]), (64, dv)
 
         # Single tile: O is staged in Q's buffer (Q is dead once every consumer has issued its last S
         # GEMM). Persistent: the next tile's Q loads while this tile's O is stored, so O has its own.
@@ -182,7 +193,7 @@ class FlashForwardSm90:
             load, mV, cute.select(sV_layout, mode=[0, 1]), (tile_n, dv)
         )
         tma_o, tma_mO = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout, (tile_m, dv)
+            cpasync.CopyBulkTensorTileS2GOp(), mO, sO_box, o_box
         )
         bytes_q = cute.size_in_bytes(self.dtype, sQ_layout)
         bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
@@ -548,7 +559,7 @@ class FlashForwardSm90:
             else:
                 tile = self.next_tile(tile, num_tiles)
         if const_expr(self.persistent):
-            if ctid < 32:  # the last O store must have read shared memory before the CTA exits
+            if self.is_o_storer(ctid):  # the last O store must have read shared memory before the CTA exits
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
@@ -741,21 +752,37 @@ class FlashForwardSm90:
         kv.advance()
         return kv
 
+    def is_o_storer(self, ctid):
+        """Whether this consumer thread's warp issues O's TMA stores: the first consumer warp, or
+        with `wg_epilogue` the first warp of each consumer warpgroup."""
+        if const_expr(self.wg_epilogue):
+            return ctid % 128 < 32
+        return ctid < 32
+
     @cute.jit
     def epilogue(self, acc_O, lse, mO, mLSE, sO, tma_o, mma_pv, ctid, m_block, head, batch, seqlen_q):
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
         if const_expr(self.persistent):
-            if ctid < 32:  # the previous tile's O store has read O's buffer
+            if self.is_o_storer(ctid):  # the previous tile's O store has read O's buffer
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
         # Single tile: every consumer has issued (and waited for) its last S GEMM, so Q's buffer is
-        # free for O. Persistent: O's own buffer is free.
-        cute.arch.barrier(barrier_id=BARRIER_EPILOGUE, number_of_threads=self.num_consumer_threads)
+        # free for O. Persistent: O's own buffer is free. With `wg_epilogue` a warpgroup waits only for
+        # its own buffer: it does not wait for the others to finish their main loops, so it can start
+        # the next tile while they still run their GEMMs (the ping-pong order carries on).
+        wg = None
+        sO_rows = sO
+        if const_expr(self.wg_epilogue):
+            wg = ctid // 128
+            cute.arch.barrier(barrier_id=BARRIER_WG_O_FREE_FIRST + wg, number_of_threads=128)
+            sO_rows = stages_as_rows(sO)
+        else:
+            cute.arch.barrier(barrier_id=BARRIER_EPILOGUE, number_of_threads=self.num_consumer_threads)
         store_atom = cute.make_copy_atom(
             cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
         )
         thr_store = cute.make_tiled_copy_C(store_atom, mma_pv).get_slice(ctid)
-        cute.copy(thr_store, thr_store.retile(rO), thr_store.partition_D(sO))
+        cute.copy(thr_store, thr_store.retile(rO), thr_store.partition_D(sO_rows))
 
         # LSE: the thread holding column 0 of a row writes it.
         thr_mma = mma_pv.get_slice(ctid)
@@ -769,7 +796,18 @@ class FlashForwardSm90:
         # Make the stmatrix writes visible to the TMA engine; the first consumer warp waits for all
         # of them and stores the tile, the others signal and are done.
         cute.arch.fence_view_async_shared()
-        if ctid >= 32:
+        if const_expr(self.wg_epilogue):
+            if not self.is_o_storer(ctid):
+                cute.arch.barrier_arrive(barrier_id=BARRIER_WG_O_WRITTEN_FIRST + wg, number_of_threads=128)
+            else:
+                cute.arch.barrier(barrier_id=BARRIER_WG_O_WRITTEN_FIRST + wg, number_of_threads=128)
+                gO = cute.local_tile(mO[None, None, head, batch], (64, self.head_dim_v),
+                                     (m_block * self.num_consumer_wg + wg, 0))
+                tOsO, tOgO = cpasync.tma_partition(tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
+                                                   cute.group_modes(gO, 0, 2))
+                cute.copy(tma_o, tOsO[None, wg], tOgO)
+                cute.arch.cp_async_bulk_commit_group()
+        elif ctid >= 32:
             cute.arch.barrier_arrive(barrier_id=BARRIER_O_WRITTEN, number_of_threads=self.num_consumer_threads)
         else:
             cute.arch.barrier(barrier_id=BARRIER_O_WRITTEN, number_of_threads=self.num_consumer_threads)

@@ -137,3 +137,12 @@ def tile_reasons(config: "FwdConfig", problem: "Problem") -> list[str]:
     if problem.head_dim_v % 8 or problem.head_dim_v > 256:
         reasons.append(f"head_dim_v={problem.head_dim_v} must be a multiple of 8 and at most 256")
     return reasons
+
+
+def epilogue_reasons(config: "FwdConfig") -> list[str]:
+    """A single-tile CTA stages O in Q's buffer, which the consumer warpgroups share: only persistent
+    CTAs, whose O has a buffer of its own, can store it per warpgroup."""
+    if config.wg_epilogue and not config.persistent:
+        return ["wg_epilogue=True needs persistent=True (a single-tile CTA stores O through Q's buffer, "
+                "which all its consumer warpgroups read)"]
+    return []

@@ -32,6 +32,15 @@ def swap_first_modes(t: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
 
 
+def stages_as_rows(t: cute.Tensor) -> cute.Tensor:
+    """A (rows, cols, stages) tile seen as (rows * stages, cols): stage s holds rows
+    [s * rows, (s + 1) * rows)."""
+    shape, stride = t.layout.shape, t.layout.stride
+    return cute.make_tensor(
+        t.iterator, cute.make_layout(((shape[0], shape[2]), shape[1]), stride=((stride[0], stride[2]), stride[1]))
+    )
+
+
 def permute_modes(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
 

@@ -2,7 +2,7 @@
 softmax with its next QK^T GEMM (two score tiles live at once: more registers), and whether the
 consumer warpgroups ping-pong so that one's softmax overlaps the other's GEMMs; and whether CTAs are
 persistent (one per SM, loading the next tile while finishing this one; O then needs its own shared
-memory)."""
+memory); and whether each consumer warpgroup of a persistent CTA stores its O rows on its own."""
 
 from __future__ import annotations
 
@@ -11,12 +11,15 @@ from .base import SearchSpace
 
 class PipelineSpace(SearchSpace):
     name = "pipeline"
-    knobs = ("num_stages", "intra_wg_overlap", "wg_pingpong", "persistent")
-    description = "K/V pipeline depth, intra-warpgroup overlap, warpgroup ping-pong, persistent CTAs"
+    knobs = ("num_stages", "intra_wg_overlap", "wg_pingpong", "persistent", "wg_epilogue")
+    description = ("K/V pipeline depth, intra-warpgroup overlap, warpgroup ping-pong, persistent CTAs, "
+                   "per-warpgroup O stores")
 
     def check(self, problem, config, target) -> list[str]:
         from ..kernels import resources
 
-        return resources.smem_reasons(config, problem, target) + resources.register_reasons(
-            config, problem, target
+        return (
+            resources.smem_reasons(config, problem, target)
+            + resources.register_reasons(config, problem, target)
+            + resources.epilogue_reasons(config)
         )
