@@ -549,7 +549,7 @@ class _Context:
                 _tell_stored(study, trial.number, earlier)
                 return "repeat"
             if candidate.reasons:
-                measurement = Measurement.pruned(candidate.reasons)
+                measurement = Measurement.pruned(candidate.reasons, is_estimate=self.backend.is_estimate)
                 lock.add_trial(run_id=self.run.run_id, optuna_number=trial.number, kernel=self.kernel.name,
                                kernel_hash=self.run.kernel_hash, target=self.target.name, problem=problem,
                                config=config, measurement=measurement, source=candidate.source,

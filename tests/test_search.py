@@ -81,6 +81,19 @@ def test_grid_sampler_exhausts_a_tiny_space(workdir):
     assert result.best_ms == pytest.approx(best_ms)
 
 
+def test_a_cost_model_run_flags_its_rejected_configs_as_estimates_too(workdir):
+    """Every trial of a cost-model run is flagged as an estimate, the configs rejected before compiling
+    included (a flag of False would count them among the GPU's measurements)."""
+    path = write_job(workdir, spaces={"tiles": {"tile_n": [128]}, "pipeline": {
+        "num_stages": [2], "intra_wg_overlap": [True], "wg_pingpong": [True], "persistent": [False, True],
+        "wg_epilogue": [True]}}, sampler="grid", budget={"trials": 10})
+    result = run_search(load_job(path), say=quiet).results[0]
+    assert result.pruned >= 1 and result.measured >= 1  # wg_epilogue needs persistent CTAs
+    with ResultsDB.open(str(workdir / "fa4tune-results" / "results.db"), create=False) as db:
+        trials = db.trials()
+    assert {t["status"] for t in trials} == {"ok", "pruned"} and all(t["is_estimate"] for t in trials)
+
+
 @pytest.mark.parametrize("lookahead", [0, 2])
 def test_a_grid_search_asks_for_each_point_once_and_ends_when_all_were_tried(workdir, lookahead):
     """Once every point was asked for, the grid sampler proposes visited ones again; with points

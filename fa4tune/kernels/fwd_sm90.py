@@ -769,7 +769,9 @@ class FlashForwardSm90:
         # Single tile: every consumer has issued (and waited for) its last S GEMM, so Q's buffer is
         # free for O. Persistent: O's own buffer is free. With `wg_epilogue` a warpgroup waits only for
         # its own buffer: it does not wait for the others to finish their main loops, so it can start
-        # the next tile while they still run their GEMMs (the ping-pong order carries on).
+        # the next tile while they still run their GEMMs (the ping-pong order carries on). Not so in
+        # counter-scheduled (persistent causal) CTAs: the tile-number handoff after the epilogue is a
+        # barrier of all consumers.
         wg = None
         sO_rows = sO
         if const_expr(self.wg_epilogue):

@@ -43,8 +43,9 @@ class Measurement:
         return cls(status="ok", time_ms=time_ms, tflops=problem.flops / (time_ms * 1e-3) / 1e12, **kwargs)
 
     @classmethod
-    def pruned(cls, reasons: list[str]) -> "Measurement":
-        return cls(status="pruned", reason="; ".join(reasons))
+    def pruned(cls, reasons: list[str], is_estimate: bool = False) -> "Measurement":
+        """A config rejected before anything ran; flagged as its run is, estimated or measured."""
+        return cls(status="pruned", reason="; ".join(reasons), is_estimate=is_estimate)
 
     def to_dict(self) -> dict:
         return asdict(self)
