@@ -21,7 +21,8 @@ with `persistent`, one after another):
   and passes the GEMM turns, so the warpgroups with rows have the tensor cores and the MUFU to
   themselves (not in persistent non-causal kernels, where it measured slower);
 * O leaves through shared memory (Q's buffer, or with `persistent` a buffer of its own) and a TMA store;
-  LSE is written per row;
+  with `wg_epilogue` each consumer warpgroup has its own buffer and store and waits for no other
+  warpgroup there; LSE is written per row;
 * with `persistent` the grid is one CTA per SM and each CTA walks the tiles: the producer loads the
   next tile's Q and K/V while the consumers finish this one, so the prologue and epilogue of a tile hide
   under its neighbours' main loops. The consumers release Q once the tile's S GEMMs are done (after its
@@ -795,8 +796,9 @@ class FlashForwardSm90:
                 if row < seqlen_q:
                     mLSE[row, head, batch] = lse[r]
 
-        # Make the stmatrix writes visible to the TMA engine; the first consumer warp waits for all
-        # of them and stores the tile, the others signal and are done.
+        # Make the stmatrix writes visible to the TMA engine; the first consumer warp (of each
+        # warpgroup, with `wg_epilogue`) waits for all of them and stores the tile (its warpgroup's
+        # rows), the others signal and are done.
         cute.arch.fence_view_async_shared()
         if const_expr(self.wg_epilogue):
             if not self.is_o_storer(ctid):
