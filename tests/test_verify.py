@@ -106,7 +106,7 @@ def test_the_check_after_timing_runs_the_kernel_again_on_poisoned_outputs():
     """A kernel whose later launches write nothing (a tile counter left non-zero: every tile looks
     taken) leaves the first run's correct output in place; the check after the timed runs must
     not read it."""
-    from fa4tune.measure.gpu_worker import check_again
+    from fa4tune.measure.gpu_worker import poisoned_check
 
     q, k, v = inputs((40, 40, 2, 4, 2))
     ref_out, ref_lse = attention_reference(q, k, v, causal=True)
@@ -123,13 +123,13 @@ def test_the_check_after_timing_runs_the_kernel_again_on_poisoned_outputs():
     assert compare(out, lse, slices).verdict(TOLERANCES["bf16"]) is None
     for _ in range(5):  # the timed runs
         first_launch_only()
-    after = check_again(first_launch_only, out, lse, slices, synchronize=lambda: None)
+    after = poisoned_check(first_launch_only, out, lse, slices, synchronize=lambda: None)
     assert "never written" in after.verdict(TOLERANCES["bf16"]) and len(launches) == 7
 
     def every_launch():
         out.copy_(ref_out), lse.copy_(ref_lse)
 
-    assert check_again(every_launch, out, lse, slices, synchronize=lambda: None).verdict(TOLERANCES["bf16"]) is None
+    assert poisoned_check(every_launch, out, lse, slices, synchronize=lambda: None).verdict(TOLERANCES["bf16"]) is None
 
 
 def test_l2_flusher_refuses_host_memory():

@@ -125,7 +125,7 @@ def measure(request: dict, channel, state: dict) -> dict:
 
     from ..kernels.interface import attention_forward
     from .timing import L2Flusher, time_cuda
-    from .verify import Tolerance, compare, reference_slices
+    from .verify import Tolerance, reference_slices
 
     problem, config, target = _candidate(request)
     compiled, compile_s, compiled_by = _kernel(request, problem, config, target)
@@ -140,16 +140,12 @@ def measure(request: dict, channel, state: dict) -> dict:
     generator = torch.Generator(device=q.device).manual_seed(int(request.get("seed", 0)))
     for tensor in (q, k, v):
         tensor.normal_(generator=generator)
-    out.fill_(float("nan"))
-    lse.fill_(float("nan"))
 
     def run():
         attention_forward(q, k, v, config, causal=problem.causal, out=out, lse=lse, target=target)
 
-    run()
-    torch.cuda.synchronize()
     references = reference_slices(q, k, v, problem.causal, None)
-    check = compare(out, lse, references)
+    check = poisoned_check(run, out, lse, references, torch.cuda.synchronize)
     result = {"compile_s": compile_s, "compiled_by": compiled_by, "out_error": check.out_error,
               "lse_error": check.lse_error}
     wrong = check.verdict(tolerance)
@@ -164,7 +160,10 @@ def measure(request: dict, channel, state: dict) -> dict:
             return {**result, "status": "stopped", "reason": stop, "time_ms": cheap.median_ms,
                     "spread": cheap.spread, "runs": cheap.runs}
     full = time_cuda(run, flusher=flusher, **{**FULL_TIMING, **timing.get("full", {})})
-    after = check_again(run, out, lse, references, torch.cuda.synchronize)
+    # Once more after the timed runs: they write the same values as the first, so without the poison a
+    # kernel whose later launches write nothing (state an earlier launch left behind, a tile counter
+    # not reset to zero) would pass on the first run's output, and time at next to nothing.
+    after = poisoned_check(run, out, lse, references, torch.cuda.synchronize)
     wrong = after.verdict(tolerance)
     if wrong:
         return {**result, "status": "wrong", "reason": f"after {full.runs} timed runs: {wrong}"}
@@ -173,11 +172,9 @@ def measure(request: dict, channel, state: dict) -> dict:
             "min_ms": full.min_ms}
 
 
-def check_again(run, out, lse, references, synchronize):
-    """After the timed runs: poison the outputs, run once more and compare. The timed runs write the
-    same values as the first, so without the poison a kernel whose later launches write nothing
-    (state an earlier launch left behind, a tile counter not reset to zero) would pass on the first
-    run's output, and time at next to nothing."""
+def poisoned_check(run, out, lse, references, synchronize):
+    """Poison the outputs (NaN), run once and compare with the references: an element the run does not
+    write shows as NaN."""
     from .verify import compare
 
     synchronize()
