@@ -34,6 +34,9 @@ SPREAD = [
     # Per-warpgroup O stores: two and three consumer warpgroups, causal (tile counter) and not.
     (FwdConfig(rescale_threshold=8.0, persistent=True, wg_epilogue=True), "bf16", 128, 128, False),
     (FwdConfig(tile_m=192, persistent=True, wg_epilogue=True), "bf16", 64, 64, True),
+    # Four consumer warpgroups at 112 registers each.
+    (FwdConfig(tile_m=256, tile_n=64, rescale_threshold=8.0, persistent=True), "bf16", 64, 64, True),
+    (FwdConfig(tile_m=256, tile_n=80, intra_wg_overlap=False, emu_share=0.5, poly_degree=5), "bf16", 64, 64, False),
     # Warpgroups without rows (tile_m 192, one CTA per tile) without ping-pong: the configs that hung.
     (FwdConfig(tile_m=192, num_stages=3, wg_pingpong=False), "bf16", 64, 64, True),
     (FwdConfig(tile_m=192, intra_wg_overlap=False, wg_pingpong=False), "bf16", 64, 64, False),

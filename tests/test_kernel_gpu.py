@@ -93,6 +93,9 @@ KNOB_CONFIGS = [
     (128, FwdConfig(num_stages=1, intra_wg_overlap=False, persistent=True)),
     (64, FwdConfig(tile_m=192, tile_n=96, persistent=True, wg_epilogue=True)),
     (128, FwdConfig(tile_n=144, intra_wg_overlap=False, rescale_threshold=4.0, persistent=True, wg_epilogue=True)),
+    # Four consumer warpgroups; at seqlen 777 three of them have no rows in the last m block.
+    (64, FwdConfig(tile_m=256, tile_n=64, rescale_threshold=8.0, persistent=True)),
+    (64, FwdConfig(tile_m=256, tile_n=96, intra_wg_overlap=False, num_stages=3)),
 ]
 
 # Shapes with more tiles than SMs, so that a persistent CTA walks several tiles (and, causal, tiles
@@ -111,6 +114,7 @@ MANY_TILE_SHAPES = [
     (64, FwdConfig(tile_m=192, rescale_threshold=8.0, persistent=True)),
     (128, FwdConfig(rescale_threshold=8.0, persistent=True, wg_epilogue=True)),
     (64, FwdConfig(tile_m=192, rescale_threshold=8.0, persistent=True, wg_epilogue=True)),
+    (64, FwdConfig(tile_m=256, tile_n=64, rescale_threshold=8.0, persistent=True)),
 ], ids=lambda x: getattr(x, "short", lambda: str(x))())
 def test_persistent_matches_reference(head_dim, config, shape, causal):
     sq, sk, b, hq, hkv = shape
@@ -125,7 +129,7 @@ def test_persistent_matches_reference(head_dim, config, shape, causal):
 # in 1..128), which then only keep the pipeline and the GEMM turns going: with and without
 # intra-warpgroup overlap, with and without ping-pong (whose idle loop once hung: docs/kernel-notes.md,
 # v7), one CTA per tile and persistent (causal only: persistent non-causal kernels have no idle path).
-# (1024: two idle warpgroups; 1060: one.)
+# (1024: two idle warpgroups; 1060: one. tile_m 256: 1060 leaves three, 1024 none.)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("config", [
     FwdConfig(tile_m=192, intra_wg_overlap=False, rescale_threshold=8.0),
@@ -134,6 +138,8 @@ def test_persistent_matches_reference(head_dim, config, shape, causal):
     FwdConfig(tile_m=192, intra_wg_overlap=False, wg_pingpong=False),
     FwdConfig(tile_m=192, persistent=True, rescale_threshold=8.0),
     FwdConfig(tile_m=192, persistent=True, wg_epilogue=True, wg_pingpong=False),
+    FwdConfig(tile_m=256, tile_n=64),
+    FwdConfig(tile_m=256, tile_n=80, intra_wg_overlap=False, wg_pingpong=False, persistent=True),
 ], ids=lambda c: c.short())
 def test_warpgroups_without_rows_keep_the_tile_right(config, causal):
     for seqlen_q, seqlen_k in ((1024, 1024), (1060, 1500)):

@@ -16,7 +16,7 @@ class ConfigError(ValueError):
 
 # The full domain of every knob. Search spaces pick from these; anything else is refused.
 KNOBS: dict[str, tuple] = {
-    "tile_m": (128, 192),
+    "tile_m": (128, 192, 256),
     "tile_n": (64, 80, 96, 112, 128, 144, 160, 176, 192),
     "num_stages": (1, 2, 3, 4, 5),
     "poly_degree": (1, 2, 3, 4, 5),

@@ -16,8 +16,8 @@ with `persistent`, one after another):
 * causal masking is applied only to the K blocks that cross the diagonal (bottom-right aligned), and
   blocks above the diagonal are never loaded; causal tiles are scheduled longest first, grouped by heads
   so that the K/V of the heads in flight stay in L2;
-* with three consumer warpgroups (tile_m 192), a warpgroup whose rows all lie past the end of Q (in
-  the last m block) issues no GEMM and no exponential: it only waits for and releases the K/V stages
+* with three or four consumer warpgroups (tile_m 192 or 256), a warpgroup whose rows all lie past the
+  end of Q (in the last m block) issues no GEMM and no exponential: it only waits for and releases the K/V stages
   and passes the GEMM turns, so the warpgroups with rows have the tensor cores and the MUFU to
   themselves (not in persistent non-causal kernels, where it measured slower);
 * O leaves through shared memory (Q's buffer, or with `persistent` a buffer of its own) and a TMA store;
@@ -78,6 +78,9 @@ BARRIER_TILE_EMPTY = 7
 # and its O rows are in shared memory (11, 12, 13).
 BARRIER_WG_O_FREE_FIRST = 8
 BARRIER_WG_O_WRITTEN_FIRST = 11
+# Four consumer warpgroups (tile_m 256, never with `wg_epilogue`) take their turns on 8-11: 2-4 and 5
+# would leave the fourth on the O handoff's id.
+BARRIER_TURN_FIRST_4WG = 8
 
 
 class FlashForwardSm90:
@@ -465,9 +468,13 @@ class FlashForwardSm90:
                   tma_bar_ptr=pipe.producer_get_barrier(state))
 
     # ---- consumers -----------------------------------------------------------------------------
+    @property
+    def turn_barrier_first(self) -> int:
+        return BARRIER_TURN_FIRST_4WG if self.num_consumer_wg == 4 else BARRIER_TURN_FIRST
+
     def turn_wait(self, wg: Int32):
         if const_expr(self.wg_pingpong and self.num_consumer_wg > 1):
-            cute.arch.barrier(barrier_id=BARRIER_TURN_FIRST + wg, number_of_threads=256)
+            cute.arch.barrier(barrier_id=self.turn_barrier_first + wg, number_of_threads=256)
 
     def turn_pass(self, wg: Int32):
         if const_expr(self.wg_pingpong and self.num_consumer_wg > 1):
@@ -476,7 +483,7 @@ class FlashForwardSm90:
                 nxt = 1 - wg
             else:
                 nxt = nxt - (nxt // self.num_consumer_wg) * self.num_consumer_wg
-            cute.arch.barrier_arrive(barrier_id=BARRIER_TURN_FIRST + nxt, number_of_threads=256)
+            cute.arch.barrier_arrive(barrier_id=self.turn_barrier_first + nxt, number_of_threads=256)
 
     @cute.jit
     def mask_scores(self, acc_S, thr_mma_qk, m_block, n_block, seqlen_q, seqlen_k,
@@ -523,7 +530,7 @@ class FlashForwardSm90:
 
         if const_expr(self.wg_pingpong and self.num_consumer_wg > 1):
             if wg == 0:  # the first warpgroup starts with its turn
-                cute.arch.barrier_arrive(barrier_id=BARRIER_TURN_FIRST, number_of_threads=256)
+                cute.arch.barrier_arrive(barrier_id=self.turn_barrier_first, number_of_threads=256)
 
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -619,9 +626,9 @@ class FlashForwardSm90:
         return kv, q_state
 
     def has_no_rows(self, wg, m_block, seqlen_q):
-        """Whether consumer warpgroup `wg` has no row of Q in this tile, checked only with three
-        consumer warpgroups (tile_m 192, which leaves one or two of them idle in the last m block of
-        every power-of-two seqlen). With two, whose tiles divide those seqlens, the branch buys
+        """Whether consumer warpgroup `wg` has no row of Q in this tile, checked only with three or
+        four consumer warpgroups (tile_m 192 leaves one or two of them idle in the last m block of
+        every power-of-two seqlen; tile_m 256 up to three below a multiple of 256). With two, whose tiles divide those seqlens, the branch buys
         nothing and moves the PV GEMM's wait in the SASS. Nor in persistent non-causal kernels:
         there the branch cost 2.5-3.7% at hdim 64, 1k-16k tokens (H200), where causal ones gained
         1-8%; without it their SASS is v6's.

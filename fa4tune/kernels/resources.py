@@ -21,12 +21,15 @@ ELEMENT_BYTES = 2  # bf16 / fp16
 MBARRIER_BYTES = 8
 SMEM_ALIGN = 1024  # each swizzled buffer is 1024-byte aligned (128B swizzle atom)
 
-# setmaxnreg budgets (producer, consumer) per number of consumer warpgroups: the whole block must fit
-# in the register file at one block per SM. Both are multiples of 8 as setmaxnreg requires.
-REGISTER_SPLIT = {2: (24, 240), 3: (32, 160)}
+# setmaxnreg budgets (producer, consumer) per number of consumer warpgroups. Both are multiples of 8 as
+# setmaxnreg requires. The block launches with the registers per thread that one block per SM allows
+# (launch_registers); setmaxnreg.inc then takes registers only from what the block's own
+# setmaxnreg.dec gave back, and waits for ever if that is too little: the consumers may gain no more
+# than the producer warpgroup released (four consumer warpgroups launch with 96, so 120 hung).
+REGISTER_SPLIT = {2: (24, 240), 3: (32, 160), 4: (24, 112)}
 # Registers a consumer thread needs beyond the accumulators: addresses, loop state, softmax
 # statistics, masks; measured against ptxas on this kernel (see docs/kernel-notes.md).
-CONSUMER_OVERHEAD_REGS = {2: 24, 3: 32}
+CONSUMER_OVERHEAD_REGS = {2: 24, 3: 32, 4: 32}
 
 
 def num_consumer_warpgroups(config: "FwdConfig") -> int:
@@ -101,6 +104,26 @@ def register_split(config: "FwdConfig") -> tuple[int, int]:
     return REGISTER_SPLIT[num_consumer_warpgroups(config)]
 
 
+def launch_registers(wgs: int, target: Target) -> int:
+    """Registers per thread at launch for a block of `wgs` consumer warpgroups and the producer, one
+    block per SM: the register file over the threads, in the allocation unit of 8 per thread."""
+    return min(target.max_regs_per_thread,
+               target.regs_per_sm // (THREADS_PER_WARPGROUP * (wgs + 1))) // 8 * 8
+
+
+def register_split_reasons(wgs: int, target: Target) -> list[str]:
+    """Why REGISTER_SPLIT[wgs] cannot work on `target`: the consumers would take more registers than
+    the producer gives back, and their setmaxnreg.inc would never return."""
+    producer, consumer = REGISTER_SPLIT[wgs]
+    launch = launch_registers(wgs, target)
+    released, taken = launch - producer, wgs * (consumer - launch)
+    if taken > released:
+        return [f"register split {producer}/{consumer} with {wgs} consumer warpgroups: they launch with "
+                f"{launch} registers per thread, and would take {taken} per lane where the producer "
+                f"warpgroup gives back {released} (setmaxnreg.inc would wait for ever)"]
+    return []
+
+
 def register_reasons(config: "FwdConfig", problem: "Problem", target: Target) -> list[str]:
     wgs = num_consumer_warpgroups(config)
     if wgs not in REGISTER_SPLIT:
@@ -108,7 +131,7 @@ def register_reasons(config: "FwdConfig", problem: "Problem", target: Target) ->
                 f"{', '.join(str(w * WGMMA_M) for w in REGISTER_SPLIT)}"]
     producer, consumer = REGISTER_SPLIT[wgs]
     block_regs = THREADS_PER_WARPGROUP * (producer + wgs * consumer)
-    reasons = []
+    reasons = register_split_reasons(wgs, target)
     if block_regs > target.regs_per_sm:
         reasons.append(f"register split {producer}/{consumer} needs {block_regs} registers, "
                        f"above the {target.regs_per_sm} of one SM")
@@ -142,7 +165,12 @@ def tile_reasons(config: "FwdConfig", problem: "Problem") -> list[str]:
 def epilogue_reasons(config: "FwdConfig") -> list[str]:
     """A single-tile CTA stages O in Q's buffer, which the consumer warpgroups share: only persistent
     CTAs, whose O has a buffer of its own, can store it per warpgroup."""
+    reasons = []
     if config.wg_epilogue and not config.persistent:
-        return ["wg_epilogue=True needs persistent=True (a single-tile CTA stores O through Q's buffer, "
-                "which all its consumer warpgroups read)"]
-    return []
+        reasons.append("wg_epilogue=True needs persistent=True (a single-tile CTA stores O through Q's "
+                       "buffer, which all its consumer warpgroups read)")
+    if config.wg_epilogue and num_consumer_warpgroups(config) > 3:
+        reasons.append(f"wg_epilogue=True takes two named barriers per consumer warpgroup: tile_m="
+                       f"{config.tile_m} has {num_consumer_warpgroups(config)}, and the 16 barrier ids "
+                       "of an SM leave room for three")
+    return reasons
