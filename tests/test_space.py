@@ -144,11 +144,14 @@ def test_probes_change_one_knob_each_nearest_first_and_stay_feasible():
     target = get_target("H200")
     problem = Problem(head_dim=64, seqlen_q=1024, batch=16, nheads_q=32, causal=True)
     default = space.default_params(problem, target)
-    probes = space.probes(problem, target, 12)
-    assert len(probes) == 12
+    probes = space.probes(problem, target, 16)
+    assert len(probes) == 16
     changed = [[k for k in default if not (probe[k] == default[k] and type(probe[k]) is type(default[k]))]
                for probe in probes]
-    assert all(len(c) == 1 for c in changed), changed
+    # one knob each, or two where the first alone is infeasible beside the default's other knobs
+    assert all(len(c) == 1 or (len(c) == 2 and space.check(
+        problem, space.full_config(problem, target, {**default, c[0]: p[c[0]]}), target))
+        for c, p in zip(changed, probes)), changed
     keys = [tuple(sorted(space.full_config(problem, target, p).items())) for p in probes]
     assert len(set(keys)) == len(keys), "two probes are the same kernel"
     assert tuple(sorted(space.full_config(problem, target, default).items())) not in keys
@@ -162,6 +165,21 @@ def test_probes_change_one_knob_each_nearest_first_and_stay_feasible():
     stages = [p["num_stages"] for p, c in zip(probes, changed) if c == ["num_stages"]]
     assert stages[:2] == [default["num_stages"] + 1, default["num_stages"] - 1]
     assert space.probes(problem, target, 0) == [] and space.probes(problem, target, 3) == probes[:3]
+
+
+def test_a_value_infeasible_beside_the_default_is_probed_with_the_nearest_repair():
+    """Four consumer warpgroups (tile_m 256) cannot hold hdim 64's default 128-wide K/V blocks: the
+    probe narrows them to the widest blocks that fit, 64 with intra-warpgroup overlap, instead of never
+    probing tile_m 256."""
+    space = compose(KERNEL)
+    target = get_target("H200")
+    problem = Problem(head_dim=64, seqlen_q=1024, batch=16, nheads_q=32)
+    default = space.default_params(problem, target)
+    assert default["tile_m"] == 192 and default["tile_n"] == 128 and default["intra_wg_overlap"]
+    assert space.check(problem, space.full_config(problem, target, {**default, "tile_m": 256}), target)
+    probe = space.probes(problem, target, 1)[0]
+    assert {k: v for k, v in probe.items() if v != default[k]} == {"tile_m": 256, "tile_n": 64}
+    assert space.check(problem, space.full_config(problem, target, probe), target) == []
 
 
 def test_a_plugins_mistakes_are_named_before_any_search():

@@ -111,7 +111,12 @@ class ComposedSpace:
         distinct as kernels: first the nearest other value of every knob in turn (for numbers the next
         one up or down, the larger on a tie), then the next nearest, and so on. Knobs with a continuous
         domain are not probed. Measured right after the default, they show the sampler which single
-        knobs matter before it models the space."""
+        knobs matter before it models the space.
+
+        A value that is infeasible beside the default's other knobs (four consumer warpgroups with the
+        default's wide K/V blocks, say) is probed with one other knob changed as well: the nearest
+        value of any knob that makes it feasible. Otherwise such a value would only ever be measured
+        if the sampler happened on a feasible combination by chance."""
         if count <= 0:
             return []
         default = self.default_params(problem, target)
@@ -122,15 +127,26 @@ class ComposedSpace:
             if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in [*values, default[name]]):
                 values.sort(key=lambda v: (abs(v - default[name]), -v))
             alternatives[name] = values
+        ranks = range(max((len(v) for v in alternatives.values()), default=0))
+
+        def feasible(params: dict):
+            config = self.full_config(problem, target, params)
+            return None if self.check(problem, config, target) else config_key(config)
+
         probes = []
-        for rank in range(max((len(v) for v in alternatives.values()), default=0)):
+        for rank in ranks:
             for name, values in alternatives.items():
                 if rank >= len(values):
                     continue
                 params = {**default, name: values[rank]}
-                config = self.full_config(problem, target, params)
-                key = config_key(config)
-                if key in seen or self.check(problem, config, target):
+                key = feasible(params)
+                if key is None:  # repair: the nearest change of one other knob that makes it feasible
+                    repairs = ({**params, other: others[r]} for r in ranks
+                               for other, others in alternatives.items() if other != name and r < len(others))
+                    # (the generator is used up by next() before params is assigned again)
+                    params, key = next(((p, k) for p in repairs if (k := feasible(p)) is not None),
+                                       (None, None))
+                if key is None or key in seen:
                     continue
                 seen.add(key)
                 probes.append(params)
