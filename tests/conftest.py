@@ -35,7 +35,8 @@ def sigint_default() -> None:
 
 # A grid of 8 points but 4 configs: poly_degree has no effect while emu_share is 0, and equal kernels
 # are one config, so the configs a grid search stores never reach the grid's size.
-COLLAPSED_GRID = {"tiles": {"tile_n": [64, 128]}, "exp2": {"poly_degree": [3, 4], "emu_share": [0.0]}}
+COLLAPSED_GRID = {"tiles": {"tile_m": [128, 192], "tile_n": [64, 128]},
+                  "exp2": {"poly_degree": [3, 4], "emu_share": [0.0]}}
 
 
 def write_job(directory: Path, name: str = "job", **fields) -> Path:
