@@ -369,8 +369,13 @@ class _Context:
         workers still measure its last trials and `wait` is False (come back later)."""
         study = self.study(problem)
         name = study.study_name
-        state = self._state.setdefault(name, {"started": time.monotonic(), "repeats": 0, "consecutive": 0,
-                                              "first": True})
+        if name not in self._state:
+            # A resumed run's earlier sessions count against the time budget: a problem that spent it
+            # before the search was stopped stays done.
+            earlier = self.db.study_seconds(self.run.run_id, name)
+            self._state[name] = {"started": time.monotonic() - earlier, "repeats": 0, "consecutive": 0,
+                                 "first": True}
+        state = self._state[name]
         if state["first"]:
             self.recover(study, name)
             self._enqueue_starts(study, problem, name)
@@ -425,6 +430,7 @@ class _Context:
                     shown = f"best {top[0]['tflops']:.0f} TFLOP/s" if top else "no feasible config yet"
                     bar.set_postfix_str(f"{shown}, pruned {result.pruned}")
         finally:
+            self._record_seconds(name, state)
             for candidate in queue:  # asked but never measured: nothing to learn from them
                 self._fail_unmeasured(study, name, candidate.trial.number)
                 candidate.heartbeat.join()
@@ -451,6 +457,14 @@ class _Context:
         if self.summarise:
             self.say(self.summary_line(problem, result))
         return result
+
+    def _record_seconds(self, name: str, state: dict) -> None:
+        """Store how long this worker has searched the study (for a resume's time budget). On the way
+        out of an interrupted search a failure here is reported, not raised over the interrupt."""
+        try:
+            self.db.record_study_seconds(self.run.run_id, name, time.monotonic() - state["started"])
+        except Exception as exc:  # noqa: BLE001 - the search's own exception, if any, matters more
+            self.say(f"fa4tune: could not record the search time of {name}: {exc}")
 
     def _result(self, problem: Problem, name: str, result: ProblemResult | None = None) -> ProblemResult:
         """The problem's counts as the results DB has them now (all workers, all sessions)."""

@@ -380,3 +380,26 @@ def test_a_cost_model_resume_does_not_join_a_measured_run(workdir):
     with ResultsDB.open("fa4tune-results/results.db", create=False) as db:
         joined = [t for t in db.trials() if t["run_id"] == measured.run_id]
     assert sum(t["status"] != "pruned" for t in joined) == 8
+
+
+def test_a_resume_charges_the_earlier_sessions_to_the_time_budget(workdir):
+    """A problem that used up its time budget before the search stopped stays done when the run is
+    resumed (it used to get the whole budget again); a longer budget on the resume continues it for
+    the difference."""
+    path = write_job(workdir, spaces=["tiles", "pipeline", "exp2", "softmax"], sampler="random",
+                     budget={"seconds": 0.5, "trials": 100000},
+                     problems=[{"head_dim": 64, "seqlen_q": 4096, "batch": 2, "nheads_q": 16},
+                               {"head_dim": 128, "seqlen_q": 4096, "batch": 2, "nheads_q": 16}])
+    job = load_job(path)
+    first = run_search(job, say=lambda *a: None)
+    assert all("time budget" in r.stopped for r in first.results)
+    counted = [r.measured + r.pruned for r in first.results]
+    with ResultsDB.open(first.db_location, create=False) as db:
+        spent = [db.study_seconds(first.run_id, r.study_name) for r in first.results]
+    assert all(s >= 0.5 for s in spent), spent
+    again = run_search(job, resume=True, say=lambda *a: None)
+    assert again.run_id == first.run_id
+    assert [r.measured + r.pruned for r in again.results] == counted
+    assert all("time budget" in r.stopped for r in again.results)
+    longer = run_search(job, resume=True, seconds=max(spent) + 0.5, say=lambda *a: None)
+    assert all(r.measured + r.pruned > c for r, c in zip(longer.results, counted))

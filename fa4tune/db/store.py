@@ -374,6 +374,27 @@ class ResultsDB:
 
         self._transact(work)
 
+    def study_seconds(self, run_id: int, study_name: str) -> float:
+        """Seconds the run has searched the study so far, in all its earlier sessions (the longest
+        any one worker searched it), as record_study_seconds left them."""
+        with self._sessions() as session:
+            run = session.get(Run, run_id)
+            return float(((run.details or {}).get("study_seconds") or {}).get(study_name, 0.0))
+
+    def record_study_seconds(self, run_id: int, study_name: str, seconds: float) -> None:
+        """Note that a worker has searched the study for `seconds` in this run (counting the earlier
+        sessions it started from): a resumed run charges them to the problem's time budget. Workers
+        search a study side by side, so the longest of them counts, not their sum."""
+        def work(session: Session) -> None:
+            run = session.get(Run, run_id, with_for_update=True)
+            details = dict(run.details or {})
+            spent = dict(details.get("study_seconds") or {})
+            spent[study_name] = max(float(spent.get(study_name, 0.0)), float(seconds))
+            details["study_seconds"] = spent
+            run.details = details
+
+        self._transact(work)
+
     def latest_run(self, job_name: str, kernel: str, kernel_hash: str, target: str,
                    is_estimate: bool | None = None) -> dict | None:
         """The job's latest run of this kernel code on `target` (of estimates or of measurements only,
