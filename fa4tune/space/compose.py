@@ -114,9 +114,10 @@ class ComposedSpace:
         knobs matter before it models the space.
 
         A value that is infeasible beside the default's other knobs (four consumer warpgroups with the
-        default's wide K/V blocks, say) is probed with one other knob changed as well: the nearest
-        value of any knob that makes it feasible. Otherwise such a value would only ever be measured
-        if the sampler happened on a feasible combination by chance."""
+        default's wide K/V blocks, say) is probed with the nearest feasible change of one or two other
+        knobs: each other value counts as its place in that knob's order (1 for the nearest), a change
+        as the sum, fewer knobs first on a tie. Otherwise such a value would only ever be measured if
+        the sampler happened on a feasible combination by chance."""
         if count <= 0:
             return []
         default = self.default_params(problem, target)
@@ -127,25 +128,20 @@ class ComposedSpace:
             if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in [*values, default[name]]):
                 values.sort(key=lambda v: (abs(v - default[name]), -v))
             alternatives[name] = values
-        ranks = range(max((len(v) for v in alternatives.values()), default=0))
 
         def feasible(params: dict):
             config = self.full_config(problem, target, params)
             return None if self.check(problem, config, target) else config_key(config)
 
         probes = []
-        for rank in ranks:
+        for rank in range(max((len(v) for v in alternatives.values()), default=0)):
             for name, values in alternatives.items():
                 if rank >= len(values):
                     continue
                 params = {**default, name: values[rank]}
                 key = feasible(params)
-                if key is None:  # repair: the nearest change of one other knob that makes it feasible
-                    repairs = ({**params, other: others[r]} for r in ranks
-                               for other, others in alternatives.items() if other != name and r < len(others))
-                    # (the generator is used up by next() before params is assigned again)
-                    params, key = next(((p, k) for p in repairs if (k := feasible(p)) is not None),
-                                       (None, None))
+                if key is None:
+                    params, key = self._repair(params, name, alternatives, feasible)
                 if key is None or key in seen:
                     continue
                 seen.add(key)
@@ -153,6 +149,29 @@ class ComposedSpace:
                 if len(probes) >= count:
                     return probes
         return probes
+
+    @staticmethod
+    def _repair(params: dict, fixed: str, alternatives: dict, feasible) -> tuple[dict | None, str | None]:
+        """The nearest feasible params that keep `fixed` and change one or two other knobs to their
+        listed alternatives (distance: the sum of the alternatives' places, 1 for the nearest; one
+        knob before two at equal distance), with its config key; (None, None) if there is none."""
+        others = [(name, values) for name, values in alternatives.items() if name != fixed and values]
+        longest = max((len(values) for _, values in others), default=0)
+        for distance in range(1, 2 * longest + 1):
+            for name, values in others:
+                if distance <= len(values):
+                    candidate = {**params, name: values[distance - 1]}
+                    if (key := feasible(candidate)) is not None:
+                        return candidate, key
+            for i, (first, first_values) in enumerate(others):
+                for second, second_values in others[i + 1:]:
+                    for a in range(1, min(distance, len(first_values) + 1)):
+                        b = distance - a
+                        if 1 <= b <= len(second_values):
+                            candidate = {**params, first: first_values[a - 1], second: second_values[b - 1]}
+                            if (key := feasible(candidate)) is not None:
+                                return candidate, key
+        return None, None
 
     def check(self, problem, config_values: dict, target) -> list[str]:
         """Every reason the config is infeasible (plugins' and kernel's together), without duplicates."""
