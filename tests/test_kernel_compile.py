@@ -159,3 +159,32 @@ def test_shared_storage_is_what_the_resource_model_books(persistent, causal, wg_
     compile_forward(config, "bf16", 128, 128, causal, "H200", use_cache=False)
     assert sizes, "the kernel no longer allocates its shared storage through SmemAllocator"
     assert sizes[-1] == resources.smem_bytes(config, Problem(dtype="bf16", head_dim=128, causal=causal))
+
+
+@pytest.mark.parametrize("tile_m,tile_n", [(128, 128), (192, 128), (256, 96)])
+def test_the_producer_gives_back_what_the_consumers_take(tile_m, tile_n, capfd, tmp_path):
+    """setmaxnreg.inc takes registers only from what the block's setmaxnreg.dec gave back, and waits
+    for ever if that is too little (tile_m 256 with a 24/120 split hung on the H200). ptxas must launch
+    the block with the registers the model assumes, and each split must balance from there."""
+    from fa4tune.kernels import resources
+    from fa4tune.kernels.interface import compile_forward
+
+    target = get_target("H200")
+    config = FwdConfig(tile_m=tile_m, tile_n=tile_n, intra_wg_overlap=tile_m != 256)
+    wgs = resources.num_consumer_warpgroups(config)
+    compile_forward(config, "bf16", 64, 64, False, target,
+                    options=f"remarks{{ptx}} --dump-dir {tmp_path}", use_cache=False)
+    used = [int(n) for n in re.findall(r"Used (\d+) registers", "".join(capfd.readouterr()))]
+    assert used == [resources.launch_registers(wgs, target)], used
+    assert resources.register_split_reasons(wgs, target) == []
+    producer, consumer = resources.REGISTER_SPLIT[wgs]
+    assert wgs * (consumer - used[0]) <= used[0] - producer
+
+
+def test_a_split_that_would_hang_is_refused(monkeypatch):
+    from fa4tune.kernels import resources
+
+    monkeypatch.setitem(resources.REGISTER_SPLIT, 4, (24, 120))
+    problem = Problem(dtype="bf16", head_dim=64)
+    reasons = infeasible_reasons(problem, FwdConfig(tile_m=256, tile_n=64), get_target("H200"))
+    assert any("setmaxnreg.inc would wait for ever" in r for r in reasons), reasons
