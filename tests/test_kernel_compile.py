@@ -37,6 +37,8 @@ SPREAD = [
     # Four consumer warpgroups at 112 registers each.
     (FwdConfig(tile_m=256, tile_n=64, rescale_threshold=8.0, persistent=True), "bf16", 64, 64, True),
     (FwdConfig(tile_m=256, tile_n=80, intra_wg_overlap=False, emu_share=0.5, poly_degree=5), "bf16", 64, 64, False),
+    (FwdConfig(tile_m=256, tile_n=96, intra_wg_overlap=False, emu_share=0.375, poly_degree=5), "bf16", 64, 64, True),
+    (FwdConfig(tile_m=256, tile_n=64, emu_share=0.5, poly_degree=5, persistent=True), "bf16", 64, 64, True),
     # Warpgroups without rows (tile_m 192, one CTA per tile) without ping-pong: the configs that hung.
     (FwdConfig(tile_m=192, num_stages=3, wg_pingpong=False), "bf16", 64, 64, True),
     (FwdConfig(tile_m=192, intra_wg_overlap=False, wg_pingpong=False), "bf16", 64, 64, False),
@@ -179,6 +181,17 @@ def test_the_producer_gives_back_what_the_consumers_take(tile_m, tile_n, capfd, 
     assert resources.register_split_reasons(wgs, target) == []
     producer, consumer = resources.REGISTER_SPLIT[wgs]
     assert wgs * (consumer - used[0]) <= used[0] - producer
+
+
+def test_four_warpgroups_without_overlap_book_the_emulations_registers():
+    """256x96 without intra-warpgroup overlap spilled 24 bytes with half the exponentials emulated
+    (ptxas, 112 registers): the register model refuses it, and the same shape with fewer emulated."""
+    problem = Problem(dtype="bf16", head_dim=64)
+    target = get_target("H200")
+    spills = FwdConfig(tile_m=256, tile_n=96, intra_wg_overlap=False, emu_share=0.5, poly_degree=5)
+    assert any("would spill" in r for r in infeasible_reasons(problem, spills, target))
+    assert infeasible_reasons(problem, FwdConfig(tile_m=256, tile_n=96, intra_wg_overlap=False, emu_share=0.375,
+                                                 poly_degree=5), target) == []
 
 
 def test_a_split_that_would_hang_is_refused(monkeypatch):

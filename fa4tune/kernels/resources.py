@@ -30,6 +30,9 @@ REGISTER_SPLIT = {2: (24, 240), 3: (32, 160), 4: (24, 112)}
 # Registers a consumer thread needs beyond the accumulators: addresses, loop state, softmax
 # statistics, masks; measured against ptxas on this kernel (see docs/kernel-notes.md).
 CONSUMER_OVERHEAD_REGS = {2: 24, 3: 32, 4: 32}
+# Four warpgroups without intra-warpgroup overlap, half or more of the exponentials emulated: the
+# polynomial's temporaries need more (ptxas, hdim 64: 256x96 spilled 24 bytes at 112, 256x80 did not).
+EMULATION_REGS_SERIAL = {4: 8}
 
 
 def num_consumer_warpgroups(config: "FwdConfig") -> int:
@@ -96,7 +99,10 @@ def consumer_registers_needed(config: "FwdConfig", problem: "Problem") -> int:
     regs_o = WGMMA_M * problem.head_dim_v // THREADS_PER_WARPGROUP
     regs_s = WGMMA_M * config.tile_n // THREADS_PER_WARPGROUP
     regs_p = regs_s // 2 if config.intra_wg_overlap else 0
-    return regs_o + regs_s + regs_p + CONSUMER_OVERHEAD_REGS.get(wgs, 32)
+    regs_emu = 0
+    if not config.intra_wg_overlap and config.emu_share >= 0.5:
+        regs_emu = EMULATION_REGS_SERIAL.get(wgs, 0)
+    return regs_o + regs_s + regs_p + regs_emu + CONSUMER_OVERHEAD_REGS.get(wgs, 32)
 
 
 def register_split(config: "FwdConfig") -> tuple[int, int]:
@@ -170,7 +176,7 @@ def epilogue_reasons(config: "FwdConfig") -> list[str]:
         reasons.append("wg_epilogue=True needs persistent=True (a single-tile CTA stores O through Q's "
                        "buffer, which all its consumer warpgroups read)")
     if config.wg_epilogue and num_consumer_warpgroups(config) > 3:
-        reasons.append(f"wg_epilogue=True takes two named barriers per consumer warpgroup: tile_m="
-                       f"{config.tile_m} has {num_consumer_warpgroups(config)}, and the 16 barrier ids "
-                       "of an SM leave room for three")
+        reasons.append(f"wg_epilogue=True is built for at most three consumer warpgroups (its two "
+                       f"named barriers each sit on ids 8-13, where four take their GEMM turns); "
+                       f"tile_m={config.tile_m} has {num_consumer_warpgroups(config)}")
     return reasons
