@@ -370,11 +370,11 @@ class _Context:
         study = self.study(problem)
         name = study.study_name
         if name not in self._state:
-            # A resumed run's earlier sessions count against the time budget: a problem that spent it
-            # before the search was stopped stays done.
-            earlier = self.db.study_seconds(self.run.run_id, name)
-            self._state[name] = {"started": time.monotonic() - earlier, "repeats": 0, "consecutive": 0,
-                                 "first": True}
+            # The time budget counts the seconds spent inside tune() on this problem, a resumed run's
+            # earlier sessions included: a problem that spent it before the search stopped stays done.
+            # (Not the time on other problems between tune_all's two passes.)
+            self._state[name] = {"spent": self.db.study_seconds(self.run.run_id, name), "repeats": 0,
+                                 "consecutive": 0, "first": True}
         state = self._state[name]
         if state["first"]:
             self.recover(study, name)
@@ -385,6 +385,7 @@ class _Context:
             if good is not None:
                 self.backend.note_stored_good(problem, good)
             state["first"] = False
+        state["entered"] = time.monotonic()
         result = self._result(problem, name)
         result.repeats = state["repeats"]
         size = self.space.size(problem, self.target)
@@ -430,14 +431,17 @@ class _Context:
                     shown = f"best {top[0]['tflops']:.0f} TFLOP/s" if top else "no feasible config yet"
                     bar.set_postfix_str(f"{shown}, pruned {result.pruned}")
         finally:
-            self._record_seconds(name, state)
-            for candidate in queue:  # asked but never measured: nothing to learn from them
-                self._fail_unmeasured(study, name, candidate.trial.number)
-                candidate.heartbeat.join()
-                if not candidate.reasons and self.backend.lookahead:
-                    self.backend.discard(problem, self.kernel.make_config(candidate.config))
-            if bar is not None:
-                bar.close()
+            try:
+                for candidate in queue:  # asked but never measured: nothing to learn from them
+                    self._fail_unmeasured(study, name, candidate.trial.number)
+                    candidate.heartbeat.join()
+                    if not candidate.reasons and self.backend.lookahead:
+                        self.backend.discard(problem, self.kernel.make_config(candidate.config))
+                if bar is not None:
+                    bar.close()
+            finally:
+                state["spent"] = self._elapsed(state)
+                self._record_seconds(name, state["spent"])
         # Others' trials still in flight: the best few are confirmed once all are in. A trial another
         # worker has asked for but not claimed holds no budget slot, yet is waited for too (a live
         # worker settles it at once, a dead one's goes stale and recover() fails it): a finished
@@ -458,11 +462,16 @@ class _Context:
             self.say(self.summary_line(problem, result))
         return result
 
-    def _record_seconds(self, name: str, state: dict) -> None:
+    @staticmethod
+    def _elapsed(state: dict) -> float:
+        """Seconds spent on the problem: earlier calls and sessions, and this call so far."""
+        return state["spent"] + time.monotonic() - state["entered"]
+
+    def _record_seconds(self, name: str, seconds: float) -> None:
         """Store how long this worker has searched the study (for a resume's time budget). On the way
         out of an interrupted search a failure here is reported, not raised over the interrupt."""
         try:
-            self.db.record_study_seconds(self.run.run_id, name, time.monotonic() - state["started"])
+            self.db.record_study_seconds(self.run.run_id, name, seconds)
         except Exception as exc:  # noqa: BLE001 - the search's own exception, if any, matters more
             self.say(f"fa4tune: could not record the search time of {name}: {exc}")
 
@@ -478,7 +487,7 @@ class _Context:
     def _stop_reason(self, result: ProblemResult, size, state: dict, name: str) -> str:
         if self.budget_trials is not None and result.measured >= self.budget_trials:
             return f"trial budget ({self.budget_trials}) reached"
-        if self.budget_seconds is not None and time.monotonic() - state["started"] >= self.budget_seconds:
+        if self.budget_seconds is not None and self._elapsed(state) >= self.budget_seconds:
             return f"time budget ({self.budget_seconds:g} s) reached"
         if size is not None and result.measured + result.pruned >= size:
             return f"space exhausted (all {size} configs tried)"
@@ -794,6 +803,7 @@ class _Context:
 
         domains = self.space.domains(problem, self.target)
         neighbours = self._neighbours(problem, domains) if self.job.warm_start else []
+        probes = self.space.probes(problem, self.target, self.job.probes)  # (CPU work: not under the lock)
         with self.db.locked(name) as lock:
             active = []
             for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,
@@ -811,7 +821,7 @@ class _Context:
             enqueue(self.space.default_params(problem, self.target), "default")
             for params in neighbours:
                 enqueue(params, "warm-start")
-            for params in self.space.probes(problem, self.target, self.job.probes):
+            for params in probes:
                 enqueue(params, "probe")
 
     def _neighbours(self, problem: Problem, domains: dict) -> list[dict]:

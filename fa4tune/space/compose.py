@@ -109,9 +109,9 @@ class ComposedSpace:
     def probes(self, problem, target, count: int) -> list[dict]:
         """Up to `count` params that each change one knob of the problem's default, feasible and
         distinct as kernels: first the nearest other value of every knob in turn (for numbers the next
-        one up or down, the larger on a tie), then the next nearest, and so on. Knobs with a continuous
-        domain are not probed. Measured right after the default, they show the sampler which single
-        knobs matter before it models the space.
+        one up or down; both, the larger first, when they are equally near), then the next nearest,
+        and so on. Knobs with a continuous domain are not probed. Measured right after the default,
+        they show the sampler which single knobs matter before it models the space.
 
         A value that is infeasible beside the default's other knobs (four consumer warpgroups with the
         default's wide K/V blocks, say) is probed with the nearest feasible change of one or two other
@@ -122,32 +122,40 @@ class ComposedSpace:
             return []
         default = self.default_params(problem, target)
         seen = {config_key(self.full_config(problem, target, default))}
-        alternatives = {}
+        alternatives, levels = {}, {}
         for name, domain in self.domains(problem, target).items():
             values = [v for v in (domain.values() or []) if not _same(v, default[name])]
             if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in [*values, default[name]]):
                 values.sort(key=lambda v: (abs(v - default[name]), -v))
+                distances = sorted({abs(v - default[name]) for v in values})
+                levels[name] = [distances.index(abs(v - default[name])) for v in values]
+            else:
+                levels[name] = list(range(len(values)))
             alternatives[name] = values
+
+        checked: dict[str, bool] = {}  # config key -> feasible; repairs try the same configs often
 
         def feasible(params: dict):
             config = self.full_config(problem, target, params)
-            return None if self.check(problem, config, target) else config_key(config)
+            key = config_key(config)
+            if key not in checked:
+                checked[key] = not self.check(problem, config, target)
+            return key if checked[key] else None
 
         probes = []
-        for rank in range(max((len(v) for v in alternatives.values()), default=0)):
+        for level in range(max((len(v) for v in alternatives.values()), default=0)):
             for name, values in alternatives.items():
-                if rank >= len(values):
-                    continue
-                params = {**default, name: values[rank]}
-                key = feasible(params)
-                if key is None:
-                    params, key = self._repair(params, name, alternatives, feasible)
-                if key is None or key in seen:
-                    continue
-                seen.add(key)
-                probes.append(params)
-                if len(probes) >= count:
-                    return probes
+                for value in (v for v, lv in zip(values, levels[name]) if lv == level):
+                    params = {**default, name: value}
+                    key = feasible(params)
+                    if key is None:
+                        params, key = self._repair(params, name, alternatives, feasible)
+                    if key is None or key in seen:
+                        continue
+                    seen.add(key)
+                    probes.append(params)
+                    if len(probes) >= count:
+                        return probes
         return probes
 
     @staticmethod
