@@ -1,4 +1,5 @@
 import dataclasses
+import math
 
 import pytest
 
@@ -34,14 +35,25 @@ def test_softmax_side_reproduces_the_measured_h200_figures():
     assert softmax_clocks_per_element(H200, 0.25, 5) > softmax_clocks_per_element(H200, 0.25, 3)
 
 
-def test_close_to_upstream_fa4_on_the_h200_at_16k_tokens():
-    """DESIGN.md: FA4 on the H200, 16k tokens, hidden 2048: hdim 64 at 16k 550, hdim 128 677 TFLOP/s."""
-    d64 = Problem(head_dim=64, seqlen_q=16384, batch=1, nheads_q=32)
-    d128 = Problem(head_dim=128, seqlen_q=16384, batch=1, nheads_q=16)
-    assert tflops(d64, KERNEL.default_config(d64, H200)) == pytest.approx(550, rel=0.1)
-    assert tflops(d128, KERNEL.default_config(d128, H200)) == pytest.approx(677, rel=0.1)
+# docs/tuning-report.md (run 8, H200): the default config's TFLOP/s on the grid, 16k tokens, hidden 2048.
+MEASURED_DEFAULTS = {(64, 1024, False): 414, (64, 1024, True): 299, (64, 4096, False): 539, (64, 4096, True): 480,
+                     (64, 16384, False): 583, (64, 16384, True): 566, (128, 1024, False): 618, (128, 1024, True): 472,
+                     (128, 4096, False): 730, (128, 4096, True): 678, (128, 16384, False): 747,
+                     (128, 16384, True): 752}
+
+
+def test_close_to_the_measured_defaults_on_the_h200_grid():
+    """The calibrated model (fitted to all of run 8's candidates, most of them slower than the default)
+    against the defaults as the tuning report measured them: within 12% each, 8% RMS."""
+    errors = []
+    for (d, s, causal), measured in MEASURED_DEFAULTS.items():
+        p = Problem(head_dim=d, seqlen_q=s, batch=16384 // s, nheads_q=2048 // d, causal=causal)
+        errors.append(math.log(tflops(p, KERNEL.default_config(p, H200)) / measured))
+    assert max(map(abs, errors)) < math.log(1.12)
+    assert math.sqrt(sum(e * e for e in errors) / len(errors)) < math.log(1.08)
     short = Problem(head_dim=128, seqlen_q=1024, batch=16, nheads_q=16)
-    assert tflops(short, config()) < tflops(d128, config())
+    long = Problem(head_dim=128, seqlen_q=16384, batch=1, nheads_q=16)
+    assert tflops(short, config()) < tflops(long, config())
 
 
 def test_deterministic_and_announced_as_an_estimate():
@@ -72,19 +84,29 @@ def test_causal_skips_masked_blocks():
 
 
 def test_pipeline_depth_hides_load_latency_when_steps_are_short():
+    """One stage waits for part of every load; on the H200 (fitted) two already hide the rest. With
+    slower loads, all of their latency exposed, each stage hides more."""
     problem = Problem(head_dim=64, seqlen_q=8192, batch=2, nheads_q=32)
     one, two, three = (MODEL.time_s(config(tile_n=64, num_stages=s), problem)[0] for s in (1, 2, 3))
+    assert one > 1.1 * two and two >= three
+    slow_loads = CostModel(H200, dataclasses.replace(MODEL.assumptions, load_latency_clk=4000.0,
+                                                     single_stage_exposed_fetch=1.0))
+    one, two, three = (slow_loads.time_s(config(tile_n=64, num_stages=s), problem)[0] for s in (1, 2, 3))
     assert one > two > three
 
 
-def test_emulated_exp2_pays_most_at_small_head_dims():
-    def gain(head_dim):
+def test_emulated_exp2_in_the_kernel_costs_what_the_searches_measured():
+    """The microbenchmark's gain (test above) is the softmax side alone. In the kernel the searches
+    kept no emulated share on any of 19 problems (runs 6 and 8), and the fit put the difference into
+    `emulation_kernel_extra_ops`: 1/8 emulated is slower at head dim 64 and 128, half much slower.
+    Without that term the microbenchmark's gain shows, most at the small head dim."""
+    def gain(head_dim, model=MODEL, share=0.125):
         p = Problem(head_dim=head_dim, seqlen_q=8192, batch=2, nheads_q=2048 // head_dim)
-        return MODEL.time_s(config(), p)[0] / MODEL.time_s(config(emu_share=0.125), p)[0]
+        return model.time_s(config(), p)[0] / model.time_s(config(emu_share=share), p)[0]
 
-    assert gain(64) > gain(128) > 1.0
-    p = Problem(head_dim=64, seqlen_q=8192)
-    assert MODEL.time_s(config(emu_share=0.5), p)[0] > MODEL.time_s(config(), p)[0]
+    assert gain(64) < 1.0 and gain(128) < 1.0 and gain(64, share=0.5) < gain(64)
+    microbenchmark = CostModel(H200, dataclasses.replace(MODEL.assumptions, emulation_kernel_extra_ops=0.0))
+    assert gain(64, microbenchmark) > gain(128, microbenchmark) > 1.0
 
 
 def test_rescale_threshold_skips_most_rescales_on_long_rows():
