@@ -38,7 +38,8 @@ def synthetic(assumptions):
     samples = []
     for problem in problems:
         base = KERNEL.default_config(problem, H200)
-        for knobs in ({}, {"num_stages": 1}, {"num_stages": 3}, {"tile_n": 64}, {"tile_n": 96, "num_stages": 1},
+        # (Not 3 stages: the model times them as 2 once two hide the loads, and ties blur the regret.)
+        for knobs in ({}, {"num_stages": 1}, {"tile_n": 64}, {"tile_n": 96, "num_stages": 1},
                       {"persistent": not base.persistent}, {"intra_wg_overlap": False}):
             config = dataclasses.replace(base, **knobs)
             samples.append(Sample(problem, config, model.time_s(config, problem)[0] * 1e3))
@@ -106,15 +107,58 @@ def test_a_fit_finds_planted_assumptions():
     assert fitted.cta_overhead_clk == start.cta_overhead_clk
 
 
+# What the README and ModelAssumptions say, per samples file: (RMS log error, mean rank correlation,
+# mean regret, max regret) with the installed assumptions, then with the hand-set ones.
+PUBLISHED = {"h200-run8": ((0.0995, 0.565, 0.0201, 0.0729), (0.248, 0.245, 0.0403, 0.0762)),
+             "h200-run6": ((0.103, 0.611, 0.0143, 0.0673), (0.255, 0.298, 0.0412, 0.0785))}
+
+
 @pytest.mark.parametrize("run", ["h200-run8", "h200-run6"])
 def test_the_installed_assumptions_fit_the_h200_searches(run):
     """Run 8's candidates are what the installed assumptions were fitted to; run 6's (the kernel before
-    tile_m 256, searched the same day) were held out."""
+    tile_m 256, searched the same day) were held out. The figures are the published ones."""
     samples = load_samples(CALIBRATION / f"{run}.json")
-    installed, hand_set = summary(evaluate(ModelAssumptions(), samples, H200)), summary(evaluate(HAND_SET, samples, H200))
-    assert installed["rms_log_error"] < 0.15 < 0.2 < hand_set["rms_log_error"]
-    assert installed["mean_rank_correlation"] > hand_set["mean_rank_correlation"] + 0.03
-    assert installed["mean_regret"] < hand_set["mean_regret"] - 0.01
+    assert sum(s.full for s in samples) == {"h200-run8": 294, "h200-run6": 286}[run]
+    for assumptions, published in zip((ModelAssumptions(), HAND_SET), PUBLISHED[run]):
+        s = summary(evaluate(assumptions, samples, H200))
+        measured = (s["rms_log_error"], s["mean_rank_correlation"], s["mean_regret"], s["max_regret"])
+        assert measured == pytest.approx(published, abs=0.0015)
+
+
+def test_regret_and_ranks_use_full_timings_and_average_ties():
+    exact = [s for s in synthetic(ModelAssumptions()) if s.problem.head_dim == 64]
+    # The model's favourite measured slow, but only in a cheap timing: it does not count.
+    favourite = min(exact, key=lambda s: s.time_ms)
+    cheap = [dataclasses.replace(s, time_ms=5 * s.time_ms, full=False) if s is favourite else s for s in exact]
+    (fit_,) = evaluate(ModelAssumptions(), cheap, H200)
+    assert fit_.regret == 0.0 and fit_.timed == len(exact) - 1 and fit_.rank_correlation == pytest.approx(1.0)
+    assert fit_.log_error > 0  # the loss still sees it
+    # Two candidates the model cannot tell apart (the same config twice), measured 1.0 and 1.2 against a
+    # best of 1.0: the regret is their mean, 10%.
+    twin = Sample(favourite.problem, favourite.config, favourite.time_ms * 1.2)
+    (fit_,) = evaluate(ModelAssumptions(), exact + [twin], H200)
+    assert fit_.regret == pytest.approx(0.1)
+
+
+def test_pattern_search_stays_in_bounds_and_never_loses():
+    from fa4tune.measure.calibrate import _refine
+
+    params = {"a": (1.0, 100.0, True), "b": (0.0, 1.0, False)}
+    calls = []
+
+    def objective(v):
+        calls.append(dict(v))
+        return math.log(v["a"] / 30.0) ** 2 + (v["b"] - 0.7) ** 2
+
+    start = {"a": 2.0, "b": 0.1}
+    values, best = _refine(start, objective(start), params, objective, budget=200)
+    assert values["a"] == pytest.approx(30.0, rel=0.05) and values["b"] == pytest.approx(0.7, abs=0.02)
+    assert best == objective(values) < objective(start)
+    assert all(1.0 <= c["a"] <= 100.0 and 0.0 <= c["b"] <= 1.0 for c in calls[1:])
+    assert len(calls) <= 201
+    first = objective(start)
+    calls.clear()
+    assert _refine(start, first, params, objective, budget=0) == (start, first) and not calls
 
 
 def test_the_fit_script_evaluates_the_installed_model():
@@ -122,8 +166,20 @@ def test_the_fit_script_evaluates_the_installed_model():
                           str(CALIBRATION / "h200-run8.json"), "--holdout", str(CALIBRATION / "h200-run6.json"),
                           "--trials", "0"], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode == 0, out.stderr
-    assert "| bf16-d64x64-full-q1024-k1024-b16-h32x32 | 40 |" in out.stdout
+    assert "| bf16-d64x64-full-q1024-k1024-b16-h32x32 | 40 (10) |" in out.stdout
     assert "held-out samples, fitted" in out.stdout and "no assumption changed" in out.stdout
-    bad = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fit_model.py"), "--samples", "nowhere.json"],
-                         capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert bad.returncode == 2 and "cannot read samples from nowhere.json" in bad.stderr
+    for args, message in ((["--samples", "nowhere.json"], "cannot read samples from nowhere.json"),
+                          (["--samples", str(CALIBRATION / "h200-run8.json"), "--target", "H900"], "H900"),
+                          (["--samples", str(CALIBRATION / "h200-run8.json"), "--run", "3"], "go with --db")):
+        bad = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fit_model.py"), *args],
+                             capture_output=True, text=True, timeout=300, cwd=REPO)
+        assert bad.returncode == 2 and message in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+
+
+def test_the_fit_script_says_when_a_db_has_no_samples(tmp_path):
+    from fa4tune.db import ResultsDB
+
+    ResultsDB.open(tmp_path / "empty.db").close()
+    bad = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fit_model.py"), "--db", str(tmp_path / "empty.db"),
+                          "--run", "99", "--trials", "0"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert bad.returncode == 2 and "no measured candidates of fa4_fwd_sm90 on H200" in bad.stderr, bad.stderr

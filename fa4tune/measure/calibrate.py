@@ -3,15 +3,19 @@
     samples = samples_from_db(db, kernel="fa4_fwd_sm90", target="H200", run_id=8)
     fitted, report = fit(samples, get_target("H200"), trials=300)
 
-A sample is one measured candidate (problem, config, median ms). The fit minimises the mean over
-problems of the mean squared log error of the model's times, so that every problem weighs the same
-however many candidates its search measured; it moves only the assumptions in FITTED (the softmax
-side's three stay at DESIGN.md's microbenchmark). `evaluate` says how well a set of assumptions ranks
-each problem's candidates: the rank correlation, and the regret of trusting the model, i.e. how much
-slower the candidate the model ranks first measured than the best one measured.
+A sample is one measured candidate (problem, config, median ms, and whether that is the full
+timing or the pruner's cheap one, 10 runs, which a stopped candidate has alone). The fit minimises the
+mean over problems of the mean squared log error of the model's times over all samples, so that
+every problem weighs the same however many candidates its search measured; it moves only the
+assumptions in FITTED (the softmax side's three stay at DESIGN.md's microbenchmark). `evaluate` says
+how well a set of assumptions ranks each problem's fully timed candidates (cheap timings can be
+several percent off): the rank correlation, and the regret of trusting the model, i.e. how much slower
+the candidate the model ranks first measured than the best one measured (averaged over the
+candidates the model ties for first).
 
 Samples travel as JSON (`save_samples` / `load_samples`): one problem per entry, its candidates as
-knob-value rows under a shared list of knob names."""
+knob-value rows under a shared list of knob names, then the time and 1 for a full timing, 0 for a
+cheap one."""
 
 from __future__ import annotations
 
@@ -50,6 +54,7 @@ class Sample:
     problem: object  # Problem
     config: object  # the kernel's config
     time_ms: float
+    full: bool = True  # False: the pruner's cheap timing (a stopped candidate)
 
 
 # ---- where samples come from ------------------------------------------------------------------------
@@ -74,7 +79,8 @@ def samples_from_db(db, *, kernel: str, target: str, run_id: int | None = None,
             config = spec.make_config(spec.canonical_values(row["config"]))
         except spec.config_error:
             continue  # a knob this kernel no longer has
-        samples.append(Sample(Problem.from_dict(row["problem"]), config, float(row["time_ms"])))
+        samples.append(Sample(Problem.from_dict(row["problem"]), config, float(row["time_ms"]),
+                              row["status"] == "ok"))
     return samples
 
 
@@ -85,7 +91,8 @@ def save_samples(path: str | Path, samples: list[Sample], note: str = "") -> Non
     knobs = sorted({k for s in samples for k in s.config.to_dict()})
     document = {"note": note, "knobs": knobs, "problems": [
         {"problem": group[0].problem.to_dict(),
-         "trials": [[s.config.to_dict().get(k) for k in knobs] + [round(s.time_ms, 6)] for s in group]}
+         "trials": [[s.config.to_dict().get(k) for k in knobs] + [round(s.time_ms, 6), int(s.full)]
+                    for s in group]}
         for _, group in sorted(by_problem.items())]}
     text = json.dumps(document, separators=(",", ":"))
     # One candidate per line: readable in a diff.
@@ -104,8 +111,11 @@ def load_samples(path: str | Path, kernel: str = "fa4_fwd_sm90") -> list[Sample]
         for entry in document["problems"]:
             problem = Problem.from_dict(entry["problem"])
             for row in entry["trials"]:
-                values = dict(zip(knobs, row[:-1]))
-                samples.append(Sample(problem, spec.make_config(spec.canonical_values(values)), float(row[-1])))
+                if len(row) != len(knobs) + 2:
+                    raise ValueError(f"a row of {len(row)} values for {len(knobs)} knobs, the time and the flag")
+                values = dict(zip(knobs, row[:len(knobs)]))
+                samples.append(Sample(problem, spec.make_config(spec.canonical_values(values)),
+                                      float(row[-2]), bool(row[-1])))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CalibrationError(f"cannot read samples from {path}: {exc}") from None
     return samples
@@ -138,11 +148,12 @@ def spearman(a: list[float], b: list[float]) -> float:
 @dataclass(frozen=True)
 class ProblemFit:
     problem_key: str
-    candidates: int
+    candidates: int  # all samples of the problem
+    timed: int  # of them fully timed: what the rank correlation and the regret are over
     rank_correlation: float  # Spearman, model times against measured times
-    regret: float  # measured time of the model's first choice / best measured - 1
-    log_error: float  # root mean squared log(model / measured)
-    scale: float  # geometric mean of measured / model
+    regret: float  # measured time of the model's first choice / best measured - 1 (ties: their mean)
+    log_error: float  # root mean squared log(model / measured), all samples
+    scale: float  # geometric mean of measured / model, all samples
 
 
 def evaluate(assumptions: ModelAssumptions, samples: list[Sample], target) -> list[ProblemFit]:
@@ -153,12 +164,16 @@ def evaluate(assumptions: ModelAssumptions, samples: list[Sample], target) -> li
     fits = []
     for key, group in sorted(by_problem.items()):
         predicted = [model.time_s(s.config, s.problem)[0] * 1e3 for s in group]
-        measured = [s.time_ms for s in group]
-        logs = [math.log(p / m) for p, m in zip(predicted, measured)]
-        first = min(range(len(group)), key=predicted.__getitem__)
+        logs = [math.log(p / s.time_ms) for p, s in zip(predicted, group)]
+        timed = [(p, s.time_ms) for p, s in zip(predicted, group) if s.full] or \
+            [(p, s.time_ms) for p, s in zip(predicted, group)]  # no full timing: the cheap ones
+        first = min(p for p, _ in timed)
+        chosen = [m for p, m in timed if p == first]  # the model cannot tell these apart
+        best = min(m for _, m in timed)
         fits.append(ProblemFit(
-            key, len(group), spearman(predicted, measured) if len(group) > 1 else 1.0,
-            measured[first] / min(measured) - 1.0, math.sqrt(sum(x * x for x in logs) / len(logs)),
+            key, len(group), sum(s.full for s in group),
+            spearman([p for p, _ in timed], [m for _, m in timed]) if len(timed) > 1 else 1.0,
+            sum(chosen) / len(chosen) / best - 1.0, math.sqrt(sum(x * x for x in logs) / len(logs)),
             math.exp(-sum(logs) / len(logs))))
     return fits
 
@@ -170,7 +185,10 @@ def loss(fits: list[ProblemFit]) -> float:
 
 def summary(fits: list[ProblemFit]) -> dict:
     n = len(fits)
-    return {"problems": n, "candidates": sum(f.candidates for f in fits), "loss": loss(fits),
+    if not n:
+        raise CalibrationError("no samples to evaluate")
+    return {"problems": n, "candidates": sum(f.candidates for f in fits), "timed": sum(f.timed for f in fits),
+            "loss": loss(fits),
             "mean_rank_correlation": sum(f.rank_correlation for f in fits) / n,
             "mean_regret": sum(f.regret for f in fits) / n, "max_regret": max(f.regret for f in fits),
             "rms_log_error": math.sqrt(loss(fits))}
