@@ -197,19 +197,19 @@ def summary(fits: list[ProblemFit]) -> dict:
 # ---- the fit ----------------------------------------------------------------------------------------
 def _refine(values: dict, best: float, params: dict, objective, budget: int) -> tuple[dict, float]:
     """Pattern search from TPE's best: each assumption in turn a step up and down (a factor in log
-    space, a share of the range otherwise), kept where the loss falls; the steps halve after a pass
+    space, a share of the range otherwise), kept where the loss falls; the step halves after a pass
     that kept nothing. At most `budget` evaluations."""
-    steps = {name: 0.25 for name in params}
+    step = 0.25  # a share of each range (of its log for log-scale ones)
     spent = 0
-    while spent < budget and max(steps.values()) > 0.01:
+    while spent < budget and step > 0.01:
         improved = False
         for name, (low, high, log) in params.items():
             for sign in (1, -1):
                 if spent >= budget:
                     break
                 current = values[name]
-                moved = current * math.exp(sign * steps[name] * math.log(high / low)) if log else \
-                    current + sign * steps[name] * (high - low)
+                moved = current * math.exp(sign * step * math.log(high / low)) if log else \
+                    current + sign * step * (high - low)
                 moved = min(high, max(low, moved))
                 if moved == current:
                     continue
@@ -220,7 +220,7 @@ def _refine(values: dict, best: float, params: dict, objective, budget: int) -> 
                     values, best, improved = trial, value, True
                     break
         if not improved:
-            steps = {name: step / 2 for name, step in steps.items()}
+            step /= 2
     return values, best
 
 

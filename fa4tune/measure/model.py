@@ -11,8 +11,8 @@ Per K/V step of one CTA (tile_m query rows against tile_n keys) it costs
 and overlaps the GEMMs with the softmax side (intra-warpgroup overlap and warpgroup ping-pong, better
 with more consumer warpgroups). A K/V load starts when its stage is released; further stages hide its
 latency. CTAs are scheduled on sm_count × (CTAs per SM) slots (wave quantisation; causal CTAs longest
-first), and the kernel can never beat HBM. A persistent
-kernel pays the CTA start and the first loads once per SM; later tiles load under their predecessor.
+first), and the kernel can never beat HBM. A persistent kernel pays the CTA start and the first loads
+once per SM; later tiles load under their predecessor.
 
 The softmax side's constants come from a microbenchmark (DESIGN.md); the others are fitted to an H200
 search's measurements (`fa4tune.measure.calibrate`, ModelAssumptions says how well they fit)."""
