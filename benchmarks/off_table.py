@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.attention import parse_shape  # noqa: E402
-from benchmarks.tuning_report import COLUMNS, FA4, FA4_O, fmt_cell, geomean, measure_problem, ratio  # noqa: E402
+from benchmarks.tuning_report import COLUMNS, fmt_cell, geomean, measure_problem, ratio, ratio_cells  # noqa: E402
 
 DEFAULT_SHAPES = ",".join(f"{d}:{s}{c}" for d in (64, 128) for s in (2048, 3072, 8192) for c in ("", ":causal"))
 
@@ -84,10 +84,9 @@ def main(argv=None) -> int:
           + " | borrowed / default | borrowed / FA4 | borrowed / FA4, O only |")
     print("|" + "---|" * (len(COLUMNS) + 6))
     for r in rows:
-        ratios = [ratio(r["cells"], "tuned", other) for other in ("default", FA4, FA4_O)]
         print(f"| {r['key']} | {r['how']}" + (f" ({r['from']}{', stale' if r['stale'] else ''})" if r["from"] else "")
               + f" | {r['changed']} | " + " | ".join(fmt_cell(r["cells"].get(c, "")) for c in COLUMNS)
-              + "".join(f" | {f'{x:.3f}' if x else '-'}" for x in ratios) + " |")
+              + ratio_cells(r["cells"]) + " |")
     ratios = [x for x in (ratio(r["cells"], "tuned", "default") for r in rows) if x is not None]
     if ratios:
         print(f"\nborrowed / default, geometric mean over {len(ratios)} of {len(rows)} shapes: {geomean(ratios):.3f}x")

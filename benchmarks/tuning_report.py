@@ -220,6 +220,12 @@ def ratio(cells, a: str, b: str) -> float | None:
     return None
 
 
+def ratio_cells(cells) -> str:
+    """The tuned column against default, flash-attn-4 and its O-only call, as table cells."""
+    ratios = [ratio(cells, "tuned", other) for other in ("default", FA4, FA4_O)]
+    return "".join(f" | {f'{x:.3f}' if x else '-'}" for x in ratios)
+
+
 def geomean(values):
     values = [v for v in values if v is not None]
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
@@ -279,11 +285,10 @@ def render(rows, header: dict) -> str:
         s = r["story"]
         trials = (f"{s.get('to_near') or '-'} / {s.get('to_best') or '-'} ({s['measured']}"
                   + (f", {s['stopped']} stopped" if s.get("stopped") else "") + ")")
-        ratios = [ratio(r["cells"], "tuned", other) for other in ("default", FA4, FA4_O)]
         lines.append(
             f"| {r['key']} | {r['default']} | {r['changed']} | "
             + " | ".join(fmt_cell(r["cells"].get(c, "")) for c in COLUMNS)
-            + "".join(f" | {f'{x:.3f}' if x else '-'}" for x in ratios) + f" | {trials} | "
+            + ratio_cells(r["cells"]) + f" | {trials} | "
             f"{s.get('wall_s', 0):.0f} s |"
         )
     return "\n".join(lines) + "\n"
