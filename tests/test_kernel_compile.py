@@ -53,6 +53,23 @@ def _ptxas_report(text: str) -> list[tuple[int, int, int]]:
         r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", text)]
 
 
+def _compile_with_report(config, dtype, head_dim, head_dim_v, causal, capfd, tmp_path, target="H200"):
+    """A real compile for sm_90a (the cache bypassed: ptxas prints its remarks only then), with PTX
+    kept: (the compiled kernel, ptxas's output)."""
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    from fa4tune.kernels.interface import compile_forward
+
+    compiled = compile_forward(config, dtype, head_dim, head_dim_v, causal, target,
+                               options=f"remarks{{ptx}} --keep-ptx --dump-dir {tmp_path}", use_cache=False)
+    return compiled, "".join(capfd.readouterr())
+
+
+def _spill_report(text: str) -> list[tuple[int, int, int]]:
+    report = _ptxas_report(text)
+    assert report, "ptxas printed no resource report: the spill check would be blind"
+    return report
+
+
 def _early_releases(ptx: str) -> list[tuple[int, int]]:
     """(line of the release, line of the wait before it) for every consumer release (an mbarrier
     arrive without expect_tx) with no warp-wide sync since the last mbarrier wait, in text order.
@@ -104,16 +121,10 @@ def test_early_release_check_flags_the_unfixed_idle_loop_and_passes_synced_ones(
 @pytest.mark.parametrize("config,dtype,head_dim,head_dim_v,causal", SPREAD,
                          ids=lambda v: v.short() if isinstance(v, FwdConfig) else str(v))
 def test_compiles_for_sm90a_without_spills(config, dtype, head_dim, head_dim_v, causal, capfd, tmp_path):
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-    from fa4tune.kernels.interface import compile_forward
-
     problem = Problem(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal)
     config = config or default_config(problem)
-    # Bypass the cache: the remarks are only printed by a real compile.
-    compiled = compile_forward(config, dtype, head_dim, head_dim_v, causal, "H200",
-                               options=f"remarks{{ptx}} --keep-ptx --dump-dir {tmp_path}", use_cache=False)
-    report = _ptxas_report("".join(capfd.readouterr()))
-    assert report, "ptxas printed no resource report: the spill check would be blind"
+    compiled, text = _compile_with_report(config, dtype, head_dim, head_dim_v, causal, capfd, tmp_path)
+    report = _spill_report(text)
     for stack, stores, loads in report:
         assert (stack, stores, loads) == (0, 0, 0), f"{config.short()} spills: {report}"
     assert compiled.compile_seconds > 0
@@ -144,14 +155,10 @@ def _shipped_entries():
 def test_every_shipped_config_compiles_and_spills_only_where_allowed(entry, capfd, tmp_path):
     """What fa4tune.attention runs: each entry of the shipped tables, compiled for sm_90a at its own
     problem's head dims and causality, with ptxas's report read back."""
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-    from fa4tune.kernels.interface import compile_forward
-
     problem, config = Problem.from_dict(entry.problem), FwdConfig.from_dict(entry.config)
-    compile_forward(config, problem.dtype, problem.head_dim, problem.head_dim_v, problem.causal, "H200",
-                    options=f"remarks{{ptx}} --dump-dir {tmp_path}", use_cache=False)
-    report = _ptxas_report("".join(capfd.readouterr()))
-    assert report, "ptxas printed no resource report: the spill check would be blind"
+    _, text = _compile_with_report(config, problem.dtype, problem.head_dim, problem.head_dim_v, problem.causal,
+                                   capfd, tmp_path)
+    report = _spill_report(text)
     spills = any(r != (0, 0, 0) for r in report)
     allowed = ALLOWED_SPILLS.get((entry.problem_key, config.short()))
     assert not spills or allowed, f"{entry.problem_key}: {config.short()} spills {report}"
@@ -210,14 +217,12 @@ def test_the_producer_gives_back_what_the_consumers_take(tile_m, tile_n, capfd, 
     for ever if that is too little (tile_m 256 with a 24/120 split hung on the H200). ptxas must launch
     the block with the registers the model assumes, and each split must balance from there."""
     from fa4tune.kernels import resources
-    from fa4tune.kernels.interface import compile_forward
 
     target = get_target("H200")
     config = FwdConfig(tile_m=tile_m, tile_n=tile_n, intra_wg_overlap=tile_m != 256)
     wgs = resources.num_consumer_warpgroups(config)
-    compile_forward(config, "bf16", 64, 64, False, target,
-                    options=f"remarks{{ptx}} --dump-dir {tmp_path}", use_cache=False)
-    used = [int(n) for n in re.findall(r"Used (\d+) registers", "".join(capfd.readouterr()))]
+    _, text = _compile_with_report(config, "bf16", 64, 64, False, capfd, tmp_path, target)
+    used = [int(n) for n in re.findall(r"Used (\d+) registers", text)]
     assert used == [resources.launch_registers(wgs, target)], used
     assert resources.register_split_reasons(wgs, target) == []
     producer, consumer = resources.REGISTER_SPLIT[wgs]
