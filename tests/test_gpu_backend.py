@@ -166,7 +166,7 @@ def test_only_a_good_config_of_the_same_problem_vouches_for_the_gpu(workdir, vou
 HDIM256 = {"head_dim": 256, "seqlen_q": 2048, "batch": 2, "nheads_q": 8}
 CRASHING_SPACE = {"tiles": {"tile_m": [128], "tile_n": [planted.EXIT_TILE_N]},
                   "pipeline": {"num_stages": [1, 2], "intra_wg_overlap": [True], "wg_pingpong": [True, False],
-                               "persistent": [False], "wg_epilogue": [False]}}
+                               "persistent": [False], "wg_epilogue": [False], "q_stages": [1]}}
 RESULTS = "fa4tune-results/results.db"
 
 

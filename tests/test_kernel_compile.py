@@ -41,6 +41,11 @@ SPREAD = [
     (FwdConfig(tile_m=256, tile_n=80, intra_wg_overlap=False, emu_share=0.5, poly_degree=5), "bf16", 64, 64, False),
     (FwdConfig(tile_m=256, tile_n=96, intra_wg_overlap=False, emu_share=0.375, poly_degree=5), "bf16", 64, 64, True),
     (FwdConfig(tile_m=256, tile_n=64, emu_share=0.5, poly_degree=5, persistent=True), "bf16", 64, 64, True),
+    # Two Q buffers (persistent): two, three and four consumer warpgroups, the tile counter, the
+    # hdim-128 one at 225 KB of shared memory.
+    (FwdConfig(rescale_threshold=8.0, persistent=True, wg_epilogue=True, q_stages=2), "bf16", 128, 128, True),
+    (FwdConfig(tile_m=192, rescale_threshold=8.0, persistent=True, q_stages=2), "bf16", 64, 64, False),
+    (FwdConfig(tile_m=256, tile_n=96, intra_wg_overlap=False, persistent=True, q_stages=2), "bf16", 64, 64, True),
     # Warpgroups without rows (tile_m 192, one CTA per tile) without ping-pong: the configs that hung.
     (FwdConfig(tile_m=192, num_stages=3, wg_pingpong=False), "bf16", 64, 64, True),
     (FwdConfig(tile_m=192, intra_wg_overlap=False, wg_pingpong=False), "bf16", 64, 64, False),
@@ -183,12 +188,18 @@ def test_infeasible_config_is_refused_before_compiling():
     # Per-warpgroup O stores need O's own buffer: a single-tile CTA stages O in Q's.
     with pytest.raises(ConfigError, match="wg_epilogue=True needs persistent=True"):
         compile_forward(FwdConfig(wg_epilogue=True), "bf16", 128, 128, False, "H200")
+    # So do two Q buffers (one tile per CTA loads one Q), and they cost a second Q of shared memory.
+    with pytest.raises(ConfigError, match="q_stages=2 needs persistent=True"):
+        compile_forward(FwdConfig(q_stages=2), "bf16", 128, 128, False, "H200")
+    with pytest.raises(ConfigError, match="persistent, q_stages=2.*q 64 KB"):
+        compile_forward(FwdConfig(tile_n=160, persistent=True, q_stages=2), "bf16", 128, 128, False, "H200")
 
 
 
-@pytest.mark.parametrize("persistent,causal,wg_epilogue",
-                         [(True, True, False), (True, False, False), (False, True, False), (True, False, True)])
-def test_shared_storage_is_what_the_resource_model_books(persistent, causal, wg_epilogue, monkeypatch):
+@pytest.mark.parametrize("persistent,causal,wg_epilogue,q_stages",
+                         [(True, True, False, 1), (True, False, False, 1), (False, True, False, 1),
+                          (True, False, True, 1), (True, True, True, 2)])
+def test_shared_storage_is_what_the_resource_model_books(persistent, causal, wg_epilogue, q_stages, monkeypatch):
     """The search rejects configs by resources.smem_bytes; a kernel whose shared storage is larger
     would pass that check and fail to launch at the limit. (Before the tile-number slot moved into
     the barrier region, a persistent causal kernel took 1 KB more than the model said.)"""
@@ -205,7 +216,7 @@ def test_shared_storage_is_what_the_resource_model_books(persistent, causal, wg_
         return allocate(self, struct, *args, **kwargs)
 
     monkeypatch.setattr(cutlass.utils.SmemAllocator, "allocate", recording_allocate)
-    config = FwdConfig(persistent=persistent, wg_epilogue=wg_epilogue)
+    config = FwdConfig(persistent=persistent, wg_epilogue=wg_epilogue, q_stages=q_stages)
     compile_forward(config, "bf16", 128, 128, causal, "H200", use_cache=False)
     assert sizes, "the kernel no longer allocates its shared storage through SmemAllocator"
     assert sizes[-1] == resources.smem_bytes(config, Problem(dtype="bf16", head_dim=128, causal=causal))

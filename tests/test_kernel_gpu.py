@@ -115,6 +115,11 @@ MANY_TILE_SHAPES = [
     (128, FwdConfig(rescale_threshold=8.0, persistent=True, wg_epilogue=True)),
     (64, FwdConfig(tile_m=192, rescale_threshold=8.0, persistent=True, wg_epilogue=True)),
     (64, FwdConfig(tile_m=256, tile_n=64, rescale_threshold=8.0, persistent=True)),
+    # Two Q buffers: the producer loads the next tile's Q while this tile's S GEMMs read the other.
+    (128, FwdConfig(rescale_threshold=8.0, persistent=True, wg_epilogue=True, q_stages=2)),
+    (128, FwdConfig(intra_wg_overlap=False, rescale_threshold=8.0, persistent=True, q_stages=2)),
+    (64, FwdConfig(tile_m=192, rescale_threshold=8.0, persistent=True, q_stages=2)),
+    (64, FwdConfig(tile_m=256, tile_n=96, intra_wg_overlap=False, persistent=True, q_stages=2)),
 ], ids=lambda x: getattr(x, "short", lambda: str(x))())
 def test_persistent_matches_reference(head_dim, config, shape, causal):
     sq, sk, b, hq, hkv = shape
@@ -140,6 +145,7 @@ def test_persistent_matches_reference(head_dim, config, shape, causal):
     FwdConfig(tile_m=192, persistent=True, wg_epilogue=True, wg_pingpong=False),
     FwdConfig(tile_m=256, tile_n=64),
     FwdConfig(tile_m=256, tile_n=80, intra_wg_overlap=False, wg_pingpong=False, persistent=True),
+    FwdConfig(tile_m=192, persistent=True, q_stages=2),
 ], ids=lambda c: c.short())
 def test_warpgroups_without_rows_keep_the_tile_right(config, causal):
     for seqlen_q, seqlen_k in ((1024, 1024), (1060, 1500)):

@@ -49,7 +49,8 @@ def exhaustive_optimum(job):
 
 
 SMALL_SPACE = {"tiles": {"tile_m": [128, 192], "tile_n": [64, 96, 128, 160, 192]},
-               "pipeline": {"num_stages": [1, 2, 3, 4], "persistent": [False], "wg_epilogue": [False]},
+               "pipeline": {"num_stages": [1, 2, 3, 4], "persistent": [False], "wg_epilogue": [False],
+                            "q_stages": [1]},
                "exp2": {"poly_degree": [3], "emu_share": [0.0, 0.125, 0.25]},
                "softmax": {"rescale_threshold": [0.0, 4.0], "rescale_branch": [True]}}
 

@@ -27,6 +27,7 @@ KNOBS: dict[str, tuple] = {
     "rescale_branch": (True, False),
     "persistent": (False, True),
     "wg_epilogue": (False, True),
+    "q_stages": (1, 2),
 }
 
 KERNEL_ARCHS = ("sm_90a",)
@@ -49,6 +50,8 @@ class FwdConfig:
     (O then needs its own shared-memory buffer); causal tiles come from a global counter, longest first.
     wg_epilogue: (persistent only) each consumer warpgroup stores its own rows of O through a buffer of
     its own as soon as its main loop is done, without waiting for the other warpgroups.
+    q_stages: (persistent only) Q buffers in shared memory; with 2 the producer loads the next tile's Q
+    while this tile's S GEMMs still read the current one, so a tile never waits for its Q.
     """
 
     tile_m: int = 128
@@ -62,6 +65,7 @@ class FwdConfig:
     rescale_branch: bool = True
     persistent: bool = False
     wg_epilogue: bool = False
+    q_stages: int = 1
 
     def __post_init__(self) -> None:
         bad = []
@@ -90,7 +94,7 @@ class FwdConfig:
                 f"unknown knob(s) {', '.join(unknown)}; known knobs: {', '.join(KNOBS)}"
             )
         values = dict(data)
-        for name in ("tile_m", "tile_n", "num_stages", "poly_degree"):
+        for name in ("tile_m", "tile_n", "num_stages", "poly_degree", "q_stages"):
             if name in values and isinstance(values[name], float) and values[name].is_integer():
                 values[name] = int(values[name])  # YAML / JSON round trips may give 128.0
         return replace(base, **values) if base is not None else cls(**values)
@@ -113,7 +117,7 @@ class FwdConfig:
             f"-e{self.emu_share:g}p{self.poly_degree}-r{self.rescale_threshold:g}"
             f"{'-ov' if self.intra_wg_overlap else ''}{'-pp' if self.wg_pingpong else ''}"
             f"{'' if self.rescale_branch else '-rm'}{'-ps' if self.persistent else ''}"
-            f"{'-we' if self.wg_epilogue else ''}"
+            f"{'-we' if self.wg_epilogue else ''}{f'-q{self.q_stages}' if self.q_stages > 1 else ''}"
         )
 
 

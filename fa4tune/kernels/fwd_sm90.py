@@ -26,7 +26,8 @@ with `persistent`, one after another):
 * with `persistent` the grid is one CTA per SM and each CTA walks the tiles: the producer loads the
   next tile's Q and K/V while the consumers finish this one, so the prologue and epilogue of a tile hide
   under its neighbours' main loops. The consumers release Q once the tile's S GEMMs are done (after its
-  last GEMM without `intra_wg_overlap`). Non-causal tiles all cost the same and go to the CTAs with a
+  last GEMM without `intra_wg_overlap`); with `q_stages` 2, Q has two buffers and the next tile's Q
+  loads while this tile's S GEMMs still read the other, instead of after them. Non-causal tiles all cost the same and go to the CTAs with a
   fixed stride. Causal tiles differ in length, so a fixed stride would let the CTAs drift apart in the
   longest-first order (and the heads in flight out of L2): each CTA's producer takes its next tile from
   a global counter instead (an atomic add) and hands the number to its consumers through shared memory.
@@ -119,6 +120,7 @@ class FlashForwardSm90:
         self.rescale_branch = config.rescale_branch
         self.persistent = config.persistent
         self.wg_epilogue = config.wg_epilogue
+        self.q_stages = config.q_stages
         # Persistent causal CTAs take their tiles from a global counter (see the module docstring).
         self.tile_counter = config.uses_tile_counter(causal)
         self.num_sms = target.sm_count
@@ -153,7 +155,10 @@ class FlashForwardSm90:
             Float32, atom_layout_mnk=(self.num_consumer_wg, 1, 1), tiler_mn=(64, dv),
             a_source=warpgroup.OperandSource.RMEM,
         )
-        sQ_layout = smem_tile_layout(self.dtype, tile_m, d)
+        # With q_stages 2 (persistent only) Q has a stage mode: the next tile's Q loads into the other
+        # buffer while this tile's S GEMMs still read theirs.
+        sQ_layout = smem_tile_layout(self.dtype, tile_m, d, self.q_stages if self.q_stages > 1 else None)
+        sQ_one = sQ_layout if self.q_stages == 1 else cute.select(sQ_layout, mode=[0, 1])
         sK_layout = smem_tile_layout(self.dtype, tile_n, d, self.num_stages)
         sV_layout = smem_tile_layout(self.dtype, tile_n, dv, self.num_stages)
         sO_layout = smem_tile_layout(self.dtype, tile_m, dv)
@@ -173,7 +178,7 @@ class FlashForwardSm90:
 
         @cute.struct
         class SharedStorage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             if const_expr(self.tile_counter):  # in the barrier region, where resources books it
@@ -189,7 +194,7 @@ class FlashForwardSm90:
                 sO: cute.struct.Align[cute.struct.MemRange[self.dtype, o_elems], resources.SMEM_ALIGN]
 
         load = cpasync.CopyBulkTensorTileG2SOp()
-        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(load, mQ, sQ_layout, (tile_m, d))
+        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(load, mQ, sQ_one, (tile_m, d))
         tma_k, tma_mK = cpasync.make_tiled_tma_atom(
             load, mK, cute.select(sK_layout, mode=[0, 1]), (tile_n, d)
         )
@@ -199,7 +204,7 @@ class FlashForwardSm90:
         tma_o, tma_mO = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mO, sO_box, o_box
         )
-        bytes_q = cute.size_in_bytes(self.dtype, sQ_layout)
+        bytes_q = cute.size_in_bytes(self.dtype, sQ_one)
         bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
         bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
 
@@ -352,7 +357,7 @@ class FlashForwardSm90:
         # Consumers release a stage with one arrive per warp.
         consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_wg * 4)
         pipe_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=one_thread,
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.q_stages, producer_group=one_thread,
             consumer_group=consumer_warps, tx_count=bytes_q, defer_sync=True,
         )
         pipe_k = pipeline.PipelineTmaAsync.create(
@@ -402,7 +407,7 @@ class FlashForwardSm90:
         """Load Q and the visible K/V blocks of each of this CTA's tiles. The stage sequence runs on
         across tiles: a persistent CTA fills the next tile's stages as soon as they free up."""
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         tile, num_tiles = self.first_tile(mQ)
         while tile < num_tiles:
             m_block, head, batch = self.tile_coords(mQ, heads_per_l2_group, tile)
@@ -440,6 +445,8 @@ class FlashForwardSm90:
         # K of the first block goes first: the first S GEMM needs it together with Q.
         self.load_stage(tma_k, pipe_k, tKgK, tKsK, n_block_max - 1, kv_state)
         pipe_q.producer_acquire(q_state)
+        if const_expr(self.q_stages > 1):
+            tQsQ = tQsQ[None, q_state.index]
         cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
         q_state.advance()
         if const_expr(self.intra_wg_overlap):
@@ -533,7 +540,7 @@ class FlashForwardSm90:
                 cute.arch.barrier_arrive(barrier_id=self.turn_barrier_first, number_of_threads=256)
 
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         seqlen_q = mQ.shape[0]
         tile, num_tiles = self.first_tile(mQ)
         if const_expr(self.tile_counter):  # the number slot starts empty
@@ -579,6 +586,8 @@ class FlashForwardSm90:
         """All K/V blocks of one tile (n_block_max > 0), last block first. Returns the pipeline states
         for the next tile."""
         pipe_q.consumer_wait(q_state)
+        if const_expr(self.q_stages > 1):
+            tSrQ = tSrQ[None, None, None, q_state.index]
         if const_expr(self.intra_wg_overlap):
             # First block: S GEMM, mask (seqlen and causal), softmax; its PV GEMM waits for the
             # next S GEMM to be issued.

@@ -54,18 +54,18 @@ def _round_up(n: int, align: int) -> int:
 def smem_layout_bytes(config: "FwdConfig", problem: "Problem") -> dict[str, int]:
     """Bytes of each shared-memory buffer. A single-tile CTA stages O through Q's buffer (Q is dead
     once the last S GEMM has read it), so that region is sized for the larger of the two; a persistent
-    CTA loads the next Q while O is stored, so O has a buffer of its own."""
+    CTA loads the next Q while O is stored, so O has a buffer of its own (and Q q_stages of them)."""
     d, dv = problem.head_dim, problem.head_dim_v
     q = config.tile_m * d * ELEMENT_BYTES
     o = config.tile_m * dv * ELEMENT_BYTES
     k = config.num_stages * config.tile_n * d * ELEMENT_BYTES
     v = config.num_stages * config.tile_n * dv * ELEMENT_BYTES
-    # full + empty barrier per stage for K and for V, plus Q's pair.
-    barriers = (2 + 4 * config.num_stages) * MBARRIER_BYTES
+    # full + empty barrier per stage for K and for V, plus a pair per Q buffer.
+    barriers = (2 * config.q_stages + 4 * config.num_stages) * MBARRIER_BYTES
     if config.uses_tile_counter(problem.causal):
         barriers += 8  # the next tile's number (padded to 8), handed from the producer to the consumers
     if config.persistent:
-        q_o = {"q": _round_up(q, SMEM_ALIGN), "o": _round_up(o, SMEM_ALIGN)}
+        q_o = {"q": _round_up(config.q_stages * q, SMEM_ALIGN), "o": _round_up(o, SMEM_ALIGN)}
     else:
         q_o = {"q_o": _round_up(max(q, o), SMEM_ALIGN)}
     return {
@@ -87,7 +87,8 @@ def smem_reasons(config: "FwdConfig", problem: "Problem", target: Target) -> lis
         return [
             f"shared memory {used / 1024:.0f} KB exceeds the {target.smem_per_block // 1024} KB per block "
             f"of {target.name} (tile_m={config.tile_m}, tile_n={config.tile_n}, "
-            f"num_stages={config.num_stages}{', persistent' if config.persistent else ''}, "
+            f"num_stages={config.num_stages}{', persistent' if config.persistent else ''}"
+            f"{f', q_stages={config.q_stages}' if config.q_stages > 1 else ''}, "
             f"head dims {problem.head_dim}/{problem.head_dim_v}: {parts})"
         ]
     return []
@@ -171,11 +172,15 @@ def tile_reasons(config: "FwdConfig", problem: "Problem") -> list[str]:
 
 def epilogue_reasons(config: "FwdConfig") -> list[str]:
     """A single-tile CTA stages O in Q's buffer, which the consumer warpgroups share: only persistent
-    CTAs, whose O has a buffer of its own, can store it per warpgroup."""
+    CTAs, whose O has a buffer of its own, can store it per warpgroup, or double-buffer Q for the next
+    tile."""
     reasons = []
     if config.wg_epilogue and not config.persistent:
         reasons.append("wg_epilogue=True needs persistent=True (a single-tile CTA stores O through Q's "
                        "buffer, which all its consumer warpgroups read)")
+    if config.q_stages > 1 and not config.persistent:
+        reasons.append(f"q_stages={config.q_stages} needs persistent=True (a single-tile CTA loads one Q "
+                       f"and stages O in its buffer)")
     if config.wg_epilogue and num_consumer_warpgroups(config) > 3:
         reasons.append(f"wg_epilogue=True is built for at most three consumer warpgroups (its two "
                        f"named barriers each sit on ids 8-13, where four take their GEMM turns); "
