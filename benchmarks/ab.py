@@ -1,0 +1,231 @@
+"""A/B of a knob change: the default and the table's config of each shape, each as is and with the
+change, timed side by side.
+
+    python benchmarks/ab.py --set q_stages=2 [--set wg_epilogue=true] [--shapes 64:1024,128:4096:causal]
+                            [--table PATH] [--rounds 3] [--jobs 8] [--json out.json]
+
+Shapes are 'head_dim:seqlen[:causal]' at 16k tokens and hidden 2048 (benchmarks/attention.py); the
+default list is the tuning grid (head dims 64 and 128 at 1k, 4k, 16k, causal and not). `tuned` is the
+config fa4tune.attention looks up (FA4TUNE_TABLE, FA4TUNE_DB, else the shipped tables, or --table). A
+variant the feasibility rules refuse is listed with the reason and not run. The kernels compile first,
+in a pool of --jobs processes (CPU work); then every column is checked against the fp32 reference on
+random inputs (outputs poisoned with NaN first) and timed in interleaved rounds with the L2 flushed
+(fa4tune.measure.timing). Prints a markdown table last: TFLOP/s and the ratio of each variant to its
+base."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
+from multiprocessing import get_context
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.attention import parse_shape  # noqa: E402
+from benchmarks.sweep import parse_value  # noqa: E402
+from benchmarks.tuning_report import geomean  # noqa: E402
+
+GRID_SHAPES = ",".join(f"{d}:{s}{c}" for d in (64, 128) for s in (1024, 4096, 16384) for c in ("", ":causal"))
+
+
+def parse_changes(items: list[str]) -> dict:
+    from fa4tune.kernels.config import KNOBS
+
+    changes = {}
+    for item in items:
+        knob, _, value = item.partition("=")
+        if knob not in KNOBS or not value:
+            raise ValueError(f"--set wants knob=value with a knob of {', '.join(KNOBS)} (got {item!r})")
+        changes[knob] = parse_value(value)
+    return changes
+
+
+def columns_for(problem, default, tuned, changes: dict, target) -> dict:
+    """column name -> FwdConfig, or a string saying why the column is empty."""
+    from fa4tune.kernels.config import ConfigError, infeasible_reasons
+
+    columns = {}
+    for name, base in (("default", default), ("tuned", tuned)):
+        columns[name] = base
+        try:
+            variant = replace(base, **changes)
+        except ConfigError as exc:
+            columns[f"{name}+"] = f"illegal: {exc}"
+            continue
+        reasons = infeasible_reasons(problem, variant, target)
+        columns[f"{name}+"] = variant if not reasons else "refused: " + "; ".join(reasons)
+    return columns
+
+
+def _compile_one(config_dict: dict, problem_dict: dict, target_name: str, directory: str) -> str:
+    """Pool job: compile and export one kernel (skipped when the object file is there)."""
+    import os
+
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    from fa4tune.kernels.config import FwdConfig
+    from fa4tune.kernels.interface import compile_forward, export_compiled
+    from fa4tune.measure.gpu import artifact_path
+    from fa4tune.problem import Problem
+    from fa4tune.target import get_target
+
+    config, problem, target = FwdConfig.from_dict(config_dict), Problem(**problem_dict), get_target(target_name)
+    path = artifact_path(Path(directory), config, problem, target)
+    if not path.exists():
+        compiled = compile_forward(config, problem.dtype, problem.head_dim, problem.head_dim_v, problem.causal,
+                                   target, use_cache=False)
+        export_compiled(compiled, str(path))
+    return str(path)
+
+
+def compile_all(jobs: list, target, directory: Path, workers: int) -> None:
+    """Compile every (problem, config) in a spawned process pool and load the results here."""
+    from dataclasses import asdict
+
+    from fa4tune.kernels.interface import load_compiled
+
+    with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
+        futures = [(problem, config, pool.submit(_compile_one, config.to_dict(), asdict(problem), target.name,
+                                                 str(directory))) for problem, config in jobs]
+        for problem, config, future in futures:
+            load_compiled(future.result(), config, problem.dtype, problem.head_dim, problem.head_dim_v,
+                          problem.causal, target)
+
+
+def measure(problem, columns: dict, target, rounds: int) -> dict:
+    import torch
+
+    from fa4tune.kernels.interface import attention_forward
+    from fa4tune.measure.timing import L2Flusher, round_order, time_cuda
+    from fa4tune.measure.verify import TOLERANCES, compare, reference_slices
+
+    dtype = torch.bfloat16 if problem.dtype == "bf16" else torch.float16
+    gen = torch.Generator(device="cuda").manual_seed(problem.seqlen_q + problem.head_dim)
+    q, k, v = (torch.randn(problem.batch, s, h, d, device="cuda", dtype=dtype, generator=gen) for s, h, d in (
+        (problem.seqlen_q, problem.nheads_q, problem.head_dim), (problem.seqlen_k, problem.nheads_kv, problem.head_dim),
+        (problem.seqlen_k, problem.nheads_kv, problem.head_dim_v)))
+    references = reference_slices(q, k, v, problem.causal, None)
+    cells, runners = {}, {}
+    for name, config in columns.items():
+        if isinstance(config, str):
+            cells[name] = config
+            continue
+        out = torch.full((problem.batch, problem.seqlen_q, problem.nheads_q, problem.head_dim_v), float("nan"),
+                         dtype=dtype, device="cuda")
+        lse = torch.full((problem.batch, problem.nheads_q, problem.seqlen_q), float("nan"), dtype=torch.float32,
+                         device="cuda")
+
+        def run(config=config, out=out, lse=lse):
+            attention_forward(q, k, v, config, causal=problem.causal, out=out, lse=lse, target=target)
+
+        run()
+        torch.cuda.synchronize()
+        wrong = compare(out, lse, references).verdict(TOLERANCES[problem.dtype])
+        if wrong:
+            cells[name] = f"wrong ({wrong})"
+        else:
+            runners[name] = run
+    flusher, names = L2Flusher(), list(runners)
+    medians = {name: [] for name in names}
+    for round_index in range(rounds):
+        for name in (names[i] for i in round_order(len(names), round_index)):
+            medians[name].append(time_cuda(runners[name], flusher=flusher).median_ms)
+    for name, values in medians.items():
+        ms = statistics.median(values)
+        cells[name] = {"ms": ms, "tflops": problem.flops / (ms * 1e-3) / 1e12,
+                       "round_spread": (max(values) - min(values)) / ms}
+    return cells
+
+
+def gain(cells: dict, base: str) -> float | None:
+    a, b = cells.get(f"{base}+"), cells.get(base)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return b["ms"] / a["ms"]
+    return None
+
+
+def cell_text(cell) -> str:
+    if isinstance(cell, dict):
+        return f"{cell['tflops']:.1f}"
+    return str(cell)[:60]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE", help="the change (repeatable)")
+    ap.add_argument("--shapes", default=GRID_SHAPES, help="comma-separated head_dim:seqlen[:causal]")
+    ap.add_argument("--table", default=None, help="table file/dir or results DB for `tuned`")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--jobs", type=int, default=8, help="compile processes")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    try:
+        changes = parse_changes(args.set)
+        problems = [parse_shape(s) for s in args.shapes.split(",") if s]
+    except (ValueError, IndexError) as exc:
+        print(f"ab: {exc}" if isinstance(exc, ValueError) and "--set" in str(exc)
+              else f"ab: --shapes wants head_dim:seqlen[:causal],... (got {args.shapes!r})", file=sys.stderr)
+        return 2
+    if not changes:
+        print("ab: nothing to compare: give at least one --set knob=value", file=sys.stderr)
+        return 2
+    if args.rounds < 1 or args.jobs < 1:
+        print("ab: --rounds and --jobs must be at least 1", file=sys.stderr)
+        return 2
+
+    import torch
+
+    from fa4tune.kernels import get_kernel
+    from fa4tune.runtime import lookup
+    from fa4tune.target import detect_target
+
+    if not torch.cuda.is_available():
+        print("benchmarks/ab.py needs an NVIDIA GPU", file=sys.stderr)
+        return 2
+    target = detect_target()
+    if target is None:
+        print(f"ab: fa4tune has no target for {torch.cuda.get_device_name()}", file=sys.stderr)
+        return 2
+    kernel = get_kernel("fa4_fwd_sm90")
+    plans = []
+    for problem in problems:
+        default = kernel.default_config(problem, target)
+        tuned = lookup(problem, target, source=args.table, kernel=kernel.name).config
+        plans.append((problem, columns_for(problem, default, tuned, changes, target)))
+    jobs = list({(p, c) for p, columns in plans for c in columns.values() if not isinstance(c, str)})
+    with tempfile.TemporaryDirectory() as directory:
+        compile_all(jobs, target, Path(directory), args.jobs)
+    rows = []
+    for problem, columns in plans:
+        cells = measure(problem, columns, target, args.rounds)
+        rows.append({"key": problem.key(), "configs": {n: c if isinstance(c, str) else c.short()
+                                                        for n, c in columns.items()}, "cells": cells})
+        print(f"{problem.key()}: " + ", ".join(f"{n} {cell_text(c)}" for n, c in cells.items()),
+              file=sys.stderr, flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "changes": changes,
+                                               "rows": rows}, indent=1))
+    change = " ".join(f"{k}={v}" for k, v in changes.items())
+    print(f"\n`+` = with {change}; {torch.cuda.get_device_name()}, TFLOP/s, {args.rounds} interleaved rounds.\n")
+    names = ["default", "default+", "tuned", "tuned+"]
+    print("| shape | default | tuned | " + " | ".join(names) + " | default+ / default | tuned+ / tuned |")
+    print("|" + "---|" * (len(names) + 5))
+    for r in rows:
+        ratios = [gain(r["cells"], base) for base in ("default", "tuned")]
+        print(f"| {r['key']} | {r['configs']['default']} | {r['configs']['tuned']} | "
+              + " | ".join(cell_text(r["cells"].get(n, "")) for n in names) + " | "
+              + " | ".join("" if x is None else f"{x:.3f}" for x in ratios) + " |")
+    for base in ("default", "tuned"):
+        ratios = [x for x in (gain(r["cells"], base) for r in rows) if x is not None]
+        if ratios:
+            print(f"\n{base}+ / {base}, geometric mean over {len(ratios)} shapes: {geomean(ratios):.3f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
