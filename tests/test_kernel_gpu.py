@@ -96,6 +96,7 @@ KNOB_CONFIGS = [
     # Four consumer warpgroups; at seqlen 777 three of them have no rows in the last m block.
     (64, FwdConfig(tile_m=256, tile_n=64, rescale_threshold=8.0, persistent=True)),
     (64, FwdConfig(tile_m=256, tile_n=96, intra_wg_overlap=False, num_stages=3)),
+    (128, FwdConfig(tile_n=96, rescale_threshold=2.0, persistent=True, q_stages=2)),
 ]
 
 # Shapes with more tiles than SMs, so that a persistent CTA walks several tiles (and, causal, tiles
