@@ -6,12 +6,15 @@ change, timed side by side.
 
 Shapes are 'head_dim:seqlen[:causal]' at 16k tokens and hidden 2048 (benchmarks/attention.py); the
 default list is the tuning grid (head dims 64 and 128 at 1k, 4k, 16k, causal and not). `tuned` is the
-config fa4tune.attention looks up (FA4TUNE_TABLE, FA4TUNE_DB, else the shipped tables, or --table). A
-variant the feasibility rules refuse is listed with the reason and not run. The kernels compile first,
-in a pool of --jobs processes (CPU work); then every column is checked against the fp32 reference on
-random inputs (outputs poisoned with NaN first) and timed in interleaved rounds with the L2 flushed
-(fa4tune.measure.timing). Prints a markdown table last: TFLOP/s and the ratio of each variant to its
-base."""
+config fa4tune.attention looks up (FA4TUNE_TABLE, FA4TUNE_DB, else the shipped tables, or --table);
+the table says how it was found (exact, bucket, nearest, default) and whether it is stale or an
+estimate. A variant the feasibility rules refuse, one that is the base itself (the base already has
+the change) and one that fails to compile are listed as such, not timed, and left out of the
+geometric means. The kernels compile first, in a pool of --jobs processes (CPU work); then every
+column is checked against the fp32 reference on random inputs (outputs poisoned with NaN first) and
+timed in interleaved rounds with the L2 flushed (fa4tune.measure.timing). Prints a markdown table
+last: TFLOP/s, the ratio of each variant to its base (above 1: the change is faster), and the largest
+spread between rounds of the shape's columns."""
 
 from __future__ import annotations
 
@@ -21,7 +24,6 @@ import statistics
 import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import replace
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -35,31 +37,41 @@ GRID_SHAPES = ",".join(f"{d}:{s}{c}" for d in (64, 128) for s in (1024, 4096, 16
 
 
 def parse_changes(items: list[str]) -> dict:
-    from fa4tune.kernels.config import KNOBS
+    """{knob: value} from ["knob=value", ...]; a ValueError naming the item for anything the kernel's
+    config schema would not take."""
+    from fa4tune.kernels.config import KNOBS, ConfigError, FwdConfig
 
     changes = {}
     for item in items:
-        knob, _, value = item.partition("=")
-        if knob not in KNOBS or not value:
+        knob, _, text = item.partition("=")
+        if knob not in KNOBS or not text:
             raise ValueError(f"--set wants knob=value with a knob of {', '.join(KNOBS)} (got {item!r})")
-        changes[knob] = parse_value(value)
+        try:
+            value = parse_value(text)
+        except ValueError:
+            raise ValueError(f"--set {item!r}: {text!r} is neither a number nor true/false") from None
+        try:
+            changes[knob] = FwdConfig.from_dict({knob: value}).to_dict()[knob]  # 2.0 -> 2, legality
+        except ConfigError as exc:
+            raise ValueError(f"--set {item!r}: {exc}") from None
     return changes
 
 
 def columns_for(problem, default, tuned, changes: dict, target) -> dict:
     """column name -> FwdConfig, or a string saying why the column is empty."""
-    from fa4tune.kernels.config import ConfigError, infeasible_reasons
+    from fa4tune.kernels.config import FwdConfig, infeasible_reasons
 
     columns = {}
     for name, base in (("default", default), ("tuned", tuned)):
         columns[name] = base
-        try:
-            variant = replace(base, **changes)
-        except ConfigError as exc:
-            columns[f"{name}+"] = f"illegal: {exc}"
-            continue
+        variant = FwdConfig.from_dict(changes, base=base)
         reasons = infeasible_reasons(problem, variant, target)
-        columns[f"{name}+"] = variant if not reasons else "refused: " + "; ".join(reasons)
+        if reasons:
+            columns[f"{name}+"] = "refused: " + "; ".join(reasons)
+        elif variant.canonical() == base.canonical():
+            columns[f"{name}+"] = f"= {name} (it has the change)"
+        else:
+            columns[f"{name}+"] = variant
     return columns
 
 
@@ -83,18 +95,25 @@ def _compile_one(config_dict: dict, problem_dict: dict, target_name: str, direct
     return str(path)
 
 
-def compile_all(jobs: list, target, directory: Path, workers: int) -> None:
-    """Compile every (problem, config) in a spawned process pool and load the results here."""
+def compile_all(jobs: list, target, directory: Path, workers: int) -> dict:
+    """Compile every (problem, config) in a spawned process pool and load the results here. Returns
+    {(problem, config): why} for those that failed (compiling or loading)."""
     from dataclasses import asdict
 
     from fa4tune.kernels.interface import load_compiled
 
+    failed = {}
     with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
         futures = [(problem, config, pool.submit(_compile_one, config.to_dict(), asdict(problem), target.name,
                                                  str(directory))) for problem, config in jobs]
         for problem, config, future in futures:
-            load_compiled(future.result(), config, problem.dtype, problem.head_dim, problem.head_dim_v,
-                          problem.causal, target)
+            try:
+                load_compiled(future.result(), config, problem.dtype, problem.head_dim, problem.head_dim_v,
+                              problem.causal, target)
+            except Exception as exc:  # noqa: BLE001 - one cell says so; the other columns still run
+                failed[(problem, config)] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}" if str(exc) \
+                    else type(exc).__name__
+    return failed
 
 
 def measure(problem, columns: dict, target, rounds: int) -> dict:
@@ -155,6 +174,11 @@ def cell_text(cell) -> str:
     return str(cell)[:60]
 
 
+def max_spread(cells: dict) -> float | None:
+    spreads = [c["round_spread"] for c in cells.values() if isinstance(c, dict)]
+    return max(spreads) if spreads else None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE", help="the change (repeatable)")
@@ -166,10 +190,19 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         changes = parse_changes(args.set)
-        problems = [parse_shape(s) for s in args.shapes.split(",") if s]
-    except (ValueError, IndexError) as exc:
-        print(f"ab: {exc}" if isinstance(exc, ValueError) and "--set" in str(exc)
-              else f"ab: --shapes wants head_dim:seqlen[:causal],... (got {args.shapes!r})", file=sys.stderr)
+    except ValueError as exc:
+        print(f"ab: {exc}", file=sys.stderr)
+        return 2
+    problems = []
+    for spec in (s for s in args.shapes.split(",") if s):
+        try:
+            problems.append(parse_shape(spec))
+        except (ValueError, IndexError) as exc:  # a bad number, a missing part, or a ProblemError
+            why = str(exc) if type(exc).__name__ == "ProblemError" else "want head_dim:seqlen[:causal]"
+            print(f"ab: --shapes: {spec!r}: {why}", file=sys.stderr)
+            return 2
+    if not problems:
+        print("ab: --shapes names no shape", file=sys.stderr)
         return 2
     if not changes:
         print("ab: nothing to compare: give at least one --set knob=value", file=sys.stderr)
@@ -195,16 +228,19 @@ def main(argv=None) -> int:
     plans = []
     for problem in problems:
         default = kernel.default_config(problem, target)
-        tuned = lookup(problem, target, source=args.table, kernel=kernel.name).config
-        plans.append((problem, columns_for(problem, default, tuned, changes, target)))
-    jobs = list({(p, c) for p, columns in plans for c in columns.values() if not isinstance(c, str)})
+        found = lookup(problem, target, source=args.table, kernel=kernel.name)
+        how = found.source + (", stale" if found.stale else "") + (", estimate" if found.estimate else "")
+        plans.append((problem, how, columns_for(problem, default, found.config, changes, target)))
+    jobs = list({(p, c) for p, _, columns in plans for c in columns.values() if not isinstance(c, str)})
     with tempfile.TemporaryDirectory() as directory:
-        compile_all(jobs, target, Path(directory), args.jobs)
+        failed = compile_all(jobs, target, Path(directory), args.jobs)
     rows = []
-    for problem, columns in plans:
+    for problem, how, columns in plans:
+        columns = {n: f"compile failed: {failed[(problem, c)]}" if (problem, c) in failed else c
+                   for n, c in columns.items()}
         cells = measure(problem, columns, target, args.rounds)
-        rows.append({"key": problem.key(), "configs": {n: c if isinstance(c, str) else c.short()
-                                                        for n, c in columns.items()}, "cells": cells})
+        rows.append({"key": problem.key(), "lookup": how, "cells": cells,
+                     "configs": {n: c if isinstance(c, str) else c.short() for n, c in columns.items()}})
         print(f"{problem.key()}: " + ", ".join(f"{n} {cell_text(c)}" for n, c in cells.items()),
               file=sys.stderr, flush=True)
     if args.json:
@@ -213,13 +249,16 @@ def main(argv=None) -> int:
     change = " ".join(f"{k}={v}" for k, v in changes.items())
     print(f"\n`+` = with {change}; {torch.cuda.get_device_name()}, TFLOP/s, {args.rounds} interleaved rounds.\n")
     names = ["default", "default+", "tuned", "tuned+"]
-    print("| shape | default | tuned | " + " | ".join(names) + " | default+ / default | tuned+ / tuned |")
-    print("|" + "---|" * (len(names) + 5))
+    print("| shape | default config | tuned config (lookup) | " + " | ".join(names)
+          + " | default+ / default | tuned+ / tuned | largest round spread |")
+    print("|" + "---|" * (len(names) + 6))
     for r in rows:
         ratios = [gain(r["cells"], base) for base in ("default", "tuned")]
-        print(f"| {r['key']} | {r['configs']['default']} | {r['configs']['tuned']} | "
+        spread = max_spread(r["cells"])
+        print(f"| {r['key']} | {r['configs']['default']} | {r['configs']['tuned']} ({r['lookup']}) | "
               + " | ".join(cell_text(r["cells"].get(n, "")) for n in names) + " | "
-              + " | ".join("" if x is None else f"{x:.3f}" for x in ratios) + " |")
+              + " | ".join("" if x is None else f"{x:.3f}" for x in ratios)
+              + f" | {'' if spread is None else f'{spread:.1%}'} |")
     for base in ("default", "tuned"):
         ratios = [x for x in (gain(r["cells"], base) for r in rows) if x is not None]
         if ratios:
