@@ -51,7 +51,8 @@ class FwdConfig:
     wg_epilogue: (persistent only) each consumer warpgroup stores its own rows of O through a buffer of
     its own as soon as its main loop is done, without waiting for the other warpgroups.
     q_stages: (persistent only) Q buffers in shared memory; with 2 the producer loads the next tile's Q
-    while this tile's S GEMMs still read the current one, so a tile never waits for its Q.
+    as soon as it has issued this tile's last K/V loads, while this tile's S GEMMs still read the
+    other buffer, instead of after the last of them.
     """
 
     tile_m: int = 128

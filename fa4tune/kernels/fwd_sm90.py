@@ -27,7 +27,8 @@ with `persistent`, one after another):
   next tile's Q and K/V while the consumers finish this one, so the prologue and epilogue of a tile hide
   under its neighbours' main loops. The consumers release Q once the tile's S GEMMs are done (after its
   last GEMM without `intra_wg_overlap`); with `q_stages` 2, Q has two buffers and the next tile's Q
-  loads while this tile's S GEMMs still read the other, instead of after them. Non-causal tiles all cost the same and go to the CTAs with a
+  loads once the producer has issued this tile's last K/V, while this tile's S GEMMs still read the
+  other buffer, instead of after them. Non-causal tiles all cost the same and go to the CTAs with a
   fixed stride. Causal tiles differ in length, so a fixed stride would let the CTAs drift apart in the
   longest-first order (and the heads in flight out of L2): each CTA's producer takes its next tile from
   a global counter instead (an atomic add) and hands the number to its consumers through shared memory.
@@ -613,7 +614,8 @@ class FlashForwardSm90:
                 kv = self.overlapped_step(kv, n_unmasked - 1 - i, False, wg, acc_O, tOrP, s_shape,
                                           tSrQ, tSrK, tOrVt, mma_qk, mma_pv, pipe_k, pipe_v,
                                           softmax, row_scale, thr_mma_qk, m_block, seqlen_q, seqlen_k)
-            # Every S GEMM of the tile is done: Q's buffer may take the next tile's Q.
+            # Every S GEMM of the tile is done: Q's buffer may take the next tile's Q (with two
+            # buffers, the Q of the tile after next).
             self.release_q(pipe_q, q_state)
             # Last PV GEMM.
             pipe_v.consumer_wait(kv)
