@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
@@ -31,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.attention import parse_shape  # noqa: E402
 from benchmarks.sweep import parse_value  # noqa: E402
-from benchmarks.tuning_report import geomean  # noqa: E402
+from benchmarks.tuning_report import geomean, gpu_target, time_interleaved  # noqa: E402
 
 GRID_SHAPES = ",".join(f"{d}:{s}{c}" for d in (64, 128) for s in (1024, 4096, 16384) for c in ("", ":causal"))
 
@@ -120,7 +119,6 @@ def measure(problem, columns: dict, target, rounds: int) -> dict:
     import torch
 
     from fa4tune.kernels.interface import attention_forward
-    from fa4tune.measure.timing import L2Flusher, round_order, time_cuda
     from fa4tune.measure.verify import TOLERANCES, compare, reference_slices
 
     dtype = torch.bfloat16 if problem.dtype == "bf16" else torch.float16
@@ -149,15 +147,7 @@ def measure(problem, columns: dict, target, rounds: int) -> dict:
             cells[name] = f"wrong ({wrong})"
         else:
             runners[name] = run
-    flusher, names = L2Flusher(), list(runners)
-    medians = {name: [] for name in names}
-    for round_index in range(rounds):
-        for name in (names[i] for i in round_order(len(names), round_index)):
-            medians[name].append(time_cuda(runners[name], flusher=flusher).median_ms)
-    for name, values in medians.items():
-        ms = statistics.median(values)
-        cells[name] = {"ms": ms, "tflops": problem.flops / (ms * 1e-3) / 1e12,
-                       "round_spread": (max(values) - min(values)) / ms}
+    cells.update(time_interleaved(problem, runners, rounds))
     return cells
 
 
@@ -215,14 +205,9 @@ def main(argv=None) -> int:
 
     from fa4tune.kernels import get_kernel
     from fa4tune.runtime import lookup
-    from fa4tune.target import detect_target
 
-    if not torch.cuda.is_available():
-        print("benchmarks/ab.py needs an NVIDIA GPU", file=sys.stderr)
-        return 2
-    target = detect_target()
+    target = gpu_target("benchmarks/ab.py")
     if target is None:
-        print(f"ab: fa4tune has no target for {torch.cuda.get_device_name()}", file=sys.stderr)
         return 2
     kernel = get_kernel("fa4_fwd_sm90")
     plans = []

@@ -22,7 +22,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.attention import parse_shape  # noqa: E402
-from benchmarks.tuning_report import COLUMNS, fmt_cell, geomean, measure_problem, ratio, ratio_cells  # noqa: E402
+from benchmarks.tuning_report import (  # noqa: E402
+    COLUMNS, fmt_cell, geomean, gpu_target, measure_problem, ratio, ratio_cells,
+)
 
 DEFAULT_SHAPES = ",".join(f"{d}:{s}{c}" for d in (64, 128) for s in (2048, 3072, 8192) for c in ("", ":causal"))
 
@@ -49,14 +51,9 @@ def main(argv=None) -> int:
     from fa4tune.cli import config_text
     from fa4tune.kernels import get_kernel
     from fa4tune.runtime import lookup
-    from fa4tune.target import detect_target
 
-    if not torch.cuda.is_available():
-        print("benchmarks/off_table.py needs an NVIDIA GPU", file=sys.stderr)
-        return 2
-    target = detect_target()
+    target = gpu_target("benchmarks/off_table.py")
     if target is None:
-        print(f"off_table: fa4tune has no target for {torch.cuda.get_device_name()}", file=sys.stderr)
         return 2
     fa4, fa4_error = None, None
     try:

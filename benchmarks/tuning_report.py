@@ -154,7 +154,6 @@ def _with_lse(result):
 def measure_problem(problem, default, tuned, target, fa4, fa4_error, rounds: int) -> dict:
     import torch
 
-    from fa4tune.measure.timing import L2Flusher, round_order, time_cuda
     from fa4tune.measure.verify import TOLERANCES, compare, reference_slices
 
     dtype = torch.bfloat16 if problem.dtype == "bf16" else torch.float16
@@ -187,18 +186,44 @@ def measure_problem(problem, default, tuned, target, fa4, fa4_error, rounds: int
             cells[name] = f"wrong ({wrong})"
             continue
         timed[name] = []
-    flusher = L2Flusher()
-    names = list(timed)
-    for round_index in range(rounds):  # interleaved: a slow spell of the GPU hits one round of every column
-        for name in (names[index] for index in round_order(len(names), round_index)):
-            timed[name].append(time_cuda(runners[name], flusher=flusher).median_ms)
-    for name, medians in timed.items():
-        ms = statistics.median(medians)
-        cells[name] = {"ms": ms, "tflops": problem.flops / (ms * 1e-3) / 1e12,
-                       "round_spread": (max(medians) - min(medians)) / ms}
+    cells.update(time_interleaved(problem, {name: runners[name] for name in timed}, rounds))
     if "cuDNN" in timed and problem.nheads_q != problem.nheads_kv and not gqa_native(runners):
         cells["cuDNN"]["note"] = "K/V heads repeated"
     return cells
+
+
+def time_interleaved(problem, runners: dict, rounds: int) -> dict:
+    """name -> {ms, tflops, round_spread}: each runner timed in `rounds` interleaved rounds (a slow
+    spell of the GPU hits one round of every column, not all rounds of one), the L2 flushed before
+    every run; the median of the rounds' medians."""
+    from fa4tune.measure.timing import L2Flusher, round_order, time_cuda
+
+    flusher, names = L2Flusher(), list(runners)
+    medians = {name: [] for name in names}
+    for round_index in range(rounds):
+        for name in (names[index] for index in round_order(len(names), round_index)):
+            medians[name].append(time_cuda(runners[name], flusher=flusher).median_ms)
+    cells = {}
+    for name, values in medians.items():
+        ms = statistics.median(values)
+        cells[name] = {"ms": ms, "tflops": problem.flops / (ms * 1e-3) / 1e12,
+                       "round_spread": (max(values) - min(values)) / ms}
+    return cells
+
+
+def gpu_target(prog: str):
+    """The Target of the current GPU, or None after saying on stderr why there is none."""
+    import torch
+
+    from fa4tune.target import detect_target
+
+    if not torch.cuda.is_available():
+        print(f"{prog} needs an NVIDIA GPU", file=sys.stderr)
+        return None
+    target = detect_target()
+    if target is None:
+        print(f"{prog}: fa4tune has no target for {torch.cuda.get_device_name()}", file=sys.stderr)
+    return target
 
 
 def gqa_native(runners) -> bool:

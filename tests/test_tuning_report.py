@@ -94,3 +94,30 @@ def test_a_cudnn_column_with_repeated_kv_heads_says_so():
     assert report.gqa_native({"cuDNN": cudnn}) and report.gqa_native({"cuDNN": "n/a (...)"})
     assert report.fmt_cell({"tflops": 629.4, "note": "K/V heads repeated"}) == "629 (K/V heads repeated)"
     assert report.fmt_cell({"tflops": 629.4}) == "629"
+
+
+def test_columns_are_timed_in_interleaved_rounds(monkeypatch):
+    """Each round starts one column later, and a column's time is the median of its rounds."""
+    from types import SimpleNamespace
+
+    from fa4tune.measure import timing
+
+    order, times = [], {"a": iter([1.0, 3.0, 2.0]), "b": iter([4.0, 4.0, 5.0])}
+
+    def fake_time_cuda(fn, flusher=None):
+        order.append(fn.__name__)
+        return SimpleNamespace(median_ms=next(times[fn.__name__]))
+
+    monkeypatch.setattr(timing, "time_cuda", fake_time_cuda)
+    monkeypatch.setattr(timing, "L2Flusher", lambda: None)
+
+    def a():
+        pass
+
+    def b():
+        pass
+
+    cells = report.time_interleaved(GRID, {"a": a, "b": b}, rounds=3)
+    assert order == ["a", "b", "b", "a", "a", "b"]
+    assert cells["a"]["ms"] == 2.0 and cells["a"]["round_spread"] == 1.0 and cells["b"]["ms"] == 4.0
+    assert cells["b"]["tflops"] == GRID.flops / 4e-3 / 1e12
