@@ -30,7 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.attention import parse_shape  # noqa: E402
 from benchmarks.sweep import parse_value  # noqa: E402
-from benchmarks.tuning_report import geomean, gpu_target, time_interleaved  # noqa: E402
+from benchmarks.tuning_report import (  # noqa: E402
+    fa4tune_runner, geomean, gpu_target, random_inputs, verify_and_time,
+)
 
 GRID_SHAPES = ",".join(f"{d}:{s}{c}" for d in (64, 128) for s in (1024, 4096, 16384) for c in ("", ":causal"))
 
@@ -74,41 +76,22 @@ def columns_for(problem, default, tuned, changes: dict, target) -> dict:
     return columns
 
 
-def _compile_one(config_dict: dict, problem_dict: dict, target_name: str, directory: str) -> str:
-    """Pool job: compile and export one kernel (skipped when the object file is there)."""
-    import os
-
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-    from fa4tune.kernels.config import FwdConfig
-    from fa4tune.kernels.interface import compile_forward, export_compiled
-    from fa4tune.measure.gpu import artifact_path
-    from fa4tune.problem import Problem
-    from fa4tune.target import get_target
-
-    config, problem, target = FwdConfig.from_dict(config_dict), Problem(**problem_dict), get_target(target_name)
-    path = artifact_path(Path(directory), config, problem, target)
-    if not path.exists():
-        compiled = compile_forward(config, problem.dtype, problem.head_dim, problem.head_dim_v, problem.causal,
-                                   target, use_cache=False)
-        export_compiled(compiled, str(path))
-    return str(path)
-
-
 def compile_all(jobs: list, target, directory: Path, workers: int) -> dict:
     """Compile every (problem, config) in a spawned process pool and load the results here. Returns
     {(problem, config): why} for those that failed (compiling or loading)."""
-    from dataclasses import asdict
-
     from fa4tune.kernels.interface import load_compiled
+    from fa4tune.measure.gpu import artifact_path
+    from fa4tune.measure.gpu_worker import compile as compile_op  # the search's compile workers' op
 
     failed = {}
     with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
-        futures = [(problem, config, pool.submit(_compile_one, config.to_dict(), asdict(problem), target.name,
-                                                 str(directory))) for problem, config in jobs]
+        futures = [(problem, config, pool.submit(compile_op, {
+            "artifact": str(artifact_path(directory, config, problem, target)), "problem": problem.to_dict(),
+            "config": config.to_dict(), "target": target.name}, None, {})) for problem, config in jobs]
         for problem, config, future in futures:
             try:
-                load_compiled(future.result(), config, problem.dtype, problem.head_dim, problem.head_dim_v,
-                              problem.causal, target)
+                load_compiled(future.result()["artifact"], config, problem.dtype, problem.head_dim,
+                              problem.head_dim_v, problem.causal, target)
             except Exception as exc:  # noqa: BLE001 - one cell says so; the other columns still run
                 failed[(problem, config)] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}" if str(exc) \
                     else type(exc).__name__
@@ -116,39 +99,11 @@ def compile_all(jobs: list, target, directory: Path, workers: int) -> dict:
 
 
 def measure(problem, columns: dict, target, rounds: int) -> dict:
-    import torch
-
-    from fa4tune.kernels.interface import attention_forward
-    from fa4tune.measure.verify import TOLERANCES, compare, reference_slices
-
-    dtype = torch.bfloat16 if problem.dtype == "bf16" else torch.float16
-    gen = torch.Generator(device="cuda").manual_seed(problem.seqlen_q + problem.head_dim)
-    q, k, v = (torch.randn(problem.batch, s, h, d, device="cuda", dtype=dtype, generator=gen) for s, h, d in (
-        (problem.seqlen_q, problem.nheads_q, problem.head_dim), (problem.seqlen_k, problem.nheads_kv, problem.head_dim),
-        (problem.seqlen_k, problem.nheads_kv, problem.head_dim_v)))
-    references = reference_slices(q, k, v, problem.causal, None)
-    cells, runners = {}, {}
-    for name, config in columns.items():
-        if isinstance(config, str):
-            cells[name] = config
-            continue
-        out = torch.full((problem.batch, problem.seqlen_q, problem.nheads_q, problem.head_dim_v), float("nan"),
-                         dtype=dtype, device="cuda")
-        lse = torch.full((problem.batch, problem.nheads_q, problem.seqlen_q), float("nan"), dtype=torch.float32,
-                         device="cuda")
-
-        def run(config=config, out=out, lse=lse):
-            attention_forward(q, k, v, config, causal=problem.causal, out=out, lse=lse, target=target)
-
-        run()
-        torch.cuda.synchronize()
-        wrong = compare(out, lse, references).verdict(TOLERANCES[problem.dtype])
-        if wrong:
-            cells[name] = f"wrong ({wrong})"
-        else:
-            runners[name] = run
-    cells.update(time_interleaved(problem, runners, rounds))
-    return cells
+    """Each column's cell: its reason where it has no config, else verified, then timed."""
+    q, k, v = random_inputs(problem, seed=problem.seqlen_q + problem.head_dim)
+    runners = {name: config if isinstance(config, str) else fa4tune_runner(problem, config, target, q, k, v)
+               for name, config in columns.items()}
+    return verify_and_time(problem, runners, q, k, v, rounds)
 
 
 def gain(cells: dict, base: str) -> float | None:

@@ -87,30 +87,48 @@ def preload(directory, config, problem, target) -> bool:
     return True
 
 
+def random_inputs(problem, seed: int):
+    """Fresh random q, k, v of the problem on the current GPU, (batch, seqlen, heads, dim)."""
+    import torch
+
+    dtype = torch.bfloat16 if problem.dtype == "bf16" else torch.float16
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return tuple(torch.randn(problem.batch, seqlen, heads, dim, device="cuda", dtype=dtype, generator=gen)
+                 for seqlen, heads, dim in ((problem.seqlen_q, problem.nheads_q, problem.head_dim),
+                                            (problem.seqlen_k, problem.nheads_kv, problem.head_dim),
+                                            (problem.seqlen_k, problem.nheads_kv, problem.head_dim_v)))
+
+
+def fa4tune_runner(problem, config, target, q, k, v):
+    """A column running fa4tune's kernel with `config`: returns (O, LSE); `.poison()` fills both with
+    NaN, so that an element the kernel does not write shows. Each column has its own outputs, so that
+    one cannot pass on what another wrote."""
+    import torch
+
+    from fa4tune.kernels.interface import attention_forward
+
+    out = torch.empty(problem.batch, problem.seqlen_q, problem.nheads_q, problem.head_dim_v, dtype=q.dtype,
+                      device=q.device)
+    lse = torch.empty(problem.batch, problem.nheads_q, problem.seqlen_q, dtype=torch.float32, device=q.device)
+
+    def run():
+        attention_forward(q, k, v, config, causal=problem.causal, out=out, lse=lse, target=target)
+        return out, lse
+
+    def poison():
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+    run.poison = poison
+    return run
+
+
 def runners_for(problem, default, tuned, target, q, k, v, fa4, fa4_error):
     """name -> (callable returning O, or a string saying why the column is empty)."""
     import torch
     import torch.nn.functional as F
 
-    from fa4tune.kernels.interface import attention_forward
-
-    def ours(config):
-        # Each column its own outputs, so that one cannot pass on what another wrote.
-        out = torch.empty(problem.batch, problem.seqlen_q, problem.nheads_q, problem.head_dim_v, dtype=q.dtype,
-                          device=q.device)
-        lse = torch.empty(problem.batch, problem.nheads_q, problem.seqlen_q, dtype=torch.float32, device=q.device)
-
-        def run():
-            attention_forward(q, k, v, config, causal=problem.causal, out=out, lse=lse, target=target)
-            return out, lse
-
-        def poison():
-            out.fill_(float("nan"))
-            lse.fill_(float("nan"))
-        run.poison = poison
-        return run
-
-    runners = {"default": ours(default), "tuned": ours(tuned)}
+    runners = {"default": fa4tune_runner(problem, default, target, q, k, v),
+               "tuned": fa4tune_runner(problem, tuned, target, q, k, v)}
     if fa4 is not None:
         runners[FA4] = lambda: _with_lse(fa4(q, k, v, causal=problem.causal, return_lse=True))
         runners[FA4_O] = lambda: _first(fa4(q, k, v, causal=problem.causal))
@@ -152,21 +170,24 @@ def _with_lse(result):
 
 
 def measure_problem(problem, default, tuned, target, fa4, fa4_error, rounds: int) -> dict:
+    q, k, v = random_inputs(problem, seed=0)
+    runners = runners_for(problem, default, tuned, target, q, k, v, fa4, fa4_error)
+    cells = verify_and_time(problem, runners, q, k, v, rounds)
+    if isinstance(cells.get("cuDNN"), dict) and problem.nheads_q != problem.nheads_kv and not gqa_native(runners):
+        cells["cuDNN"]["note"] = "K/V heads repeated"
+    return cells
+
+
+def verify_and_time(problem, runners: dict, q, k, v, rounds: int) -> dict:
+    """name -> cell: each runner (a callable returning O or (O, LSE), or a string saying why the column
+    is empty) is checked against the fp32 reference on q, k, v first; one that raises or is wrong gets
+    its reason as the cell and is not timed; the others are timed (time_interleaved)."""
     import torch
 
     from fa4tune.measure.verify import TOLERANCES, compare, reference_slices
 
-    dtype = torch.bfloat16 if problem.dtype == "bf16" else torch.float16
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(problem.batch, problem.seqlen_q, problem.nheads_q, problem.head_dim, device="cuda",
-                    dtype=dtype, generator=gen)
-    k = torch.randn(problem.batch, problem.seqlen_k, problem.nheads_kv, problem.head_dim, device="cuda",
-                    dtype=dtype, generator=gen)
-    v = torch.randn(problem.batch, problem.seqlen_k, problem.nheads_kv, problem.head_dim_v, device="cuda",
-                    dtype=dtype, generator=gen)
     references = reference_slices(q, k, v, problem.causal, None)
     tolerance = TOLERANCES[problem.dtype]
-    runners = runners_for(problem, default, tuned, target, q, k, v, fa4, fa4_error)
     cells, timed = {}, {}
     for name, runner in runners.items():
         if isinstance(runner, str):
@@ -179,16 +200,14 @@ def measure_problem(problem, default, tuned, target, fa4, fa4_error, rounds: int
             o, lse = result if isinstance(result, tuple) else (result, None)
             torch.cuda.synchronize()
             wrong = compare(o, lse, references).verdict(tolerance)
-        except Exception as exc:  # a peer that cannot run this shape: say so in its column
+        except Exception as exc:  # a column that cannot run this shape: say so in it
             cells[name] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
             continue
         if wrong:
             cells[name] = f"wrong ({wrong})"
             continue
-        timed[name] = []
-    cells.update(time_interleaved(problem, {name: runners[name] for name in timed}, rounds))
-    if "cuDNN" in timed and problem.nheads_q != problem.nheads_kv and not gqa_native(runners):
-        cells["cuDNN"]["note"] = "K/V heads repeated"
+        timed[name] = runner
+    cells.update(time_interleaved(problem, timed, rounds))
     return cells
 
 

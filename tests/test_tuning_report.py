@@ -121,3 +121,34 @@ def test_columns_are_timed_in_interleaved_rounds(monkeypatch):
     assert order == ["a", "b", "b", "a", "a", "b"]
     assert cells["a"]["ms"] == 2.0 and cells["a"]["round_spread"] == 1.0 and cells["b"]["ms"] == 4.0
     assert cells["b"]["tflops"] == GRID.flops / 4e-3 / 1e12
+
+
+def test_only_columns_that_pass_the_reference_are_timed(monkeypatch):
+    """A column without a config keeps its reason; one that raises, is off, or leaves its poison is
+    named and not timed; a right one (O alone, or O and LSE) is timed."""
+    import torch
+
+    from fa4tune.kernels.reference import attention_reference
+
+    problem = Problem(head_dim=64, seqlen_q=64, seqlen_k=64, batch=1, nheads_q=2, causal=True)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 64, 2, 64, generator=gen, dtype=torch.bfloat16) for _ in range(3))
+    right_o, right_lse = attention_reference(q, k, v, causal=True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    timed = []
+    monkeypatch.setattr(report, "time_interleaved", lambda p, runners, rounds: (timed.extend(runners), {
+        name: {"ms": 1.0} for name in runners})[1])
+
+    def unwritten():
+        return torch.full_like(right_o, float("nan")), right_lse
+
+    def raises():
+        raise RuntimeError("no kernel for this shape\nmore")
+
+    runners = {"absent": "not installed (x)", "both": lambda: (right_o, right_lse), "o only": lambda: right_o,
+               "off": lambda: (right_o * 1.1, right_lse), "unwritten": unwritten, "raises": raises}
+    cells = report.verify_and_time(problem, runners, q, k, v, rounds=3)
+    assert timed == ["both", "o only"]
+    assert cells["absent"] == "not installed (x)" and cells["both"] == {"ms": 1.0}
+    assert cells["off"].startswith("wrong (") and "NaN in the output" in cells["unwritten"]
+    assert cells["raises"] == "error: RuntimeError: no kernel for this shape"
