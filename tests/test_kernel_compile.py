@@ -46,6 +46,12 @@ SPREAD = [
     (FwdConfig(rescale_threshold=8.0, persistent=True, wg_epilogue=True, q_stages=2), "bf16", 128, 128, True),
     (FwdConfig(tile_m=192, rescale_threshold=8.0, persistent=True, q_stages=2), "bf16", 64, 64, False),
     (FwdConfig(tile_m=256, tile_n=96, intra_wg_overlap=False, persistent=True, q_stages=2), "bf16", 64, 64, True),
+    # The lazy row max (its slow paths take registers beside the accumulators): three consumer
+    # warpgroups at 160 registers, four at 112 without overlap, hdim 128 fp16 without overlap.
+    (FwdConfig(tile_m=192, rescale_threshold=8.0, persistent=True, lazy_max=True), "bf16", 64, 64, False),
+    (FwdConfig(tile_m=256, tile_n=96, intra_wg_overlap=False, rescale_threshold=8.0, persistent=True,
+               q_stages=2, lazy_max=True), "bf16", 64, 64, True),
+    (FwdConfig(tile_n=80, intra_wg_overlap=False, rescale_threshold=8.0, lazy_max=True), "fp16", 128, 128, True),
     # Warpgroups without rows (tile_m 192, one CTA per tile) without ping-pong: the configs that hung.
     (FwdConfig(tile_m=192, num_stages=3, wg_pingpong=False), "bf16", 64, 64, True),
     (FwdConfig(tile_m=192, intra_wg_overlap=False, wg_pingpong=False), "bf16", 64, 64, False),
@@ -200,6 +206,14 @@ def test_q_stages_in_the_config_schema():
     assert FwdConfig().short() == "128x128s2-e0p3-r0-ov-pp"  # one Q buffer leaves the name as it was
     with pytest.raises(ConfigError, match=r"q_stages=3 \(legal: 1, 2\)"):
         FwdConfig(q_stages=3)
+
+
+def test_lazy_max_in_the_config_schema():
+    config = FwdConfig.from_dict({"lazy_max": True, "rescale_threshold": 8})
+    assert config.short() == "128x128s2-e0p3-r8-ov-pp-lm"
+    assert FwdConfig(rescale_threshold=8.0).short() == "128x128s2-e0p3-r8-ov-pp"
+    with pytest.raises(ConfigError, match=r"lazy_max=1 \(legal: False, True\)"):
+        FwdConfig(lazy_max=1)
 
 
 @pytest.mark.parametrize("persistent,causal,wg_epilogue,q_stages",

@@ -33,10 +33,14 @@ def make_inputs(p: Problem, seed: int):
 
 def run_checked(config: FwdConfig, p: Problem, seed: int = 0):
     """Run on fresh random inputs with poisoned outputs; return (O error, LSE error)."""
+    return check_on(config, p, *make_inputs(p, seed))
+
+
+def check_on(config: FwdConfig, p: Problem, q, k, v):
+    """Run on q, k, v with poisoned outputs; return (O error, LSE error) against the fp32 reference."""
     from fa4tune.kernels.interface import attention_forward
     from fa4tune.kernels.reference import attention_reference
 
-    q, k, v = make_inputs(p, seed)
     out = torch.full((p.batch, p.seqlen_q, p.nheads_q, p.head_dim_v), float("nan"), dtype=q.dtype, device="cuda")
     lse = torch.full((p.batch, p.nheads_q, p.seqlen_q), float("nan"), dtype=torch.float32, device="cuda")
     attention_forward(q, k, v, config, causal=p.causal, out=out, lse=lse)
@@ -97,6 +101,7 @@ KNOB_CONFIGS = [
     (64, FwdConfig(tile_m=256, tile_n=64, rescale_threshold=8.0, persistent=True)),
     (64, FwdConfig(tile_m=256, tile_n=96, intra_wg_overlap=False, num_stages=3)),
     (128, FwdConfig(tile_n=96, rescale_threshold=2.0, persistent=True, q_stages=2)),
+    (64, FwdConfig(tile_m=192, rescale_threshold=8.0, persistent=True, lazy_max=True)),
 ]
 
 # Shapes with more tiles than SMs, so that a persistent CTA walks several tiles (and, causal, tiles
@@ -121,6 +126,11 @@ MANY_TILE_SHAPES = [
     (128, FwdConfig(intra_wg_overlap=False, rescale_threshold=8.0, persistent=True, q_stages=2)),
     (64, FwdConfig(tile_m=192, rescale_threshold=8.0, persistent=True, q_stages=2)),
     (64, FwdConfig(tile_m=256, tile_n=96, intra_wg_overlap=False, persistent=True, q_stages=2)),
+    # The row max taken only after a rise (random scores: hardly ever after a tile's first block).
+    (128, FwdConfig(rescale_threshold=8.0, persistent=True, lazy_max=True)),
+    (64, FwdConfig(tile_m=192, rescale_threshold=8.0, persistent=True, lazy_max=True)),
+    (64, FwdConfig(tile_m=256, tile_n=96, intra_wg_overlap=False, rescale_threshold=8.0, persistent=True,
+                   q_stages=2, lazy_max=True)),
 ], ids=lambda x: getattr(x, "short", lambda: str(x))())
 def test_persistent_matches_reference(head_dim, config, shape, causal):
     sq, sk, b, hq, hkv = shape
@@ -154,6 +164,63 @@ def test_warpgroups_without_rows_keep_the_tile_right(config, causal):
                     nheads_kv=4)
         out_err, lse_err = run_checked(config, p, seed=seqlen_q)
         assert out_err <= OUT_TOL and lse_err <= LSE_TOL, (p.key(), out_err, lse_err)
+
+
+LAZY_CONFIGS = [
+    (64, FwdConfig(tile_m=192, rescale_threshold=8.0, persistent=True, lazy_max=True)),
+    (64, FwdConfig(tile_m=256, tile_n=96, intra_wg_overlap=False, rescale_threshold=8.0, lazy_max=True)),
+    (128, FwdConfig(rescale_threshold=8.0, persistent=True, wg_epilogue=True, lazy_max=True)),
+    (128, FwdConfig(tile_n=80, rescale_threshold=8.0, intra_wg_overlap=False, lazy_max=True)),
+    (128, FwdConfig(rescale_threshold=8.0, persistent=True, q_stages=2, lazy_max=True)),
+]
+
+
+def rising_inputs(p: Problem, rise: float, seed: int, width: int = 1, quiet: bool = False):
+    """q, k, v whose even rows' scores jump at two groups of `width` keys: by rise/2 (in log2 units,
+    after the softmax scale) over the other keys' at keys seqlen_k/2 on, and by as much again at keys
+    0 on. The kernel walks the K blocks last first, so both jumps come after a tile's first block; the
+    odd rows see the groups far below their max. With `quiet` the other keys are scaled down, so that
+    their scores stay within a fraction of a log2 unit of 0 and the jumps are as given."""
+    q, k, v = make_inputs(p, seed)
+    scale_log2 = 1.4426950408889634 / p.head_dim ** 0.5
+    sign = torch.ones(p.seqlen_q, device="cuda")
+    sign[1::2] = -1.0
+    q = (q.float() * 0.5 + sign[None, :, None, None]).to(q.dtype)  # each row near +-(1, ..., 1)
+    base = 6.0  # about the largest of the other scores, in log2 units
+    if quiet:
+        k = (k.float() * 0.02).to(k.dtype)
+        base = 0.0
+    for key, jump in ((p.seqlen_k // 2, base + rise / 2), (0, base + rise)):
+        k[:, key:key + width] = jump / scale_log2 / p.head_dim  # a score of about `jump` against (1, ..., 1)
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("rise", [40.0, 300.0])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim,config", LAZY_CONFIGS, ids=lambda x: getattr(x, "short", lambda: str(x))())
+def test_lazy_max_follows_a_rise(head_dim, config, causal, rise, dtype):
+    """A rise of 40 takes the max from P (in fp16 a P of 2^20 would be inf had the max stayed); one
+    of 300 overflows P (2^150), so the warp recomputes its scores from shared memory. Either way the
+    result is the reference's."""
+    p = Problem(dtype=dtype, head_dim=head_dim, causal=causal, seqlen_q=700, seqlen_k=1000, batch=2,
+                nheads_q=4, nheads_kv=2)
+    q, k, v = rising_inputs(p, rise, seed=int(rise))
+    out_err, lse_err = check_on(config, p, q, k, v)
+    assert out_err <= OUT_TOL and lse_err <= LSE_TOL, (out_err, lse_err)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim,config", LAZY_CONFIGS[:2], ids=lambda x: getattr(x, "short", lambda: str(x))())
+def test_lazy_max_catches_a_row_sum_that_overflows(head_dim, config, causal):
+    """Two rises of about 126.5 at groups of 32 keys: each P stays finite (below 2^128), but a thread
+    holds 8 of a group's columns, whose sum overflows; the warp must recompute (a review found the
+    first lazy step moving the max on such a row and carrying an infinite row sum: O 0, LSE inf)."""
+    p = Problem(head_dim=head_dim, causal=causal, seqlen_q=700, seqlen_k=1000, batch=2, nheads_q=4,
+                nheads_kv=2)
+    q, k, v = rising_inputs(p, 253.0, seed=3, width=32, quiet=True)
+    out_err, lse_err = check_on(config, p, q, k, v)
+    assert out_err <= OUT_TOL and lse_err <= LSE_TOL, (out_err, lse_err)
 
 
 def test_knob_configs_cover_every_value():

@@ -157,3 +157,20 @@ def test_persistent_hides_the_tile_start_and_takes_causal_tiles_longest_first():
     durations = [(MODEL.cta_clocks(config, causal, k, s, m), n) for s, m, n in MODEL.kv_steps(config, causal)]
     clocks = _longest_first_makespan(durations, H200.sm_count * k) + MODEL.start_clocks(config, causal)
     assert MODEL.time_s(config, causal)[1]["compute_ms"] == pytest.approx(clocks / (H200.clock_mhz * 1e3))
+
+
+def test_the_lazy_max_saves_one_alu_op_per_score():
+    from dataclasses import replace
+
+    from fa4tune.kernels.config import FwdConfig
+    from fa4tune.problem import Problem
+
+    exact = softmax_clocks_per_element(H200, 0.0, 3)
+    assert softmax_clocks_per_element(H200, 0.0, 3, lazy_max=True) < exact
+    model = CostModel(H200)
+    problem = Problem(head_dim=64, seqlen_q=4096, batch=4, nheads_q=32)
+    config = FwdConfig(tile_m=192, rescale_threshold=8.0, persistent=True)
+    steps = problem.seqlen_k // config.tile_n
+    assert (model.step_clocks(replace(config, lazy_max=True), problem, 1, steps, False)
+            < model.step_clocks(config, problem, 1, steps, False))
+

@@ -52,7 +52,7 @@ SMALL_SPACE = {"tiles": {"tile_m": [128, 192], "tile_n": [64, 96, 128, 160, 192]
                "pipeline": {"num_stages": [1, 2, 3, 4], "persistent": [False], "wg_epilogue": [False],
                             "q_stages": [1]},
                "exp2": {"poly_degree": [3], "emu_share": [0.0, 0.125, 0.25]},
-               "softmax": {"rescale_threshold": [0.0, 4.0], "rescale_branch": [True]}}
+               "softmax": {"rescale_threshold": [0.0, 4.0], "rescale_branch": [True], "lazy_max": [False]}}
 
 
 def test_search_reaches_the_exhaustive_optimum_of_a_small_space(workdir):

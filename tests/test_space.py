@@ -127,9 +127,30 @@ def test_softmax_space_rejects_thresholds_the_p_dtype_cannot_hold():
 
     class Wide:
         rescale_threshold = 16.0
+        lazy_max = False
 
     assert "fp16" in softmax.check(Problem(dtype="fp16"), Wide(), H200)[0]
     assert softmax.check(Problem(dtype="bf16"), Wide(), H200) == []
+
+
+def test_lazy_max_needs_a_threshold_above_a_row_of_equal_scores():
+    """The fast path holds while a thread's row sum stays within 2^rescale_threshold; a row of equal
+    scores sums to tile_n / 4 there, so the kernel and the plugin refuse thresholds below twice that."""
+    softmax = get_space("softmax")(KERNEL)
+    problem = Problem(head_dim=128, seqlen_q=2048)
+    ok = KERNEL.make_config({"rescale_threshold": 8.0, "lazy_max": True, "tile_n": 192})
+    assert softmax.check(problem, ok, H200) == [] == KERNEL.infeasible_reasons(problem, ok, H200)
+    low = KERNEL.make_config({"rescale_threshold": 4.0, "lazy_max": True, "tile_n": 64})
+    reasons = softmax.check(problem, low, H200)
+    assert reasons and "rescale_threshold >= 5.00" in reasons[0]
+    assert reasons[0] in KERNEL.infeasible_reasons(problem, low, H200)
+    assert KERNEL.infeasible_reasons(problem, KERNEL.make_config({"rescale_threshold": 4.0, "tile_n": 64}),
+                                     H200) == []
+    # The emulated exp2 is wrong past 2^127, and the lazy step exponentiates whole rises: MUFU only.
+    emulated = KERNEL.make_config({"rescale_threshold": 8.0, "lazy_max": True, "emu_share": 0.25})
+    reasons = softmax.check(problem, emulated, H200)
+    assert reasons and "emu_share 0.25" in reasons[0] and reasons[0] in KERNEL.infeasible_reasons(
+        problem, emulated, H200)
 
 
 def test_entry_point_plugin_is_discovered(entry_point_plugin):

@@ -13,6 +13,10 @@ with `persistent`, one after another):
   S GEMM before the softmax of the current one (the PV GEMM of step j overlaps the softmax of step j+1);
 * the softmax rescales O only when a row max rose by more than `rescale_threshold`, and takes
   `emu_share` of its exponentials on the FMA pipe (a degree-`poly_degree` polynomial);
+* with `lazy_max`, after a tile's first block the softmax exponentiates against the running max
+  without first taking the block's row max (softmax_sm90.py says how a rise is caught); a warp whose P
+  overflowed recomputes its scores from Q and K in shared memory, so K's stage is released after the
+  softmax instead of right after the S GEMM;
 * causal masking is applied only to the K blocks that cross the diagonal (bottom-right aligned), and
   blocks above the diagonal are never loaded; causal tiles are scheduled longest first, grouped by heads
   so that the K/V of the heads in flight stay in L2;
@@ -122,6 +126,7 @@ class FlashForwardSm90:
         self.persistent = config.persistent
         self.wg_epilogue = config.wg_epilogue
         self.q_stages = config.q_stages
+        self.lazy_max = config.lazy_max
         # Persistent causal CTAs take their tiles from a global counter (see the module docstring).
         self.tile_counter = config.uses_tile_counter(causal)
         self.num_sms = target.sm_count
@@ -559,7 +564,7 @@ class FlashForwardSm90:
                     kv, q_state = self.idle_mainloop(kv, q_state, wg, pipe_q, pipe_k, pipe_v, n_block_max)
                 else:
                     kv, q_state = self.mainloop(
-                        kv, q_state, wg, acc_O, tOrP, s_shape, tSrQ, tSrK, tOrVt, mma_qk, mma_pv,
+                        kv, q_state, wg, acc_O, tOrP, s_shape, tSrQ, tSrK, tOrVt, (sQ, sK), mma_qk, mma_pv,
                         pipe_q, pipe_k, pipe_v, softmax, row_scale, thr_mma_qk, m_block, seqlen_q, seqlen_k,
                         n_block_max, n_mask_min,
                     )
@@ -580,7 +585,7 @@ class FlashForwardSm90:
 
     @cute.jit
     def mainloop(
-        self, kv, q_state, wg, acc_O, tOrP, s_shape, tSrQ, tSrK, tOrVt, mma_qk, mma_pv,
+        self, kv, q_state, wg, acc_O, tOrP, s_shape, tSrQ, tSrK, tOrVt, sQK, mma_qk, mma_pv,
         pipe_q, pipe_k, pipe_v, softmax, row_scale, thr_mma_qk, m_block, seqlen_q, seqlen_k,
         n_block_max, n_mask_min,
     ):
@@ -589,6 +594,8 @@ class FlashForwardSm90:
         pipe_q.consumer_wait(q_state)
         if const_expr(self.q_stages > 1):
             tSrQ = tSrQ[None, None, None, q_state.index]
+            if const_expr(self.lazy_max):
+                sQK = (sQK[0][None, None, q_state.index], sQK[1])
         if const_expr(self.intra_wg_overlap):
             # First block: S GEMM, mask (seqlen and causal), softmax; its PV GEMM waits for the
             # next S GEMM to be issued.
@@ -605,14 +612,14 @@ class FlashForwardSm90:
                 n_masked = cutlass.max(n_block_max - 1 - n_mask_min, 0)
             for i in cutlass.range(n_masked, unroll=1):
                 kv = self.overlapped_step(kv, n_block_max - 2 - i, True, wg, acc_O, tOrP, s_shape,
-                                          tSrQ, tSrK, tOrVt, mma_qk, mma_pv, pipe_k, pipe_v,
+                                          tSrQ, tSrK, tOrVt, sQK, mma_qk, mma_pv, pipe_k, pipe_v,
                                           softmax, row_scale, thr_mma_qk, m_block, seqlen_q, seqlen_k)
             n_unmasked = n_block_max - 1
             if const_expr(self.causal):
                 n_unmasked = cutlass.min(n_block_max - 1, n_mask_min)
             for i in cutlass.range(n_unmasked, unroll=1):
                 kv = self.overlapped_step(kv, n_unmasked - 1 - i, False, wg, acc_O, tOrP, s_shape,
-                                          tSrQ, tSrK, tOrVt, mma_qk, mma_pv, pipe_k, pipe_v,
+                                          tSrQ, tSrK, tOrVt, sQK, mma_qk, mma_pv, pipe_k, pipe_v,
                                           softmax, row_scale, thr_mma_qk, m_block, seqlen_q, seqlen_k)
             # Every S GEMM of the tile is done: Q's buffer may take the next tile's Q (with two
             # buffers, the Q of the tile after next).
@@ -629,7 +636,7 @@ class FlashForwardSm90:
                 n_masked = cutlass.max(n_block_max - n_mask_min, 1)
             for i in cutlass.range(n_block_max, unroll=1):
                 kv = self.serial_step(kv, n_block_max - 1 - i, i, n_masked, wg, acc_O, tOrP, s_shape,
-                                      tSrQ, tSrK, tOrVt, mma_qk, mma_pv, pipe_k, pipe_v,
+                                      tSrQ, tSrK, tOrVt, sQK, mma_qk, mma_pv, pipe_k, pipe_v,
                                       softmax, row_scale, thr_mma_qk, m_block, seqlen_q, seqlen_k)
             self.turn_pass(wg)
             self.release_q(pipe_q, q_state)
@@ -714,7 +721,7 @@ class FlashForwardSm90:
 
     @cute.jit
     def overlapped_step(self, kv, n_block, masked: cutlass.Constexpr[bool], wg, acc_O, tOrP, s_shape,
-                        tSrQ, tSrK, tOrVt, mma_qk, mma_pv, pipe_k, pipe_v, softmax, row_scale,
+                        tSrQ, tSrK, tOrVt, sQK, mma_qk, mma_pv, pipe_k, pipe_v, softmax, row_scale,
                         thr_mma_qk, m_block, seqlen_q, seqlen_k):
         """S(n_block) = Q K^T issued before O += P V of the previous block; the softmax of S runs while
         that PV GEMM is in flight."""
@@ -728,10 +735,19 @@ class FlashForwardSm90:
         wgmma(mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_v.index], accumulate=True, wait=-1)
         self.turn_pass(wg)
         warpgroup.wait_group(1)
-        pipe_k.consumer_release(kv)
+        if const_expr(not self.lazy_max):
+            pipe_k.consumer_release(kv)
         if const_expr(masked):
             self.mask_scores(acc_S, thr_mma_qk, m_block, n_block, seqlen_q, seqlen_k, True)
-        softmax.step(acc_S, False, row_scale)
+        if const_expr(self.lazy_max):
+            if softmax.step_lazy(acc_S, row_scale):  # a P overflowed: the exact step on S again
+                self.recompute_scores(acc_S, sQK[0], sQK[1][None, None, kv.index], thr_mma_qk)
+                if const_expr(masked):
+                    self.mask_scores(acc_S, thr_mma_qk, m_block, n_block, seqlen_q, seqlen_k, True)
+                softmax.step(acc_S, False, row_scale)
+            pipe_k.consumer_release(kv)  # only now: the recompute reads K's stage
+        else:
+            softmax.step(acc_S, False, row_scale)
         warpgroup.wait_group(0)
         pipe_v.consumer_release(kv_v)
         # P before the rescale: its conversions then sit among the exponentials, not behind the
@@ -741,7 +757,7 @@ class FlashForwardSm90:
         return kv
 
     @cute.jit
-    def serial_step(self, kv, n_block, i, n_masked, wg, acc_O, tOrP, s_shape, tSrQ, tSrK, tOrVt,
+    def serial_step(self, kv, n_block, i, n_masked, wg, acc_O, tOrP, s_shape, tSrQ, tSrK, tOrVt, sQK,
                     mma_qk, mma_pv, pipe_k, pipe_v, softmax, row_scale, thr_mma_qk, m_block,
                     seqlen_q, seqlen_k):
         """One block without intra-warpgroup overlap: S GEMM, softmax, PV GEMM in sequence. The turn
@@ -752,7 +768,8 @@ class FlashForwardSm90:
         wgmma(mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], accumulate=False, wait=-1)
         self.turn_pass(wg)
         warpgroup.wait_group(0)
-        pipe_k.consumer_release(kv)
+        if const_expr(not self.lazy_max):
+            pipe_k.consumer_release(kv)
         if i < n_masked:
             self.mask_scores(acc_S, thr_mma_qk, m_block, n_block, seqlen_q, seqlen_k, self.causal)
         # P is converted in both branches, so that a block takes one run-time branch, not two, and
@@ -761,15 +778,45 @@ class FlashForwardSm90:
             softmax.step(acc_S, True, row_scale)
             convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
         else:
-            softmax.step(acc_S, False, row_scale)
+            if const_expr(self.lazy_max):
+                if softmax.step_lazy(acc_S, row_scale):  # a P overflowed: the exact step on S again
+                    self.recompute_scores(acc_S, sQK[0], sQK[1][None, None, kv.index], thr_mma_qk)
+                    if i < n_masked:
+                        self.mask_scores(acc_S, thr_mma_qk, m_block, n_block, seqlen_q, seqlen_k, self.causal)
+                    softmax.step(acc_S, False, row_scale)
+            else:
+                softmax.step(acc_S, False, row_scale)
             convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
             softmax.rescale(acc_O, row_scale)
+        if const_expr(self.lazy_max):
+            pipe_k.consumer_release(kv)  # only now: the recompute reads K's stage
         pipe_v.consumer_wait(kv)
         self.turn_wait(wg)
         wgmma(mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv.index], accumulate=True, wait=0)
         pipe_v.consumer_release(kv)
         kv.advance()
         return kv
+
+    @cute.jit
+    def recompute_scores(self, acc_S, sQ_tile, sK_block, thr_mma_qk):
+        """This thread's scores of the block again, from Q and K in shared memory on the FMA pipe: the
+        lazy max's way back after a P overflowed (a score 128 or more above the running max in log2
+        units), when the exponentials have already overwritten the scores. Slow (head_dim FMAs per
+        score, one column at a time), and taken only by a warp whose rows' scores rose that far."""
+        scores = acc_rows_cols(acc_S)
+        coords = acc_rows_cols(thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+        num_rows = cute.size(scores, mode=[0])
+        num_cols = cute.size(scores, mode=[1])
+        # One column at a time, head_dim steps each: few registers live beside the accumulators.
+        for c in cutlass.range_constexpr(num_cols):
+            dots = cute.make_rmem_tensor(num_rows, Float32)
+            dots.fill(0.0)
+            for k in cutlass.range(self.head_dim, unroll=1):
+                key = sK_block[coords[0, c][1], k].to(Float32)
+                for r in cutlass.range_constexpr(num_rows):
+                    dots[r] = dots[r] + sQ_tile[coords[r, 0][0], k].to(Float32) * key
+            for r in cutlass.range_constexpr(num_rows):
+                scores[r, c] = dots[r]
 
     def is_o_storer(self, ctid):
         """Whether this consumer thread's warp issues O's TMA stores: the first consumer warp, or

@@ -81,10 +81,12 @@ class ModelAssumptions:
 
 
 def softmax_clocks_per_element(target, emu_share: float, poly_degree: int,
-                               assumptions: ModelAssumptions = ModelAssumptions()) -> float:
-    """SM clocks per score element on the softmax side (max, scale, exp2, sum, pack)."""
+                               assumptions: ModelAssumptions = ModelAssumptions(),
+                               lazy_max: bool = False) -> float:
+    """SM clocks per score element on the softmax side (max, scale, exp2, sum, pack); with
+    `lazy_max` without the max (one FMNMX per element fewer)."""
     a = assumptions
-    base_ops = target.alu_issue_per_clk / a.no_exp_elements_per_clk
+    base_ops = target.alu_issue_per_clk / a.no_exp_elements_per_clk - (1.0 if lazy_max else 0.0)
     mufu = (1.0 - emu_share) / target.mufu_ex2_per_clk
     issue_ops = base_ops + (1.0 - emu_share) * 1.0 + emu_share * (poly_degree + a.emulation_extra_ops)
     issue = issue_ops / target.alu_issue_per_clk
@@ -135,7 +137,8 @@ class CostModel:
         tm, tn, d, dv = config.tile_m, config.tile_n, problem.head_dim, problem.head_dim_v
         tensor = 2.0 * tm * tn * (d + dv) / (t.tensor_flops_per_clk * self.tensor_efficiency())
         elements = tm * tn
-        softmax = elements * softmax_clocks_per_element(t, config.emu_share, config.poly_degree, a)
+        softmax = elements * softmax_clocks_per_element(t, config.emu_share, config.poly_degree, a,
+                                                        lazy_max=config.lazy_max)
         softmax += elements * config.emu_share * a.emulation_kernel_extra_ops / t.alu_issue_per_clk
         if config.rescale_branch:
             softmax += rescale_fraction(config.rescale_threshold, steps) * tm * dv / t.alu_issue_per_clk
