@@ -179,13 +179,15 @@ def rising_inputs(p: Problem, rise: float, seed: int, width: int = 1, quiet: boo
     """q, k, v whose even rows' scores jump at two groups of `width` keys: by rise/2 (in log2 units,
     after the softmax scale) over the other keys' at keys seqlen_k/2 on, and by as much again at keys
     0 on. The kernel walks the K blocks last first, so both jumps come after a tile's first block; the
-    odd rows see the groups far below their max. With `quiet` the other keys are scaled down, so that
-    their scores stay within a fraction of a log2 unit of 0 and the jumps are as given."""
+    odd rows see the groups far below their max. With `quiet` the rows of q are exactly +-(1, ..., 1)
+    and the other keys scaled down, so that their scores stay within a small fraction of a log2 unit
+    of 0 and every even row's jumps are the given ones (without, they vary by about 6%)."""
     q, k, v = make_inputs(p, seed)
     scale_log2 = 1.4426950408889634 / p.head_dim ** 0.5
     sign = torch.ones(p.seqlen_q, device="cuda")
     sign[1::2] = -1.0
-    q = (q.float() * 0.5 + sign[None, :, None, None]).to(q.dtype)  # each row near +-(1, ..., 1)
+    noise = 0.0 if quiet else 0.5
+    q = (q.float() * noise + sign[None, :, None, None]).to(q.dtype)  # each row near +-(1, ..., 1)
     base = 6.0  # about the largest of the other scores, in log2 units
     if quiet:
         k = (k.float() * 0.02).to(k.dtype)
@@ -211,14 +213,17 @@ def test_lazy_max_follows_a_rise(head_dim, config, causal, rise, dtype):
 
 
 @pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("rise,width", [(124.5, 64), (127.0, 1)], ids=["sum-overflows", "factor-underflows"])
 @pytest.mark.parametrize("head_dim,config", LAZY_CONFIGS[:2], ids=lambda x: getattr(x, "short", lambda: str(x))())
-def test_lazy_max_catches_a_row_sum_that_overflows(head_dim, config, causal):
-    """Two rises of about 126.5 at groups of 32 keys: each P stays finite (below 2^128), but a thread
-    holds 8 of a group's columns, whose sum overflows; the warp must recompute (a review found the
-    first lazy step moving the max on such a row and carrying an infinite row sum: O 0, LSE inf)."""
+def test_lazy_max_recomputes_rises_too_large_to_rescale(head_dim, config, causal, rise, width):
+    """Rises the slow path must not rescale by, each P finite (below 2^128). 124.5 at groups of 64
+    keys: a thread holds 13-16 of a group's columns, whose sum overflows (the first fix of review
+    findings: that row's max moved and its sum stayed inf). 127 at one key: the factor 2^-127 flushes
+    to zero (the second: P, sum and O of the row zeroed while its max moved, O NaN in the end). Both
+    must recompute and take the exact step."""
     p = Problem(head_dim=head_dim, causal=causal, seqlen_q=700, seqlen_k=1000, batch=2, nheads_q=4,
                 nheads_kv=2)
-    q, k, v = rising_inputs(p, 253.0, seed=3, width=32, quiet=True)
+    q, k, v = rising_inputs(p, 2 * rise, seed=3, width=width, quiet=True)
     out_err, lse_err = check_on(config, p, q, k, v)
     assert out_err <= OUT_TOL and lse_err <= LSE_TOL, (out_err, lse_err)
 

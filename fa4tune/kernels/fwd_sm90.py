@@ -800,9 +800,12 @@ class FlashForwardSm90:
     @cute.jit
     def recompute_scores(self, acc_S, sQ_tile, sK_block, thr_mma_qk):
         """This thread's scores of the block again, from Q and K in shared memory on the FMA pipe: the
-        lazy max's way back after a P overflowed (a score 128 or more above the running max in log2
-        units), when the exponentials have already overwritten the scores. Slow (head_dim FMAs per
-        score, one column at a time), and taken only by a warp whose rows' scores rose that far."""
+        lazy max's way back after a rise too large to rescale by (a score more than 125 above the
+        running max in log2 units), when the exponentials have already overwritten the scores. Slow
+        (head_dim FMAs per score, one column at a time), and taken only by a warp whose rows' scores
+        rose that far. Its caller releases K's stage (one lane's arrive) only after the exact step
+        that follows, whose row-max shuffles need every lane's recomputed scores: so every lane has
+        read K here before the stage can be refilled."""
         scores = acc_rows_cols(acc_S)
         coords = acc_rows_cols(thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
         num_rows = cute.size(scores, mode=[0])

@@ -20,9 +20,9 @@ and two shuffles per row fewer). Every P is at most its thread's row sum (all P 
 MUFU exponentials only, the kernel refuses emulated ones here, whose polynomial is wrong past 2^127),
 so while no sum exceeds 2^threshold no P does, and the step is exactly the one that keeps the max. A
 warp with a sum above that takes the max from P (its log2 is how far the max rose) and rescales where
-it rose past the threshold. A P or a sum that overflowed (a rise of about 128 in log2 units) or is NaN
-leaves nothing to take the rise from: then the warp asks its caller to recompute the scores and takes
-the exact step.
+it rose past the threshold. A rise past 125 in log2 units (whose factor 2^-rise would flush to zero,
+or whose P or sum overflowed) or a NaN sum leaves nothing to rescale by: then the warp asks its caller
+to recompute the scores and takes the exact step.
 """
 
 from __future__ import annotations
@@ -201,15 +201,18 @@ class OnlineSoftmax:
                        limit: Float32, row_max: cute.Tensor, row_sum: cute.Tensor) -> cutlass.Boolean:
         """The slow path of step_lazy: a row's largest P is 2 to the power of how far its max rose
         (quad-reduced, so the four threads of a row agree). Rows past the limit move their max there,
-        and P, the row sum and (through row_scale) O follow; the others keep it. Returns whether a P or
-        a thread's sum overflowed or is NaN, leaving the state untouched then."""
+        and P, the row sum and (through row_scale) O follow; the others keep it. Returns whether a row
+        rose too far for that (past 2^125, where the factor would flush to zero, or a P or a thread's
+        sum overflowed) or a sum is NaN, leaving the state untouched then."""
         ncols = cute.size(scores, mode=[1])
         p_max = cute.make_rmem_tensor(self.num_rows, Float32)
         overflow = cutlass.Boolean(False)
         for r in cutlass.range_constexpr(self.num_rows):
             p_max[r] = quad_allreduce(self._row_max_local(scores[r, None], ncols), cute.arch.fmax)
-            # The sum, not only the max: finite P near 2^128 can sum to inf, and the max drops NaN.
-            overflow = (overflow | (p_max[r] == Float32.inf) | (partial[r] == Float32.inf)
+            # Past 2^125 (inf included) the factor 1/p_max would flush to zero (the MUFU's exp2 is
+            # ftz); and the sum, not only the max: finite P near 2^128 can sum to inf, and the max
+            # drops NaN.
+            overflow = (overflow | (p_max[r] > Float32(2.0 ** 125)) | (partial[r] == Float32.inf)
                         | (partial[r] != partial[r]))
         recompute = cute.arch.vote_any_sync(overflow)
         if not recompute:
