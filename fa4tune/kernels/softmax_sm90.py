@@ -166,8 +166,8 @@ class OnlineSoftmax:
     def step_lazy(self, acc_S: cute.Tensor, row_scale: cute.Tensor) -> cutlass.Boolean:
         """A block after the tile's first (see the module docstring): like step(acc_S, False,
         row_scale), but the row max is taken only where the row sums show a rise. Returns whether the
-        warp must recompute its scores and take step() instead (a P overflowed); the state is then
-        as it was before the call. Warp-uniform."""
+        warp must recompute its scores and take step() instead (a rise too far to rescale by, or a NaN
+        sum: see _settle_from_p); the state is then as it was before the call. Warp-uniform."""
         scores = acc_rows_cols(acc_S)
         ncols = cute.size(scores, mode=[1])
         emulate = emulated_columns(ncols, self.emu_share)
