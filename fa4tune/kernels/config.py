@@ -57,8 +57,9 @@ class FwdConfig:
     other buffer, instead of after the last of them.
     lazy_max: after a tile's first K/V block, exponentiate against the running max without first
     taking the block's row max; the row sums show when a row's max rose past the threshold, and only
-    then is the max taken (from P) and O rescaled. A P that overflowed makes the warp recompute its
-    scores from shared memory and take the exact step.
+    then is the max taken (from P) and O rescaled. A rise too large to rescale by (past 125 in log2
+    units, or a P or row sum overflowed) makes the warp recompute its scores from shared memory and
+    take the exact step. Needs rescale_threshold 8 and no emulation (lazy_max_reasons).
     """
 
     tile_m: int = 128

@@ -740,11 +740,8 @@ class FlashForwardSm90:
         if const_expr(masked):
             self.mask_scores(acc_S, thr_mma_qk, m_block, n_block, seqlen_q, seqlen_k, True)
         if const_expr(self.lazy_max):
-            if softmax.step_lazy(acc_S, row_scale):  # a P overflowed: the exact step on S again
-                self.recompute_scores(acc_S, sQK[0], sQK[1][None, None, kv.index], thr_mma_qk)
-                if const_expr(masked):
-                    self.mask_scores(acc_S, thr_mma_qk, m_block, n_block, seqlen_q, seqlen_k, True)
-                softmax.step(acc_S, False, row_scale)
+            self.lazy_step(acc_S, softmax, row_scale, sQK, kv, thr_mma_qk, m_block, n_block, seqlen_q,
+                           seqlen_k, masked, True)
             pipe_k.consumer_release(kv)  # only now: the recompute reads K's stage
         else:
             softmax.step(acc_S, False, row_scale)
@@ -779,11 +776,8 @@ class FlashForwardSm90:
             convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
         else:
             if const_expr(self.lazy_max):
-                if softmax.step_lazy(acc_S, row_scale):  # a P overflowed: the exact step on S again
-                    self.recompute_scores(acc_S, sQK[0], sQK[1][None, None, kv.index], thr_mma_qk)
-                    if i < n_masked:
-                        self.mask_scores(acc_S, thr_mma_qk, m_block, n_block, seqlen_q, seqlen_k, self.causal)
-                    softmax.step(acc_S, False, row_scale)
+                self.lazy_step(acc_S, softmax, row_scale, sQK, kv, thr_mma_qk, m_block, n_block, seqlen_q,
+                               seqlen_k, i < n_masked, self.causal)
             else:
                 softmax.step(acc_S, False, row_scale)
             convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
@@ -796,6 +790,18 @@ class FlashForwardSm90:
         pipe_v.consumer_release(kv)
         kv.advance()
         return kv
+
+    @cute.jit
+    def lazy_step(self, acc_S, softmax, row_scale, sQK, kv, thr_mma_qk, m_block, n_block, seqlen_q, seqlen_k,
+                  masked, causal: cutlass.Constexpr[bool]):
+        """The softmax of a block after the tile's first with `lazy_max`; where the rise is too large to
+        rescale by, the scores again (masked as the caller masked them: `masked`, a flag or a run-time
+        condition) and the exact step. The caller releases K's stage after this."""
+        if softmax.step_lazy(acc_S, row_scale):
+            self.recompute_scores(acc_S, sQK[0], sQK[1][None, None, kv.index], thr_mma_qk)
+            if masked:
+                self.mask_scores(acc_S, thr_mma_qk, m_block, n_block, seqlen_q, seqlen_k, causal)
+            softmax.step(acc_S, False, row_scale)
 
     @cute.jit
     def recompute_scores(self, acc_S, sQ_tile, sK_block, thr_mma_qk):
