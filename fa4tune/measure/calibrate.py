@@ -84,10 +84,15 @@ def samples_from_db(db, *, kernel: str, target: str, run_id: int | None = None,
     return samples
 
 
-def save_samples(path: str | Path, samples: list[Sample], note: str = "") -> None:
-    by_problem: dict[str, list[Sample]] = defaultdict(list)
+def _by_problem(samples: list[Sample]) -> dict[str, list[Sample]]:
+    groups: dict[str, list[Sample]] = defaultdict(list)
     for s in samples:
-        by_problem[s.problem.key()].append(s)
+        groups[s.problem.key()].append(s)
+    return groups
+
+
+def save_samples(path: str | Path, samples: list[Sample], note: str = "") -> None:
+    by_problem = _by_problem(samples)
     knobs = sorted({k for s in samples for k in s.config.to_dict()})
     document = {"note": note, "knobs": knobs, "problems": [
         {"problem": group[0].problem.to_dict(),
@@ -158,11 +163,8 @@ class ProblemFit:
 
 def evaluate(assumptions: ModelAssumptions, samples: list[Sample], target) -> list[ProblemFit]:
     model = CostModel(target, assumptions)
-    by_problem: dict[str, list[Sample]] = defaultdict(list)
-    for s in samples:
-        by_problem[s.problem.key()].append(s)
     fits = []
-    for key, group in sorted(by_problem.items()):
+    for key, group in sorted(_by_problem(samples).items()):
         predicted = [model.time_s(s.config, s.problem)[0] * 1e3 for s in group]
         logs = [math.log(p / s.time_ms) for p, s in zip(predicted, group)]
         timed = [(p, s.time_ms) for p, s in zip(predicted, group) if s.full] or \
@@ -187,11 +189,12 @@ def summary(fits: list[ProblemFit]) -> dict:
     n = len(fits)
     if not n:
         raise CalibrationError("no samples to evaluate")
+    mean_loss = loss(fits)
     return {"problems": n, "candidates": sum(f.candidates for f in fits), "timed": sum(f.timed for f in fits),
-            "loss": loss(fits),
+            "loss": mean_loss,
             "mean_rank_correlation": sum(f.rank_correlation for f in fits) / n,
             "mean_regret": sum(f.regret for f in fits) / n, "max_regret": max(f.regret for f in fits),
-            "rms_log_error": math.sqrt(loss(fits))}
+            "rms_log_error": math.sqrt(mean_loss)}
 
 
 # ---- the fit ----------------------------------------------------------------------------------------
@@ -245,16 +248,18 @@ def fit(samples: list[Sample], target, *, trials: int = 300, seed: int = 0, refi
         low, high, _ = params[name]
         return min(high, max(low, getattr(start, name)))
 
-    def objective(trial):
-        values = {name: trial.suggest_float(name, low, high, log=log) for name, (low, high, log) in params.items()}
+    def loss_of(values: dict) -> float:
         return loss(evaluate(dataclasses.replace(start, **values), samples, target))
+
+    def objective(trial):
+        return loss_of({name: trial.suggest_float(name, low, high, log=log)
+                        for name, (low, high, log) in params.items()})
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(direction="minimize", sampler=optuna.samplers.TPESampler(seed=seed, multivariate=True))
     study.enqueue_trial({name: clip(name) for name in params})
     study.optimize(objective, n_trials=trials)
-    values, best = _refine(dict(study.best_params), study.best_value, params,
-                           lambda v: loss(evaluate(dataclasses.replace(start, **v), samples, target)), refine)
+    values, best = _refine(dict(study.best_params), study.best_value, params, loss_of, refine)
     fitted = dataclasses.replace(start, **values)
     before = summary(evaluate(start, samples, target))
     after = summary(evaluate(fitted, samples, target))
