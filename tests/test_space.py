@@ -153,6 +153,18 @@ def test_lazy_max_needs_a_threshold_above_a_row_of_equal_scores():
         problem, emulated, H200)
 
 
+@pytest.mark.parametrize("head_dim,head_dim_v", [(64, 64), (96, 96), (128, 128), (192, 128), (192, 192),
+                                                  (256, 256)])
+def test_the_default_takes_the_lazy_max_at_every_head_dim(head_dim, head_dim_v):
+    """Run 11 searched (and shipped) with the lazy max in every default: a default that loses it, or
+    one the softmax plugin refuses, would start every search from a config it never measured."""
+    problem = Problem(head_dim=head_dim, head_dim_v=head_dim_v, seqlen_q=4096, causal=True)
+    default = KERNEL.default_config(problem, H200)
+    assert default.lazy_max and default.rescale_threshold == 8.0 and default.emu_share == 0.0
+    assert get_space("softmax")(KERNEL).check(problem, default, H200) == []
+    assert KERNEL.infeasible_reasons(problem, default, H200) == []
+
+
 def test_entry_point_plugin_is_discovered(entry_point_plugin):
     spaces = available_spaces()
     assert "even_stages" in spaces
