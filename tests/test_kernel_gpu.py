@@ -172,6 +172,11 @@ LAZY_CONFIGS = [
     (128, FwdConfig(rescale_threshold=8.0, persistent=True, wg_epilogue=True, lazy_max=True)),
     (128, FwdConfig(tile_n=80, rescale_threshold=8.0, intra_wg_overlap=False, lazy_max=True)),
     (128, FwdConfig(rescale_threshold=8.0, persistent=True, q_stages=2, lazy_max=True)),
+    # Run 11's pick at hdim 128 causal 4k and GQA 8k: three warpgroups, no ping-pong.
+    (128, FwdConfig(tile_m=192, tile_n=64, wg_pingpong=False, rescale_threshold=8.0, persistent=True,
+                    lazy_max=True)),
+    # One K/V stage, and the rescale without a branch.
+    (64, FwdConfig(num_stages=1, rescale_branch=False, rescale_threshold=8.0, lazy_max=True)),
 ]
 
 
