@@ -1,7 +1,7 @@
 """Fit the cost model's assumptions to a GPU search's measurements, and say how well it then ranks.
 
-    python benchmarks/fit_model.py --samples tuning_configs/calibration/h200-run8.json \
-        --holdout tuning_configs/calibration/h200-run6.json [--trials 300] [--refine 250]
+    python benchmarks/fit_model.py --samples tuning_configs/calibration/h200-run10.json \
+        --holdout tuning_configs/calibration/h200-run11.json [--trials 300] [--refine 250]
     python benchmarks/fit_model.py --db fa4tune-results/h200-bf16.db --run 8 --save-samples run8.json
 
 Samples come from a results DB (one run's measured candidates, `--run`) or a samples file
