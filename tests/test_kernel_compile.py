@@ -52,6 +52,8 @@ SPREAD = [
     (FwdConfig(tile_m=256, tile_n=96, intra_wg_overlap=False, rescale_threshold=8.0, persistent=True,
                q_stages=2, lazy_max=True), "bf16", 64, 64, True),
     (FwdConfig(tile_n=80, intra_wg_overlap=False, rescale_threshold=8.0, lazy_max=True), "fp16", 128, 128, True),
+    # One K/V stage with the branch-free rescale (a GPU rise test's config).
+    (FwdConfig(num_stages=1, rescale_branch=False, rescale_threshold=8.0, lazy_max=True), "fp16", 64, 64, False),
     # Warpgroups without rows (tile_m 192, one CTA per tile) without ping-pong: the configs that hung.
     (FwdConfig(tile_m=192, num_stages=3, wg_pingpong=False), "bf16", 64, 64, True),
     (FwdConfig(tile_m=192, intra_wg_overlap=False, wg_pingpong=False), "bf16", 64, 64, False),

@@ -44,15 +44,16 @@ MEASURED_DEFAULTS = {(64, 1024, False): 445, (64, 1024, True): 299, (64, 4096, F
 
 def test_close_to_the_measured_defaults_on_the_h200_grid():
     """The calibrated model (fitted to all of run 10's candidates, most of them slower than the default)
-    against the defaults as the tuning report measured them: within 14% each, 9% RMS. It has 12.8% and
-    8.5% (too slow at 16k tokens, too fast at 1k causal); the fit to run 8 it replaced had 15.9% and
-    10.1% on these defaults (12% and 8% held on run 8's, before the lazy max)."""
+    against the defaults as the tuning report measured them: log error within log(1.15) each and
+    log(1.10) RMS. It has 0.129 and 0.085 (13.8% and 8.9%; too slow at 16k tokens, too fast at 1k
+    causal); the fit to run 8 it replaced had 0.159 and 0.101 on these defaults (log(1.12) and
+    log(1.08) held on run 8's, before the lazy max)."""
     errors = []
     for (d, s, causal), measured in MEASURED_DEFAULTS.items():
         p = Problem(head_dim=d, seqlen_q=s, batch=16384 // s, nheads_q=2048 // d, causal=causal)
         errors.append(math.log(tflops(p, KERNEL.default_config(p, H200)) / measured))
-    assert max(map(abs, errors)) < math.log(1.14)
-    assert math.sqrt(sum(e * e for e in errors) / len(errors)) < math.log(1.09)
+    assert max(map(abs, errors)) < math.log(1.15)
+    assert math.sqrt(sum(e * e for e in errors) / len(errors)) < math.log(1.10)
     short = Problem(head_dim=128, seqlen_q=1024, batch=16, nheads_q=16)
     long = Problem(head_dim=128, seqlen_q=16384, batch=1, nheads_q=16)
     assert tflops(short, config()) < tflops(long, config())
@@ -179,14 +180,33 @@ def test_the_lazy_max_saves_one_alu_op_per_score():
     # A tile's first step takes its row max all the same (the kernel has no running max before it):
     # with a single K/V block per tile the lazy max saves nothing, with many it saves all but one step.
     lazy = replace(config, lazy_max=True)
-    assert model.step_clocks(lazy, problem, 1, steps, False, first=True) \
-        == model.step_clocks(config, problem, 1, steps, False)
+    assert model.step_clocks(lazy, problem, 1, steps, True, first=True) \
+        == pytest.approx(model.step_clocks(config, problem, 1, steps, True, first=True))
     one_block = Problem(head_dim=64, seqlen_q=4096, seqlen_k=config.tile_n, batch=4, nheads_q=32)
-    assert model.cta_clocks(lazy, one_block, 1, 1, 0) == model.cta_clocks(config, one_block, 1, 1, 0)
+    assert model.time_s(lazy, one_block)[0] == pytest.approx(model.time_s(config, one_block)[0])
+    assert model.time_s(lazy, problem)[0] < model.time_s(config, problem)[0]
+
     def saving(fn, *args):
         return fn(config, problem, 1, steps, *args) - fn(lazy, problem, 1, steps, *args)
 
-    assert saving(model.cta_clocks, 0) == pytest.approx((steps - 1) * saving(model.step_clocks, False))
-    # Causal: the first step is the diagonal's masked one, and it is the one that keeps the max.
-    assert saving(model.cta_clocks, 2) == pytest.approx((steps - 2) * saving(model.step_clocks, False)
-                                                        + saving(model.step_clocks, True))
+    # The first step is masked (the kernel masks the first block it takes), and later masked ones too.
+    for masked_steps in (1, 2, steps):
+        assert saving(model.cta_clocks, masked_steps) == pytest.approx(
+            (steps - masked_steps) * saving(model.step_clocks, False)
+            + (masked_steps - 1) * saving(model.step_clocks, True))
+
+
+def test_the_first_step_is_masked_and_neither_votes_nor_rescales():
+    """The kernel masks the first block it takes (the last one) even where no key is out of range,
+    and the first step starts O, so it has nothing to rescale."""
+    from fa4tune.kernels.config import FwdConfig
+    from fa4tune.problem import Problem
+
+    config = FwdConfig(tile_n=128, rescale_threshold=8.0)
+    even = Problem(head_dim=128, seqlen_q=4096, seqlen_k=4096, batch=2, nheads_q=16)
+    assert MODEL.kv_steps(config, even) == [(32, 1, 32 * 2 * 16)]
+    causal = Problem(head_dim=128, seqlen_q=4096, seqlen_k=4096, batch=2, nheads_q=16, causal=True)
+    assert all(masked >= 1 for steps, masked, _ in MODEL.kv_steps(config, causal) if steps)
+    for branch in (True, False):
+        c = FwdConfig(tile_n=128, rescale_threshold=8.0, rescale_branch=branch)
+        assert MODEL.step_clocks(c, even, 1, 32, True, first=True) < MODEL.step_clocks(c, even, 1, 32, True)

@@ -141,6 +141,20 @@ def test_infeasible_configs_never_reach_the_backend(workdir):
     assert summary.results[0].pruned == len(pruned)
 
 
+def test_emulation_searched_without_the_softmax_space_is_refused_with_the_lazy_max_named(workdir):
+    """The README's warning: the defaults take the lazy max, which refuses emulated exponentials, and
+    without the softmax space nothing turns it off, so every emulated candidate is refused, by name."""
+    problems = [{"head_dim": 128, "seqlen_q": 2048, "batch": 2, "nheads_q": 8}]
+    path = write_job(workdir, spaces={"exp2": {}}, problems=problems, budget={"trials": 10})
+    summary = run_search(load_job(path), say=quiet)
+    with ResultsDB.open(summary.db_location, create=False) as db:
+        trials = db.trials()
+    emulated = [t for t in trials if t["config"]["emu_share"] > 0]
+    assert emulated and all(t["status"] == "pruned" and "lazy_max with emu_share" in t["reason"]
+                            for t in emulated)
+    assert {t["config"]["emu_share"] for t in trials if t["status"] == "ok"} == {0.0}
+
+
 def test_default_is_measured_first_and_neighbours_warm_start_the_next_problem(workdir):
     first = write_job(workdir, name="first", spaces=SMALL_SPACE, budget={"trials": 30},
                       problems=[{"head_dim": 64, "seqlen_q": 4096, "batch": 2, "nheads_q": 16}])

@@ -217,8 +217,10 @@ def default_config(problem: Problem, target: Target | None = None) -> FwdConfig:
     # well inside bf16/fp16 range (measured: +1-7% at 1k tokens, neutral at 16k; docs/kernel-notes.md).
     # Persistent CTAs: non-causal +10% at 1k tokens, +2-3% at 4k, even at 16k; causal (tiles from the
     # kernel's counter) +12-20% at 1k, +5% at 4k, +0.5-1% at 16k (H200, v4 and v5 in docs/kernel-notes.md).
-    # The lazy row max (`lazy_max`): +6-7.5% at hdim 64 1k-16k and +1-3% at hdim 128 in an A/B on the
-    # H200 (sessions 22-23 in docs/kernel-notes.md); it needs threshold 8 and no emulation, as here.
+    # The lazy row max (`lazy_max`), in an A/B on the H200: hdim 64 non-causal +6.7-7.5% at 1k-16k,
+    # causal +6.4% at 16k, +3.9% at 4k, +0.2% at 1k, -1.6% at 512; hdim 128 +0.9-3.3% (512 causal
+    # -0.3%; session 22 in docs/kernel-notes.md; run 11, session 23, searched with it). It needs
+    # threshold 8 and the MUFU's exponentials.
     cfg = replace(cfg, rescale_threshold=8.0, persistent=True, lazy_max=True)
     if cfg.persistent and resources.smem_reasons(cfg, problem, target or get_target(None)):
         cfg = replace(cfg, persistent=False)  # O's own buffer does not fit (hdim 192, 256)

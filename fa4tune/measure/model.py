@@ -42,7 +42,7 @@ class ModelAssumptions:
     # The rest is fitted (`fa4tune.measure.calibrate`, `benchmarks/fit_model.py`) to the 702 candidates
     # of the H200 search of run 10 (the lazy row max in every default; tuning_configs/calibration/
     # h200-run10.json): mean squared log error over problems, TPE then a pattern search. Held out, run
-    # 11's 640 candidates (the shipped table's search): RMS log error 0.104 (0.117 with the fit to run 8
+    # 11's 640 candidates (the shipped table's search): RMS log error 0.105 (0.117 with the fit to run 8
     # before); over the 261 fully timed ones, rank correlation per problem 0.44 (0.43) and the model's
     # first choice 2.7% slower than the best measured, on average (3.4%). Read the values as a fit, not
     # as hardware facts: they trade off against each other, and the tensor scale sits on its bound.
@@ -132,7 +132,8 @@ class CostModel:
     def step_clocks(self, config, problem, ctas_per_sm: int, steps: int, masked: bool,
                     first: bool = False) -> float:
         """SM clocks one K/V step of one CTA takes while `ctas_per_sm` CTAs share the SM. A tile's
-        `first` step takes its row max even with `lazy_max` (there is no running max before it)."""
+        `first` step takes its row max even with `lazy_max` (there is no running max before it), and
+        neither votes on nor rescales O (there is nothing in O yet)."""
         from ..kernels import resources
 
         t, a = self.target, self.assumptions
@@ -142,11 +143,11 @@ class CostModel:
         softmax = elements * softmax_clocks_per_element(t, config.emu_share, config.poly_degree, a,
                                                         lazy_max=config.lazy_max and not first)
         softmax += elements * config.emu_share * a.emulation_kernel_extra_ops / t.alu_issue_per_clk
-        if config.rescale_branch:
+        if not first and config.rescale_branch:
             softmax += rescale_fraction(config.rescale_threshold, steps) * tm * dv / t.alu_issue_per_clk
             if config.rescale_threshold > 0:
                 softmax += 2.0 * tm / t.alu_issue_per_clk  # the per-row vote on whether to rescale
-        else:  # O is multiplied on every step
+        elif not first:  # O is multiplied on every later step
             softmax += tm * dv / t.alu_issue_per_clk
         if masked:
             softmax += 2.0 * elements / t.alu_issue_per_clk  # compare and select per element
@@ -178,32 +179,32 @@ class CostModel:
         epilogue = tm * dv * 2 / a.l2_bytes_per_clk_per_sm + ctas_per_sm * tm * dv / t.alu_issue_per_clk
         if steps == 0:  # no loads: only the CTA start, and only without persistence
             return (0.0 if config.persistent else a.cta_overhead_clk) + epilogue
+        # The kernel walks the K/V blocks last first and always masks the first (kv_steps counts it
+        # among the masked ones).
+        masked_steps = max(1, masked_steps)
         plain = self.step_clocks(config, problem, ctas_per_sm, steps, masked=False)
         masked = self.step_clocks(config, problem, ctas_per_sm, steps, masked=True)
-        total = start + (steps - masked_steps) * plain + masked_steps * masked + epilogue
-        if config.lazy_max:
-            # The kernel walks the K/V blocks last first: the first step is a masked one when any is.
-            first_masked = masked_steps > 0
-            first = self.step_clocks(config, problem, ctas_per_sm, steps, masked=first_masked, first=True)
-            total += first - (masked if first_masked else plain)
-        return total
+        first = self.step_clocks(config, problem, ctas_per_sm, steps, masked=True, first=True)
+        return start + first + (steps - masked_steps) * plain + (masked_steps - 1) * masked + epilogue
 
     def kv_steps(self, config, problem) -> list[tuple[int, int, int]]:
-        """(steps, masked steps, number of CTAs) for each distinct kind of CTA."""
+        """(steps, masked steps, number of CTAs) for each distinct kind of CTA. The kernel masks the
+        first block it takes (the last one) whether or not it needs it, so every CTA with a step has
+        a masked one."""
         tm, tn = config.tile_m, config.tile_n
         sq, sk = problem.seqlen_q, problem.seqlen_k
         m_blocks = -(-sq // tm)
         ctas_per_row_block = problem.batch * problem.nheads_q
         if not problem.causal:
             steps = -(-sk // tn)
-            return [(steps, 1 if sk % tn else 0, m_blocks * ctas_per_row_block)]
+            return [(steps, 1 if steps else 0, m_blocks * ctas_per_row_block)]
         offset = sk - sq  # bottom-right aligned causal mask
         kinds = []
         for i in range(m_blocks):
             last_visible = min(sk, max(0, min((i + 1) * tm, sq) + offset))
             steps = -(-last_visible // tn)
             unmasked = min(steps, max(0, i * tm + offset + 1) // tn)
-            kinds.append((steps, steps - unmasked, ctas_per_row_block))
+            kinds.append((steps, max(steps - unmasked, 1 if steps else 0), ctas_per_row_block))
         return kinds
 
     def time_s(self, config, problem) -> tuple[float, dict]:
