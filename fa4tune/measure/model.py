@@ -143,11 +143,13 @@ class CostModel:
         softmax = elements * softmax_clocks_per_element(t, config.emu_share, config.poly_degree, a,
                                                         lazy_max=config.lazy_max and not first)
         softmax += elements * config.emu_share * a.emulation_kernel_extra_ops / t.alu_issue_per_clk
-        if not first and config.rescale_branch:
+        if first:
+            pass  # the first step starts O: nothing to vote on or rescale
+        elif config.rescale_branch:
             softmax += rescale_fraction(config.rescale_threshold, steps) * tm * dv / t.alu_issue_per_clk
             if config.rescale_threshold > 0:
                 softmax += 2.0 * tm / t.alu_issue_per_clk  # the per-row vote on whether to rescale
-        elif not first:  # O is multiplied on every later step
+        else:  # O is multiplied on every later step
             softmax += tm * dv / t.alu_issue_per_clk
         if masked:
             softmax += 2.0 * elements / t.alu_issue_per_clk  # compare and select per element
@@ -179,9 +181,8 @@ class CostModel:
         epilogue = tm * dv * 2 / a.l2_bytes_per_clk_per_sm + ctas_per_sm * tm * dv / t.alu_issue_per_clk
         if steps == 0:  # no loads: only the CTA start, and only without persistence
             return (0.0 if config.persistent else a.cta_overhead_clk) + epilogue
-        # The kernel walks the K/V blocks last first and always masks the first (kv_steps counts it
-        # among the masked ones).
-        masked_steps = max(1, masked_steps)
+        # The kernel walks the K/V blocks last first and always masks the first: kv_steps counts it
+        # among the masked ones, so masked_steps is at least 1 here.
         plain = self.step_clocks(config, problem, ctas_per_sm, steps, masked=False)
         masked = self.step_clocks(config, problem, ctas_per_sm, steps, masked=True)
         first = self.step_clocks(config, problem, ctas_per_sm, steps, masked=True, first=True)
