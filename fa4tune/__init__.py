@@ -10,26 +10,16 @@ __version__ = "0.1.0"
 from .problem import Problem  # noqa: E402
 from .runtime import LookupResult, lookup  # noqa: E402
 
-# `fa4tune.attention` (issue 4) lives in this module, imported on first use because it needs torch
-# and the CuTe DSL.
-_ATTENTION_MODULE = "fa4tune.dispatch"
+# `fa4tune.attention` lives in fa4tune.dispatch, imported on first use because it needs torch and the
+# CuTe DSL.
 
 
 def __getattr__(name: str):
     if name == "attention":
-        import importlib
+        from .dispatch import attention
 
-        try:
-            module = importlib.import_module(_ATTENTION_MODULE)
-        except ModuleNotFoundError as exc:
-            if exc.name != _ATTENTION_MODULE:
-                raise
-            raise AttributeError(
-                "fa4tune.attention is not part of this fa4tune version yet (no fa4tune.dispatch module); "
-                "use fa4tune.lookup for configs"
-            ) from None
-        globals()["attention"] = module.attention  # later calls skip this hook
-        return module.attention
+        globals()["attention"] = attention  # later calls skip this hook
+        return attention
     raise AttributeError(f"module 'fa4tune' has no attribute {name!r}")
 
 

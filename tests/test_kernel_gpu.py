@@ -371,6 +371,7 @@ def test_kernels_that_ignore_the_counter_get_one_dummy_even_in_a_graph(monkeypat
     fa4tune.attention hand them one fixed dummy per device and never ask for a stream's counter (so
     nothing is allocated per call inside a graph), and a captured graph replays right."""
     import fa4tune
+    from fa4tune import dispatch
     from fa4tune.kernels import interface
     from fa4tune.kernels.interface import attention_forward, launch_counter
     from fa4tune.kernels.reference import attention_reference
@@ -383,11 +384,11 @@ def test_kernels_that_ignore_the_counter_get_one_dummy_even_in_a_graph(monkeypat
     assert launch_counter(counting, True, q.device) is not interface._UNUSED[q.device]
 
     attention_forward(q, k, v, counting)  # compile outside the capture
-    fa4tune.dispatch.clear()
+    dispatch.clear()
     fa4tune.attention(q, k, v)
     torch.cuda.synchronize()
     # fa4tune.attention's launch holds its counter getter from when it was made, before the patch
-    [launch] = fa4tune.dispatch._LAUNCHES.values()
+    [launch] = dispatch._LAUNCHES.values()
     assert launch._tile_counter is None and launch._unused_counter is interface._UNUSED[q.device]
 
     def no_counter_here(*args):
@@ -485,6 +486,7 @@ def test_fa4tune_attention_takes_the_counter_of_the_stream_it_launches_on(monkey
     from types import SimpleNamespace
 
     import fa4tune
+    from fa4tune import dispatch
     from fa4tune.kernels import interface
     from fa4tune.kernels.reference import attention_reference
 
@@ -499,7 +501,7 @@ def test_fa4tune_attention_takes_the_counter_of_the_stream_it_launches_on(monkey
     monkeypatch.setattr(interface, "current_tile_counter",
                         lambda device: taken.append((torch.cuda.current_stream().stream_id, original(device)))
                         or taken[-1][1])
-    fa4tune.dispatch.clear()  # launches made from here on bind the recording getter
+    dispatch.clear()  # launches made from here on bind the recording getter
     streams = [torch.cuda.Stream(), torch.cuda.Stream(priority=-1)]
     for stream in streams * 2:
         stream.wait_stream(torch.cuda.current_stream())
@@ -509,9 +511,9 @@ def test_fa4tune_attention_takes_the_counter_of_the_stream_it_launches_on(monkey
         err = ((out.float() - ref_out).norm() / ref_out.norm()).item()
         assert err < OUT_TOL, err
     assert [stream_id for stream_id, _ in taken] == [s.stream_id for s in streams * 2]
-    [launch] = fa4tune.dispatch._LAUNCHES.values()
+    [launch] = dispatch._LAUNCHES.values()
     assert launch.config == config
-    fa4tune.dispatch.clear()  # its launch holds the recording getter
+    dispatch.clear()  # its launch holds the recording getter
     first, second = taken[0][1], taken[1][1]
     assert first is not second and taken[2][1] is first and taken[3][1] is second
     assert first.item() == 0 and second.item() == 0

@@ -251,14 +251,14 @@ def test_importing_fa4tune_and_looking_up_a_table_stays_light(workdir):
     assert out.strip() == "[]"
 
 
-def test_attention_is_not_pretended():
-    import importlib.util
-
-    if importlib.util.find_spec("fa4tune.dispatch") is None:
-        with pytest.raises(AttributeError, match="not part of this fa4tune version"):
-            fa4tune.attention
-    else:  # issue 4 has landed: the hook must hand out the real function
-        assert callable(fa4tune.attention)
+def test_attention_is_the_dispatcher_and_loads_on_first_use():
+    code = (
+        "import sys, fa4tune\n"
+        "assert 'fa4tune.dispatch' not in sys.modules\n"
+        "from fa4tune.dispatch import attention\n"
+        "assert fa4tune.attention is attention\n"
+    )
+    subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
 
 
 def test_the_gpu_is_asked_once_torch_is_there_even_after_an_earlier_lookup():
