@@ -7,7 +7,7 @@ change, timed side by side.
 Shapes are 'head_dim:seqlen[:causal]' at 16k tokens and hidden 2048 (benchmarks/attention.py); the
 default list is the tuning grid (head dims 64 and 128 at 1k, 4k, 16k, causal and not). `tuned` is the
 config fa4tune.attention looks up (FA4TUNE_TABLE, FA4TUNE_DB, else the shipped tables, or --table);
-the table says how it was found (exact, bucket, nearest, default) and whether it is stale or an
+the table says how it was found (exact, bucket, nearest, other-dtype, default) and whether it is stale or an
 estimate. A variant the feasibility rules refuse, one that is the base itself (the base already has
 the change) and one that fails to compile are listed as such, not timed, and left out of the
 geometric means. The kernels compile first, in a pool of --jobs processes (CPU work); then every

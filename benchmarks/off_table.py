@@ -5,18 +5,20 @@ For each shape, the config the runtime lookup picks (the same bucket, else the n
 (interleaved rounds, L2 flushed, every column checked against the fp32 reference first). It answers
 whether a user whose shape was never searched still gains from the table, or loses.
 
-    python benchmarks/off_table.py [--shapes 64:2048,64:8192:causal,...] [--table PATH] [--rounds 3]
-                                   [--json out.json]
+    python benchmarks/off_table.py [--shapes 64:2048,64:8192:causal,...] [--dtype fp16] [--table PATH]
+                                   [--rounds 3] [--json out.json]
 
 Shapes are 'head_dim:seqlen[:causal]' at batch 16384 // seqlen (16k tokens; 15k at 3072) and hidden 2048 (as benchmarks/attention.py
 takes them). The default list: head dims 64 and 128 at seqlens 2048 and 8192 (between the grid's), and
-3072 (not a power of two), causal and not. Prints a markdown table last."""
+3072 (not a power of two), causal and not. `--dtype fp16` asks the same of fp16 problems, which a
+bf16-only table serves from its sibling-dtype rung. Prints a markdown table last."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -34,11 +36,12 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated head_dim:seqlen[:causal]")
     ap.add_argument("--table", default=None, help="table file/dir or results DB (default: what "
                     "fa4tune.attention reads: FA4TUNE_TABLE, FA4TUNE_DB, else the shipped tables)")
+    ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     try:
-        problems = [parse_shape(s) for s in args.shapes.split(",") if s]
+        problems = [replace(parse_shape(s), dtype=args.dtype) for s in args.shapes.split(",") if s]
     except (ValueError, IndexError):
         print(f"off_table: --shapes wants head_dim:seqlen[:causal],... (got {args.shapes!r})", file=sys.stderr)
         return 2

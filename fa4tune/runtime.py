@@ -4,22 +4,23 @@
 
 The ladder: the exact problem, else a tuned problem of the same bucket, else the nearest tuned
 problem of the same dtype, head dims and causality (distance in log seqlen and log batch·heads), else
-the kernel's default; configs tuned for the installed kernel code come before stale ones, and in the
-problem's bucket measurements before cost-model estimates. A source is read once and kept in memory; a
-lookup is a dict access after the first call for a problem. It never raises for a missing, empty or
-unreadable source: it returns the default and warns once. Importing this module imports neither
-torch nor cutlass."""
+one of the sibling dtype (fp16 for bf16 and back: one element width), by the same rules, else the
+kernel's default; configs tuned for the installed kernel code come before stale ones whatever their
+rung or dtype, and in the problem's bucket measurements before cost-model estimates. A source is read
+once and kept in memory; a lookup is a dict access after the first call for a problem. It never
+raises for a missing, empty or unreadable source: it returns the default and warns once. Importing
+this module imports neither torch nor cutlass."""
 
 from __future__ import annotations
 
 import os
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .kernels import get_kernel
-from .problem import Problem
+from .problem import SIBLING_DTYPES, Problem
 from .target import DEFAULT_TARGET, get_target
 
 # The shipped tables: tuning_configs/tables, through the link fa4tune/shipped_tables (a wheel carries
@@ -30,8 +31,9 @@ PACKAGE_TABLES = Path(__file__).resolve().parent / "shipped_tables"
 @dataclass(frozen=True)
 class LookupResult:
     """What `lookup` found: the config, which rung of the ladder it came from ("exact", "bucket",
-    "nearest", "default"), the tuned problem it was borrowed from, whether that tuning was done
-    on other kernel code (stale), and whether its time was a cost-model estimate, not a measurement."""
+    "nearest", "other-dtype", "default"), the tuned problem it was borrowed from, whether that tuning
+    was done on other kernel code (stale), and whether its time was a cost-model estimate, not a
+    measurement."""
 
     config: object
     source: str
@@ -141,19 +143,26 @@ class Lookup:
         key = problem.key()
         ranked = []
         for entry, other_problem, other_key, other in candidates:
+            sibling = other_problem.dtype != problem.dtype
+            if sibling:  # tuned for the other dtype of this width: ranked as if tuned for this one
+                if other_problem.dtype != SIBLING_DTYPES.get(problem.dtype):
+                    continue
+                other_problem = replace(other_problem, dtype=problem.dtype)
+                other_key, other = other_problem.key(), other_problem.bucket()
             closeness = problem.distance(other_problem)  # exact sizes: 4100 tokens borrow from 4096, not 8192
             if closeness == float("inf"):
                 continue
             rung = 0 if other_key == key else 1 if other == bucket else 2
-            # Current kernel code first. In the problem's own bucket (the unit a config is shared in) a
-            # measurement comes before an estimate, even of the exact problem: the cost model errs by
-            # more than tuning gains, and an estimate table exported beside the shipped one must not
-            # shadow its measurements; then the rung. Beyond the bucket the closest problem comes first,
-            # a measurement before an estimate only at equal distance. The problem key breaks ties.
+            # Current kernel code first, whatever the dtype. Then the problem's own dtype before the
+            # sibling's. In the problem's own bucket (the unit a config is shared in) a measurement comes
+            # before an estimate, even of the exact problem: the cost model errs by more than tuning
+            # gains, and an estimate table exported beside the shipped one must not shadow its
+            # measurements; then the rung. Beyond the bucket the closest problem comes first, a
+            # measurement before an estimate only at equal distance. The problem key breaks ties.
             own_bucket = rung < 2
-            ranked.append((entry.kernel_hash != installed, not own_bucket, own_bucket and entry.is_estimate, rung,
-                           closeness, entry.is_estimate, entry.problem_key, entry))
-        for stale, _, _, rung, _, estimate, _, entry in sorted(ranked, key=lambda r: r[:7]):
+            ranked.append((entry.kernel_hash != installed, sibling, not own_bucket, own_bucket and entry.is_estimate,
+                           rung, closeness, entry.is_estimate, entry.problem_key, entry))
+        for stale, sibling, _, _, rung, _, estimate, _, entry in sorted(ranked, key=lambda r: r[:8]):
             try:
                 config = spec.make_config(entry.config)
             except spec.config_error:
@@ -163,7 +172,7 @@ class Lookup:
             if stale:
                 self._warn(f"{index.origin} was tuned for other {spec.name} code (hash "
                            f"{entry.kernel_hash[:12]}, installed {installed[:12]}): its configs are stale")
-            how = "exact" if rung == 0 else "bucket" if rung == 1 else "nearest"
+            how = "other-dtype" if sibling else ("exact", "bucket", "nearest")[rung]
             return LookupResult(config, how, entry.problem_key, stale, index.origin, estimate)
         return LookupResult(spec.default_config(problem, target), "default", None, False, index.origin)
 

@@ -96,6 +96,45 @@ def test_attention_matches_the_reference(shape):
         assert (lse[finite] - ref_lse[finite]).abs().max().item() < 1e-3
 
 
+def test_fp16_runs_the_config_tuned_for_bf16(workdir, monkeypatch):
+    """A DB that holds a bf16 problem only: an fp16 call of that shape takes its config (the
+    sibling-dtype rung), launches it, and matches the reference at fp16's tolerance."""
+    import fa4tune
+    from fa4tune import dispatch
+    from fa4tune.db import ResultsDB
+    from fa4tune.kernels import get_kernel
+    from fa4tune.kernels.reference import attention_reference
+    from fa4tune.measure.base import Measurement
+    from fa4tune.measure.verify import TOLERANCES
+    from fa4tune.target import detect_target
+
+    kernel, target = get_kernel(), detect_target()
+    problem = Problem(head_dim=128, causal=True, seqlen_q=1536, batch=2, nheads_q=8, nheads_kv=2)
+    tuned = {**kernel.default_config(problem, target).to_dict(), "tile_n": 96, "num_stages": 3}
+    with ResultsDB.open("tuned.db") as db:
+        run = db.start_run(job_name="j", kernel=kernel.name, kernel_hash=kernel.source_hash(), target=target.name,
+                           backend="gpu", is_estimate=False, fa4tune_version="0", study_prefix="p")
+        db.add_trial(run_id=run, study_name="s", optuna_number=0, kernel=kernel.name, kernel_hash=kernel.source_hash(),
+                     target=target.name, problem=problem, config=tuned, measurement=Measurement.ok(problem, 0.1),
+                     source="sampler", provenance={})
+    monkeypatch.setenv("FA4TUNE_DB", str(workdir / "tuned.db"))
+    fa4tune.runtime.reset()
+    dispatch.clear()
+    q = torch.randn(2, 1536, 8, 128, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(2, 1536, 2, 128, device="cuda", dtype=torch.float16) for _ in range(2))
+    hit = dispatch.explain(q, k, v, causal=True)
+    assert (hit.source, hit.problem_key, hit.config.to_dict()) == ("other-dtype", problem.key(), tuned)
+    out, lse = fa4tune.attention(q, k, v, causal=True)
+    [launch] = dispatch._LAUNCHES.values()
+    assert launch.config.to_dict() == tuned
+    ref_out, ref_lse = attention_reference(q, k, v, causal=True)
+    tolerance = TOLERANCES["fp16"]
+    assert ((out.float() - ref_out).norm() / ref_out.norm()).item() < tolerance.out
+    assert (lse - ref_lse).abs().max().item() < tolerance.lse
+    dispatch.clear()
+    fa4tune.runtime.reset()
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_inputs_with_nothing_to_compute_give_zero_and_minus_inf(causal, monkeypatch):
     """No batch, no query rows or no keys: O zero and LSE -inf on the tensors' device and current

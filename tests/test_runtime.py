@@ -3,6 +3,7 @@ import sys
 import threading
 import time
 import warnings
+from dataclasses import replace
 
 import pytest
 
@@ -49,9 +50,12 @@ def test_the_fallback_ladder(tuned_db):
     hit = lookup(far, "H200", source=tuned_db)
     assert (hit.source, hit.config.tile_n, hit.problem_key) == ("nearest", 160, TUNED_16K.key())
     for other_family in (Problem(head_dim=128, seqlen_q=4096, batch=2, nheads_q=16, causal=True),
-                         Problem(head_dim=64, seqlen_q=4096), Problem(dtype="fp16", seqlen_q=4096)):
+                         Problem(head_dim=64, seqlen_q=4096)):
         hit = lookup(other_family, "H200", source=tuned_db)
         assert hit.source == "default" and hit.config == KERNEL.default_config(other_family, None)
+    # fp16 has no tuned problem: the nearest bf16 one of its head dims and causality lends its config.
+    hit = lookup(Problem(dtype="fp16", head_dim=128, seqlen_q=4096, batch=2, nheads_q=16), "H200", source=tuned_db)
+    assert (hit.source, hit.config.tile_n, hit.problem_key) == ("other-dtype", 96, TUNED_4K.key())
     # Another target has no tuned configs.
     assert lookup(TUNED_4K, "H100-SXM", source=tuned_db).source == "default"
 
@@ -82,6 +86,52 @@ def test_the_nearest_rung_ranks_the_problems_not_their_buckets(workdir):
     hit = lookup(Problem(head_dim=128, seqlen_q=4100, batch=4, nheads_q=16, causal=True), "H200",
                  source=str(workdir / "t.yaml"))
     assert (hit.source, hit.problem_key, hit.config.tile_n) == ("nearest", tuned_4k.key(), 96)
+
+
+def test_the_sibling_dtype_lends_after_every_problem_of_the_own_dtype(workdir):
+    """fp16 and bf16 share one element width, so a config tuned for one runs the other. An fp16 problem
+    borrows from a far fp16 problem (16x the tokens) of its head dims and causality before the exact
+    bf16 one; with none, from the closest bf16 problem whose config fits it (not from one of other
+    causality); and bf16 from fp16 the same way."""
+    fp16_64k = Problem(dtype="fp16", head_dim=128, seqlen_q=65536, batch=1, nheads_q=16)
+    causal_8k, causal_16k, causal_64k = (Problem(head_dim=128, seqlen_q=s, batch=1, nheads_q=16, causal=True)
+                                         for s in (8192, 16384, 65536))
+    unfit = entry(causal_8k, 192)
+    unfit = replace(unfit, config={**unfit.config, "num_stages": 5})  # more shared memory than an SM has
+    fp16_256 = Problem(dtype="fp16", head_dim=256, seqlen_q=4096, batch=1, nheads_q=8, causal=True)
+    path = workdir / "t.yaml"
+    write_table_file(path, [entry(TUNED_4K, 96), entry(fp16_64k, 160), unfit, entry(causal_64k, 80),
+                            entry(causal_16k, 128), entry(fp16_256, 64)])
+    cases = [
+        (replace(TUNED_4K, dtype="fp16"), ("nearest", fp16_64k.key(), 160)),
+        (replace(fp16_64k, dtype="bf16"), ("nearest", TUNED_4K.key(), 96)),
+        (replace(causal_8k, dtype="fp16"), ("other-dtype", causal_16k.key(), 128)),  # 16k is closer than 64k
+        (replace(fp16_256, dtype="bf16", seqlen_q=2048), ("other-dtype", fp16_256.key(), 64)),
+        (replace(fp16_256, causal=False), ("default", None, KERNEL.default_config(fp16_256, None).tile_n)),
+    ]
+    for problem, expected in cases:
+        hit = lookup(problem, "H200", source=str(path))
+        assert (hit.source, hit.problem_key, hit.config.tile_n) == expected, problem.key()
+
+
+def test_across_dtypes_current_code_and_measurements_keep_their_precedence(workdir):
+    """On the sibling-dtype rung as on the others: a config tuned for the installed kernel code comes
+    before a stale one even of the problem's own dtype and exact shape, and in the problem's bucket a
+    measurement before an estimate of the exact problem."""
+    fp16_4k = replace(TUNED_4K, dtype="fp16")
+    bf16_3000 = Problem(head_dim=128, seqlen_q=3000, batch=2, nheads_q=16)  # TUNED_4K's bucket
+    tables = workdir / "tables"
+    tables.mkdir()
+    (tables / "a-stale.yaml").write_text(render_yaml(table_document(
+        [entry(fp16_4k, 64, kernel_hash="0" * 64, is_estimate=False)], KERNEL.name, "0" * 64, "H200")))
+    write_table_file(tables / "b.yaml", [entry(TUNED_4K, 96, is_estimate=True), entry(bf16_3000, 160, is_estimate=False)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the stale table is never used, so nothing warns of it
+        hit = lookup(fp16_4k, "H200", source=str(tables))
+    assert (hit.source, hit.problem_key, hit.config.tile_n, hit.stale, hit.estimate) == (
+        "other-dtype", bf16_3000.key(), 160, False, False)
+    with pytest.warns(RuntimeWarning, match="stale"):  # the stale table is read, and used where nothing else fits
+        assert lookup(replace(fp16_4k, seqlen_q=8192), "H200", source=str(tables / "a-stale.yaml")).stale
 
 
 def test_a_measurement_comes_before_an_estimate_at_the_same_rung(workdir):
@@ -255,8 +305,8 @@ def test_attention_is_the_dispatcher_and_loads_on_first_use():
     code = (
         "import sys, fa4tune\n"
         "assert 'fa4tune.dispatch' not in sys.modules\n"
-        "from fa4tune.dispatch import attention\n"
-        "assert fa4tune.attention is attention\n"
+        "attention = fa4tune.attention\n"
+        "assert attention is sys.modules['fa4tune.dispatch'].attention\n"
     )
     subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
 
