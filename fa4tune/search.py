@@ -24,7 +24,7 @@ import math
 import time
 import warnings
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import metadata
 
 from . import __version__, interrupts
@@ -32,7 +32,7 @@ from .db import DuplicateTrial, ResultsDB, config_key, resolve_location, shown_l
 from .errors import BackendUnavailable, Fa4tuneError, KernelError, StorageError
 from .job import Job
 from .measure.base import Backend, Measurement, make_backend, resolve_backend_name
-from .problem import Problem
+from .problem import SIBLING_DTYPES, Problem
 from .space import ComposedSpace, compose
 from .studies import (CLAIM_ATTR, WORKER_ATTR, check_storage, default_storage_location, fail_stale, give_back,
                       hand_back, is_server_storage, make_sampler, open_storage, problem_seed,
@@ -825,17 +825,22 @@ class _Context:
                 enqueue(params, "probe")
 
     def _neighbours(self, problem: Problem, domains: dict) -> list[dict]:
-        """The params of the best configs of the nearest tuned problems (at most job.warm_start)."""
+        """The params of the best configs of the nearest tuned problems (at most job.warm_start): of the
+        problem's dtype or its sibling's (bf16 and fp16, as the runtime lookup borrows), the nearest
+        bucket first, at equal distance the own dtype, then current kernel code."""
         bucket = problem.bucket()
         neighbours = []
         for entry in self.db.best_configs(kernel=self.kernel.name, target=self.target.name):
             other = Problem.from_dict(entry.problem)
+            sibling = other.dtype == SIBLING_DTYPES.get(problem.dtype)
+            if sibling:
+                other = replace(other, dtype=problem.dtype)
             distance = bucket.distance(other.bucket())
             if distance != float("inf"):
                 current = entry.kernel_hash == self.run.kernel_hash
-                neighbours.append((distance, not current, entry.problem_key, entry.config))
+                neighbours.append((distance, sibling, not current, entry.problem_key, entry.config))
         seen = []
-        for _, _, _, config in sorted(neighbours, key=lambda n: n[:3]):
+        for *_, config in sorted(neighbours, key=lambda n: n[:4]):
             # A config stored before a knob existed ran with that knob at its schema default.
             config = self.kernel.canonical_values(config)
             params = {k: config[k] for k in domains if k in config}

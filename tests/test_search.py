@@ -175,6 +175,15 @@ def test_default_is_measured_first_and_neighbours_warm_start_the_next_problem(wo
     assert [t["source"] for t in new[:2]] == ["default", "warm-start"]
     assert new[1]["config"] == best.config
 
+    # fp16 of the first problem's shape: the bf16 best of that very shape starts it (the sibling dtype).
+    third = write_job(workdir, name="third", spaces=SMALL_SPACE, budget={"trials": 3}, warm_start=1,
+                      problems=[{"dtype": "fp16", "head_dim": 64, "seqlen_q": 4096, "batch": 2, "nheads_q": 16}])
+    run_search(load_job(third), say=quiet)
+    with ResultsDB.open(summary.db_location, create=False) as db:
+        new = [t for t in db.trials() if t["run_id"] == 3]
+    assert [t["source"] for t in new[:2]] == ["default", "warm-start"]
+    assert new[1]["config"] == best.config and best.problem_key.startswith("bf16-")
+
 
 def test_search_with_an_entry_point_plugin(workdir, entry_point_plugin):
     from fa4tune_testplugin import REJECTED
