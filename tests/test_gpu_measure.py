@@ -96,22 +96,19 @@ def test_attention_matches_the_reference(shape):
         assert (lse[finite] - ref_lse[finite]).abs().max().item() < 1e-3
 
 
-def test_fp16_runs_the_config_tuned_for_bf16(workdir, monkeypatch):
-    """A DB that holds a bf16 problem only: an fp16 call of that shape takes its config (the
-    sibling-dtype rung), launches it, and matches the reference at fp16's tolerance."""
+def _tuned_db_in_use(problem, workdir, monkeypatch):
+    """A results DB in workdir holding one measured best for `problem` on this GPU (the default
+    with tile_n 96 and three stages), made the lookup's source; the kernel and that config."""
     import fa4tune
     from fa4tune import dispatch
     from fa4tune.db import ResultsDB
     from fa4tune.kernels import get_kernel
-    from fa4tune.kernels.reference import attention_reference
     from fa4tune.measure.base import Measurement
-    from fa4tune.measure.verify import TOLERANCES
     from fa4tune.target import detect_target
 
     kernel, target = get_kernel(), detect_target()
-    problem = Problem(head_dim=128, causal=True, seqlen_q=1536, batch=2, nheads_q=8, nheads_kv=2)
     tuned = {**kernel.default_config(problem, target).to_dict(), "tile_n": 96, "num_stages": 3}
-    with ResultsDB.open("tuned.db") as db:
+    with ResultsDB.open(str(workdir / "tuned.db")) as db:
         run = db.start_run(job_name="j", kernel=kernel.name, kernel_hash=kernel.source_hash(), target=target.name,
                            backend="gpu", is_estimate=False, fa4tune_version="0", study_prefix="p")
         db.add_trial(run_id=run, study_name="s", optuna_number=0, kernel=kernel.name, kernel_hash=kernel.source_hash(),
@@ -120,6 +117,19 @@ def test_fp16_runs_the_config_tuned_for_bf16(workdir, monkeypatch):
     monkeypatch.setenv("FA4TUNE_DB", str(workdir / "tuned.db"))
     fa4tune.runtime.reset()
     dispatch.clear()
+    return kernel, tuned
+
+
+def test_fp16_runs_the_config_tuned_for_bf16(workdir, monkeypatch):
+    """A DB that holds a bf16 problem only: an fp16 call of that shape takes its config (the
+    sibling-dtype rung), launches it, and matches the reference at fp16's tolerance."""
+    import fa4tune
+    from fa4tune import dispatch
+    from fa4tune.kernels.reference import attention_reference
+    from fa4tune.measure.verify import TOLERANCES
+
+    problem = Problem(head_dim=128, causal=True, seqlen_q=1536, batch=2, nheads_q=8, nheads_kv=2)
+    _, tuned = _tuned_db_in_use(problem, workdir, monkeypatch)
     q = torch.randn(2, 1536, 8, 128, device="cuda", dtype=torch.float16)
     k, v = (torch.randn(2, 1536, 2, 128, device="cuda", dtype=torch.float16) for _ in range(2))
     hit = dispatch.explain(q, k, v, causal=True)
@@ -188,24 +198,10 @@ def test_inputs_with_nothing_to_compute_give_zero_and_minus_inf(causal, monkeypa
 def test_attention_runs_the_tables_config_on_the_current_stream(workdir, monkeypatch):
     import fa4tune
     from fa4tune import dispatch
-    from fa4tune.db import ResultsDB
-    from fa4tune.kernels import get_kernel
     from fa4tune.kernels.interface import attention_forward
-    from fa4tune.measure.base import Measurement
-    from fa4tune.target import detect_target
 
-    kernel, target = get_kernel(), detect_target()
     problem = Problem(head_dim=128, causal=True, seqlen_q=1536, batch=2, nheads_q=4)
-    tuned = {**kernel.default_config(problem, target).to_dict(), "tile_n": 96, "num_stages": 3}
-    with ResultsDB.open("tuned.db") as db:
-        run = db.start_run(job_name="j", kernel=kernel.name, kernel_hash=kernel.source_hash(), target=target.name,
-                           backend="gpu", is_estimate=False, fa4tune_version="0", study_prefix="p")
-        db.add_trial(run_id=run, study_name="s", optuna_number=0, kernel=kernel.name, kernel_hash=kernel.source_hash(),
-                     target=target.name, problem=problem, config=tuned, measurement=Measurement.ok(problem, 0.1),
-                     source="sampler", provenance={})
-    monkeypatch.setenv("FA4TUNE_DB", str(workdir / "tuned.db"))
-    fa4tune.runtime.reset()
-    dispatch.clear()
+    kernel, tuned = _tuned_db_in_use(problem, workdir, monkeypatch)
     q, k, v = (torch.randn(2, 1536, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     assert dispatch.explain(q, k, v, causal=True).config.to_dict() == tuned
     side = torch.cuda.Stream()
