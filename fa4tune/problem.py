@@ -7,8 +7,9 @@ from dataclasses import asdict, dataclass, fields
 
 DTYPES = ("bf16", "fp16")
 # Dtypes of one element width: a config tuned for one runs the other with the same shared memory,
-# registers and instruction mix (only the MMA's input type and the P conversion differ), so a table
-# of one serves the other where it holds nothing usable of that dtype, head dims and causality.
+# registers and instruction mix (only the MMA's input type and the conversions of P and O differ),
+# so a table of one serves the other where it holds nothing usable of that dtype, head dims and
+# causality.
 SIBLING_DTYPES = {"bf16": "fp16", "fp16": "bf16"}
 # Head dims any fa4tune kernel could ever take; a given kernel may support fewer (its own check says so).
 HEAD_DIMS = (64, 96, 128, 192, 256)
