@@ -22,7 +22,7 @@ TOKENS, HIDDEN = 16384, 2048
 
 
 def grid_problem(head_dim: int, seqlen: int, causal: bool):
-    """The DESIGN.md benchmark shape: 16k tokens per batch, hidden 2048, bf16, self-attention."""
+    """The design notes' benchmark shape: 16k tokens per batch, hidden 2048, bf16, self-attention."""
     from fa4tune.problem import Problem
 
     return Problem(head_dim=head_dim, causal=causal, seqlen_q=seqlen, seqlen_k=seqlen,

@@ -35,7 +35,7 @@ class ReportError(Exception):
 
 
 def is_grid(problem) -> bool:
-    """The benchmark grid of DESIGN.md: 16k tokens, hidden 2048."""
+    """The benchmark grid of the design notes: 16k tokens, hidden 2048."""
     return (problem.head_dim in GRID_HEAD_DIMS and problem.seqlen_q in GRID_SEQLENS
             and problem.seqlen_q == problem.seqlen_k and problem.batch * problem.seqlen_q == 16384
             and problem.nheads_q * problem.head_dim == 2048 and problem.nheads_kv == problem.nheads_q)

@@ -238,7 +238,7 @@ def _parse_problems(spec, fail) -> list[Problem]:
 
 def _problem_from_fields(fields: dict) -> Problem:
     """A Problem from job fields; `tokens` sets batch = tokens / seqlen_q and `hidden` sets
-    nheads_q = hidden / head_dim (the DESIGN.md grid: 16k tokens, hidden 2048)."""
+    nheads_q = hidden / head_dim (the design notes' grid: 16k tokens, hidden 2048)."""
     fields = dict(fields)
     tokens, hidden = fields.pop("tokens", None), fields.pop("hidden", None)
     if tokens is not None:

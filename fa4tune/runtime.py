@@ -149,7 +149,8 @@ class Lookup:
                     continue
                 other_problem = replace(other_problem, dtype=problem.dtype)
                 other_key, other = other_problem.key(), other_problem.bucket()
-            closeness = problem.distance(other_problem)  # exact sizes: 4100 tokens borrow from 4096, not 8192
+            closeness = problem.distance(other_problem)  # exact sizes, not buckets: beyond the bucket
+            # 4100 tokens borrow from 4096 before 16384
             if closeness == float("inf"):
                 continue
             rung = 0 if other_key == key else 1 if other == bucket else 2

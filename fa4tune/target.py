@@ -64,7 +64,7 @@ TARGETS: dict[str, Target] = {
         Target(name="H100-PCIe", sm_count=114, clock_mhz=1755, hbm_bytes_per_s=2.0e12,
                l2_bytes=50 * 2**20, **_HOPPER),
         # H200: the H100's SM at the same clocks with faster HBM3e. The matrix rate is the one measured
-        # on our H200 (bf16 8192^3 GEMM, DESIGN.md), the copy rate 4.3 TB/s as measured there.
+        # on our H200 (bf16 8192^3 GEMM, the design notes), the copy rate 4.3 TB/s as measured there.
         Target(name="H200", sm_count=132, clock_mhz=1830, hbm_bytes_per_s=4.3e12,
                l2_bytes=60 * 2**20, measured_tensor_tflops=750.0, **_HOPPER),
         Target(name="B200", arch="sm_100a", sm_count=148, clock_mhz=1850, smem_per_block=227 * 1024,

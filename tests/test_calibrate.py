@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 CALIBRATION = REPO / "tuning_configs" / "calibration"
 KERNEL = get_kernel()
 H200 = get_target("H200")
-# The assumptions before the calibration (session 19): set by hand from DESIGN.md and upstream FA4.
+# The assumptions before the calibration (session 19): set by hand from the design notes and upstream FA4.
 HAND_SET = ModelAssumptions(overlap_norm_both=2.0, overlap_norm_one=1.5, overlap_norm_none=1.15,
                             overlap_norm_per_extra_warpgroup=0.0, load_latency_clk=1000.0,
                             l2_bytes_per_clk_per_sm=48.0, step_overhead_clk=80.0, cta_overhead_clk=600.0,

@@ -24,7 +24,7 @@ def tflops(problem, cfg, target=H200):
 
 
 def test_softmax_side_reproduces_the_measured_h200_figures():
-    """DESIGN.md: 14.1 elements/clk/SM MUFU-only, 15.2 with 1/8 emulated at degree 3, worse than
+    """The design notes: 14.1 elements/clk/SM MUFU-only, 15.2 with 1/8 emulated at degree 3, worse than
     MUFU-only past about 30% emulated."""
     rate = lambda share: 1.0 / softmax_clocks_per_element(H200, share, 3)  # noqa: E731
     assert rate(0.0) == pytest.approx(14.1, rel=0.02)

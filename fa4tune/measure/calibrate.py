@@ -7,7 +7,7 @@ A sample is one measured candidate (problem, config, median ms, and whether that
 timing or the pruner's cheap one, 10 runs, which a stopped candidate has alone). The fit minimises the
 mean over problems of the mean squared log error of the model's times over all samples, so that
 every problem weighs the same however many candidates its search measured; it moves only the
-assumptions in FITTED (the softmax side's three stay at DESIGN.md's microbenchmark). `evaluate` says
+assumptions in FITTED (the softmax side's three stay at the design notes' microbenchmark). `evaluate` says
 how well a set of assumptions ranks each problem's fully timed candidates (cheap timings can be
 several percent off): the rank correlation, and the regret of trusting the model, i.e. how much slower
 the candidate the model ranks first measured than the best one measured (averaged over the

@@ -4,7 +4,7 @@ no GPU is present. Deterministic; every result is marked as an estimate.
 Per K/V step of one CTA (tile_m query rows against tile_n keys) it costs
   - the two GEMMs on the tensor cores (at the target's measured GEMM efficiency, scaled),
   - the softmax side: exponentials on MUFU and everything else on the ALU issue slots, the emulated
-    share of exponentials moving from MUFU to FMA issue (calibrated on DESIGN.md's H200 figures, plus
+    share of exponentials moving from MUFU to FMA issue (calibrated on the design notes' H200 microbenchmark, plus
     what an emulated exponential costs in the kernel), the O rescale (skipped by rescale_threshold)
     and causal/ragged masking,
   - the shared-memory operand traffic of the GEMMs, and a fixed handshake cost,
@@ -14,7 +14,7 @@ latency. CTAs are scheduled on sm_count × (CTAs per SM) slots (wave quantisatio
 first), and the kernel can never beat HBM. A persistent kernel pays the CTA start and the first loads
 once per SM; later tiles load under their predecessor.
 
-The softmax side's constants come from a microbenchmark (DESIGN.md); the others are fitted to an H200
+The softmax side's constants come from a microbenchmark (the team's design notes); the others are fitted to an H200
 search's measurements (`fa4tune.measure.calibrate`, ModelAssumptions says how well they fit)."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from .base import Backend, Measurement
 class ModelAssumptions:
     """What the model assumes beyond the Target's numbers; each is calibrated or estimated here."""
 
-    # Softmax side, per score element, measured on an H200 (DESIGN.md): 23.5 elements/clk/SM with no
+    # Softmax side, per score element, measured on an H200 (design notes' microbenchmark): 23.5 elements/clk/SM with no
     # exponential at all -> ALU lane-ops per element = alu_issue_per_clk / 23.5.
     no_exp_elements_per_clk: float = 23.5
     # Lane-ops of one emulated exp2 beyond the polynomial's `degree` FMAs (range split, exponent
