@@ -47,7 +47,8 @@ class GpuOptions:
     min_gain: float = 0.003  # the best replaces the default only when this much faster, and in every round
     max_worker_deaths: int = 5  # consecutive deaths (crash, hang), then a known-good config decides
     worker_module: str = DEFAULT_WORKER_MODULE  # what the workers run (tests plant their own)
-    cache_dir: str | None = None  # exported kernels; default $FA4TUNE_KERNEL_CACHE or ~/.cache/fa4tune/kernels
+    cache_dir: str | None = None  # exported kernels; default $FA4TUNE_KERNEL_CACHE, $XDG_CACHE_HOME/fa4tune/kernels
+    # or ~/.cache/fa4tune/kernels
 
     @classmethod
     def parse(cls, data: dict | None, where: str = "measure") -> "GpuOptions":
