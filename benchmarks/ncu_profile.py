@@ -95,7 +95,12 @@ def _child(args) -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(problem.batch, problem.seqlen_q, problem.nheads_q, problem.head_dim, device="cuda",
                            dtype=torch.bfloat16, generator=gen) for _ in range(3))
-    for config in _configs(args, target):
+    try:
+        configs = _configs(args, target)
+    except ValueError as exc:  # an infeasible variant: said before anything runs
+        print(f"ncu_profile: {exc}", file=sys.stderr)
+        return 2
+    for config in configs:
         attention_forward(q, k, v, config, causal=problem.causal)  # compile and warm, not profiled
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStart()
@@ -131,6 +136,7 @@ def main(argv=None) -> int:
     ap.add_argument("--set", action="append", default=[], help="knob=value: the variant profiled beside the default")
     ap.add_argument("--ncu", default=None, help="the ncu binary (default: ncu on PATH, else /usr/local/cuda/bin/ncu)")
     ap.add_argument("--csv", default=None, help="keep ncu's CSV here")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole ncu run")
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -159,7 +165,11 @@ def main(argv=None) -> int:
                "--print-details", "all", "--csv", "--page", "details",
                sys.executable, str(Path(__file__).resolve()), "--child", "--shape", args.shape,
                *[part for item in args.set for part in ("--set", item)]]
-    done = subprocess.run(command, capture_output=True, text=True)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        print(f"ncu_profile: ncu did not finish in {args.timeout:.0f} s (--timeout)", file=sys.stderr)
+        return 1
     if args.csv:
         Path(args.csv).write_text(done.stdout)
     try:
