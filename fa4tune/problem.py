@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 DTYPES = ("bf16", "fp16")
 # Dtypes of one element width: a config tuned for one runs the other with the same shared memory,
@@ -130,6 +130,17 @@ class Problem:
             f"{self.dtype}-d{self.head_dim}x{self.head_dim_v}-{c}-q{self.seqlen_q}-k{self.seqlen_k}"
             f"-b{self.batch}-h{self.nheads_q}x{self.nheads_kv}"
         )
+
+    def lent_to(self, problem: "Problem") -> tuple["Problem", bool] | None:
+        """This tuned problem as a lender of its config to `problem` (the runtime lookup, the search's
+        warm start): (itself, False) in problem's dtype; (itself in problem's dtype, True) when its dtype
+        is the sibling (SIBLING_DTYPES); None when it cannot lend. Head dims and causality are still
+        the distance's to judge."""
+        if self.dtype == problem.dtype:
+            return self, False
+        if self.dtype == SIBLING_DTYPES.get(problem.dtype):
+            return replace(self, dtype=problem.dtype), True
+        return None
 
     def bucket(self) -> "Bucket":
         return Bucket.of(self)

@@ -16,11 +16,11 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from .kernels import get_kernel
-from .problem import SIBLING_DTYPES, Problem
+from .problem import Problem
 from .target import DEFAULT_TARGET, get_target
 
 # The shipped tables: tuning_configs/tables, through the link fa4tune/shipped_tables (a wheel carries
@@ -143,11 +143,11 @@ class Lookup:
         key = problem.key()
         ranked = []
         for entry, other_problem, other_key, other in candidates:
-            sibling = other_problem.dtype != problem.dtype
+            lent = other_problem.lent_to(problem)
+            if lent is None:
+                continue
+            other_problem, sibling = lent
             if sibling:  # tuned for the other dtype of this width: ranked as if tuned for this one
-                if other_problem.dtype != SIBLING_DTYPES.get(problem.dtype):
-                    continue
-                other_problem = replace(other_problem, dtype=problem.dtype)
                 other_key, other = other_problem.key(), other_problem.bucket()
             closeness = problem.distance(other_problem)  # exact sizes, not buckets: beyond the bucket
             # 4100 tokens borrow from 4096 before 16384

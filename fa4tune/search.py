@@ -24,7 +24,7 @@ import math
 import time
 import warnings
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from importlib import metadata
 
 from . import __version__, interrupts
@@ -32,7 +32,7 @@ from .db import DuplicateTrial, ResultsDB, config_key, resolve_location, shown_l
 from .errors import BackendUnavailable, Fa4tuneError, KernelError, StorageError
 from .job import Job
 from .measure.base import Backend, Measurement, make_backend, resolve_backend_name
-from .problem import SIBLING_DTYPES, Problem
+from .problem import Problem
 from .space import ComposedSpace, compose
 from .studies import (CLAIM_ATTR, WORKER_ATTR, check_storage, default_storage_location, fail_stale, give_back,
                       hand_back, is_server_storage, make_sampler, open_storage, problem_seed,
@@ -831,10 +831,10 @@ class _Context:
         bucket = problem.bucket()
         neighbours = []
         for entry in self.db.best_configs(kernel=self.kernel.name, target=self.target.name):
-            other = Problem.from_dict(entry.problem)
-            sibling = other.dtype == SIBLING_DTYPES.get(problem.dtype)
-            if sibling:
-                other = replace(other, dtype=problem.dtype)
+            lent = Problem.from_dict(entry.problem).lent_to(problem)
+            if lent is None:
+                continue
+            other, sibling = lent
             distance = bucket.distance(other.bucket())
             if distance != float("inf"):
                 current = entry.kernel_hash == self.run.kernel_hash
