@@ -1,6 +1,7 @@
 """Compile the forward kernel for sm_90a on the CPU (no GPU needed) and check ptxas's report: every
-default config and a spread of others must build and must not spill registers to local memory. Their
-PTX is also checked for a stage released before the whole warp saw it full (the race that hung v7).
+default config and a spread of others must build and must not spill registers to local memory, nor
+have ptxas serialize their wgmma instead (its other way out of too few registers). Their PTX is also
+checked for a stage released before the whole warp saw it full (the race that hung v7).
 Every config of the shipped tables must build too, and spill only where a listed measurement says
 the spill is worth it."""
 
@@ -83,6 +84,50 @@ def _spill_report(text: str) -> list[tuple[int, int, int]]:
     return report
 
 
+def _serialized_wgmma(text: str) -> list[tuple[str, str]]:
+    """(ptxas's code, its reason) for each time ptxas says it serialized the kernel's wgmma (every
+    wgmma then waits for the one before it: a correct kernel, maybe without a spill, whose GEMMs no
+    longer overlap anything). ptxas does that when the accumulators of the GEMMs in flight do not fit
+    the registers (C7512: a PV GEMM left in flight across the next S GEMM with four consumer
+    warpgroups, session 25), and for a few other causes. The DSL may wrap the message over lines."""
+    return [(m.group(1), " ".join(m.group(2).split())[:80]) for m in re.finditer(
+        r"\((C75\d\d)\)\s+Potential\s+Performance\s+Loss:\s+wgmma\.mma_async\s+instructions\s+are\s+"
+        r"serialized\s+due\s+to\s+([^']*)", text)]
+
+
+# ptxas's report of a kernel whose wgmma it serialized, as the DSL passed it on once on one line and
+# once wrapped inside its spill remark (the kernel's name shortened).
+_SERIALIZED = ("ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are "
+               "serialized due to insufficient register resources for the function 'kernel_x'\n"
+               "ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n")
+_SERIALIZED_WRAPPED = ("remark[ptxas]: ptxas detected register spills\n"
+                       "          ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are\n"
+                       "          serialized due to insufficient register resources for the function\n"
+                       "          'kernel_x'\n")
+
+
+def test_serialized_wgmma_check_reads_ptxas_advice():
+    reason = "insufficient register resources for the function"
+    assert _serialized_wgmma(_SERIALIZED) == [("C7512", reason)]
+    assert _serialized_wgmma(_SERIALIZED_WRAPPED) == [("C7512", reason)]
+    assert _serialized_wgmma(_SERIALIZED.splitlines()[1]) == []
+
+
+def test_serialized_wgmma_check_sees_a_real_serialized_kernel(capfd, tmp_path, monkeypatch):
+    """Not blind on a real compile: 256x96 at hdim 64 with intra-warpgroup overlap, which the register
+    model refuses (S, P and O of four consumer warpgroups in 112 registers), built with the refusal
+    bypassed: ptxas serializes its wgmma (and spills)."""
+    import fa4tune.kernels.fwd_sm90 as fwd
+    import fa4tune.kernels.interface as interface
+
+    config = FwdConfig(tile_m=256, tile_n=96, rescale_threshold=8.0, persistent=True, lazy_max=True)
+    assert any("would spill" in r for r in infeasible_reasons(Problem(head_dim=64), config, get_target("H200")))
+    monkeypatch.setattr(fwd, "check_config", lambda *args, **kwargs: None)
+    monkeypatch.setattr(interface, "check_config", lambda *args, **kwargs: None)
+    _, text = _compile_with_report(config, "bf16", 64, 64, False, capfd, tmp_path)
+    assert [code for code, _ in _serialized_wgmma(text)] == ["C7512"], text[-2000:]
+
+
 def _early_releases(ptx: str) -> list[tuple[int, int]]:
     """(line of the release, line of the wait before it) for every consumer release (an mbarrier
     arrive without expect_tx) with no warp-wide sync since the last mbarrier wait, in text order.
@@ -140,6 +185,7 @@ def test_compiles_for_sm90a_without_spills(config, dtype, head_dim, head_dim_v, 
     report = _spill_report(text)
     for stack, stores, loads in report:
         assert (stack, stores, loads) == (0, 0, 0), f"{config.short()} spills: {report}"
+    assert not _serialized_wgmma(text), f"{config.short()}: ptxas serialized the wgmma: {_serialized_wgmma(text)}"
     assert compiled.compile_seconds > 0
     ptx = compiled.function.__ptx__
     assert ptx and "mbarrier.arrive" in ptx, "no PTX kept: the release check would be blind"
@@ -173,6 +219,8 @@ def test_every_shipped_config_compiles_and_spills_only_where_allowed(entry, capf
     spills = any(r != (0, 0, 0) for r in report)
     allowed = ALLOWED_SPILLS.get((entry.problem_key, config.short()))
     assert not spills or allowed, f"{entry.problem_key}: {config.short()} spills {report}"
+    assert not _serialized_wgmma(text), f"{entry.problem_key}: {config.short()}: ptxas serialized the wgmma: " \
+                                        f"{_serialized_wgmma(text)}"
 
 
 def test_every_allowed_spill_is_still_in_the_shipped_table():
