@@ -1,7 +1,7 @@
 """Where a kernel's time goes, from the hardware counters: Nsight Compute (ncu) around one launch of
 a shape's default config and of that config with a knob change, side by side.
 
-    python benchmarks/ncu_profile.py [--shape 64:16384] [--set emu_share=0.125 ...] [--ncu PATH]
+    python benchmarks/ncu_profile.py [--shape 64:16384] [--set emu_share=0.125 ...] [--source] [--ncu PATH]
                                      [--csv out.csv] [--json out.json]
 
 A shape is 'head_dim:seqlen[:causal]' at 16k tokens and hidden 2048 (benchmarks/attention.py). The
@@ -11,6 +11,9 @@ once between cudaProfilerStart and cudaProfilerStop, so each profile is one laun
 collects the sections SchedulerStats, WarpStateStats, ComputeWorkloadAnalysis and InstructionStats and
 prints a markdown table of what they say about a latency- or pipe-bound kernel: issue slots, pipe
 utilisation (XU is the MUFU), eligible warps, the largest stall reasons, executed instructions.
+With --source it also collects the source counters (warp-state samples per SASS instruction) and
+prints a second table: the opcodes the warps were sampled on most, each with its share of all
+samples and its largest stall reasons (where in the code the stalls of the first table are).
 ncu replays the launch once per pass of counters, so a kernel's outputs are written several times;
 nothing is checked against the reference here (the other benchmarks do that). ncu needs a machine
 whose GPU counters are readable (on a gVisor host they are not: ncu says so and this script stops)."""
@@ -24,6 +27,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -79,6 +83,78 @@ def summarize(metrics: dict) -> dict:
               if section == "Warp State Statistics" and name.startswith("Stall ") and number(value)}
     out["stalls"] = dict(sorted(stalls.items(), key=lambda kv: -kv[1]))
     return out
+
+
+SOURCE_OPCODES_SHOWN = 8  # the opcodes with the most samples, per launch
+SAMPLES = "Warp Stall Sampling (All Samples)"
+
+
+def parse_source_csv(text: str) -> list[dict]:
+    """`ncu --page source --csv --print-source sass` of one launch -> one dict per SASS instruction
+    (its columns by name). The first line names the kernel; instructions listed twice at one address
+    are counted once."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith('"Address",')), None)
+    if start is None:
+        raise ValueError("no ncu source CSV header (\"Address\",...) in the output")
+    rows, seen = [], set()
+    for row in csv.DictReader(io.StringIO("\n".join(lines[start:]))):
+        key = (row.get("Address"), row.get("Source"))
+        if row.get("Source") is None or key in seen:
+            continue
+        seen.add(key)
+        rows.append(row)
+    return rows
+
+
+def opcode(source: str) -> str:
+    """'@!P0  BRA 0x7f..' -> 'BRA'; 'MUFU.EX2 R4, R4' -> 'MUFU' (the guard and the modifiers dropped)."""
+    words = source.split()
+    if words and words[0].startswith("@"):
+        words = words[1:]
+    return words[0].split(".")[0] if words else "?"
+
+
+def summarize_source(rows: list[dict]) -> dict:
+    """{opcode: {"share": % of all samples, "stalls": {reason: % of the opcode's samples}}}, the
+    opcodes with the most samples first. Stall columns are ncu's stall_* (all samples, issued or not)."""
+    reasons = [name for name in (rows[0] if rows else {}) if name.startswith("stall_") and "(" not in name]
+    total = sum(number(r.get(SAMPLES)) or 0.0 for r in rows)
+    per_op: dict[str, dict] = {}
+    for r in rows:
+        entry = per_op.setdefault(opcode(r.get("Source", "")), {"samples": 0.0, "stalls": {}})
+        entry["samples"] += number(r.get(SAMPLES)) or 0.0
+        for name in reasons:
+            value = number(r.get(name)) or 0.0
+            if value:
+                entry["stalls"][name[len("stall_"):]] = entry["stalls"].get(name[len("stall_"):], 0.0) + value
+    out = {}
+    for op, entry in sorted(per_op.items(), key=lambda kv: -kv[1]["samples"]):
+        if not entry["samples"]:
+            continue
+        stalls = {k: 100.0 * v / entry["samples"] for k, v in sorted(entry["stalls"].items(), key=lambda kv: -kv[1])}
+        out[op] = {"share": 100.0 * entry["samples"] / total, "stalls": stalls}
+    return out
+
+
+def source_table(labels: list[str], summaries: list[dict]) -> str:
+    """Markdown: the opcodes most sampled in any launch, each cell 'share (largest stalls)'."""
+    ops = []
+    for s in summaries:
+        for op in list(s)[:SOURCE_OPCODES_SHOWN]:
+            if op not in ops:
+                ops.append(op)
+
+    def cell(s, op):
+        if op not in s:
+            return "-"
+        stalls = ", ".join(f"{k} {v:.0f}%" for k, v in list(s[op]["stalls"].items())[:3])
+        return f"{s[op]['share']:.1f}% ({stalls})"
+
+    out = ["warp-state samples per SASS opcode: share of all samples (the opcode's largest stall reasons)\n",
+           "| opcode | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
+    out += [f"| {op} | " + " | ".join(cell(s, op) for s in summaries) + " |" for op in ops]
+    return "\n".join(out)
 
 
 def _child(args) -> int:
@@ -137,6 +213,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ncu", default=None, help="the ncu binary (default: ncu on PATH, else /usr/local/cuda/bin/ncu)")
     ap.add_argument("--csv", default=None, help="keep ncu's CSV here")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole ncu run")
+    ap.add_argument("--source", action="store_true",
+                    help="also the source counters: which SASS opcodes the warps wait on")
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -160,34 +238,49 @@ def main(argv=None) -> int:
     if not Path(ncu).exists() and not shutil.which(ncu):
         print(f"ncu_profile: no Nsight Compute at {ncu} (pass --ncu PATH)", file=sys.stderr)
         return 2
-    command = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--target-processes", "all",
-               *[part for section in SECTIONS for part in ("--section", section)],
-               "--print-details", "all", "--csv", "--page", "details",
-               sys.executable, str(Path(__file__).resolve()), "--child", "--shape", args.shape,
-               *[part for item in args.set for part in ("--set", item)]]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        print(f"ncu_profile: ncu did not finish in {args.timeout:.0f} s (--timeout)", file=sys.stderr)
-        return 1
-    if args.csv:
-        Path(args.csv).write_text(done.stdout)
-    try:
-        launches = parse_ncu_csv(done.stdout)
-    except ValueError as exc:
-        print(f"ncu_profile: {exc}; ncu exit status {done.returncode}; its stderr ends:\n{done.stderr[-2000:]}",
-              file=sys.stderr)
-        return 1
+    sections = SECTIONS + (("SourceCounters",) if args.source else ())
     labels = ["default"] + (["default + " + " ".join(args.set)] if args.set else [])
+    with tempfile.TemporaryDirectory(prefix="ncu_profile-") as tmp:
+        # The profile goes to a report file, read back once per page: the details of every launch,
+        # and with --source each launch's source counters.
+        report = Path(tmp) / "profile"
+        command = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--target-processes", "all",
+                   *[part for section in sections for part in ("--section", section)], "-o", str(report),
+                   sys.executable, str(Path(__file__).resolve()), "--child", "--shape", args.shape,
+                   *[part for item in args.set for part in ("--set", item)]]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+            details = subprocess.run([ncu, "-i", f"{report}.ncu-rep", "--page", "details", "--csv",
+                                      "--print-details", "all"], capture_output=True, text=True,
+                                     timeout=args.timeout)
+            sources = [subprocess.run([ncu, "-i", f"{report}.ncu-rep", "--page", "source", "--csv",
+                                       "--print-source", "sass", "--launch-skip", str(i), "--launch-count", "1"],
+                                      capture_output=True, text=True, timeout=args.timeout).stdout
+                       for i in range(len(labels) if args.source else 0)]
+        except subprocess.TimeoutExpired:
+            print(f"ncu_profile: ncu did not finish in {args.timeout:.0f} s (--timeout)", file=sys.stderr)
+            return 1
+    if args.csv:
+        Path(args.csv).write_text(details.stdout)
+    try:
+        launches = parse_ncu_csv(details.stdout)
+        source_summaries = [summarize_source(parse_source_csv(text)) for text in sources]
+    except ValueError as exc:
+        print(f"ncu_profile: {exc}; ncu exit status {done.returncode}; its stderr ends:\n"
+              f"{(done.stderr + details.stderr)[-2000:]}", file=sys.stderr)
+        return 1
     if len(launches) != len(labels):
         print(f"ncu_profile: {len(launches)} profiled launches, expected {len(labels)}; stderr ends:\n"
               f"{done.stderr[-2000:]}", file=sys.stderr)
         return 1
     summaries = [summarize(m) for m in launches]
     if args.json:
-        Path(args.json).write_text(json.dumps({"shape": args.shape, "set": args.set,
-                                               "columns": dict(zip(labels, summaries))}, indent=1))
+        columns = {label: dict(summary, **({"opcodes": ops} if args.source else {}))
+                   for label, summary, ops in zip(labels, summaries, source_summaries or [{}] * len(labels))}
+        Path(args.json).write_text(json.dumps({"shape": args.shape, "set": args.set, "columns": columns}, indent=1))
     print(table(args.shape, labels, summaries))
+    if args.source:
+        print("\n" + source_table(labels, source_summaries))
     return 0
 
 

@@ -71,3 +71,86 @@ def test_output_without_a_csv_is_an_error():
 def test_bad_input_says_what_is_wrong(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+SOURCE_COLUMNS = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Warp Stall Sampling (Not-issued Samples)",
+                  "stall_long_sb", "stall_mio", "stall_wait", "stall_barrier", "stall_wait (Not Issued)"]
+
+
+def source_output(rows: list[tuple]) -> str:
+    """What `ncu -i REPORT --page source --csv --print-source sass` prints for one launch: a line naming
+    the kernel, the header, one row per SASS instruction (ncu repeats the first)."""
+    out = io.StringIO()
+    writer = csv.writer(out, quoting=csv.QUOTE_ALL, lineterminator="\n")
+    out.write('"Kernel Name","kernel_fwd",\n')
+    writer.writerow(SOURCE_COLUMNS)
+    for address, source, samples, long_sb, mio, wait, barrier in [rows[0]] + rows:
+        writer.writerow([address, source, samples, samples, long_sb, mio, wait, barrier, "0"])
+    return out.getvalue()
+
+
+SOURCE_ROWS = [
+    ("0x10", "      MUFU.EX2 R4, R4", "300", "0", "100", "200", "0"),
+    ("0x20", "@!P0  BRA 0x7fde237b0110", "100", "90", "0", "10", "0"),
+    ("0x30", "      MUFU.EX2 R5, R5", "100", "0", "60", "40", "0"),
+    ("0x40", "      WARPGROUP.DEPBAR.LE gsb0, 0x0", "0", "0", "0", "0", "0"),
+]
+
+
+def test_source_counters_are_summed_per_opcode():
+    from benchmarks.ncu_profile import opcode, parse_source_csv, source_table, summarize_source
+
+    assert opcode("@!P0  BRA 0x7f") == "BRA" and opcode("MUFU.EX2 R4, R4") == "MUFU"
+    rows = parse_source_csv(source_output(SOURCE_ROWS))
+    assert len(rows) == 4  # the repeated first row counted once
+    ops = summarize_source(rows)
+    assert list(ops) == ["MUFU", "BRA"]  # by samples; an opcode never sampled is left out
+    assert ops["MUFU"]["share"] == 80.0 and ops["BRA"]["share"] == 20.0
+    assert ops["MUFU"]["stalls"] == {"wait": 60.0, "mio": 40.0}  # % of the opcode's samples
+    text = source_table(["default", "variant"], [ops, {"BRA": ops["BRA"]}])
+    assert "| MUFU | 80.0% (wait 60%, mio 40%) | - |" in text
+    assert "| BRA | 20.0% (long_sb 90%, wait 10%) | 20.0% (long_sb 90%, wait 10%) |" in text
+    with pytest.raises(ValueError, match="no ncu source CSV header"):
+        parse_source_csv('"Kernel Name","kernel_fwd",\n')
+
+
+FAKE_NCU = '''#!{python}
+"""Stands in for ncu: `-o REPORT ...` writes REPORT.ncu-rep (the profiled program is not run); `-i
+REPORT --page details|source` prints the CSV saved beside this script for that page (and launch)."""
+import pathlib, sys
+here = pathlib.Path(__file__).parent
+args = sys.argv[1:]
+(here / "calls.txt").open("a").write(" ".join(args) + "\\n")
+if "-o" in args:
+    pathlib.Path(args[args.index("-o") + 1] + ".ncu-rep").write_text("report")
+elif "--page" in args and args[args.index("--page") + 1] == "details":
+    sys.stdout.write((here / "details.csv").read_text())
+else:
+    sys.stdout.write((here / ("source%s.csv" % args[args.index("--launch-skip") + 1])).read_text())
+'''
+
+
+def test_source_run_profiles_to_a_report_and_reads_each_launch_back(tmp_path, capsys):
+    """The whole main() with --source against a stand-in for ncu: the sections asked for, the report
+    read back once for the details and once per launch for the source counters, both tables printed."""
+    import json
+    import sys
+
+    ncu = tmp_path / "ncu"
+    ncu.write_text(FAKE_NCU.format(python=sys.executable))
+    ncu.chmod(0o755)
+    (tmp_path / "details.csv").write_text(ncu_output([launch("66.48", "2.35", "1,411,537,912"),
+                                                       launch("69.30", "2.10", "1,455,668,488")]))
+    (tmp_path / "source0.csv").write_text(source_output(SOURCE_ROWS))
+    (tmp_path / "source1.csv").write_text(source_output(SOURCE_ROWS[1:]))
+    out_json = tmp_path / "out.json"
+    assert main(["--ncu", str(ncu), "--set", "wg_pingpong=false", "--source", "--json", str(out_json)]) == 0
+    printed = capsys.readouterr().out
+    assert "| XU (MUFU) pipe, % of peak | 66.48 | 69.30 |" in printed
+    assert "| MUFU | 80.0% (wait 60%, mio 40%) | 50.0% (mio 60%, wait 40%) |" in printed
+    calls = (tmp_path / "calls.txt").read_text().splitlines()
+    assert len(calls) == 4 and "--section SourceCounters" in calls[0] and "--child" in calls[0]
+    assert "--page details" in calls[1] and "--launch-skip 1 --launch-count 1" in calls[3]
+    columns = json.loads(out_json.read_text())["columns"]
+    assert list(columns) == ["default", "default + wg_pingpong=false"]
+    assert columns["default"]["opcodes"]["BRA"]["share"] == 20.0
