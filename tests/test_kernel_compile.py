@@ -64,7 +64,7 @@ SPREAD = [
 def _ptxas_report(text: str) -> list[tuple[int, int, int]]:
     """(stack frame, spill stores, spill loads) bytes of every function ptxas reported."""
     return [tuple(int(v) for v in m) for m in re.findall(
-        r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", text)]
+        r"(\d+)\s+bytes\s+stack\s+frame,\s+(\d+)\s+bytes\s+spill\s+stores,\s+(\d+)\s+bytes\s+spill\s+loads", text)]
 
 
 def _compile_with_report(config, dtype, head_dim, head_dim_v, causal, capfd, tmp_path, target="H200"):
@@ -89,10 +89,11 @@ def _serialized_wgmma(text: str) -> list[tuple[str, str]]:
     wgmma then waits for the one before it: a correct kernel, maybe without a spill, whose GEMMs no
     longer overlap anything). ptxas does that when the accumulators of the GEMMs in flight do not fit
     the registers (C7512: a PV GEMM left in flight across the next S GEMM with four consumer
-    warpgroups, session 25), and for a few other causes. The DSL may wrap the message over lines."""
-    return [(m.group(1), " ".join(m.group(2).split())[:80]) for m in re.finditer(
+    warpgroups, session 25), and for a few other causes. The DSL may wrap the message over lines: the
+    reason is its first words (at most seven, read across the wrap, none of the next ptxas line)."""
+    return [(m.group(1), " ".join(m.group(2).split())) for m in re.finditer(
         r"\((C75\d\d)\)\s+Potential\s+Performance\s+Loss:\s+wgmma\.mma_async\s+instructions\s+are\s+"
-        r"serialized\s+due\s+to\s+([^']*)", text)]
+        r"serialized\s+due\s+to\s+((?:(?!ptxas\b)[\w-]+(?:\s+|$)){1,7})", text)]
 
 
 # ptxas's report of a kernel whose wgmma it serialized, as the DSL passed it on once on one line and
@@ -111,12 +112,20 @@ def test_serialized_wgmma_check_reads_ptxas_advice():
     assert _serialized_wgmma(_SERIALIZED) == [("C7512", reason)]
     assert _serialized_wgmma(_SERIALIZED_WRAPPED) == [("C7512", reason)]
     assert _serialized_wgmma(_SERIALIZED.splitlines()[1]) == []
+    # Two in a row (one without a quoted function name) are two, each with its own reason.
+    two = ("(C7511) Potential Performance Loss: wgmma.mma_async instructions are serialized due to the\n"
+           "  wgmma pipeline crossing function boundary\n" + _SERIALIZED)
+    assert _serialized_wgmma(two) == [("C7511", "the wgmma pipeline crossing function boundary"),
+                                      ("C7512", reason)]
+    assert _ptxas_report(_SERIALIZED_WRAPPED.replace("spills", "spills\n  12 bytes stack\n  frame, 8 bytes "
+                                                     "spill stores, 8 bytes spill loads")) == [(12, 8, 8)]
 
 
 def test_serialized_wgmma_check_sees_a_real_serialized_kernel(capfd, tmp_path, monkeypatch):
     """Not blind on a real compile: 256x96 at hdim 64 with intra-warpgroup overlap, which the register
     model refuses (S, P and O of four consumer warpgroups in 112 registers), built with the refusal
     bypassed: ptxas serializes its wgmma (and spills)."""
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before the DSL is loaded, as in _compile_with_report
     import fa4tune.kernels.fwd_sm90 as fwd
     import fa4tune.kernels.interface as interface
 
