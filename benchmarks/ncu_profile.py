@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -91,28 +92,22 @@ SAMPLES = "Warp Stall Sampling (All Samples)"
 
 def parse_source_csv(text: str) -> list[dict]:
     """`ncu --page source --csv --print-source sass` of one launch -> one dict per SASS instruction
-    (its columns by name). The first line names the kernel; instructions listed twice at one address
-    are counted once."""
+    (its columns by name). The line before the header names the kernel."""
     lines = text.splitlines()
     start = next((i for i, line in enumerate(lines) if line.startswith('"Address",')), None)
     if start is None:
         raise ValueError("no ncu source CSV header (\"Address\",...) in the output")
-    rows, seen = [], set()
-    for row in csv.DictReader(io.StringIO("\n".join(lines[start:]))):
-        key = (row.get("Address"), row.get("Source"))
-        if row.get("Source") is None or key in seen:
-            continue
-        seen.add(key)
-        rows.append(row)
-    return rows
+    return [row for row in csv.DictReader(io.StringIO("\n".join(lines[start:]))) if row.get("Source") is not None]
 
 
 def opcode(source: str) -> str:
-    """'@!P0  BRA 0x7f..' -> 'BRA'; 'MUFU.EX2 R4, R4' -> 'MUFU' (the guard and the modifiers dropped)."""
+    """The opcode and its first modifier, the guard dropped: '@!P0  BRA 0x7f..' -> 'BRA',
+    'HGMMA.64x96x16.F32.BF16 R24, ...' -> 'HGMMA.64x96x16' (the S GEMM apart from the PV GEMM where
+    their shapes differ), 'WARPGROUP.DEPBAR.LE gsb0, 0x0' -> 'WARPGROUP.DEPBAR'."""
     words = source.split()
     if words and words[0].startswith("@"):
         words = words[1:]
-    return words[0].split(".")[0] if words else "?"
+    return ".".join(words[0].split(".")[:2]) if words else "?"
 
 
 def summarize_source(rows: list[dict]) -> dict:
@@ -151,7 +146,9 @@ def source_table(labels: list[str], summaries: list[dict]) -> str:
         stalls = ", ".join(f"{k} {v:.0f}%" for k, v in list(s[op]["stalls"].items())[:3])
         return f"{s[op]['share']:.1f}% ({stalls})"
 
-    out = ["warp-state samples per SASS opcode: share of all samples (the opcode's largest stall reasons)\n",
+    out = ["warp-state samples per SASS opcode: share of all samples (the opcode's largest warp states: "
+           "stall reasons, or 'selected' when it issued; a BRA with long_sb is most often the spin of an "
+           "mbarrier wait)\n",
            "| opcode | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
     out += [f"| {op} | " + " | ".join(cell(s, op) for s in summaries) + " |" for op in ops]
     return "\n".join(out)
@@ -211,8 +208,9 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="64:16384", help="head_dim:seqlen[:causal] (16k tokens, hidden 2048)")
     ap.add_argument("--set", action="append", default=[], help="knob=value: the variant profiled beside the default")
     ap.add_argument("--ncu", default=None, help="the ncu binary (default: ncu on PATH, else /usr/local/cuda/bin/ncu)")
-    ap.add_argument("--csv", default=None, help="keep ncu's CSV here")
-    ap.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole ncu run")
+    ap.add_argument("--csv", default=None, help="keep ncu's CSV of the details page here")
+    ap.add_argument("--timeout", type=float, default=600.0,
+                    help="seconds for the whole ncu run (the profile and the reading back of its report)")
     ap.add_argument("--source", action="store_true",
                     help="also the source counters: which SASS opcodes the warps wait on")
     ap.add_argument("--json", default=None)
@@ -240,39 +238,50 @@ def main(argv=None) -> int:
         return 2
     sections = SECTIONS + (("SourceCounters",) if args.source else ())
     labels = ["default"] + (["default + " + " ".join(args.set)] if args.set else [])
+    deadline = time.monotonic() + args.timeout
+
+    def ncu_run(arguments):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise subprocess.TimeoutExpired(arguments, args.timeout)
+        return subprocess.run([ncu, *arguments], capture_output=True, text=True, timeout=remaining)
+
+    def failed(what: str, run) -> int:
+        print(f"ncu_profile: {what}; ncu exit status {run.returncode}; its output ends:\n"
+              f"{(run.stdout[-1500:] + run.stderr[-1500:]).strip()}", file=sys.stderr)
+        return 1
+
     with tempfile.TemporaryDirectory(prefix="ncu_profile-") as tmp:
         # The profile goes to a report file, read back once per page: the details of every launch,
         # and with --source each launch's source counters.
         report = Path(tmp) / "profile"
-        command = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--target-processes", "all",
-                   *[part for section in sections for part in ("--section", section)], "-o", str(report),
-                   sys.executable, str(Path(__file__).resolve()), "--child", "--shape", args.shape,
-                   *[part for item in args.set for part in ("--set", item)]]
         try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
-            details = subprocess.run([ncu, "-i", f"{report}.ncu-rep", "--page", "details", "--csv",
-                                      "--print-details", "all"], capture_output=True, text=True,
-                                     timeout=args.timeout)
-            sources = [subprocess.run([ncu, "-i", f"{report}.ncu-rep", "--page", "source", "--csv",
-                                       "--print-source", "sass", "--launch-skip", str(i), "--launch-count", "1"],
-                                      capture_output=True, text=True, timeout=args.timeout).stdout
-                       for i in range(len(labels) if args.source else 0)]
+            done = ncu_run(["--profile-from-start", "off", "--clock-control", "none", "--target-processes", "all",
+                            *[part for section in sections for part in ("--section", section)], "-o", str(report),
+                            sys.executable, str(Path(__file__).resolve()), "--child", "--shape", args.shape,
+                            *[part for item in args.set for part in ("--set", item)]])
+            if done.returncode != 0 or not Path(f"{report}.ncu-rep").exists():
+                return failed("the profiled run wrote no report", done)
+            details = ncu_run(["-i", f"{report}.ncu-rep", "--page", "details", "--csv", "--print-details", "all"])
+            try:
+                launches = parse_ncu_csv(details.stdout)
+            except ValueError as exc:
+                return failed(f"reading the report's details: {exc}", details)
+            if len(launches) != len(labels):
+                return failed(f"{len(launches)} profiled launches, expected {len(labels)}", done)
+            source_summaries = []
+            for i in range(len(launches) if args.source else 0):
+                source = ncu_run(["-i", f"{report}.ncu-rep", "--page", "source", "--csv", "--print-source", "sass",
+                                  "--launch-skip", str(i), "--launch-count", "1"])
+                try:
+                    source_summaries.append(summarize_source(parse_source_csv(source.stdout)))
+                except ValueError as exc:
+                    return failed(f"reading launch {i}'s source counters: {exc}", source)
         except subprocess.TimeoutExpired:
             print(f"ncu_profile: ncu did not finish in {args.timeout:.0f} s (--timeout)", file=sys.stderr)
             return 1
     if args.csv:
         Path(args.csv).write_text(details.stdout)
-    try:
-        launches = parse_ncu_csv(details.stdout)
-        source_summaries = [summarize_source(parse_source_csv(text)) for text in sources]
-    except ValueError as exc:
-        print(f"ncu_profile: {exc}; ncu exit status {done.returncode}; its stderr ends:\n"
-              f"{(done.stderr + details.stderr)[-2000:]}", file=sys.stderr)
-        return 1
-    if len(launches) != len(labels):
-        print(f"ncu_profile: {len(launches)} profiled launches, expected {len(labels)}; stderr ends:\n"
-              f"{done.stderr[-2000:]}", file=sys.stderr)
-        return 1
     summaries = [summarize(m) for m in launches]
     if args.json:
         columns = {label: dict(summary, **({"opcodes": ops} if args.source else {}))

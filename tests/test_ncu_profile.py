@@ -79,12 +79,12 @@ SOURCE_COLUMNS = ["Address", "Source", "Warp Stall Sampling (All Samples)", "War
 
 def source_output(rows: list[tuple]) -> str:
     """What `ncu -i REPORT --page source --csv --print-source sass` prints for one launch: a line naming
-    the kernel, the header, one row per SASS instruction (ncu repeats the first)."""
+    the kernel, the header, one row per SASS instruction."""
     out = io.StringIO()
     writer = csv.writer(out, quoting=csv.QUOTE_ALL, lineterminator="\n")
     out.write('"Kernel Name","kernel_fwd",\n')
     writer.writerow(SOURCE_COLUMNS)
-    for address, source, samples, long_sb, mio, wait, barrier in [rows[0]] + rows:
+    for address, source, samples, long_sb, mio, wait, barrier in rows:
         writer.writerow([address, source, samples, samples, long_sb, mio, wait, barrier, "0"])
     return out.getvalue()
 
@@ -100,40 +100,46 @@ SOURCE_ROWS = [
 def test_source_counters_are_summed_per_opcode():
     from benchmarks.ncu_profile import opcode, parse_source_csv, source_table, summarize_source
 
-    assert opcode("@!P0  BRA 0x7f") == "BRA" and opcode("MUFU.EX2 R4, R4") == "MUFU"
+    assert opcode("@!P0  BRA 0x7f") == "BRA" and opcode("MUFU.EX2 R4, R4") == "MUFU.EX2"
+    assert opcode("HGMMA.64x96x16.F32.BF16 R24, gdesc[UR20], RZ, !UPT") == "HGMMA.64x96x16"
     rows = parse_source_csv(source_output(SOURCE_ROWS))
-    assert len(rows) == 4  # the repeated first row counted once
+    assert len(rows) == 4
     ops = summarize_source(rows)
-    assert list(ops) == ["MUFU", "BRA"]  # by samples; an opcode never sampled is left out
-    assert ops["MUFU"]["share"] == 80.0 and ops["BRA"]["share"] == 20.0
-    assert ops["MUFU"]["stalls"] == {"wait": 60.0, "mio": 40.0}  # % of the opcode's samples
+    assert list(ops) == ["MUFU.EX2", "BRA"]  # by samples; an opcode never sampled is left out
+    assert ops["MUFU.EX2"]["share"] == 80.0 and ops["BRA"]["share"] == 20.0
+    assert ops["MUFU.EX2"]["stalls"] == {"wait": 60.0, "mio": 40.0}  # % of the opcode's samples
     text = source_table(["default", "variant"], [ops, {"BRA": ops["BRA"]}])
-    assert "| MUFU | 80.0% (wait 60%, mio 40%) | - |" in text
+    assert "| MUFU.EX2 | 80.0% (wait 60%, mio 40%) | - |" in text
     assert "| BRA | 20.0% (long_sb 90%, wait 10%) | 20.0% (long_sb 90%, wait 10%) |" in text
     with pytest.raises(ValueError, match="no ncu source CSV header"):
         parse_source_csv('"Kernel Name","kernel_fwd",\n')
 
 
 FAKE_NCU = '''#!{python}
-"""Stands in for ncu: `-o REPORT ...` writes REPORT.ncu-rep (the profiled program is not run); `-i
-REPORT --page details|source` prints the CSV saved beside this script for that page (and launch)."""
+"""Stands in for ncu: `-o REPORT ...` writes REPORT.ncu-rep (the profiled program is not run) unless
+the file `fail` is beside this script; `-i REPORT --page details|source` prints the CSV saved beside
+this script for that page (and launch), and fails where REPORT does not exist."""
 import pathlib, sys
 here = pathlib.Path(__file__).parent
 args = sys.argv[1:]
 (here / "calls.txt").open("a").write(" ".join(args) + "\\n")
 if "-o" in args:
+    if (here / "fail").exists():
+        sys.stdout.write("==ERROR== ERR_NVGPUCTRPERM - no permission to access NVIDIA GPU Performance Counters\\n")
+        sys.exit(1)
     pathlib.Path(args[args.index("-o") + 1] + ".ncu-rep").write_text("report")
-elif "--page" in args and args[args.index("--page") + 1] == "details":
+elif not pathlib.Path(args[args.index("-i") + 1]).exists():
+    sys.stderr.write("==ERROR== no such report\\n")
+    sys.exit(1)
+elif args[args.index("--page") + 1] == "details":
     sys.stdout.write((here / "details.csv").read_text())
 else:
     sys.stdout.write((here / ("source%s.csv" % args[args.index("--launch-skip") + 1])).read_text())
 '''
 
 
-def test_source_run_profiles_to_a_report_and_reads_each_launch_back(tmp_path, capsys):
-    """The whole main() with --source against a stand-in for ncu: the sections asked for, the report
-    read back once for the details and once per launch for the source counters, both tables printed."""
-    import json
+@pytest.fixture
+def fake_ncu(tmp_path):
     import sys
 
     ncu = tmp_path / "ncu"
@@ -143,14 +149,46 @@ def test_source_run_profiles_to_a_report_and_reads_each_launch_back(tmp_path, ca
                                                        launch("69.30", "2.10", "1,455,668,488")]))
     (tmp_path / "source0.csv").write_text(source_output(SOURCE_ROWS))
     (tmp_path / "source1.csv").write_text(source_output(SOURCE_ROWS[1:]))
+    return ncu
+
+
+def test_source_run_profiles_to_a_report_and_reads_each_launch_back(fake_ncu, tmp_path, capsys):
+    """The whole main() with --source against a stand-in for ncu: the sections asked for, the report
+    read back once for the details and once per launch for the source counters, both tables printed."""
+    import json
+
     out_json = tmp_path / "out.json"
-    assert main(["--ncu", str(ncu), "--set", "wg_pingpong=false", "--source", "--json", str(out_json)]) == 0
+    assert main(["--ncu", str(fake_ncu), "--set", "wg_pingpong=false", "--source", "--json", str(out_json)]) == 0
     printed = capsys.readouterr().out
     assert "| XU (MUFU) pipe, % of peak | 66.48 | 69.30 |" in printed
-    assert "| MUFU | 80.0% (wait 60%, mio 40%) | 50.0% (mio 60%, wait 40%) |" in printed
+    assert "| MUFU.EX2 | 80.0% (wait 60%, mio 40%) | 50.0% (mio 60%, wait 40%) |" in printed
     calls = (tmp_path / "calls.txt").read_text().splitlines()
     assert len(calls) == 4 and "--section SourceCounters" in calls[0] and "--child" in calls[0]
     assert "--page details" in calls[1] and "--launch-skip 1 --launch-count 1" in calls[3]
     columns = json.loads(out_json.read_text())["columns"]
     assert list(columns) == ["default", "default + wg_pingpong=false"]
     assert columns["default"]["opcodes"]["BRA"]["share"] == 20.0
+
+
+def test_run_without_source_reads_the_details_only(fake_ncu, tmp_path, capsys):
+    assert main(["--ncu", str(fake_ncu), "--set", "wg_pingpong=false", "--csv", str(tmp_path / "kept.csv")]) == 0
+    printed = capsys.readouterr().out
+    assert "| XU (MUFU) pipe, % of peak | 66.48 | 69.30 |" in printed and "per SASS opcode" not in printed
+    calls = (tmp_path / "calls.txt").read_text().splitlines()
+    assert len(calls) == 2 and "SourceCounters" not in calls[0]
+    assert parse_ncu_csv((tmp_path / "kept.csv").read_text())  # the details page's CSV kept
+
+
+def test_a_failed_profile_says_so_with_ncus_output(fake_ncu, tmp_path, capsys):
+    (tmp_path / "fail").write_text("")
+    assert main(["--ncu", str(fake_ncu), "--source"]) == 1
+    err = capsys.readouterr().err
+    assert "the profiled run wrote no report; ncu exit status 1" in err and "ERR_NVGPUCTRPERM" in err
+    assert len((tmp_path / "calls.txt").read_text().splitlines()) == 1  # nothing read back
+
+
+def test_a_missing_launch_is_named_before_the_source_counters_are_read(fake_ncu, tmp_path, capsys):
+    (tmp_path / "details.csv").write_text(ncu_output([launch("66.48", "2.35", "1,411,537,912")]))
+    assert main(["--ncu", str(fake_ncu), "--set", "wg_pingpong=false", "--source"]) == 1
+    assert "1 profiled launches, expected 2" in capsys.readouterr().err
+    assert len((tmp_path / "calls.txt").read_text().splitlines()) == 2
