@@ -48,17 +48,31 @@ ROWS = (
 STALLS_SHOWN = 5  # the largest stall reasons of each launch, in cycles per issued instruction
 
 
+def _csv_rows(text: str, first_column: str, what: str) -> csv.DictReader:
+    """The rows of the CSV in ncu's output whose header starts with `first_column`; the lines before
+    the header (the profiled program's own output, ncu's ==PROF== lines, a kernel's name) skipped."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith(f'"{first_column}",')), None)
+    if start is None:
+        raise ValueError(f"no {what} header (\"{first_column}\",...) in the output")
+    return csv.DictReader(io.StringIO("\n".join(lines[start:])))
+
+
+def _first_of_each(rankings, count: int) -> list:
+    """The first `count` names of each ranking, each name once, in order of appearance."""
+    names = []
+    for ranking in rankings:
+        for name in list(ranking)[:count]:
+            if name not in names:
+                names.append(name)
+    return names
+
+
 def parse_ncu_csv(text: str) -> list[dict]:
     """ncu's `--csv --page details` output -> one dict per profiled launch, in launch order:
-    {(section, body item label, metric name): value text}. Lines before the header (the profiled
-    program's own output, ncu's ==PROF== lines) are skipped."""
-    lines = text.splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith('"ID",')), None)
-    if start is None:
-        raise ValueError("no ncu CSV header (\"ID\",...) in the output")
-    reader = csv.DictReader(io.StringIO("\n".join(lines[start:])))
+    {(section, body item label, metric name): value text}."""
     launches: dict[str, dict] = {}
-    for row in reader:
+    for row in _csv_rows(text, "ID", "ncu CSV"):
         if row.get("ID") is None or row.get("Metric Name") is None:
             continue
         metrics = launches.setdefault(row["ID"], {})
@@ -93,11 +107,7 @@ SAMPLES = "Warp Stall Sampling (All Samples)"
 def parse_source_csv(text: str) -> list[dict]:
     """`ncu --page source --csv --print-source sass` of one launch -> one dict per SASS instruction
     (its columns by name). The line before the header names the kernel."""
-    lines = text.splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith('"Address",')), None)
-    if start is None:
-        raise ValueError("no ncu source CSV header (\"Address\",...) in the output")
-    return [row for row in csv.DictReader(io.StringIO("\n".join(lines[start:]))) if row.get("Source") is not None]
+    return [row for row in _csv_rows(text, "Address", "ncu source CSV") if row.get("Source") is not None]
 
 
 def opcode(source: str) -> str:
@@ -114,15 +124,18 @@ def summarize_source(rows: list[dict]) -> dict:
     """{opcode: {"share": % of all samples, "stalls": {reason: % of the opcode's samples}}}, the
     opcodes with the most samples first. Stall columns are ncu's stall_* (all samples, issued or not)."""
     reasons = [name for name in (rows[0] if rows else {}) if name.startswith("stall_") and "(" not in name]
-    total = sum(number(r.get(SAMPLES)) or 0.0 for r in rows)
+    total = 0.0
     per_op: dict[str, dict] = {}
     for r in rows:
+        samples = number(r.get(SAMPLES)) or 0.0
+        total += samples
         entry = per_op.setdefault(opcode(r.get("Source", "")), {"samples": 0.0, "stalls": {}})
-        entry["samples"] += number(r.get(SAMPLES)) or 0.0
+        entry["samples"] += samples
         for name in reasons:
             value = number(r.get(name)) or 0.0
             if value:
-                entry["stalls"][name[len("stall_"):]] = entry["stalls"].get(name[len("stall_"):], 0.0) + value
+                reason = name[len("stall_"):]
+                entry["stalls"][reason] = entry["stalls"].get(reason, 0.0) + value
     out = {}
     for op, entry in sorted(per_op.items(), key=lambda kv: -kv[1]["samples"]):
         if not entry["samples"]:
@@ -134,11 +147,7 @@ def summarize_source(rows: list[dict]) -> dict:
 
 def source_table(labels: list[str], summaries: list[dict]) -> str:
     """Markdown: the opcodes most sampled in any launch, each cell 'share (largest stalls)'."""
-    ops = []
-    for s in summaries:
-        for op in list(s)[:SOURCE_OPCODES_SHOWN]:
-            if op not in ops:
-                ops.append(op)
+    ops = _first_of_each(summaries, SOURCE_OPCODES_SHOWN)
 
     def cell(s, op):
         if op not in s:
@@ -284,8 +293,9 @@ def main(argv=None) -> int:
         Path(args.csv).write_text(details.stdout)
     summaries = [summarize(m) for m in launches]
     if args.json:
-        columns = {label: dict(summary, **({"opcodes": ops} if args.source else {}))
-                   for label, summary, ops in zip(labels, summaries, source_summaries or [{}] * len(labels))}
+        columns = dict(zip(labels, summaries))
+        for label, ops in zip(labels, source_summaries):  # none without --source
+            columns[label] = dict(columns[label], opcodes=ops)
         Path(args.json).write_text(json.dumps({"shape": args.shape, "set": args.set, "columns": columns}, indent=1))
     print(table(args.shape, labels, summaries))
     if args.source:
@@ -304,12 +314,7 @@ def table(shape: str, labels: list[str], summaries: list[dict]) -> str:
            "| metric | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
     for label, *_ in ROWS:
         out.append(f"| {label} | " + " | ".join(cell(s[label]) for s in summaries) + " |")
-    reasons = []
-    for s in summaries:
-        for name in list(s["stalls"])[:STALLS_SHOWN]:
-            if name not in reasons:
-                reasons.append(name)
-    for name in reasons:
+    for name in _first_of_each((s["stalls"] for s in summaries), STALLS_SHOWN):
         out.append(f"| stall: {name} (cycles per issued instruction) | "
                    + " | ".join(cell(s["stalls"].get(name)) for s in summaries) + " |")
     return "\n".join(out)
