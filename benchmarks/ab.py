@@ -40,7 +40,7 @@ GRID_SHAPES = ",".join(f"{d}:{s}{c}" for d in (64, 128) for s in (1024, 4096, 16
 def parse_changes(items: list[str]) -> dict:
     """{knob: value} from ["knob=value", ...]; a ValueError naming the item for anything the kernel's
     config schema would not take."""
-    from fa4tune.kernels.config import KNOBS, ConfigError, FwdConfig
+    from fa4tune.kernels.fa4_fwd_sm90.config import KNOBS, ConfigError, FwdConfig
 
     changes = {}
     for item in items:
@@ -60,13 +60,14 @@ def parse_changes(items: list[str]) -> dict:
 
 def columns_for(problem, default, tuned, changes: dict, target) -> dict:
     """column name -> FwdConfig, or a string saying why the column is empty."""
-    from fa4tune.kernels.config import FwdConfig, infeasible_reasons
+    from fa4tune.kernels.fa4_fwd_sm90.config import FwdConfig
+    from fa4tune.kernels.fa4_fwd_sm90 import FAMILY
 
     columns = {}
     for name, base in (("default", default), ("tuned", tuned)):
         columns[name] = base
         variant = FwdConfig.from_dict(changes, base=base)
-        reasons = infeasible_reasons(problem, variant, target)
+        reasons = FAMILY.infeasible_reasons(problem, variant, target)
         if reasons:
             columns[f"{name}+"] = "refused: " + "; ".join(reasons)
         elif variant.canonical() == base.canonical():
@@ -79,7 +80,7 @@ def columns_for(problem, default, tuned, changes: dict, target) -> dict:
 def compile_all(jobs: list, target, directory: Path, workers: int) -> dict:
     """Compile every (problem, config) in a spawned process pool and load the results here. Returns
     {(problem, config): why} for those that failed (compiling or loading)."""
-    from fa4tune.kernels.interface import load_compiled
+    from fa4tune.kernels.fa4_fwd_sm90.compile import load_compiled
     from fa4tune.measure.gpu import artifact_path
     from fa4tune.measure.gpu_worker import compile as compile_op  # the search's compile workers' op
 
@@ -159,7 +160,7 @@ def main(argv=None) -> int:
     import torch
 
     from fa4tune.kernels import get_kernel
-    from fa4tune.runtime import lookup
+    from fa4tune.runtime.lookup import lookup
 
     target = gpu_target("benchmarks/ab.py")
     if target is None:

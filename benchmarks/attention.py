@@ -5,7 +5,7 @@
 
 Grid: 16k tokens per batch, hidden 2048 (nheads = 2048 / head_dim), bf16, causal and not.
 FLOPs = 4·b·h·s_q·s_k·d, halved for causal. Every column is checked against the fp32 reference on slices
-(fa4tune.measure.verify, LSE too for fa4tune) before it is timed; a column that fails shows 'wrong'.
+(fa4tune.kernels.common.verify, LSE too for fa4tune) before it is timed; a column that fails shows 'wrong'.
 """
 
 from __future__ import annotations
@@ -55,10 +55,13 @@ def main(argv=None) -> int:
     import torch
     import torch.nn.functional as F
 
-    from fa4tune.kernels.config import FwdConfig, default_config
-    from fa4tune.kernels.interface import attention_forward, compile_forward
+    from fa4tune.kernels.fa4_fwd_sm90.config import FwdConfig
+
+    from fa4tune.kernels.fa4_fwd_sm90 import FAMILY
+    from fa4tune.kernels.fa4_fwd_sm90.launch import attention_forward
+    from fa4tune.kernels.fa4_fwd_sm90.compile import compile_forward
     from fa4tune.measure.timing import L2Flusher, time_cuda
-    from fa4tune.measure.verify import TOLERANCES, compare, reference_slices
+    from fa4tune.kernels.common.verify import TOLERANCES, compare, reference_slices
 
     if not torch.cuda.is_available():
         print("benchmarks/attention.py needs an NVIDIA GPU", file=sys.stderr)
@@ -75,7 +78,7 @@ def main(argv=None) -> int:
     for p in grid([int(x) for x in args.hdims.split(",")], [int(x) for x in args.seqlens.split(",")]):
         d, s, causal, b, h = p.head_dim, p.seqlen_q, p.causal, p.batch, p.nheads_q
         g = dict(head_dim=d, seqlen=s, causal=causal, batch=b, nheads=h)
-        cfg = FwdConfig.from_dict(json.loads(args.config), base=default_config(p)) if args.config else default_config(p)
+        cfg = FwdConfig.from_dict(json.loads(args.config), base=FAMILY.default_config(p)) if args.config else FAMILY.default_config(p)
         compiled = compile_forward(cfg, "bf16", d, d, causal)
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         # Poisoned, so that an element the kernel never writes fails the check.

@@ -48,8 +48,8 @@ def measure(request: dict, channel, state: dict) -> dict:
 
 def search_seconds(configs: int, workers: int, cache: str) -> tuple[float, dict]:
     from fa4tune.db import ResultsDB
-    from fa4tune.job import parse_job
-    from fa4tune.search import run_search
+    from fa4tune.tune.job import parse_job
+    from fa4tune.tune.search import run_search
 
     job = parse_job({
         "name": f"compile-ahead-{workers}", "backend": "gpu",

@@ -45,8 +45,10 @@ def main() -> int:
     from cutlass import Float32, Int32
     from cutlass.cute.runtime import from_dlpack
 
-    from fa4tune.kernels.config import FwdConfig
-    from fa4tune.kernels.interface import attention_forward, compile_forward, current_tile_counter, tile_counter
+    from fa4tune.kernels.fa4_fwd_sm90.config import FwdConfig
+    from fa4tune.kernels.fa4_fwd_sm90.launch import PreparedLaunch, attention_forward
+    from fa4tune.kernels.fa4_fwd_sm90.compile import compile_forward
+    from fa4tune.kernels.common.streams import current_tile_counter, tile_counter
 
     if not torch.cuda.is_available():
         print("benchmarks/dispatch.py needs an NVIDIA GPU", file=sys.stderr)
@@ -62,13 +64,13 @@ def main() -> int:
              from_dlpack(counter, assumed_align=4), Float32(1 / math.sqrt(128) * math.log2(math.e)), Int32(1),
              cuda.CUstream(torch.cuda.current_stream().cuda_stream)]
     import fa4tune
-    from fa4tune import dispatch
+    from fa4tune.runtime import dispatch
 
     fa4tune.attention(q, k, v)  # prepares the launch
     launch = next(iter(dispatch._LAUNCHES.values()))
     # The floor rows get a launch of their own (fa4tune.attention rewrites its launch's pointers),
     # pointed once at tensors that stay alive.
-    floor = dispatch._Launch(launch.problem, launch.config, dispatch._device_target(q.device), q, k, v, None)
+    floor = PreparedLaunch(launch.problem, launch.config, dispatch._device_target(q.device)[0], q, k, v, None)
     floor.bind(compile_forward(launch.config, "bf16", 128, 128, False).function.to(launch.device_index))
     for pointer, t in zip(floor.pointers, (q, k, v, out, lse, counter)):
         pointer.value = t.data_ptr()
@@ -83,7 +85,7 @@ def main() -> int:
         "its floor: the host function called with the packed pointer array": floor._run,
         "the DSL's run_compiled_program with the same packed arguments":
             lambda: floor.executor.run_compiled_program(floor.arguments),
-        "fa4tune.kernels.interface.attention_forward (converts tensors every call)":
+        "attention_forward (converts tensors every call)":
             lambda: attention_forward(q, k, v, cfg, out=out, lse=lse),
         "the causal call's counter lookup alone (torch's stream id)": lambda: current_tile_counter(q.device),
         "the same through the two driver queries (tile_counter)":

@@ -55,8 +55,8 @@ def main(argv=None) -> int:
         ap.error("--run and --save-samples go with --db")
 
     from fa4tune.errors import Fa4tuneError
-    from fa4tune.measure.calibrate import CalibrationError, evaluate, fit, load_samples, samples_from_db, save_samples, summary
-    from fa4tune.measure.model import ModelAssumptions
+    from fa4tune.kernels.fa4_fwd_sm90.calibrate import CalibrationError, evaluate, fit, load_samples, samples_from_db, save_samples, summary
+    from fa4tune.kernels.fa4_fwd_sm90.cost_model import ModelAssumptions
     from fa4tune.target import get_target
 
     try:

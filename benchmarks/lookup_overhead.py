@@ -15,8 +15,8 @@ from pathlib import Path
 from fa4tune.best import BestEntry
 from fa4tune.kernels import get_kernel
 from fa4tune.problem import Problem
-from fa4tune.runtime import Lookup
-from fa4tune.tables import render_yaml, table_document
+from fa4tune.runtime.lookup import Lookup
+from fa4tune.runtime.tables import render_yaml, table_document
 
 
 def synthetic_table(path: Path, count: int) -> list[Problem]:

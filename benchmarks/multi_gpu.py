@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 def derived_job(job_path: Path, problems: int | None, trials: int | None, keep_time_budget: bool,
                 backend: str | None) -> dict:
     """The job to time: its first `problems` problems (as explicit problems), trials only, no export."""
-    from fa4tune.job import load_job
+    from fa4tune.tune.job import load_job
 
     job = load_job(job_path)
     data = yaml.safe_load(job.text)
@@ -93,7 +93,7 @@ def worker_activity(journal: Path, wall_s: float) -> list[str]:
     and not yet told, which includes compiling ahead), out of the run's wall time."""
     import optuna
 
-    from fa4tune.studies import WORKER_ATTR, open_storage
+    from fa4tune.tune.studies import WORKER_ATTR, open_storage
 
     storage = open_storage(str(journal))
     spans: dict[str, list[tuple[float, float]]] = {}

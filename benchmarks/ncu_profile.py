@@ -168,7 +168,7 @@ def _child(args) -> int:
 
     from benchmarks.attention import parse_shape
     from benchmarks.tuning_report import gpu_target
-    from fa4tune.kernels.interface import attention_forward
+    from fa4tune.kernels.fa4_fwd_sm90.launch import attention_forward
 
     target = gpu_target("benchmarks/ncu_profile.py")
     if target is None:
@@ -197,15 +197,15 @@ def _configs(args, target) -> list:
 
     from benchmarks.ab import parse_changes
     from benchmarks.attention import parse_shape
-    from fa4tune.kernels.config import default_config, infeasible_reasons
+    from fa4tune.kernels.fa4_fwd_sm90 import FAMILY
 
     problem = parse_shape(args.shape)
-    default = default_config(problem, target)
+    default = FAMILY.default_config(problem, target)
     configs = [default]
     changes = parse_changes(args.set)
     if changes:
         variant = replace(default, **changes)
-        reasons = infeasible_reasons(problem, variant, target)
+        reasons = FAMILY.infeasible_reasons(problem, variant, target)
         if reasons:
             raise ValueError(f"{variant.short()} is infeasible for {problem.key()}: {'; '.join(reasons)}")
         configs.append(variant)

@@ -53,7 +53,7 @@ def main(argv=None) -> int:
 
     from fa4tune.cli import config_text
     from fa4tune.kernels import get_kernel
-    from fa4tune.runtime import lookup
+    from fa4tune.runtime.lookup import lookup
 
     target = gpu_target("benchmarks/off_table.py")
     if target is None:

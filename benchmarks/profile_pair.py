@@ -18,8 +18,8 @@ def main(argv: list[str]) -> int:
     import torch
 
     from benchmarks.attention import parse_shape
-    from fa4tune.kernels.config import default_config
-    from fa4tune.kernels.interface import attention_forward
+    from fa4tune.kernels.fa4_fwd_sm90 import FAMILY
+    from fa4tune.kernels.fa4_fwd_sm90.launch import attention_forward
 
     try:
         from flash_attn.cute import flash_attn_func
@@ -29,7 +29,7 @@ def main(argv: list[str]) -> int:
         p = parse_shape(spec)
         d, s, causal = p.head_dim, p.seqlen_q, p.causal
         q, k, v = (torch.randn(p.batch, s, p.nheads_q, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        attention_forward(q, k, v, default_config(p), causal=causal)
+        attention_forward(q, k, v, FAMILY.default_config(p), causal=causal)
         if flash_attn_func is not None:
             flash_attn_func(q, k, v, causal=causal)
         torch.cuda.synchronize()

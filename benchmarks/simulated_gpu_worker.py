@@ -46,8 +46,8 @@ def compile(request: dict, channel, state: dict) -> dict:  # noqa: A001 - the pr
 
 
 def measure(request: dict, channel, state: dict) -> dict:
-    from fa4tune.kernels.config import FwdConfig
-    from fa4tune.measure.model import CostModel
+    from fa4tune.kernels.fa4_fwd_sm90.config import FwdConfig
+    from fa4tune.kernels.fa4_fwd_sm90.cost_model import CostModel
     from fa4tune.problem import Problem
     from fa4tune.target import get_target
 

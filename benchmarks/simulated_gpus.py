@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def simulate_gpus() -> None:
-    import fa4tune.workers as workers
+    import fa4tune.tune.workers as workers
     from fa4tune.target import get_target
 
     count = int(os.environ.get("FA4TUNE_SIM_GPUS", "8"))

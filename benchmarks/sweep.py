@@ -7,7 +7,7 @@ A shape is head_dim:seqlen[:causal] with 16k tokens and hidden 2048 (as benchmar
 Each --vary knob=v1,v2 is swept one knob at a time around the default config (not the cross
 product), so the table shows what each knob does on its own. Configs the feasibility rules refuse
 are listed with their reason, not run. Every config is checked against the fp32 reference first
-(fa4tune.measure.verify); a wrong one is listed as such and not timed.
+(fa4tune.kernels.common.verify); a wrong one is listed as such and not timed.
 """
 
 from __future__ import annotations
@@ -37,10 +37,13 @@ def main(argv=None) -> int:
 
     import torch
 
-    from fa4tune.kernels.config import KNOBS, default_config, infeasible_reasons
-    from fa4tune.kernels.interface import attention_forward, compile_forward
+    from fa4tune.kernels.fa4_fwd_sm90.config import KNOBS
+
+    from fa4tune.kernels.fa4_fwd_sm90 import FAMILY
+    from fa4tune.kernels.fa4_fwd_sm90.launch import attention_forward
+    from fa4tune.kernels.fa4_fwd_sm90.compile import compile_forward
     from fa4tune.measure.timing import L2Flusher, time_cuda
-    from fa4tune.measure.verify import TOLERANCES, compare, reference_slices
+    from fa4tune.kernels.common.verify import TOLERANCES, compare, reference_slices
     from fa4tune.target import get_target
 
     from benchmarks.attention import parse_shape
@@ -51,7 +54,7 @@ def main(argv=None) -> int:
     for spec in args.shape:
         p = parse_shape(spec)
         d, s, causal = p.head_dim, p.seqlen_q, p.causal
-        base = default_config(p, target)
+        base = FAMILY.default_config(p, target)
         configs = [base]
         for vary in args.vary:
             knob, values = vary.split("=")
@@ -68,7 +71,7 @@ def main(argv=None) -> int:
         print("|---|---|---|---|---|---|")
         for cfg in configs:
             row = dict(shape=spec, config=cfg.to_dict())
-            reasons = infeasible_reasons(p, cfg, target)
+            reasons = FAMILY.infeasible_reasons(p, cfg, target)
             if reasons:
                 row["infeasible"] = reasons
                 print(f"| {cfg.short()} | infeasible | | | {reasons[0][:60]} | |")

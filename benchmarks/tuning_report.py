@@ -9,7 +9,7 @@ alone; cuDNN (torch SDPA, no gradient) computes O alone.
     python benchmarks/tuning_report.py [--db fa4tune-results/h200-bf16.db] [--job tuning_configs/h200-bf16.yaml]
                                        [--out docs/tuning-report.md] [--rounds 5]
 
-Every column is checked against the fp32 reference (slices, fa4tune.measure.verify) before it is
+Every column is checked against the fp32 reference (slices, fa4tune.kernels.common.verify) before it is
 timed; a column whose implementation is missing, fails or is wrong says so instead of a number. The
 report is written whole at the end, or not at all."""
 
@@ -72,7 +72,7 @@ def search_story(db, problem_key: str, best) -> dict:
 # ---- measuring side by side -------------------------------------------------------------------------
 def preload(directory, config, problem, target) -> bool:
     """Load the kernel the search exported for `config`, if it is there; False: it will be compiled."""
-    from fa4tune.kernels.interface import load_compiled
+    from fa4tune.kernels.fa4_fwd_sm90.compile import load_compiled
     from fa4tune.measure.gpu import artifact_path
 
     path = artifact_path(directory, config, problem, target)
@@ -105,7 +105,7 @@ def fa4tune_runner(problem, config, target, q, k, v):
     one cannot pass on what another wrote."""
     import torch
 
-    from fa4tune.kernels.interface import attention_forward
+    from fa4tune.kernels.fa4_fwd_sm90.launch import attention_forward
 
     out = torch.empty(problem.batch, problem.seqlen_q, problem.nheads_q, problem.head_dim_v, dtype=q.dtype,
                       device=q.device)
@@ -184,7 +184,7 @@ def verify_and_time(problem, runners: dict, q, k, v, rounds: int) -> dict:
     its reason as the cell and is not timed; the others are timed (time_interleaved)."""
     import torch
 
-    from fa4tune.measure.verify import TOLERANCES, compare, reference_slices
+    from fa4tune.kernels.common.verify import TOLERANCES, compare, reference_slices
 
     references = reference_slices(q, k, v, problem.causal, None)
     tolerance = TOLERANCES[problem.dtype]
@@ -364,7 +364,7 @@ def build(args) -> str:
     from fa4tune.db import ResultsDB
     from fa4tune.doctor import package_version
     from fa4tune.errors import Fa4tuneError
-    from fa4tune.job import load_job
+    from fa4tune.tune.job import load_job
     from fa4tune.kernels import get_kernel
     from fa4tune.measure.gpu import GpuOptions, artifact_dir
     from fa4tune.target import detect_target
@@ -415,7 +415,7 @@ def build(args) -> str:
             row["note"] = "not tuned (no best config in the DB)"
             rows.append(row)
             continue
-        tuned = kernel.make_config(entry.config)
+        tuned = kernel.config(entry.config)
         row["loaded"] = sum(preload(artifacts, config, problem, target) for config in {default, tuned})
         row["changed"] = config_text(entry.config, default.to_dict())
         row["story"] = search_story(db, key, entry)

@@ -8,19 +8,21 @@ Importing fa4tune is cheap: neither torch nor cutlass is imported until a kernel
 __version__ = "0.1.0"
 
 from .problem import Problem  # noqa: E402
-from .runtime import LookupResult, lookup  # noqa: E402
+from .runtime.lookup import LookupResult, lookup  # noqa: E402
 
-# `fa4tune.attention` lives in fa4tune.dispatch, imported on first use because it needs torch and the
-# CuTe DSL.
+# `fa4tune.attention` and `fa4tune.explain` live in fa4tune.runtime.dispatch, imported on first use: a
+# call needs torch and the CuTe DSL.
+_DISPATCH = ("attention", "explain")
 
 
 def __getattr__(name: str):
-    if name == "attention":
-        from .dispatch import attention
+    if name in _DISPATCH:
+        from .runtime import dispatch
 
-        globals()["attention"] = attention  # later calls skip this hook
-        return attention
+        value = getattr(dispatch, name)
+        globals()[name] = value  # later uses skip this hook
+        return value
     raise AttributeError(f"module 'fa4tune' has no attribute {name!r}")
 
 
-__all__ = ["LookupResult", "Problem", "__version__", "lookup"]
+__all__ = ["LookupResult", "Problem", "__version__", "attention", "explain", "lookup"]

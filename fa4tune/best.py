@@ -1,5 +1,5 @@
-"""Best-config entries as the results DB, the exported tables and the lookup share them. Plain data:
-the lookup reads tables without importing SQLAlchemy."""
+"""Best-config entries as the results DB, the exported tables and the lookup share them (which one wins
+is fa4tune.policy's to say). Plain data: the lookup reads tables without importing SQLAlchemy."""
 
 from __future__ import annotations
 
@@ -7,9 +7,15 @@ import json
 from dataclasses import dataclass
 
 
-def config_key(config: dict) -> str:
-    """A canonical text form of a config: equal configs, equal keys."""
-    return json.dumps(config, sort_keys=True, separators=(",", ":"))
+def config_values(config) -> dict:
+    """A config's knob values: a config value (a family's config type) as its dict, a dict as itself."""
+    return config.to_dict() if hasattr(config, "to_dict") else dict(config)
+
+
+def config_key(config) -> str:
+    """A canonical text form of a config (a config value or its knob values): equal configs, equal
+    keys."""
+    return json.dumps(config_values(config), sort_keys=True, separators=(",", ":"))
 
 
 @dataclass(frozen=True)
@@ -28,12 +34,6 @@ class BestEntry:
     is_estimate: bool
     provenance: dict
     source: str
-
-    def beats(self, other: "BestEntry") -> bool:
-        """A measurement beats an estimate; otherwise the faster one wins."""
-        if self.is_estimate != other.is_estimate:
-            return not self.is_estimate
-        return self.time_ms < other.time_ms
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import os
 import sys
 
 from . import __version__
-from .errors import Fa4tuneError
+from .errors import Fa4tuneError, is_user_error
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
@@ -21,20 +21,12 @@ def _say(message: str) -> None:
     print(message, flush=True)
 
 
-def _is_user_error(exc: BaseException) -> bool:
-    """Our own errors, and the ValueErrors our modules raise for bad input (ProblemError,
-    ConfigError, TargetError)."""
-    if isinstance(exc, Fa4tuneError):
-        return True
-    return isinstance(exc, ValueError) and type(exc).__module__.startswith("fa4tune")
-
-
 # ---- search -----------------------------------------------------------------------------------------
 def cmd_search(args) -> int:
     from . import interrupts
     from .db import shown_location
-    from .job import load_job
-    from .search import SearchInterrupted, run_search
+    from .tune.job import load_job
+    from .tune.search import SearchInterrupted, run_search
 
     job = load_job(args.job)
     if args.export is not None:
@@ -94,11 +86,10 @@ def config_text(config: dict, reference: dict | None = None, unchanged: str = "(
 
 
 def _default_of(kernel, problem_dict: dict, target_name: str) -> dict | None:
-    from .problem import Problem
     from .target import get_target
 
     try:
-        return kernel.default_config(Problem.from_dict(problem_dict), get_target(target_name)).to_dict()
+        return kernel.default_config(kernel.problem(problem_dict), get_target(target_name)).to_dict()
     except Exception:
         return None
 
@@ -117,12 +108,12 @@ def _entries_rows(entries, installed: dict) -> list[list]:
 
 
 def cmd_show(args) -> int:
-    from .kernels import KERNELS
+    from .kernels import families, get_kernel
 
-    installed = {name: spec.source_hash() for name, spec in KERNELS.items()}
+    installed = {name: spec.source_hash() for name, spec in families().items()}
     headers = ["problem", "target", "ms", "TFLOP/s", "kind", "stale", "config (knobs that differ from default)"]
     if args.table:
-        from .tables import read_table, table_entries
+        from .runtime.tables import read_table, table_entries
 
         document = read_table(args.table)
         entries = table_entries(document)
@@ -161,7 +152,7 @@ def cmd_show(args) -> int:
                 _say(f"\n{e.problem_key} on {e.target}: "
                      + ", ".join(f"{n} {s}" for s, n in counts.items()))
                 if ok:
-                    default = _default_of(KERNELS[e.kernel], e.problem, e.target)
+                    default = _default_of(get_kernel(e.kernel), e.problem, e.target)
                     _say(_format_table(
                         ["#", "ms", "TFLOP/s", "source", "config"],
                         [[i + 1, f"{t['time_ms']:.4g}", f"{t['tflops']:.0f}", t["source"],
@@ -174,7 +165,7 @@ def cmd_show(args) -> int:
 def _refuse_overwrite(out: str) -> None:
     """An existing table is someone's tuning (the shipped one: measurements and their carry records):
     `export` replaces it only when told to, and says what would be lost."""
-    from .tables import TableError, existing_tables
+    from .runtime.tables import TableError, existing_tables
 
     for path, document in existing_tables(out):
         if isinstance(document, TableError):
@@ -193,7 +184,7 @@ def _refuse_overwrite(out: str) -> None:
 def cmd_export(args) -> int:
     from .db import ResultsDB
     from .kernels import get_kernel
-    from .tables import default_table_path, export_table
+    from .runtime.tables import default_table_path, export_table
     from .target import get_target
 
     kernel = get_kernel(args.kernel)
@@ -217,7 +208,7 @@ def cmd_export(args) -> int:
 
 def cmd_import(args) -> int:
     from .db import ResultsDB
-    from .tables import check_importable, import_table
+    from .runtime.tables import check_importable, import_table
 
     check_importable(args.table)  # a bad or stale table fails before a DB is created
     with ResultsDB.open(args.db, create=True) as db:
@@ -230,7 +221,7 @@ def cmd_import(args) -> int:
 
 
 def cmd_carry(args) -> int:
-    from .carry import carry_table
+    from .runtime.carry import carry_table
 
     carry_table(args.table, args.rev, repo=args.repo, write=args.write, say=_say)
     if not args.write:
@@ -337,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except Exception as exc:
-        if not _is_user_error(exc):
+        if not is_user_error(exc):
             raise
         print(f"fa4tune: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

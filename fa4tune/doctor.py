@@ -15,7 +15,7 @@ def package_version(dist: str) -> str | None:
 def diagnose(db_location: str | None = None) -> list[tuple[str, bool, str]]:
     """(check, healthy, detail) lines; a missing GPU is healthy (the model backend runs)."""
     from . import __version__
-    from .kernels import KERNELS
+    from .kernels import families
 
     lines: list[tuple[str, bool, str]] = [("fa4tune", True, __version__)]
     torch_version = package_version("torch")
@@ -48,7 +48,7 @@ def diagnose(db_location: str | None = None) -> list[tuple[str, bool, str]]:
     lines.append(("cuda driver", True, cuda_driver_version() or "none"))
     dsl = package_version("nvidia-cutlass-dsl")
     lines.append(("cute dsl", dsl is not None, f"nvidia-cutlass-dsl {dsl}" if dsl else "not installed"))
-    for name, spec in KERNELS.items():
+    for name, spec in families().items():
         try:
             lines.append(("kernel", True, f"{name} ({spec.arch}) source hash {spec.source_hash()[:12]}, "
                           f"knobs: {', '.join(spec.knobs)}"))

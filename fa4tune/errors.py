@@ -40,3 +40,16 @@ class TableError(Fa4tuneError):
 
 class StorageError(Fa4tuneError):
     """An Optuna storage that cannot be opened."""
+
+
+class UnsupportedInput(ValueError):
+    """An input fa4tune.attention cannot take; the message names what and what it takes."""
+
+
+def is_user_error(exc: BaseException) -> bool:
+    """Whether an exception is bad input or an unusable environment, to be told to a person in one
+    paragraph rather than as a traceback: fa4tune's own errors, and the ValueErrors fa4tune's modules
+    raise for bad input (ProblemError, ConfigError, TargetError, UnsupportedInput)."""
+    if isinstance(exc, Fa4tuneError):
+        return True
+    return isinstance(exc, ValueError) and type(exc).__module__.startswith("fa4tune")

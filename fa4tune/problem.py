@@ -123,6 +123,31 @@ class Problem:
             )
         return cls(**data)
 
+    @classmethod
+    def from_job_fields(cls, fields: dict) -> "Problem":
+        """A Problem from a job file's fields; `tokens` sets batch = tokens / seqlen_q and `hidden`
+        sets nheads_q = hidden / head_dim (the design notes' grid: 16k tokens, hidden 2048)."""
+        fields = dict(fields)
+        tokens, hidden = fields.pop("tokens", None), fields.pop("hidden", None)
+        if tokens is not None:
+            seqlen = fields.get("seqlen_q", 4096)
+            if "batch" in fields:
+                raise ProblemError("give either tokens or batch, not both")
+            if not isinstance(tokens, int) or not isinstance(seqlen, int) or tokens % seqlen or tokens < seqlen:
+                raise ProblemError(f"tokens ({tokens!r}) must be a multiple of seqlen_q ({seqlen!r})")
+            fields["batch"] = tokens // seqlen
+        if hidden is not None:
+            head_dim = fields.get("head_dim", 128)
+            if "nheads_q" in fields:
+                raise ProblemError("give either hidden or nheads_q, not both")
+            if not isinstance(hidden, int) or not isinstance(head_dim, int) or hidden % head_dim:
+                raise ProblemError(f"hidden ({hidden!r}) must be a multiple of head_dim ({head_dim!r})")
+            fields["nheads_q"] = hidden // head_dim
+        try:
+            return cls.from_dict(fields)
+        except TypeError as exc:
+            raise ProblemError(str(exc)) from exc
+
     def key(self) -> str:
         """A stable, readable string key of the exact problem."""
         c = "causal" if self.causal else "full"

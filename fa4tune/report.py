@@ -39,7 +39,7 @@ def write_report(db_location: str | None, out_dir: str, storage: str | None = No
     from optuna.visualization import matplotlib as optuna_plots
 
     from .db import ResultsDB
-    from .studies import open_storage, quiet_optuna
+    from .tune.studies import open_storage, quiet_optuna
 
     quiet_optuna()
     out = Path(out_dir)

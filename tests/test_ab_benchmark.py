@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from fa4tune.kernels.config import FwdConfig
+from fa4tune.kernels.fa4_fwd_sm90.config import FwdConfig
 from fa4tune.problem import Problem
 from fa4tune.target import get_target
 

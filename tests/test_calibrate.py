@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from fa4tune.kernels import get_kernel
-from fa4tune.measure.calibrate import (CalibrationError, Sample, evaluate, fit, load_samples, loss, save_samples,
+from fa4tune.kernels.fa4_fwd_sm90.calibrate import (CalibrationError, Sample, evaluate, fit, load_samples, loss, save_samples,
                                        spearman, summary)
-from fa4tune.measure.model import CostModel, ModelAssumptions
+from fa4tune.kernels.fa4_fwd_sm90.cost_model import CostModel, ModelAssumptions
 from fa4tune.problem import Problem
 from fa4tune.target import get_target
 
@@ -146,7 +146,7 @@ def test_regret_and_ranks_use_full_timings_and_average_ties():
 
 
 def test_pattern_search_stays_in_bounds_and_never_loses():
-    from fa4tune.measure.calibrate import _refine
+    from fa4tune.kernels.fa4_fwd_sm90.calibrate import _refine
 
     params = {"a": (1.0, 100.0, True), "b": (0.0, 1.0, False)}
     calls = []

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from fa4tune.carry import CarryError, carry_table
+from fa4tune.runtime.carry import CarryError, carry_table
 from fa4tune.cli import main
 from fa4tune.kernels import get_kernel
-from fa4tune.runtime import PACKAGE_TABLES
-from fa4tune.tables import read_table, render_yaml
+from fa4tune.runtime.lookup import PACKAGE_TABLES
+from fa4tune.runtime.tables import read_table, render_yaml
 
 PACKAGE = Path(__file__).resolve().parent.parent / "fa4tune"
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
@@ -66,7 +66,7 @@ def test_a_table_tuned_for_the_code_at_hand_has_nothing_to_carry(repo, table):
 
 
 def test_the_revision_must_be_the_one_the_table_was_tuned_on(repo, table):
-    edit(repo, "interface.py", "def compile_key(", "def _spare():\n    return 0\n\n\ndef compile_key(")
+    edit(repo, "fa4_fwd_sm90/compile.py", "def compile_key(", "def _spare():\n    return 0\n\n\ndef compile_key(")
     git(repo, "commit", "-qam", "v2")
     before = table.read_text()
     with pytest.raises(CarryError, match=r"hashes to [0-9a-f]{12}: name the revision it was tuned on"):
@@ -80,7 +80,7 @@ def test_the_revision_must_be_the_one_the_table_was_tuned_on(repo, table):
 @pytest.mark.compile
 def test_a_refactor_that_compiles_to_the_same_code_carries_the_table(repo, table, capsys, monkeypatch):
     tuned = read_table(table)
-    edit(repo, "interface.py", "def compile_key(", "def _spare():\n    return 0\n\n\ndef compile_key(")
+    edit(repo, "fa4_fwd_sm90/compile.py", "def compile_key(", "def _spare():\n    return 0\n\n\ndef compile_key(")
     when = datetime(2026, 11, 29, tzinfo=timezone.utc)
     # The user's DSL settings do not reach the compiles (line info puts source line numbers into
     # the PTX, and the refactor moved lines), and the repository may be named by any directory in it.
@@ -98,10 +98,22 @@ def test_a_refactor_that_compiles_to_the_same_code_carries_the_table(repo, table
 
 
 @pytest.mark.compile
+def test_a_moved_kernel_module_carries_the_table(repo, table):
+    """The kernel's symbol names carry its module's path (and are cut at a fixed length): a move of
+    the module changes them, not the code."""
+    family = repo / "fa4tune" / "kernels" / "fa4_fwd_sm90"
+    git(repo, "mv", str(family / "kernel.py"), str(family / "forward_kernel_moved_to_a_longer_name.py"))
+    edit(repo, "fa4_fwd_sm90/compile.py", "from .kernel import", "from .forward_kernel_moved_to_a_longer_name import")
+    carried = carry_table(table, "HEAD", repo=repo, tree=repo, say=lambda *a: None)
+    assert carried["entries"] == read_table(table)["entries"]
+    assert carried["kernel_hash"] != read_table(table)["kernel_hash"]
+
+
+@pytest.mark.compile
 def test_a_change_to_the_compiled_code_or_the_launch_names_each_entry_and_writes_nothing(repo, table):
     before = table.read_text()
     # The kernel: the fake counter the compile sees is declared 8-byte aligned (a different module).
-    edit(repo, "interface.py", "counter = make_fake_tensor(cutlass.Int32, (1,), stride=(1,), "
+    edit(repo, "fa4_fwd_sm90/compile.py", "counter = make_fake_tensor(cutlass.Int32, (1,), stride=(1,), "
          "memspace=AddressSpace.generic, assumed_align=4)",
          "counter = make_fake_tensor(cutlass.Int32, (1,), stride=(1,), memspace=AddressSpace.generic, "
          "assumed_align=8)")
@@ -112,7 +124,7 @@ def test_a_change_to_the_compiled_code_or_the_launch_names_each_entry_and_writes
     assert all(f"{key} (ir" in message for key in KEYS), message  # the PTX may well be the same
     git(repo, "checkout", "-q", "--", ".")
     # The launch only: at most 16 heads per L2 group (the hdim-64 entry has 64, the other 8).
-    edit(repo, "interface.py", "min(group, problem.batch * problem.nheads_q)",
+    edit(repo, "fa4_fwd_sm90/launch.py", "min(group, problem.batch * problem.nheads_q)",
          "min(group, 16, problem.batch * problem.nheads_q)")
     with pytest.raises(CarryError) as caught:
         carry_table(table, "HEAD", repo=repo, tree=repo, write=True, say=lambda *a: None)

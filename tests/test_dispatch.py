@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fa4tune
-from fa4tune.dispatch import UnsupportedInput, explain
+from fa4tune.runtime.dispatch import UnsupportedInput, explain
 from fa4tune.kernels import get_kernel
 from fa4tune.problem import Problem
 
@@ -22,7 +22,7 @@ def qkv(b=2, sq=256, sk=256, hq=4, hkv=2, d=128, dv=None, dtype=torch.bfloat16, 
 
 
 def test_attention_is_the_dispatch_function():
-    from fa4tune.dispatch import attention
+    from fa4tune.runtime.dispatch import attention
 
     assert fa4tune.attention is attention
 
@@ -69,7 +69,7 @@ def test_unsupported_inputs_are_named(make, match):
 def test_inputs_with_nothing_to_compute_are_told_apart_and_answered_without_a_kernel():
     """No batch, no query rows or no keys: nothing to compute (and nothing read, so strides do not
     matter); the answer is O zero and LSE -inf, as flash-attn gives. A missing head is an error."""
-    from fa4tune.kernels.interface import check_inputs, empty_outputs
+    from fa4tune.kernels.common.inputs import check_inputs, empty_outputs
 
     assert not check_inputs(*qkv(), False)
     for shape in ({"b": 0}, {"sq": 0}, {"sk": 0}):
@@ -110,7 +110,7 @@ def test_inputs_that_require_grad_are_refused_while_autograd_records():
     with torch.no_grad():  # nothing records: on to the device check
         with pytest.raises(UnsupportedInput, match="needs CUDA tensors"):
             fa4tune.attention(q, k, v)
-    from fa4tune.kernels.interface import attention_forward
+    from fa4tune.kernels.fa4_fwd_sm90.launch import attention_forward
 
     with pytest.raises(UnsupportedInput, match="forward only"):
         attention_forward(q, k, v, get_kernel().default_config(Problem(), None))
@@ -149,9 +149,10 @@ def test_packed_arguments_match_what_the_dsl_passes():
     from cutlass import Float32, Int32
     from cutlass.cute.runtime import from_dlpack
 
-    from fa4tune.dispatch import _Launch
-    from fa4tune.kernels.config import default_config
-    from fa4tune.kernels.interface import compile_forward, heads_per_l2_group
+    from fa4tune.kernels.fa4_fwd_sm90.launch import _Launch
+    from fa4tune.kernels.fa4_fwd_sm90 import FAMILY
+    from fa4tune.kernels.fa4_fwd_sm90.compile import compile_forward
+    from fa4tune.kernels.fa4_fwd_sm90.launch import heads_per_l2_group
     from fa4tune.target import get_target
 
     target = get_target("H200")
@@ -160,7 +161,7 @@ def test_packed_arguments_match_what_the_dsl_passes():
     k = torch.empty(2, 200, 2, 128, dtype=torch.bfloat16)
     v = torch.empty(2, 200, 2, 128, dtype=torch.bfloat16)
     problem = fa4tune.dispatch.problem_of(q, k, v, True)
-    config = default_config(problem, target)
+    config = FAMILY.default_config(problem, target)
     compiled = compile_forward(config, "bf16", 128, 128, True, target)
     launch = _Launch(problem, config, target, q, k, v, softmax_scale=0.07)
     out = torch.empty(launch.out_shape, dtype=torch.bfloat16)
@@ -208,7 +209,7 @@ def test_direct_call_packs_the_arguments_as_the_dsl_does():
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     from cutlass.base_dsl.jit_executor import JitExecutor
 
-    from fa4tune.dispatch import direct_call, launch_error
+    from fa4tune.kernels.common.launch import direct_call, launch_error
 
     buffers = [ctypes.create_string_buffer(16) for _ in range(9)]
     arguments = [ctypes.addressof(b) for b in buffers]
@@ -242,7 +243,7 @@ def test_direct_call_packs_the_arguments_as_the_dsl_does():
 
 def test_direct_call_falls_back_to_the_dsl_call():
     """An executor without the compiled function's internals is called through run_compiled_program."""
-    from fa4tune.dispatch import direct_call
+    from fa4tune.kernels.common.launch import direct_call
 
     seen = []
     executor = SimpleNamespace(run_compiled_program=seen.append)
@@ -253,20 +254,21 @@ def test_direct_call_falls_back_to_the_dsl_call():
 def test_a_config_whose_launch_grid_cannot_hold_the_problem_is_infeasible():
     """One CTA per tile, non-causal: (m blocks, heads, batch) grid, y and z at most 65535; persistent
     and causal launches are flat."""
-    from fa4tune.kernels.config import FwdConfig, infeasible_reasons
+    from fa4tune.kernels.fa4_fwd_sm90.config import FwdConfig
+    from fa4tune.kernels.fa4_fwd_sm90 import FAMILY
     from fa4tune.target import get_target
 
     big = Problem(head_dim=128, seqlen_q=128, batch=65536, nheads_q=1)
     one_per_tile = FwdConfig(persistent=False)
-    assert any("batch 65536 > 65535" in r for r in infeasible_reasons(big, one_per_tile, get_target("H200")))
+    assert any("batch 65536 > 65535" in r for r in FAMILY.infeasible_reasons(big, one_per_tile, get_target("H200")))
     causal = Problem(**{**big.to_dict(), "causal": True})
     for config, problem in ((FwdConfig(persistent=True), big), (one_per_tile, causal),
                             (one_per_tile, Problem(head_dim=128, seqlen_q=128, batch=65535, nheads_q=1))):
-        assert not infeasible_reasons(problem, config, get_target("H200")), (config, problem)
+        assert not FAMILY.infeasible_reasons(problem, config, get_target("H200")), (config, problem)
 
 
 def test_outputs_passed_in_are_checked():
-    from fa4tune.kernels.interface import check_output
+    from fa4tune.kernels.common.inputs import check_output
 
     good = torch.empty(2, 4, 8)
     check_output("lse", good, (2, 4, 8), torch.float32, good.device)

@@ -7,7 +7,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from fa4tune.kernels import exp2_poly
+from fa4tune.kernels.sm90 import exp2_poly
 
 
 def _exact_round_f32(value: Fraction, mode: str) -> np.float32:

@@ -37,7 +37,7 @@ def _run_device_exp2(xs: np.ndarray, degree: int) -> np.ndarray:
 
 @pytest.mark.parametrize("degree", [2, 3, 5])
 def test_device_exp2_matches_cpu_model_bit_for_bit(degree):
-    from fa4tune.kernels import exp2_poly
+    from fa4tune.kernels.sm90 import exp2_poly
 
     rng = np.random.default_rng(degree)
     xs = np.concatenate([

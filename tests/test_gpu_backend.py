@@ -16,12 +16,12 @@ import planted_worker as planted
 from conftest import write_job
 from fa4tune.db import ResultsDB
 from fa4tune.errors import BackendError
-from fa4tune.job import load_job
+from fa4tune.tune.job import load_job
 from fa4tune.kernels import get_kernel
-from fa4tune.kernels.config import FwdConfig
+from fa4tune.kernels.fa4_fwd_sm90.config import FwdConfig
 from fa4tune.measure.gpu import GpuBackend
 from fa4tune.problem import Problem
-from fa4tune.search import run_search
+from fa4tune.tune.search import run_search
 
 KERNEL = get_kernel()
 PROBLEM = Problem(head_dim=128, seqlen_q=2048, batch=2, nheads_q=8)
@@ -219,7 +219,7 @@ def test_the_db_config_that_checks_the_gpu_comes_from_the_compile_pools_cache(wo
 
     def spy(self, problem, config, mode, artifact, salt=0):
         if mode == "retime" and self.deaths:  # a health check (after deaths), not a confirmation
-            checks.append((config["tile_n"], artifact))
+            checks.append((config.tile_n, artifact))
         return request(self, problem, config, mode, artifact, salt)
 
     monkeypatch.setattr(GpuBackend, "_request", spy)
@@ -406,8 +406,7 @@ def test_a_config_replaces_the_default_only_when_faster_in_every_round(workdir, 
 
 def test_each_confirmation_round_starts_with_the_next_config(backend, monkeypatch):
     # Paired rounds compare configs timed back to back: none may always go first or last.
-    configs = [FwdConfig(tile_n=64).to_dict(), FwdConfig(tile_n=128).to_dict(),
-               FwdConfig(tile_n=128, num_stages=3).to_dict()]
+    configs = [FwdConfig(tile_n=64), FwdConfig(tile_n=128), FwdConfig(tile_n=128, num_stages=3)]
     order = []
     request = backend._request
 

@@ -28,9 +28,9 @@ quiet = lambda *a, **k: None  # noqa: E731
 
 def test_short_real_search_stores_a_verified_confirmed_best(workdir):
     from fa4tune.db import ResultsDB
-    from fa4tune.job import load_job
-    from fa4tune.measure.verify import TOLERANCES
-    from fa4tune.search import run_search
+    from fa4tune.tune.job import load_job
+    from fa4tune.kernels.common.verify import TOLERANCES
+    from fa4tune.tune.search import run_search
 
     path = write_job(workdir, backend="gpu", target=None,
                      spaces={"tiles": {"tile_m": [128], "tile_n": [96, 128, 160]}, "pipeline": {"num_stages": [2, 3]}},
@@ -78,7 +78,7 @@ SHAPES = [
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "d{}-{}-q{}k{}-b{}h{}x{}".format(*s[:7]))
 def test_attention_matches_the_reference(shape):
     import fa4tune
-    from fa4tune.kernels.reference import attention_reference
+    from fa4tune.kernels.common.reference import attention_reference
 
     d, causal, sq, sk, b, hq, hkv, scale = shape
     q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16)
@@ -100,7 +100,7 @@ def _tuned_db_in_use(problem, workdir, monkeypatch):
     """A results DB in workdir holding one measured best for `problem` on this GPU (the default
     with tile_n 96 and three stages), made the lookup's source; the kernel and that config."""
     import fa4tune
-    from fa4tune import dispatch
+    from fa4tune.runtime import dispatch
     from fa4tune.db import ResultsDB
     from fa4tune.kernels import get_kernel
     from fa4tune.measure.base import Measurement
@@ -124,9 +124,9 @@ def test_fp16_runs_the_config_tuned_for_bf16(workdir, monkeypatch):
     """A DB that holds a bf16 problem only: an fp16 call of that shape takes its config (the
     sibling-dtype rung), launches it, and matches the reference at fp16's tolerance."""
     import fa4tune
-    from fa4tune import dispatch
-    from fa4tune.kernels.reference import attention_reference
-    from fa4tune.measure.verify import TOLERANCES
+    from fa4tune.runtime import dispatch
+    from fa4tune.kernels.common.reference import attention_reference
+    from fa4tune.kernels.common.verify import TOLERANCES
 
     problem = Problem(head_dim=128, causal=True, seqlen_q=1536, batch=2, nheads_q=8, nheads_kv=2)
     _, tuned = _tuned_db_in_use(problem, workdir, monkeypatch)
@@ -150,15 +150,16 @@ def test_inputs_with_nothing_to_compute_give_zero_and_minus_inf(causal, monkeypa
     """No batch, no query rows or no keys: O zero and LSE -inf on the tensors' device and current
     stream, as in flash-attn-4, with no kernel compiled; attention_forward fills a caller's out and lse."""
     import fa4tune
-    from fa4tune import dispatch
-    from fa4tune.kernels import interface
-    from fa4tune.kernels.config import FwdConfig
-    from fa4tune.kernels.interface import UnsupportedInput, attention_forward
+    from fa4tune.runtime import dispatch
+    from fa4tune.kernels.common.inputs import UnsupportedInput
+    from fa4tune.kernels.fa4_fwd_sm90 import launch as fwd_launch
+    from fa4tune.kernels.fa4_fwd_sm90.config import FwdConfig
+    from fa4tune.kernels.fa4_fwd_sm90.launch import attention_forward
 
     def no_compile(*args, **kwargs):
         raise AssertionError("an empty input compiled a kernel")
 
-    monkeypatch.setattr(interface, "compile_forward", no_compile)
+    monkeypatch.setattr(fwd_launch, "compile_forward", no_compile)
     dispatch.clear()
     stream = torch.cuda.Stream()
     for b, sq, sk in ((2, 100, 0), (2, 0, 100), (0, 100, 100)):
@@ -197,8 +198,8 @@ def test_inputs_with_nothing_to_compute_give_zero_and_minus_inf(causal, monkeypa
 
 def test_attention_runs_the_tables_config_on_the_current_stream(workdir, monkeypatch):
     import fa4tune
-    from fa4tune import dispatch
-    from fa4tune.kernels.interface import attention_forward
+    from fa4tune.runtime import dispatch
+    from fa4tune.kernels.fa4_fwd_sm90.launch import attention_forward
 
     problem = Problem(head_dim=128, causal=True, seqlen_q=1536, batch=2, nheads_q=4)
     kernel, tuned = _tuned_db_in_use(problem, workdir, monkeypatch)
@@ -211,7 +212,7 @@ def test_attention_runs_the_tables_config_on_the_current_stream(workdir, monkeyp
     side.synchronize()
     [launch] = dispatch._LAUNCHES.values()
     assert launch.config.to_dict() == tuned
-    expected, expected_lse = attention_forward(q, k, v, kernel.make_config(tuned), causal=True)
+    expected, expected_lse = attention_forward(q, k, v, kernel.config(tuned), causal=True)
     torch.cuda.synchronize()
     assert torch.equal(out, expected) and torch.equal(lse, expected_lse), "not the table's kernel, or not the same run"
     dispatch.clear()
@@ -224,9 +225,9 @@ def test_attention_runs_on_a_hopper_gpu_without_a_description(monkeypatch):
     import types
 
     import fa4tune
-    from fa4tune import dispatch
-    from fa4tune.kernels import interface
-    from fa4tune.kernels.reference import attention_reference
+    from fa4tune.runtime import dispatch
+    from fa4tune.kernels.common.reference import attention_reference
+    from fa4tune.kernels.fa4_fwd_sm90.compile import _CACHE
 
     real = torch.cuda.get_device_properties
 
@@ -243,7 +244,7 @@ def test_attention_runs_on_a_hopper_gpu_without_a_description(monkeypatch):
         out, lse = fa4tune.attention(q, k, v, causal=True)
     [launch] = dispatch._LAUNCHES.values()
     assert launch.config.persistent and dispatch.explain(q, k, v, causal=True).source == "default"
-    assert launch.l2_group.value >= 1 and any(key[-1] == 66 for key in interface._CACHE)  # compiled for 66 SMs
+    assert launch.l2_group.value >= 1 and any(key[-1] == 66 for key in _CACHE)  # compiled for 66 SMs
     ref_out, ref_lse = attention_reference(q, k, v, causal=True)
     assert ((out.float() - ref_out).norm() / ref_out.norm()).item() < 1e-2
     assert (lse - ref_lse).abs().max().item() < 1e-3
@@ -251,14 +252,15 @@ def test_attention_runs_on_a_hopper_gpu_without_a_description(monkeypatch):
 
 
 def test_kernel_exported_in_another_process_equals_a_fresh_compile(workdir):
-    from fa4tune.kernels.config import FwdConfig
-    from fa4tune.kernels.interface import _CACHE, attention_forward, compile_forward, load_compiled
+    from fa4tune.kernels.fa4_fwd_sm90.config import FwdConfig
+    from fa4tune.kernels.fa4_fwd_sm90.compile import _CACHE, compile_forward, load_compiled
+    from fa4tune.kernels.fa4_fwd_sm90.launch import attention_forward
 
     config = FwdConfig(tile_n=112, num_stages=3, rescale_threshold=4.0)
     path = workdir / "kernel.o"
     # The exporting process sees no GPU, like a compile worker.
-    script = ("from fa4tune.kernels.config import FwdConfig\n"
-              "from fa4tune.kernels.interface import compile_forward, export_compiled\n"
+    script = ("from fa4tune.kernels.fa4_fwd_sm90.config import FwdConfig\n"
+              "from fa4tune.kernels.fa4_fwd_sm90.compile import compile_forward, export_compiled\n"
               f"export_compiled(compile_forward(FwdConfig(tile_n=112, num_stages=3, rescale_threshold=4.0), "
               f"'bf16', 128, 128, True, 'H200'), {str(path)!r})\n")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}

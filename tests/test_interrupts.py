@@ -9,8 +9,8 @@ import pytest
 from conftest import write_job
 from fa4tune import interrupts
 from fa4tune.db import ResultsDB
-from fa4tune.job import load_job
-from fa4tune.search import SearchInterrupted, run_search
+from fa4tune.tune.job import load_job
+from fa4tune.tune.search import SearchInterrupted, run_search
 
 
 def test_a_signal_inside_a_critical_section_is_raised_when_it_ends():

@@ -1,7 +1,7 @@
 import pytest
 
 from fa4tune.errors import JobError
-from fa4tune.job import parse_job
+from fa4tune.tune.job import parse_job
 from fa4tune.problem import Problem
 
 

@@ -13,14 +13,14 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def test_export_in_one_process_load_in_another(tmp_path):
-    from fa4tune.kernels.config import FwdConfig
-    from fa4tune.kernels.interface import _CACHE, compile_forward, compile_key, load_compiled
+    from fa4tune.kernels.fa4_fwd_sm90.config import FwdConfig
+    from fa4tune.kernels.fa4_fwd_sm90.compile import _CACHE, compile_forward, compile_key, load_compiled
     from fa4tune.target import get_target
 
     config = FwdConfig(tile_n=96, num_stages=3)
     path = tmp_path / "k.o"
-    script = ("from fa4tune.kernels.config import FwdConfig\n"
-              "from fa4tune.kernels.interface import compile_forward, export_compiled\n"
+    script = ("from fa4tune.kernels.fa4_fwd_sm90.config import FwdConfig\n"
+              "from fa4tune.kernels.fa4_fwd_sm90.compile import compile_forward, export_compiled\n"
               "c = compile_forward(FwdConfig(tile_n=96, num_stages=3), 'fp16', 64, 64, False, 'H200')\n"
               f"export_compiled(c, {str(path)!r})\n")
     env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}

@@ -14,7 +14,9 @@ import pytest
 
 pytestmark = pytest.mark.compile
 
-from fa4tune.kernels.config import ConfigError, FwdConfig, default_config, infeasible_reasons  # noqa: E402
+from fa4tune.kernels.fa4_fwd_sm90.config import ConfigError, FwdConfig  # noqa: E402
+
+from fa4tune.kernels.fa4_fwd_sm90 import FAMILY
 from fa4tune.problem import Problem  # noqa: E402
 from fa4tune.target import get_target  # noqa: E402
 
@@ -71,7 +73,7 @@ def _compile_with_report(config, dtype, head_dim, head_dim_v, causal, capfd, tmp
     """A real compile for sm_90a (the cache bypassed: ptxas prints its remarks only then), with PTX
     kept: (the compiled kernel, ptxas's output)."""
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-    from fa4tune.kernels.interface import compile_forward
+    from fa4tune.kernels.fa4_fwd_sm90.compile import compile_forward
 
     compiled = compile_forward(config, dtype, head_dim, head_dim_v, causal, target,
                                options=f"remarks{{ptx}} --keep-ptx --dump-dir {tmp_path}", use_cache=False)
@@ -126,13 +128,10 @@ def test_serialized_wgmma_check_sees_a_real_serialized_kernel(capfd, tmp_path, m
     model refuses (S, P and O of four consumer warpgroups in 112 registers), built with the refusal
     bypassed: ptxas serializes its wgmma (and spills)."""
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before the DSL is loaded, as in _compile_with_report
-    import fa4tune.kernels.fwd_sm90 as fwd
-    import fa4tune.kernels.interface as interface
 
     config = FwdConfig(tile_m=256, tile_n=96, rescale_threshold=8.0, persistent=True, lazy_max=True)
-    assert any("would spill" in r for r in infeasible_reasons(Problem(head_dim=64), config, get_target("H200")))
-    monkeypatch.setattr(fwd, "check_config", lambda *args, **kwargs: None)
-    monkeypatch.setattr(interface, "check_config", lambda *args, **kwargs: None)
+    assert any("would spill" in r for r in FAMILY.infeasible_reasons(Problem(head_dim=64), config, get_target("H200")))
+    monkeypatch.setattr(FAMILY, "check", lambda *args, **kwargs: None)  # the kernel's refusal bypassed
     _, text = _compile_with_report(config, "bf16", 64, 64, False, capfd, tmp_path)
     assert [code for code, _ in _serialized_wgmma(text)] == ["C7512"], text[-2000:]
 
@@ -189,7 +188,7 @@ def test_early_release_check_flags_the_unfixed_idle_loop_and_passes_synced_ones(
                          ids=lambda v: v.short() if isinstance(v, FwdConfig) else str(v))
 def test_compiles_for_sm90a_without_spills(config, dtype, head_dim, head_dim_v, causal, capfd, tmp_path):
     problem = Problem(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal)
-    config = config or default_config(problem)
+    config = config or FAMILY.default_config(problem)
     compiled, text = _compile_with_report(config, dtype, head_dim, head_dim_v, causal, capfd, tmp_path)
     report = _spill_report(text)
     for stack, stores, loads in report:
@@ -211,8 +210,8 @@ ALLOWED_SPILLS: dict[tuple[str, str], str] = {}
 
 
 def _shipped_entries():
-    from fa4tune.runtime import PACKAGE_TABLES
-    from fa4tune.tables import read_table, table_entries
+    from fa4tune.runtime.lookup import PACKAGE_TABLES
+    from fa4tune.runtime.tables import read_table, table_entries
 
     return [e for table in sorted(PACKAGE_TABLES.glob("*.yaml")) for e in table_entries(read_table(table))]
 
@@ -238,14 +237,14 @@ def test_every_allowed_spill_is_still_in_the_shipped_table():
 
 
 def test_infeasible_config_is_refused_before_compiling():
-    from fa4tune.kernels.interface import compile_forward
+    from fa4tune.kernels.fa4_fwd_sm90.compile import compile_forward
 
     with pytest.raises(ConfigError, match="shared memory"):
         compile_forward(FwdConfig(tile_n=192, num_stages=5), "bf16", 128, 128, False, "H200")
     with pytest.raises(ConfigError, match="poly_degree 1|degree 1"):
         compile_forward(FwdConfig(emu_share=0.25, poly_degree=1), "bf16", 128, 128, False, "H200")
     # Persistent CTAs give O its own buffer: 3 stages of hdim 128 fit without it, not with it.
-    assert not infeasible_reasons(Problem(dtype="bf16", head_dim=128), FwdConfig(num_stages=3), get_target("H200"))
+    assert not FAMILY.infeasible_reasons(Problem(dtype="bf16", head_dim=128), FwdConfig(num_stages=3), get_target("H200"))
     with pytest.raises(ConfigError, match="persistent.*o 32 KB"):
         compile_forward(FwdConfig(num_stages=3, persistent=True), "bf16", 128, 128, False, "H200")
     # Per-warpgroup O stores need O's own buffer: a single-tile CTA stages O in Q's.
@@ -284,8 +283,8 @@ def test_shared_storage_is_what_the_resource_model_books(persistent, causal, wg_
     the barrier region, a persistent causal kernel took 1 KB more than the model said.)"""
     import cutlass.utils
 
-    from fa4tune.kernels import resources
-    from fa4tune.kernels.interface import compile_forward
+    from fa4tune.kernels.fa4_fwd_sm90 import resources
+    from fa4tune.kernels.fa4_fwd_sm90.compile import compile_forward
 
     sizes = []
     allocate = cutlass.utils.SmemAllocator.allocate
@@ -306,7 +305,7 @@ def test_the_producer_gives_back_what_the_consumers_take(tile_m, tile_n, capfd, 
     """setmaxnreg.inc takes registers only from what the block's setmaxnreg.dec gave back, and waits
     for ever if that is too little (tile_m 256 with a 24/120 split hung on the H200). ptxas must launch
     the block with the registers the model assumes, and each split must balance from there."""
-    from fa4tune.kernels import resources
+    from fa4tune.kernels.fa4_fwd_sm90 import resources
 
     target = get_target("H200")
     config = FwdConfig(tile_m=tile_m, tile_n=tile_n, intra_wg_overlap=tile_m != 256)
@@ -325,15 +324,15 @@ def test_four_warpgroups_without_overlap_book_the_emulations_registers():
     problem = Problem(dtype="bf16", head_dim=64)
     target = get_target("H200")
     spills = FwdConfig(tile_m=256, tile_n=96, intra_wg_overlap=False, emu_share=0.5, poly_degree=5)
-    assert any("would spill" in r for r in infeasible_reasons(problem, spills, target))
-    assert infeasible_reasons(problem, FwdConfig(tile_m=256, tile_n=96, intra_wg_overlap=False, emu_share=0.375,
+    assert any("would spill" in r for r in FAMILY.infeasible_reasons(problem, spills, target))
+    assert FAMILY.infeasible_reasons(problem, FwdConfig(tile_m=256, tile_n=96, intra_wg_overlap=False, emu_share=0.375,
                                                  poly_degree=5), target) == []
 
 
 def test_a_split_that_would_hang_is_refused(monkeypatch):
-    from fa4tune.kernels import resources
+    from fa4tune.kernels.fa4_fwd_sm90 import resources
 
     monkeypatch.setitem(resources.REGISTER_SPLIT, 4, (24, 120))
     problem = Problem(dtype="bf16", head_dim=64)
-    reasons = infeasible_reasons(problem, FwdConfig(tile_m=256, tile_n=64), get_target("H200"))
+    reasons = FAMILY.infeasible_reasons(problem, FwdConfig(tile_m=256, tile_n=64), get_target("H200"))
     assert any("setmaxnreg.inc would wait for ever" in r for r in reasons), reasons

@@ -11,7 +11,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
 ]
 
-from fa4tune.kernels.config import KNOBS, FwdConfig  # noqa: E402
+from fa4tune.kernels.fa4_fwd_sm90.config import KNOBS, FwdConfig  # noqa: E402
 from fa4tune.problem import Problem  # noqa: E402
 
 OUT_TOL = 1e-2  # relative Frobenius error of O for bf16/fp16 inputs
@@ -38,8 +38,8 @@ def run_checked(config: FwdConfig, p: Problem, seed: int = 0):
 
 def check_on(config: FwdConfig, p: Problem, q, k, v):
     """Run on q, k, v with poisoned outputs; return (O error, LSE error) against the fp32 reference."""
-    from fa4tune.kernels.interface import attention_forward
-    from fa4tune.kernels.reference import attention_reference
+    from fa4tune.kernels.fa4_fwd_sm90.launch import attention_forward
+    from fa4tune.kernels.common.reference import attention_reference
 
     out = torch.full((p.batch, p.seqlen_q, p.nheads_q, p.head_dim_v), float("nan"), dtype=q.dtype, device="cuda")
     lse = torch.full((p.batch, p.nheads_q, p.seqlen_q), float("nan"), dtype=torch.float32, device="cuda")
@@ -70,12 +70,12 @@ SHAPES = [
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "q{}k{}b{}h{}x{}".format(*s))
 def test_default_config_matches_reference(head_dim, causal, shape):
-    from fa4tune.kernels.config import default_config
+    from fa4tune.kernels.fa4_fwd_sm90 import FAMILY
 
     sq, sk, b, hq, hkv = shape
     p = Problem(head_dim=head_dim, causal=causal, seqlen_q=sq, seqlen_k=sk, batch=b, nheads_q=hq,
                 nheads_kv=hkv)
-    out_err, lse_err = run_checked(default_config(p), p, seed=hash(shape) & 0xFFFF)
+    out_err, lse_err = run_checked(FAMILY.default_config(p), p, seed=hash(shape) & 0xFFFF)
     assert out_err <= OUT_TOL, out_err
     assert lse_err <= LSE_TOL, lse_err
 
@@ -269,8 +269,9 @@ def test_fp16_inputs():
 def test_attention_forward_writes_into_the_callers_out_and_lse_and_refuses_bad_ones():
     """out= and lse= are written with their own strides: the right ones receive the result (a
     strided out too), a wrong shape, dtype or a zero stride is refused before the launch."""
-    from fa4tune.kernels.interface import UnsupportedInput, attention_forward
-    from fa4tune.kernels.reference import attention_reference
+    from fa4tune.kernels.common.inputs import UnsupportedInput
+    from fa4tune.kernels.fa4_fwd_sm90.launch import attention_forward
+    from fa4tune.kernels.common.reference import attention_reference
 
     p = Problem(head_dim=128, causal=True, seqlen_q=1000, seqlen_k=1000, batch=2, nheads_q=4)
     q, k, v = make_inputs(p, seed=11)
@@ -294,7 +295,7 @@ def test_a_batch_the_launch_grid_cannot_hold_is_refused_by_name():
     """Head dim 256, non-causal: the default runs one CTA per tile on a (m blocks, heads, batch) grid,
     whose z extent CUDA caps at 65535."""
     import fa4tune
-    from fa4tune.kernels.interface import UnsupportedInput
+    from fa4tune.kernels.common.inputs import UnsupportedInput
 
     q = torch.zeros(65536, 8, 1, 256, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(UnsupportedInput, match=r"batch 65536 > 65535 .*split the batch"):
@@ -304,11 +305,11 @@ def test_a_batch_the_launch_grid_cannot_hold_is_refused_by_name():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim,head_dim_v", [(96, 96), (192, 128), (192, 192), (256, 256)])
 def test_other_head_dims_match_reference(head_dim, head_dim_v, causal):
-    from fa4tune.kernels.config import default_config
+    from fa4tune.kernels.fa4_fwd_sm90 import FAMILY
 
     p = Problem(head_dim=head_dim, head_dim_v=head_dim_v, causal=causal, seqlen_q=777, seqlen_k=1029,
                 batch=2, nheads_q=4, nheads_kv=2)
-    out_err, lse_err = run_checked(default_config(p), p, seed=5)
+    out_err, lse_err = run_checked(FAMILY.default_config(p), p, seed=5)
     assert out_err <= OUT_TOL, out_err
     assert lse_err <= LSE_TOL, lse_err
 
@@ -317,9 +318,10 @@ def test_tile_counter_is_zero_after_every_launch_and_graphs_get_their_own(monkey
     """Persistent causal CTAs take tiles from a per-stream counter that each launch must leave at
     zero: back-to-back launches of different tile counts must all be right, and a CUDA graph must
     replay right (its counter is zeroed inside the graph)."""
-    from fa4tune.kernels import interface
-    from fa4tune.kernels.interface import attention_forward
-    from fa4tune.kernels.reference import attention_reference
+    from fa4tune.kernels.common import streams
+    from fa4tune.kernels.fa4_fwd_sm90 import launch as fwd_launch
+    from fa4tune.kernels.fa4_fwd_sm90.launch import attention_forward
+    from fa4tune.kernels.common.reference import attention_reference
 
     config = FwdConfig(rescale_threshold=8.0, persistent=True)
     problems = [Problem(head_dim=128, causal=True, seqlen_q=sq, seqlen_k=sk, batch=b, nheads_q=h)
@@ -332,7 +334,7 @@ def test_tile_counter_is_zero_after_every_launch_and_graphs_get_their_own(monkey
                              device="cuda")
             attention_forward(q, k, v, config, causal=True, out=out)
             # the launch's: the current stream's, named by torch's id (a KeyError if it took another)
-            counter = interface._COUNTERS[(q.device, "torch", stream.stream_id)]
+            counter = streams._COUNTERS[(q.device, "torch", stream.stream_id)]
             ref_out, _ = attention_reference(q, k, v, causal=True)
             err = ((out.float() - ref_out).norm() / ref_out.norm()).item()
             assert err < OUT_TOL, (p.key(), err)
@@ -347,13 +349,13 @@ def test_tile_counter_is_zero_after_every_launch_and_graphs_get_their_own(monkey
     graph = torch.cuda.CUDAGraph()
     out = torch.full((p.batch, p.seqlen_q, p.nheads_q, p.head_dim_v), float("nan"), dtype=q.dtype, device="cuda")
     handed_out = []
-    original = interface.current_tile_counter
-    monkeypatch.setattr(interface, "current_tile_counter",
+    original = fwd_launch.current_tile_counter
+    monkeypatch.setattr(fwd_launch, "current_tile_counter",
                         lambda *a: handed_out.append(original(*a)) or handed_out[-1])
     with torch.cuda.graph(graph):
         attention_forward(q, k, v, config, causal=True, out=out)
     [graph_counter] = handed_out  # kept alive here, as the graph's memory pool keeps it for the graph
-    eager = list(interface._COUNTERS.values())
+    eager = list(streams._COUNTERS.values())
     assert all(graph_counter.data_ptr() != c.data_ptr() for c in eager), "the graph shares an eager counter"
     ref_out, _ = attention_reference(q, k, v, causal=True)
     for _ in range(3):
@@ -371,17 +373,18 @@ def test_kernels_that_ignore_the_counter_get_one_dummy_even_in_a_graph(monkeypat
     fa4tune.attention hand them one fixed dummy per device and never ask for a stream's counter (so
     nothing is allocated per call inside a graph), and a captured graph replays right."""
     import fa4tune
-    from fa4tune import dispatch
-    from fa4tune.kernels import interface
-    from fa4tune.kernels.interface import attention_forward, launch_counter
-    from fa4tune.kernels.reference import attention_reference
+    from fa4tune.runtime import dispatch
+    from fa4tune.kernels.common import streams
+    from fa4tune.kernels.fa4_fwd_sm90 import launch as fwd_launch
+    from fa4tune.kernels.fa4_fwd_sm90.launch import attention_forward, launch_counter
+    from fa4tune.kernels.common.reference import attention_reference
 
     p = Problem(head_dim=64, causal=False, seqlen_q=1000, seqlen_k=1000, batch=2, nheads_q=8)
     q, k, v = make_inputs(p, seed=11)
     counting = FwdConfig(persistent=True)
     for config, causal in ((counting, False), (FwdConfig(persistent=False), True)):
-        assert launch_counter(config, causal, q.device) is interface._UNUSED[q.device]
-    assert launch_counter(counting, True, q.device) is not interface._UNUSED[q.device]
+        assert launch_counter(config, causal, q.device) is streams._UNUSED[q.device]
+    assert launch_counter(counting, True, q.device) is not streams._UNUSED[q.device]
 
     attention_forward(q, k, v, counting)  # compile outside the capture
     dispatch.clear()
@@ -389,13 +392,13 @@ def test_kernels_that_ignore_the_counter_get_one_dummy_even_in_a_graph(monkeypat
     torch.cuda.synchronize()
     # fa4tune.attention's launch holds its counter getter from when it was made, before the patch
     [launch] = dispatch._LAUNCHES.values()
-    assert launch._tile_counter is None and launch._unused_counter is interface._UNUSED[q.device]
+    assert launch._tile_counter is None and launch._unused_counter is streams._UNUSED[q.device]
 
     def no_counter_here(*args):
         raise AssertionError("a kernel that ignores the tile counter asked for a stream's counter")
 
-    monkeypatch.setattr(interface, "tile_counter", no_counter_here)
-    monkeypatch.setattr(interface, "current_tile_counter", no_counter_here)
+    monkeypatch.setattr(streams, "tile_counter", no_counter_here)
+    monkeypatch.setattr(fwd_launch, "current_tile_counter", no_counter_here)
     graph = torch.cuda.CUDAGraph()
     out = torch.full_like(q, float("nan"))
     with torch.cuda.graph(graph):  # captures on a stream of its own
@@ -415,9 +418,10 @@ def test_tensors_on_another_gpu_than_the_current_one():
     """With cuda:0 current and the tensors on cuda:1, both entry points launch on cuda:1 (the host
     function launches on the current device), with cuda:1's tile counter, and match the reference."""
     import fa4tune
-    from fa4tune.kernels import interface
-    from fa4tune.kernels.interface import attention_forward
-    from fa4tune.kernels.reference import attention_reference
+    from fa4tune.kernels.common import streams
+    from fa4tune.kernels.fa4_fwd_sm90 import launch as fwd_launch
+    from fa4tune.kernels.fa4_fwd_sm90.launch import attention_forward
+    from fa4tune.kernels.common.reference import attention_reference
 
     p = Problem(head_dim=128, causal=True, seqlen_q=1000, seqlen_k=1000, batch=2, nheads_q=8)
     with torch.cuda.device(1):
@@ -433,8 +437,8 @@ def test_tensors_on_another_gpu_than_the_current_one():
         assert err < OUT_TOL, err
         finite = torch.isfinite(ref_lse)
         assert (lse[finite] - ref_lse[finite]).abs().max().item() < LSE_TOL
-    assert any(key[0] == q.device for key in interface._COUNTERS), "no tile counter of cuda:1 was made"
-    assert all(c.item() == 0 for c in interface._COUNTERS.values())
+    assert any(key[0] == q.device for key in streams._COUNTERS), "no tile counter of cuda:1 was made"
+    assert all(c.item() == 0 for c in streams._COUNTERS.values())
 
 
 def test_the_launch_paths_name_torch_streams_by_torch_id_and_external_ones_by_the_driver(monkeypatch):
@@ -444,7 +448,8 @@ def test_the_launch_paths_name_torch_streams_by_torch_id_and_external_ones_by_th
     layout that the shortcut reads (native ids odd, an external stream's id its handle)."""
     from cuda.bindings import runtime
 
-    from fa4tune.kernels import interface
+    from fa4tune.kernels.common import streams
+    from fa4tune.kernels.fa4_fwd_sm90 import launch as fwd_launch
 
     device = torch.device("cuda", torch.cuda.current_device())
     legacy = torch.cuda.default_stream(device)
@@ -459,20 +464,20 @@ def test_the_launch_paths_name_torch_streams_by_torch_id_and_external_ones_by_th
         assert external.stream_id == external.cuda_stream
         counters = {}
         with monkeypatch.context() as patched:
-            patched.setattr(interface, "_queries", lambda: pytest.fail("a driver query for a torch stream"))
+            patched.setattr(streams, "_queries", lambda: pytest.fail("a driver query for a torch stream"))
             for name, stream in (("legacy", legacy), ("low", low), ("high", high)):
                 with torch.cuda.stream(stream):
-                    counters[name] = interface.current_tile_counter(device)
-                    assert interface.current_tile_counter(device) is counters[name]
+                    counters[name] = streams.current_tile_counter(device)
+                    assert streams.current_tile_counter(device) is counters[name]
         with torch.cuda.stream(external):
-            counters["external"] = interface.current_tile_counter(device)
-        assert counters["external"] is interface.tile_counter(device, external.cuda_stream)
+            counters["external"] = streams.current_tile_counter(device)
+        assert counters["external"] is streams.tile_counter(device, external.cuda_stream)
         assert len({c.data_ptr() for c in counters.values()}) == 4, "two streams share a counter"
         assert all(c.item() == 0 for c in counters.values())
 
         graph, seen = torch.cuda.CUDAGraph(), []
         with torch.cuda.graph(graph):
-            seen += [interface.current_tile_counter(device) for _ in range(2)]
+            seen += [streams.current_tile_counter(device) for _ in range(2)]
         assert len({c.data_ptr() for c in seen + list(counters.values())}) == 6
     finally:
         torch.cuda.synchronize()
@@ -486,9 +491,10 @@ def test_fa4tune_attention_takes_the_counter_of_the_stream_it_launches_on(monkey
     from types import SimpleNamespace
 
     import fa4tune
-    from fa4tune import dispatch
-    from fa4tune.kernels import interface
-    from fa4tune.kernels.reference import attention_reference
+    from fa4tune.runtime import dispatch
+    from fa4tune.kernels.common import streams
+    from fa4tune.kernels.fa4_fwd_sm90 import launch as fwd_launch
+    from fa4tune.kernels.common.reference import attention_reference
 
     p = Problem(head_dim=128, causal=True, seqlen_q=2048, seqlen_k=2048, batch=2, nheads_q=16)
     q, k, v = make_inputs(p, seed=17)
@@ -497,8 +503,8 @@ def test_fa4tune_attention_takes_the_counter_of_the_stream_it_launches_on(monkey
     monkeypatch.setattr(fa4tune.runtime, "lookup", lambda problem, target: SimpleNamespace(config=config))
     ref_out, _ = attention_reference(q, k, v, causal=True)
     taken = []
-    original = interface.current_tile_counter
-    monkeypatch.setattr(interface, "current_tile_counter",
+    original = fwd_launch.current_tile_counter
+    monkeypatch.setattr(fwd_launch, "current_tile_counter",
                         lambda device: taken.append((torch.cuda.current_stream().stream_id, original(device)))
                         or taken[-1][1])
     dispatch.clear()  # launches made from here on bind the recording getter
@@ -524,9 +530,10 @@ def test_stream_queries_through_libcuda_agree_with_the_bindings():
     cuda-python bindings give, capturing or not."""
     from cuda.bindings import driver
 
-    from fa4tune.kernels import interface
+    from fa4tune.kernels.common import streams
+    from fa4tune.kernels.fa4_fwd_sm90 import launch as fwd_launch
 
-    queries = interface._queries()
+    queries = streams._queries()
     assert queries.lib is not None, "libcuda was not opened: the slow path would be used"
     side = torch.cuda.Stream()
     for handle in (side.cuda_stream, torch.cuda.current_stream().cuda_stream):
@@ -552,8 +559,8 @@ _HUNG_IN_THE_SEARCH = [
 _LAUNCH_LOOP = """
 import sys, torch
 sys.path.insert(0, {root!r})
-from fa4tune.kernels.config import FwdConfig
-from fa4tune.kernels.interface import attention_forward
+from fa4tune.kernels.fa4_fwd_sm90.config import FwdConfig
+from fa4tune.kernels.fa4_fwd_sm90.launch import attention_forward
 for d, s, b, h, knobs in {cases!r}:
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     config = FwdConfig(**knobs)

@@ -7,8 +7,7 @@ import shutil
 
 import pytest
 
-import fa4tune.kernels as kernels
-from fa4tune.kernels import KernelSpec, code_text, get_kernel
+from fa4tune.kernels import code_text, family, get_kernel
 
 SOURCE = '''"""Module docstring."""
 import math  # a comment
@@ -104,16 +103,14 @@ def test_source_that_does_not_parse_is_taken_whole():
 
 @pytest.fixture
 def kernel_copy(tmp_path, monkeypatch):
-    """A fresh spec of the installed kernel reading a copy of its sources."""
+    """A fresh instance of the installed kernel family reading a copy of the kernels' sources."""
     copy = tmp_path / "kernels"
-    shutil.copytree(kernels.KERNELS_DIR, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    monkeypatch.setattr(kernels, "KERNELS_DIR", copy)
+    shutil.copytree(family.KERNELS_DIR, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(family, "KERNELS_DIR", copy)
     installed = get_kernel()
 
     def fresh_hash() -> str:
-        return KernelSpec(name=installed.name, arch=installed.arch, family=installed.family,
-                          config_module=installed.config_module, config_class_name=installed.config_class_name,
-                          default_spaces=installed.default_spaces).source_hash()
+        return type(installed)().source_hash()
 
     return copy, fresh_hash, installed.source_hash()
 
@@ -121,13 +118,24 @@ def kernel_copy(tmp_path, monkeypatch):
 def test_kernel_hash_survives_doc_edits_and_not_code_edits(kernel_copy):
     copy, fresh_hash, installed = kernel_copy
     assert fresh_hash() == installed
-    kernel = copy / "fwd_sm90.py"
+    kernel = copy / "fa4_fwd_sm90" / "kernel.py"
     source = kernel.read_text(encoding="utf-8")
     first_docstring_line = source.split('"""', 2)[1].splitlines()[0]
     kernel.write_text(source.replace(first_docstring_line, "Reworded.", 1) + "\n# a note\n", encoding="utf-8")
     assert fresh_hash() == installed
     kernel.write_text(source.replace("BARRIER_EPILOGUE = 1", "BARRIER_EPILOGUE = 3", 1), encoding="utf-8")
     assert "BARRIER_EPILOGUE = 1" in source and fresh_hash() != installed
-    (copy / "fwd_sm90.py").write_text(source, encoding="utf-8")
-    (copy / "extra_helpers.py").write_text("X = 1\n", encoding="utf-8")
+    kernel.write_text(source, encoding="utf-8")
+    assert fresh_hash() == installed
+    (copy / "fa4_fwd_sm90" / "extra_helpers.py").write_text("X = 1\n", encoding="utf-8")
     assert fresh_hash() != installed  # a new kernel file counts too
+
+
+def test_kernel_hash_covers_the_shared_code_and_not_the_cost_model(kernel_copy):
+    copy, fresh_hash, installed = kernel_copy
+    for name in ("fa4_fwd_sm90/cost_model.py", "fa4_fwd_sm90/peers.py", "common/reference.py"):
+        (copy / name).write_text((copy / name).read_text() + "\nEXTRA = 1\n")
+    assert fresh_hash() == installed  # what does not compile or launch
+    softmax = copy / "sm90" / "softmax.py"
+    softmax.write_text(softmax.read_text() + "\nEXTRA = 1\n")
+    assert fresh_hash() != installed  # the shared device code compiles into the kernel

@@ -5,7 +5,7 @@ import pytest
 
 from fa4tune.kernels import get_kernel
 from fa4tune.measure import make_backend
-from fa4tune.measure.model import CostModel, rescale_fraction, softmax_clocks_per_element
+from fa4tune.kernels.fa4_fwd_sm90.cost_model import CostModel, rescale_fraction, softmax_clocks_per_element
 from fa4tune.problem import Problem
 from fa4tune.target import get_target
 
@@ -15,7 +15,7 @@ MODEL = CostModel(H200)
 
 
 def config(**knobs):
-    return KERNEL.make_config(knobs)
+    return KERNEL.config(knobs)
 
 
 def tflops(problem, cfg, target=H200):
@@ -139,7 +139,7 @@ def test_never_faster_than_hbm_and_targets_differ():
 
 
 def test_persistent_hides_the_tile_start_and_takes_causal_tiles_longest_first():
-    from fa4tune.measure.model import _longest_first_makespan
+    from fa4tune.kernels.fa4_fwd_sm90.cost_model import _longest_first_makespan
 
     # Tiles 3, 2, 1 on two slots: the 1 goes to the slot that finished first (the 2's).
     assert _longest_first_makespan([(1.0, 1), (3.0, 1), (2.0, 1)], 2) == 3.0
@@ -165,7 +165,7 @@ def test_persistent_hides_the_tile_start_and_takes_causal_tiles_longest_first():
 def test_the_lazy_max_saves_one_alu_op_per_score():
     from dataclasses import replace
 
-    from fa4tune.kernels.config import FwdConfig
+    from fa4tune.kernels.fa4_fwd_sm90.config import FwdConfig
     from fa4tune.problem import Problem
 
     exact = softmax_clocks_per_element(H200, 0.0, 3)
@@ -199,7 +199,7 @@ def test_the_lazy_max_saves_one_alu_op_per_score():
 def test_the_first_step_is_masked_and_neither_votes_nor_rescales():
     """The kernel masks the first block it takes (the last one) even where no key is out of range,
     and the first step starts O, so it has nothing to rescale."""
-    from fa4tune.kernels.config import FwdConfig
+    from fa4tune.kernels.fa4_fwd_sm90.config import FwdConfig
     from fa4tune.problem import Problem
 
     config = FwdConfig(tile_n=128, rescale_threshold=8.0)

@@ -14,10 +14,10 @@ import pytest
 
 from conftest import COLLAPSED_GRID, sigint_default, write_job
 from fa4tune.db import ResultsDB
-from fa4tune.job import load_job
+from fa4tune.tune.job import load_job
 from fa4tune.measure.model import CostModelBackend
-from fa4tune.search import run_search
-from fa4tune.studies import open_storage
+from fa4tune.tune.search import run_search
+from fa4tune.tune.studies import open_storage
 
 # The CLI with a cost model slowed down to 20 ms a measurement, so that a kill lands mid-search.
 SLOW_CLI = """
@@ -141,7 +141,7 @@ def test_a_resumed_random_search_proposes_new_configs(workdir):
     """With the first session's seed the random sampler replayed the configs measured then, and the
     run of repeats stopped the problem as converged long before its budget."""
     from fa4tune.measure.model import CostModelBackend
-    from fa4tune.search import SearchInterrupted
+    from fa4tune.tune.search import SearchInterrupted
     from fa4tune.target import get_target
 
     job = load_job(write_job(workdir, spaces=SPACE, budget={"trials": 120}, sampler="random", warm_start=0))
@@ -170,7 +170,7 @@ def test_an_interrupted_grid_search_measures_every_point_when_resumed(workdir):
     id indexes the shuffled grid, so another seed would take the visited ids for other points."""
     from fa4tune.db import config_key
     from fa4tune.measure.model import CostModelBackend
-    from fa4tune.search import SearchInterrupted
+    from fa4tune.tune.search import SearchInterrupted
     from fa4tune.space import compose
     from fa4tune.target import get_target
 
@@ -211,7 +211,7 @@ def test_a_grid_search_cut_short_while_suggesting_resumes(workdir, monkeypatch):
     whole point (named by its grid id) is queued again, not the part, which the grid sampler refuses
     (every resume then crashed)."""
     from fa4tune.measure.model import CostModelBackend
-    from fa4tune.search import SearchInterrupted
+    from fa4tune.tune.search import SearchInterrupted
     from fa4tune.target import get_target
 
     job = load_job(write_job(workdir, spaces={"tiles": {}, "pipeline": {"num_stages": [2, 3]}},
@@ -241,7 +241,7 @@ def test_a_grid_point_failed_unmeasured_is_queued_again_under_the_studys_lock(wo
     import contextlib
 
     from fa4tune.measure.model import CostModelBackend
-    from fa4tune.search import SearchInterrupted, _Context
+    from fa4tune.tune.search import SearchInterrupted, _Context
     from fa4tune.target import get_target
 
     job = load_job(write_job(workdir, spaces={"tiles": {"tile_m": [128], "tile_n": [64, 96, 128, 160]}},
@@ -309,7 +309,7 @@ def test_a_grid_point_that_always_fails_unmeasured_is_not_queued_for_ever(workdi
     fails for its own reasons (here a plugin's check raises on it): it is queued again at most
     MAX_GRID_REQUEUES times, and then counts as tried (the grid sampler must not propose it again)."""
     from fa4tune.errors import SpaceError
-    from fa4tune.search import MAX_GRID_REQUEUES
+    from fa4tune.tune.search import MAX_GRID_REQUEUES
     from fa4tune.space import Choice, SearchSpace, _registered, register_space
 
     class Boom(SearchSpace):

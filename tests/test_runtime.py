@@ -12,8 +12,8 @@ from fa4tune.best import BestEntry
 from fa4tune.db import ResultsDB
 from fa4tune.kernels import get_kernel
 from fa4tune.problem import Problem
-from fa4tune.runtime import Lookup, lookup
-from fa4tune.tables import table_document, render_yaml
+from fa4tune.runtime.lookup import Lookup, lookup
+from fa4tune.runtime.tables import table_document, render_yaml
 
 KERNEL = get_kernel()
 TUNED_4K = Problem(head_dim=128, seqlen_q=4096, batch=2, nheads_q=16)
@@ -304,9 +304,10 @@ def test_importing_fa4tune_and_looking_up_a_table_stays_light(workdir):
 def test_attention_is_the_dispatcher_and_loads_on_first_use():
     code = (
         "import sys, fa4tune\n"
-        "assert 'fa4tune.dispatch' not in sys.modules\n"
-        "attention = fa4tune.attention\n"
-        "assert attention is sys.modules['fa4tune.dispatch'].attention\n"
+        "assert 'fa4tune.runtime.dispatch' not in sys.modules\n"
+        "attention, explain = fa4tune.attention, fa4tune.explain\n"
+        "assert attention is sys.modules['fa4tune.runtime.dispatch'].attention\n"
+        "assert explain is sys.modules['fa4tune.runtime.dispatch'].explain\n"
     )
     subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
 
@@ -317,7 +318,7 @@ def test_the_gpu_is_asked_once_torch_is_there_even_after_an_earlier_lookup():
     script = """
 import sys
 import fa4tune.target as target
-from fa4tune import runtime
+from fa4tune.runtime import lookup as runtime
 assert "torch" not in sys.modules
 target.detect_target = lambda undescribed=False: target.get_target("H100-SXM")
 first = runtime._target(None).name
@@ -331,7 +332,7 @@ print(first, runtime._target(None).name)
 
 def test_the_lookup_cache_is_bounded(tuned_db, monkeypatch):
     """A server seeing ever new shapes must not grow the per-source cache without end."""
-    monkeypatch.setattr(fa4tune.runtime, "MAX_CACHED", 8)
+    monkeypatch.setattr(fa4tune.runtime.lookup, "MAX_CACHED", 8)
     source = Lookup(tuned_db)
     for seqlen in range(1000, 1050):
         source(Problem(head_dim=128, seqlen_q=seqlen, batch=2, nheads_q=16), "H200")
@@ -342,7 +343,7 @@ def test_the_lookup_cache_is_bounded(tuned_db, monkeypatch):
 def test_a_lookup_without_target_before_torch_is_imported_says_what_it_assumed(monkeypatch):
     """Without torch the GPU is not asked (importing it costs seconds): the lookup is for H200 then, and
     says so once, since after torch is imported the same call may look up for the local GPU instead."""
-    from fa4tune import runtime
+    from fa4tune.runtime import lookup as runtime
 
     monkeypatch.delitem(sys.modules, "torch", raising=False)
     monkeypatch.delenv("FA4TUNE_TARGET", raising=False)

@@ -5,13 +5,13 @@ import pytest
 from conftest import COLLAPSED_GRID, write_job
 from fa4tune.db import ResultsDB, config_key
 from fa4tune.errors import JobError
-from fa4tune.job import load_job
+from fa4tune.tune.job import load_job
 from fa4tune.kernels import get_kernel
 from fa4tune.measure.model import CostModelBackend
 from fa4tune.problem import Problem
-from fa4tune.search import run_search
+from fa4tune.tune.search import run_search
 from fa4tune.space import compose
-from fa4tune.studies import open_storage
+from fa4tune.tune.studies import open_storage
 from fa4tune.target import get_target
 
 KERNEL = get_kernel()
@@ -27,7 +27,7 @@ class SpyBackend(CostModelBackend):
         self.seen = []
 
     def measure(self, problem, config):
-        self.seen.append((problem, config.to_dict()))
+        self.seen.append((problem, config))
         return super().measure(problem, config)
 
 
@@ -42,7 +42,7 @@ def exhaustive_optimum(job):
         config = space.full_config(problem, H200, dict(zip(grid, values)))
         if space.check(problem, config, H200):
             continue
-        t = backend.measure(problem, KERNEL.make_config(config)).time_ms
+        t = backend.measure(problem, KERNEL.config(config)).time_ms
         if best is None or t < best[0]:
             best = (t, config)
     return best, len(list(itertools.product(*grid.values())))
@@ -67,7 +67,7 @@ def test_search_reaches_the_exhaustive_optimum_of_a_small_space(workdir):
     result = summary.results[0]
     assert result.measured <= 40
     assert result.best_ms == pytest.approx(best_ms)  # ties (equally fast configs) may differ in knobs
-    assert CostModelBackend(KERNEL, H200).measure(job.problems[0], KERNEL.make_config(result.best_config)).time_ms \
+    assert CostModelBackend(KERNEL, H200).measure(job.problems[0], KERNEL.config(result.best_config)).time_ms \
         == pytest.approx(best_ms)
 
 
@@ -163,8 +163,8 @@ def test_default_is_measured_first_and_neighbours_warm_start_the_next_problem(wo
         trials = db.trials()
         best = db.best_configs()[0]
     problem = Problem(head_dim=64, seqlen_q=4096, batch=2, nheads_q=16)
-    default = compose(KERNEL, load_job(first).spaces).full_config(problem, H200, {})
-    assert trials[0]["source"] == "default" and trials[0]["config"] == default
+    default = compose(KERNEL, load_job(first).spaces).default_config(problem, H200)
+    assert trials[0]["source"] == "default" and trials[0]["config"] == default.to_dict()
     assert summary.results[0].default_ms == trials[0]["time_ms"]
 
     second = write_job(workdir, name="second", spaces=SMALL_SPACE, budget={"trials": 3}, warm_start=2,
@@ -247,7 +247,7 @@ def test_opening_an_rdb_storage_retries_a_lost_schema_race_and_nothing_else(work
     import optuna
     from sqlalchemy.exc import IntegrityError
 
-    from fa4tune import studies
+    from fa4tune.tune import studies
     from fa4tune.errors import StorageError
 
     monkeypatch.setattr(studies.time, "sleep", lambda s: None)
@@ -287,7 +287,7 @@ def test_probes_follow_the_default_and_a_bad_count_is_refused(workdir):
         trials = db.trials()
     problem = Problem(head_dim=64, seqlen_q=4096, batch=2, nheads_q=16)
     space = compose(KERNEL, load_job(job).spaces)
-    expected = [space.full_config(problem, H200, p) for p in space.probes(problem, H200, 3)]
+    expected = [space.full_config(problem, H200, p).to_dict() for p in space.probes(problem, H200, 3)]
     assert [t["source"] for t in trials[:4]] == ["default", "probe", "probe", "probe"]
     assert [t["config"] for t in trials[1:4]] == expected
     bad = write_job(workdir, name="bad", probes=-1)
@@ -297,7 +297,7 @@ def test_probes_follow_the_default_and_a_bad_count_is_refused(workdir):
 
 def test_results_db_and_storage_must_be_two_databases(tmp_path):
     from fa4tune.errors import StorageError
-    from fa4tune.search import _check_apart
+    from fa4tune.tune.search import _check_apart
 
     db = str(tmp_path / "r.db")
     with pytest.raises(StorageError, match="the same database"):
@@ -311,7 +311,7 @@ def test_the_pruner_waits_for_distinct_configs_not_repeats():
     not three opinions on how fast the space can be."""
     import optuna
 
-    from fa4tune.studies import make_pruner
+    from fa4tune.measure.pruner import make_pruner
 
     pruner = make_pruner(0.1, min_completed=3)
     study = optuna.create_study(pruner=pruner)

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from fa4tune.kernels import get_kernel
-from fa4tune.kernels.config import infeasible_reasons
+from fa4tune.kernels.fa4_fwd_sm90 import FAMILY
 from fa4tune.problem import Problem
-from fa4tune.runtime import PACKAGE_TABLES, Lookup
-from fa4tune.tables import read_table
+from fa4tune.runtime.lookup import PACKAGE_TABLES, Lookup
+from fa4tune.runtime.tables import read_table
 from fa4tune.target import get_target
 
 REPO = Path(__file__).resolve().parent.parent
@@ -32,10 +32,10 @@ def test_every_shipped_entry_is_measured_feasible_and_found(path):
     kernel, target = get_kernel(table["kernel"]), get_target(table["target"])
     lookup = Lookup(path)
     for entry in table["entries"]:
-        problem, config = Problem.from_dict(entry["problem"]), kernel.make_config(entry["config"])
+        problem, config = Problem.from_dict(entry["problem"]), kernel.config(entry["config"])
         assert not entry["is_estimate"], f"{entry['problem_key']}: a cost-model estimate in a shipped table"
         assert entry["provenance"].get("backend") == "gpu" and entry["provenance"].get("confirmed")
-        assert infeasible_reasons(problem, config, target) == []
+        assert FAMILY.infeasible_reasons(problem, config, target) == []
         found = lookup(problem, target, kernel.name)
         assert (found.source, found.config) == ("exact", config)
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from fa4tune.kernels import interface
+from fa4tune.kernels.common import streams
 
 
 class FakeLibcuda:
@@ -28,7 +28,7 @@ class FakeLibcuda:
 
 
 def queries(lib):
-    q = interface._StreamQueries.__new__(interface._StreamQueries)
+    q = streams._StreamQueries.__new__(streams._StreamQueries)
     q.lib, q.ctypes = lib, ctypes
     return q
 
@@ -88,7 +88,7 @@ def test_a_counter_is_made_once_however_many_threads_ask_at_once():
 
     def ask():
         start.wait()
-        got.append(interface._cached(table, "key", make))
+        got.append(streams._cached(table, "key", make))
 
     threads = [threading.Thread(target=ask) for _ in range(8)]
     for t in threads:
@@ -96,7 +96,7 @@ def test_a_counter_is_made_once_however_many_threads_ask_at_once():
     for t in threads:
         t.join()
     assert len(made) == 1 and got == made * 8 and table == {"key": made[0]}
-    assert interface._cached(table, "key", make) is made[0] and len(made) == 1
+    assert streams._cached(table, "key", make) is made[0] and len(made) == 1
 
 
 class FakeCounter:
@@ -120,13 +120,13 @@ def fake_launch_path(monkeypatch):
     """current_tile_counter with torch's getters faked: returns (set the fake, the driver-path calls)."""
     torch = pytest.importorskip("torch")
     driver_path = []
-    monkeypatch.setattr(interface, "_COUNTERS", {})
-    monkeypatch.setattr(interface, "_zeroed_counter", lambda device: FakeCounter())
-    monkeypatch.setattr(interface, "_current_handle", lambda device: 0xCAFE0)
-    monkeypatch.setattr(interface, "tile_counter", lambda device, stream: driver_path.append((device, stream)) or "driver")
+    monkeypatch.setattr(streams, "_COUNTERS", {})
+    monkeypatch.setattr(streams, "_zeroed_counter", lambda device: FakeCounter())
+    monkeypatch.setattr(streams, "_current_handle", lambda device: 0xCAFE0)
+    monkeypatch.setattr(streams, "tile_counter", lambda device, stream: driver_path.append((device, stream)) or "driver")
 
     def use(fake):
-        monkeypatch.setattr(interface, "_TORCH_STREAMS", [None if fake is None else fake.functions()])
+        monkeypatch.setattr(streams, "_TORCH_STREAMS", [None if fake is None else fake.functions()])
         return torch.device("cuda", 0)
 
     return use, driver_path
@@ -136,9 +136,9 @@ def fake_launch_path(monkeypatch):
 def test_a_stream_torch_made_gets_its_counter_by_torch_id_without_a_driver_query(fake_launch_path, torch_id, handle):
     use, driver_path = fake_launch_path
     device = use(FakeTorchStreams(torch_id, handle))
-    counter = interface.current_tile_counter(device)
-    assert interface.current_tile_counter(device) is counter
-    assert interface._COUNTERS == {(device, "torch", torch_id): counter} and driver_path == []
+    counter = streams.current_tile_counter(device)
+    assert streams.current_tile_counter(device) is counter
+    assert streams._COUNTERS == {(device, "torch", torch_id): counter} and driver_path == []
 
 
 @pytest.mark.parametrize("torch_id, handle", [
@@ -148,15 +148,15 @@ def test_a_stream_torch_made_gets_its_counter_by_torch_id_without_a_driver_query
 def test_other_streams_go_by_the_driver(fake_launch_path, torch_id, handle):
     use, driver_path = fake_launch_path
     device = use(FakeTorchStreams(torch_id, handle))
-    assert interface.current_tile_counter(device) == "driver"
-    assert driver_path == [(device, handle)] and interface._COUNTERS == {}
+    assert streams.current_tile_counter(device) == "driver"
+    assert driver_path == [(device, handle)] and streams._COUNTERS == {}
 
 
 def test_a_capture_gets_a_new_counter_every_call(fake_launch_path):
     use, driver_path = fake_launch_path
     device = use(FakeTorchStreams(0x2B, 0x55A0, capturing=True))
-    first, second = interface.current_tile_counter(device), interface.current_tile_counter(device)
-    assert first is not second and interface._COUNTERS == {} and driver_path == []
+    first, second = streams.current_tile_counter(device), streams.current_tile_counter(device)
+    assert first is not second and streams._COUNTERS == {} and driver_path == []
 
 
 @pytest.mark.parametrize("fake", [FakeTorchStreams(0x2B, 0x55A0, device_index=1), None],
@@ -164,5 +164,5 @@ def test_a_capture_gets_a_new_counter_every_call(fake_launch_path):
 def test_otherwise_the_counter_comes_from_the_driver_path(fake_launch_path, fake):
     use, driver_path = fake_launch_path
     device = use(fake)
-    assert interface.current_tile_counter(device) == "driver"
-    assert driver_path == [(device, 0xCAFE0)] and interface._COUNTERS == {}
+    assert streams.current_tile_counter(device) == "driver"
+    assert driver_path == [(device, 0xCAFE0)] and streams._COUNTERS == {}

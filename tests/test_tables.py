@@ -4,10 +4,10 @@ import yaml
 from conftest import write_job
 from fa4tune.db import ResultsDB
 from fa4tune.errors import TableError
-from fa4tune.job import load_job
+from fa4tune.tune.job import load_job
 from fa4tune.kernels import get_kernel
-from fa4tune.search import run_search
-from fa4tune.tables import export_table, import_table, read_table
+from fa4tune.tune.search import run_search
+from fa4tune.runtime.tables import export_table, import_table, read_table
 
 KERNEL = get_kernel()
 
@@ -122,7 +122,7 @@ def test_a_stale_table_is_refused_before_any_db_is_created(searched, workdir, ca
 
 def test_a_target_name_in_any_case_is_read_as_the_target(searched, workdir):
     from fa4tune.problem import Problem
-    from fa4tune.runtime import lookup
+    from fa4tune.runtime.lookup import lookup
 
     with ResultsDB.open(searched, create=False) as db:
         export_table(db, "t.yaml", kernel=KERNEL, target="H200")
@@ -144,7 +144,7 @@ def test_export_takes_a_kernel_hash_as_short_as_show_prints_it(searched, workdir
 
 
 def test_a_table_pair_that_cannot_be_written_is_put_back(tmp_path):
-    from fa4tune.tables import write_table
+    from fa4tune.runtime.tables import write_table
 
     (tmp_path / "t.yaml").write_text("old yaml\n")
     (tmp_path / "t.json").mkdir()  # the JSON cannot be written

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from fa4tune.kernels import get_kernel
-from fa4tune.kernels.interface import compile_key
+from fa4tune.kernels.fa4_fwd_sm90.compile import compile_key
 from fa4tune.target import TARGETS, get_target, target_for_device_name
 
 
@@ -31,31 +31,32 @@ def test_a_device_gets_its_models_target_with_its_own_sm_count(name, sms, expect
 
 
 def test_kernels_for_other_sm_counts_are_compiled_apart():
-    config = get_kernel().make_config({})
+    config = get_kernel().config({})
     h200, slice_ = get_target("H200"), target_for_device_name("NVIDIA H200", 66)
     assert compile_key(config, "bf16", 128, 128, True, h200) != compile_key(config, "bf16", 128, 128, True, slice_)
 
 
 def test_dispatch_runs_a_hopper_gpu_it_has_no_description_of_on_default_configs(monkeypatch):
     torch = pytest.importorskip("torch")
-    from fa4tune import dispatch
-    from fa4tune.dispatch import UnsupportedInput, _device_target
+    from fa4tune.runtime import dispatch
+    from fa4tune.runtime.dispatch import UnsupportedInput, _device_target
 
     def props(name, major, minor, sms):
         return lambda device: SimpleNamespace(name=name, major=major, minor=minor, multi_processor_count=sms)
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", props("NVIDIA H20", 9, 0, 78))
     monkeypatch.setattr(dispatch, "_UNDESCRIBED_SEEN", set())
-    h20 = _device_target("cuda:0")
+    h20, _ = _device_target("cuda:0")
     assert (h20.name, h20.arch, h20.sm_count, h20.smem_per_block) == ("NVIDIA H20", "sm_90a", 78, 227 * 1024)
     with pytest.warns(RuntimeWarning, match="NVIDIA H20 is a Hopper GPU .* default configs, sized to its 78 SMs"):
         dispatch._say_undescribed(h20)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # said once per model, and never for a GPU fa4tune describes
-        dispatch._say_undescribed(_device_target("cuda:1"))
+        dispatch._say_undescribed(_device_target("cuda:1")[0])
         dispatch._say_undescribed(get_target("H200"))
         dispatch._say_undescribed(target_for_device_name("NVIDIA H200", 66))
     # fa4tune.lookup with no target asks the same question and gets the same answer.
+    import fa4tune
     from fa4tune import runtime
     from fa4tune.problem import Problem
 
@@ -64,7 +65,7 @@ def test_dispatch_runs_a_hopper_gpu_it_has_no_description_of_on_default_configs(
     runtime.reset()
     try:
         problem = Problem(head_dim=128, seqlen_q=8192, batch=2, nheads_q=32, nheads_kv=8, causal=True)
-        assert runtime.lookup(problem).source == "default"
+        assert fa4tune.lookup(problem).source == "default"
         # The cost model and searches take a described GPU only: get_target(None) falls back to H200.
         assert get_target(None).name == "H200"
         assert dispatch.explain(torch.empty(2, 8192, 32, 128, device="meta", dtype=torch.bfloat16),
@@ -76,20 +77,21 @@ def test_dispatch_runs_a_hopper_gpu_it_has_no_description_of_on_default_configs(
     with pytest.raises(UnsupportedInput, match=r"runs on Hopper GPUs .* \(compute capability 8.0\)"):
         _device_target("cuda:0")
     monkeypatch.setattr(torch.cuda, "get_device_properties", props("NVIDIA H100 PCIe", 9, 0, 114))
-    assert (_device_target("cuda:0").name, _device_target("cuda:0").sm_count) == ("H100-PCIe", 114)
+    target, family = _device_target("cuda:0")
+    assert (target.name, target.sm_count, family.name) == ("H100-PCIe", 114, "fa4_fwd_sm90")
 
 
 def test_an_undescribed_hopper_gets_default_configs_sized_to_its_sms_and_l2():
-    from fa4tune import runtime
-    from fa4tune.kernels.interface import heads_per_l2_group
+    import fa4tune
+    from fa4tune.kernels.fa4_fwd_sm90.launch import heads_per_l2_group
     from fa4tune.problem import Problem
     from fa4tune.target import undescribed_hopper
 
     h20 = undescribed_hopper("NVIDIA H20", 78, 60 * 2**20)
     problem = Problem(head_dim=128, seqlen_q=8192, batch=2, nheads_q=32, nheads_kv=8, causal=True)
     # The shipped H200 table has this very problem; a GPU it does not describe borrows nothing from it.
-    assert runtime.lookup(problem, "H200").source == "exact"
-    result = runtime.lookup(problem, h20)
+    assert fa4tune.lookup(problem, "H200").source == "exact"
+    result = fa4tune.lookup(problem, h20)
     assert result.source == "default" and result.config == get_kernel().default_config(problem, h20)
     # K/V of 1 MB per head: 16 heads side by side in half of a 60 MB L2, 8 in half of 20 MB.
     assert heads_per_l2_group(problem, h20) == 16
@@ -104,10 +106,10 @@ def test_the_gpu_worker_compiles_for_the_whole_target_it_is_sent():
     from fa4tune.problem import Problem
 
     slice_ = target_for_device_name("NVIDIA H200", 66)
-    request = {"problem": Problem(head_dim=64).to_dict(), "config": get_kernel().make_config({}).to_dict(),
+    request = {"problem": Problem(head_dim=64).to_dict(), "config": get_kernel().config({}).to_dict(),
                "target": slice_.to_dict()}
-    assert _candidate(request)[2] == slice_
-    assert _candidate({**request, "target": "H200"})[2] == get_target("H200")  # a name, as before
+    assert _candidate(request)[3] == slice_
+    assert _candidate({**request, "target": "H200"})[3] == get_target("H200")  # a name, as before
 
 
 def test_a_search_refuses_a_gpu_with_other_sms_than_its_model():
@@ -123,7 +125,7 @@ def test_a_search_refuses_a_gpu_with_other_sms_than_its_model():
 
 def test_a_multi_worker_search_refuses_gpus_with_other_sms_than_their_model(monkeypatch):
     torch = pytest.importorskip("torch")
-    from fa4tune import workers
+    from fa4tune.tune import workers
     from fa4tune.errors import BackendError
 
     monkeypatch.setattr(workers, "visible_gpus", lambda: ["0", "1"])

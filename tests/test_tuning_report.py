@@ -128,7 +128,7 @@ def test_only_columns_that_pass_the_reference_are_timed(monkeypatch):
     named and not timed; a right one (O alone, or O and LSE) is timed."""
     import torch
 
-    from fa4tune.kernels.reference import attention_reference
+    from fa4tune.kernels.common.reference import attention_reference
 
     problem = Problem(head_dim=64, seqlen_q=64, seqlen_k=64, batch=1, nheads_q=2, causal=True)
     gen = torch.Generator().manual_seed(0)

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from fa4tune.kernels.reference import attention_reference
-from fa4tune.measure.verify import TOLERANCES, compare, reference_slices, row_slices
+from fa4tune.kernels.common.reference import attention_reference
+from fa4tune.kernels.common.verify import TOLERANCES, compare, reference_slices, row_slices
 
 SHAPES = [
     # (seqlen_q, seqlen_k, batch, nheads_q, nheads_kv)
@@ -106,6 +106,8 @@ def test_the_check_after_timing_runs_the_kernel_again_on_poisoned_outputs():
     """A kernel whose later launches write nothing (a tile counter left non-zero: every tile looks
     taken) leaves the first run's correct output in place; the check after the timed runs must
     not read it."""
+    from fa4tune.kernels.common.measure import AttentionCase
+    from fa4tune.kernels.fa4_fwd_sm90 import FAMILY
     from fa4tune.measure.gpu_worker import poisoned_check
 
     q, k, v = inputs((40, 40, 2, 4, 2))
@@ -123,13 +125,15 @@ def test_the_check_after_timing_runs_the_kernel_again_on_poisoned_outputs():
     assert compare(out, lse, slices).verdict(TOLERANCES["bf16"]) is None
     for _ in range(5):  # the timed runs
         first_launch_only()
-    after = poisoned_check(first_launch_only, out, lse, slices, synchronize=lambda: None)
+    case = AttentionCase(None, q, k, v, out, lse)
+    after = poisoned_check(first_launch_only, FAMILY, case, slices, synchronize=lambda: None)
     assert "never written" in after.verdict(TOLERANCES["bf16"]) and len(launches) == 7
 
     def every_launch():
         out.copy_(ref_out), lse.copy_(ref_lse)
 
-    assert poisoned_check(every_launch, out, lse, slices, synchronize=lambda: None).verdict(TOLERANCES["bf16"]) is None
+    assert poisoned_check(every_launch, FAMILY, case, slices, synchronize=lambda: None).verdict(
+        TOLERANCES["bf16"]) is None
 
 
 def test_l2_flusher_refuses_host_memory():

@@ -17,8 +17,8 @@ import pytest
 from conftest import COLLAPSED_GRID, REPO, sigint_default, write_job
 from fa4tune.cli import main
 from fa4tune.db import ResultsDB
-from fa4tune.search import MAX_CONSECUTIVE_REPEATS
-from fa4tune.studies import CLAIM_ATTR, GIVEN_BACK_ATTR, WORKER_ATTR, open_storage, parse_worker
+from fa4tune.tune.search import MAX_CONSECUTIVE_REPEATS
+from fa4tune.tune.studies import CLAIM_ATTR, GIVEN_BACK_ATTR, WORKER_ATTR, open_storage, parse_worker
 
 SPACE = ["tiles", "pipeline", "exp2", "softmax"]
 PROBLEMS = [{"head_dim": [64, 128], "seqlen_q": 2048, "batch": 2, "nheads_q": 8}]
@@ -297,7 +297,7 @@ def test_bad_worker_options_are_refused_before_anything_is_written(workdir, caps
 
 
 def test_a_gpu_that_does_not_exist_is_named(monkeypatch):
-    from fa4tune import workers
+    from fa4tune.tune import workers
     from fa4tune.errors import Fa4tuneError
 
     monkeypatch.setattr(workers, "visible_gpus", lambda: ["0", "1"])
@@ -383,10 +383,10 @@ def test_one_worker_confirms_a_study_unless_it_died(workdir):
     worker while it lives, by another once it is dead."""
     import multiprocessing
 
-    from fa4tune.job import load_job
-    from fa4tune.search import RunRef, _Context
+    from fa4tune.tune.job import load_job
+    from fa4tune.tune.search import RunRef, _Context
     from fa4tune.space import compose
-    from fa4tune.studies import worker_name
+    from fa4tune.tune.studies import worker_name
 
     job = load_job(write_job(workdir))
     with ResultsDB.open("r.db") as db:
@@ -422,7 +422,7 @@ def test_compile_workers_are_shared_by_the_search_workers_of_a_host(monkeypatch)
 def test_a_pid_taken_over_by_a_later_process_is_a_dead_worker(monkeypatch):
     """A search killed and started again in a container gets the same pid (1, say): its own old
     trials must still count as a dead worker's, or a resume waits for them for ever."""
-    from fa4tune import studies
+    from fa4tune.tune import studies
 
     me = studies.worker_name()
     host, pid, identity = studies.parse_worker(me)
@@ -450,9 +450,9 @@ def test_trials_measured_after_a_confirmation_by_another_host_are_confirmed_too(
     """Host A searched and confirmed; host B resumes the study with a larger budget. A's claim on the
     confirmation must not outlive it (another host's worker is never known dead here), or B's
     trials are never re-timed and, where only confirmations store a best, never become best."""
-    from fa4tune.job import load_job
+    from fa4tune.tune.job import load_job
     from fa4tune.measure.model import CostModelBackend
-    from fa4tune.search import run_search
+    from fa4tune.tune.search import run_search
     from fa4tune.target import get_target
 
     class Confirming(CostModelBackend):  # like the gpu backend: a best only through a confirmation
@@ -462,7 +462,7 @@ def test_trials_measured_after_a_confirmation_by_another_host_are_confirmed_too(
 
         def confirm(self, problem, configs):
             Confirming.calls += 1
-            return [self.measure(problem, self.kernel.make_config(c)) for c in configs]
+            return [self.measure(problem, self.kernel.config(c)) for c in configs]
 
     job = load_job(write_job(workdir, spaces={"tiles": {}, "pipeline": {}, "exp2": {}, "softmax": {}},
                              budget={"trials": 4}, warm_start=0))

@@ -17,8 +17,8 @@ from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from .. import interrupts
-from ..best import BestEntry, MergeReport, config_key
+from .. import interrupts, policy
+from ..best import BestEntry, MergeReport, config_key, config_values
 from ..errors import Fa4tuneError, ResultsDBError
 from ..files import unwritable_ancestor
 from .models import CONFIRM_SOURCE, SCHEMA_VERSION, UPGRADES, Base, BestConfig, Lock, Run, SchemaInfo, Trial
@@ -454,25 +454,17 @@ class ResultsDB:
             session.flush()
             # A config that ever gave a wrong result never becomes best: out before the default is
             # weighed against the fastest, or the next one would win without that test.
-            ok = sorted((m.time_ms, row.id, row, m) for row, m in stored if m.status == "ok"
-                        and not _was_wrong(session, _trial_entry(row, m, provenance)))
-            kept = None
-            preferred = [item for item in ok if item[2].details.get("confirms_trial") == prefer]
-            if ok and preferred and preferred[0] is not ok[0]:
-                default = preferred[0]
-                faster = ok[:ok.index(default)]
-                winner = next((item for item in faster if beats_default(item[3], default[3], min_gain)), None)
-                if winner is None:  # none measurably faster: keep the default (one kernel fewer to build)
-                    kept = {"fastest_gain": round(1.0 - ok[0][0] / default[0], 5), "min_gain": min_gain,
-                            "rounds_won": _rounds_won(ok[0][3], default[3])}
-                    winner = default
-                ok.remove(winner)
-                ok.insert(0, winner)
+            ok = sorted(((m, row) for row, m in stored if m.status == "ok"
+                         and not _was_wrong(session, _trial_entry(row, m, provenance))),
+                        key=lambda pair: (pair[0].time_ms, pair[1].id))
+            default = next((i for i, (_, row) in enumerate(ok) if row.details.get("confirms_trial") == prefer),
+                           None)
+            ok, kept = policy.confirmation_order(ok, default, min_gain)
             # A stored best whose config was re-timed here is judged by these side-by-side rounds, not
             # by its time from another session (clocks, temperature); otherwise the lower time stands.
-            retimed = {row.config_key for _, _, row, _ in ok}
-            for _, _, row, measurement in ok:  # the fastest that may become best
-                label = dict(provenance, kept_default=kept) if kept and row is ok[0][2] else provenance
+            retimed = {row.config_key for _, row in ok}
+            for measurement, row in ok:  # the fastest that may become best
+                label = dict(provenance, kept_default=kept) if kept and row is ok[0][1] else provenance
                 entry = _trial_entry(row, measurement, label)
                 if _offer_best(session, entry, trial_id=row.id, retimed=retimed):
                     return row.id
@@ -536,8 +528,13 @@ class ResultsDB:
             return _stored_among(session, study_name, numbers)
 
     def trials(self, *, study_name: str | None = None, problem_key: str | None = None,
-               kernel: str | None = None, target: str | None = None, run_id: int | None = None) -> list[dict]:
+               kernel: str | None = None, target: str | None = None, run_id: int | None = None,
+               confirmations: bool = True) -> list[dict]:
+        """Stored trials, oldest first; without `confirmations`, the search's own (not the re-timings of
+        the best few before one is stored best)."""
         query = select(Trial).order_by(Trial.id)
+        if not confirmations:
+            query = query.where(Trial.source != CONFIRM_SOURCE)
         for column, value in ((Trial.study_name, study_name), (Trial.problem_key, problem_key),
                               (Trial.kernel, kernel), (Trial.target, target), (Trial.run_id, run_id)):
             if value is not None:
@@ -751,7 +748,7 @@ def _new_trial(session: Session, run_id, study_name, optuna_number, kernel, kern
     trial = Trial(
         run_id=run_id, study_name=study_name, optuna_number=optuna_number, kernel=kernel,
         kernel_hash=kernel_hash, target=target, problem_key=problem.key(),
-        bucket_key=problem.bucket().key(), problem=problem.to_dict(), config=dict(config),
+        bucket_key=problem.bucket().key(), problem=problem.to_dict(), config=config_values(config),
         config_key=config_key(config), source=source, status=measurement.status,
         reason=measurement.reason, time_ms=measurement.time_ms, spread_ms=measurement.spread_ms,
         tflops=measurement.tflops, max_error=measurement.max_error,
@@ -815,32 +812,6 @@ def _find_best(session: Session, entry: BestEntry) -> BestConfig | None:
     ).first()
 
 
-def beats_default(candidate, default, min_gain: float) -> bool:
-    """Whether a confirmed candidate is measurably faster than the default timed beside it: by more
-    than `min_gain` (median over the rounds) and in every round where both were timed (the rounds
-    are paired: one round times all of them back to back). With 5 rounds, two configs of equal speed
-    pass the second test one time in 32; measurements without rounds are judged by the first alone."""
-    if not 1.0 - candidate.time_ms / default.time_ms > min_gain:
-        return False
-    if not _rounds(candidate) and not _rounds(default):
-        return True
-    won = _rounds_won(candidate, default)
-    return won is not None and won[0] == won[1]  # rounds that do not pair up show nothing
-
-
-def _rounds(measurement) -> list:
-    return (measurement.details or {}).get("rounds_ms") or []
-
-
-def _rounds_won(candidate, default) -> list[int] | None:
-    """[rounds where the candidate was faster than the default, rounds compared], or None when the
-    two measurements do not carry paired rounds (none, or different numbers of them)."""
-    mine, theirs = _rounds(candidate), _rounds(default)
-    if not mine or len(mine) != len(theirs):
-        return None
-    return [sum(a < b for a, b in zip(mine, theirs)), len(mine)]
-
-
 def _trial_entry(trial: Trial, measurement, provenance: dict) -> BestEntry:
     return BestEntry(
         kernel=trial.kernel, kernel_hash=trial.kernel_hash, target=trial.target, problem=dict(trial.problem),
@@ -866,10 +837,10 @@ def _offer_best(session: Session, entry: BestEntry, trial_id: int | None, retime
     wrong result for this problem and kernel code (then never); True when stored. A stored best whose
     config key is in `retimed` was timed again in the same rounds as `entry`, which the caller offers
     as their winner: it is replaced, whatever its time from another session."""
-    if _was_wrong(session, entry):
-        return False
     row = _find_best(session, entry)
-    if row is not None and config_key(row.config) not in retimed and not entry.beats(_best_entry(row)):
+    stored = _best_entry(row) if row is not None else None
+    if not policy.stores_best(entry, stored, ever_wrong=_was_wrong(session, entry),
+                              stored_retimed=row is not None and config_key(row.config) in retimed):
         return False
     if row is None:
         row = BestConfig(kernel=entry.kernel, kernel_hash=entry.kernel_hash, target=entry.target,

@@ -24,9 +24,9 @@ from pathlib import Path
 from ..errors import BackendError, BackendUnavailable
 from ..problem import Problem
 from .base import Backend, Measurement
+from .pruner import make_pruner
 from .gpu_worker import ROLE_VARIABLE
 from .timing import round_order
-from .verify import TOLERANCES
 from .worker import Reply, WorkerProcess, WorkerUnavailable
 
 DEFAULT_WORKER_MODULE = "fa4tune.measure.gpu_worker"
@@ -153,8 +153,7 @@ class GpuBackend(Backend):
 
     # ---- the Backend interface ----------------------------------------------------------------
     def measure(self, problem, config, should_stop=None) -> Measurement:
-        config_values = config.to_dict()
-        artifact, compile_s, failure = self._compiled(problem, config_values)
+        artifact, compile_s, failure = self._compiled(problem, config)
         if failure:
             return Measurement(status="failed", reason=failure, compile_s=compile_s)
 
@@ -169,38 +168,38 @@ class GpuBackend(Backend):
                 notes.append(f"no early-stop verdict ({type(exc).__name__}: {exc})"[:300])
                 return None
 
-        request = self._request(problem, config_values, "search", artifact)
+        request = self._request(problem, config, "search", artifact)
         reply = self._ask_worker(request, on_ask)
         measurement = self._measurement(problem, reply, compile_s)
         if notes and reply.ok:
             measurement.details["notes"] = notes
-        self._note_good(problem, config_values, artifact, measurement)
+        self._note_good(problem, config, artifact, measurement)
         return measurement
 
-    def _note_good(self, problem, config: dict, artifact: str | None, measurement: Measurement) -> None:
+    def _note_good(self, problem, config, artifact: str | None, measurement: Measurement) -> None:
         """Remember a config that measured ok (as stored: within tolerance) for the health check."""
         if measurement.status == "ok":
             self.known_good[problem.key()] = (problem, config, artifact)
             self.last_good = problem.key()
 
-    def note_stored_good(self, problem, config: dict) -> None:
+    def note_stored_good(self, problem, config) -> None:
         # No artifact yet: the health check asks the compile pool (whose cache may hold it), else the
         # measuring worker compiles it.
-        self.stored_good[problem.key()] = (problem, config, None)
+        self.stored_good[problem.key()] = (problem, self.kernel.config(config), None)
 
     def prefetch(self, problem, config) -> None:
         """Start compiling a candidate the search will measure soon."""
         if self.pool is not None:
-            path = self._artifact_path(problem, config.to_dict())
-            self.pool.submit(str(path), self._compile_request(problem, config.to_dict(), path))
+            path = self._artifact_path(problem, config)
+            self.pool.submit(str(path), self._compile_request(problem, config, path))
 
     def discard(self, problem, config) -> None:
         """Drop a prefetched compile that no one will wait for: queued, it never runs (it would
         delay the next problem's compiles); done, it is forgotten (a failure is not reused)."""
         if self.pool is not None:
-            self.pool.discard(str(self._artifact_path(problem, config.to_dict())))
+            self.pool.discard(str(self._artifact_path(problem, config)))
 
-    def confirm(self, problem, configs: list[dict]) -> list[Measurement]:
+    def confirm(self, problem, configs: list) -> list[Measurement]:
         """Time `configs` again, interleaved: round r times each of them once, so that a slow spell
         of the GPU hits one round of every candidate rather than every round of one. Each result is
         the median over rounds (their times in `details["rounds_ms"]`, in round order); its spread
@@ -214,7 +213,7 @@ class GpuBackend(Backend):
                 failed[index] = Measurement(status="failed", reason=failure, compile_s=compile_s)
             artifacts[index] = artifact
         for round_index in range(self.options.confirm_rounds):
-            for index in round_order(len(configs), round_index):  # paired rounds: store.beats_default
+            for index in round_order(len(configs), round_index):  # paired rounds: policy.beats_default
                 config = configs[index]
                 if index in failed:
                     continue
@@ -246,8 +245,6 @@ class GpuBackend(Backend):
     def make_pruner(self):
         if self.options.prune_margin is None:
             return None
-        from ..studies import make_pruner
-
         return make_pruner(self.options.prune_margin, self.options.prune_after)
 
     @property
@@ -279,20 +276,22 @@ class GpuBackend(Backend):
         self.worker.close()
 
     # ---- helpers ------------------------------------------------------------------------------
-    def _request(self, problem, config: dict, mode: str, artifact: str | None, salt: int = 0) -> dict:
-        key = f"{problem.key()}|{sorted(config.items())}|{salt}"
-        return {"op": "measure", "mode": mode, "problem": problem.to_dict(), "config": config,
-                "target": self.target.to_dict(), "artifact": artifact, "seed": zlib.crc32(key.encode()),
-                "tolerance": asdict(TOLERANCES[problem.dtype])}
+    # The worker processes get plain data: the family by name, the problem, config and target as dicts.
+    def _request(self, problem, config, mode: str, artifact: str | None, salt: int = 0) -> dict:
+        values = config.to_dict()
+        key = f"{problem.key()}|{sorted(values.items())}|{salt}"
+        return {"op": "measure", "mode": mode, "kernel": self.kernel.name, "problem": problem.to_dict(),
+                "config": values, "target": self.target.to_dict(), "artifact": artifact,
+                "seed": zlib.crc32(key.encode()), "tolerance": asdict(self.kernel.tolerance(problem))}
 
-    def _artifact_path(self, problem, config: dict) -> Path:
-        return artifact_path(self._artifact_dir, self.kernel.make_config(config), problem, self.target)
+    def _artifact_path(self, problem, config) -> Path:
+        return artifact_path(self._artifact_dir, self.kernel, config, problem, self.target)
 
-    def _compile_request(self, problem, config: dict, path: Path) -> dict:
-        return {"op": "compile", "problem": problem.to_dict(), "config": config, "target": self.target.to_dict(),
-                "artifact": str(path)}
+    def _compile_request(self, problem, config, path: Path) -> dict:
+        return {"op": "compile", "kernel": self.kernel.name, "problem": problem.to_dict(), "config": config.to_dict(),
+                "target": self.target.to_dict(), "artifact": str(path)}
 
-    def _compiled(self, problem, config: dict) -> tuple[str | None, float | None, str | None]:
+    def _compiled(self, problem, config) -> tuple[str | None, float | None, str | None]:
         """(object file, compile seconds, failure reason) from the compile pool; all None without one."""
         if self.pool is None:
             return None, None, None
@@ -351,7 +350,7 @@ class GpuBackend(Backend):
             return ("and no config of this problem has measured ok in this session or in the results DB to check "
                     "the GPU with")
         problem, config, artifact = good
-        short = self.kernel.make_config(config).short()
+        short = config.short()
         failed_too = f"and a config of this problem that measured ok before ({short}) failed too"
         if artifact is None:
             # A config from the results DB: the compile pool has its object file in the kernel cache
@@ -393,7 +392,7 @@ class GpuBackend(Backend):
                                spread_ms=result.get("spread", 0.0) * time_ms, **common)
         if status != "ok":
             return Measurement(status="failed", reason=f"the worker answered status {status!r}", **common)
-        tolerance = TOLERANCES[problem.dtype]
+        tolerance = self.kernel.tolerance(problem)
         for name, value, limit in (("output", out_error, tolerance.out), ("LSE", lse_error, tolerance.lse)):
             if value is None or not math.isfinite(value) or value > limit:
                 return Measurement(status="wrong", reason=f"{name} error {value!r} is not within {limit:g}",
@@ -409,13 +408,10 @@ def artifact_dir(cache: Path, dsl_version: str | None, kernel) -> Path:
     return Path(cache) / f"dsl-{dsl_version}" / kernel.source_hash()[:16]
 
 
-def artifact_path(directory: Path, config, problem, target) -> Path:
-    """The object file of `config` (a FwdConfig) for `problem` in an `artifact_dir`: one per compile
-    key, so problems that differ only in sizes share it."""
-    from ..kernels.interface import artifact_name, compile_key
-
-    key = compile_key(config, problem.dtype, problem.head_dim, problem.head_dim_v, problem.causal, target)
-    return Path(directory) / f"{artifact_name(key)}.o"
+def artifact_path(directory: Path, kernel, config, problem, target) -> Path:
+    """The object file of `config` of kernel family `kernel` for `problem` in an `artifact_dir`: one
+    per compile key, so problems that differ only in sizes share it."""
+    return Path(directory) / f"{kernel.artifact_name(kernel.compile_key(problem, config, target))}.o"
 
 
 def _worker_target(info: dict, wanted):

@@ -1,11 +1,12 @@
 """What the gpu backend's worker processes run (see worker.py for the protocol).
 
-The measuring worker owns the GPU: it keeps compiled kernels (fa4tune.kernels.interface's cache),
+The measuring worker owns the GPU: it keeps compiled kernels (the kernel family's compile cache),
 the inputs of the current problem and the L2 flush buffer from one candidate to the next. Per
 candidate: get the kernel (load the object file a compile worker exported, else compile), run it
-once on fresh random inputs with NaN-poisoned outputs and compare against the fp32 reference
-(verify.py), time it cheaply and let the parent's pruner stop it, time it fully, and check the
-output of the last timed run again (a race shows up under repetition). Compile workers only
+once on fresh random inputs with NaN-poisoned outputs and compare against the family's fp32
+reference, time it cheaply and let the parent's pruner stop it, time it fully, and check the output
+of a run after the timed runs again (a race shows up under repetition). Everything about the
+kernel comes from its family (fa4tune/kernels/family.py), named in the request. Compile workers only
 compile and export; they never see the GPU.
 
 FA4TUNE_WORKER_ROLE says which of the two a process is."""
@@ -105,47 +106,40 @@ def clocks(request: dict, channel, state: dict) -> dict:
 
 def compile(request: dict, channel, state: dict) -> dict:  # noqa: A001 - the op's name
     """Compile a candidate and export it to request["artifact"] (skipped when it already exists)."""
-    from ..kernels.interface import compile_forward, export_compiled
-
     path = request["artifact"]
     if os.path.exists(path):
         return {"artifact": path, "compile_s": 0.0, "reused": True}
-    problem, config, target = _candidate(request)
-    compiled = compile_forward(config, problem.dtype, problem.head_dim, problem.head_dim_v, problem.causal,
-                               target)
-    export_compiled(compiled, path)
+    family, problem, config, target = _candidate(request)
+    compiled = family.compile(problem, config, target)
+    family.export(compiled, path)
     return {"artifact": path, "compile_s": compiled.compile_seconds, "reused": False}
 
 
 def measure(request: dict, channel, state: dict) -> dict:
-    """Verify and time one candidate. request: problem, config, target, mode ("search": cheap timing
-    and the parent's verdict before the full one; "retime": full timing only), seed, tolerance,
-    timing options, artifact (optional)."""
+    """Verify and time one candidate. request: kernel, problem, config, target, mode ("search": cheap
+    timing and the parent's verdict before the full one; "retime": full timing only), seed,
+    tolerance, timing options, artifact (optional)."""
     import torch
 
-    from ..kernels.interface import attention_forward
+    from ..kernels.family import Tolerance
     from .timing import L2Flusher, time_cuda
-    from .verify import Tolerance, reference_slices
 
-    problem, config, target = _candidate(request)
-    compiled, compile_s, compiled_by = _kernel(request, problem, config, target)
+    family, problem, config, target = _candidate(request)
+    compiled, compile_s, compiled_by = _kernel(request, family, problem, config, target)
     channel.phase("run")
-    q, k, v, out, lse = _inputs(problem, state)
+    case = _case(family, problem, state)
     if "flusher" not in state:
-        state["flusher"] = L2Flusher(q.device)
+        state["flusher"] = L2Flusher(torch.device("cuda", state.get("device", 0)))
     flusher = state["flusher"]
     tolerance = Tolerance(**request["tolerance"])
 
     # Fresh random inputs for every candidate, outputs poisoned so that an unwritten element shows.
-    generator = torch.Generator(device=q.device).manual_seed(int(request.get("seed", 0)))
-    for tensor in (q, k, v):
-        tensor.normal_(generator=generator)
-
-    def run():
-        attention_forward(q, k, v, config, causal=problem.causal, out=out, lse=lse, target=target)
-
-    references = reference_slices(q, k, v, problem.causal, None)
-    check = poisoned_check(run, out, lse, references, torch.cuda.synchronize)
+    generator = torch.Generator(device=torch.device("cuda", state.get("device", 0)))
+    generator.manual_seed(int(request.get("seed", 0)))
+    family.randomize(case, generator)
+    run = family.launcher(case, config, target)
+    references = family.reference(case)
+    check = poisoned_check(run, family, case, references, torch.cuda.synchronize)
     result = {"compile_s": compile_s, "compiled_by": compiled_by, "out_error": check.out_error,
               "lse_error": check.lse_error}
     wrong = check.verdict(tolerance)
@@ -163,7 +157,7 @@ def measure(request: dict, channel, state: dict) -> dict:
     # Once more after the timed runs: they write the same values as the first, so without the poison a
     # kernel whose later launches write nothing (state an earlier launch left behind, a tile counter
     # not reset to zero) would pass on the first run's output, and time at next to nothing.
-    after = poisoned_check(run, out, lse, references, torch.cuda.synchronize)
+    after = poisoned_check(run, family, case, references, torch.cuda.synchronize)
     wrong = after.verdict(tolerance)
     if wrong:
         return {**result, "status": "wrong", "reason": f"after {full.runs} timed runs: {wrong}"}
@@ -172,67 +166,53 @@ def measure(request: dict, channel, state: dict) -> dict:
             "min_ms": full.min_ms}
 
 
-def poisoned_check(run, out, lse, references, synchronize):
+def poisoned_check(run, family, case, references, synchronize):
     """Poison the outputs (NaN), run once and compare with the references: an element the run does not
     write shows as NaN."""
-    from .verify import compare
-
     synchronize()
-    out.fill_(float("nan"))
-    lse.fill_(float("nan"))
+    family.poison(case)
     run()
     synchronize()
-    return compare(out, lse, references)
+    return family.compare(case, references)
 
 
 def _candidate(request: dict):
-    from ..kernels.config import FwdConfig
-    from ..problem import Problem
+    """(family, problem, config, target) of a request."""
+    from ..kernels import get_kernel
     from ..target import Target, get_target
 
+    family = get_kernel(request.get("kernel"))
     target = request["target"]  # the whole description: a device's own SM count is not its model's
-    return (Problem.from_dict(request["problem"]), FwdConfig.from_dict(request["config"]),
+    return (family, family.problem(request["problem"]), family.config(request["config"]),
             Target(**target) if isinstance(target, dict) else get_target(target))
 
 
-def _kernel(request: dict, problem, config, target):
+def _kernel(request: dict, family, problem, config, target):
     """(compiled kernel, seconds, how): loaded from the compile worker's object file when there is
     one, else compiled here (also when the object file cannot be loaded)."""
-    from ..kernels.interface import compile_forward, load_compiled
-
-    args = (config, problem.dtype, problem.head_dim, problem.head_dim_v, problem.causal, target)
     artifact = request.get("artifact")
     how = "worker"
     if artifact:
         try:
-            compiled = load_compiled(artifact, *args)
+            compiled = family.load(artifact, problem, config, target)
             return compiled, compiled.compile_seconds, "pool"
         except Exception as exc:  # noqa: BLE001 - fall back to compiling here, and say why
             how = f"worker (loading {os.path.basename(artifact)} failed: {type(exc).__name__}: {exc})"[:300]
     start = time.perf_counter()
-    compiled = compile_forward(*args)
+    compiled = family.compile(problem, config, target)
     return compiled, time.perf_counter() - start, how
 
 
-def _inputs(problem, state: dict):
-    """q, k, v, out, lse of the problem, kept while the problem stays the same."""
+def _case(family, problem, state: dict):
+    """The problem's inputs and outputs on the device, kept while the problem stays the same."""
     import torch
 
-    key = problem.key()
-    cached = state.get("inputs")
+    key = (family.name, problem.key())
+    cached = state.get("case")
     if cached is not None and cached[0] == key:
         return cached[1]
-    state.pop("inputs", None)
+    state.pop("case", None)
     torch.cuda.empty_cache()
-    dtype = torch.bfloat16 if problem.dtype == "bf16" else torch.float16
-    device = torch.device("cuda", state.get("device", 0))
-    p = problem
-    tensors = (
-        torch.empty(p.batch, p.seqlen_q, p.nheads_q, p.head_dim, dtype=dtype, device=device),
-        torch.empty(p.batch, p.seqlen_k, p.nheads_kv, p.head_dim, dtype=dtype, device=device),
-        torch.empty(p.batch, p.seqlen_k, p.nheads_kv, p.head_dim_v, dtype=dtype, device=device),
-        torch.empty(p.batch, p.seqlen_q, p.nheads_q, p.head_dim_v, dtype=dtype, device=device),
-        torch.empty(p.batch, p.nheads_q, p.seqlen_q, dtype=torch.float32, device=device),
-    )
-    state["inputs"] = (key, tensors)
-    return tensors
+    case = family.measurement_case(problem, torch.device("cuda", state.get("device", 0)))
+    state["case"] = (key, case)
+    return case

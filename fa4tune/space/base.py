@@ -160,8 +160,9 @@ def parse_domain(spec: Any, where: str) -> Param:
 
 # ---- the plugin base class --------------------------------------------------------------------------
 class SearchSpace:
-    """A search-space plugin. Subclasses set `name` and `knobs` (the kernel knobs they search) and
-    override `check`; most need nothing else. Override `params` for a domain narrower than the kernel's
+    """A search-space plugin. Subclasses set `name` and `knobs` (the kernel knobs they search); most
+    need nothing else. The kernel family's rules judge every config; override `check` for rules of the
+    plugin's own. Override `params` for a domain narrower than the kernel's
     legal values, `default` for a default other than the kernel's, `suggest` for conditional params."""
 
     name: ClassVar[str] = ""
@@ -215,6 +216,9 @@ class SearchSpace:
             if not isinstance(domain, Param):
                 raise SpaceError(f"{who}: the domain of {name} must be a Choice or a Range, got {domain!r}")
             values = domain.values()
+            if name in legal and values is None:
+                raise SpaceError(f"{who}: {name} is a continuous range ({domain.describe()}), but the kernel takes "
+                                 f"only {', '.join(map(repr, legal[name]))}: give it a step or a list of values")
             if name in legal and values is not None:
                 illegal = [v for v in values if not any(_same(v, ok) for ok in legal[name])]
                 if illegal:
@@ -244,5 +248,6 @@ class SearchSpace:
         return {name: domains[name].suggest(trial, name) for name in self.domains}
 
     def check(self, problem, config, target) -> list[str]:
-        """Reasons the full config (a kernel config object) is infeasible; empty when it is fine."""
+        """Reasons the full config (the kernel's config value) is infeasible beyond the kernel family's
+        own rules, which always apply; empty when it is fine."""
         return []

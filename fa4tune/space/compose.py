@@ -1,6 +1,8 @@
 """The search over several plugins at once: their parameters side by side (a knob declared by two
 plugins is an error), knobs no plugin searches fixed at the kernel's default for the problem, and the
-union of all checks (plugins and kernel) deciding whether a config may reach the backend."""
+kernel family's rules (with any rules of the plugins' own) deciding whether a config may reach the
+backend. A config leaves here as the family's config value, canonical: two params that build the same
+kernel give equal configs."""
 
 from __future__ import annotations
 
@@ -34,9 +36,9 @@ class ComposedSpace:
         return list(self.owner)
 
     # ---- per-problem domains and defaults -------------------------------------------------------
-    def default_config(self, problem, target) -> dict:
-        """The kernel's default for the problem, with the starting values of plugins that override
-        `SearchSpace.default` (each for its own knobs)."""
+    def default_values(self, problem, target) -> dict:
+        """The knob values of the kernel's default for the problem, with the starting values of plugins
+        that override `SearchSpace.default` (each for its own knobs)."""
         config = self.kernel.default_config(problem, target).to_dict()
         for space in self.spaces:
             if type(space).default is SearchSpace.default:
@@ -51,7 +53,7 @@ class ComposedSpace:
 
     def domains(self, problem, target) -> dict[str, Param]:
         """Each parameter's domain, widened to hold the problem's default so the default is measurable."""
-        default = self.default_config(problem, target)
+        default = self.default_values(problem, target)
         return {
             name: domain.with_value(default[name])
             for space in self.spaces
@@ -59,7 +61,7 @@ class ComposedSpace:
         }
 
     def default_params(self, problem, target) -> dict:
-        default = self.default_config(problem, target)
+        default = self.default_values(problem, target)
         return {name: default[name] for name in self.param_names}
 
     def size(self, problem, target) -> int | None:
@@ -101,10 +103,14 @@ class ComposedSpace:
             params.update(space.suggest(trial, problem, target, domains))
         return params
 
-    def full_config(self, problem, target, params: dict) -> dict:
-        """The kernel's default for the problem with the searched parameters replaced, in canonical
-        form (knobs without effect reset), so equal kernels get equal configs."""
-        return self.kernel.canonical_values({**self.default_config(problem, target), **params})
+    def full_config(self, problem, target, params: dict):
+        """The kernel's config: its default for the problem with the searched parameters replaced, in
+        canonical form (knobs without effect reset), so equal kernels get equal configs."""
+        return self.kernel.config({**self.default_values(problem, target), **params}).canonical()
+
+    def default_config(self, problem, target):
+        """The config the search measures first."""
+        return self.full_config(problem, target, self.default_params(problem, target))
 
     def probes(self, problem, target, count: int) -> list[dict]:
         """Up to `count` params that each change one knob of the problem's default, feasible and
@@ -181,24 +187,21 @@ class ComposedSpace:
                                 return candidate, key
         return None, None
 
-    def check(self, problem, config_values: dict, target) -> list[str]:
-        """Every reason the config is infeasible (plugins' and kernel's together), without duplicates."""
-        try:
-            config = self.kernel.make_config(config_values)
-        except self.kernel.config_error as exc:
-            return [str(exc)]
-        reasons: list[str] = []
+    def check(self, problem, config, target) -> list[str]:
+        """Every reason the config is infeasible: the kernel family's rules, then the plugins' own."""
+        reasons = self.kernel.infeasible_reasons(problem, config, target)
         for space in self.spaces:
+            if type(space).check is SearchSpace.check:
+                continue
             try:
                 found = space.check(problem, config, target)
             except Exception as exc:  # a plugin's bug, named as such
                 raise SpaceError(f"space {space.name!r}: check() raised {type(exc).__name__}: {exc} (config "
-                                 f"{config_values})") from exc
+                                 f"{config.to_dict()})") from exc
             if not isinstance(found, (list, tuple)):
                 raise SpaceError(f"space {space.name!r}: check() must return a list of reasons, got {found!r}")
-            reasons.extend(f"{r}" for r in found)
-        reasons.extend(self.kernel.infeasible_reasons(problem, config, target))
-        return list(dict.fromkeys(reasons))
+            reasons.extend(str(r) for r in found)
+        return reasons
 
     def describe(self, problem, target) -> list[str]:
         lines = []

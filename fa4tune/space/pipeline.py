@@ -15,12 +15,3 @@ class PipelineSpace(SearchSpace):
     knobs = ("num_stages", "intra_wg_overlap", "wg_pingpong", "persistent", "wg_epilogue", "q_stages")
     description = ("K/V pipeline depth, intra-warpgroup overlap, warpgroup ping-pong, persistent CTAs, "
                    "per-warpgroup O stores, Q buffers")
-
-    def check(self, problem, config, target) -> list[str]:
-        from ..kernels import resources
-
-        return (
-            resources.smem_reasons(config, problem, target)
-            + resources.register_reasons(config, problem, target)
-            + resources.epilogue_reasons(config)
-        )

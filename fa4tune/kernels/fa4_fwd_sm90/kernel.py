@@ -49,11 +49,12 @@ import cutlass.utils.hopper_helpers as hopper
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from ..problem import Problem
-from ..target import Target, get_target
+from ...problem import Problem
+from ...target import Target, get_target
 from . import resources
-from .config import FwdConfig, check_config
-from .sm90_helpers import (
+from . import FAMILY
+from .config import FwdConfig
+from ..sm90.helpers import (
     acc_as_operand_a,
     acc_rows_cols,
     convert_to_16bit,
@@ -63,7 +64,7 @@ from .sm90_helpers import (
     swap_first_modes,
     wgmma,
 )
-from .softmax_sm90 import OnlineSoftmax
+from ..sm90.softmax import OnlineSoftmax
 
 DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 
@@ -103,7 +104,7 @@ class FlashForwardSm90:
     ):
         target = get_target(target)
         # The same feasibility rules the search applies: refuse before any compile, naming the knob.
-        check_config(Problem(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal),
+        FAMILY.check(Problem(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal),
                      config, target)
         self.config = config
         self.dtype = DTYPES[Problem(dtype=dtype, head_dim=head_dim).dtype]

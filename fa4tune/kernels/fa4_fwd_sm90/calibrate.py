@@ -26,7 +26,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from .model import CostModel, ModelAssumptions
+from ...problem import Problem
+from .. import get_kernel
+from .cost_model import CostModel, ModelAssumptions
 
 # The assumptions a fit moves, with the range it searches (log-uniform where marked).
 FITTED = {
@@ -62,21 +64,17 @@ def samples_from_db(db, *, kernel: str, target: str, run_id: int | None = None,
                     kernel_hash: str | None = None) -> list[Sample]:
     """The measured candidates of `kernel` on `target` stored in a results DB (one run, or every run of
     one kernel hash, or all), confirmation re-timings left out (they repeat a candidate)."""
-    from ..db.store import CONFIRM_SOURCE
-    from ..kernels import get_kernel
-    from ..problem import Problem
-
     spec = get_kernel(kernel)
     samples = []
-    for row in db.trials(kernel=kernel, target=target, run_id=run_id):
-        if row["status"] not in MEASURED_STATUSES or row["source"] == CONFIRM_SOURCE or row["is_estimate"]:
+    for row in db.trials(kernel=kernel, target=target, run_id=run_id, confirmations=False):
+        if row["status"] not in MEASURED_STATUSES or row["is_estimate"]:
             continue
         if kernel_hash is not None and row["kernel_hash"] != kernel_hash:
             continue
         if not row["time_ms"] or row["time_ms"] <= 0:
             continue
         try:
-            config = spec.make_config(spec.canonical_values(row["config"]))
+            config = spec.config(row["config"]).canonical()
         except spec.config_error:
             continue  # a knob this kernel no longer has
         samples.append(Sample(Problem.from_dict(row["problem"]), config, float(row["time_ms"]),
@@ -105,9 +103,6 @@ def save_samples(path: str | Path, samples: list[Sample], note: str = "") -> Non
 
 
 def load_samples(path: str | Path, kernel: str = "fa4_fwd_sm90") -> list[Sample]:
-    from ..kernels import get_kernel
-    from ..problem import Problem
-
     spec = get_kernel(kernel)
     try:
         document = json.loads(Path(path).read_text())
@@ -119,7 +114,7 @@ def load_samples(path: str | Path, kernel: str = "fa4_fwd_sm90") -> list[Sample]
                 if len(row) != len(knobs) + 2:
                     raise ValueError(f"a row of {len(row)} values for {len(knobs)} knobs, the time and the flag")
                 values = dict(zip(knobs, row[:len(knobs)]))
-                samples.append(Sample(problem, spec.make_config(spec.canonical_values(values)),
+                samples.append(Sample(problem, spec.config(values).canonical(),
                                       float(row[-2]), bool(row[-1])))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CalibrationError(f"cannot read samples from {path}: {exc}") from None

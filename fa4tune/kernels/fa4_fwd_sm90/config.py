@@ -6,9 +6,11 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, fields, replace
 
-from ..problem import Problem
-from ..target import Target, get_target
-from . import exp2_poly, resources
+from ...problem import Problem
+from ...target import Target, get_target
+from ..family import Rule
+from ..sm90 import exp2_poly
+from . import resources
 
 
 class ConfigError(ValueError):
@@ -179,56 +181,15 @@ def lazy_max_reasons(config: FwdConfig) -> list[str]:
     return reasons
 
 
-def infeasible_reasons(problem: Problem, config: FwdConfig, target: Target) -> list[str]:
-    """Every reason this config cannot be built or cannot be right for this problem on this target."""
-    return (
-        unsupported_reasons(problem, target)
-        + grid_reasons(config, problem)
-        + resources.tile_reasons(config, problem)
-        + resources.epilogue_reasons(config)
-        + resources.smem_reasons(config, problem, target)
-        + resources.register_reasons(config, problem, target)
-        + exp2_poly.accuracy_reasons(config.poly_degree, config.emu_share, problem.dtype)
-        + lazy_max_reasons(config)
-    )
-
-
-def check_config(problem: Problem, config: FwdConfig, target: Target) -> None:
-    """Raise ConfigError naming every violated rule."""
-    reasons = infeasible_reasons(problem, config, target)
-    if reasons:
-        raise ConfigError(
-            f"config {config.short()} cannot run {problem.key()} on {target.name}: " + "; ".join(reasons)
-        )
-
-
-def default_config(problem: Problem, target: Target | None = None) -> FwdConfig:
-    """The hand-picked starting point per head dim (the search measures from here)."""
-    d, dv = problem.head_dim, problem.head_dim_v
-    if max(d, dv) <= 64:
-        cfg = FwdConfig(tile_m=192, tile_n=128)
-    elif max(d, dv) <= 128:
-        cfg = FwdConfig(tile_m=128, tile_n=128)
-    elif max(d, dv) <= 192:
-        cfg = FwdConfig(tile_m=128, tile_n=128 if dv <= 128 else 112)
-    else:
-        cfg = FwdConfig(tile_m=128, tile_n=80)
-    # Rescale O only when a row max rose by more than 2^8: rare after the first blocks, and P stays
-    # well inside bf16/fp16 range (measured: +1-7% at 1k tokens, neutral at 16k; docs/kernel-notes.md).
-    # Persistent CTAs: non-causal +10% at 1k tokens, +2-3% at 4k, even at 16k; causal (tiles from the
-    # kernel's counter) +12-20% at 1k, +5% at 4k, +0.5-1% at 16k (H200, v4 and v5 in docs/kernel-notes.md).
-    # The lazy row max (`lazy_max`), in an A/B on the H200: hdim 64 non-causal +6.7-7.5% at 1k-16k,
-    # causal +6.4% at 16k, +3.9% at 4k, +0.2% at 1k, -1.6% at 512; hdim 128 +0.9-3.3% (512 causal
-    # -0.3%; session 22 in docs/kernel-notes.md; run 11, session 23, searched with it). It needs
-    # threshold 8 and the MUFU's exponentials.
-    cfg = replace(cfg, rescale_threshold=8.0, persistent=True, lazy_max=True)
-    if cfg.persistent and resources.smem_reasons(cfg, problem, target or get_target(None)):
-        cfg = replace(cfg, persistent=False)  # O's own buffer does not fit (hdim 192, 256)
-    if target is not None and infeasible_reasons(problem, cfg, target):
-        # Fall back to a smaller pipeline before giving up; a problem no config fits is reported by
-        # the caller through infeasible_reasons.
-        for stages in (1,):
-            alt = replace(cfg, num_stages=stages)
-            if not infeasible_reasons(problem, alt, target):
-                return alt
-    return cfg
+# The kernel's feasibility rules: the search spaces refuse a config by them before anything compiles,
+# and the kernel's constructor refuses the same configs with the same reasons.
+RULES = (
+    Rule("launch grid", lambda problem, config, target: grid_reasons(config, problem)),
+    Rule("wgmma and TMA shapes", lambda problem, config, target: resources.tile_reasons(config, problem)),
+    Rule("epilogue", lambda problem, config, target: resources.epilogue_reasons(config)),
+    Rule("shared memory", lambda problem, config, target: resources.smem_reasons(config, problem, target)),
+    Rule("registers", lambda problem, config, target: resources.register_reasons(config, problem, target)),
+    Rule("exp2 accuracy", lambda problem, config, target: exp2_poly.accuracy_reasons(
+        config.poly_degree, config.emu_share, problem.dtype)),
+    Rule("lazy row max", lambda problem, config, target: lazy_max_reasons(config)),
+)

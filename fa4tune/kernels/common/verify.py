@@ -1,4 +1,5 @@
-"""The correctness gate: a kernel's output and LSE against the fp32 reference.
+"""The correctness gate of the attention families: a kernel's output and LSE against the fp32
+reference.
 
 The reference of a whole problem does not fit (16k x 16k scores per head, 128k x 128k at long
 context), so it is computed on slices: the first and the last batch, the first and the last query
@@ -14,45 +15,15 @@ with NaN before the kernel runs."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+
+from ..family import Check, Tolerance
+from .reference import attention_reference
 
 ROWS_PER_SLICE = 512
 
 
-@dataclass(frozen=True)
-class Tolerance:
-    out: float  # relative Frobenius error of O, in the worst slice
-    lse: float  # largest absolute error of the natural-log LSE
-
-
 # bf16 keeps 8 mantissa bits, fp16 11: O is rounded to them, the LSE is fp32 throughout.
 TOLERANCES = {"bf16": Tolerance(out=1e-2, lse=1e-3), "fp16": Tolerance(out=5e-3, lse=1e-3)}
-
-
-@dataclass(frozen=True)
-class Check:
-    """Errors of one run: `out_error` (relative Frobenius error of O in the slice where it is
-    largest, `worst`: (batch, head, row start, row end)), `lse_error` (max absolute), and `problem`
-    when something is wrong beyond tolerance (NaN left, -inf mismatch)."""
-
-    out_error: float
-    lse_error: float
-    problem: str | None = None
-    worst: tuple | None = None
-
-    def verdict(self, tolerance: Tolerance) -> str | None:
-        """Why this run is wrong, or None when it is within tolerance."""
-        if self.problem:
-            return self.problem
-        if not math.isfinite(self.out_error) or self.out_error > tolerance.out:
-            where = ""
-            if self.worst is not None:
-                b, h, start, end = self.worst
-                where = f" (batch {b}, head {h}, rows {start}-{end - 1})"
-            return f"output error {self.out_error:.3g} above tolerance {tolerance.out:g}{where}"
-        if not math.isfinite(self.lse_error) or self.lse_error > tolerance.lse:
-            return f"LSE error {self.lse_error:.3g} above tolerance {tolerance.lse:g}"
-        return None
 
 
 def _keys_seen(end: int, seqlen_q: int, seqlen_k: int, causal: bool) -> int:
@@ -85,8 +56,6 @@ def middle_slice(batch: int, nheads_q: int, seqlen_q: int, seqlen_k: int, causal
 def reference_slices(q, k, v, causal: bool, softmax_scale: float | None, rows: int = ROWS_PER_SLICE):
     """[(index, reference O, reference LSE)] where `index` = (batch, head, row start, row end) picks
     the slice of the kernel's O (b, s, h, d) and LSE (b, h, s) to compare."""
-    from ..kernels.reference import attention_reference
-
     batch, seqlen_q, nheads_q, _ = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     group = nheads_q // nheads_kv

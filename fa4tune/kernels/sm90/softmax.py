@@ -34,8 +34,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from .exp2_device import emulated_columns, exp2_emulated, exp2_mufu
-from .sm90_helpers import acc_rows_cols
+from .exp2 import emulated_columns, exp2_emulated, exp2_mufu
+from .helpers import acc_rows_cols
 
 LN2 = math.log(2.0)
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..target import Target
+from ...target import Target
 
 if TYPE_CHECKING:  # imported for type names only; config imports this module
-    from ..problem import Problem
+    from ...problem import Problem
     from .config import FwdConfig
 
 THREADS_PER_WARPGROUP = 128

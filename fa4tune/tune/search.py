@@ -27,18 +27,18 @@ from collections import deque
 from dataclasses import dataclass, field
 from importlib import metadata
 
-from . import __version__, interrupts
-from .db import DuplicateTrial, ResultsDB, config_key, resolve_location, shown_location, sqlite_path
-from .errors import BackendUnavailable, Fa4tuneError, KernelError, StorageError
+from .. import __version__, interrupts, policy
+from ..db import DuplicateTrial, ResultsDB, config_key, resolve_location, shown_location, sqlite_path
+from ..errors import BackendUnavailable, Fa4tuneError, KernelError, StorageError
 from .job import Job
-from .measure.base import Backend, Measurement, make_backend, resolve_backend_name
-from .problem import Problem
-from .space import ComposedSpace, compose
+from ..measure.base import Backend, Measurement, make_backend, resolve_backend_name
+from ..problem import Problem
+from ..space import ComposedSpace, compose
 from .studies import (CLAIM_ATTR, WORKER_ATTR, check_storage, default_storage_location, fail_stale, give_back,
                       hand_back, is_server_storage, make_sampler, open_storage, problem_seed,
                       queued_params, quiet_optuna, start_heartbeat, study_name, trial_orphaned, worker_gone,
                       try_sampler_options, worker_name, worker_seed)
-from .target import get_target
+from ..target import get_target
 
 SOURCE_ATTR = "fa4tune_source"
 MAX_GRID_REQUEUES = 3  # a grid point that failed unmeasured this often is not queued again
@@ -153,11 +153,11 @@ def run_search(job: Job, *, db: str | None = None, storage: str | None = None, r
         try_sampler_options(job.sampler, where=f"{job.path}: sampler")
         for problem in job.problems:  # sampler options, grid domains, plugins' defaults and checks,
             _sampler_for(job, space, problem, tgt)  # before anything is written
-            space.check(problem, space.full_config(problem, tgt, {}), tgt)
+            space.check(problem, space.default_config(problem, tgt), tgt)
         _check_apart(db_location, storage_location)
         if job.export:  # found out only after the whole search otherwise
-            from .files import unwritable_ancestor
-            from .tables import table_paths
+            from ..files import unwritable_ancestor
+            from ..runtime.tables import table_paths
 
             for target_path in table_paths(job.export):
                 blocked = unwritable_ancestor(target_path)
@@ -239,7 +239,7 @@ def run_search(job: Job, *, db: str | None = None, storage: str | None = None, r
             backend.close()
     results_db.finish_run(run_id, "finished")
     if job.export:
-        from .tables import export_table
+        from ..runtime.tables import export_table
 
         summary.exported = export_table(results_db, job.export, kernel=kernel, target=tgt.name)
     results_db.close()
@@ -249,7 +249,7 @@ def run_search(job: Job, *, db: str | None = None, storage: str | None = None, r
 def _refuse_estimates_over_measurements(job: Job) -> None:
     """A cost-model search does not export over a table that holds measurements (the shipped table,
     say, when its job is run with --backend model): the measurements would be gone from the file."""
-    from .tables import TableError, existing_tables
+    from ..runtime.tables import TableError, existing_tables
 
     for path, document in existing_tables(job.export):
         if isinstance(document, TableError):  # not a table we can read: nothing measured to keep
@@ -436,7 +436,7 @@ class _Context:
                     self._fail_unmeasured(study, name, candidate.trial.number)
                     candidate.heartbeat.join()
                     if not candidate.reasons and self.backend.lookahead:
-                        self.backend.discard(problem, self.kernel.make_config(candidate.config))
+                        self.backend.discard(problem, candidate.config)
                 if bar is not None:
                     bar.close()
             finally:
@@ -667,7 +667,7 @@ class _Context:
             raise
         candidate = _Candidate(trial, config, trial.user_attrs.get(SOURCE_ATTR, "sampler"), reasons, heartbeat)
         if not reasons and self.backend.lookahead and self.db.trial_by_config(name, config) is None:
-            self.backend.prefetch(problem, self.kernel.make_config(config))
+            self.backend.prefetch(problem, config)
         return candidate
 
     def _run(self, study, problem: Problem, name: str, candidate: "_Candidate") -> str:
@@ -711,7 +711,7 @@ class _Context:
 
             options["should_stop"] = should_stop
         try:
-            return self.backend.measure(problem, self.kernel.make_config(config), **options)
+            return self.backend.measure(problem, config, **options)
         except BackendUnavailable:
             raise  # nothing more can be measured: stop the search, keep what is stored
         except Exception as exc:  # a backend failure is the candidate's, not the search's
@@ -724,10 +724,10 @@ class _Context:
             return
         # The default is timed with them (when it ran correctly): a config replaces it only when it is
         # faster by more than the backend's min_gain, and in each of the same interleaved rounds.
-        default = self.db.trial_by_config(name, self.space.full_config(problem, self.target, {}))
+        default = self.db.trial_by_config(name, self.space.default_config(problem, self.target))
         if default is not None and default["status"] == "ok" and all(t["id"] != default["id"] for t in top):
             top.append(default)
-        measurements = self.backend.confirm(problem, [t["config"] for t in top])
+        measurements = self.backend.confirm(problem, [self.kernel.config(t["config"]) for t in top])
         clocks = next((m.details.get("clocks") for m in measurements if m.details.get("clocks")), None)
         if clocks:
             self.db.add_clocks(self.run.run_id, clocks)
@@ -825,24 +825,18 @@ class _Context:
                 enqueue(params, "probe")
 
     def _neighbours(self, problem: Problem, domains: dict) -> list[dict]:
-        """The params of the best configs of the nearest tuned problems (at most job.warm_start): of the
-        problem's dtype or its sibling's (bf16 and fp16, as the runtime lookup borrows), the nearest
-        bucket first, at equal distance the own dtype, then current kernel code."""
-        bucket = problem.bucket()
-        neighbours = []
-        for entry in self.db.best_configs(kernel=self.kernel.name, target=self.target.name):
-            lent = Problem.from_dict(entry.problem).lent_to(problem)
-            if lent is None:
-                continue
-            other, sibling = lent
-            distance = bucket.distance(other.bucket())
-            if distance != float("inf"):
-                current = entry.kernel_hash == self.run.kernel_hash
-                neighbours.append((distance, sibling, not current, entry.problem_key, entry.config))
+        """The params of the best configs of the nearest tuned problems (at most job.warm_start), in
+        the order policy.for_warm_start gives (of the problem's dtype or its sibling's, as the runtime
+        lookup borrows)."""
+        entries = [(entry, self.kernel.problem(entry.problem))
+                   for entry in self.db.best_configs(kernel=self.kernel.name, target=self.target.name)]
         seen = []
-        for *_, config in sorted(neighbours, key=lambda n: n[:4]):
+        for lender in policy.for_warm_start(policy.lenders(problem, entries, self.run.kernel_hash)):
             # A config stored before a knob existed ran with that knob at its schema default.
-            config = self.kernel.canonical_values(config)
+            try:
+                config = self.kernel.config(lender.entry.config).canonical().to_dict()
+            except self.kernel.config_error:  # a knob this kernel no longer has: its other knobs may do
+                config = dict(lender.entry.config)
             params = {k: config[k] for k in domains if k in config}
             if len(params) != len(domains) or params in seen:
                 continue
@@ -864,7 +858,7 @@ class _Context:
     def summary_line(self, problem: Problem, result: ProblemResult, is_estimate: bool | None = None) -> str:
         """Fill in the result's default and best, and say them in one line."""
         best = self._best(problem)
-        default = self.space.full_config(problem, self.target, self.space.default_params(problem, self.target))
+        default = self.space.default_config(problem, self.target).to_dict()
         stored_default = self.db.trial_by_config(result.study_name, default)
         if stored_default is not None and stored_default["status"] == "ok":
             result.default_ms = stored_default["time_ms"]

@@ -21,8 +21,8 @@ import warnings
 import zlib
 from pathlib import Path
 
-from .errors import JobError, StorageError
-from .files import unwritable_ancestor
+from ..errors import JobError, StorageError
+from ..files import unwritable_ancestor
 
 RDB_PREFIXES = ("sqlite:", "postgresql", "mysql", "oracle", "mssql")
 WORKER_ATTR = "fa4tune_worker"  # host:pid:identity of the worker that asked the trial
@@ -47,7 +47,7 @@ def quiet_optuna() -> None:
 
 def default_storage_location(db_location: str) -> str:
     """The journal file next to the results DB (or under fa4tune-results/ for a non-file DB)."""
-    from .db import sqlite_path
+    from ..db import sqlite_path
 
     path = sqlite_path(db_location)
     if path is None:
@@ -79,7 +79,7 @@ def check_storage(location: str) -> None:
     """Refuse a storage that cannot work before anything is written anywhere: a journal path that is
     a directory or under no writable directory, an RDB URL without a driver or whose server does not
     answer."""
-    from .db import first_line, shown_location
+    from ..db import first_line, shown_location
 
     shown = shown_location(location)
     path = journal_path(location)
@@ -91,7 +91,7 @@ def check_storage(location: str) -> None:
             raise StorageError(f"cannot write the Optuna journal {location!r}: {blocked} is not a writable "
                                "directory")
         return
-    from .db import UNREACHABLE_HINT, reach
+    from ..db import UNREACHABLE_HINT, reach
 
     if is_server_storage(location):
         heartbeat_seconds()
@@ -157,7 +157,7 @@ def open_storage(location: str, heartbeat: bool | None = None):
     import optuna
     from optuna.storages.journal import JournalFileBackend, JournalStorage
 
-    from .db import engine_options, engine_url, first_line, shown_location
+    from ..db import engine_options, engine_url, first_line, shown_location
 
     try:
         if is_rdb(location):
@@ -455,36 +455,3 @@ def worker_seed(index: int) -> int:
 
 def study_name(prefix: str, space_signature: str, problem_key: str) -> str:
     return f"{prefix}/{space_signature}/{problem_key}"
-
-
-def make_pruner(margin: float, min_completed: int = 3):
-    """An Optuna pruner for cheap first measurements: it stops a candidate whose first (cheap) value
-    is more than `margin` above the best completed value so far, once `min_completed` candidates
-    have completed. The cheap timing is noisy (few runs), so only a clearly slower one is stopped."""
-    from optuna.pruners import BasePruner
-    from optuna.trial import TrialState
-
-    class SlowerThanBestPruner(BasePruner):
-        def __init__(self) -> None:
-            self.margin = margin
-            self.min_completed = min_completed
-
-        def best(self, study) -> float | None:
-            completed = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-            # Distinct configs: a repeat of a measured config is told COMPLETE with its stored value,
-            # and is no second opinion on how fast the space can be.
-            distinct = {tuple(sorted(t.params.items(), key=lambda item: item[0])) for t in completed}
-            return min(t.value for t in completed) if len(distinct) >= self.min_completed else None
-
-        def prune(self, study, trial) -> bool:
-            step = trial.last_step
-            best = self.best(study)
-            if step is None or best is None:
-                return False
-            return trial.intermediate_values[step] > best * (1.0 + self.margin)
-
-        def explain(self, study, value: float) -> str:
-            return (f"stopped after the cheap timing: {value:.4g} ms is more than {self.margin:.0%} above "
-                    f"the best so far ({self.best(study):.4g} ms)")
-
-    return SlowerThanBestPruner()

@@ -8,11 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import Fa4tuneError, JobError
-from .files import load_document
-from .kernels import get_kernel
-from .problem import Problem, ProblemError
-from .target import Target, TargetError, get_target
+from ..errors import Fa4tuneError, JobError
+from ..files import load_document
+from ..kernels import get_kernel
+from ..target import Target, TargetError, get_target
 
 SAMPLERS = ("tpe", "random", "cmaes", "gp", "grid")
 JOB_KEYS = {
@@ -34,7 +33,6 @@ JOB_KEYS = {
     "measure": "options of the gpu backend: compile_workers, compile_timeout, run_timeout, prune_margin, "
                "confirm_top, confirm_rounds, ...",
 }
-PROBLEM_SHORTHANDS = ("tokens", "hidden")
 
 
 @dataclass(frozen=True)
@@ -109,7 +107,7 @@ def parse_job(data: Any, source: str = "<job>", text: str | None = None, default
             raise fail("target", str(exc)) from exc
 
     backend = data.get("backend", "auto")
-    from .measure.base import BACKENDS
+    from ..measure.base import BACKENDS
 
     if backend not in ("auto", *BACKENDS):
         raise fail("backend", f"unknown backend {backend!r}; known backends: auto, {', '.join(BACKENDS)}")
@@ -134,14 +132,14 @@ def parse_job(data: Any, source: str = "<job>", text: str | None = None, default
     measure = data.get("measure") or {}
     if not isinstance(measure, dict):
         raise fail("measure", f"a mapping of gpu backend options, got {measure!r}")
-    from .measure.gpu import GpuOptions
+    from ..measure.gpu import GpuOptions
 
     try:
         GpuOptions.parse(measure)
     except ValueError as exc:
         raise fail("measure", str(exc)) from exc
 
-    problems = _parse_problems(data.get("problems"), fail)
+    problems = _parse_problems(data.get("problems"), kernel, fail)
     return Job(
         name=name, path=source, text=text, kernel=kernel, target=target, backend=backend, spaces=spaces,
         problems=problems, sampler=sampler, budget=budget, seed=seed, db=data.get("db"),
@@ -150,8 +148,8 @@ def parse_job(data: Any, source: str = "<job>", text: str | None = None, default
 
 
 def _parse_spaces(spec, kernel, fail) -> dict:
-    from .space import compose, get_space, parse_domain
-    from .errors import SpaceError
+    from ..space import compose, get_space, parse_domain
+    from ..errors import SpaceError
 
     if spec is None:
         return {name: {} for name in kernel.default_spaces}
@@ -212,10 +210,10 @@ def _parse_budget(spec, fail) -> Budget:
     return Budget(trials=trials, seconds=seconds, max_pruned=max_pruned)
 
 
-def _parse_problems(spec, fail) -> list[Problem]:
+def _parse_problems(spec, kernel, fail) -> list:
     if not isinstance(spec, list) or not spec:
         raise fail("problems", "a non-empty list of problems, e.g. [{head_dim: 128, seqlen_q: 4096}]")
-    problems: list[Problem] = []
+    problems: list = []
     for index, item in enumerate(spec):
         where = f"problems[{index}]"
         if not isinstance(item, dict):
@@ -228,34 +226,9 @@ def _parse_problems(spec, fail) -> list[Problem]:
         for combo in itertools.product(*axes):
             fields = dict(zip(keys, combo))
             try:
-                problem = _problem_from_fields(fields)
-            except ProblemError as exc:
+                problem = kernel.problem_from_job(fields)
+            except (ValueError, TypeError) as exc:
                 raise fail(where, f"{exc} (in {fields})") from exc
             if problem not in problems:
                 problems.append(problem)
     return problems
-
-
-def _problem_from_fields(fields: dict) -> Problem:
-    """A Problem from job fields; `tokens` sets batch = tokens / seqlen_q and `hidden` sets
-    nheads_q = hidden / head_dim (the design notes' grid: 16k tokens, hidden 2048)."""
-    fields = dict(fields)
-    tokens, hidden = fields.pop("tokens", None), fields.pop("hidden", None)
-    if tokens is not None:
-        seqlen = fields.get("seqlen_q", 4096)
-        if "batch" in fields:
-            raise ProblemError("give either tokens or batch, not both")
-        if not isinstance(tokens, int) or not isinstance(seqlen, int) or tokens % seqlen or tokens < seqlen:
-            raise ProblemError(f"tokens ({tokens!r}) must be a multiple of seqlen_q ({seqlen!r})")
-        fields["batch"] = tokens // seqlen
-    if hidden is not None:
-        head_dim = fields.get("head_dim", 128)
-        if "nheads_q" in fields:
-            raise ProblemError("give either hidden or nheads_q, not both")
-        if not isinstance(hidden, int) or not isinstance(head_dim, int) or hidden % head_dim:
-            raise ProblemError(f"hidden ({hidden!r}) must be a multiple of head_dim ({head_dim!r})")
-        fields["nheads_q"] = hidden // head_dim
-    try:
-        return Problem.from_dict(fields)
-    except TypeError as exc:
-        raise ProblemError(str(exc)) from exc

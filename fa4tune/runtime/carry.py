@@ -7,7 +7,8 @@ compiled kernel and the launch fa4tune makes of it. `carry_table` checks exactly
 by entry, between the tree the table was tuned on (a git revision) and the installed one:
 
 - the compiled kernel: the DSL's module after canonicalisation (host launch code and device kernel,
-  `CUTE_DSL_KEEP=ir`) and the PTX built from it (`ptx`), both compiled for the table's arch;
+  `CUTE_DSL_KEEP=ir`) and the PTX built from it (`ptx`), both compiled for the table's arch, with
+  the module path in the kernel's symbol names left out (a moved module compiles to the same code);
 - the run-time arguments that fa4tune's Python passes at launch and that shape the work: the number
   of heads run side by side for L2 reuse, and whether the kernel takes its tiles from a counter.
 
@@ -31,16 +32,20 @@ from datetime import datetime, timezone
 from io import BytesIO
 from pathlib import Path
 
-from .errors import Fa4tuneError
-from .kernels import get_kernel
+from ..errors import Fa4tuneError
+from ..kernels import get_kernel
+from ..target import get_target
 from .tables import read_table, write_table
-from .target import get_target
 
 # Run in each tree's own interpreter (PYTHONPATH = that tree): compiles every job read from stdin and
-# prints one JSON line per job with the digests of what it compiled. It uses only the API both trees
-# have (get_kernel, interface.compile_forward, heads_per_l2_group, FwdConfig.uses_tile_counter).
+# prints one JSON line per job with the digests of what it compiled. It takes the kernel family's API
+# (family.compile, family.launch_arguments) where the tree has one, else the API of trees before kernel
+# families (interface.compile_forward, heads_per_l2_group). A kernel's symbol names carry the module
+# path of its class (`fa4tunekernelsfwd_sm90FlashForwardSm90...`, cut at a fixed length): each symbol
+# that holds it is renamed by its order of first use before hashing, so that moving the kernel's
+# module changes no digest.
 _FINGERPRINT = r"""
-import hashlib, json, os, sys
+import hashlib, json, os, re, sys
 from pathlib import Path
 
 root = Path(sys.argv[1]).resolve()
@@ -50,7 +55,6 @@ sys.meta_path[:] = [f for f in sys.meta_path
                                for x in (f, type(f)) for attr in ("__module__", "__name__"))]
 import fa4tune
 from fa4tune.kernels import get_kernel
-from fa4tune.kernels import interface
 from fa4tune.problem import Problem
 from fa4tune.target import get_target
 
@@ -62,17 +66,30 @@ def check_origin():
             sys.exit(f"imported {name} from {path}, not from the tree at {root}")
 
 
+def compile_and_launch(spec, problem, config, target):
+    if hasattr(spec, "launch_arguments"):  # a kernel family
+        return spec.compile(problem, config, target, use_cache=False), spec.launch_arguments(problem, config, target)
+    from fa4tune.kernels import interface
+    compiled = interface.compile_forward(config, problem.dtype, problem.head_dim, problem.head_dim_v,
+                                         problem.causal, target, use_cache=False)
+    return compiled, {"heads_per_l2_group": interface.heads_per_l2_group(problem, target),
+                      "tile_counter": bool(config.uses_tile_counter(problem.causal))}
+
+
 check_origin()
 dump = Path(os.environ["CUTE_DSL_DUMP_DIR"])
 print(json.dumps({"hash": get_kernel(sys.argv[2]).source_hash()}), flush=True)
 for line in sys.stdin:
     job = json.loads(line)
     spec, target = get_kernel(job["kernel"]), get_target(job["target"])
-    problem, config = Problem.from_dict(job["problem"]), spec.make_config(job["config"])
+    family = hasattr(spec, "launch_arguments")
+    problem = spec.problem(job["problem"]) if family else Problem.from_dict(job["problem"])
+    config = spec.config(job["config"]) if family else spec.make_config(job["config"])
     for old in dump.iterdir():
         old.unlink()
-    interface.compile_forward(config, problem.dtype, problem.head_dim, problem.head_dim_v, problem.causal,
-                              target, use_cache=False)
+    compiled, launch = compile_and_launch(spec, problem, config, target)
+    cls = type(compiled.kernel)
+    mangled = re.escape((cls.__module__.replace(".", "") + cls.__qualname__).encode())
     digests = {}
     for path in sorted(dump.iterdir()):
         kind = "ir" if path.name.endswith(".mlir") else "ptx" if path.name.endswith(".ptx") else None
@@ -80,9 +97,10 @@ for line in sys.stdin:
             continue
         if kind in digests:
             sys.exit(f"two {kind} files for one compile in {dump}")
-        digests[kind] = hashlib.sha256(path.read_bytes()).hexdigest()
-    launch = {"heads_per_l2_group": interface.heads_per_l2_group(problem, target),
-              "tile_counter": bool(config.uses_tile_counter(problem.causal))}
+        names = {}
+        text = re.sub(rb"[A-Za-z0-9_]*" + mangled + rb"[A-Za-z0-9_]*",
+                      lambda m: names.setdefault(m.group(0), b"SYMBOL%d" % len(names)), path.read_bytes())
+        digests[kind] = hashlib.sha256(text).hexdigest()
     check_origin()
     print(json.dumps({"key": job["key"], "digests": digests, "launch": launch}), flush=True)
 """
@@ -170,7 +188,7 @@ def table_jobs(document: dict) -> list[dict]:
 
 def installed_tree() -> Path:
     """The root of the installed fa4tune tree (the directory holding the package)."""
-    return Path(__file__).resolve().parent.parent
+    return Path(__file__).resolve().parents[2]
 
 
 def carry_table(path: str | os.PathLike, rev: str, repo: str | os.PathLike = ".", write: bool = False,

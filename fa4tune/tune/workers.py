@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 
-from . import interrupts
-from .errors import BackendError, BackendUnavailable, Fa4tuneError
+from .. import interrupts
+from ..errors import BackendError, BackendUnavailable, Fa4tuneError, is_user_error
 
 MAX_RESTARTS = 3  # per worker slot
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_UNAVAILABLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -30,7 +30,7 @@ STOP_GRACE_S = 30  # how long interrupted workers get to store and settle their 
 # ---- planning ---------------------------------------------------------------------------------------
 def visible_gpus() -> list[str]:
     """The GPUs this process may use, as CUDA_VISIBLE_DEVICES entries for the workers."""
-    from .measure.base import cuda_available
+    from ..measure.base import cuda_available
 
     if not cuda_available():
         return []
@@ -75,7 +75,7 @@ def gpu_target(plan: list[str | None], wanted):
     """The target of the workers' GPUs, which must all be one model that fa4tune knows."""
     import torch
 
-    from .target import get_target, partial_gpu, target_for_device_name
+    from ..target import get_target, partial_gpu, target_for_device_name
 
     visible = visible_gpus()
     models = {(props.name, props.multi_processor_count)
@@ -118,7 +118,7 @@ def _worker_main(spec: WorkerSpec, conn) -> None:
     """Entry of a worker process: search the run's problems, send a report, exit with a status."""
     if spec.device is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = spec.device
-    from .measure.worker import exit_with_parent
+    from ..measure.worker import exit_with_parent
 
     exit_with_parent()  # a SIGKILLed coordinator leaves no worker behind
 
@@ -140,10 +140,8 @@ def _worker_main(spec: WorkerSpec, conn) -> None:
     except BackendUnavailable as exc:
         report["error"], code = str(exc), EXIT_UNAVAILABLE
     except Exception as exc:  # noqa: BLE001 - reported to the coordinator, which decides
-        from .cli import _is_user_error
-
-        report["error"] = str(exc) if _is_user_error(exc) else f"{type(exc).__name__}: {exc}"
-        code = EXIT_BAD_INPUT if _is_user_error(exc) else EXIT_FAILED
+        report["error"] = str(exc) if is_user_error(exc) else f"{type(exc).__name__}: {exc}"
+        code = EXIT_BAD_INPUT if is_user_error(exc) else EXIT_FAILED
     try:
         conn.send(report)
         conn.close()
@@ -157,11 +155,11 @@ def _work(spec: WorkerSpec) -> dict:
 
     import yaml
 
-    from .db import ResultsDB
+    from ..db import ResultsDB
     from .job import parse_job
-    from .measure.base import make_backend
+    from ..measure.base import make_backend
     from .search import RUN_GPU_FIELDS, _Context, _best_provenance, _versions
-    from .space import compose
+    from ..space import compose
     from .studies import open_storage, quiet_optuna, worker_seed
 
     quiet_optuna()
@@ -170,7 +168,7 @@ def _work(spec: WorkerSpec) -> dict:
     run = dataclasses.replace(spec.run, job=job)
     measure = dict(job.measure)
     if spec.backend == "gpu":
-        from .measure.gpu import GpuOptions
+        from ..measure.gpu import GpuOptions
 
         if measure.get("compile_workers", "auto") == "auto":  # this host's CPUs are shared by its workers
             measure["compile_workers"] = GpuOptions.auto_compile_workers(spec.workers)
@@ -225,7 +223,7 @@ class _Slot:
 def run_workers(run, plan: list[str | None], backend_name: str, db_location: str, storage_location: str,
                 results_db, storage, space, is_estimate: bool, say) -> list:
     """Run the job's problems in len(plan) worker processes; the per-problem results."""
-    from .measure.worker import describe_exit
+    from ..measure.worker import describe_exit
     from .search import _Context
 
     job = run.job

@@ -19,13 +19,14 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from .kernels import get_kernel
-from .problem import Problem
-from .target import DEFAULT_TARGET, get_target
+from .. import policy
+from ..errors import KernelError
+from ..kernels import family_for_problem, get_kernel
+from ..target import DEFAULT_TARGET, get_target
 
 # The shipped tables: tuning_configs/tables, through the link fa4tune/shipped_tables (a wheel carries
 # the files themselves there).
-PACKAGE_TABLES = Path(__file__).resolve().parent / "shipped_tables"
+PACKAGE_TABLES = Path(__file__).resolve().parent.parent / "shipped_tables"
 
 
 @dataclass(frozen=True)
@@ -54,18 +55,18 @@ class _Index:
 
     def __init__(self, entries, origin: str, warn=None) -> None:
         self.origin = origin
-        # (kernel, target) -> [(entry, its problem, its key, its bucket)], computed once at load from the
-        # problem itself (not from the keys stored beside it, which an older fa4tune may have written).
+        # (kernel, target) -> [(entry, its problem)]: the problem read once at load (its key and bucket
+        # come from it, not from the keys stored beside it, which an older fa4tune may have written).
         self.by_target: dict[tuple[str, str], list] = {}
         skipped = []
         for entry in entries:
             try:
-                problem = Problem.from_dict(entry.problem)
-            except (ValueError, TypeError) as exc:  # a problem this fa4tune cannot read: not usable here
+                problem = get_kernel(entry.kernel).problem(entry.problem)
+            except (KernelError, ValueError, TypeError) as exc:  # a problem this fa4tune cannot read
+                # (or of a kernel family it lacks): not usable here
                 skipped.append(f"{entry.problem_key} ({exc})")
                 continue
-            self.by_target.setdefault((entry.kernel, entry.target), []).append(
-                (entry, problem, problem.key(), problem.bucket()))
+            self.by_target.setdefault((entry.kernel, entry.target), []).append((entry, problem))
         if skipped and warn is not None:
             warn(f"{origin}: {len(skipped)} entries skipped, their problems unreadable: {'; '.join(skipped[:3])}")
         self.results: dict = {}  # (kernel, target, problem) -> LookupResult, at most MAX_CACHED
@@ -123,10 +124,10 @@ class Lookup:
             warnings.warn(f"fa4tune.lookup: {message}", RuntimeWarning, stacklevel=4)
 
     # ---- the ladder -------------------------------------------------------------------------------
-    def __call__(self, problem: Problem, target=None, kernel: str | None = None) -> LookupResult:
+    def __call__(self, problem, target=None, kernel: str | None = None) -> LookupResult:
         index = self.index()
         tgt = _target(target)
-        spec = get_kernel(kernel)
+        spec = get_kernel(kernel) if kernel is not None else family_for_problem(problem)
         key = (spec.name, tgt.name, problem)
         hit = index.results.get(key)
         if hit is None:
@@ -136,45 +137,22 @@ class Lookup:
             index.results[key] = hit  # a dict store is atomic; two threads at worst compute it twice
         return hit
 
-    def _climb(self, index: _Index, spec, target, problem: Problem) -> LookupResult:
+    def _climb(self, index: _Index, spec, target, problem) -> LookupResult:
         installed = spec.source_hash()
         candidates = index.by_target.get((spec.name, target.name), [])
-        bucket = problem.bucket()
-        key = problem.key()
-        ranked = []
-        for entry, other_problem, other_key, other in candidates:
-            lent = other_problem.lent_to(problem)
-            if lent is None:
-                continue
-            other_problem, sibling = lent
-            if sibling:  # tuned for the other dtype of this width: ranked as if tuned for this one
-                other_key, other = other_problem.key(), other_problem.bucket()
-            closeness = problem.distance(other_problem)  # exact sizes, not buckets: beyond the bucket
-            # 4100 tokens borrow from 4096 before 16384
-            if closeness == float("inf"):
-                continue
-            rung = 0 if other_key == key else 1 if other == bucket else 2
-            # Current kernel code first, whatever the dtype. Then the problem's own dtype before the
-            # sibling's. In the problem's own bucket (the unit a config is shared in) a measurement comes
-            # before an estimate, even of the exact problem: the cost model errs by more than tuning
-            # gains, and an estimate table exported beside the shipped one must not shadow its
-            # measurements; then the rung. Beyond the bucket the closest problem comes first, a
-            # measurement before an estimate only at equal distance. The problem key breaks ties.
-            own_bucket = rung < 2
-            ranked.append((entry.kernel_hash != installed, sibling, not own_bucket, own_bucket and entry.is_estimate,
-                           rung, closeness, entry.is_estimate, entry.problem_key, entry))
-        for stale, sibling, _, _, rung, _, estimate, _, entry in sorted(ranked, key=lambda r: r[:8]):
+        for lender in policy.for_lookup(policy.lenders(problem, candidates, installed)):
+            entry = lender.entry
             try:
-                config = spec.make_config(entry.config)
+                config = spec.config(entry.config)
             except spec.config_error:
                 continue
             if spec.infeasible_reasons(problem, config, target):
                 continue  # a borrowed config must still fit this problem
-            if stale:
+            if not lender.current:
                 self._warn(f"{index.origin} was tuned for other {spec.name} code (hash "
                            f"{entry.kernel_hash[:12]}, installed {installed[:12]}): its configs are stale")
-            how = "other-dtype" if sibling else ("exact", "bucket", "nearest")[rung]
-            return LookupResult(config, how, entry.problem_key, stale, index.origin, estimate)
+            return LookupResult(config, lender.source, entry.problem_key, not lender.current, index.origin,
+                                entry.is_estimate)
         return LookupResult(spec.default_config(problem, target), "default", None, False, index.origin)
 
 
@@ -192,7 +170,7 @@ def _read_source(source: str, warn) -> list:
         return entries
     if path.suffix in (".yaml", ".yml", ".json"):
         return table_entries(read_table(path))
-    from .db import ResultsDB
+    from ..db import ResultsDB
 
     with ResultsDB.open(source, create=False) as db:
         return db.best_configs()
@@ -212,7 +190,7 @@ def _target(target):
         if name:
             _target_cache["default"] = get_target(name)
         elif "torch" in sys.modules:
-            from .target import detect_target
+            from ..target import detect_target
 
             _target_cache["default"] = detect_target(undescribed=True) or get_target(DEFAULT_TARGET)
         else:  # not kept: once torch is imported, the GPU is asked
@@ -230,11 +208,12 @@ _lookups: dict[str, Lookup] = {}
 _lookups_lock = threading.Lock()
 
 
-def lookup(problem: Problem, target=None, *, source: str | os.PathLike | None = None,
+def lookup(problem, target=None, *, source: str | os.PathLike | None = None,
            kernel: str | None = None) -> LookupResult:
     """The config for `problem` on `target` (None: FA4TUNE_TARGET, the local GPU, else H200), from
     `source` (a results DB path/URL or a table file/dir; None: FA4TUNE_TABLE, FA4TUNE_DB, the shipped
-    tables). Returns a LookupResult that also unpacks as (config, source)."""
+    tables), of kernel family `kernel` (None: the family that takes the problem's kind). Returns a
+    LookupResult that also unpacks as (config, source)."""
     if source is None:
         return _default_lookup(problem, target, kernel)
     key = str(source)

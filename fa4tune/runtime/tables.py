@@ -9,12 +9,11 @@ from pathlib import Path
 
 import yaml
 
-from .best import BestEntry, MergeReport
-from .errors import TableError
-from .files import load_document, write_atomically
-from .kernels import get_kernel
-from .problem import Problem, ProblemError
-from .target import TargetError, get_target
+from ..best import BestEntry, MergeReport
+from ..errors import KernelError, TableError
+from ..files import load_document, write_atomically
+from ..kernels import get_kernel
+from ..target import TargetError, get_target
 
 TABLE_FORMAT = "fa4tune-table/1"
 TABLES_DIR = "tuning_configs/tables"
@@ -54,7 +53,7 @@ def export_table(db, out: str | os.PathLike | None, *, kernel=None, target: str,
                  kernel_hash: str | None = None) -> list[str]:
     """Write the best configs of `kernel` (installed version unless `kernel_hash`) on `target` to
     OUT.yaml and OUT.json; returns the paths. An error, and nothing written, when there is nothing."""
-    spec = get_kernel(kernel) if not hasattr(kernel, "source_hash") else kernel
+    spec = get_kernel(kernel)
     kernel_hash = kernel_hash or spec.source_hash()
     if len(kernel_hash) < 64:  # a prefix, as show, doctor and the hint below print them
         matches = {e.kernel_hash for e in db.best_configs(kernel=spec.name, target=target)
@@ -129,6 +128,10 @@ def read_table(path: str | os.PathLike) -> dict:
         raise TableError(f"{path}: target: {exc}") from exc
     if not isinstance(document.get("entries"), list):
         raise TableError(f"{path}: entries: missing or not a list")
+    try:
+        family = get_kernel(document["kernel"])
+    except KernelError as exc:
+        raise TableError(f"{path}: kernel: {exc}") from exc
     carried = document.get("carried", [])
     if not isinstance(carried, list) or not all(
             isinstance(r, dict) and all(isinstance(r.get(k), str) for k in CARRIED_FIELDS) for r in carried):
@@ -139,8 +142,8 @@ def read_table(path: str | os.PathLike) -> dict:
             missing = sorted(set(ENTRY_FIELDS) - set(row)) if isinstance(row, dict) else ENTRY_FIELDS
             raise TableError(f"{where}: missing field(s) {', '.join(missing)}")
         try:
-            problem = Problem.from_dict(row["problem"])
-        except (ProblemError, TypeError) as exc:
+            problem = family.problem(row["problem"])
+        except (ValueError, TypeError) as exc:
             raise TableError(f"{where}.problem: {exc}") from exc
         if problem.key() != row["problem_key"]:
             raise TableError(f"{where}.problem_key: {row['problem_key']!r} does not match its problem "
@@ -185,7 +188,7 @@ def check_importable(path: str | os.PathLike) -> dict:
         )
     for index, row in enumerate(document["entries"]):
         try:
-            spec.make_config(row["config"])
+            spec.config(row["config"])
         except spec.config_error as exc:
             raise TableError(f"{path}: entries[{index}].config: {exc}") from exc
     return document

@@ -1,0 +1,135 @@
+"""Compiling the forward kernel, and its compiled kernels as object files.
+
+Compiled kernels are cached per (config, dtype, head dims, causal, arch, SM count); shapes are
+run-time, so one compile serves every batch, seqlen and head count. Compilation needs no GPU: with
+CUTE_DSL_ARCH set (done here from the target) the kernel builds for sm_90a on any machine. A compile
+worker exports what it compiled (the DSL's AOT export) and the measuring worker loads it in
+milliseconds."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...problem import Problem, normalize_dtype
+from ...target import Target, get_target
+from ..common.dsl import import_dsl
+from . import FAMILY
+from .config import FwdConfig
+
+_CACHE: dict[tuple, "CompiledForward"] = {}
+_CACHE_LOCK = threading.Lock()
+
+
+@dataclass
+class CompiledForward:
+    kernel: object  # the FlashForwardSm90 instance (None when loaded from an exported object file)
+    function: object  # what cute.compile returned
+    compile_seconds: float
+    key: tuple
+
+
+def compile_key(config: FwdConfig, dtype: str, head_dim: int, head_dim_v: int, causal: bool,
+                target: Target) -> tuple:
+    # The SM count too: a persistent kernel's grid is sized by it at compile time.
+    return (config.canonical(), normalize_dtype(dtype), head_dim, head_dim_v, bool(causal), target.arch,
+            target.sm_count)
+
+
+def compile_forward(
+    config: FwdConfig,
+    dtype: str,
+    head_dim: int,
+    head_dim_v: int | None = None,
+    causal: bool = False,
+    target: Target | str | None = None,
+    options: str | None = None,
+    use_cache: bool = True,
+) -> CompiledForward:
+    """Build (or fetch from the cache) the kernel for this config. Raises ConfigError, naming the
+    knob, for a config that cannot be built, before any compile. `use_cache=False` always compiles
+    (to see the compiler's report, say) and leaves the cache as it was."""
+    target = get_target(target)
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    dtype = normalize_dtype(dtype)
+    key = compile_key(config, dtype, head_dim, head_dim_v, causal, target)
+    with _CACHE_LOCK:
+        hit = _CACHE.get(key) if use_cache else None
+    if hit is not None:
+        return hit
+    FAMILY.check(Problem(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal),
+                 config, target)
+    cute = import_dsl(target)
+    import cutlass
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+    from .kernel import DTYPES, FlashForwardSm90
+
+    kernel = FlashForwardSm90(config.canonical(), dtype, head_dim, head_dim_v, causal, target)
+    elem = DTYPES[dtype]
+
+    # Fake arguments with exactly the run-time types that attention_forward passes (from_dlpack with
+    # mark_layout_dynamic): every extent a dynamic i32, every stride but the last a dynamic i64. The
+    # compiled function trusts its callers' argument layout, so the two must match.
+    from cutlass.cute import AddressSpace
+
+    def dynamic_tensor(dtype, rank: int, align: int):
+        return make_fake_tensor(dtype, tuple(cute.sym_int32() for _ in range(rank)),
+                                stride=tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,),
+                                memspace=AddressSpace.generic, assumed_align=align)
+
+    bshd = [dynamic_tensor(elem, 4, 16) for _ in range(4)]
+    lse = dynamic_tensor(cutlass.Float32, 3, 4)
+    counter = make_fake_tensor(cutlass.Int32, (1,), stride=(1,), memspace=AddressSpace.generic, assumed_align=4)
+    start = time.perf_counter()
+    args = (*bshd, lse, counter,
+            cutlass.Float32(1.0), cutlass.Int32(1), make_fake_stream())
+    function = cute.compile(kernel, *args, options=options) if options else cute.compile(kernel, *args)
+    compiled = CompiledForward(kernel, function, time.perf_counter() - start, key)
+    if use_cache:
+        with _CACHE_LOCK:
+            compiled = _CACHE.setdefault(key, compiled)
+    return compiled
+
+
+def artifact_name(key: tuple) -> str:
+    """A file-name-safe name for a compile key (the symbol prefix of its exported object too)."""
+    return "fa4fwd_" + hashlib.sha256(repr(key).encode()).hexdigest()[:24]
+
+
+def export_compiled(compiled: CompiledForward, path) -> str:
+    """Write a compiled kernel as an object file (the DSL's AOT export) that `load_compiled` loads in
+    another process. Written under a temporary name and renamed: a reader never sees half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    name = artifact_name(compiled.key)
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".export-") as tmp:
+        compiled.function.export_to_c(tmp, name, function_prefix=name)
+        os.replace(os.path.join(tmp, name + ".o"), path)
+    return str(path)
+
+
+def load_compiled(path, config: FwdConfig, dtype: str, head_dim: int, head_dim_v: int | None = None,
+                  causal: bool = False, target: Target | str | None = None) -> CompiledForward:
+    """Load a kernel that `export_compiled` wrote (in any process) into this process's compile
+    cache, so that compile_forward and attention_forward find it. Milliseconds instead of seconds."""
+    target = get_target(target)
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    key = compile_key(config, dtype, head_dim, head_dim_v, causal, target)
+    with _CACHE_LOCK:
+        hit = _CACHE.get(key)
+    if hit is not None:
+        return hit
+    import_dsl(target)
+    from cutlass.cute.runtime import load_module
+
+    start = time.perf_counter()
+    function = load_module(str(path))[artifact_name(key)]
+    compiled = CompiledForward(None, function, time.perf_counter() - start, key)
+    with _CACHE_LOCK:
+        return _CACHE.setdefault(key, compiled)

@@ -1,0 +1,176 @@
+"""Running the forward kernel on torch tensors: `attention_forward` (converts its tensors on every
+call: the measuring worker's and the benchmarks' way in) and the prepared launch that
+`fa4tune.attention` keeps per call signature (descriptors packed once; a call writes the pointers and
+the stream, allocates O and LSE, and launches)."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import threading
+
+from ...errors import UnsupportedInput
+from ...problem import Problem
+from ...target import Target, get_target
+from ..common.dsl import import_dsl
+from ..common.inputs import check_device, check_inputs, check_no_grad, check_output, empty_outputs, make_problem
+from ..common.launch import direct_call, launch_error, pack_descriptor, raw_stream_getter
+from ..common.streams import current_device_getter, current_tile_counter, unused_counter
+from .compile import compile_forward
+from .config import FwdConfig, grid_reasons
+
+
+def heads_per_l2_group(problem: Problem, target: Target) -> int:
+    """How many (batch, head) pairs to run side by side so that their K/V stay in half the L2."""
+    kv_bytes = problem.seqlen_k * (problem.head_dim + problem.head_dim_v) * 2 / problem.qheads_per_kvhead
+    fit = max(1, int((target.l2_bytes / 2) // max(kv_bytes, 1)))
+    group = 1 << (fit.bit_length() - 1)
+    return max(1, min(group, problem.batch * problem.nheads_q))
+
+
+def launch_counter(config: FwdConfig, causal: bool, device):
+    """The counter argument of one launch on torch's current stream of `device`: that stream's tile
+    counter if this kernel uses it."""
+    if config.uses_tile_counter(causal):
+        return current_tile_counter(device)
+    return unused_counter(device)
+
+
+def check_grid(config: FwdConfig, problem: Problem) -> None:
+    """UnsupportedInput when the config's launch grid cannot hold the problem (config.grid_reasons)."""
+    reasons = grid_reasons(config, problem)
+    if reasons:
+        raise UnsupportedInput(f"config {config.short()} cannot launch {problem.key()}: {'; '.join(reasons)}; "
+                               "split the batch (or the heads)")
+
+
+def attention_forward(q, k, v, config: FwdConfig, causal: bool = False, softmax_scale: float | None = None,
+                      out=None, lse=None, target: Target | str | None = None):
+    """Run the kernel on CUDA tensors on the current stream. Returns (out, lse): out like q with
+    head_dim_v, lse (batch, nheads_q, seqlen_q) float32 in natural log (O zero and LSE -inf, without
+    a launch, when batch, seqlen_q or seqlen_k is 0)."""
+    import torch
+
+    target = get_target(target)
+    empty = check_inputs(q, k, v, causal)
+    check_no_grad(q, k, v)
+    check_device(q, k, v, aligned=not empty)
+    if empty:
+        return empty_outputs(q, v, out, lse)
+    problem = make_problem(q, k, v, causal)
+    # The DSL only once the input is known to be good (its first import fixes the arch it builds for).
+    import_dsl(target)
+    from cuda.bindings import driver as cuda
+    from cutlass import Float32, Int32
+    from cutlass.cute.runtime import from_dlpack
+
+    check_grid(config, problem)
+    compiled = compile_forward(config, problem.dtype, problem.head_dim, problem.head_dim_v, causal, target)
+    batch, seqlen_q, nheads_q, _ = q.shape
+    out_shape, lse_shape = (batch, seqlen_q, nheads_q, problem.head_dim_v), (batch, nheads_q, seqlen_q)
+    if out is None:
+        out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+    else:
+        check_output("out", out, out_shape, q.dtype, q.device)
+        if any(s % 8 for s in out.stride()[:-1]):
+            raise UnsupportedInput(f"out's strides {out.stride()} must be multiples of 8 elements (TMA store)")
+    if lse is None:
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    else:
+        check_output("lse", lse, lse_shape, torch.float32, q.device, align=4)
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(problem.head_dim)
+    # The host function launches on the current device, and the counter is that device's current
+    # stream's: both must be the tensors' device. So must the current device be when torch exports a
+    # tensor through DLPack (torch 2.11 refuses a tensor of another device).
+    with torch.cuda.device(q.device):
+        tensors = [from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=3) for t in (q, k, v, out)]
+        lse_t = from_dlpack(lse, assumed_align=4).mark_layout_dynamic(leading_dim=2)
+        stream_handle = torch.cuda.current_stream(q.device).cuda_stream
+        counter = from_dlpack(launch_counter(config, causal, q.device), assumed_align=4)
+        compiled.function(*tensors, lse_t, counter, Float32(scale * math.log2(math.e)),
+                          Int32(heads_per_l2_group(problem, target)), cuda.CUstream(stream_handle))
+    return out, lse
+
+
+class PreparedLaunch:
+    """The packed arguments of one (shapes, strides, dtypes, device, causal, scale) and the compiled
+    host function. A call rewrites the data pointers and the stream, and launches."""
+
+    def __init__(self, problem: Problem, config, target, q, k, v, softmax_scale) -> None:
+        import torch
+
+        self.problem, self.config = problem, config
+        self.device = q.device
+        self.device_index = q.device.index if q.device.index is not None else 0
+        self.dtype = q.dtype
+        self.out_shape = (problem.batch, problem.seqlen_q, problem.nheads_q, problem.head_dim_v)
+        self.lse_shape = (problem.batch, problem.nheads_q, problem.seqlen_q)
+        out_strides = torch.empty(self.out_shape, device="meta").stride()
+        lse_strides = torch.empty(self.lse_shape, device="meta").stride()
+        self.descriptors = [pack_descriptor(t.shape, t.stride()) for t in (q, k, v)]
+        self.descriptors.append(pack_descriptor(self.out_shape, out_strides))
+        self.descriptors.append(pack_descriptor(self.lse_shape, lse_strides))
+        self.descriptors.append(ctypes.create_string_buffer(8))  # the tile counter
+        # The first 8 bytes of each descriptor are its data pointer: the only part a call changes.
+        self.pointers = [ctypes.c_uint64.from_buffer(d) for d in self.descriptors]
+        # Kernels that ignore the tile counter get one fixed dummy: no per-call lookup or allocation.
+        self._tile_counter = current_tile_counter if config.uses_tile_counter(problem.causal) else None
+        self._unused_counter = unused_counter(q.device) if self._tile_counter is None else None
+        scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(problem.head_dim)
+        self.scale_log2 = ctypes.c_float(scale * math.log2(math.e))
+        self.l2_group = ctypes.c_int32(heads_per_l2_group(problem, target))
+        self.stream = ctypes.c_void_p(0)
+        # The compiled host function's arguments: one pointer per kernel argument, in order.
+        self.arguments = [ctypes.addressof(d) for d in self.descriptors] + [
+            ctypes.addressof(self.scale_log2), ctypes.addressof(self.l2_group), ctypes.addressof(self.stream)]
+        self.lock = threading.Lock()
+        self._get_device = current_device_getter()
+        self._device_guard = torch.cuda.device
+        self._raw_stream = raw_stream_getter()
+        self._empty = torch.empty
+        self._float32 = torch.float32
+        self._run = None
+
+    def bind(self, executor) -> None:
+        """Launch through `executor` (the compiled function bound to this launch's device)."""
+        self.executor = executor
+        self._run, self.result = direct_call(executor, self.arguments)
+
+    def __call__(self, q, k, v):
+        q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
+        if (q_ptr | k_ptr | v_ptr) & 15:
+            raise UnsupportedInput("q, k and v must start at 16-byte aligned addresses (for the TMA); "
+                                   "pass a .clone() of a tensor sliced at an odd offset")
+        if self._get_device() == self.device_index:
+            return self._launch(q_ptr, k_ptr, v_ptr)
+        # The kernel launches in the current device's context, on its current stream, whose tile
+        # counter the launch takes: make it the tensors' one.
+        with self._device_guard(self.device_index):
+            return self._launch(q_ptr, k_ptr, v_ptr)
+
+    def _launch(self, q_ptr: int, k_ptr: int, v_ptr: int):
+        out = self._empty(self.out_shape, dtype=self.dtype, device=self.device)
+        lse = self._empty(self.lse_shape, dtype=self._float32, device=self.device)
+        counter = self._tile_counter(self.device) if self._tile_counter else self._unused_counter
+        stream = self._raw_stream(self.device_index)
+        with self.lock:  # the descriptors are shared; the launch copies them before it returns
+            p = self.pointers
+            p[0].value, p[1].value, p[2].value = q_ptr, k_ptr, v_ptr
+            p[3].value, p[4].value, p[5].value = out.data_ptr(), lse.data_ptr(), counter.data_ptr()
+            self.stream.value = stream
+            error = self._run()
+        if error:
+            raise launch_error(error)
+        return out, lse
+
+
+def prepare_launch(problem: Problem, config: FwdConfig, target: Target, q, k, v, softmax_scale) -> PreparedLaunch:
+    """The prepared launch of `config` for calls shaped like q, k, v (checked by the caller)."""
+    check_grid(config, problem)  # a default's: the lookup skips borrowed configs that cannot launch
+    compiled = compile_forward(config, problem.dtype, problem.head_dim, problem.head_dim_v, problem.causal,
+                               target)
+    launch = PreparedLaunch(problem, config, target, q, k, v, softmax_scale)
+    # An executor for the tensors' device (the CUDA-dialect one cute.compile gives here loads a
+    # context-free library and ignores it; the host function launches on the current device).
+    launch.bind(compiled.function.to(launch.device_index))
+    return launch

@@ -1,0 +1,158 @@
+"""`fa4tune.attention(q, k, v, causal=False, softmax_scale=None) -> (out, lse)`: the forward pass with
+the tuned config for the caller's shapes.
+
+    out, lse = fa4tune.attention(q, k, v, causal=True)
+
+q is (batch, seqlen_q, nheads_q, head_dim), k and v (batch, seqlen_k, nheads_kv, head_dim[_v]),
+bfloat16 or float16 CUDA tensors on a Hopper GPU; nheads_q a multiple of nheads_kv (GQA/MQA). Like
+flash-attn-4's `flash_attn.cute.flash_attn_func`, it returns the output (batch, seqlen_q, nheads_q,
+head_dim_v) in q's dtype and the log-sum-exp (batch, nheads_q, seqlen_q) in float32, natural log.
+The causal mask is aligned to the bottom right, as in FlashAttention. The kernel runs on the current
+CUDA stream; nothing is synchronised. Inputs with nothing to compute (batch, seqlen_q or seqlen_k 0)
+give O zero and LSE -inf, as in flash-attn-4, without a kernel.
+
+The first call for a shape validates the inputs, looks the config up (fa4tune.lookup: $FA4TUNE_TABLE,
+$FA4TUNE_DB, else the shipped tables), compiles it once (the kernels' compile cache) and has the family
+prepare the launch: the kernel's argument descriptors (pointer, shape, strides) are packed once, so that a later
+call with the same shapes, strides, dtypes, devices, causality and scale only writes the new data
+pointers and the stream into them and calls the compiled host function. `explain` says which config
+a call would use, without running anything."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import threading
+import warnings
+
+from ..errors import UnsupportedInput
+from ..kernels import families, get_kernel
+from ..kernels.common.inputs import check_device, check_inputs, check_no_grad, empty_outputs, make_problem, problem_of
+from ..target import is_described, target_for_device
+from .lookup import lookup
+
+ENTRY = "attention"  # the families that serve this function's calls (KernelFamily.entry)
+MAX_PREPARED = 4096  # prepared launches kept; beyond it the cache starts over (shapes that never repeat)
+_LAUNCHES: dict = {}
+_PREPARE_LOCK = threading.Lock()
+
+
+def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None):
+    """(out, lse) of softmax(scale · q kᵀ [+ causal mask]) v with the tuned kernel; see the module."""
+    try:
+        # get_device(): an int (-1 off the GPU), cheaper to build and hash than a torch.device; with
+        # is_cuda it names the device. A causal that is not a bool (1 equals True) goes to _prepare.
+        key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+               q.get_device(), k.get_device(), v.get_device(), q.is_cuda, k.is_cuda, v.is_cuda, causal,
+               softmax_scale) if causal is True or causal is False else None
+        if q.requires_grad or k.requires_grad or v.requires_grad:  # checked on every call, not once
+            check_no_grad(q, k, v)
+    except (AttributeError, RuntimeError):  # not tensors, or nested ones (no shape): _prepare says which
+        key = None
+    try:
+        launch = _LAUNCHES.get(key)
+    except TypeError:  # an unhashable causal or scale: _prepare says which
+        key = launch = None
+    if launch is None:
+        launch = _prepare(key, q, k, v, causal, softmax_scale)
+    return launch(q, k, v)
+
+
+def explain(q, k, v, causal: bool = False, target=None):
+    """The LookupResult (config, and which rung of the lookup it came from) that `attention` would
+    use for these tensors; the tensors may be on any device (meta too) and nothing runs."""
+    problem = problem_of(q, k, v, causal)
+    family = None
+    if target is None and getattr(q, "is_cuda", False):
+        target, family = _device_target(q.device)
+    return lookup(problem, target, kernel=family.name if family is not None else None)
+
+
+def clear() -> None:
+    """Forget prepared launches (after changing FA4TUNE_TABLE / FA4TUNE_DB, with fa4tune.runtime.reset)."""
+    with _PREPARE_LOCK:
+        _LAUNCHES.clear()
+
+
+# ---- validation -------------------------------------------------------------------------------------
+def _serving(target=None) -> list:
+    """The families that serve fa4tune.attention (on `target`'s arch, when given), the default first."""
+    default = get_kernel(None)
+    ordered = [default] + [f for f in families().values() if f is not default]
+    return [f for f in ordered if f.entry == ENTRY and (target is None or f.arch == target.arch)]
+
+
+def _device_target(device):
+    """(Target, family) of a CUDA device: its target and the family that serves attention there, or
+    UnsupportedInput when none does."""
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    name, capability = props.name, (props.major, props.minor)
+    target = target_for_device(props)  # an undescribed Hopper GPU too (target.undescribed_hopper)
+    serving = [f for f in _serving(target) if f.capability == capability] if target is not None else []
+    if not serving:
+        where = "; ".join(dict.fromkeys(f.gpus for f in _serving()))
+        raise UnsupportedInput(f"fa4tune.attention runs on {where}; {device} is {name} "
+                               f"(compute capability {capability[0]}.{capability[1]})")
+    return target, serving[0]
+
+
+def _say_undescribed(target) -> None:
+    """Warn once per model that a Hopper GPU without a description runs the default configs (from
+    attention's first call for a shape; stacklevel: the caller of attention)."""
+    if is_described(target) or target.name in _UNDESCRIBED_SEEN:
+        return
+    _UNDESCRIBED_SEEN.add(target.name)
+    warnings.warn(f"fa4tune.attention: {target.name} is a Hopper GPU that fa4tune has no description or tuned "
+                  f"table of (it knows H100 and H200); running the kernel's default configs, sized to its "
+                  f"{target.sm_count} SMs", RuntimeWarning, stacklevel=4)
+
+
+_UNDESCRIBED_SEEN: set = set()
+
+
+# ---- prepared launches ------------------------------------------------------------------------------
+def _prepare(key, q, k, v, causal, softmax_scale):
+    empty = check_inputs(q, k, v, causal)  # (attention() has checked requires_grad already)
+    # Any real number (a numpy float too), not a bool; a tensor would cost a device sync per call.
+    if softmax_scale is not None and not (isinstance(softmax_scale, numbers.Real)
+                                          and not isinstance(softmax_scale, bool)
+                                          and math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise UnsupportedInput(f"softmax_scale must be a positive finite number or None (a Python or numpy "
+                               f"number, not a tensor or bool), got {softmax_scale!r}")
+    check_device(q, k, v, aligned=not empty)  # nothing is read from empty inputs
+    target, family = _device_target(q.device)  # empty inputs too: refusal does not depend on sizes
+    if empty:
+        launch = _Empty()
+        with _PREPARE_LOCK:
+            _remember(key, launch)
+        return launch
+    problem = make_problem(q, k, v, causal)
+    _say_undescribed(target)
+    config = lookup(problem, target, kernel=family.name).config
+    with _PREPARE_LOCK:
+        launch = _LAUNCHES.get(key) if key is not None else None
+        if launch is None:
+            launch = family.prepare_launch(problem, config, target, q, k, v, softmax_scale)
+            _remember(key, launch)
+    return launch
+
+
+def _remember(key, launch) -> None:
+    """Keep a prepared launch for its key (the caller holds _PREPARE_LOCK)."""
+    if key is not None:
+        if len(_LAUNCHES) >= MAX_PREPARED:
+            _LAUNCHES.clear()
+        _LAUNCHES[key] = launch
+
+
+class _Empty:
+    """Inputs with nothing to compute (no batch, query rows or keys): O zero and LSE -inf on the
+    tensors' device and its current stream, without a kernel."""
+
+    def __call__(self, q, k, v):
+        import torch
+
+        with torch.cuda.device(q.device):
+            return empty_outputs(q, v)
