@@ -19,7 +19,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
 ]
 
-from conftest import write_job  # noqa: E402
+from conftest import poisoned_attention, write_job  # noqa: E402
 from fa4tune.problem import Problem  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -77,9 +77,6 @@ SHAPES = [
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "d{}-{}-q{}k{}-b{}h{}x{}".format(*s[:7]))
 def test_attention_matches_the_reference(shape):
-    import fa4tune
-    from fa4tune.kernels.reference import attention_reference
-
     d, causal, sq, sk, b, hq, hkv, scale = shape
     q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16)
@@ -87,13 +84,39 @@ def test_attention_matches_the_reference(shape):
     for attempt in range(2):  # the second call runs the prepared launch with new data
         if attempt:
             q.normal_(), k.normal_(), v.normal_()
-        out, lse = fa4tune.attention(q, k, v, causal=causal, softmax_scale=scale)
-        ref_out, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=scale)
+        out, lse = poisoned_attention(q, k, v, causal=causal, softmax_scale=scale)
         assert out.shape == (b, sq, hq, d) and lse.shape == (b, hq, sq) and lse.dtype == torch.float32
-        assert ((out.float() - ref_out).norm() / ref_out.norm()).item() < 1e-2
-        finite = torch.isfinite(ref_lse)
-        assert torch.equal(finite, torch.isfinite(lse))
-        assert (lse[finite] - ref_lse[finite]).abs().max().item() < 1e-3
+        assert_matches_reference(out, lse, q, k, v, causal, scale)
+
+
+def assert_matches_reference(out, lse, q, k, v, causal: bool, softmax_scale: float | None = None):
+    """O and the LSE of fa4tune.attention(q, k, v, causal, softmax_scale) against the fp32
+    reference, within the tolerance of q's dtype."""
+    from fa4tune.kernels.reference import attention_reference
+    from fa4tune.measure.verify import TOLERANCES
+
+    tolerance = TOLERANCES["bf16" if q.dtype == torch.bfloat16 else "fp16"]
+    ref_out, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    assert ((out.float() - ref_out).norm() / ref_out.norm()).item() < tolerance.out
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    assert (lse[finite] - ref_lse[finite]).abs().max().item() < tolerance.lse
+
+
+def test_poisoned_attention_shows_a_launch_that_writes_nothing(monkeypatch):
+    """After correct calls, a prepared launch that launches nothing leaves the poison in its
+    outputs, not what the earlier calls left in that memory, and poisoned_attention says so."""
+    from fa4tune import dispatch
+
+    q, k, v = (torch.randn(2, 1000, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    dispatch.clear()
+    for _ in range(2):
+        assert_matches_reference(*poisoned_attention(q, k, v), q, k, v, False)
+    [launch] = dispatch._LAUNCHES.values()
+    monkeypatch.setattr(launch, "_run", lambda: 0)  # "launched", and nothing ran
+    with pytest.raises(AssertionError, match="NaN in the output"):
+        poisoned_attention(q, k, v)
+    dispatch.clear()
 
 
 def _tuned_db_in_use(problem, workdir, monkeypatch):
@@ -134,7 +157,7 @@ def test_fp16_runs_the_config_tuned_for_bf16(workdir, monkeypatch):
     k, v = (torch.randn(2, 1536, 2, 128, device="cuda", dtype=torch.float16) for _ in range(2))
     hit = dispatch.explain(q, k, v, causal=True)
     assert (hit.source, hit.problem_key, hit.config.to_dict()) == ("other-dtype", problem.key(), tuned)
-    out, lse = fa4tune.attention(q, k, v, causal=True)
+    out, lse = poisoned_attention(q, k, v, causal=True)
     [launch] = dispatch._LAUNCHES.values()
     assert launch.config.to_dict() == tuned
     ref_out, ref_lse = attention_reference(q, k, v, causal=True)
@@ -207,7 +230,7 @@ def test_attention_runs_the_tables_config_on_the_current_stream(workdir, monkeyp
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        out, lse = fa4tune.attention(q, k, v, causal=True)
+        out, lse = poisoned_attention(q, k, v, causal=True)
     side.synchronize()
     [launch] = dispatch._LAUNCHES.values()
     assert launch.config.to_dict() == tuned
@@ -223,7 +246,6 @@ def test_attention_runs_on_a_hopper_gpu_without_a_description(monkeypatch):
     grid sized to 66 SMs, results matching the reference."""
     import types
 
-    import fa4tune
     from fa4tune import dispatch
     from fa4tune.kernels import interface
     from fa4tune.kernels.reference import attention_reference
@@ -240,7 +262,7 @@ def test_attention_runs_on_a_hopper_gpu_without_a_description(monkeypatch):
     dispatch.clear()
     q, k, v = (torch.randn(2, 3000, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     with pytest.warns(RuntimeWarning, match="NVIDIA H20 \\(test\\) is a Hopper GPU"):
-        out, lse = fa4tune.attention(q, k, v, causal=True)
+        out, lse = poisoned_attention(q, k, v, causal=True)
     [launch] = dispatch._LAUNCHES.values()
     assert launch.config.persistent and dispatch.explain(q, k, v, causal=True).source == "default"
     assert launch.l2_group.value >= 1 and any(key[-1] == 66 for key in interface._CACHE)  # compiled for 66 SMs
