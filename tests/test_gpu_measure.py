@@ -103,6 +103,35 @@ def assert_matches_reference(out, lse, q, k, v, causal: bool, softmax_scale: flo
     assert (lse[finite] - ref_lse[finite]).abs().max().item() < tolerance.lse
 
 
+def test_repeated_calls_on_one_shape_launch_with_each_calls_tensors_scale_and_causality():
+    """A shape's prepared launch is taken again by every later call: each must launch with its own
+    q, k and v (the earlier ones kept, so that new tensors get new memory), its own softmax_scale
+    and its own causality, and match the reference of exactly that call."""
+    from fa4tune import dispatch
+
+    def new_inputs():
+        return tuple(torch.randn(2, 1000, heads, 128, device="cuda", dtype=torch.bfloat16)
+                     for heads in (8, 2, 2))
+
+    dispatch.clear()
+    held = []
+    for _ in range(3):
+        q, k, v = new_inputs()
+        assert_matches_reference(*poisoned_attention(q, k, v, causal=True), q, k, v, True)
+        held.append((q, k, v))
+    assert len({t.data_ptr() for inputs in held for t in inputs}) == 3 * len(held)
+    q, k, v = held[0]
+    outputs = {}
+    for scale in (None, 0.05, 0.3, None):
+        outputs[scale], lse = poisoned_attention(q, k, v, softmax_scale=scale)
+        assert_matches_reference(outputs[scale], lse, q, k, v, False, scale)
+    assert not torch.equal(outputs[None], outputs[0.05])
+    for causal in (False, True, False, True):
+        assert_matches_reference(*poisoned_attention(q, k, v, causal=causal), q, k, v, causal)
+    assert len(dispatch._LAUNCHES) == 4  # (causal, scale): (True, None), (False, each scale)
+    dispatch.clear()
+
+
 def test_poisoned_attention_shows_a_launch_that_writes_nothing(monkeypatch):
     """After correct calls, a prepared launch that launches nothing leaves the poison in its
     outputs, not what the earlier calls left in that memory, and poisoned_attention says so."""
