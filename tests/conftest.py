@@ -33,6 +33,40 @@ def sigint_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` runs; a zombie (exited, not yet reaped) does not."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def still_alive_after(pids, seconds: float) -> set:
+    """The processes of `pids` still running after waiting up to `seconds` for all to end."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    alive = {pid for pid in pids if process_alive(pid)}
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = {pid for pid in alive if process_alive(pid)}
+    return alive
+
+
+def kill_processes(pids) -> None:
+    """SIGKILL those of `pids` that still run (a test's own, left behind when it fails)."""
+    import signal
+
+    for pid in pids:
+        if process_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 POISON_ATTEMPTS = 4  # calls poisoned_attention makes before it gives up on the allocator
 
 
