@@ -33,6 +33,80 @@ def sigint_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` runs; a zombie (exited, not yet reaped) does not."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def still_alive_after(pids, seconds: float) -> set:
+    """The processes of `pids` still running after waiting up to `seconds` for all to end."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    alive = {pid for pid in pids if process_alive(pid)}
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = {pid for pid in alive if process_alive(pid)}
+    return alive
+
+
+def kill_processes(pids) -> None:
+    """SIGKILL those of `pids` that still run (a test's own, left behind when it fails)."""
+    import signal
+
+    for pid in pids:
+        if process_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+POISON_ATTEMPTS = 4  # calls poisoned_attention makes before it gives up on the allocator
+
+
+def poisoned_attention(q, k, v, causal: bool = False, softmax_scale: float | None = None):
+    """fa4tune.attention(q, k, v, causal, softmax_scale) with its outputs on NaN-poisoned memory,
+    for GPU tests: an element a launch leaves unwritten shows as NaN, not as what an earlier call
+    left in that memory. fa4tune.attention allocates O and the LSE itself (torch.empty, on the
+    tensors' device and its current stream), so tensors of their sizes are filled with NaN and
+    freed just before the call, and the caching allocator hands their blocks out again. The
+    outputs' pointers say whether it did; outputs that landed elsewhere are held (they cannot land
+    there again) and the call is made again. AssertionError when the poison never lands, or when
+    NaN is left in the outputs."""
+    import math
+
+    import torch
+
+    import fa4tune
+
+    batch, seqlen_q, nheads_q, _ = q.shape
+    out_shape, lse_shape = (batch, seqlen_q, nheads_q, v.shape[3]), (batch, nheads_q, seqlen_q)
+    assert math.prod(out_shape) > 0, "empty outputs: nothing to poison"
+    elsewhere = []
+    for _ in range(POISON_ATTEMPTS):
+        poison = [torch.full(out_shape, math.nan, dtype=q.dtype, device=q.device),
+                  torch.full(lse_shape, math.nan, dtype=torch.float32, device=q.device)]
+        poisoned = [t.data_ptr() for t in poison]
+        del poison  # back to the caching allocator, NaN in them
+        out, lse = fa4tune.attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
+        if [out.data_ptr(), lse.data_ptr()] == poisoned:
+            break
+        elsewhere.append((out, lse))
+    else:
+        raise AssertionError(f"fa4tune.attention's outputs never landed on the poisoned blocks "
+                             f"({POISON_ATTEMPTS} calls): the poison would not show unwritten "
+                             "elements")
+    assert not torch.isnan(out).any().item(), "NaN in the output: some elements were never written"
+    assert not torch.isnan(lse).any().item(), "NaN in the LSE: some rows were never written"
+    return out, lse
+
+
 # A grid of 8 points but 4 configs: poly_degree has no effect while emu_share is 0, and equal kernels
 # are one config, so the configs a grid search stores never reach the grid's size.
 COLLAPSED_GRID = {"tiles": {"tile_m": [128, 192], "tile_n": [64, 128]},

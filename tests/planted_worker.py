@@ -4,7 +4,8 @@ It claims to be an H200 and "measures" with the cost model, except for planted c
 tile_n, that do what a bad kernel does to a real worker: crash it, end it, hang it, raise a device
 error, or give wrong results at a tempting speed. PLANTED_DELAY (seconds) slows every measurement so
 that a test can kill a search in the middle; once the file PLANTED_GPU_DOWN names exists, every run
-crashes, as on a GPU that has gone bad."""
+crashes, as on a GPU that has gone bad; with PLANTED_HANG_PID_FILE set, every run writes the
+worker's pid to that file and hangs."""
 
 from __future__ import annotations
 
@@ -66,7 +67,12 @@ def measure(request: dict, channel, state: dict) -> dict:
         time.sleep(delay)
     if tile_n == SEGFAULT_TILE_N or os.path.exists(os.environ.get("PLANTED_GPU_DOWN") or "\0"):
         os.kill(os.getpid(), signal.SIGSEGV)  # (PLANTED_GPU_DOWN: a file that, once made, crashes every run)
-    if tile_n == HANG_TILE_N:
+    hang_pid_file = os.environ.get("PLANTED_HANG_PID_FILE")
+    if hang_pid_file:
+        with open(f"{hang_pid_file}.part", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(f"{hang_pid_file}.part", hang_pid_file)  # whole, or not there
+    if tile_n == HANG_TILE_N or hang_pid_file:
         time.sleep(3600)
     if tile_n == DEVICE_ERROR_TILE_N:
         raise RuntimeError("CUDA error: an illegal memory access was encountered")

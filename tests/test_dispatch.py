@@ -1,6 +1,7 @@
 """fa4tune.attention on the CPU: every unsupported input gets an error naming it (CPU and meta tensors
 stand in for CUDA ones), `explain` finds the tuned config of a DB, and the launch's packed arguments
-are byte for byte what the CuTe DSL itself passes to the compiled kernel."""
+are byte for byte what the CuTe DSL itself passes to the compiled kernel; with the kernel played by
+the CPU, repeated calls on one shape launch with each call's tensors, scale and causality."""
 
 import ctypes
 import math
@@ -149,7 +150,7 @@ def test_packed_arguments_match_what_the_dsl_passes():
     from cutlass import Float32, Int32
     from cutlass.cute.runtime import from_dlpack
 
-    from fa4tune.kernels.fa4_fwd_sm90.launch import _Launch
+    from fa4tune.kernels.fa4_fwd_sm90.launch import PreparedLaunch
     from fa4tune.kernels.fa4_fwd_sm90 import FAMILY
     from fa4tune.kernels.fa4_fwd_sm90.compile import compile_forward
     from fa4tune.kernels.fa4_fwd_sm90.launch import heads_per_l2_group
@@ -160,10 +161,10 @@ def test_packed_arguments_match_what_the_dsl_passes():
     q = base[:, :300, :, :]  # a strided view: batch stride is not seqlen * heads * d
     k = torch.empty(2, 200, 2, 128, dtype=torch.bfloat16)
     v = torch.empty(2, 200, 2, 128, dtype=torch.bfloat16)
-    problem = fa4tune.dispatch.problem_of(q, k, v, True)
+    problem = fa4tune.runtime.dispatch.problem_of(q, k, v, True)
     config = FAMILY.default_config(problem, target)
     compiled = compile_forward(config, "bf16", 128, 128, True, target)
-    launch = _Launch(problem, config, target, q, k, v, softmax_scale=0.07)
+    launch = PreparedLaunch(problem, config, target, q, k, v, softmax_scale=0.07)
     out = torch.empty(launch.out_shape, dtype=torch.bfloat16)
     lse = torch.empty(launch.lse_shape, dtype=torch.float32)
     stream_handle = 0x7F00DEAD
@@ -280,3 +281,134 @@ def test_outputs_passed_in_are_checked():
                      (torch.empty(2, 8, 4).transpose(1, 2), "contiguous in its last dimension"), ([1], "dense torch")):
         with pytest.raises(UnsupportedInput, match=match):
             check_output("lse", t, (2, 4, 8), torch.float32, good.device)
+
+
+# ---- repeated calls on one shape, the kernel played by the CPU -----------------------------------
+class CpuKernel:
+    """What `compile_forward` returns in these tests: its `function.to(device)` is an executor whose
+    launch (through `direct_call`, patched to `launch`) reads the argument descriptors the way the
+    compiled kernel does (pointer, extents, strides), computes the attention on the CPU from the
+    memory they point at, writes O and the LSE where they point, and records what it was given."""
+
+    def __init__(self, dtype: str, causal: bool, launches: list) -> None:
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+        self.causal, self.launches = causal, launches
+        self.function = SimpleNamespace(to=lambda device_index: self)
+
+    def launch(self, arguments: list[int]) -> int:
+        from fa4tune.kernels.common.reference import attention_reference
+
+        q, k, v, out = (described_tensor(arguments[i], self.dtype, rank=4) for i in range(4))
+        lse = described_tensor(arguments[4], torch.float32, rank=3)
+        scale = ctypes.c_float.from_address(arguments[6]).value / math.log2(math.e)
+        ref_out, ref_lse = attention_reference(q, k, v, causal=self.causal, softmax_scale=scale)
+        out.copy_(ref_out)
+        lse.copy_(ref_lse)
+        self.launches.append(SimpleNamespace(
+            pointers=tuple(t.data_ptr() for t in (q, k, v, out, lse)), scale=scale,
+            causal=self.causal, counter=ctypes.c_uint64.from_address(arguments[5]).value,
+            stream=ctypes.c_void_p.from_address(arguments[8]).value))
+        return 0
+
+
+def described_tensor(address: int, dtype, rank: int):
+    """The CPU tensor that the packed descriptor at `address` (fa4tune.kernels.common.launch.DESCRIPTOR_4D, or
+    DESCRIPTOR_3D for rank 3) names."""
+    from fa4tune.kernels.common.launch import DESCRIPTOR_3D, DESCRIPTOR_4D
+
+    layout = DESCRIPTOR_4D if rank == 4 else DESCRIPTOR_3D
+    pointer, *fields = layout.unpack(ctypes.string_at(address, layout.size))
+    shape, strides = fields[:rank], (*fields[rank:], 1)
+    elements = 1 + sum((size - 1) * stride for size, stride in zip(shape, strides))
+    memory = (ctypes.c_char * (elements * dtype.itemsize)).from_address(pointer)
+    return torch.frombuffer(memory, dtype=dtype).as_strided(shape, strides)
+
+
+CPU_STREAM = 0x5EED
+TILE_COUNTER = torch.zeros(1, dtype=torch.int32)
+UNUSED_COUNTER = torch.zeros(1, dtype=torch.int32)
+
+
+@pytest.fixture
+def cpu_device(monkeypatch):
+    """fa4tune.attention on CPU tensors, all of it real but the device (its checks and target, the
+    current device and stream, the tile counters), the lookup (a persistent config: its causal
+    kernel takes the tile counter) and the kernel (CpuKernel): `launches` in order, `compiles`."""
+    from fa4tune.kernels.fa4_fwd_sm90 import FAMILY
+    from fa4tune.kernels.fa4_fwd_sm90 import launch as fwd_launch
+    from fa4tune.kernels.fa4_fwd_sm90.config import FwdConfig
+    from fa4tune.runtime import dispatch
+    from fa4tune.target import get_target
+
+    device = SimpleNamespace(launches=[], compiles=[])
+
+    def compile_forward(config, dtype, head_dim, head_dim_v, causal, target):
+        device.compiles.append((dtype, head_dim, head_dim_v, causal))
+        return CpuKernel(dtype, causal, device.launches)
+
+    monkeypatch.setattr(dispatch, "_LAUNCHES", {})
+    monkeypatch.setattr(dispatch, "check_device", lambda q, k, v, aligned=True: None)
+    monkeypatch.setattr(dispatch, "_device_target", lambda device: (get_target("H200"), FAMILY))
+    monkeypatch.setattr(dispatch, "lookup", lambda problem, target, kernel=None: SimpleNamespace(
+        config=FwdConfig(persistent=True)))
+    monkeypatch.setattr(fwd_launch, "current_device_getter", lambda: (lambda: 0))
+    monkeypatch.setattr(fwd_launch, "raw_stream_getter", lambda: (lambda device_index: CPU_STREAM))
+    monkeypatch.setattr(fwd_launch, "direct_call",
+                        lambda executor, arguments: ((lambda: executor.launch(arguments)), None))
+    monkeypatch.setattr(fwd_launch, "compile_forward", compile_forward)
+    monkeypatch.setattr(fwd_launch, "current_tile_counter", lambda device: TILE_COUNTER)
+    monkeypatch.setattr(fwd_launch, "unused_counter", lambda device: UNUSED_COUNTER)
+    return device
+
+
+def attention_checked(device, q, k, v, causal: bool = False, softmax_scale: float | None = None):
+    """fa4tune.attention through the CPU device: one launch, given this call's tensors, scale and
+    causality, whose O and LSE match the fp32 reference of this call; (out, lse)."""
+    from fa4tune.kernels.common.reference import attention_reference
+
+    before = len(device.launches)
+    out, lse = fa4tune.attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    assert len(device.launches) == before + 1
+    launch = device.launches[-1]
+    assert launch.pointers == tuple(t.data_ptr() for t in (q, k, v, out, lse)), "stale pointers"
+    scale = softmax_scale if softmax_scale is not None else 1 / math.sqrt(q.shape[3])
+    assert launch.scale == pytest.approx(scale, rel=1e-6) and launch.causal == causal
+    assert launch.stream == CPU_STREAM
+    assert launch.counter == (TILE_COUNTER if causal else UNUSED_COUNTER).data_ptr()
+    ref_out, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    assert ((out.float() - ref_out).norm() / ref_out.norm()).item() < 1e-2
+    assert (lse - ref_lse).abs().max().item() < 1e-3
+    return out, lse
+
+
+def cpu_qkv(seed: int, b=2, sq=64, sk=96, hq=4, hkv=2, d=64):
+    generator = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(b, s, h, d, generator=generator).to(torch.bfloat16)
+                 for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_prepared_launch_takes_each_calls_new_tensors(cpu_device, causal):
+    """One shape, new q, k, v every call (the earlier ones kept, so that no new tensor reuses their
+    memory): every launch reads this call's inputs and writes this call's outputs."""
+    held = []
+    for seed in range(3):
+        q, k, v = cpu_qkv(seed)
+        held.append((q, k, v, *attention_checked(cpu_device, q, k, v, causal=causal)))
+    assert len({t.data_ptr() for call in held for t in call}) == 5 * len(held)
+    assert len(cpu_device.compiles) == 1 and len(fa4tune.runtime.dispatch._LAUNCHES) == 1
+
+
+def test_another_softmax_scale_on_the_same_tensors_launches_with_that_scale(cpu_device):
+    q, k, v = cpu_qkv(0)
+    outputs = [attention_checked(cpu_device, q, k, v, softmax_scale=scale)[0]
+               for scale in (None, 0.05, 0.3, None)]
+    assert not torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[3])
+    assert len(fa4tune.runtime.dispatch._LAUNCHES) == 3  # one prepared launch per scale
+
+
+def test_causal_and_not_causal_in_turn_on_the_same_tensors(cpu_device):
+    q, k, v = cpu_qkv(0)
+    for causal in (True, False, True, False):
+        attention_checked(cpu_device, q, k, v, causal=causal)
+    assert [c[-1] for c in cpu_device.compiles] == [True, False]  # one prepared launch for each

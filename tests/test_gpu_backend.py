@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import planted_worker as planted
-from conftest import write_job
+from conftest import kill_processes, still_alive_after, write_job
 from fa4tune.db import ResultsDB
 from fa4tune.errors import BackendError
 from fa4tune.tune.job import load_job
@@ -553,8 +553,8 @@ def test_compile_pool_hands_over_artifacts_and_survives_crashing_and_hanging_com
 
 
 # The CLI with the planted worker, slowed down so that a kill lands in the middle of the search.
-def start_cli(job_path, workdir):
-    env = {**os.environ, "PLANTED_DELAY": "0.15",
+def start_cli(job_path, workdir, **extra_env):
+    env = {**os.environ, "PLANTED_DELAY": "0.15", **extra_env,
            "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")])}
     return subprocess.Popen([sys.executable, "-m", "fa4tune.cli", "search", str(job_path), "--no-progress"],
                             cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -583,10 +583,8 @@ def test_sigkilled_gpu_search_loses_no_finished_trial_and_resumes(workdir):
         before = db.trials()
     worker_pids = {t["details"]["pid"] for t in before if "pid" in t["details"]}
     assert worker_pids and 4 <= len(before) < 10
-    deadline = time.monotonic() + 10  # the orphaned worker notices its parent is gone and leaves
-    while any(_alive(pid) for pid in worker_pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(_alive(pid) for pid in worker_pids), "a worker outlived its killed search"
+    # the orphaned worker notices its parent is gone and leaves
+    assert not still_alive_after(worker_pids, 10), "a worker outlived its killed search"
 
     summary = run_search(load_job(job_path), resume=True, say=quiet)
     assert summary.resumed
@@ -602,17 +600,29 @@ def test_sigkilled_gpu_search_loses_no_finished_trial_and_resumes(workdir):
     assert any(t["source"] == "default" for t in search)
 
 
-def _alive(pid: int) -> bool:
+def test_a_worker_hung_in_a_run_leaves_when_its_search_is_sigkilled(workdir):
+    """The measuring worker hangs in a candidate's run, far from its deadline, when the search is
+    SIGKILLed: nothing will ever read the pipe, so the worker must see its parent go and exit."""
+    pid_file = workdir / "hung-worker.pid"
+    job_path = write_job(workdir, backend="gpu", target=None, budget={"trials": 2},
+                         measure={**PLANTED, "run_timeout": 600},
+                         problems=[{"head_dim": 64, "seqlen_q": 1024, "batch": 1, "nheads_q": 4}])
+    proc = start_cli(job_path, workdir, PLANTED_HANG_PID_FILE=str(pid_file))
+    worker = None
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is dead for our purposes (its parent, the killed CLI, is gone; init reaps it).
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
+        deadline = time.monotonic() + 60
+        while not pid_file.exists():
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "the worker never started its run"
+            time.sleep(0.05)
+        worker = int(pid_file.read_text())
+        proc.kill()
+        proc.wait()
+        assert not still_alive_after([worker], 10), "the hung worker outlived its killed search"
+    finally:
+        proc.kill()
+        if worker is not None:
+            kill_processes([worker])
 
 
 def test_a_failing_early_stop_verdict_measures_fully_and_keeps_the_worker(backend):

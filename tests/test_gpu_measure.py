@@ -19,7 +19,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
 ]
 
-from conftest import write_job  # noqa: E402
+from conftest import poisoned_attention, write_job  # noqa: E402
 from fa4tune.problem import Problem  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -77,9 +77,6 @@ SHAPES = [
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "d{}-{}-q{}k{}-b{}h{}x{}".format(*s[:7]))
 def test_attention_matches_the_reference(shape):
-    import fa4tune
-    from fa4tune.kernels.common.reference import attention_reference
-
     d, causal, sq, sk, b, hq, hkv, scale = shape
     q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16)
@@ -87,20 +84,75 @@ def test_attention_matches_the_reference(shape):
     for attempt in range(2):  # the second call runs the prepared launch with new data
         if attempt:
             q.normal_(), k.normal_(), v.normal_()
-        out, lse = fa4tune.attention(q, k, v, causal=causal, softmax_scale=scale)
-        ref_out, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=scale)
+        out, lse = poisoned_attention(q, k, v, causal=causal, softmax_scale=scale)
         assert out.shape == (b, sq, hq, d) and lse.shape == (b, hq, sq) and lse.dtype == torch.float32
-        assert ((out.float() - ref_out).norm() / ref_out.norm()).item() < 1e-2
-        finite = torch.isfinite(ref_lse)
-        assert torch.equal(finite, torch.isfinite(lse))
-        assert (lse[finite] - ref_lse[finite]).abs().max().item() < 1e-3
+        assert_matches_reference(out, lse, q, k, v, causal, scale)
+
+
+def assert_matches_reference(out, lse, q, k, v, causal: bool, softmax_scale: float | None = None):
+    """O and the LSE of fa4tune.attention(q, k, v, causal, softmax_scale) against the fp32
+    reference, within the tolerance of q's dtype."""
+    from fa4tune.kernels.common.reference import attention_reference
+    from fa4tune.kernels.common.verify import TOLERANCES
+
+    tolerance = TOLERANCES["bf16" if q.dtype == torch.bfloat16 else "fp16"]
+    ref_out, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    assert ((out.float() - ref_out).norm() / ref_out.norm()).item() < tolerance.out
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    assert (lse[finite] - ref_lse[finite]).abs().max().item() < tolerance.lse
+
+
+def test_repeated_calls_on_one_shape_launch_with_each_calls_tensors_scale_and_causality():
+    """A shape's prepared launch is taken again by every later call: each must launch with its own
+    q, k and v (the earlier ones kept, so that new tensors get new memory), its own softmax_scale
+    and its own causality, and match the reference of exactly that call."""
+    from fa4tune.runtime import dispatch
+
+    def new_inputs():
+        return tuple(torch.randn(2, 1000, heads, 128, device="cuda", dtype=torch.bfloat16)
+                     for heads in (8, 2, 2))
+
+    dispatch.clear()
+    held = []
+    for _ in range(3):
+        q, k, v = new_inputs()
+        assert_matches_reference(*poisoned_attention(q, k, v, causal=True), q, k, v, True)
+        held.append((q, k, v))
+    assert len({t.data_ptr() for inputs in held for t in inputs}) == 3 * len(held)
+    q, k, v = held[0]
+    outputs = {}
+    for scale in (None, 0.05, 0.3, None):
+        outputs[scale], lse = poisoned_attention(q, k, v, softmax_scale=scale)
+        assert_matches_reference(outputs[scale], lse, q, k, v, False, scale)
+    assert not torch.equal(outputs[None], outputs[0.05])
+    for causal in (False, True, False, True):
+        assert_matches_reference(*poisoned_attention(q, k, v, causal=causal), q, k, v, causal)
+    assert len(dispatch._LAUNCHES) == 4  # (causal, scale): (True, None), (False, each scale)
+    dispatch.clear()
+
+
+def test_poisoned_attention_shows_a_launch_that_writes_nothing(monkeypatch):
+    """After correct calls, a prepared launch that launches nothing leaves the poison in its
+    outputs, not what the earlier calls left in that memory, and poisoned_attention says so."""
+    from fa4tune.runtime import dispatch
+
+    q, k, v = (torch.randn(2, 1000, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    dispatch.clear()
+    for _ in range(2):
+        assert_matches_reference(*poisoned_attention(q, k, v), q, k, v, False)
+    [launch] = dispatch._LAUNCHES.values()
+    monkeypatch.setattr(launch, "_run", lambda: 0)  # "launched", and nothing ran
+    with pytest.raises(AssertionError, match="NaN in the output"):
+        poisoned_attention(q, k, v)
+    dispatch.clear()
 
 
 def _tuned_db_in_use(problem, workdir, monkeypatch):
     """A results DB in workdir holding one measured best for `problem` on this GPU (the default
     with tile_n 96 and three stages), made the lookup's source; the kernel and that config."""
     import fa4tune
-    from fa4tune.runtime import dispatch
+    from fa4tune.runtime.lookup import dispatch
     from fa4tune.db import ResultsDB
     from fa4tune.kernels import get_kernel
     from fa4tune.measure.base import Measurement
@@ -124,7 +176,7 @@ def test_fp16_runs_the_config_tuned_for_bf16(workdir, monkeypatch):
     """A DB that holds a bf16 problem only: an fp16 call of that shape takes its config (the
     sibling-dtype rung), launches it, and matches the reference at fp16's tolerance."""
     import fa4tune
-    from fa4tune.runtime import dispatch
+    from fa4tune.runtime.lookup import dispatch
     from fa4tune.kernels.common.reference import attention_reference
     from fa4tune.kernels.common.verify import TOLERANCES
 
@@ -134,7 +186,7 @@ def test_fp16_runs_the_config_tuned_for_bf16(workdir, monkeypatch):
     k, v = (torch.randn(2, 1536, 2, 128, device="cuda", dtype=torch.float16) for _ in range(2))
     hit = dispatch.explain(q, k, v, causal=True)
     assert (hit.source, hit.problem_key, hit.config.to_dict()) == ("other-dtype", problem.key(), tuned)
-    out, lse = fa4tune.attention(q, k, v, causal=True)
+    out, lse = poisoned_attention(q, k, v, causal=True)
     [launch] = dispatch._LAUNCHES.values()
     assert launch.config.to_dict() == tuned
     ref_out, ref_lse = attention_reference(q, k, v, causal=True)
@@ -150,7 +202,7 @@ def test_inputs_with_nothing_to_compute_give_zero_and_minus_inf(causal, monkeypa
     """No batch, no query rows or no keys: O zero and LSE -inf on the tensors' device and current
     stream, as in flash-attn-4, with no kernel compiled; attention_forward fills a caller's out and lse."""
     import fa4tune
-    from fa4tune.runtime import dispatch
+    from fa4tune.runtime.lookup import dispatch
     from fa4tune.kernels.common.inputs import UnsupportedInput
     from fa4tune.kernels.fa4_fwd_sm90 import launch as fwd_launch
     from fa4tune.kernels.fa4_fwd_sm90.config import FwdConfig
@@ -198,7 +250,7 @@ def test_inputs_with_nothing_to_compute_give_zero_and_minus_inf(causal, monkeypa
 
 def test_attention_runs_the_tables_config_on_the_current_stream(workdir, monkeypatch):
     import fa4tune
-    from fa4tune.runtime import dispatch
+    from fa4tune.runtime.lookup import dispatch
     from fa4tune.kernels.fa4_fwd_sm90.launch import attention_forward
 
     problem = Problem(head_dim=128, causal=True, seqlen_q=1536, batch=2, nheads_q=4)
@@ -208,7 +260,7 @@ def test_attention_runs_the_tables_config_on_the_current_stream(workdir, monkeyp
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        out, lse = fa4tune.attention(q, k, v, causal=True)
+        out, lse = poisoned_attention(q, k, v, causal=True)
     side.synchronize()
     [launch] = dispatch._LAUNCHES.values()
     assert launch.config.to_dict() == tuned
@@ -225,7 +277,7 @@ def test_attention_runs_on_a_hopper_gpu_without_a_description(monkeypatch):
     import types
 
     import fa4tune
-    from fa4tune.runtime import dispatch
+    from fa4tune.runtime.lookup import dispatch
     from fa4tune.kernels.common.reference import attention_reference
     from fa4tune.kernels.fa4_fwd_sm90.compile import _CACHE
 
@@ -241,7 +293,7 @@ def test_attention_runs_on_a_hopper_gpu_without_a_description(monkeypatch):
     dispatch.clear()
     q, k, v = (torch.randn(2, 3000, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     with pytest.warns(RuntimeWarning, match="NVIDIA H20 \\(test\\) is a Hopper GPU"):
-        out, lse = fa4tune.attention(q, k, v, causal=True)
+        out, lse = poisoned_attention(q, k, v, causal=True)
     [launch] = dispatch._LAUNCHES.values()
     assert launch.config.persistent and dispatch.explain(q, k, v, causal=True).source == "default"
     assert launch.l2_group.value >= 1 and any(key[-1] == 66 for key in _CACHE)  # compiled for 66 SMs

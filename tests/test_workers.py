@@ -14,7 +14,8 @@ from pathlib import Path
 import optuna
 import pytest
 
-from conftest import COLLAPSED_GRID, REPO, sigint_default, write_job
+from conftest import (COLLAPSED_GRID, REPO, kill_processes, sigint_default, still_alive_after,
+                      write_job)
 from fa4tune.cli import main
 from fa4tune.db import ResultsDB
 from fa4tune.tune.search import MAX_CONSECUTIVE_REPEATS
@@ -115,6 +116,24 @@ def claimed_trial(location, timeout=60, proc=None):
             pass  # not created yet
         time.sleep(0.05)
     raise AssertionError("no worker claimed a trial")
+
+
+def claiming_workers(location, count: int, timeout=60, proc=None) -> set[int]:
+    """The pids of `count` workers of this host that each claimed a trial and are measuring it."""
+    storage = open_storage(location, heartbeat=False)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc is None or proc.poll() is None, proc.stdout.read()
+        try:
+            claimed = [t for trials in studies(storage).values() for t in trials
+                       if t.state == optuna.trial.TrialState.RUNNING and CLAIM_ATTR in t.user_attrs]
+            pids = {int(parse_worker(t.user_attrs[WORKER_ATTR])[1]) for t in claimed}
+        except Exception:
+            pids = set()  # not created yet
+        if len(pids) >= count:
+            return pids
+        time.sleep(0.05)
+    raise AssertionError(f"{count} workers never claimed a trial each")
 
 
 def assert_exactly_once(db_location, storage, budget, n_studies, workers=None):
@@ -274,6 +293,22 @@ def test_two_hosts_join_one_run_and_the_survivor_finishes_after_the_other_dies(w
     assert any(victim.number in t.system_attrs.get("retry_history", []) for t in trials.values())
     hosts = {t.user_attrs.get(WORKER_ATTR, "").partition(":")[0] for ts in optuna_studies.values() for t in ts}
     assert {"host-a", "host-b"} <= hosts
+
+
+def test_workers_leave_when_their_coordinator_is_sigkilled(workdir, slow_env, hold):
+    """Both workers are held in a measurement (the hold file) when the coordinator is SIGKILLed:
+    they must see it go and exit, not search on by themselves."""
+    path = write_job(workdir, spaces=SPACE, problems=ONE_PROBLEM, budget={"trials": 12})
+    coordinator = start_search(workdir, slow_env, path, "--workers", 2, FA4TUNE_TEST_HOLD=str(hold))
+    workers: set[int] = set()
+    try:
+        workers = claiming_workers(JOURNAL, count=2, proc=coordinator)
+        coordinator.kill()
+        coordinator.wait()
+        assert not still_alive_after(workers, 10), "a worker outlived its killed coordinator"
+    finally:
+        coordinator.kill()
+        kill_processes(workers)
 
 
 # ---- bad input --------------------------------------------------------------------------------------

@@ -221,8 +221,8 @@ class KernelFamily:
         """Device buffers of the problem's inputs and outputs, reused for every candidate."""
         raise self._missing("GPU measurement")
 
-    def randomize(self, case, generator) -> None:
-        """Fresh random inputs in the case's buffers."""
+    def randomize(self, case, seed: int) -> None:
+        """Fresh random inputs in the case's buffers, the same for the same seed."""
         raise self._missing("GPU measurement")
 
     def poison(self, case) -> None:

@@ -38,7 +38,10 @@ def attention_case(problem, device) -> AttentionCase:
     )
 
 
-def randomize(case: AttentionCase, generator) -> None:
+def randomize(case: AttentionCase, seed: int) -> None:
+    import torch
+
+    generator = torch.Generator(device=case.q.device).manual_seed(seed)
     for tensor in (case.q, case.k, case.v):
         tensor.normal_(generator=generator)
 

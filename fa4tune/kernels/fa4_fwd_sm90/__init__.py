@@ -125,8 +125,8 @@ class ForwardSm90(KernelFamily):
     def measurement_case(self, problem, device):
         return attention_measure.attention_case(problem, device)
 
-    def randomize(self, case, generator) -> None:
-        attention_measure.randomize(case, generator)
+    def randomize(self, case, seed: int) -> None:
+        attention_measure.randomize(case, seed)
 
     def poison(self, case) -> None:
         attention_measure.poison(case)
