@@ -77,6 +77,17 @@ def _gpu_list(text: str) -> list[int]:
     return gpus
 
 
+def _count(text: str) -> int:
+    """A whole number of 0 or more (a negative one would slice from the end)."""
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a whole number of 0 or more; got {text!r}") from None
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"a whole number of 0 or more; got {text!r}")
+    return count
+
+
 # ---- show ---------------------------------------------------------------------------------------
 def _format_table(headers: list[str], rows: list[list]) -> str:
     cells = [[str(c) for c in headers]] + [["" if c is None else str(c) for c in row] for row in rows]
@@ -288,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--table", help="show an exported table instead of a DB")
     p.add_argument("--kernel")
     p.add_argument("--target")
-    p.add_argument("--top", type=int, default=3, help="top trials per problem (0: none)")
+    p.add_argument("--top", type=_count, default=3, help="top trials per problem (0: none)")
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("export", help="write best configs as a sorted YAML + JSON table")

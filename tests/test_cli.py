@@ -93,6 +93,18 @@ def test_show_flags_stale_configs(workdir, capsys):
     assert code == 0 and "STALE" in out and "1 stale" in out
 
 
+@pytest.mark.parametrize("top", ["-1", "x"])
+def test_show_refuses_a_negative_top(workdir, capsys, top):
+    """A negative --top would slice the slowest trials off each problem's list without a word."""
+    job = write_job(workdir)
+    assert run_cli(capsys, "search", job, "--no-progress")[0] == 0
+    with pytest.raises(SystemExit) as stop:
+        main(["show", "--top", top])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "--top" in err and "a whole number of 0 or more" in err and repr(top) in err
+
+
 # ---- bad input ------------------------------------------------------------------------------------
 def test_malformed_yaml_names_the_file_and_line(workdir, capsys):
     bad = workdir / "bad.yaml"
