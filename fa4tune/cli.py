@@ -259,12 +259,13 @@ def cmd_report(args) -> int:
 
 
 def cmd_doctor(args) -> int:
-    from .doctor import diagnose
+    from .doctor import NOTE, diagnose
 
+    labels = {True: "ok ", False: "BAD", NOTE: "-- "}  # a note does not fail the check
     healthy = True
     for name, ok, detail in diagnose(args.db):
-        healthy &= ok
-        _say(f"{'ok ' if ok else 'BAD'}  {name:12s} {detail}")
+        healthy &= ok is not False
+        _say(f"{labels[ok]}  {name:12s} {detail}")
     return 0 if healthy else 1
 
 

@@ -82,6 +82,16 @@ def test_report_without_matplotlib_says_how_to_get_it(workdir, capsys, monkeypat
     assert_bad_input(capsys, ["report"], "matplotlib", "fa4tune[report]")
 
 
+def test_doctor_notes_a_missing_optional_extra_neither_ok_nor_bad(workdir, capsys, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "matplotlib" else real(n, *a))
+    code, out, _ = run_cli(capsys, "doctor")
+    [line] = [line for line in out.splitlines() if "[report]" in line]
+    assert line.split() == ["--", "[report]", "matplotlib", "missing:", "pip", "install", "'fa4tune[report]'"]
+    bad = [line for line in out.splitlines() if line.startswith("BAD")]
+    assert code == (1 if bad else 0), out  # the note alone does not fail doctor
+
+
 def test_show_flags_stale_configs(workdir, capsys):
     job = write_job(workdir)
     assert run_cli(capsys, "search", job, "--no-progress")[0] == 0
