@@ -88,6 +88,10 @@ def _db_line(db_location: str | None) -> tuple[str, bool, str]:
     shown = shown_location(location)
     path = sqlite_path(location)
     if path is not None and not path.exists():
+        try:
+            ResultsDB.check(location)  # where the first search could not create it
+        except ResultsDBError as exc:
+            return ("results db", False, str(exc))
         return ("results db", True, f"{shown}: not created yet (schema v{SCHEMA_VERSION} on first search)")
     try:
         with ResultsDB.open(location, create=False) as db:

@@ -3,6 +3,7 @@ nothing partial written."""
 
 import importlib.util
 import sqlite3
+from pathlib import Path
 
 import pytest
 import yaml
@@ -179,6 +180,33 @@ def test_unwritable_db_path(workdir, capsys):
     assert_bad_input(capsys, ["search", job, "--db", "a_file/results.db"], "cannot create results DB",
                      "not a writable directory")
     assert written(workdir) == ["a_file"]
+
+
+def unwritable_directory(tmp_path):
+    """A directory where no file can be made: one without write permission, or where that does not
+    bind (root) /proc, which refuses new files; the test is skipped where neither holds."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    for directory in (locked, Path("/proc")):
+        try:
+            (directory / "probe").open("x").close()
+        except OSError:
+            return directory
+        (directory / "probe").unlink()
+    pytest.skip("no unwritable directory here (root, and no /proc)")
+
+
+def test_a_db_in_an_unwritable_directory_is_named_as_such(workdir, capsys, tmp_path):
+    location = unwritable_directory(tmp_path) / "x.db"
+    message = assert_bad_input(capsys, ["search", write_job(workdir), "--db", location, "--no-progress"],
+                               f"cannot create results DB '{location}'", "is not a writable directory")
+    assert "corrupt" not in message
+    code, out, _ = run_cli(capsys, "doctor", "--db", location)
+    [line] = [line for line in out.splitlines() if "results db" in line]
+    assert line.startswith("BAD") and "is not a writable directory" in line, line
+    assert code == 1
+    assert not location.exists()
 
 
 def test_db_of_another_schema_version(workdir, capsys):
