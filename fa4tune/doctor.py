@@ -87,12 +87,14 @@ def _db_line(db_location: str | None) -> tuple[str, bool, str]:
     location = resolve_location(db_location)
     shown = shown_location(location)
     path = sqlite_path(location)
-    if path is not None and not path.exists():
+    empty = path is not None and path.is_file() and path.stat().st_size == 0
+    if path is not None and (not path.exists() or empty):  # opened, an empty file would be written
         try:
             ResultsDB.check(location)  # where the first search could not create it
         except ResultsDBError as exc:
             return ("results db", False, str(exc))
-        return ("results db", True, f"{shown}: not created yet (schema v{SCHEMA_VERSION} on first search)")
+        state = "an empty file, no results yet" if empty else "not created yet"
+        return ("results db", True, f"{shown}: {state} (schema v{SCHEMA_VERSION} on first search)")
     try:
         with ResultsDB.open(location, create=False) as db:
             counts = db.counts()

@@ -230,6 +230,40 @@ def test_corrupt_db_file(workdir, capsys):
     assert written(workdir) == ["broken.db"]
 
 
+def zero_byte_db(workdir):
+    """An empty file to give as --db, and a check that it is still one (no -wal, -shm beside it)."""
+    empty = workdir / "empty.db"
+    empty.touch()
+
+    def untouched():
+        assert empty.stat().st_size == 0
+        beside = sorted(p.name for p in workdir.iterdir() if p.name.startswith("empty.db"))
+        assert beside == ["empty.db"], beside
+
+    return empty, untouched
+
+
+def test_commands_that_read_leave_a_zero_byte_db_as_it_is(workdir, capsys):
+    """An empty file given as --db is no results DB yet: opened, it would be made a SQLite file."""
+    from fa4tune.problem import Problem
+    from fa4tune.runtime import lookup
+
+    empty, untouched = zero_byte_db(workdir)
+    for command in (["show"], ["export"], ["report", "--out", "rep"]):
+        message = assert_bad_input(capsys, [*command, "--db", empty])
+        assert "empty" in message and "empty.db" in message, message
+        untouched()
+    code, out, _ = run_cli(capsys, "doctor", "--db", empty)
+    [line] = [line for line in out.splitlines() if "results db" in line]
+    assert line.startswith("ok") and "an empty file, no results yet" in line, line
+    untouched()
+    with pytest.warns(RuntimeWarning, match="empty file"):
+        found = lookup(Problem(head_dim=128, seqlen_q=2048, batch=2, nheads_q=8), "H200",
+                       source=str(empty))
+    assert found.source == "default"
+    untouched()
+
+
 def test_table_for_another_kernel_hash(workdir, capsys):
     job = write_job(workdir)
     assert run_cli(capsys, "search", job, "--no-progress")[0] == 0
