@@ -267,7 +267,15 @@ def _check_apart(db_location: str, storage_location: str) -> None:
     and a SQLite file is locked by one writer at a time."""
     from sqlalchemy.engine import make_url
 
-    if "://" not in storage_location:
+    from .studies import journal_path
+
+    if "://" not in storage_location:  # a journal file: not the results DB's file either
+        db_path = sqlite_path(db_location)
+        if db_path is not None and db_path.resolve() == journal_path(storage_location).resolve():
+            raise StorageError(
+                f"the Optuna journal {storage_location!r} is the results DB's file; give the "
+                "journal another path with --storage or the job's `storage` (or leave it out: "
+                f"{default_storage_location(db_location)})")
         return
     storage_url = make_url(storage_location)
     same = False

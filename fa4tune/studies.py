@@ -90,15 +90,47 @@ def check_storage(location: str) -> None:
         if blocked is not None:
             raise StorageError(f"cannot write the Optuna journal {location!r}: {blocked} is not a writable "
                                "directory")
+        if path.is_file() and not _reads_as_journal(path):
+            raise StorageError(f"Optuna storage {location!r} is not an Optuna journal (its first "
+                               "line is not one of Optuna's records); move it aside or give "
+                               "another --storage")
         return
-    from .db import UNREACHABLE_HINT, reach
+    from .db import UNREACHABLE_HINT, reach, sqlite_path
+    from .db.store import SQLITE_HEADER
 
     if is_server_storage(location):
         heartbeat_seconds()
+    else:  # SQLite answers SELECT 1 on any file: what the file holds is seen when Optuna opens it
+        path = sqlite_path(location)
+        if path is not None and path.is_file():
+            with open(path, "rb") as f:
+                head = f.read(len(SQLITE_HEADER))
+            if head and head != SQLITE_HEADER:
+                raise StorageError(f"Optuna storage {shown!r}: {path} is not a SQLite database; "
+                                   "move it aside or give another --storage")
     try:
         reach(location)
     except Exception as exc:  # the driver's and SQLAlchemy's many kinds all mean "cannot use it"
         raise StorageError(f"cannot use Optuna storage {shown!r}: {first_line(exc)}. {UNREACHABLE_HINT}") from exc
+
+
+def _reads_as_journal(path: Path) -> bool:
+    """Whether a file is empty or begins with one of Optuna's journal records (a JSON object with
+    an op_code). A first line still being written (no newline yet) gets the benefit of the doubt."""
+    import json
+
+    try:
+        with open(path, "rb") as f:
+            line = f.readline(1 << 20)
+    except OSError:  # unreadable: opening the storage says so
+        return True
+    if not line.endswith(b"\n"):
+        return True
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(record, dict) and "op_code" in record
 
 
 class JournalFlock:

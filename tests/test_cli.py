@@ -264,6 +264,20 @@ def test_commands_that_read_leave_a_zero_byte_db_as_it_is(workdir, capsys):
     untouched()
 
 
+def test_a_search_refused_leaves_a_zero_byte_db_as_it_is(workdir, capsys):
+    """What the storage holds is checked before the results DB is touched, too."""
+    empty, untouched = zero_byte_db(workdir)
+    (workdir / "notes.txt").write_text("not a database\n")
+    job = write_job(workdir)
+    for flags, fragment in ((["--trials", "0"], "--trials"),
+                            (["--storage", empty], "is the results DB's file"),
+                            (["--storage", "notes.txt"], "is not an Optuna journal"),
+                            (["--storage", "sqlite:///notes.txt"], "is not a SQLite database")):
+        assert_bad_input(capsys, ["search", job, "--db", empty, "--no-progress", *flags], fragment)
+        untouched()
+    assert not (workdir / "empty.optuna.journal").exists()
+
+
 def test_table_for_another_kernel_hash(workdir, capsys):
     job = write_job(workdir)
     assert run_cli(capsys, "search", job, "--no-progress")[0] == 0
