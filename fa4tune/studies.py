@@ -68,6 +68,13 @@ def journal_path(location: str) -> Path | None:
     return None if is_rdb(location) else Path(location.removeprefix("journal:")).expanduser()
 
 
+def resolved_storage_location(location: str) -> str:
+    """The location as a run records it, meaning the same from any working directory: a journal
+    file's absolute path; a URL as it is."""
+    path = journal_path(location)
+    return location if path is None else str(path.resolve())
+
+
 def heartbeat_seconds() -> int:
     value = os.environ.get("FA4TUNE_HEARTBEAT_S", str(HEARTBEAT_S))
     if not value.isdigit() or int(value) < 1:
@@ -183,14 +190,22 @@ def lost_schema_race(exc: BaseException) -> bool:
     return False
 
 
-def open_storage(location: str, heartbeat: bool | None = None):
+def open_storage(location: str, heartbeat: bool | None = None, create: bool = True):
     """An Optuna storage: an RDB URL, or a journal file path (optionally written `journal:PATH`). A
-    server storage records heartbeats (unless `heartbeat` is False) and hands stale trials back."""
+    server storage records heartbeats (unless `heartbeat` is False) and hands stale trials back.
+    Without `create`, a journal or SQLite file that does not exist is a StorageError (opening it
+    would make an empty one)."""
     import optuna
     from optuna.storages.journal import JournalFileBackend, JournalStorage
 
-    from .db import engine_options, engine_url, first_line, shown_location
+    from .db import engine_options, engine_url, first_line, shown_location, sqlite_path
 
+    if not create:
+        path = journal_path(location) if not is_rdb(location) else (
+            sqlite_path(location) if location.startswith("sqlite:") else None)
+        if path is not None and not path.exists():
+            raise StorageError(f"no Optuna storage at {shown_location(location)!r}: the file does "
+                               "not exist")
     try:
         if is_rdb(location):
             url = engine_url(location)

@@ -75,6 +75,61 @@ def test_report_writes_html_and_png(workdir, capsys):
     assert "estimates" in (workdir / "rep" / "index.html").read_text()
 
 
+needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                                      reason="report needs the [report] extra")
+RECORDED = ["as the search records it", "relative, as earlier versions did"]
+
+
+def search_elsewhere(workdir, capsys, monkeypatch, recorded: str):
+    """A search run in its own directory, then the working directory moved to another one: the
+    results DB's absolute path. Earlier versions recorded the journal's path relative to where the
+    search ran (here the parent of the DB's directory)."""
+    searched = workdir / "searched"
+    searched.mkdir()
+    monkeypatch.chdir(searched)
+    job = write_job(searched, spaces=["tiles", "pipeline"], budget={"trials": 8})
+    assert run_cli(capsys, "search", job, "--no-progress")[0] == 0
+    elsewhere = workdir / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    db = searched / "fa4tune-results" / "results.db"
+    con = sqlite3.connect(db)
+    [(stored,)] = con.execute("SELECT storage_url FROM runs").fetchall()
+    assert stored == str(db.parent.resolve() / "results.optuna.journal")  # the same from anywhere
+    if recorded == RECORDED[1]:
+        con.execute("UPDATE runs SET storage_url = 'fa4tune-results/results.optuna.journal'")
+        con.commit()
+    con.close()
+    return db
+
+
+@needs_matplotlib
+@pytest.mark.parametrize("recorded", RECORDED)
+def test_report_from_another_directory_plots_every_study(workdir, capsys, monkeypatch, recorded):
+    db = search_elsewhere(workdir, capsys, monkeypatch, recorded)
+    code, out, err = run_cli(capsys, "report", "--db", db, "--out", "rep")
+    assert code == 0, err
+    report = workdir / "elsewhere" / "rep"
+    pngs = sorted(p.name for p in report.glob("*.png"))
+    assert any("history" in p for p in pngs) and any("importances" in p for p in pngs), pngs
+    assert "not found" not in (report / "index.html").read_text()
+    assert sorted(p.name for p in report.parent.iterdir()) == ["rep"]  # no journal made here
+
+
+@needs_matplotlib
+@pytest.mark.parametrize("recorded", RECORDED)
+def test_report_whose_storage_is_gone_fails_naming_it(workdir, capsys, monkeypatch, recorded):
+    db = search_elsewhere(workdir, capsys, monkeypatch, recorded)
+    journal = db.parent / "results.optuna.journal"
+    journal.unlink()
+    message = assert_bad_input(capsys, ["report", "--db", db, "--out", "rep"],
+                               "cannot read study 'job/", "--storage")
+    named = str(journal) if recorded == RECORDED[0] else "'fa4tune-results/results.optuna.journal'"
+    assert named in message, message
+    assert not journal.exists()
+    assert list((workdir / "elsewhere").iterdir()) == []  # neither a journal nor half a report
+
+
 def test_report_without_matplotlib_says_how_to_get_it(workdir, capsys, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "matplotlib" else real(n, *a))
