@@ -69,6 +69,17 @@ def _gpu_list(text: str) -> list[int]:
     return gpus
 
 
+def _count(text: str) -> int:
+    """A whole number of 0 or more (a negative one would slice from the end)."""
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a whole number of 0 or more; got {text!r}") from None
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"a whole number of 0 or more; got {text!r}")
+    return count
+
+
 # ---- show ---------------------------------------------------------------------------------------
 def _format_table(headers: list[str], rows: list[list]) -> str:
     cells = [[str(c) for c in headers]] + [["" if c is None else str(c) for c in row] for row in rows]
@@ -239,12 +250,13 @@ def cmd_report(args) -> int:
 
 
 def cmd_doctor(args) -> int:
-    from .doctor import diagnose
+    from .doctor import NOTE, diagnose
 
+    labels = {True: "ok ", False: "BAD", NOTE: "-- "}  # a note does not fail the check
     healthy = True
     for name, ok, detail in diagnose(args.db):
-        healthy &= ok
-        _say(f"{'ok ' if ok else 'BAD'}  {name:12s} {detail}")
+        healthy &= ok is not False
+        _say(f"{labels[ok]}  {name:12s} {detail}")
     return 0 if healthy else 1
 
 
@@ -279,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--table", help="show an exported table instead of a DB")
     p.add_argument("--kernel")
     p.add_argument("--target")
-    p.add_argument("--top", type=int, default=3, help="top trials per problem (0: none)")
+    p.add_argument("--top", type=_count, default=3, help="top trials per problem (0: none)")
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("export", help="write best configs as a sorted YAML + JSON table")

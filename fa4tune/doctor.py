@@ -12,12 +12,16 @@ def package_version(dist: str) -> str | None:
         return None
 
 
-def diagnose(db_location: str | None = None) -> list[tuple[str, bool, str]]:
-    """(check, healthy, detail) lines; a missing GPU is healthy (the model backend runs)."""
+NOTE = None  # a line's state that is neither healthy nor not: an optional extra that is missing
+
+
+def diagnose(db_location: str | None = None) -> list[tuple[str, bool | None, str]]:
+    """(check, healthy, detail) lines; a missing GPU is healthy (the model backend runs), a missing
+    optional extra is a NOTE (what it would add is not there, yet nothing is broken)."""
     from . import __version__
     from .kernels import families
 
-    lines: list[tuple[str, bool, str]] = [("fa4tune", True, __version__)]
+    lines: list[tuple[str, bool | None, str]] = [("fa4tune", True, __version__)]
     torch_version = package_version("torch")
     gpu_detail, gpu_ok = "none: searches use the cost model (estimates)", True
     if torch_version is None:
@@ -60,7 +64,7 @@ def diagnose(db_location: str | None = None) -> list[tuple[str, bool, str]]:
 
         have = importlib.util.find_spec(module) is not None
         state = "installed" if have else f"missing: pip install 'fa4tune[{extra}]'"
-        lines.append((f"[{extra}]", True, f"{module} {state}"))
+        lines.append((f"[{extra}]", True if have else NOTE, f"{module} {state}"))
     return lines
 
 
@@ -83,8 +87,14 @@ def _db_line(db_location: str | None) -> tuple[str, bool, str]:
     location = resolve_location(db_location)
     shown = shown_location(location)
     path = sqlite_path(location)
-    if path is not None and not path.exists():
-        return ("results db", True, f"{shown}: not created yet (schema v{SCHEMA_VERSION} on first search)")
+    empty = path is not None and path.is_file() and path.stat().st_size == 0
+    if path is not None and (not path.exists() or empty):  # opened, an empty file would be written
+        try:
+            ResultsDB.check(location)  # where the first search could not create it
+        except ResultsDBError as exc:
+            return ("results db", False, str(exc))
+        state = "an empty file, no results yet" if empty else "not created yet"
+        return ("results db", True, f"{shown}: {state} (schema v{SCHEMA_VERSION} on first search)")
     try:
         with ResultsDB.open(location, create=False) as db:
             counts = db.counts()

@@ -40,7 +40,22 @@ def unwritable_ancestor(path: Path) -> Path | None:
     existing = path.parent if str(path.parent) else Path(".")
     while not existing.exists():
         existing = existing.parent
-    return None if existing.is_dir() and os.access(existing, os.W_OK | os.X_OK) else existing
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        return existing
+    return None if _can_create_in(existing) else existing
+
+
+def _can_create_in(directory: Path) -> bool:
+    """Whether a file can be made in `directory`. os.access answers from the permission bits, which
+    do not bind root and know nothing of a read-only mount or of /proc, which refuses new files: so
+    a probe file is made and removed at once."""
+    try:
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".fa4tune-probe-")
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(probe)
+    return True
 
 
 def write_atomically(path: Path, text: str) -> None:

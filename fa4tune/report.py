@@ -38,8 +38,8 @@ def write_report(db_location: str | None, out_dir: str, storage: str | None = No
     import optuna
     from optuna.visualization import matplotlib as optuna_plots
 
-    from .db import ResultsDB
-    from .tune.studies import open_storage, quiet_optuna
+    from .db import ResultsDB, shown_location
+    from .tune.studies import quiet_optuna
 
     quiet_optuna()
     out = Path(out_dir)
@@ -47,8 +47,12 @@ def write_report(db_location: str | None, out_dir: str, storage: str | None = No
         runs = {r["id"]: r for r in db.runs()}
         trials = db.trials()
         best = db.best_configs()
+        db_location = db.location
     if not trials:
-        raise ReportError(f"no trials in {db_location or 'the results DB'}: run `fa4tune search` first")
+        raise ReportError(f"no trials in {shown_location(db_location)}: run `fa4tune search` first")
+    # Every study found before anything is written.
+    names = sorted({(t["study_name"], t["run_id"]) for t in trials})
+    studies = _load_studies(names, runs, db_location, storage)
     out.mkdir(parents=True, exist_ok=True)
     pngs: list[str] = []
     sections: list[str] = []
@@ -83,17 +87,7 @@ def write_report(db_location: str | None, out_dir: str, storage: str | None = No
                     f"<th>default ms</th><th>tuned ms</th><th>speed-up</th></tr>{rows}</table>")
 
     # Per study: Optuna's own plots of the stored study.
-    studies = sorted({(t["study_name"], t["run_id"]) for t in trials})
-    storages: dict[str, object] = {}
-    for name, run_id in studies:
-        location = storage or runs[run_id]["storage_url"]
-        if location not in storages:
-            storages[location] = open_storage(location)
-        try:
-            study = optuna.load_study(study_name=name, storage=storages[location])
-        except KeyError:
-            sections.append(f"<h2>{html.escape(name)}</h2><p>study not found in {html.escape(location)}</p>")
-            continue
+    for name, study in studies.items():
         images = []
         for kind, plot in (("history", optuna_plots.plot_optimization_history),
                            ("importances", optuna_plots.plot_param_importances)):
@@ -119,3 +113,59 @@ def write_report(db_location: str | None, out_dir: str, storage: str | None = No
     index.write_text(f"<html><head><title>fa4tune report</title></head><body><h1>fa4tune report</h1>{note}"
                      f"<p>{len(best)} best configs, {len(trials)} trials.</p>{''.join(sections)}</body></html>\n")
     return {"html": str(index), "png": pngs}
+
+
+def _load_studies(names: list[tuple[str, int]], runs: dict, db_location: str,
+                  storage: str | None) -> dict:
+    """The Optuna study of each (study name, run id), from `storage` or the one its run recorded;
+    a ReportError naming the study and the storage when either is missing. Nothing is created."""
+    import optuna
+
+    from .db import shown_location
+    from .errors import StorageError
+    from .tune.studies import open_storage
+
+    storages: dict[str, object] = {}
+    studies = {}
+    for name, run_id in names:
+        recorded = runs[run_id]["storage_url"]
+        location = storage or _recorded_storage(recorded, db_location, name, run_id)
+        shown = shown_location(location)
+        if location not in storages:
+            try:
+                storages[location] = open_storage(location, create=False)
+            except StorageError as exc:
+                raise ReportError(f"cannot read study {name!r} of run {run_id}: {exc}. Give the "
+                                  "Optuna storage that holds it with --storage") from exc
+        try:
+            studies[name] = optuna.load_study(study_name=name, storage=storages[location])
+        except KeyError:
+            raise ReportError(f"study {name!r} of run {run_id} is not in the Optuna storage "
+                              f"{shown!r}; give the storage that holds it with --storage") from None
+    return studies
+
+
+def _recorded_storage(recorded: str | None, db_location: str, name: str, run_id: int) -> str:
+    """The storage a run recorded. Runs of earlier fa4tune versions recorded a journal path relative
+    to the search's working directory, which is not the report's: such a path is looked for from
+    the results DB's directory, as given (the search ran there) or by its name alone (the journal
+    beside the DB, where it goes by default)."""
+    from .db import sqlite_path
+    from .tune.studies import journal_path
+
+    if not recorded:
+        raise ReportError(f"run {run_id} recorded no Optuna storage for study {name!r}; give the "
+                          "storage that holds it with --storage")
+    path = journal_path(recorded)
+    if path is None or path.is_absolute():
+        return recorded
+    db_file = sqlite_path(db_location)
+    directory = None if db_file is None else db_file.resolve().parent
+    beside = [] if directory is None else [directory / path, directory / path.name]
+    for candidate in beside:
+        if candidate.is_file():
+            return str(candidate)
+    looked = f" (looked for it from {directory}, the results DB's directory)" if directory else ""
+    raise ReportError(f"cannot read study {name!r} of run {run_id}: its Optuna journal "
+                      f"{recorded!r}, a path relative to where that search ran, was not "
+                      f"found{looked}; give it with --storage")

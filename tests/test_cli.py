@@ -3,6 +3,7 @@ nothing partial written."""
 
 import importlib.util
 import sqlite3
+from pathlib import Path
 
 import pytest
 import yaml
@@ -74,12 +75,77 @@ def test_report_writes_html_and_png(workdir, capsys):
     assert "estimates" in (workdir / "rep" / "index.html").read_text()
 
 
+needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                                      reason="report needs the [report] extra")
+RECORDED = ["as the search records it", "relative, as earlier versions did"]
+
+
+def search_elsewhere(workdir, capsys, monkeypatch, recorded: str):
+    """A search run in its own directory, then the working directory moved to another one: the
+    results DB's absolute path. Earlier versions recorded the journal's path relative to where the
+    search ran (here the parent of the DB's directory)."""
+    searched = workdir / "searched"
+    searched.mkdir()
+    monkeypatch.chdir(searched)
+    job = write_job(searched, spaces=["tiles", "pipeline"], budget={"trials": 8})
+    assert run_cli(capsys, "search", job, "--no-progress")[0] == 0
+    elsewhere = workdir / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    db = searched / "fa4tune-results" / "results.db"
+    con = sqlite3.connect(db)
+    [(stored,)] = con.execute("SELECT storage_url FROM runs").fetchall()
+    assert stored == str(db.parent.resolve() / "results.optuna.journal")  # the same from anywhere
+    if recorded == RECORDED[1]:
+        con.execute("UPDATE runs SET storage_url = 'fa4tune-results/results.optuna.journal'")
+        con.commit()
+    con.close()
+    return db
+
+
+@needs_matplotlib
+@pytest.mark.parametrize("recorded", RECORDED)
+def test_report_from_another_directory_plots_every_study(workdir, capsys, monkeypatch, recorded):
+    db = search_elsewhere(workdir, capsys, monkeypatch, recorded)
+    code, out, err = run_cli(capsys, "report", "--db", db, "--out", "rep")
+    assert code == 0, err
+    report = workdir / "elsewhere" / "rep"
+    pngs = sorted(p.name for p in report.glob("*.png"))
+    assert any("history" in p for p in pngs) and any("importances" in p for p in pngs), pngs
+    assert "not found" not in (report / "index.html").read_text()
+    assert sorted(p.name for p in report.parent.iterdir()) == ["rep"]  # no journal made here
+
+
+@needs_matplotlib
+@pytest.mark.parametrize("recorded", RECORDED)
+def test_report_whose_storage_is_gone_fails_naming_it(workdir, capsys, monkeypatch, recorded):
+    db = search_elsewhere(workdir, capsys, monkeypatch, recorded)
+    journal = db.parent / "results.optuna.journal"
+    journal.unlink()
+    message = assert_bad_input(capsys, ["report", "--db", db, "--out", "rep"],
+                               "cannot read study 'job/", "--storage")
+    named = str(journal) if recorded == RECORDED[0] else "'fa4tune-results/results.optuna.journal'"
+    assert named in message, message
+    assert not journal.exists()
+    assert list((workdir / "elsewhere").iterdir()) == []  # neither a journal nor half a report
+
+
 def test_report_without_matplotlib_says_how_to_get_it(workdir, capsys, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "matplotlib" else real(n, *a))
     job = write_job(workdir)
     assert run_cli(capsys, "search", job, "--no-progress")[0] == 0
     assert_bad_input(capsys, ["report"], "matplotlib", "fa4tune[report]")
+
+
+def test_doctor_notes_a_missing_optional_extra_neither_ok_nor_bad(workdir, capsys, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "matplotlib" else real(n, *a))
+    code, out, _ = run_cli(capsys, "doctor")
+    [line] = [line for line in out.splitlines() if "[report]" in line]
+    assert line.split() == ["--", "[report]", "matplotlib", "missing:", "pip", "install", "'fa4tune[report]'"]
+    bad = [line for line in out.splitlines() if line.startswith("BAD")]
+    assert code == (1 if bad else 0), out  # the note alone does not fail doctor
 
 
 def test_show_flags_stale_configs(workdir, capsys):
@@ -91,6 +157,18 @@ def test_show_flags_stale_configs(workdir, capsys):
     con.close()
     code, out, _ = run_cli(capsys, "show")
     assert code == 0 and "STALE" in out and "1 stale" in out
+
+
+@pytest.mark.parametrize("top", ["-1", "x"])
+def test_show_refuses_a_negative_top(workdir, capsys, top):
+    """A negative --top would slice the slowest trials off each problem's list without a word."""
+    job = write_job(workdir)
+    assert run_cli(capsys, "search", job, "--no-progress")[0] == 0
+    with pytest.raises(SystemExit) as stop:
+        main(["show", "--top", top])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "--top" in err and "a whole number of 0 or more" in err and repr(top) in err
 
 
 # ---- bad input ------------------------------------------------------------------------------------
@@ -159,6 +237,33 @@ def test_unwritable_db_path(workdir, capsys):
     assert written(workdir) == ["a_file"]
 
 
+def unwritable_directory(tmp_path):
+    """A directory where no file can be made: one without write permission, or where that does not
+    bind (root) /proc, which refuses new files; the test is skipped where neither holds."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    for directory in (locked, Path("/proc")):
+        try:
+            (directory / "probe").open("x").close()
+        except OSError:
+            return directory
+        (directory / "probe").unlink()
+    pytest.skip("no unwritable directory here (root, and no /proc)")
+
+
+def test_a_db_in_an_unwritable_directory_is_named_as_such(workdir, capsys, tmp_path):
+    location = unwritable_directory(tmp_path) / "x.db"
+    message = assert_bad_input(capsys, ["search", write_job(workdir), "--db", location, "--no-progress"],
+                               f"cannot create results DB '{location}'", "is not a writable directory")
+    assert "corrupt" not in message
+    code, out, _ = run_cli(capsys, "doctor", "--db", location)
+    [line] = [line for line in out.splitlines() if "results db" in line]
+    assert line.startswith("BAD") and "is not a writable directory" in line, line
+    assert code == 1
+    assert not location.exists()
+
+
 def test_db_of_another_schema_version(workdir, capsys):
     job = write_job(workdir)
     assert run_cli(capsys, "search", job, "--no-progress", "--db", "old.db")[0] == 0
@@ -178,6 +283,54 @@ def test_corrupt_db_file(workdir, capsys):
     assert_bad_input(capsys, ["search", job, "--db", "broken.db"], "not a SQLite database")
     assert_bad_input(capsys, ["show", "--db", "broken.db"], "not a SQLite database")
     assert written(workdir) == ["broken.db"]
+
+
+def zero_byte_db(workdir):
+    """An empty file to give as --db, and a check that it is still one (no -wal, -shm beside it)."""
+    empty = workdir / "empty.db"
+    empty.touch()
+
+    def untouched():
+        assert empty.stat().st_size == 0
+        beside = sorted(p.name for p in workdir.iterdir() if p.name.startswith("empty.db"))
+        assert beside == ["empty.db"], beside
+
+    return empty, untouched
+
+
+def test_commands_that_read_leave_a_zero_byte_db_as_it_is(workdir, capsys):
+    """An empty file given as --db is no results DB yet: opened, it would be made a SQLite file."""
+    from fa4tune.problem import Problem
+    from fa4tune.runtime.lookup import lookup
+
+    empty, untouched = zero_byte_db(workdir)
+    for command in (["show"], ["export"], ["report", "--out", "rep"]):
+        message = assert_bad_input(capsys, [*command, "--db", empty])
+        assert "empty" in message and "empty.db" in message, message
+        untouched()
+    code, out, _ = run_cli(capsys, "doctor", "--db", empty)
+    [line] = [line for line in out.splitlines() if "results db" in line]
+    assert line.startswith("ok") and "an empty file, no results yet" in line, line
+    untouched()
+    with pytest.warns(RuntimeWarning, match="empty file"):
+        found = lookup(Problem(head_dim=128, seqlen_q=2048, batch=2, nheads_q=8), "H200",
+                       source=str(empty))
+    assert found.source == "default"
+    untouched()
+
+
+def test_a_search_refused_leaves_a_zero_byte_db_as_it_is(workdir, capsys):
+    """What the storage holds is checked before the results DB is touched, too."""
+    empty, untouched = zero_byte_db(workdir)
+    (workdir / "notes.txt").write_text("not a database\n")
+    job = write_job(workdir)
+    for flags, fragment in ((["--trials", "0"], "--trials"),
+                            (["--storage", empty], "is the results DB's file"),
+                            (["--storage", "notes.txt"], "is not an Optuna journal"),
+                            (["--storage", "sqlite:///notes.txt"], "is not a SQLite database")):
+        assert_bad_input(capsys, ["search", job, "--db", empty, "--no-progress", *flags], fragment)
+        untouched()
+    assert not (workdir / "empty.optuna.journal").exists()
 
 
 def test_table_for_another_kernel_hash(workdir, capsys):

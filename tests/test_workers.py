@@ -244,6 +244,40 @@ def test_ctrl_c_stops_every_worker_and_says_how_to_resume(workdir, slow_env):
         assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
 
 
+@pytest.mark.parametrize("moment, wait_s", [("workers starting", 0.0), ("workers starting", 0.2),
+                                            ("workers starting", 0.6), ("a worker measuring", 0.0)])
+def test_ctrl_c_to_the_process_group_prints_no_traceback(workdir, slow_env, moment, wait_s):
+    """Ctrl-C from a terminal reaches the search and its workers at once, and the search's SIGTERM
+    follows: whether a worker's interpreter is still starting, its handlers being installed, or a
+    trial being measured, the search stops quietly with status 130 and settles every trial."""
+    path = write_job(workdir, spaces=SPACE, problems=PROBLEMS, budget={"trials": 200},
+                     sampler="random")
+    for attempt in range(3):
+        db, journal = f"a{attempt}.db", str(workdir / f"a{attempt}.optuna.journal")
+        proc = start_search(workdir, slow_env, path, "--workers", 2, "--db", db, delay=0.1,
+                            new_session=True)
+        lines = []
+        if moment == "a worker measuring":
+            claimed_trial(journal, proc=proc)
+        else:  # said just before the workers are started
+            while not lines or "CPU worker processes share run" not in lines[-1]:
+                lines.append(proc.stdout.readline())
+                assert lines[-1], "".join(lines)
+        time.sleep(wait_s)
+        os.killpg(proc.pid, signal.SIGINT)
+        out = "".join(lines) + proc.communicate(timeout=120)[0]
+        assert proc.returncode == 130, out
+        assert "Traceback" not in out and "Exception ignored" not in out, out
+        assert "Continue with: fa4tune search" in out and "--resume" in out, out
+        with ResultsDB.open(db, create=False) as results:
+            assert results.runs()[0]["status"] == "interrupted"
+            stored = {t["optuna_number"] for t in results.trials() if t["source"] != "confirm"}
+        for trials in studies(journal).values():
+            assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING], out
+            complete = [t.number for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
+            assert set(complete) <= stored, out
+
+
 # ---- PostgreSQL -------------------------------------------------------------------------------------
 def test_four_workers_share_each_study_through_postgresql_and_survive_a_kill(workdir, slow_env, postgres, hold):
     db_url, storage_url = postgres

@@ -626,6 +626,12 @@ def _check_sqlite_file(path: Path, location: str, create: bool, make_parent: boo
                 f"results DB {location!r} is not a SQLite database (corrupt or another kind of file); "
                 "move it aside or give another path with --db or FA4TUNE_DB"
             )
+        if not head and not create:
+            # Opening it would make it a SQLite file (WAL mode is written to its header): a command
+            # that only reads leaves it as it is.
+            raise ResultsDBError(f"results DB {location!r} is an empty file (0 bytes), with no "
+                                 "results yet: run `fa4tune search` with it first, or give "
+                                 "another --db")
         if create and not os.access(path, os.W_OK):
             raise ResultsDBError(f"results DB {location!r} is not writable")
         return

@@ -36,8 +36,9 @@ from ..problem import Problem
 from ..space import ComposedSpace, compose
 from .studies import (CLAIM_ATTR, WORKER_ATTR, check_storage, default_storage_location, fail_stale, give_back,
                       hand_back, is_server_storage, make_sampler, open_storage, problem_seed,
-                      queued_params, quiet_optuna, start_heartbeat, study_name, trial_orphaned, worker_gone,
-                      try_sampler_options, worker_name, worker_seed)
+                      queued_params, quiet_optuna, resolved_storage_location, start_heartbeat,
+                      study_name, trial_orphaned, worker_gone, try_sampler_options, worker_name,
+                      worker_seed)
 from ..target import get_target
 
 SOURCE_ATTR = "fa4tune_source"
@@ -195,7 +196,8 @@ def run_search(job: Job, *, db: str | None = None, storage: str | None = None, r
             kernel_hash=kernel_hash, target=tgt.name, backend=backend_name, is_estimate=is_estimate,
             **{k: provenance.get(k) for k in RUN_GPU_FIELDS},
             dsl_version=provenance["dsl_version"], torch_version=provenance["torch_version"],
-            fa4tune_version=__version__, storage_url=shown_location(storage_location),
+            fa4tune_version=__version__,
+            storage_url=shown_location(resolved_storage_location(storage_location)),
         )
         if resume and not resumed:
             other = results_db.latest_run(job.name, kernel.name, kernel_hash, tgt.name, is_estimate=not is_estimate)
@@ -267,7 +269,15 @@ def _check_apart(db_location: str, storage_location: str) -> None:
     and a SQLite file is locked by one writer at a time."""
     from sqlalchemy.engine import make_url
 
-    if "://" not in storage_location:
+    from .studies import journal_path
+
+    if "://" not in storage_location:  # a journal file: not the results DB's file either
+        db_path = sqlite_path(db_location)
+        if db_path is not None and db_path.resolve() == journal_path(storage_location).resolve():
+            raise StorageError(
+                f"the Optuna journal {storage_location!r} is the results DB's file; give the "
+                "journal another path with --storage or the job's `storage` (or leave it out: "
+                f"{default_storage_location(db_location)})")
         return
     storage_url = make_url(storage_location)
     same = False

@@ -68,6 +68,13 @@ def journal_path(location: str) -> Path | None:
     return None if is_rdb(location) else Path(location.removeprefix("journal:")).expanduser()
 
 
+def resolved_storage_location(location: str) -> str:
+    """The location as a run records it, meaning the same from any working directory: a journal
+    file's absolute path; a URL as it is."""
+    path = journal_path(location)
+    return location if path is None else str(path.resolve())
+
+
 def heartbeat_seconds() -> int:
     value = os.environ.get("FA4TUNE_HEARTBEAT_S", str(HEARTBEAT_S))
     if not value.isdigit() or int(value) < 1:
@@ -90,15 +97,47 @@ def check_storage(location: str) -> None:
         if blocked is not None:
             raise StorageError(f"cannot write the Optuna journal {location!r}: {blocked} is not a writable "
                                "directory")
+        if path.is_file() and not _reads_as_journal(path):
+            raise StorageError(f"Optuna storage {location!r} is not an Optuna journal (its first "
+                               "line is not one of Optuna's records); move it aside or give "
+                               "another --storage")
         return
-    from ..db import UNREACHABLE_HINT, reach
+    from ..db import UNREACHABLE_HINT, reach, sqlite_path
+    from ..db.store import SQLITE_HEADER
 
     if is_server_storage(location):
         heartbeat_seconds()
+    else:  # SQLite answers SELECT 1 on any file: what the file holds is seen when Optuna opens it
+        path = sqlite_path(location)
+        if path is not None and path.is_file():
+            with open(path, "rb") as f:
+                head = f.read(len(SQLITE_HEADER))
+            if head and head != SQLITE_HEADER:
+                raise StorageError(f"Optuna storage {shown!r}: {path} is not a SQLite database; "
+                                   "move it aside or give another --storage")
     try:
         reach(location)
     except Exception as exc:  # the driver's and SQLAlchemy's many kinds all mean "cannot use it"
         raise StorageError(f"cannot use Optuna storage {shown!r}: {first_line(exc)}. {UNREACHABLE_HINT}") from exc
+
+
+def _reads_as_journal(path: Path) -> bool:
+    """Whether a file is empty or begins with one of Optuna's journal records (a JSON object with
+    an op_code). A first line still being written (no newline yet) gets the benefit of the doubt."""
+    import json
+
+    try:
+        with open(path, "rb") as f:
+            line = f.readline(1 << 20)
+    except OSError:  # unreadable: opening the storage says so
+        return True
+    if not line.endswith(b"\n"):
+        return True
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(record, dict) and "op_code" in record
 
 
 class JournalFlock:
@@ -151,14 +190,22 @@ def lost_schema_race(exc: BaseException) -> bool:
     return False
 
 
-def open_storage(location: str, heartbeat: bool | None = None):
+def open_storage(location: str, heartbeat: bool | None = None, create: bool = True):
     """An Optuna storage: an RDB URL, or a journal file path (optionally written `journal:PATH`). A
-    server storage records heartbeats (unless `heartbeat` is False) and hands stale trials back."""
+    server storage records heartbeats (unless `heartbeat` is False) and hands stale trials back.
+    Without `create`, a journal or SQLite file that does not exist is a StorageError (opening it
+    would make an empty one)."""
     import optuna
     from optuna.storages.journal import JournalFileBackend, JournalStorage
 
-    from ..db import engine_options, engine_url, first_line, shown_location
+    from ..db import engine_options, engine_url, first_line, shown_location, sqlite_path
 
+    if not create:
+        path = journal_path(location) if not is_rdb(location) else (
+            sqlite_path(location) if location.startswith("sqlite:") else None)
+        if path is not None and not path.exists():
+            raise StorageError(f"no Optuna storage at {shown_location(location)!r}: the file does "
+                               "not exist")
     try:
         if is_rdb(location):
             url = engine_url(location)

@@ -17,6 +17,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 from multiprocessing.connection import wait
 
 from .. import interrupts
@@ -25,6 +26,7 @@ from ..errors import BackendError, BackendUnavailable, Fa4tuneError, is_user_err
 MAX_RESTARTS = 3  # per worker slot
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_UNAVAILABLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 STOP_GRACE_S = 30  # how long interrupted workers get to store and settle their trials
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # what interrupts a worker (see _worker_main)
 
 
 # ---- planning ---------------------------------------------------------------------------------------
@@ -114,34 +116,51 @@ class WorkerSpec:
     backend: str
 
 
-def _worker_main(spec: WorkerSpec, conn) -> None:
-    """Entry of a worker process: search the run's problems, send a report, exit with a status."""
-    if spec.device is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = spec.device
-    from ..measure.worker import exit_with_parent
+class _StopOnce:
+    """A worker's handler of STOP_SIGNALS: the first interrupts the search (never inside a critical
+    section, see fa4tune.interrupts) and the trial in flight is settled; any later one (Ctrl-C
+    reaches the whole process group, then the coordinator's SIGTERM follows) is ignored, and so is
+    every one once `done`. Ignored here, in Python: a handler that set SIG_IGN raced with a signal
+    already received, which Python then reported with a traceback ("Signal 15 ignored due to race
+    condition")."""
 
-    exit_with_parent()  # a SIGKILLed coordinator leaves no worker behind
+    def __init__(self) -> None:
+        self.done = False
 
-    def stop(signum, frame):
-        # Once: the trial in flight is settled while a second signal (Ctrl-C reaches the whole
-        # process group, then the coordinator's SIGTERM) is ignored. Never inside a critical section.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    def __call__(self, signum, frame) -> None:
+        if self.done:
+            return
+        self.done = True
         interrupts.handler(signum, frame)
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+
+def _worker_main(spec: WorkerSpec, conn) -> None:
+    """Entry of a worker process: search the run's problems, send a report, exit with a status.
+    It starts with STOP_SIGNALS blocked (_Slot.start): one that came while its interpreter started
+    is delivered once its handler is in place, inside the `try` that turns it into a status."""
+    stop = _StopOnce()
     report: dict = {"results": {}, "error": None}
-    code = EXIT_OK
     try:
-        report["results"] = _work(spec)
+        try:
+            for signum in STOP_SIGNALS:
+                signal.signal(signum, stop)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+            if spec.device is not None:
+                os.environ["CUDA_VISIBLE_DEVICES"] = spec.device
+            from ..measure.worker import exit_with_parent
+
+            exit_with_parent()  # a SIGKILLed coordinator leaves no worker behind
+            report["results"] = _work(spec)
+            code = EXIT_OK
+        except BackendUnavailable as exc:
+            report["error"], code = str(exc), EXIT_UNAVAILABLE
+        except Exception as exc:  # noqa: BLE001 - reported to the coordinator, which decides
+            report["error"] = str(exc) if is_user_error(exc) else f"{type(exc).__name__}: {exc}"
+            code = EXIT_BAD_INPUT if is_user_error(exc) else EXIT_FAILED
+        finally:
+            stop.done = True  # the report is sent whatever comes now
     except KeyboardInterrupt:
         code = EXIT_INTERRUPTED
-    except BackendUnavailable as exc:
-        report["error"], code = str(exc), EXIT_UNAVAILABLE
-    except Exception as exc:  # noqa: BLE001 - reported to the coordinator, which decides
-        report["error"] = str(exc) if is_user_error(exc) else f"{type(exc).__name__}: {exc}"
-        code = EXIT_BAD_INPUT if is_user_error(exc) else EXIT_FAILED
     try:
         conn.send(report)
         conn.close()
@@ -207,10 +226,22 @@ class _Slot:
         receive, send = context.Pipe(duplex=False)
         self.process = context.Process(target=_worker_main, args=(self.spec, send),
                                        name=f"fa4tune-search-worker-{self.spec.index}")
-        self.process.start()
-        send.close()
-        self.conn, self.report = receive, None
-        self.worker = worker_name(self.process.pid)  # read while it lives: its identity is in the name
+        # An interrupt waits until the worker is started and known (to _stop). The worker inherits
+        # this thread's signal mask through fork and exec: it starts with STOP_SIGNALS blocked, so
+        # that none cuts into its interpreter's start-up (a traceback, and no report) before its
+        # handler is in place. multiprocessing's resource tracker, started with the first process,
+        # unblocks them when it has started: so it is started first.
+        with interrupts.critical():
+            resource_tracker.ensure_running()
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+            try:
+                self.process.start()
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            send.close()
+            self.conn, self.report = receive, None
+            # Read while it lives: its identity is in the name.
+            self.worker = worker_name(self.process.pid)
 
     def collect(self) -> None:
         try:
@@ -240,11 +271,11 @@ def run_workers(run, plan: list[str | None], backend_name: str, db_location: str
     else:
         say(f"fa4tune: {len(plan)} worker process{'es' if len(plan) > 1 else ''} share run {run.run_id}, one per "
             f"GPU (CUDA_VISIBLE_DEVICES {', '.join(plan)})")
-    for slot in slots:
-        slot.start()
     failures: list[str] = []
     interrupted = False
     try:
+        for slot in slots:
+            slot.start()
         running = list(slots)
         while running:
             interrupts.checkpoint()  # a signal whose KeyboardInterrupt was swallowed (see fa4tune.interrupts)
@@ -283,7 +314,7 @@ def run_workers(run, plan: list[str | None], backend_name: str, db_location: str
                 slot.start()
                 running.append(slot)
     except KeyboardInterrupt:
-        _stop([slot for slot in slots if slot.process.is_alive()])
+        _stop([slot for slot in slots if slot.process is not None and slot.process.is_alive()])
         raise
     results = _results(context, slots, is_estimate, say)
     incomplete = [r for r in results if not r.stopped]
