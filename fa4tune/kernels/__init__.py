@@ -135,20 +135,8 @@ def family_for_problem(problem) -> KernelFamily:
     return takers[0]
 
 
-def kernel_for_target(target) -> KernelFamily:
-    """The family that runs on a target's arch (the default one first); an error when there is none."""
-    ordered = [get_kernel(None)] + [f for name, f in families().items() if name != DEFAULT_KERNEL]
-    for family in ordered:
-        if family.arch == target.arch:
-            return family
-    raise KernelError(
-        f"no fa4tune kernel runs on {target.name} ({target.arch}); kernels: "
-        + ", ".join(f"{f.name} ({f.arch})" for f in ordered)
-    )
-
-
 __all__ = [
     "DEFAULT_KERNEL", "ENTRY_POINT_GROUP", "Check", "KernelFamily", "Peer", "PeerUnavailable", "Rule",
-    "Tolerance", "code_text", "families", "family_for_problem", "get_kernel", "kernel_for_target",
+    "Tolerance", "code_text", "families", "family_for_problem", "get_kernel",
     "register_family", "rediscover", "unregister_family",
 ]

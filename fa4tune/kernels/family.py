@@ -122,8 +122,10 @@ class KernelFamily:
     rules: ClassVar[tuple[Rule, ...]] = ()
     # The fa4tune function whose calls this family serves ("attention"), if any.
     entry: ClassVar[str | None] = None
-    # Files whose code decides the compiled kernel, relative to fa4tune/kernels/: editing them makes
-    # tuned tables stale (comments and docstrings do not count: source.code_text).
+    # Files whose code decides the compiled kernel, relative to `source_root` (None: fa4tune/kernels/,
+    # for the built-in families): editing them makes tuned tables stale (comments and docstrings do
+    # not count: source.code_text).
+    source_root: ClassVar[Path | None] = None
     source_globs: ClassVar[tuple[str, ...]] = ()
     source_excludes: ClassVar[tuple[str, ...]] = ()
 
@@ -172,17 +174,18 @@ class KernelFamily:
 
     # ---- the code -----------------------------------------------------------------------------
     def source_files(self) -> list[Path]:
+        root = self.source_root or KERNELS_DIR
         files: set[Path] = set()
         for pattern in self.source_globs:
-            files.update(p for p in KERNELS_DIR.glob(pattern) if p.is_file())
-        excluded = {KERNELS_DIR / name for name in self.source_excludes}
+            files.update(p for p in root.glob(pattern) if p.is_file())
+        excluded = {root / name for name in self.source_excludes}
         return sorted(p for p in files if p not in excluded)
 
     def source_hash(self) -> str:
         """The hash of the code that decides the compiled kernel, computed once per process."""
         with self._hash_lock:
             if self._hash is None:
-                self._hash = hash_files(self.source_files(), KERNELS_DIR)
+                self._hash = hash_files(self.source_files(), self.source_root or KERNELS_DIR)
             return self._hash
 
     # ---- compiling and launching (torch and the DSL imported here) -------------------------------
