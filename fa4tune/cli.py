@@ -1,4 +1,4 @@
-"""The `fa4tune` command: search | show | export | import | report | doctor.
+"""The `fa4tune` command: search | show | export | import | carry | report | doctor.
 
 Bad input ends with one paragraph on stderr and exit status 2; an interrupted search with status 130
 after saying how to resume it."""
@@ -10,8 +10,18 @@ import dataclasses
 import os
 import sys
 
-from . import __version__
+from . import __version__, interrupts
+from .db import ResultsDB, shown_location
+from .doctor import NOTE, diagnose
 from .errors import Fa4tuneError, is_user_error
+from .kernels import families, get_kernel
+from .report import write_report
+from .runtime.carry import carry_table
+from .runtime.tables import (TableError, check_importable, default_table_path, existing_tables, export_table,
+                             import_table, read_table, table_entries)
+from .target import get_target
+from .tune.job import load_job
+from .tune.search import SearchInterrupted, run_search
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
@@ -23,11 +33,6 @@ def _say(message: str) -> None:
 
 # ---- search -----------------------------------------------------------------------------------------
 def cmd_search(args) -> int:
-    from . import interrupts
-    from .db import shown_location
-    from .tune.job import load_job
-    from .tune.search import SearchInterrupted, run_search
-
     job = load_job(args.job)
     if args.export is not None:
         if not args.export.strip():
@@ -97,8 +102,6 @@ def config_text(config: dict, reference: dict | None = None, unchanged: str = "(
 
 
 def _default_of(kernel, problem_dict: dict, target_name: str) -> dict | None:
-    from .target import get_target
-
     try:
         return kernel.default_config(kernel.problem(problem_dict), get_target(target_name)).to_dict()
     except Exception:
@@ -106,8 +109,6 @@ def _default_of(kernel, problem_dict: dict, target_name: str) -> dict | None:
 
 
 def _entries_rows(entries, installed: dict) -> list[list]:
-    from .kernels import get_kernel
-
     rows = []
     for e in entries:
         kernel = get_kernel(e.kernel)
@@ -119,12 +120,9 @@ def _entries_rows(entries, installed: dict) -> list[list]:
 
 
 def cmd_show(args) -> int:
-    from .kernels import families, get_kernel
-
     installed = {name: spec.source_hash() for name, spec in families().items()}
     headers = ["problem", "target", "ms", "TFLOP/s", "kind", "stale", "config (knobs that differ from default)"]
     if args.table:
-        from .runtime.tables import read_table, table_entries
 
         document = read_table(args.table)
         entries = table_entries(document)
@@ -139,8 +137,6 @@ def cmd_show(args) -> int:
         _say(_format_table(headers, _entries_rows(entries, installed)))
         return 0
 
-    from .db import ResultsDB
-    from .target import get_target
 
     target = get_target(args.target).name if args.target else None  # the DB holds "H200", not "h200"
     with ResultsDB.open(args.db, create=False) as db:
@@ -176,7 +172,6 @@ def cmd_show(args) -> int:
 def _refuse_overwrite(out: str) -> None:
     """An existing table is someone's tuning (the shipped one: measurements and their carry records):
     `export` replaces it only when told to, and says what would be lost."""
-    from .runtime.tables import TableError, existing_tables
 
     for path, document in existing_tables(out):
         if isinstance(document, TableError):
@@ -193,11 +188,6 @@ def _refuse_overwrite(out: str) -> None:
 
 
 def cmd_export(args) -> int:
-    from .db import ResultsDB
-    from .kernels import get_kernel
-    from .runtime.tables import default_table_path, export_table
-    from .target import get_target
-
     kernel = get_kernel(args.kernel)
     with ResultsDB.open(args.db, create=False) as db:
         targets = ([get_target(args.target).name] if args.target
@@ -218,9 +208,6 @@ def cmd_export(args) -> int:
 
 
 def cmd_import(args) -> int:
-    from .db import ResultsDB
-    from .runtime.tables import check_importable, import_table
-
     check_importable(args.table)  # a bad or stale table fails before a DB is created
     with ResultsDB.open(args.db, create=True) as db:
         report = import_table(db, args.table)
@@ -232,8 +219,6 @@ def cmd_import(args) -> int:
 
 
 def cmd_carry(args) -> int:
-    from .runtime.carry import carry_table
-
     carry_table(args.table, args.rev, repo=args.repo, write=args.write, say=_say)
     if not args.write:
         _say("fa4tune carry: checked only; --write rewrites the table")
@@ -242,16 +227,12 @@ def cmd_carry(args) -> int:
 
 # ---- report / doctor --------------------------------------------------------------------------------
 def cmd_report(args) -> int:
-    from .report import write_report
-
     paths = write_report(args.db, args.out, storage=args.storage)
     _say(f"fa4tune: report written: {paths['html']} ({len(paths['png'])} PNG plots)")
     return 0
 
 
 def cmd_doctor(args) -> int:
-    from .doctor import NOTE, diagnose
-
     labels = {True: "ok ", False: "BAD", NOTE: "-- "}  # a note does not fail the check
     healthy = True
     for name, ok, detail in diagnose(args.db):

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 from importlib import metadata
+from . import __version__
+from .kernels import families
+from .target import is_described, target_for_device
+from .db import SCHEMA_VERSION, ResultsDB, resolve_location, shown_location, sqlite_path
+from .errors import ResultsDBError
 
 
 def package_version(dist: str) -> str | None:
@@ -18,8 +23,6 @@ NOTE = None  # a line's state that is neither healthy nor not: an optional extra
 def diagnose(db_location: str | None = None) -> list[tuple[str, bool | None, str]]:
     """(check, healthy, detail) lines; a missing GPU is healthy (the model backend runs), a missing
     optional extra is a NOTE (what it would add is not there, yet nothing is broken)."""
-    from . import __version__
-    from .kernels import families
 
     lines: list[tuple[str, bool | None, str]] = [("fa4tune", True, __version__)]
     torch_version = package_version("torch")
@@ -32,7 +35,6 @@ def diagnose(db_location: str | None = None) -> list[tuple[str, bool | None, str
 
             lines.append(("torch", True, f"{torch.__version__} (CUDA build {torch.version.cuda or 'none'})"))
             if torch.cuda.is_available():
-                from .target import is_described, target_for_device
 
                 props = torch.cuda.get_device_properties(torch.cuda.current_device())
                 name = props.name
@@ -81,8 +83,6 @@ def cuda_driver_version() -> str | None:
 
 
 def _db_line(db_location: str | None) -> tuple[str, bool, str]:
-    from .db import SCHEMA_VERSION, ResultsDB, resolve_location, shown_location, sqlite_path
-    from .errors import ResultsDBError
 
     location = resolve_location(db_location)
     shown = shown_location(location)

@@ -10,7 +10,9 @@ import re
 import warnings
 from pathlib import Path
 
-from .errors import Fa4tuneError
+from .db import ResultsDB, shown_location, sqlite_path
+from .errors import Fa4tuneError, StorageError
+from .tune.studies import journal_path, open_storage, quiet_optuna
 
 
 class ReportError(Fa4tuneError):
@@ -38,8 +40,6 @@ def write_report(db_location: str | None, out_dir: str, storage: str | None = No
     import optuna
     from optuna.visualization import matplotlib as optuna_plots
 
-    from .db import ResultsDB, shown_location
-    from .tune.studies import quiet_optuna
 
     quiet_optuna()
     out = Path(out_dir)
@@ -121,9 +121,6 @@ def _load_studies(names: list[tuple[str, int]], runs: dict, db_location: str,
     a ReportError naming the study and the storage when either is missing. Nothing is created."""
     import optuna
 
-    from .db import shown_location
-    from .errors import StorageError
-    from .tune.studies import open_storage
 
     storages: dict[str, object] = {}
     studies = {}
@@ -150,8 +147,6 @@ def _recorded_storage(recorded: str | None, db_location: str, name: str, run_id:
     to the search's working directory, which is not the report's: such a path is looked for from
     the results DB's directory, as given (the search ran there) or by its name alone (the journal
     beside the DB, where it goes by default)."""
-    from .db import sqlite_path
-    from .tune.studies import journal_path
 
     if not recorded:
         raise ReportError(f"run {run_id} recorded no Optuna storage for study {name!r}; give the "

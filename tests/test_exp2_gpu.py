@@ -15,7 +15,7 @@ def _run_device_exp2(xs: np.ndarray, degree: int) -> np.ndarray:
     from cuda.bindings import driver as cuda
     from cutlass.cute.runtime import from_dlpack
 
-    from fa4tune.kernels.exp2_device import exp2_emulated
+    from fa4tune.kernels.sm90.exp2 import exp2_emulated
 
     @cute.kernel
     def apply(x: cute.Tensor, y: cute.Tensor, n: cutlass.Int32):

@@ -152,7 +152,7 @@ def _tuned_db_in_use(problem, workdir, monkeypatch):
     """A results DB in workdir holding one measured best for `problem` on this GPU (the default
     with tile_n 96 and three stages), made the lookup's source; the kernel and that config."""
     import fa4tune
-    from fa4tune.runtime.lookup import dispatch
+    from fa4tune.runtime import dispatch
     from fa4tune.db import ResultsDB
     from fa4tune.kernels import get_kernel
     from fa4tune.measure.base import Measurement
@@ -176,7 +176,7 @@ def test_fp16_runs_the_config_tuned_for_bf16(workdir, monkeypatch):
     """A DB that holds a bf16 problem only: an fp16 call of that shape takes its config (the
     sibling-dtype rung), launches it, and matches the reference at fp16's tolerance."""
     import fa4tune
-    from fa4tune.runtime.lookup import dispatch
+    from fa4tune.runtime import dispatch
     from fa4tune.kernels.common.reference import attention_reference
     from fa4tune.kernels.common.verify import TOLERANCES
 
@@ -202,7 +202,7 @@ def test_inputs_with_nothing_to_compute_give_zero_and_minus_inf(causal, monkeypa
     """No batch, no query rows or no keys: O zero and LSE -inf on the tensors' device and current
     stream, as in flash-attn-4, with no kernel compiled; attention_forward fills a caller's out and lse."""
     import fa4tune
-    from fa4tune.runtime.lookup import dispatch
+    from fa4tune.runtime import dispatch
     from fa4tune.kernels.common.inputs import UnsupportedInput
     from fa4tune.kernels.fa4_fwd_sm90 import launch as fwd_launch
     from fa4tune.kernels.fa4_fwd_sm90.config import FwdConfig
@@ -250,7 +250,7 @@ def test_inputs_with_nothing_to_compute_give_zero_and_minus_inf(causal, monkeypa
 
 def test_attention_runs_the_tables_config_on_the_current_stream(workdir, monkeypatch):
     import fa4tune
-    from fa4tune.runtime.lookup import dispatch
+    from fa4tune.runtime import dispatch
     from fa4tune.kernels.fa4_fwd_sm90.launch import attention_forward
 
     problem = Problem(head_dim=128, causal=True, seqlen_q=1536, batch=2, nheads_q=4)
@@ -277,7 +277,7 @@ def test_attention_runs_on_a_hopper_gpu_without_a_description(monkeypatch):
     import types
 
     import fa4tune
-    from fa4tune.runtime.lookup import dispatch
+    from fa4tune.runtime import dispatch
     from fa4tune.kernels.common.reference import attention_reference
     from fa4tune.kernels.fa4_fwd_sm90.compile import _CACHE
 

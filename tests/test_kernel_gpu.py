@@ -376,7 +376,7 @@ def test_kernels_that_ignore_the_counter_get_one_dummy_even_in_a_graph(monkeypat
     fa4tune.attention hand them one fixed dummy per device and never ask for a stream's counter (so
     nothing is allocated per call inside a graph), and a captured graph replays right."""
     import fa4tune
-    from fa4tune.runtime.lookup import dispatch
+    from fa4tune.runtime import dispatch
     from fa4tune.kernels.common import streams
     from fa4tune.kernels.fa4_fwd_sm90 import launch as fwd_launch
     from fa4tune.kernels.fa4_fwd_sm90.launch import attention_forward, launch_counter
@@ -495,7 +495,7 @@ def test_fa4tune_attention_takes_the_counter_of_the_stream_it_launches_on(monkey
     from types import SimpleNamespace
 
     import fa4tune
-    from fa4tune.runtime.lookup import dispatch
+    from fa4tune.runtime import dispatch
     from fa4tune.kernels.common import streams
     from fa4tune.kernels.fa4_fwd_sm90 import launch as fwd_launch
     from fa4tune.kernels.common.reference import attention_reference

@@ -318,7 +318,7 @@ def test_the_gpu_is_asked_once_torch_is_there_even_after_an_earlier_lookup():
     script = """
 import sys
 import fa4tune.target as target
-from fa4tune.runtime.lookup import lookup as runtime
+import fa4tune.runtime.lookup as runtime
 assert "torch" not in sys.modules
 target.detect_target = lambda undescribed=False: target.get_target("H100-SXM")
 first = runtime._target(None).name
@@ -343,7 +343,7 @@ def test_the_lookup_cache_is_bounded(tuned_db, monkeypatch):
 def test_a_lookup_without_target_before_torch_is_imported_says_what_it_assumed(monkeypatch):
     """Without torch the GPU is not asked (importing it costs seconds): the lookup is for H200 then, and
     says so once, since after torch is imported the same call may look up for the local GPU instead."""
-    from fa4tune.runtime.lookup import lookup as runtime
+    import fa4tune.runtime.lookup as runtime
 
     monkeypatch.delitem(sys.modules, "torch", raising=False)
     monkeypatch.delenv("FA4TUNE_TARGET", raising=False)

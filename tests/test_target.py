@@ -38,7 +38,7 @@ def test_kernels_for_other_sm_counts_are_compiled_apart():
 
 def test_dispatch_runs_a_hopper_gpu_it_has_no_description_of_on_default_configs(monkeypatch):
     torch = pytest.importorskip("torch")
-    from fa4tune.runtime.lookup import dispatch
+    from fa4tune.runtime import dispatch
     from fa4tune.runtime.dispatch import UnsupportedInput, _device_target
 
     def props(name, major, minor, sms):

@@ -17,7 +17,7 @@ from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from .. import interrupts, policy
+from .. import interrupts, policy, __version__
 from ..best import BestEntry, MergeReport, config_key, config_values
 from ..errors import Fa4tuneError, ResultsDBError
 from ..files import unwritable_ancestor
@@ -878,6 +878,5 @@ def first_line(exc: Exception) -> str:
 
 
 def _fa4tune_version() -> str:
-    from .. import __version__
 
     return f"fa4tune {__version__}"

@@ -28,6 +28,8 @@ from .pruner import make_pruner
 from .gpu_worker import ROLE_VARIABLE
 from .timing import round_order
 from .worker import Reply, WorkerProcess, WorkerUnavailable
+from ..target import get_target, partial_gpu
+from .pool import CompilePool
 
 DEFAULT_WORKER_MODULE = "fa4tune.measure.gpu_worker"
 
@@ -145,7 +147,6 @@ class GpuBackend(Backend):
         self.pool_failures = 0  # jobs in a row the compile pool could not take
         self.lookahead = self.options.workers()
         if self.lookahead:
-            from .pool import CompilePool
 
             self.pool = CompilePool(self.options.worker_module, self.lookahead, self.options.compile_timeout,
                                     env={ROLE_VARIABLE: "compile"}, start_timeout=self.options.start_timeout)
@@ -417,7 +418,6 @@ def artifact_path(directory: Path, kernel, config, problem, target) -> Path:
 def _worker_target(info: dict, wanted):
     """The target of the GPU the worker sees; an error when fa4tune does not know it, or when the
     job asked for another."""
-    from ..target import get_target, partial_gpu
 
     if not info.get("target"):
         raise BackendError(f"the gpu backend needs a GPU fa4tune knows (H100, H200, B200); the worker sees "

@@ -17,6 +17,12 @@ import os
 import subprocess
 import time
 
+from ..doctor import cuda_driver_version, package_version
+from ..kernels import get_kernel
+from ..kernels.family import Tolerance
+from ..target import Target, get_target, target_for_device_name
+from . import timing
+
 ROLE_VARIABLE = "FA4TUNE_WORKER_ROLE"
 CHEAP_TIMING = {"warmup_ms": 25.0, "min_runs": 5, "max_runs": 10, "target_ms": 25.0}
 # The GPU runs candidate after candidate, so its clocks are already up: 50 ms of warm-up, then 200 ms
@@ -32,8 +38,6 @@ def describe(state: dict) -> dict:
         return {"role": "compile", "pid": os.getpid()}
     import torch
 
-    from ..doctor import cuda_driver_version, package_version
-    from ..target import target_for_device_name
 
     if not torch.cuda.is_available():
         raise RuntimeError("no CUDA GPU is visible to the measuring worker")
@@ -121,15 +125,13 @@ def measure(request: dict, channel, state: dict) -> dict:
     tolerance, timing options, artifact (optional)."""
     import torch
 
-    from ..kernels.family import Tolerance
-    from .timing import L2Flusher, time_cuda
 
     family, problem, config, target = _candidate(request)
     compiled, compile_s, compiled_by = _kernel(request, family, problem, config, target)
     channel.phase("run")
     case = _case(family, problem, state)
     if "flusher" not in state:
-        state["flusher"] = L2Flusher(torch.device("cuda", state.get("device", 0)))
+        state["flusher"] = timing.L2Flusher(torch.device("cuda", state.get("device", 0)))
     flusher = state["flusher"]
     tolerance = Tolerance(**request["tolerance"])
 
@@ -143,15 +145,15 @@ def measure(request: dict, channel, state: dict) -> dict:
     wrong = check.verdict(tolerance)
     if wrong:
         return {**result, "status": "wrong", "reason": wrong}
-    timing = request.get("timing", {})
+    options = request.get("timing", {})
     if request.get("mode", "search") == "search":
-        cheap = time_cuda(run, flusher=flusher, **{**CHEAP_TIMING, **timing.get("cheap", {})})
+        cheap = timing.time_cuda(run, flusher=flusher, **{**CHEAP_TIMING, **options.get("cheap", {})})
         result.update(cheap_ms=cheap.median_ms, cheap_spread=cheap.spread, cheap_runs=cheap.runs)
         stop = channel.ask({"cheap_ms": cheap.median_ms})
         if stop:
             return {**result, "status": "stopped", "reason": stop, "time_ms": cheap.median_ms,
                     "spread": cheap.spread, "runs": cheap.runs}
-    full = time_cuda(run, flusher=flusher, **{**FULL_TIMING, **timing.get("full", {})})
+    full = timing.time_cuda(run, flusher=flusher, **{**FULL_TIMING, **options.get("full", {})})
     # Once more after the timed runs: they write the same values as the first, so without the poison a
     # kernel whose later launches write nothing (state an earlier launch left behind, a tile counter
     # not reset to zero) would pass on the first run's output, and time at next to nothing.
@@ -176,8 +178,6 @@ def poisoned_check(run, family, case, references, synchronize):
 
 def _candidate(request: dict):
     """(family, problem, config, target) of a request."""
-    from ..kernels import get_kernel
-    from ..target import Target, get_target
 
     family = get_kernel(request.get("kernel"))
     target = request["target"]  # the whole description: a device's own SM count is not its model's

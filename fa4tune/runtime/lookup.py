@@ -22,7 +22,9 @@ from pathlib import Path
 from .. import policy
 from ..errors import KernelError
 from ..kernels import family_for_problem, get_kernel
+from .. import target as targets
 from ..target import DEFAULT_TARGET, get_target
+from .tables import TableError, read_table, table_entries
 
 # The shipped tables: tuning_configs/tables, through the link fa4tune/shipped_tables (a wheel carries
 # the files themselves there).
@@ -157,7 +159,6 @@ class Lookup:
 
 
 def _read_source(source: str, warn) -> list:
-    from .tables import TableError, read_table, table_entries
 
     path = Path(source)
     if path.is_dir():  # one unreadable table of a directory costs its own entries only
@@ -190,9 +191,8 @@ def _target(target):
         if name:
             _target_cache["default"] = get_target(name)
         elif "torch" in sys.modules:
-            from ..target import detect_target
 
-            _target_cache["default"] = detect_target(undescribed=True) or get_target(DEFAULT_TARGET)
+            _target_cache["default"] = targets.detect_target(undescribed=True) or get_target(DEFAULT_TARGET)
         else:  # not kept: once torch is imported, the GPU is asked
             if "assumed" not in _target_cache:  # said once: a later call may answer differently
                 _target_cache["assumed"] = True
