@@ -494,17 +494,15 @@ def test_fa4tune_attention_takes_the_counter_of_the_stream_it_launches_on(monkey
     are back at zero."""
     from types import SimpleNamespace
 
-    import fa4tune
-    from fa4tune.runtime import dispatch
-    from fa4tune.kernels.common import streams
-    from fa4tune.kernels.fa4_fwd_sm90 import launch as fwd_launch
     from fa4tune.kernels.common.reference import attention_reference
+    from fa4tune.kernels.fa4_fwd_sm90 import launch as fwd_launch
+    from fa4tune.runtime import dispatch
 
     p = Problem(head_dim=128, causal=True, seqlen_q=2048, seqlen_k=2048, batch=2, nheads_q=16)
     q, k, v = make_inputs(p, seed=17)
     config = FwdConfig(rescale_threshold=8.0, persistent=True)
     assert config.uses_tile_counter(True)
-    monkeypatch.setattr(fa4tune.runtime, "lookup", lambda problem, target: SimpleNamespace(config=config))
+    monkeypatch.setattr(dispatch, "lookup", lambda problem, target, kernel=None: SimpleNamespace(config=config))
     ref_out, _ = attention_reference(q, k, v, causal=True)
     taken = []
     original = fwd_launch.current_tile_counter
