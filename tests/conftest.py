@@ -11,7 +11,14 @@ PLUGIN_DIR = Path(__file__).resolve().parent / "plugin_pkg"
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` run only where a CUDA GPU is present."""
+    """FA4TUNE_TEST_SHARD=i/n keeps every n-th test from the i-th (from 0): n processes then share
+    one GPU host's CPUs, whose compiles are most of the GPU tests' time. Tests marked `gpu` run only
+    where a CUDA GPU is present."""
+    shard = os.environ.get("FA4TUNE_TEST_SHARD")
+    if shard:
+        index, count = (int(part) for part in shard.split("/"))
+        config.hook.pytest_deselected(items=[item for n, item in enumerate(items) if n % count != index])
+        items[:] = [item for n, item in enumerate(items) if n % count == index]
     if not any(item.get_closest_marker("gpu") for item in items):
         return
     from fa4tune.measure.base import cuda_available
