@@ -37,6 +37,10 @@ with `persistent`, one after another):
   longest-first order (and the heads in flight out of L2): each CTA's producer takes its next tile from
   a global counter instead (an atomic add) and hands the number to its consumers through shared memory.
   The counter starts at zero and the last fetch of a launch puts it back to zero.
+
+The producer's methods pass their arguments grouped, in the frozen dataclasses of arguments.py
+(TMA loads, shared tiles, pipelines, tile schedule, tile info); the pipeline states, which the
+dynamic loops carry, travel on their own.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from ...problem import Problem
 from ...target import Target, get_target
 from . import resources
 from . import FAMILY
+from .arguments import Pipelines, SharedTensors, TileInfo, TileSchedule, TmaLoads
 from .config import FwdConfig
 from ..sm90.helpers import (
     acc_as_operand_a,
@@ -247,7 +252,7 @@ class FlashForwardSm90:
     # Device side
     # --------------------------------------------------------------------------------------------
     @cute.jit
-    def tile_coords(self, mQ: cute.Tensor, heads_per_l2_group: Int32, tile: Int32):
+    def tile_coords(self, sched: TileSchedule, tile: Int32):
         """(m_block, head, batch) of tile number `tile` (a persistent CTA's current tile, or this
         CTA's block index).
 
@@ -255,6 +260,7 @@ class FlashForwardSm90:
         m blocks of one head, which share its K/V, run side by side. Causal tiles are scheduled longest
         first (last rows first) and grouped by `heads_per_l2_group` heads whose K/V fit in L2
         together; inside a group the head index runs fastest."""
+        mQ, heads_per_l2_group = sched.mQ, sched.heads_per_l2_group
         seqlen_q = mQ.shape[0]
         nheads = mQ.shape[2]
         num_m = (seqlen_q + self.tile_m - 1) // self.tile_m
@@ -276,9 +282,10 @@ class FlashForwardSm90:
         head = bh - batch * nheads
         return m_block, head, batch
 
-    def first_tile(self, mQ: cute.Tensor):
+    def first_tile(self, sched: TileSchedule):
         """This CTA's first tile number and the number of tiles. A non-persistent CTA has one tile:
         its block index (the 3-D grid of non-causal runs flattened the way tile_coords reads it)."""
+        mQ = sched.mQ
         bx, by, bz = cute.arch.block_idx()
         tile = bx
         if const_expr(not self.persistent and not self.causal):
@@ -391,70 +398,81 @@ class FlashForwardSm90:
         if const_expr(self.tile_counter):
             sTile = storage.tile_slot.get_tensor(cute.make_layout(1))
 
+        # The kernel keeps its parameters one by one, as the launch passes them (they are the PTX
+        # entry's parameters, in this order, and the first ones name it); the producer takes them
+        # grouped (arguments.py).
+        smem = SharedTensors(sQ, sK, sV, sO)
+        pipes = Pipelines(pipe_q, pipe_k, pipe_v)
+        sched = TileSchedule(mQ, heads_per_l2_group, mTileCounter, sTile)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self.produce(
-                    mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
-                    heads_per_l2_group, mTileCounter, sTile,
-                )
+                self.produce(TmaLoads(tma_q, tma_k, tma_v, mQ, mK, mV), smem, pipes, sched)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(
-                mQ, mO, mLSE, sQ, sK, sV, sO, tma_o, mma_qk, mma_pv, pipe_q, pipe_k, pipe_v,
-                softmax_scale_log2, heads_per_l2_group, mK.shape[0], tidx - 128, sTile,
+                mO, mLSE, sQ, sK, sV, sO, tma_o, mma_qk, mma_pv, pipe_q, pipe_k, pipe_v,
+                softmax_scale_log2, sched, mK.shape[0], tidx - 128,
             )
 
     # ---- producer ------------------------------------------------------------------------------
     @cute.jit
-    def produce(
-        self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v, heads_per_l2_group,
-        mTileCounter, sTile,
-    ):
+    def produce(self, loads: TmaLoads, smem: SharedTensors, pipes: Pipelines, sched: TileSchedule):
         """Load Q and the visible K/V blocks of each of this CTA's tiles. The stage sequence runs on
         across tiles: a persistent CTA fills the next tile's stages as soon as they free up."""
+        mQ, mK = loads.mQ, loads.mK
+        # A name of its own: the tile number is written through it inside the loop, and the DSL
+        # carries a name written there through the loop (written through `sched`, the whole group).
+        sTile = sched.slot
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
-        tile, num_tiles = self.first_tile(mQ)
+        tile, num_tiles = self.first_tile(sched)
         while tile < num_tiles:
-            m_block, head, batch = self.tile_coords(mQ, heads_per_l2_group, tile)
+            m_block, head, batch = self.tile_coords(sched, tile)
             head_kv = head // (mQ.shape[2] // mK.shape[2])
-            n_block_max, _ = self.n_block_range(m_block, mQ.shape[0], mK.shape[0])
+            seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+            n_block_max, n_mask_min = self.n_block_range(m_block, seqlen_q, seqlen_k)
             if n_block_max > 0:
-                kv_state, q_state = self.produce_tile(
-                    mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
-                    m_block, head, head_kv, batch, n_block_max, kv_state, q_state,
-                )
+                info = TileInfo(m_block, head, batch, seqlen_q, seqlen_k, n_block_max, n_mask_min)
+                kv_state, q_state = self.produce_tile(loads, smem, pipes, info, head_kv, kv_state,
+                                                      q_state)
             if const_expr(self.tile_counter):
-                tile = self.fetch_tile(mTileCounter, num_tiles)
-                cute.arch.barrier(barrier_id=BARRIER_TILE_EMPTY, number_of_threads=self.tile_handoff_threads)
+                tile = self.fetch_tile(sched.counter, num_tiles)
+                cute.arch.barrier(barrier_id=BARRIER_TILE_EMPTY,
+                                  number_of_threads=self.tile_handoff_threads)
                 sTile[0] = tile
-                cute.arch.barrier_arrive(barrier_id=BARRIER_TILE_FULL, number_of_threads=self.tile_handoff_threads)
+                cute.arch.barrier_arrive(barrier_id=BARRIER_TILE_FULL,
+                                         number_of_threads=self.tile_handoff_threads)
             else:
                 tile = self.next_tile(tile, num_tiles)
 
     @cute.jit
-    def produce_tile(
-        self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
-        m_block, head, head_kv, batch, n_block_max, kv_state, q_state,
-    ):
-        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim_v), (None, 0))
+    def produce_tile(self, loads: TmaLoads, smem: SharedTensors, pipes: Pipelines, info: TileInfo,
+                     head_kv: Int32, kv_state: pipeline.PipelineState,
+                     q_state: pipeline.PipelineState):
+        """Load one tile's Q and its K/V blocks, last block first; returns the pipeline states for
+        the next tile."""
+        m_block, head, batch, n_block_max = info.m_block, info.head, info.batch, info.n_block_max
+        gQ = cute.local_tile(loads.mQ[None, None, head, batch], (self.tile_m, self.head_dim),
+                             (m_block, 0))
+        gK = cute.local_tile(loads.mK[None, None, head_kv, batch], (self.tile_n, self.head_dim),
+                             (None, 0))
+        gV = cute.local_tile(loads.mV[None, None, head_kv, batch], (self.tile_n, self.head_dim_v),
+                             (None, 0))
         one_cta = cute.make_layout(1)
-        tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, one_cta, cute.group_modes(sQ, 0, 2),
+        tQsQ, tQgQ = cpasync.tma_partition(loads.tma_q, 0, one_cta, cute.group_modes(smem.sQ, 0, 2),
                                            cute.group_modes(gQ, 0, 2))
-        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one_cta, cute.group_modes(sK, 0, 2),
+        tKsK, tKgK = cpasync.tma_partition(loads.tma_k, 0, one_cta, cute.group_modes(smem.sK, 0, 2),
                                            cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one_cta, cute.group_modes(sV, 0, 2),
+        tVsV, tVgV = cpasync.tma_partition(loads.tma_v, 0, one_cta, cute.group_modes(smem.sV, 0, 2),
                                            cute.group_modes(gV, 0, 2))
 
         # K of the first block goes first: the first S GEMM needs it together with Q.
-        self.load_stage(tma_k, pipe_k, tKgK, tKsK, n_block_max - 1, kv_state)
-        pipe_q.producer_acquire(q_state)
+        self.load_stage(loads.tma_k, pipes.k, tKgK, tKsK, n_block_max - 1, kv_state)
+        pipes.q.producer_acquire(q_state)
         if const_expr(self.q_stages > 1):
             tQsQ = tQsQ[None, q_state.index]
-        cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        cute.copy(loads.tma_q, tQgQ, tQsQ, tma_bar_ptr=pipes.q.producer_get_barrier(q_state))
         q_state.advance()
         if const_expr(self.intra_wg_overlap):
             # Consumers need K(j+1) before V(j): S GEMMs run one step ahead of PV GEMMs.
@@ -462,16 +480,16 @@ class FlashForwardSm90:
                 n_block = n_block_max - 2 - i
                 v_state = kv_state.clone()
                 kv_state.advance()
-                self.load_stage(tma_k, pipe_k, tKgK, tKsK, n_block, kv_state)
-                self.load_stage(tma_v, pipe_v, tVgV, tVsV, n_block + 1, v_state)
-            self.load_stage(tma_v, pipe_v, tVgV, tVsV, 0, kv_state)
+                self.load_stage(loads.tma_k, pipes.k, tKgK, tKsK, n_block, kv_state)
+                self.load_stage(loads.tma_v, pipes.v, tVgV, tVsV, n_block + 1, v_state)
+            self.load_stage(loads.tma_v, pipes.v, tVgV, tVsV, 0, kv_state)
         else:
-            self.load_stage(tma_v, pipe_v, tVgV, tVsV, n_block_max - 1, kv_state)
+            self.load_stage(loads.tma_v, pipes.v, tVgV, tVsV, n_block_max - 1, kv_state)
             for i in cutlass.range(n_block_max - 1, unroll=1):
                 n_block = n_block_max - 2 - i
                 kv_state.advance()
-                self.load_stage(tma_k, pipe_k, tKgK, tKsK, n_block, kv_state)
-                self.load_stage(tma_v, pipe_v, tVgV, tVsV, n_block, kv_state)
+                self.load_stage(loads.tma_k, pipes.k, tKgK, tKsK, n_block, kv_state)
+                self.load_stage(loads.tma_v, pipes.v, tVgV, tVsV, n_block, kv_state)
         kv_state.advance()  # the next tile starts on the next stage
         return kv_state, q_state
 
@@ -522,8 +540,8 @@ class FlashForwardSm90:
 
     @cute.jit
     def consume(
-        self, mQ, mO, mLSE, sQ, sK, sV, sO, tma_o, mma_qk, mma_pv, pipe_q, pipe_k, pipe_v,
-        softmax_scale_log2, heads_per_l2_group, seqlen_k, ctid, sTile,
+        self, mO, mLSE, sQ, sK, sV, sO, tma_o, mma_qk, mma_pv, pipe_q, pipe_k, pipe_v,
+        softmax_scale_log2, sched, seqlen_k, ctid,
     ):
         wg = cute.arch.make_warp_uniform(ctid // 128)
         wg_mma_qk = mma_qk.get_slice(wg * 128)
@@ -548,12 +566,12 @@ class FlashForwardSm90:
 
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
-        seqlen_q = mQ.shape[0]
-        tile, num_tiles = self.first_tile(mQ)
+        seqlen_q = sched.mQ.shape[0]
+        tile, num_tiles = self.first_tile(sched)
         if const_expr(self.tile_counter):  # the number slot starts empty
             cute.arch.barrier_arrive(barrier_id=BARRIER_TILE_EMPTY, number_of_threads=self.tile_handoff_threads)
         while tile < num_tiles:
-            m_block, head, batch = self.tile_coords(mQ, heads_per_l2_group, tile)
+            m_block, head, batch = self.tile_coords(sched, tile)
             n_block_max, n_mask_min = self.n_block_range(m_block, seqlen_q, seqlen_k)
             acc_O.fill(0.0)
             softmax.reset()
@@ -574,7 +592,7 @@ class FlashForwardSm90:
             self.epilogue(acc_O, lse, mO, mLSE, sO, tma_o, mma_pv, ctid, m_block, head, batch, seqlen_q)
             if const_expr(self.tile_counter):
                 cute.arch.barrier(barrier_id=BARRIER_TILE_FULL, number_of_threads=self.tile_handoff_threads)
-                tile = sTile[0]
+                tile = sched.slot[0]
                 if tile < num_tiles:
                     cute.arch.barrier_arrive(barrier_id=BARRIER_TILE_EMPTY,
                                              number_of_threads=self.tile_handoff_threads)
