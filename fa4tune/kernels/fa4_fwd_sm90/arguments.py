@@ -11,7 +11,9 @@ the pipelines themselves); names that are only read are not carried. Hence:
 - the groups are frozen dataclasses, so that calling a group member's method in a loop
   (`pipes.k.consumer_wait(kv)`) carries nothing, as `pipe_k.consumer_wait(kv)` carried nothing;
 - nothing is written through a group inside a dynamic region (that would carry the whole group):
-  the kernel binds such a tensor to a name of its own first, as the producer's tile slot is.
+  the kernel binds such a tensor to a name of its own first, as the tile slot and LSE are;
+- a value that the DSL does carry through a loop (acc_O, which the consumers' tile loop fills) is
+  grouped inside that loop, so that the methods it is passed to see the loop's value, as before.
 """
 
 from __future__ import annotations
@@ -36,6 +38,15 @@ class TmaLoads:
 
 
 @dataclass(frozen=True)
+class OutputStores:
+    """Where the consumers write a tile: O's TMA store atom and O, and LSE (seqlen, head, batch)."""
+
+    tma_o: cute.CopyAtom
+    mO: cute.Tensor
+    mLSE: cute.Tensor
+
+
+@dataclass(frozen=True)
 class SharedTensors:
     """The CTA's shared-memory tiles: Q, K and V as the TMA loads them, and O's staging buffer."""
 
@@ -54,6 +65,14 @@ class Pipelines:
     q: pipeline.PipelineTmaAsync  # q_stages
     k: pipeline.PipelineTmaAsync  # num_stages
     v: pipeline.PipelineTmaAsync  # num_stages
+
+
+@dataclass(frozen=True)
+class TiledMmas:
+    """The two GEMMs: S = Q K^T (both operands in shared memory), O += P V (P in registers)."""
+
+    qk: cute.TiledMma
+    pv: cute.TiledMma
 
 
 @dataclass(frozen=True)
@@ -79,3 +98,22 @@ class TileInfo:
     seqlen_k: Int32
     n_block_max: Int32  # K blocks [0, n_block_max) are visible to the tile
     n_mask_min: Int32  # [n_mask_min, n_block_max) cross the diagonal (causal)
+
+
+@dataclass(frozen=True)
+class WgFragments:
+    """A consumer thread's views of its warpgroup's GEMMs and softmax in the main loop."""
+
+    wg: Int32  # the consumer warpgroup, 0-based (warp-uniform)
+    tSrQ: cute.Tensor  # Q as the S GEMM's A operand (with a stage mode when q_stages is 2)
+    tSrK: cute.Tensor  # K as its B operand, per stage
+    tOrVt: cute.Tensor  # V^T as the PV GEMM's B operand, per stage
+    tOrP: cute.Tensor  # P in registers (16-bit), the PV GEMM's A operand
+    acc_O: cute.Tensor  # the O accumulator (fp32)
+    s_shape: cute.Shape  # the shape of one block's S accumulator (a fresh one per block)
+    row_scale: cute.Tensor  # per row of this thread: the factor O is rescaled by after a step
+    thr_mma_qk: cute.ThrMma  # this thread's slice of the S GEMM: where its scores lie in the tile
+    # Q and K in shared memory, for the lazy max's recompute: sQ with a stage mode (q_stages 2)
+    # until mainloop picks the tile's stage, sK per stage.
+    sQ: cute.Tensor
+    sK: cute.Tensor
