@@ -3,6 +3,7 @@
     config.py      the knobs (FwdConfig), their legal values, the feasibility rules, the defaults
     resources.py   shared-memory, register and tiling model (the rules' numbers)
     kernel.py      the CuTe DSL kernel (FlashForwardSm90)
+    arguments.py   the argument groups its device methods pass each other
     compile.py     compiling, the compile cache, object files
     launch.py      attention_forward and the prepared launch of fa4tune.attention
     cost_model.py  the analytic model the `model` backend times candidates with; calibrate.py fits it

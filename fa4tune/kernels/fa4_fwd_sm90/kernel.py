@@ -37,9 +37,15 @@ with `persistent`, one after another):
   longest-first order (and the heads in flight out of L2): each CTA's producer takes its next tile from
   a global counter instead (an atomic add) and hands the number to its consumers through shared memory.
   The counter starts at zero and the last fetch of a launch puts it back to zero.
+
+The device methods pass their arguments grouped, in the frozen dataclasses of arguments.py (TMA
+loads, output stores, shared tiles, pipelines, tiled MMAs, tile schedule, tile info, a warpgroup's
+fragments); the pipeline states, which the dynamic loops carry, travel on their own.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -53,6 +59,16 @@ from ...problem import Problem
 from ...target import Target, get_target
 from . import resources
 from . import FAMILY
+from .arguments import (
+    OutputStores,
+    Pipelines,
+    SharedTensors,
+    TileInfo,
+    TileSchedule,
+    TiledMmas,
+    TmaLoads,
+    WgFragments,
+)
 from .config import FwdConfig
 from ..sm90.helpers import (
     acc_as_operand_a,
@@ -247,7 +263,7 @@ class FlashForwardSm90:
     # Device side
     # --------------------------------------------------------------------------------------------
     @cute.jit
-    def tile_coords(self, mQ: cute.Tensor, heads_per_l2_group: Int32, tile: Int32):
+    def tile_coords(self, sched: TileSchedule, tile: Int32):
         """(m_block, head, batch) of tile number `tile` (a persistent CTA's current tile, or this
         CTA's block index).
 
@@ -255,6 +271,7 @@ class FlashForwardSm90:
         m blocks of one head, which share its K/V, run side by side. Causal tiles are scheduled longest
         first (last rows first) and grouped by `heads_per_l2_group` heads whose K/V fit in L2
         together; inside a group the head index runs fastest."""
+        mQ, heads_per_l2_group = sched.mQ, sched.heads_per_l2_group
         seqlen_q = mQ.shape[0]
         nheads = mQ.shape[2]
         num_m = (seqlen_q + self.tile_m - 1) // self.tile_m
@@ -276,9 +293,10 @@ class FlashForwardSm90:
         head = bh - batch * nheads
         return m_block, head, batch
 
-    def first_tile(self, mQ: cute.Tensor):
+    def first_tile(self, sched: TileSchedule):
         """This CTA's first tile number and the number of tiles. A non-persistent CTA has one tile:
         its block index (the 3-D grid of non-causal runs flattened the way tile_coords reads it)."""
+        mQ = sched.mQ
         bx, by, bz = cute.arch.block_idx()
         tile = bx
         if const_expr(not self.persistent and not self.causal):
@@ -391,70 +409,79 @@ class FlashForwardSm90:
         if const_expr(self.tile_counter):
             sTile = storage.tile_slot.get_tensor(cute.make_layout(1))
 
+        # The kernel keeps its parameters one by one, as the launch passes them (they are the PTX
+        # entry's parameters, in this order, and the first ones name it); its methods take them
+        # grouped (arguments.py).
+        smem = SharedTensors(sQ, sK, sV, sO)
+        pipes = Pipelines(pipe_q, pipe_k, pipe_v)
+        sched = TileSchedule(mQ, heads_per_l2_group, mTileCounter, sTile)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self.produce(
-                    mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
-                    heads_per_l2_group, mTileCounter, sTile,
-                )
+                self.produce(TmaLoads(tma_q, tma_k, tma_v, mQ, mK, mV), smem, pipes, sched)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            self.consume(
-                mQ, mO, mLSE, sQ, sK, sV, sO, tma_o, mma_qk, mma_pv, pipe_q, pipe_k, pipe_v,
-                softmax_scale_log2, heads_per_l2_group, mK.shape[0], tidx - 128, sTile,
-            )
+            self.consume(OutputStores(tma_o, mO, mLSE), smem, TiledMmas(mma_qk, mma_pv), pipes,
+                         sched, softmax_scale_log2, mK.shape[0], tidx - 128)
 
     # ---- producer ------------------------------------------------------------------------------
     @cute.jit
-    def produce(
-        self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v, heads_per_l2_group,
-        mTileCounter, sTile,
-    ):
+    def produce(self, loads: TmaLoads, smem: SharedTensors, pipes: Pipelines, sched: TileSchedule):
         """Load Q and the visible K/V blocks of each of this CTA's tiles. The stage sequence runs on
         across tiles: a persistent CTA fills the next tile's stages as soon as they free up."""
+        mQ, mK = loads.mQ, loads.mK
+        # A name of its own: the tile number is written through it inside the loop, and the DSL
+        # carries a name written there through the loop (written through `sched`, the whole group).
+        sTile = sched.slot
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
-        tile, num_tiles = self.first_tile(mQ)
+        tile, num_tiles = self.first_tile(sched)
         while tile < num_tiles:
-            m_block, head, batch = self.tile_coords(mQ, heads_per_l2_group, tile)
+            m_block, head, batch = self.tile_coords(sched, tile)
             head_kv = head // (mQ.shape[2] // mK.shape[2])
-            n_block_max, _ = self.n_block_range(m_block, mQ.shape[0], mK.shape[0])
+            seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+            n_block_max, n_mask_min = self.n_block_range(m_block, seqlen_q, seqlen_k)
             if n_block_max > 0:
-                kv_state, q_state = self.produce_tile(
-                    mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
-                    m_block, head, head_kv, batch, n_block_max, kv_state, q_state,
-                )
+                info = TileInfo(m_block, head, batch, seqlen_q, seqlen_k, n_block_max, n_mask_min)
+                kv_state, q_state = self.produce_tile(loads, smem, pipes, info, head_kv, kv_state,
+                                                      q_state)
             if const_expr(self.tile_counter):
-                tile = self.fetch_tile(mTileCounter, num_tiles)
-                cute.arch.barrier(barrier_id=BARRIER_TILE_EMPTY, number_of_threads=self.tile_handoff_threads)
+                tile = self.fetch_tile(sched.counter, num_tiles)
+                cute.arch.barrier(barrier_id=BARRIER_TILE_EMPTY,
+                                  number_of_threads=self.tile_handoff_threads)
                 sTile[0] = tile
-                cute.arch.barrier_arrive(barrier_id=BARRIER_TILE_FULL, number_of_threads=self.tile_handoff_threads)
+                cute.arch.barrier_arrive(barrier_id=BARRIER_TILE_FULL,
+                                         number_of_threads=self.tile_handoff_threads)
             else:
                 tile = self.next_tile(tile, num_tiles)
 
     @cute.jit
-    def produce_tile(
-        self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
-        m_block, head, head_kv, batch, n_block_max, kv_state, q_state,
-    ):
-        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim_v), (None, 0))
+    def produce_tile(self, loads: TmaLoads, smem: SharedTensors, pipes: Pipelines, info: TileInfo,
+                     head_kv: Int32, kv_state: pipeline.PipelineState,
+                     q_state: pipeline.PipelineState):
+        """Load one tile's Q and its K/V blocks, last block first; returns the pipeline states for
+        the next tile."""
+        m_block, head, batch, n_block_max = info.m_block, info.head, info.batch, info.n_block_max
+        gQ = cute.local_tile(loads.mQ[None, None, head, batch], (self.tile_m, self.head_dim),
+                             (m_block, 0))
+        gK = cute.local_tile(loads.mK[None, None, head_kv, batch], (self.tile_n, self.head_dim),
+                             (None, 0))
+        gV = cute.local_tile(loads.mV[None, None, head_kv, batch], (self.tile_n, self.head_dim_v),
+                             (None, 0))
         one_cta = cute.make_layout(1)
-        tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, one_cta, cute.group_modes(sQ, 0, 2),
+        tQsQ, tQgQ = cpasync.tma_partition(loads.tma_q, 0, one_cta, cute.group_modes(smem.sQ, 0, 2),
                                            cute.group_modes(gQ, 0, 2))
-        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one_cta, cute.group_modes(sK, 0, 2),
+        tKsK, tKgK = cpasync.tma_partition(loads.tma_k, 0, one_cta, cute.group_modes(smem.sK, 0, 2),
                                            cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one_cta, cute.group_modes(sV, 0, 2),
+        tVsV, tVgV = cpasync.tma_partition(loads.tma_v, 0, one_cta, cute.group_modes(smem.sV, 0, 2),
                                            cute.group_modes(gV, 0, 2))
 
         # K of the first block goes first: the first S GEMM needs it together with Q.
-        self.load_stage(tma_k, pipe_k, tKgK, tKsK, n_block_max - 1, kv_state)
-        pipe_q.producer_acquire(q_state)
+        self.load_stage(loads.tma_k, pipes.k, tKgK, tKsK, n_block_max - 1, kv_state)
+        pipes.q.producer_acquire(q_state)
         if const_expr(self.q_stages > 1):
             tQsQ = tQsQ[None, q_state.index]
-        cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        cute.copy(loads.tma_q, tQgQ, tQsQ, tma_bar_ptr=pipes.q.producer_get_barrier(q_state))
         q_state.advance()
         if const_expr(self.intra_wg_overlap):
             # Consumers need K(j+1) before V(j): S GEMMs run one step ahead of PV GEMMs.
@@ -462,16 +489,16 @@ class FlashForwardSm90:
                 n_block = n_block_max - 2 - i
                 v_state = kv_state.clone()
                 kv_state.advance()
-                self.load_stage(tma_k, pipe_k, tKgK, tKsK, n_block, kv_state)
-                self.load_stage(tma_v, pipe_v, tVgV, tVsV, n_block + 1, v_state)
-            self.load_stage(tma_v, pipe_v, tVgV, tVsV, 0, kv_state)
+                self.load_stage(loads.tma_k, pipes.k, tKgK, tKsK, n_block, kv_state)
+                self.load_stage(loads.tma_v, pipes.v, tVgV, tVsV, n_block + 1, v_state)
+            self.load_stage(loads.tma_v, pipes.v, tVgV, tVsV, 0, kv_state)
         else:
-            self.load_stage(tma_v, pipe_v, tVgV, tVsV, n_block_max - 1, kv_state)
+            self.load_stage(loads.tma_v, pipes.v, tVgV, tVsV, n_block_max - 1, kv_state)
             for i in cutlass.range(n_block_max - 1, unroll=1):
                 n_block = n_block_max - 2 - i
                 kv_state.advance()
-                self.load_stage(tma_k, pipe_k, tKgK, tKsK, n_block, kv_state)
-                self.load_stage(tma_v, pipe_v, tVgV, tVsV, n_block, kv_state)
+                self.load_stage(loads.tma_k, pipes.k, tKgK, tKsK, n_block, kv_state)
+                self.load_stage(loads.tma_v, pipes.v, tVgV, tVsV, n_block, kv_state)
         kv_state.advance()  # the next tile starts on the next stage
         return kv_state, q_state
 
@@ -500,9 +527,10 @@ class FlashForwardSm90:
             cute.arch.barrier_arrive(barrier_id=self.turn_barrier_first + nxt, number_of_threads=256)
 
     @cute.jit
-    def mask_scores(self, acc_S, thr_mma_qk, m_block, n_block, seqlen_q, seqlen_k,
-                    causal: cutlass.Constexpr[bool]):
+    def mask_scores(self, acc_S: cute.Tensor, thr_mma_qk: cute.ThrMma, info: TileInfo,
+                    n_block: Int32, causal: cutlass.Constexpr[bool]):
         """Set scores past seqlen_k (and, if causal, above the diagonal) to -inf."""
+        m_block, seqlen_q, seqlen_k = info.m_block, info.seqlen_q, info.seqlen_k
         scores = acc_rows_cols(acc_S)
         coords = acc_rows_cols(thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
         # Columns of thread 0 are compile-time constants; shift the limit by this thread's offset.
@@ -521,18 +549,18 @@ class FlashForwardSm90:
                 scores[r, c] = -Float32.inf if coords0[0, c][1] >= limit else scores[r, c]
 
     @cute.jit
-    def consume(
-        self, mQ, mO, mLSE, sQ, sK, sV, sO, tma_o, mma_qk, mma_pv, pipe_q, pipe_k, pipe_v,
-        softmax_scale_log2, heads_per_l2_group, seqlen_k, ctid, sTile,
-    ):
+    def consume(self, stores: OutputStores, smem: SharedTensors, mmas: TiledMmas, pipes: Pipelines,
+                sched: TileSchedule, softmax_scale_log2: Float32, seqlen_k: Int32, ctid: Int32):
+        """The main loop and epilogue of each of this CTA's tiles, for consumer thread `ctid`."""
         wg = cute.arch.make_warp_uniform(ctid // 128)
-        wg_mma_qk = mma_qk.get_slice(wg * 128)
-        wg_mma_pv = mma_pv.get_slice(wg * 128)
-        thr_mma_qk = mma_qk.get_slice(ctid)
-        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
-        tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
-        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(swap_first_modes(sV)))
-        acc_O = cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((self.tile_m, self.head_dim_v)), Float32)
+        wg_mma_qk = mmas.qk.get_slice(wg * 128)
+        wg_mma_pv = mmas.pv.get_slice(wg * 128)
+        thr_mma_qk = mmas.qk.get_slice(ctid)
+        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(smem.sQ))
+        tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(smem.sK))
+        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(swap_first_modes(smem.sV)))
+        acc_O = cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((self.tile_m, self.head_dim_v)),
+                                      Float32)
         tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n)))
         s_shape = wg_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
 
@@ -548,33 +576,36 @@ class FlashForwardSm90:
 
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
-        seqlen_q = mQ.shape[0]
-        tile, num_tiles = self.first_tile(mQ)
+        seqlen_q = sched.mQ.shape[0]
+        tile, num_tiles = self.first_tile(sched)
         if const_expr(self.tile_counter):  # the number slot starts empty
-            cute.arch.barrier_arrive(barrier_id=BARRIER_TILE_EMPTY, number_of_threads=self.tile_handoff_threads)
+            cute.arch.barrier_arrive(barrier_id=BARRIER_TILE_EMPTY,
+                                     number_of_threads=self.tile_handoff_threads)
         while tile < num_tiles:
-            m_block, head, batch = self.tile_coords(mQ, heads_per_l2_group, tile)
+            m_block, head, batch = self.tile_coords(sched, tile)
             n_block_max, n_mask_min = self.n_block_range(m_block, seqlen_q, seqlen_k)
+            info = TileInfo(m_block, head, batch, seqlen_q, seqlen_k, n_block_max, n_mask_min)
             acc_O.fill(0.0)
             softmax.reset()
+            # Grouped in the loop, not before it: the DSL carries acc_O through the loop (fill is
+            # called on it), and the main loop takes the loop's acc_O, as the epilogue does.
+            frags = WgFragments(wg, tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape, row_scale, thr_mma_qk,
+                                smem.sQ, smem.sK)
             if n_block_max > 0:
-                if self.has_no_rows(wg, m_block, seqlen_q):
+                if self.has_no_rows(wg, info):
                     # All of this warpgroup's rows lie past the end of Q (the last m block of a
                     # seqlen that tile_m does not divide): it keeps the pipeline and the turns going
                     # but leaves the tensor cores and the MUFU to the warpgroups with rows.
-                    kv, q_state = self.idle_mainloop(kv, q_state, wg, pipe_q, pipe_k, pipe_v, n_block_max)
+                    kv, q_state = self.idle_mainloop(kv, q_state, wg, pipes, n_block_max)
                 else:
-                    kv, q_state = self.mainloop(
-                        kv, q_state, wg, acc_O, tOrP, s_shape, tSrQ, tSrK, tOrVt, (sQ, sK), mma_qk, mma_pv,
-                        pipe_q, pipe_k, pipe_v, softmax, row_scale, thr_mma_qk, m_block, seqlen_q, seqlen_k,
-                        n_block_max, n_mask_min,
-                    )
+                    kv, q_state = self.mainloop(kv, q_state, frags, mmas, pipes, softmax, info)
             lse = cute.make_rmem_tensor(softmax.num_rows, Float32)
             softmax.finalize(acc_O, lse)
-            self.epilogue(acc_O, lse, mO, mLSE, sO, tma_o, mma_pv, ctid, m_block, head, batch, seqlen_q)
+            self.epilogue(acc_O, lse, stores, smem.sO, mmas.pv, ctid, info)
             if const_expr(self.tile_counter):
-                cute.arch.barrier(barrier_id=BARRIER_TILE_FULL, number_of_threads=self.tile_handoff_threads)
-                tile = sTile[0]
+                cute.arch.barrier(barrier_id=BARRIER_TILE_FULL,
+                                  number_of_threads=self.tile_handoff_threads)
+                tile = sched.slot[0]
                 if tile < num_tiles:
                     cute.arch.barrier_arrive(barrier_id=BARRIER_TILE_EMPTY,
                                              number_of_threads=self.tile_handoff_threads)
@@ -585,66 +616,65 @@ class FlashForwardSm90:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def mainloop(
-        self, kv, q_state, wg, acc_O, tOrP, s_shape, tSrQ, tSrK, tOrVt, sQK, mma_qk, mma_pv,
-        pipe_q, pipe_k, pipe_v, softmax, row_scale, thr_mma_qk, m_block, seqlen_q, seqlen_k,
-        n_block_max, n_mask_min,
-    ):
+    def mainloop(self, kv: pipeline.PipelineState, q_state: pipeline.PipelineState,
+                 frags: WgFragments, mmas: TiledMmas, pipes: Pipelines, softmax: OnlineSoftmax,
+                 info: TileInfo):
         """All K/V blocks of one tile (n_block_max > 0), last block first. Returns the pipeline states
         for the next tile."""
-        pipe_q.consumer_wait(q_state)
+        n_block_max, n_mask_min = info.n_block_max, info.n_mask_min
+        pipes.q.consumer_wait(q_state)
         if const_expr(self.q_stages > 1):
-            tSrQ = tSrQ[None, None, None, q_state.index]
+            # This tile's Q buffer, for the S GEMMs and the recompute.
+            sQ = frags.sQ
+            tSrQ = frags.tSrQ[None, None, None, q_state.index]
             if const_expr(self.lazy_max):
-                sQK = (sQK[0][None, None, q_state.index], sQK[1])
+                sQ = frags.sQ[None, None, q_state.index]
+            frags = replace(frags, tSrQ=tSrQ, sQ=sQ)
         if const_expr(self.intra_wg_overlap):
             # First block: S GEMM, mask (seqlen and causal), softmax; its PV GEMM waits for the
             # next S GEMM to be issued.
-            acc_S = cute.make_rmem_tensor(s_shape, Float32)
-            pipe_k.consumer_wait(kv)
-            wgmma(mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], accumulate=False, wait=0)
-            pipe_k.consumer_release(kv)
-            self.mask_scores(acc_S, thr_mma_qk, m_block, n_block_max - 1, seqlen_q, seqlen_k,
-                             self.causal)
-            softmax.step(acc_S, True, row_scale)
-            convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
+            acc_S = cute.make_rmem_tensor(frags.s_shape, Float32)
+            pipes.k.consumer_wait(kv)
+            wgmma(mmas.qk, acc_S, frags.tSrQ, frags.tSrK[None, None, None, kv.index],
+                  accumulate=False, wait=0)
+            pipes.k.consumer_release(kv)
+            self.mask_scores(acc_S, frags.thr_mma_qk, info, n_block_max - 1, self.causal)
+            softmax.step(acc_S, True, frags.row_scale)
+            convert_to_16bit(acc_as_operand_a(acc_S), frags.tOrP)
             n_masked = 0
             if const_expr(self.causal):
                 n_masked = cutlass.max(n_block_max - 1 - n_mask_min, 0)
             for i in cutlass.range(n_masked, unroll=1):
-                kv = self.overlapped_step(kv, n_block_max - 2 - i, True, wg, acc_O, tOrP, s_shape,
-                                          tSrQ, tSrK, tOrVt, sQK, mma_qk, mma_pv, pipe_k, pipe_v,
-                                          softmax, row_scale, thr_mma_qk, m_block, seqlen_q, seqlen_k)
+                kv = self.overlapped_step(kv, n_block_max - 2 - i, True, frags, mmas, pipes,
+                                          softmax, info)
             n_unmasked = n_block_max - 1
             if const_expr(self.causal):
                 n_unmasked = cutlass.min(n_block_max - 1, n_mask_min)
             for i in cutlass.range(n_unmasked, unroll=1):
-                kv = self.overlapped_step(kv, n_unmasked - 1 - i, False, wg, acc_O, tOrP, s_shape,
-                                          tSrQ, tSrK, tOrVt, sQK, mma_qk, mma_pv, pipe_k, pipe_v,
-                                          softmax, row_scale, thr_mma_qk, m_block, seqlen_q, seqlen_k)
+                kv = self.overlapped_step(kv, n_unmasked - 1 - i, False, frags, mmas, pipes,
+                                          softmax, info)
             # Every S GEMM of the tile is done: Q's buffer may take the next tile's Q (with two
             # buffers, the Q of the tile after next).
-            self.release_q(pipe_q, q_state)
+            self.release_q(pipes.q, q_state)
             # Last PV GEMM.
-            pipe_v.consumer_wait(kv)
-            wgmma(mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv.index], accumulate=True, wait=0)
-            pipe_v.consumer_release(kv)
+            pipes.v.consumer_wait(kv)
+            wgmma(mmas.pv, frags.acc_O, frags.tOrP, frags.tOrVt[None, None, None, kv.index],
+                  accumulate=True, wait=0)
+            pipes.v.consumer_release(kv)
             kv.advance()
         else:
-            self.turn_wait(wg)
+            self.turn_wait(frags.wg)
             n_masked = 1
             if const_expr(self.causal):
                 n_masked = cutlass.max(n_block_max - n_mask_min, 1)
             for i in cutlass.range(n_block_max, unroll=1):
-                kv = self.serial_step(kv, n_block_max - 1 - i, i, n_masked, wg, acc_O, tOrP, s_shape,
-                                      tSrQ, tSrK, tOrVt, sQK, mma_qk, mma_pv, pipe_k, pipe_v,
-                                      softmax, row_scale, thr_mma_qk, m_block, seqlen_q, seqlen_k)
-            self.turn_pass(wg)
-            self.release_q(pipe_q, q_state)
+                kv = self.serial_step(kv, i, n_masked, frags, mmas, pipes, softmax, info)
+            self.turn_pass(frags.wg)
+            self.release_q(pipes.q, q_state)
         q_state.advance()
         return kv, q_state
 
-    def has_no_rows(self, wg, m_block, seqlen_q):
+    def has_no_rows(self, wg: Int32, info: TileInfo):
         """Whether consumer warpgroup `wg` has no row of Q in this tile, checked only with three or
         four consumer warpgroups (tile_m 192 leaves one or two of them idle in the last m block of
         every power-of-two seqlen; tile_m 256 up to three below a multiple of 256). With two, whose tiles divide those seqlens, the branch buys
@@ -660,11 +690,12 @@ class FlashForwardSm90:
         for a reason not found; hence the gate above (docs/kernel-notes.md, v7)."""
         if const_expr(self.num_consumer_wg < 3 or (self.persistent and not self.causal)):
             return False
-        first_row = cute.arch.make_warp_uniform(m_block * self.tile_m + wg * 64)
-        return first_row >= seqlen_q
+        first_row = cute.arch.make_warp_uniform(info.m_block * self.tile_m + wg * 64)
+        return first_row >= info.seqlen_q
 
     @cute.jit
-    def idle_mainloop(self, kv, q_state, wg, pipe_q, pipe_k, pipe_v, n_block_max):
+    def idle_mainloop(self, kv: pipeline.PipelineState, q_state: pipeline.PipelineState, wg: Int32,
+                      pipes: Pipelines, n_block_max: Int32):
         """The main loop of a warpgroup without rows in this tile: no GEMM and no softmax, only the
         pipeline's waits and releases (every consumer warp releases every stage, and waits for it
         first so as never to arrive a phase early) and the GEMM turns: the same stages, phases and
@@ -677,35 +708,35 @@ class FlashForwardSm90:
         wait (lane 0: arrive K, wait V, arrive V; the other lanes: wait V), lane 0 could free V
         before the other lanes had seen it full, and once the stage was refilled those lanes waited
         on a phase of the same parity that never came (the hangs of docs/kernel-notes.md, v7)."""
-        pipe_q.consumer_wait(q_state)
+        pipes.q.consumer_wait(q_state)
         if const_expr(self.intra_wg_overlap):
-            self.idle_take(pipe_k, kv)
+            self.idle_take(pipes.k, kv)
             for _ in cutlass.range(n_block_max - 1, unroll=1):
                 kv_v = kv.clone()
                 kv.advance()
-                pipe_k.consumer_wait(kv)
+                pipes.k.consumer_wait(kv)
                 self.turn_wait(wg)
                 self.turn_pass(wg)
                 cute.arch.sync_warp()
-                pipe_k.consumer_release(kv)
-                self.idle_take(pipe_v, kv_v)
-            self.release_q(pipe_q, q_state)
-            self.idle_take(pipe_v, kv)
+                pipes.k.consumer_release(kv)
+                self.idle_take(pipes.v, kv_v)
+            self.release_q(pipes.q, q_state)
+            self.idle_take(pipes.v, kv)
             kv.advance()
         else:
             self.turn_wait(wg)
             for _ in cutlass.range(n_block_max, unroll=1):
-                pipe_k.consumer_wait(kv)
+                pipes.k.consumer_wait(kv)
                 self.turn_pass(wg)
                 cute.arch.sync_warp()
-                pipe_k.consumer_release(kv)
-                pipe_v.consumer_wait(kv)
+                pipes.k.consumer_release(kv)
+                pipes.v.consumer_wait(kv)
                 self.turn_wait(wg)
                 cute.arch.sync_warp()
-                pipe_v.consumer_release(kv)
+                pipes.v.consumer_release(kv)
                 kv.advance()
             self.turn_pass(wg)
-            self.release_q(pipe_q, q_state)
+            self.release_q(pipes.q, q_state)
         q_state.advance()
         return kv, q_state
 
@@ -721,88 +752,93 @@ class FlashForwardSm90:
             pipe_q.consumer_release(q_state)
 
     @cute.jit
-    def overlapped_step(self, kv, n_block, masked: cutlass.Constexpr[bool], wg, acc_O, tOrP, s_shape,
-                        tSrQ, tSrK, tOrVt, sQK, mma_qk, mma_pv, pipe_k, pipe_v, softmax, row_scale,
-                        thr_mma_qk, m_block, seqlen_q, seqlen_k):
+    def overlapped_step(self, kv: pipeline.PipelineState, n_block: Int32,
+                        masked: cutlass.Constexpr[bool], frags: WgFragments, mmas: TiledMmas,
+                        pipes: Pipelines, softmax: OnlineSoftmax, info: TileInfo):
         """S(n_block) = Q K^T issued before O += P V of the previous block; the softmax of S runs while
         that PV GEMM is in flight."""
         kv_v = kv.clone()
         kv.advance()
-        acc_S = cute.make_rmem_tensor(s_shape, Float32)
-        pipe_k.consumer_wait(kv)
-        self.turn_wait(wg)
-        wgmma(mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], accumulate=False, wait=-1)
-        pipe_v.consumer_wait(kv_v)
-        wgmma(mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_v.index], accumulate=True, wait=-1)
-        self.turn_pass(wg)
+        acc_S = cute.make_rmem_tensor(frags.s_shape, Float32)
+        pipes.k.consumer_wait(kv)
+        self.turn_wait(frags.wg)
+        wgmma(mmas.qk, acc_S, frags.tSrQ, frags.tSrK[None, None, None, kv.index],
+              accumulate=False, wait=-1)
+        pipes.v.consumer_wait(kv_v)
+        wgmma(mmas.pv, frags.acc_O, frags.tOrP, frags.tOrVt[None, None, None, kv_v.index],
+              accumulate=True, wait=-1)
+        self.turn_pass(frags.wg)
         warpgroup.wait_group(1)
         if const_expr(not self.lazy_max):
-            pipe_k.consumer_release(kv)
+            pipes.k.consumer_release(kv)
         if const_expr(masked):
-            self.mask_scores(acc_S, thr_mma_qk, m_block, n_block, seqlen_q, seqlen_k, True)
+            self.mask_scores(acc_S, frags.thr_mma_qk, info, n_block, True)
         if const_expr(self.lazy_max):
-            self.lazy_step(acc_S, softmax, row_scale, sQK, kv, thr_mma_qk, m_block, n_block, seqlen_q,
-                           seqlen_k, masked, True)
-            pipe_k.consumer_release(kv)  # only now: the recompute reads K's stage
+            self.lazy_step(acc_S, kv, n_block, masked, True, frags, softmax, info)
+            pipes.k.consumer_release(kv)  # only now: the recompute reads K's stage
         else:
-            softmax.step(acc_S, False, row_scale)
+            softmax.step(acc_S, False, frags.row_scale)
         warpgroup.wait_group(0)
-        pipe_v.consumer_release(kv_v)
+        pipes.v.consumer_release(kv_v)
         # P before the rescale: its conversions then sit among the exponentials, not behind the
         # rescale's branch.
-        convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
-        softmax.rescale(acc_O, row_scale)
+        convert_to_16bit(acc_as_operand_a(acc_S), frags.tOrP)
+        softmax.rescale(frags.acc_O, frags.row_scale)
         return kv
 
     @cute.jit
-    def serial_step(self, kv, n_block, i, n_masked, wg, acc_O, tOrP, s_shape, tSrQ, tSrK, tOrVt, sQK,
-                    mma_qk, mma_pv, pipe_k, pipe_v, softmax, row_scale, thr_mma_qk, m_block,
-                    seqlen_q, seqlen_k):
-        """One block without intra-warpgroup overlap: S GEMM, softmax, PV GEMM in sequence. The turn
-        is passed after the S GEMM and taken back before the PV GEMM, so the other warpgroup's GEMMs
-        run under this one's softmax."""
-        acc_S = cute.make_rmem_tensor(s_shape, Float32)
-        pipe_k.consumer_wait(kv)
-        wgmma(mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], accumulate=False, wait=-1)
-        self.turn_pass(wg)
+    def serial_step(self, kv: pipeline.PipelineState, i: Int32, n_masked: Int32,
+                    frags: WgFragments, mmas: TiledMmas, pipes: Pipelines, softmax: OnlineSoftmax,
+                    info: TileInfo):
+        """Block i of the tile (K block n_block_max - 1 - i; the first n_masked are masked)
+        without intra-warpgroup overlap: S GEMM, softmax, PV GEMM in sequence. The turn is passed
+        after the S GEMM and taken back before the PV GEMM, so the other warpgroup's GEMMs run under
+        this one's softmax."""
+        n_block = info.n_block_max - 1 - i
+        acc_S = cute.make_rmem_tensor(frags.s_shape, Float32)
+        pipes.k.consumer_wait(kv)
+        wgmma(mmas.qk, acc_S, frags.tSrQ, frags.tSrK[None, None, None, kv.index],
+              accumulate=False, wait=-1)
+        self.turn_pass(frags.wg)
         warpgroup.wait_group(0)
         if const_expr(not self.lazy_max):
-            pipe_k.consumer_release(kv)
+            pipes.k.consumer_release(kv)
         if i < n_masked:
-            self.mask_scores(acc_S, thr_mma_qk, m_block, n_block, seqlen_q, seqlen_k, self.causal)
+            self.mask_scores(acc_S, frags.thr_mma_qk, info, n_block, self.causal)
         # P is converted in both branches, so that a block takes one run-time branch, not two, and
         # the conversion still comes before the rescale.
         if i == 0:
-            softmax.step(acc_S, True, row_scale)
-            convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
+            softmax.step(acc_S, True, frags.row_scale)
+            convert_to_16bit(acc_as_operand_a(acc_S), frags.tOrP)
         else:
             if const_expr(self.lazy_max):
-                self.lazy_step(acc_S, softmax, row_scale, sQK, kv, thr_mma_qk, m_block, n_block, seqlen_q,
-                               seqlen_k, i < n_masked, self.causal)
+                self.lazy_step(acc_S, kv, n_block, i < n_masked, self.causal, frags, softmax, info)
             else:
-                softmax.step(acc_S, False, row_scale)
-            convert_to_16bit(acc_as_operand_a(acc_S), tOrP)
-            softmax.rescale(acc_O, row_scale)
+                softmax.step(acc_S, False, frags.row_scale)
+            convert_to_16bit(acc_as_operand_a(acc_S), frags.tOrP)
+            softmax.rescale(frags.acc_O, frags.row_scale)
         if const_expr(self.lazy_max):
-            pipe_k.consumer_release(kv)  # only now: the recompute reads K's stage
-        pipe_v.consumer_wait(kv)
-        self.turn_wait(wg)
-        wgmma(mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv.index], accumulate=True, wait=0)
-        pipe_v.consumer_release(kv)
+            pipes.k.consumer_release(kv)  # only now: the recompute reads K's stage
+        pipes.v.consumer_wait(kv)
+        self.turn_wait(frags.wg)
+        wgmma(mmas.pv, frags.acc_O, frags.tOrP, frags.tOrVt[None, None, None, kv.index],
+              accumulate=True, wait=0)
+        pipes.v.consumer_release(kv)
         kv.advance()
         return kv
 
     @cute.jit
-    def lazy_step(self, acc_S, softmax, row_scale, sQK, kv, thr_mma_qk, m_block, n_block, seqlen_q, seqlen_k,
-                  masked, causal: cutlass.Constexpr[bool]):
+    def lazy_step(self, acc_S: cute.Tensor, kv: pipeline.PipelineState, n_block: Int32, masked,
+                  causal: cutlass.Constexpr[bool], frags: WgFragments, softmax: OnlineSoftmax,
+                  info: TileInfo):
         """The softmax of a block after the tile's first with `lazy_max`; where the rise is too large to
         rescale by, the scores again (masked as the caller masked them: `masked`, a flag or a run-time
         condition) and the exact step. The caller releases K's stage after this."""
-        if softmax.step_lazy(acc_S, row_scale):
-            self.recompute_scores(acc_S, sQK[0], sQK[1][None, None, kv.index], thr_mma_qk)
+        if softmax.step_lazy(acc_S, frags.row_scale):
+            self.recompute_scores(acc_S, frags.sQ, frags.sK[None, None, kv.index], frags.thr_mma_qk)
             if masked:
-                self.mask_scores(acc_S, thr_mma_qk, m_block, n_block, seqlen_q, seqlen_k, causal)
-            softmax.step(acc_S, False, row_scale)
+                self.mask_scores(acc_S, frags.thr_mma_qk, info, n_block, causal)
+            softmax.step(acc_S, False, frags.row_scale)
 
     @cute.jit
     def recompute_scores(self, acc_S, sQ_tile, sK_block, thr_mma_qk):
@@ -836,7 +872,13 @@ class FlashForwardSm90:
         return ctid < 32
 
     @cute.jit
-    def epilogue(self, acc_O, lse, mO, mLSE, sO, tma_o, mma_pv, ctid, m_block, head, batch, seqlen_q):
+    def epilogue(self, acc_O: cute.Tensor, lse: cute.Tensor, stores: OutputStores, sO: cute.Tensor,
+                 mma_pv: cute.TiledMma, ctid: Int32, info: TileInfo):
+        """Store the tile's O (through shared memory and a TMA store) and its LSE."""
+        # Names of their own: the LSE store below writes through mLSE inside a run-time branch, and
+        # the DSL carries a name written there through the branch (`stores`: the whole group).
+        tma_o, mO, mLSE = stores.tma_o, stores.mO, stores.mLSE
+        m_block, head, batch, seqlen_q = info.m_block, info.head, info.batch, info.seqlen_q
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
         if const_expr(self.persistent):
