@@ -14,7 +14,7 @@ with `persistent`, one after another):
 * the softmax rescales O only when a row max rose by more than `rescale_threshold`, and takes
   `emu_share` of its exponentials on the FMA pipe (a degree-`poly_degree` polynomial);
 * with `lazy_max`, after a tile's first block the softmax exponentiates against the running max
-  without first taking the block's row max (softmax_sm90.py says how a rise is caught); a warp whose P
+  without first taking the block's row max (../sm90/softmax.py says how a rise is caught); a warp whose P
   overflowed recomputes its scores from Q and K in shared memory, so K's stage is released after the
   softmax instead of right after the S GEMM;
 * causal masking is applied only to the K blocks that cross the diagonal (bottom-right aligned), and
