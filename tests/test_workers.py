@@ -384,7 +384,8 @@ def test_one_worker_confirms_a_study_unless_it_died(workdir):
     import multiprocessing
 
     from fa4tune.tune.job import load_job
-    from fa4tune.tune.search import RunRef, _Context
+    from fa4tune.tune.run import RunRef
+    from fa4tune.tune.search import WorkerLoop
     from fa4tune.space import compose
     from fa4tune.tune.studies import worker_name
 
@@ -394,7 +395,7 @@ def test_one_worker_confirms_a_study_unless_it_died(workdir):
                      budget_seconds=None, shared=True)
 
         def worker(name):
-            context = _Context(run, compose(job.kernel, job.spaces), None, db, None, {}, False, print)
+            context = WorkerLoop(run, compose(job.kernel, job.spaces), None, db, None, {}, False, print)
             context.worker = name
             return context
 

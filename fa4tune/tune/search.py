@@ -25,12 +25,13 @@ import time
 import warnings
 from collections import deque
 from dataclasses import dataclass, field
-from importlib import metadata
 
 from .. import __version__, interrupts, policy
 from ..db import DuplicateTrial, ResultsDB, config_key, resolve_location, shown_location, sqlite_path
 from ..errors import BackendUnavailable, Fa4tuneError, KernelError, StorageError
 from .job import Job
+from .provenance import best_provenance, run_gpu_fields, versions
+from .run import ProblemResult, ResultsReport, RunRef
 from ..measure.base import Backend, Measurement, make_backend, resolve_backend_name
 from ..problem import Problem
 from ..space import ComposedSpace, compose
@@ -47,21 +48,6 @@ MAX_GRID_REQUEUES = 3  # a grid point that failed unmeasured this often is not q
 MAX_CONSECUTIVE_REPEATS = 25
 # How often a worker that waits for other workers' last trials of a problem looks again.
 POLL_S = 0.2
-
-
-@dataclass
-class ProblemResult:
-    problem: Problem
-    study_name: str
-    measured: int = 0  # configs measured in this study, over all sessions and workers
-    stopped_early: int = 0  # of those, stopped by the pruner after the cheap measurement
-    pruned: int = 0
-    repeats: int = 0
-    stopped: str = ""
-    default_ms: float | None = None
-    best_ms: float | None = None
-    best_tflops: float | None = None
-    best_config: dict | None = None
 
 
 @dataclass
@@ -86,26 +72,11 @@ class SearchInterrupted(Exception):
         self.summary = summary
 
 
-def _versions() -> dict:
-    def version(dist: str) -> str | None:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            return None
-
-    return {"dsl_version": version("nvidia-cutlass-dsl"), "torch_version": version("torch"),
-            "fa4tune_version": __version__}
-
-
 def _choose_target(job: Job, override):
     """The model backend's target (the gpu backend's is the GPU its worker sees)."""
     if override is not None:
         return get_target(override)
     return job.target or get_target(None)
-
-
-# What a run records of the GPU it measures on (filled in by the GPU workers when they start).
-RUN_GPU_FIELDS = ("gpu_name", "sm_count", "cuda_driver", "nvidia_driver", "cuda_version", "clocks")
 
 
 def run_search(job: Job, *, db: str | None = None, storage: str | None = None, resume: bool = False,
@@ -186,14 +157,14 @@ def run_search(job: Job, *, db: str | None = None, storage: str | None = None, r
         optuna_storage = open_storage(storage_location)
         kernel_hash = kernel.source_hash()
         if isinstance(backend, Backend):
-            provenance = {**backend.provenance(), **_versions()}
+            provenance = {**backend.provenance(), **versions()}
         else:
-            provenance = {"gpu_name": None, "sm_count": tgt.sm_count, **_versions()}
+            provenance = {"gpu_name": None, "sm_count": tgt.sm_count, **versions()}
         run_id, prefix, resumed = results_db.open_run(
             resume=resume, study_prefix=lambda rid: f"{job.name}/{kernel.name}-{kernel_hash[:12]}/{tgt.name}/run{rid}",
             job_name=job.name, job_path=job.path, job_text=job.text, kernel=kernel.name,
             kernel_hash=kernel_hash, target=tgt.name, backend=backend_name, is_estimate=is_estimate,
-            **{k: provenance.get(k) for k in RUN_GPU_FIELDS},
+            **run_gpu_fields(provenance),
             dsl_version=provenance["dsl_version"], torch_version=provenance["torch_version"],
             fa4tune_version=__version__, storage_url=shown_location(storage_location),
         )
@@ -218,10 +189,10 @@ def run_search(job: Job, *, db: str | None = None, storage: str | None = None, r
         try:
             if plan is None:
                 # Its own seed where other hosts may share the studies (each with a search like this one).
-                context = _Context(run, space, backend, results_db, optuna_storage,
-                                   _best_provenance(provenance, backend_name, run_id), progress, say,
-                                   worker_seed=worker_seed(0) if run.shared else 0)
-                summary.results = context.tune_all()
+                loop = WorkerLoop(run, space, backend, results_db, optuna_storage,
+                                  best_provenance(provenance, backend_name, run_id), progress, say,
+                                  worker_seed=worker_seed(0) if run.shared else 0)
+                summary.results = loop.tune_all()
             else:
                 from .workers import run_workers
 
@@ -285,16 +256,6 @@ def _check_apart(db_location: str, storage_location: str) -> None:
         )
 
 
-def _best_provenance(provenance: dict, backend_name: str, run_id: int) -> dict:
-    best = {"backend": backend_name, "gpu_name": provenance.get("gpu_name"),
-            "dsl_version": provenance["dsl_version"], "torch_version": provenance["torch_version"],
-            "fa4tune_version": __version__, "run": run_id}
-    for key in ("cuda_version", "nvidia_driver"):
-        if provenance.get(key):
-            best[key] = provenance[key]
-    return best
-
-
 def _sampler_for(job: Job, space: ComposedSpace, problem: Problem, target, worker_seed: int = 0,
                  shared: bool = False, earlier_trials: int = 0):
     """The problem's sampler. A study that already has trials (a resume, a restarted worker) gets a
@@ -305,24 +266,7 @@ def _sampler_for(job: Job, space: ComposedSpace, problem: Problem, target, worke
                         where=f"{job.path}: sampler", shared=shared, grid_seed=problem_seed(job.seed, problem.key()))
 
 
-@dataclass(frozen=True)
-class RunRef:
-    """What every worker of a run shares: the job, the run and its study names, the budgets."""
-
-    job: Job
-    run_id: int
-    prefix: str
-    kernel_hash: str
-    target: object
-    budget_trials: int | None
-    budget_seconds: float | None
-    shared: bool  # several workers (or hosts) may share the studies
-
-    def study_name(self, space: ComposedSpace, problem: Problem) -> str:
-        return study_name(self.prefix, space.signature(), problem.key())
-
-
-class _Context:
+class WorkerLoop:
     """One worker's search over the job's problems (the only worker, or one of many)."""
 
     def __init__(self, run: RunRef, space: ComposedSpace, backend: Backend | None, db: ResultsDB, storage,
@@ -334,6 +278,7 @@ class _Context:
         self.worker_seed = worker_seed
         self.summarise = summarise
         self.budget_trials, self.budget_seconds = run.budget_trials, run.budget_seconds
+        self.report = ResultsReport(run, space, db)
         self._state: dict[str, dict] = {}  # per study: this worker's clock and counters over passes
 
     # ---- the problems -------------------------------------------------------------------------
@@ -386,7 +331,7 @@ class _Context:
                 self.backend.note_stored_good(problem, good)
             state["first"] = False
         state["entered"] = time.monotonic()
-        result = self._result(problem, name)
+        result = self.report.counts(problem, name)
         result.repeats = state["repeats"]
         size = self.space.size(problem, self.target)
         bar = _progress_bar(problem, self.budget_trials, result.measured, self.progress)
@@ -396,7 +341,7 @@ class _Context:
         try:
             while True:
                 interrupts.checkpoint()  # a Ctrl-C that the garbage collector swallowed stops it here
-                result = self._result(problem, name, result)  # other workers' trials count too
+                result = self.report.counts(problem, name, result)  # other workers' trials count too
                 stop = self._stop_reason(result, size, state, name)
                 grid = "open" if stop or queue else self._grid_left(study)
                 if grid == "done":  # checked again where a failed point and its queued copy are written
@@ -457,9 +402,9 @@ class _Context:
                 self._confirm(problem, name)
             finally:  # done (or failed): trials measured later, by a resume or another host, need one too
                 self._release_confirmation(name)
-        result = self._result(problem, name, result)
+        result = self.report.counts(problem, name, result)
         if self.summarise:
-            self.say(self.summary_line(problem, result))
+            self.say(self.report.summary_line(problem, result, self.backend.is_estimate))
         return result
 
     @staticmethod
@@ -474,15 +419,6 @@ class _Context:
             self.db.record_study_seconds(self.run.run_id, name, seconds)
         except Exception as exc:  # noqa: BLE001 - the search's own exception, if any, matters more
             self.say(f"fa4tune: could not record the search time of {name}: {exc}")
-
-    def _result(self, problem: Problem, name: str, result: ProblemResult | None = None) -> ProblemResult:
-        """The problem's counts as the results DB has them now (all workers, all sessions)."""
-        result = result or ProblemResult(problem=problem, study_name=name)
-        counts = self.db.study_counts(name)
-        result.pruned = counts.pop("pruned", 0)
-        result.measured = sum(counts.values())
-        result.stopped_early = counts.get("stopped", 0)
-        return result
 
     def _stop_reason(self, result: ProblemResult, size, state: dict, name: str) -> str:
         if self.budget_trials is not None and result.measured >= self.budget_trials:
@@ -846,38 +782,6 @@ class _Context:
             if len(seen) >= self.job.warm_start:
                 break
         return seen
-
-    # ---- reporting ----------------------------------------------------------------------------
-    def _best(self, problem: Problem):
-        for entry in self.db.best_configs(kernel=self.kernel.name, kernel_hash=self.run.kernel_hash,
-                                          target=self.target.name):
-            if entry.problem_key == problem.key():
-                return entry
-        return None
-
-    def summary_line(self, problem: Problem, result: ProblemResult, is_estimate: bool | None = None) -> str:
-        """Fill in the result's default and best, and say them in one line."""
-        best = self._best(problem)
-        default = self.space.default_config(problem, self.target).to_dict()
-        stored_default = self.db.trial_by_config(result.study_name, default)
-        if stored_default is not None and stored_default["status"] == "ok":
-            result.default_ms = stored_default["time_ms"]
-        if best is not None:
-            result.best_ms, result.best_tflops, result.best_config = best.time_ms, best.tflops, best.config
-        if is_estimate is None:
-            is_estimate = self.backend.is_estimate
-        estimate = " (estimate)" if is_estimate else ""
-        if best is None:
-            line = "no feasible config measured"
-        else:
-            speedup = f", {result.default_ms / best.time_ms:.3f}x the default" if result.default_ms else ""
-            changed = {k: v for k, v in best.config.items() if default.get(k) != v}
-            line = (f"best {best.time_ms:.4g} ms = {best.tflops:.0f} TFLOP/s{estimate}{speedup}; "
-                    f"changed from default: {changed or 'nothing'}")
-        early = f" ({result.stopped_early} stopped early)" if result.stopped_early else ""
-        return (f"{problem.key()}: {line} [{result.measured} measured{early}, {result.pruned} pruned; "
-                f"{result.stopped}]")
-
 
 def _tell(study, number: int, status: str, time_ms: float | None) -> None:
     import optuna

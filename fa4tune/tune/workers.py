@@ -110,7 +110,7 @@ class WorkerSpec:
     job_name: str
     db: str
     storage: str
-    run: object  # search.RunRef without the job (it is parsed again from job_text)
+    run: object  # run.RunRef without the job (it is parsed again from job_text)
     backend: str
 
 
@@ -158,7 +158,8 @@ def _work(spec: WorkerSpec) -> dict:
     from ..db import ResultsDB
     from .job import parse_job
     from ..measure.base import make_backend
-    from .search import RUN_GPU_FIELDS, _Context, _best_provenance, _versions
+    from .provenance import best_provenance, run_gpu_fields, versions
+    from .search import WorkerLoop
     from ..space import compose
     from .studies import open_storage, quiet_optuna, worker_seed
 
@@ -177,13 +178,14 @@ def _work(spec: WorkerSpec) -> dict:
         backend = make_backend(spec.backend, job.kernel, run.target)
     try:
         db = ResultsDB.open(spec.db, create=False)
-        provenance = {**backend.provenance(), **_versions()}
-        db.fill_run(run.run_id, {k: provenance.get(k) for k in RUN_GPU_FIELDS})
-        context = _Context(run, compose(job.kernel, job.spaces), backend, db, open_storage(spec.storage),
-                           _best_provenance(provenance, spec.backend, run.run_id), progress=False,
-                           say=lambda message: print(f"[worker {spec.index}] {message}", flush=True),
-                           worker_seed=worker_seed(spec.index), summarise=False)
-        results = context.tune_all()
+        provenance = {**backend.provenance(), **versions()}
+        db.fill_run(run.run_id, run_gpu_fields(provenance))
+        loop = WorkerLoop(run, compose(job.kernel, job.spaces), backend, db,
+                          open_storage(spec.storage),
+                          best_provenance(provenance, spec.backend, run.run_id), progress=False,
+                          say=lambda message: print(f"[worker {spec.index}] {message}", flush=True),
+                          worker_seed=worker_seed(spec.index), summarise=False)
+        results = loop.tune_all()
         db.close()
     finally:
         backend.close()
@@ -224,7 +226,7 @@ def run_workers(run, plan: list[str | None], backend_name: str, db_location: str
                 results_db, storage, space, is_estimate: bool, say) -> list:
     """Run the job's problems in len(plan) worker processes; the per-problem results."""
     from ..measure.worker import describe_exit
-    from .search import _Context
+    from .search import WorkerLoop
 
     job = run.job
     if job.text is None:
@@ -234,7 +236,7 @@ def run_workers(run, plan: list[str | None], backend_name: str, db_location: str
                               job_name=job.name, db=db_location, storage=storage_location, run=shared_run,
                               backend=backend_name)) for i, device in enumerate(plan)]
     # The coordinator's view of the run: it hands back dead workers' trials and reports the problems.
-    context = _Context(run, space, None, results_db, storage, {}, progress=False, say=say)
+    context = WorkerLoop(run, space, None, results_db, storage, {}, progress=False, say=say)
     if plan[0] is None:
         say(f"fa4tune: {len(plan)} CPU worker process{'es' if len(plan) > 1 else ''} share run {run.run_id}")
     else:
@@ -332,12 +334,12 @@ def _results(context, slots, is_estimate: bool, say) -> list:
     results = []
     for problem in context.job.problems:
         name = context.run.study_name(context.space, problem)
-        result = context._result(problem, name)
+        result = context.report.counts(problem, name)
         reasons = [s.report["results"][problem.key()] for s in slots
                    if s.report and problem.key() in s.report.get("results", {})]
         result.repeats = sum(r["repeats"] for r in reasons)
         stops = sorted({r["stopped"] for r in reasons if r["stopped"]})
         result.stopped = "; ".join(stops)
-        say(context.summary_line(problem, result, is_estimate))
+        say(context.report.summary_line(problem, result, is_estimate))
         results.append(result)
     return results
