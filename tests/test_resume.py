@@ -309,7 +309,7 @@ def test_a_grid_point_that_always_fails_unmeasured_is_not_queued_for_ever(workdi
     fails for its own reasons (here a plugin's check raises on it): it is queued again at most
     MAX_GRID_REQUEUES times, and then counts as tried (the grid sampler must not propose it again)."""
     from fa4tune.errors import SpaceError
-    from fa4tune.tune.search import MAX_GRID_REQUEUES
+    from fa4tune.tune.grid import MAX_GRID_REQUEUES
     from fa4tune.space import Choice, SearchSpace, _registered, register_space
 
     class Boom(SearchSpace):

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from .. import __version__, interrupts, policy
 from ..db import DuplicateTrial, ResultsDB, config_key, resolve_location, shown_location, sqlite_path
 from ..errors import BackendUnavailable, Fa4tuneError, KernelError, StorageError
+from .grid import Grid, GridState
 from .job import Job
 from .provenance import best_provenance, run_gpu_fields, versions
 from .run import ProblemResult, ResultsReport, RunRef
@@ -37,12 +38,12 @@ from ..problem import Problem
 from ..space import ComposedSpace, compose
 from .studies import (CLAIM_ATTR, WORKER_ATTR, check_storage, default_storage_location, fail_stale, give_back,
                       hand_back, is_server_storage, make_sampler, open_storage, problem_seed,
-                      queued_params, quiet_optuna, start_heartbeat, study_name, trial_orphaned, worker_gone,
+                      queued_params, quiet_optuna, Heartbeat, study_name, trial_orphaned,
+                      worker_gone,
                       try_sampler_options, worker_name, worker_seed)
 from ..target import get_target
 
 SOURCE_ATTR = "fa4tune_source"
-MAX_GRID_REQUEUES = 3  # a grid point that failed unmeasured this often is not queued again
 # A sampler that keeps proposing configs it has already seen has converged on this problem (not the
 # grid sampler: it asks for each point once, and its repeats are points that are one config).
 MAX_CONSECUTIVE_REPEATS = 25
@@ -280,6 +281,8 @@ class WorkerLoop:
         self.budget_trials, self.budget_seconds = run.budget_trials, run.budget_seconds
         self.report = ResultsReport(run, space, db)
         self._state: dict[str, dict] = {}  # per study: this worker's clock and counters over passes
+        self._study_ids: dict[str, int] = {}  # per study: its id in the Optuna storage
+        self._grids: dict[str, Grid] = {}  # per study of a grid search: its points
 
     # ---- the problems -------------------------------------------------------------------------
     def tune_all(self) -> list[ProblemResult]:
@@ -307,6 +310,11 @@ class WorkerLoop:
             earlier = len(study.get_trials(deepcopy=False))
             study.sampler = _sampler_for(self.job, self.space, problem, self.target, self.worker_seed,
                                          self.run.shared, earlier)
+        name = study.study_name
+        self._study_ids[name] = self.storage.get_study_id_from_name(name)
+        if self.job.sampler.name == "grid":
+            self._grids[name] = Grid(study, self.storage, self._study_ids[name],
+                                     self.space.grid(problem, self.target))
         return study
 
     def tune(self, problem: Problem, wait: bool = True) -> ProblemResult | None:
@@ -343,22 +351,25 @@ class WorkerLoop:
                 interrupts.checkpoint()  # a Ctrl-C that the garbage collector swallowed stops it here
                 result = self.report.counts(problem, name, result)  # other workers' trials count too
                 stop = self._stop_reason(result, size, state, name)
-                grid = "open" if stop or queue else self._grid_left(study)
-                if grid == "done":  # checked again where a failed point and its queued copy are written
+                grid = GridState.OPEN if stop or queue else self._grid_left(name)
+                # Checked again where a failed point and its queued copy are written.
+                if grid is GridState.DONE:
                     with self.db.locked(name):
-                        grid = self._grid_left(study)
-                if grid == "done":
-                    stop = f"grid exhausted (all {len(study.sampler._all_grids)} points tried)"
+                        grid = self._grid_left(name)
+                if grid is GridState.DONE:
+                    stop = f"grid exhausted (all {self._grids[name].size} points tried)"
                 if stop:
                     result.stopped = stop
                     break
-                if not queue and (grid == "busy" or not self._slot_free(study, name, result)):
+                if not queue and (grid is GridState.BUSY or
+                                  not self._slot_free(study, name, result)):
                     if not wait:
                         return None  # the budget or the grid's last points: other workers measure them
                     time.sleep(POLL_S)
                     self.recover(study, name)
                     continue
-                while len(queue) < 1 + self.backend.lookahead and (not queue or self._grid_left(study) == "open"):
+                while len(queue) < 1 + self.backend.lookahead and \
+                        (not queue or self._grid_left(name) is GridState.OPEN):
                     queue.append(self._ask(study, problem, name))
                 outcome = self._run(study, problem, name, queue.popleft())
                 if outcome in ("full", "lost"):
@@ -433,22 +444,10 @@ class WorkerLoop:
             return "converged (the sampler only proposes configs already tried)"
         return ""
 
-    def _grid_left(self, study) -> str:
-        """A grid search's points: "open" while one is queued or was never asked for, "busy" while
-        the last ones are being measured, else "done" (each measured, pruned, or failed unmeasured
-        past its requeues). Asked for more then, the grid sampler proposes a point again."""
-        if self.job.sampler.name != "grid":
-            return "open"
-        import optuna
-
-        state = optuna.trial.TrialState
-        if study._storage.get_n_trials(study._study_id) < len(study.sampler._all_grids):
-            return "open"  # not every point asked for yet (a count, not a read of every trial)
-        trials = study.get_trials(deepcopy=False)
-        asked = {t.system_attrs["grid_id"] for t in trials if "grid_id" in t.system_attrs and t.state != state.WAITING}
-        if len(asked) < len(study.sampler._all_grids) or any(t.state == state.WAITING for t in trials):
-            return "open"
-        return "busy" if any(t.state == state.RUNNING for t in trials) else "done"
+    def _grid_left(self, name: str) -> GridState:
+        """What is left of a grid search's points (OPEN for a search of another sampler)."""
+        grid = self._grids.get(name)
+        return grid.state() if grid is not None else GridState.OPEN
 
     # ---- sharing the study --------------------------------------------------------------------
     def _in_flight(self, study, stored_among, trials=None, exclude: int | None = None,
@@ -578,7 +577,7 @@ class WorkerLoop:
                         trial = study.ask()
                     # The heartbeat first: a trial with a worker's name always has one, so that if the
                     # worker dies now, the trial either goes stale or, unnamed, is handed back at once.
-                    heartbeat = start_heartbeat(study, trial)
+                    heartbeat = Heartbeat(self.storage, self._study_ids[name], trial.number).start()
                     trial.set_user_attr(WORKER_ATTR, self.worker)
                 params = self.space.suggest(trial, problem, self.target)
             except optuna.exceptions.UpdateFinishedTrialError:
@@ -701,33 +700,9 @@ class WorkerLoop:
         import optuna
 
         study.tell(number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
-        if self.job.sampler.name != "grid":
-            return
-        sampler = study.sampler
-
-        def point(trial) -> dict | None:
-            params = queued_params(trial)
-            if set(params) == set(sampler._param_names):
-                return params
-            # Cut short while suggesting (or a retry's copy): the grid id names the whole point, as
-            # every session shuffles the grid alike; without one there is no point.
-            grid_id = trial.system_attrs.get("grid_id")
-            if grid_id is None or not 0 <= grid_id < len(sampler._all_grids):
-                return None
-            return dict(zip(sampler._param_names, sampler._all_grids[grid_id]))
-
-        params = point(study._storage.get_trial(study._storage.get_trial_id_from_study_id_trial_number(
-            study._study_id, number)))
-        if params is None:
-            return
-        trials = study.get_trials(deepcopy=False)
-        # Not enqueue_trial's skip_if_exists: the failed trial itself has these params. Nor again
-        # when the point failed unmeasured MAX_GRID_REQUEUES times: it fails for its own reasons.
-        if any(t.state == optuna.trial.TrialState.WAITING and point(t) == params for t in trials):
-            return
-        if sum(t.state == optuna.trial.TrialState.FAIL and point(t) == params for t in trials) > MAX_GRID_REQUEUES:
-            return
-        study.enqueue_trial(params)
+        grid = self._grids.get(study.study_name)
+        if grid is not None:
+            grid.requeue(number)
 
     def _enqueue_starts(self, study, problem: Problem, name: str) -> None:
         """The default first, then the best configs of the nearest tuned problems (warm start), then

@@ -11,11 +11,13 @@ heartbeat (RDB storages on a server), whose stale trials the same callback queue
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 from datetime import datetime
 import logging
 import os
 import socket
+import threading
 import time
 import warnings
 import zlib
@@ -23,6 +25,9 @@ from pathlib import Path
 
 from ..errors import JobError, StorageError
 from ..files import unwritable_ancestor
+
+# Optuna is imported where it is used: what else fa4tune imports from here (the CLI's other
+# commands, the report) does not pay for it.
 
 RDB_PREFIXES = ("sqlite:", "postgresql", "mysql", "oracle", "mssql")
 WORKER_ATTR = "fa4tune_worker"  # host:pid:identity of the worker that asked the trial
@@ -332,13 +337,44 @@ def queued_params(trial) -> dict:
     return trial.system_attrs.get("fixed_params") or trial.params
 
 
-def start_heartbeat(study, trial):
-    """Optuna's heartbeat thread for one trial (nothing on storages without heartbeats); `join()` ends it."""
-    from optuna.storages._heartbeat import get_heartbeat_thread
+def heartbeat_interval(storage) -> int | None:
+    """Seconds between a trial's heartbeats on this storage; None where it records none (journal
+    storages, and RDB storages opened without)."""
+    interval = getattr(storage, "get_heartbeat_interval", None)
+    return interval() if interval is not None else None
 
-    thread = get_heartbeat_thread(trial._trial_id, study._storage)
-    thread.start()
-    return thread
+
+class Heartbeat:
+    """A trial's heartbeat, as Optuna's optimize loop keeps one: a thread that records it at once
+    and then every heartbeat_interval seconds until `join()`. On a storage without heartbeats it
+    does nothing. Built on the storage's public record_heartbeat; the search loop asks and tells
+    trials itself, where Optuna starts none."""
+
+    def __init__(self, storage, study_id: int, number: int) -> None:
+        self.storage = storage
+        self.interval = heartbeat_interval(storage)
+        self.trial_id = (storage.get_trial_id_from_study_id_trial_number(study_id, number)
+                         if self.interval is not None else None)
+        self.stopped = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> "Heartbeat":
+        if self.interval is not None:
+            self.thread = threading.Thread(target=self.beat,
+                                           name=f"fa4tune-heartbeat-{self.trial_id}")
+            self.thread.start()
+        return self
+
+    def beat(self) -> None:
+        while True:
+            self.storage.record_heartbeat(self.trial_id)
+            if self.stopped.wait(timeout=self.interval):
+                return
+
+    def join(self) -> None:
+        if self.thread is not None:
+            self.stopped.set()
+            self.thread.join()
 
 
 def fail_stale(study) -> None:
@@ -361,7 +397,17 @@ def check_sampler_available(name: str, where: str) -> None:
         )
 
 
-def _grid_sampler_class():
+# ---- the grid sampler ---------------------------------------------------------------------------
+# Written against Optuna 5.0.0 (optuna/samplers/_grid.py); the one place that uses what Optuna's
+# GridSampler keeps private, for want of a public way:
+#   _all_grids    the grid's points as tuples, shuffled by the sampler's seed; a trial's "grid_id"
+#                 system attribute is an index into it;
+#   _param_names  the names of a point's values, sorted;
+#   _rng.rng      the numpy RandomState of its choices among the points not yet visited.
+# tests/test_optuna_adapter.py fails, naming what changed, when these no longer work as used here.
+@functools.cache
+def grid_sampler_class():
+    """AskTellGridSampler (a class made on first use: Optuna is imported only then)."""
     from optuna.samplers import GridSampler
 
     class AskTellGridSampler(GridSampler):
@@ -374,13 +420,17 @@ def _grid_sampler_class():
         its choices among unvisited points (`seed`) may differ."""
 
         def __init__(self, search_space, seed=None, grid_seed: int = 0) -> None:
-            from optuna.samplers._lazy_random_state import LazyRandomState
-
-            super().__init__(search_space, seed=grid_seed)
-            self._rng = LazyRandomState(seed)
+            super().__init__(search_space, seed=grid_seed)  # shuffles the grid with grid_seed
+            self._rng.rng.seed(seed)  # then chooses with this worker's seed
 
         def after_trial(self, study, trial, state, values) -> None:
             pass
+
+        def point(self, grid_id) -> dict | None:
+            """The params of the point a trial's "grid_id" names; None for no point."""
+            if grid_id is None or not 0 <= grid_id < len(self._all_grids):
+                return None
+            return dict(zip(self._param_names, self._all_grids[grid_id]))
 
     return AskTellGridSampler
 
@@ -401,7 +451,7 @@ def make_sampler(spec, seed: int, grid: dict | None = None, where: str = "sample
         "random": lambda **o: s.RandomSampler(seed=seed, **o),
         "cmaes": lambda **o: s.CmaEsSampler(seed=seed, **o),
         "gp": lambda **o: s.GPSampler(seed=seed, **o),
-        "grid": lambda **o: _grid_sampler_class()(grid, seed=seed, grid_seed=grid_seed, **o),
+        "grid": lambda **o: grid_sampler_class()(grid, seed=seed, grid_seed=grid_seed, **o),
     }
     try:
         with warnings.catch_warnings():
