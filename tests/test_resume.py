@@ -241,7 +241,8 @@ def test_a_grid_point_failed_unmeasured_is_queued_again_under_the_studys_lock(wo
     import contextlib
 
     from fa4tune.measure.model import CostModelBackend
-    from fa4tune.tune.search import SearchInterrupted, WorkerLoop
+    from fa4tune.tune.search import SearchInterrupted
+    from fa4tune.tune.sharing import SharedStudy
     from fa4tune.target import get_target
 
     job = load_job(write_job(workdir, spaces={"tiles": {"tile_m": [128], "tile_n": [64, 96, 128, 160]}},
@@ -250,7 +251,7 @@ def test_a_grid_point_failed_unmeasured_is_queued_again_under_the_studys_lock(wo
     backend.lookahead = 1 if cut == "lookahead" else 0
     events, held = [], []
     locked, tell, enqueue = ResultsDB.locked, optuna.study.Study.tell, optuna.study.Study.enqueue_trial
-    claim = WorkerLoop._claim
+    claim = SharedStudy.claim
 
     @contextlib.contextmanager
     def spy_locked(self, name):
@@ -270,21 +271,21 @@ def test_a_grid_point_failed_unmeasured_is_queued_again_under_the_studys_lock(wo
         events.append(("queued", bool(held)))
         return enqueue(self, params, *args, **kwargs)
 
-    def interrupted_claim(self, study, name, problem, candidate):
+    def interrupted_claim(self, candidate):
         if len(self.db.trials()) == 2:  # the third point's claim
             raise KeyboardInterrupt
-        return claim(self, study, name, problem, candidate)
+        return claim(self, candidate)
 
     monkeypatch.setattr(ResultsDB, "locked", spy_locked)
     monkeypatch.setattr(optuna.study.Study, "tell", spy_tell)
     monkeypatch.setattr(optuna.study.Study, "enqueue_trial", spy_enqueue)
-    monkeypatch.setattr(WorkerLoop, "_claim", interrupted_claim)
+    monkeypatch.setattr(SharedStudy, "claim", interrupted_claim)
     with pytest.raises(SearchInterrupted):
         run_search(job, backend=backend, say=lambda *a: None)
     failed = [e for e in events if e[0] == "fail"]
     assert failed and ("queued", True) in events, events
     assert all(under for _, under in events), f"failed or queued outside the study's lock: {events}"
-    monkeypatch.setattr(WorkerLoop, "_claim", claim)
+    monkeypatch.setattr(SharedStudy, "claim", claim)
     summary = run_search(job, backend=backend, resume=True, say=lambda *a: None)
     assert "exhausted" in summary.results[0].stopped and summary.results[0].measured == 4
 

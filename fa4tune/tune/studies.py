@@ -3,7 +3,7 @@ on request), the samplers a job may name, and how studies are named. Optuna's st
 from the results DB so that many workers share a study through Optuna, not through our tables.
 
 Many workers: every trial a worker asks for carries the worker's name (`host:pid:identity`, WORKER_ATTR),
-and the config it claimed a budget slot for (CLAIM_ATTR, see search.py). A worker that dies leaves
+and the config it claimed a budget slot for (CLAIM_ATTR, see sharing.py). A worker that dies leaves
 its trials RUNNING; they are handed back (failed, and queued again by Optuna's retry callback) by
 whoever sees it dead: on its own host, a process that no longer exists; on another host, Optuna's
 heartbeat (RDB storages on a server), whose stale trials the same callback queues again."""
@@ -32,6 +32,7 @@ from ..files import unwritable_ancestor
 RDB_PREFIXES = ("sqlite:", "postgresql", "mysql", "oracle", "mssql")
 WORKER_ATTR = "fa4tune_worker"  # host:pid:identity of the worker that asked the trial
 CLAIM_ATTR = "fa4tune_claim"  # the config (key) whose measurement the trial holds a budget slot for
+SOURCE_ATTR = "fa4tune_source"  # why a queued trial was queued: default, warm-start or probe
 GIVEN_BACK_ATTR = "fa4tune_given_back"  # a queued trial put back unmeasured: the number it was popped as
 # Heartbeats on server storages (PostgreSQL, MySQL): every FA4TUNE_HEARTBEAT_S seconds (default 10) a
 # worker records that each of its trials is alive; one silent for HEARTBEAT_GRACE times that is stale
@@ -335,6 +336,24 @@ def give_back(study, trial) -> None:
 def queued_params(trial) -> dict:
     """The parameters a trial was queued with (enqueued or handed back), else those it suggested."""
     return trial.system_attrs.get("fixed_params") or trial.params
+
+
+def tell_outcome(study, number: int, status: str, time_ms: float | None) -> None:
+    """Tell Optuna a trial's outcome by its status in the results DB (ok, pruned, stopped, ...)."""
+    import optuna
+
+    state = optuna.trial.TrialState
+    if status == "ok":
+        study.tell(number, time_ms, skip_if_finished=True)
+    elif status in ("pruned", "stopped"):  # a stopped trial's cheap value was reported to Optuna
+        study.tell(number, state=state.PRUNED, skip_if_finished=True)
+    else:  # failed or wrong: samplers must not learn a time from it
+        study.tell(number, state=state.FAIL, skip_if_finished=True)
+
+
+def tell_stored(study, number: int, stored: dict) -> None:
+    """Tell Optuna the outcome the results DB stored for a trial (a row of ResultsDB's trials)."""
+    tell_outcome(study, number, stored["status"], stored["time_ms"])
 
 
 def heartbeat_interval(storage) -> int | None:

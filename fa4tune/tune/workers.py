@@ -158,8 +158,8 @@ def _work(spec: WorkerSpec) -> dict:
     from ..db import ResultsDB
     from .job import parse_job
     from ..measure.base import make_backend
+    from .loop import WorkerLoop
     from .provenance import best_provenance, run_gpu_fields, versions
-    from .search import WorkerLoop
     from ..space import compose
     from .studies import open_storage, quiet_optuna, worker_seed
 
@@ -226,7 +226,7 @@ def run_workers(run, plan: list[str | None], backend_name: str, db_location: str
                 results_db, storage, space, is_estimate: bool, say) -> list:
     """Run the job's problems in len(plan) worker processes; the per-problem results."""
     from ..measure.worker import describe_exit
-    from .search import WorkerLoop
+    from .studies import worker_name
 
     job = run.job
     if job.text is None:
@@ -236,7 +236,7 @@ def run_workers(run, plan: list[str | None], backend_name: str, db_location: str
                               job_name=job.name, db=db_location, storage=storage_location, run=shared_run,
                               backend=backend_name)) for i, device in enumerate(plan)]
     # The coordinator's view of the run: it hands back dead workers' trials and reports the problems.
-    context = WorkerLoop(run, space, None, results_db, storage, {}, progress=False, say=say)
+    coordinator = worker_name()
     if plan[0] is None:
         say(f"fa4tune: {len(plan)} CPU worker process{'es' if len(plan) > 1 else ''} share run {run.run_id}")
     else:
@@ -274,7 +274,7 @@ def run_workers(run, plan: list[str | None], backend_name: str, db_location: str
                     failures.append(f"worker {index} stopped: {error}")
                     say(f"fa4tune: worker {index} stopped: {error}")
                     continue
-                _hand_back(context, frozenset({slot.worker}))
+                _hand_back(run, space, results_db, storage, coordinator, frozenset({slot.worker}))
                 reason = error or describe_exit(code)
                 if slot.restarts >= MAX_RESTARTS:
                     failures.append(f"worker {index} died {slot.restarts + 1} times (last: {reason})")
@@ -287,7 +287,7 @@ def run_workers(run, plan: list[str | None], backend_name: str, db_location: str
     except KeyboardInterrupt:
         _stop([slot for slot in slots if slot.process.is_alive()])
         raise
-    results = _results(context, slots, is_estimate, say)
+    results = _results(run, space, results_db, slots, is_estimate, say)
     incomplete = [r for r in results if not r.stopped]
     if interrupted and incomplete:
         raise KeyboardInterrupt
@@ -303,17 +303,19 @@ def _without_job(run):
     return dataclasses.replace(run, job=None)
 
 
-def _hand_back(context, dead: frozenset) -> None:
+def _hand_back(run, space, results_db, storage, coordinator: str, dead: frozenset) -> None:
     """Hand back the trials the dead workers left in any of the job's studies."""
     import optuna
 
-    for problem in context.job.problems:
-        name = context.run.study_name(context.space, problem)
+    from .sharing import SharedStudy
+
+    for problem in run.job.problems:
+        name = run.study_name(space, problem)
         try:
-            study = optuna.load_study(study_name=name, storage=context.storage)
+            study = optuna.load_study(study_name=name, storage=storage)
         except KeyError:
             continue  # not started yet
-        context.recover(study, name, dead)
+        SharedStudy(run, results_db, name, study, coordinator).recover(dead)
 
 
 def _stop(slots) -> None:
@@ -329,17 +331,19 @@ def _stop(slots) -> None:
             slot.process.join()
 
 
-def _results(context, slots, is_estimate: bool, say) -> list:
+def _results(run, space, results_db, slots, is_estimate: bool, say) -> list:
     """Each problem as the results DB has it, with the workers' stop reasons and repeats."""
+    from .run import ResultsReport
+
+    report = ResultsReport(run, space, results_db)
     results = []
-    for problem in context.job.problems:
-        name = context.run.study_name(context.space, problem)
-        result = context.report.counts(problem, name)
+    for problem in run.job.problems:
+        result = report.counts(problem, run.study_name(space, problem))
         reasons = [s.report["results"][problem.key()] for s in slots
                    if s.report and problem.key() in s.report.get("results", {})]
         result.repeats = sum(r["repeats"] for r in reasons)
         stops = sorted({r["stopped"] for r in reasons if r["stopped"]})
         result.stopped = "; ".join(stops)
-        say(context.report.summary_line(problem, result, is_estimate))
+        say(report.summary_line(problem, result, is_estimate))
         results.append(result)
     return results
