@@ -23,6 +23,8 @@ import warnings
 import zlib
 from pathlib import Path
 
+from ..db import (UNREACHABLE_HINT, engine_options, engine_url, first_line, reach, shown_location,
+                  sqlite_path)
 from ..errors import JobError, StorageError
 from ..files import unwritable_ancestor
 
@@ -53,8 +55,6 @@ def quiet_optuna() -> None:
 
 def default_storage_location(db_location: str) -> str:
     """The journal file next to the results DB (or under fa4tune-results/ for a non-file DB)."""
-    from ..db import sqlite_path
-
     path = sqlite_path(db_location)
     if path is None:
         return "fa4tune-results/optuna.journal"
@@ -85,8 +85,6 @@ def check_storage(location: str) -> None:
     """Refuse a storage that cannot work before anything is written anywhere: a journal path that is
     a directory or under no writable directory, an RDB URL without a driver or whose server does not
     answer."""
-    from ..db import first_line, shown_location
-
     shown = shown_location(location)
     path = journal_path(location)
     if path is not None:
@@ -97,8 +95,6 @@ def check_storage(location: str) -> None:
             raise StorageError(f"cannot write the Optuna journal {location!r}: {blocked} is not a writable "
                                "directory")
         return
-    from ..db import UNREACHABLE_HINT, reach
-
     if is_server_storage(location):
         heartbeat_seconds()
     try:
@@ -162,8 +158,6 @@ def open_storage(location: str, heartbeat: bool | None = None):
     server storage records heartbeats (unless `heartbeat` is False) and hands stale trials back."""
     import optuna
     from optuna.storages.journal import JournalFileBackend, JournalStorage
-
-    from ..db import engine_options, engine_url, first_line, shown_location
 
     try:
         if is_rdb(location):

@@ -11,6 +11,7 @@ coordinator each (`--resume` joins the job's run, see README)."""
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import signal
@@ -19,8 +20,26 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 
+import yaml
+
 from .. import interrupts
+from ..db import ResultsDB
 from ..errors import BackendError, BackendUnavailable, Fa4tuneError, is_user_error
+from ..measure.base import cuda_available, make_backend
+from ..measure.gpu import GpuOptions
+from ..measure.worker import describe_exit, exit_with_parent
+from ..space import compose
+from ..target import get_target, partial_gpu, target_for_device_name
+from .job import parse_job
+from .loop import WorkerLoop
+from .provenance import best_provenance, run_gpu_fields, versions
+from .run import ResultsReport
+from .sharing import SharedStudy
+from .studies import open_storage, quiet_optuna, worker_name, worker_seed
+
+# torch and Optuna are imported where they are used: torch only to count and name GPUs, and
+# nothing imported at the top of this module touches CUDA, which a worker process may use only
+# once it has set CUDA_VISIBLE_DEVICES (_worker_main). Optuna is imported as in studies.py.
 
 MAX_RESTARTS = 3  # per worker slot
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_UNAVAILABLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -30,8 +49,6 @@ STOP_GRACE_S = 30  # how long interrupted workers get to store and settle their 
 # ---- planning ---------------------------------------------------------------------------------------
 def visible_gpus() -> list[str]:
     """The GPUs this process may use, as CUDA_VISIBLE_DEVICES entries for the workers."""
-    from ..measure.base import cuda_available
-
     if not cuda_available():
         return []
     import torch
@@ -75,8 +92,6 @@ def gpu_target(plan: list[str | None], wanted):
     """The target of the workers' GPUs, which must all be one model that fa4tune knows."""
     import torch
 
-    from ..target import get_target, partial_gpu, target_for_device_name
-
     visible = visible_gpus()
     models = {(props.name, props.multi_processor_count)
               for props in (torch.cuda.get_device_properties(visible.index(device)) for device in plan)}
@@ -118,8 +133,6 @@ def _worker_main(spec: WorkerSpec, conn) -> None:
     """Entry of a worker process: search the run's problems, send a report, exit with a status."""
     if spec.device is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = spec.device
-    from ..measure.worker import exit_with_parent
-
     exit_with_parent()  # a SIGKILLed coordinator leaves no worker behind
 
     def stop(signum, frame):
@@ -151,26 +164,12 @@ def _worker_main(spec: WorkerSpec, conn) -> None:
 
 
 def _work(spec: WorkerSpec) -> dict:
-    import dataclasses
-
-    import yaml
-
-    from ..db import ResultsDB
-    from .job import parse_job
-    from ..measure.base import make_backend
-    from .loop import WorkerLoop
-    from .provenance import best_provenance, run_gpu_fields, versions
-    from ..space import compose
-    from .studies import open_storage, quiet_optuna, worker_seed
-
     quiet_optuna()
     job = parse_job(yaml.safe_load(spec.job_text), source=spec.job_path or "<job>", text=spec.job_text,
                     default_name=spec.job_name)
     run = dataclasses.replace(spec.run, job=job)
     measure = dict(job.measure)
     if spec.backend == "gpu":
-        from ..measure.gpu import GpuOptions
-
         if measure.get("compile_workers", "auto") == "auto":  # this host's CPUs are shared by its workers
             measure["compile_workers"] = GpuOptions.auto_compile_workers(spec.workers)
         backend = make_backend("gpu", job.kernel, run.target.name, **measure)
@@ -203,8 +202,6 @@ class _Slot:
         self.worker: str | None = None  # its worker name (host:pid:identity), once started
 
     def start(self) -> None:
-        from .studies import worker_name
-
         context = multiprocessing.get_context("spawn")
         receive, send = context.Pipe(duplex=False)
         self.process = context.Process(target=_worker_main, args=(self.spec, send),
@@ -225,9 +222,6 @@ class _Slot:
 def run_workers(run, plan: list[str | None], backend_name: str, db_location: str, storage_location: str,
                 results_db, storage, space, is_estimate: bool, say) -> list:
     """Run the job's problems in len(plan) worker processes; the per-problem results."""
-    from ..measure.worker import describe_exit
-    from .studies import worker_name
-
     job = run.job
     if job.text is None:
         raise Fa4tuneError("worker processes need the job as a file (its text is parsed again in each worker)")
@@ -298,16 +292,12 @@ def run_workers(run, plan: list[str | None], backend_name: str, db_location: str
 
 
 def _without_job(run):
-    import dataclasses
-
     return dataclasses.replace(run, job=None)
 
 
 def _hand_back(run, space, results_db, storage, coordinator: str, dead: frozenset) -> None:
     """Hand back the trials the dead workers left in any of the job's studies."""
     import optuna
-
-    from .sharing import SharedStudy
 
     for problem in run.job.problems:
         name = run.study_name(space, problem)
@@ -333,8 +323,6 @@ def _stop(slots) -> None:
 
 def _results(run, space, results_db, slots, is_estimate: bool, say) -> list:
     """Each problem as the results DB has it, with the workers' stop reasons and repeats."""
-    from .run import ResultsReport
-
     report = ResultsReport(run, space, results_db)
     results = []
     for problem in run.job.problems:
