@@ -32,6 +32,9 @@ class RunRef:
 
 @dataclass
 class ProblemResult:
+    """One problem of a search as it ended: counts over all sessions and workers, why it stopped,
+    and (from ResultsReport.summary_line) its default's and best config's times."""
+
     problem: Problem
     study_name: str
     measured: int = 0  # configs measured in this study, over all sessions and workers

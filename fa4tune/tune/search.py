@@ -38,6 +38,9 @@ from .studies import (check_storage, default_storage_location, is_server_storage
 
 @dataclass
 class SearchSummary:
+    """What run_search did: the run, where its results and studies are, each problem's result, and
+    the tables it exported."""
+
     run_id: int
     db_location: str
     storage: str
