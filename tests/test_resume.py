@@ -241,7 +241,8 @@ def test_a_grid_point_failed_unmeasured_is_queued_again_under_the_studys_lock(wo
     import contextlib
 
     from fa4tune.measure.model import CostModelBackend
-    from fa4tune.tune.search import SearchInterrupted, _Context
+    from fa4tune.tune.search import SearchInterrupted
+    from fa4tune.tune.sharing import SharedStudy
     from fa4tune.target import get_target
 
     job = load_job(write_job(workdir, spaces={"tiles": {"tile_m": [128], "tile_n": [64, 96, 128, 160]}},
@@ -250,7 +251,7 @@ def test_a_grid_point_failed_unmeasured_is_queued_again_under_the_studys_lock(wo
     backend.lookahead = 1 if cut == "lookahead" else 0
     events, held = [], []
     locked, tell, enqueue = ResultsDB.locked, optuna.study.Study.tell, optuna.study.Study.enqueue_trial
-    claim = _Context._claim
+    claim = SharedStudy.claim
 
     @contextlib.contextmanager
     def spy_locked(self, name):
@@ -270,21 +271,21 @@ def test_a_grid_point_failed_unmeasured_is_queued_again_under_the_studys_lock(wo
         events.append(("queued", bool(held)))
         return enqueue(self, params, *args, **kwargs)
 
-    def interrupted_claim(self, study, name, problem, candidate):
+    def interrupted_claim(self, candidate):
         if len(self.db.trials()) == 2:  # the third point's claim
             raise KeyboardInterrupt
-        return claim(self, study, name, problem, candidate)
+        return claim(self, candidate)
 
     monkeypatch.setattr(ResultsDB, "locked", spy_locked)
     monkeypatch.setattr(optuna.study.Study, "tell", spy_tell)
     monkeypatch.setattr(optuna.study.Study, "enqueue_trial", spy_enqueue)
-    monkeypatch.setattr(_Context, "_claim", interrupted_claim)
+    monkeypatch.setattr(SharedStudy, "claim", interrupted_claim)
     with pytest.raises(SearchInterrupted):
         run_search(job, backend=backend, say=lambda *a: None)
     failed = [e for e in events if e[0] == "fail"]
     assert failed and ("queued", True) in events, events
     assert all(under for _, under in events), f"failed or queued outside the study's lock: {events}"
-    monkeypatch.setattr(_Context, "_claim", claim)
+    monkeypatch.setattr(SharedStudy, "claim", claim)
     summary = run_search(job, backend=backend, resume=True, say=lambda *a: None)
     assert "exhausted" in summary.results[0].stopped and summary.results[0].measured == 4
 
@@ -309,7 +310,7 @@ def test_a_grid_point_that_always_fails_unmeasured_is_not_queued_for_ever(workdi
     fails for its own reasons (here a plugin's check raises on it): it is queued again at most
     MAX_GRID_REQUEUES times, and then counts as tried (the grid sampler must not propose it again)."""
     from fa4tune.errors import SpaceError
-    from fa4tune.tune.search import MAX_GRID_REQUEUES
+    from fa4tune.tune.grid import MAX_GRID_REQUEUES
     from fa4tune.space import Choice, SearchSpace, _registered, register_space
 
     class Boom(SearchSpace):

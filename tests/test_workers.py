@@ -18,7 +18,7 @@ from conftest import (COLLAPSED_GRID, REPO, kill_processes, sigint_default, stil
                       write_job)
 from fa4tune.cli import main
 from fa4tune.db import ResultsDB
-from fa4tune.tune.search import MAX_CONSECUTIVE_REPEATS
+from fa4tune.tune.problem_search import MAX_CONSECUTIVE_REPEATS
 from fa4tune.tune.studies import CLAIM_ATTR, GIVEN_BACK_ATTR, WORKER_ATTR, open_storage, parse_worker
 
 SPACE = ["tiles", "pipeline", "exp2", "softmax"]
@@ -453,8 +453,8 @@ def test_one_worker_confirms_a_study_unless_it_died(workdir):
     import multiprocessing
 
     from fa4tune.tune.job import load_job
-    from fa4tune.tune.search import RunRef, _Context
-    from fa4tune.space import compose
+    from fa4tune.tune.run import RunRef
+    from fa4tune.tune.sharing import SharedStudy
     from fa4tune.tune.studies import worker_name
 
     job = load_job(write_job(workdir))
@@ -463,20 +463,18 @@ def test_one_worker_confirms_a_study_unless_it_died(workdir):
                      budget_seconds=None, shared=True)
 
         def worker(name):
-            context = _Context(run, compose(job.kernel, job.spaces), None, db, None, {}, False, print)
-            context.worker = name
-            return context
+            return SharedStudy(run, db, "s", None, name)
 
         dead = multiprocessing.get_context("spawn").Process(target=int)
         dead.start()
         dead.join()
         first, second = worker(worker_name(dead.pid)), worker(worker_name(os.getpid()))
         third = worker(worker_name(os.getppid()))
-        assert second._claim_confirmation("s") and second._claim_confirmation("s")  # its own claim, again
-        assert not third._claim_confirmation("s")  # the holder lives
+        assert second.claim_confirmation() and second.claim_confirmation()  # its own claim, again
+        assert not third.claim_confirmation()  # the holder lives
         with db.locked("s") as lock:
             lock.set_confirming(first.worker)  # a worker that died holding it
-        assert third._claim_confirmation("s") and not second._claim_confirmation("s")
+        assert third.claim_confirmation() and not second.claim_confirmation()
 
 
 def test_compile_workers_are_shared_by_the_search_workers_of_a_host(monkeypatch):

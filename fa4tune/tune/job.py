@@ -8,9 +8,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import Fa4tuneError, JobError
+from ..errors import Fa4tuneError, JobError, SpaceError
 from ..files import load_document
 from ..kernels import get_kernel
+from ..measure.base import BACKENDS
+from ..measure.gpu import GpuOptions
+from ..space import compose, get_space, parse_domain
 from ..target import Target, TargetError, get_target
 
 SAMPLERS = ("tpe", "random", "cmaes", "gp", "grid")
@@ -107,8 +110,6 @@ def parse_job(data: Any, source: str = "<job>", text: str | None = None, default
             raise fail("target", str(exc)) from exc
 
     backend = data.get("backend", "auto")
-    from ..measure.base import BACKENDS
-
     if backend not in ("auto", *BACKENDS):
         raise fail("backend", f"unknown backend {backend!r}; known backends: auto, {', '.join(BACKENDS)}")
 
@@ -132,8 +133,6 @@ def parse_job(data: Any, source: str = "<job>", text: str | None = None, default
     measure = data.get("measure") or {}
     if not isinstance(measure, dict):
         raise fail("measure", f"a mapping of gpu backend options, got {measure!r}")
-    from ..measure.gpu import GpuOptions
-
     try:
         GpuOptions.parse(measure)
     except ValueError as exc:
@@ -148,9 +147,6 @@ def parse_job(data: Any, source: str = "<job>", text: str | None = None, default
 
 
 def _parse_spaces(spec, kernel, fail) -> dict:
-    from ..space import compose, get_space, parse_domain
-    from ..errors import SpaceError
-
     if spec is None:
         return {name: {} for name in kernel.default_spaces}
     if isinstance(spec, list):

@@ -3,7 +3,7 @@ on request), the samplers a job may name, and how studies are named. Optuna's st
 from the results DB so that many workers share a study through Optuna, not through our tables.
 
 Many workers: every trial a worker asks for carries the worker's name (`host:pid:identity`, WORKER_ATTR),
-and the config it claimed a budget slot for (CLAIM_ATTR, see search.py). A worker that dies leaves
+and the config it claimed a budget slot for (CLAIM_ATTR, see sharing.py). A worker that dies leaves
 its trials RUNNING; they are handed back (failed, and queued again by Optuna's retry callback) by
 whoever sees it dead: on its own host, a process that no longer exists; on another host, Optuna's
 heartbeat (RDB storages on a server), whose stale trials the same callback queues again."""
@@ -11,22 +11,32 @@ heartbeat (RDB storages on a server), whose stale trials the same callback queue
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
+import json
 from datetime import datetime
 import logging
 import os
 import socket
+import threading
 import time
 import warnings
 import zlib
 from pathlib import Path
 
+from ..db import (UNREACHABLE_HINT, engine_options, engine_url, first_line, reach, shown_location,
+                  sqlite_path)
+from ..db.store import SQLITE_HEADER
 from ..errors import JobError, StorageError
 from ..files import unwritable_ancestor
+
+# Optuna is imported where it is used: what else fa4tune imports from here (the CLI's other
+# commands, the report) does not pay for it.
 
 RDB_PREFIXES = ("sqlite:", "postgresql", "mysql", "oracle", "mssql")
 WORKER_ATTR = "fa4tune_worker"  # host:pid:identity of the worker that asked the trial
 CLAIM_ATTR = "fa4tune_claim"  # the config (key) whose measurement the trial holds a budget slot for
+SOURCE_ATTR = "fa4tune_source"  # why a queued trial was queued: default, warm-start or probe
 GIVEN_BACK_ATTR = "fa4tune_given_back"  # a queued trial put back unmeasured: the number it was popped as
 # Heartbeats on server storages (PostgreSQL, MySQL): every FA4TUNE_HEARTBEAT_S seconds (default 10) a
 # worker records that each of its trials is alive; one silent for HEARTBEAT_GRACE times that is stale
@@ -47,8 +57,6 @@ def quiet_optuna() -> None:
 
 def default_storage_location(db_location: str) -> str:
     """The journal file next to the results DB (or under fa4tune-results/ for a non-file DB)."""
-    from ..db import sqlite_path
-
     path = sqlite_path(db_location)
     if path is None:
         return "fa4tune-results/optuna.journal"
@@ -86,8 +94,6 @@ def check_storage(location: str) -> None:
     """Refuse a storage that cannot work before anything is written anywhere: a journal path that is
     a directory or under no writable directory, an RDB URL without a driver or whose server does not
     answer."""
-    from ..db import first_line, shown_location
-
     shown = shown_location(location)
     path = journal_path(location)
     if path is not None:
@@ -102,9 +108,6 @@ def check_storage(location: str) -> None:
                                "line is not one of Optuna's records); move it aside or give "
                                "another --storage")
         return
-    from ..db import UNREACHABLE_HINT, reach, sqlite_path
-    from ..db.store import SQLITE_HEADER
-
     if is_server_storage(location):
         heartbeat_seconds()
     else:  # SQLite answers SELECT 1 on any file: what the file holds is seen when Optuna opens it
@@ -124,8 +127,6 @@ def check_storage(location: str) -> None:
 def _reads_as_journal(path: Path) -> bool:
     """Whether a file is empty or begins with one of Optuna's journal records (a JSON object with
     an op_code). A first line still being written (no newline yet) gets the benefit of the doubt."""
-    import json
-
     try:
         with open(path, "rb") as f:
             line = f.readline(1 << 20)
@@ -197,8 +198,6 @@ def open_storage(location: str, heartbeat: bool | None = None, create: bool = Tr
     would make an empty one)."""
     import optuna
     from optuna.storages.journal import JournalFileBackend, JournalStorage
-
-    from ..db import engine_options, engine_url, first_line, shown_location, sqlite_path
 
     if not create:
         path = journal_path(location) if not is_rdb(location) else (
@@ -379,13 +378,62 @@ def queued_params(trial) -> dict:
     return trial.system_attrs.get("fixed_params") or trial.params
 
 
-def start_heartbeat(study, trial):
-    """Optuna's heartbeat thread for one trial (nothing on storages without heartbeats); `join()` ends it."""
-    from optuna.storages._heartbeat import get_heartbeat_thread
+def tell_outcome(study, number: int, status: str, time_ms: float | None) -> None:
+    """Tell Optuna a trial's outcome by its status in the results DB (ok, pruned, stopped, ...)."""
+    import optuna
 
-    thread = get_heartbeat_thread(trial._trial_id, study._storage)
-    thread.start()
-    return thread
+    state = optuna.trial.TrialState
+    if status == "ok":
+        study.tell(number, time_ms, skip_if_finished=True)
+    elif status in ("pruned", "stopped"):  # a stopped trial's cheap value was reported to Optuna
+        study.tell(number, state=state.PRUNED, skip_if_finished=True)
+    else:  # failed or wrong: samplers must not learn a time from it
+        study.tell(number, state=state.FAIL, skip_if_finished=True)
+
+
+def tell_stored(study, number: int, stored: dict) -> None:
+    """Tell Optuna the outcome the results DB stored for a trial (a row of ResultsDB's trials)."""
+    tell_outcome(study, number, stored["status"], stored["time_ms"])
+
+
+def heartbeat_interval(storage) -> int | None:
+    """Seconds between a trial's heartbeats on this storage; None where it records none (journal
+    storages, and RDB storages opened without)."""
+    interval = getattr(storage, "get_heartbeat_interval", None)
+    return interval() if interval is not None else None
+
+
+class Heartbeat:
+    """A trial's heartbeat, as Optuna's optimize loop keeps one: a thread that records it at once
+    and then every heartbeat_interval seconds until `join()`. On a storage without heartbeats it
+    does nothing. Built on the storage's public record_heartbeat; the search loop asks and tells
+    trials itself, where Optuna starts none."""
+
+    def __init__(self, storage, study_id: int, number: int) -> None:
+        self.storage = storage
+        self.interval = heartbeat_interval(storage)
+        self.trial_id = (storage.get_trial_id_from_study_id_trial_number(study_id, number)
+                         if self.interval is not None else None)
+        self.stopped = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> "Heartbeat":
+        if self.interval is not None:
+            self.thread = threading.Thread(target=self.beat,
+                                           name=f"fa4tune-heartbeat-{self.trial_id}")
+            self.thread.start()
+        return self
+
+    def beat(self) -> None:
+        while True:
+            self.storage.record_heartbeat(self.trial_id)
+            if self.stopped.wait(timeout=self.interval):
+                return
+
+    def join(self) -> None:
+        if self.thread is not None:
+            self.stopped.set()
+            self.thread.join()
 
 
 def fail_stale(study) -> None:
@@ -408,7 +456,17 @@ def check_sampler_available(name: str, where: str) -> None:
         )
 
 
-def _grid_sampler_class():
+# ---- the grid sampler ---------------------------------------------------------------------------
+# Written against Optuna 5.0.0 (optuna/samplers/_grid.py); the one place that uses what Optuna's
+# GridSampler keeps private, for want of a public way:
+#   _all_grids    the grid's points as tuples, shuffled by the sampler's seed; a trial's "grid_id"
+#                 system attribute is an index into it;
+#   _param_names  the names of a point's values, sorted;
+#   _rng.rng      the numpy RandomState of its choices among the points not yet visited.
+# tests/test_optuna_adapter.py fails, naming what changed, when these no longer work as used here.
+@functools.cache
+def grid_sampler_class():
+    """AskTellGridSampler (a class made on first use: Optuna is imported only then)."""
     from optuna.samplers import GridSampler
 
     class AskTellGridSampler(GridSampler):
@@ -421,13 +479,17 @@ def _grid_sampler_class():
         its choices among unvisited points (`seed`) may differ."""
 
         def __init__(self, search_space, seed=None, grid_seed: int = 0) -> None:
-            from optuna.samplers._lazy_random_state import LazyRandomState
-
-            super().__init__(search_space, seed=grid_seed)
-            self._rng = LazyRandomState(seed)
+            super().__init__(search_space, seed=grid_seed)  # shuffles the grid with grid_seed
+            self._rng.rng.seed(seed)  # then chooses with this worker's seed
 
         def after_trial(self, study, trial, state, values) -> None:
             pass
+
+        def point(self, grid_id) -> dict | None:
+            """The params of the point a trial's "grid_id" names; None for no point."""
+            if grid_id is None or not 0 <= grid_id < len(self._all_grids):
+                return None
+            return dict(zip(self._param_names, self._all_grids[grid_id]))
 
     return AskTellGridSampler
 
@@ -448,7 +510,7 @@ def make_sampler(spec, seed: int, grid: dict | None = None, where: str = "sample
         "random": lambda **o: s.RandomSampler(seed=seed, **o),
         "cmaes": lambda **o: s.CmaEsSampler(seed=seed, **o),
         "gp": lambda **o: s.GPSampler(seed=seed, **o),
-        "grid": lambda **o: _grid_sampler_class()(grid, seed=seed, grid_seed=grid_seed, **o),
+        "grid": lambda **o: grid_sampler_class()(grid, seed=seed, grid_seed=grid_seed, **o),
     }
     try:
         with warnings.catch_warnings():

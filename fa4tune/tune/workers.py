@@ -11,6 +11,7 @@ coordinator each (`--resume` joins the job's run, see README)."""
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import signal
@@ -20,8 +21,26 @@ from dataclasses import dataclass
 from multiprocessing import resource_tracker
 from multiprocessing.connection import wait
 
+import yaml
+
 from .. import interrupts
+from ..db import ResultsDB
 from ..errors import BackendError, BackendUnavailable, Fa4tuneError, is_user_error
+from ..measure.base import cuda_available, make_backend
+from ..measure.gpu import GpuOptions
+from ..measure.worker import describe_exit, exit_with_parent
+from ..space import compose
+from ..target import get_target, partial_gpu, target_for_device_name
+from .job import parse_job
+from .loop import WorkerLoop
+from .provenance import best_provenance, run_gpu_fields, versions
+from .run import ResultsReport
+from .sharing import SharedStudy
+from .studies import open_storage, quiet_optuna, worker_name, worker_seed
+
+# torch and Optuna are imported where they are used: torch only to count and name GPUs, and
+# nothing imported at the top of this module touches CUDA, which a worker process may use only
+# once it has set CUDA_VISIBLE_DEVICES (_worker_main). Optuna is imported as in studies.py.
 
 MAX_RESTARTS = 3  # per worker slot
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_UNAVAILABLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -32,8 +51,6 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # what interrupts a worker (see 
 # ---- planning ---------------------------------------------------------------------------------------
 def visible_gpus() -> list[str]:
     """The GPUs this process may use, as CUDA_VISIBLE_DEVICES entries for the workers."""
-    from ..measure.base import cuda_available
-
     if not cuda_available():
         return []
     import torch
@@ -77,8 +94,6 @@ def gpu_target(plan: list[str | None], wanted):
     """The target of the workers' GPUs, which must all be one model that fa4tune knows."""
     import torch
 
-    from ..target import get_target, partial_gpu, target_for_device_name
-
     visible = visible_gpus()
     models = {(props.name, props.multi_processor_count)
               for props in (torch.cuda.get_device_properties(visible.index(device)) for device in plan)}
@@ -112,7 +127,7 @@ class WorkerSpec:
     job_name: str
     db: str
     storage: str
-    run: object  # search.RunRef without the job (it is parsed again from job_text)
+    run: object  # run.RunRef without the job (it is parsed again from job_text)
     backend: str
 
 
@@ -147,8 +162,6 @@ def _worker_main(spec: WorkerSpec, conn) -> None:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
             if spec.device is not None:
                 os.environ["CUDA_VISIBLE_DEVICES"] = spec.device
-            from ..measure.worker import exit_with_parent
-
             exit_with_parent()  # a SIGKILLed coordinator leaves no worker behind
             report["results"] = _work(spec)
             code = EXIT_OK
@@ -170,25 +183,12 @@ def _worker_main(spec: WorkerSpec, conn) -> None:
 
 
 def _work(spec: WorkerSpec) -> dict:
-    import dataclasses
-
-    import yaml
-
-    from ..db import ResultsDB
-    from .job import parse_job
-    from ..measure.base import make_backend
-    from .search import RUN_GPU_FIELDS, _Context, _best_provenance, _versions
-    from ..space import compose
-    from .studies import open_storage, quiet_optuna, worker_seed
-
     quiet_optuna()
     job = parse_job(yaml.safe_load(spec.job_text), source=spec.job_path or "<job>", text=spec.job_text,
                     default_name=spec.job_name)
     run = dataclasses.replace(spec.run, job=job)
     measure = dict(job.measure)
     if spec.backend == "gpu":
-        from ..measure.gpu import GpuOptions
-
         if measure.get("compile_workers", "auto") == "auto":  # this host's CPUs are shared by its workers
             measure["compile_workers"] = GpuOptions.auto_compile_workers(spec.workers)
         backend = make_backend("gpu", job.kernel, run.target.name, **measure)
@@ -196,13 +196,14 @@ def _work(spec: WorkerSpec) -> dict:
         backend = make_backend(spec.backend, job.kernel, run.target)
     try:
         db = ResultsDB.open(spec.db, create=False)
-        provenance = {**backend.provenance(), **_versions()}
-        db.fill_run(run.run_id, {k: provenance.get(k) for k in RUN_GPU_FIELDS})
-        context = _Context(run, compose(job.kernel, job.spaces), backend, db, open_storage(spec.storage),
-                           _best_provenance(provenance, spec.backend, run.run_id), progress=False,
-                           say=lambda message: print(f"[worker {spec.index}] {message}", flush=True),
-                           worker_seed=worker_seed(spec.index), summarise=False)
-        results = context.tune_all()
+        provenance = {**backend.provenance(), **versions()}
+        db.fill_run(run.run_id, run_gpu_fields(provenance))
+        loop = WorkerLoop(run, compose(job.kernel, job.spaces), backend, db,
+                          open_storage(spec.storage),
+                          best_provenance(provenance, spec.backend, run.run_id), progress=False,
+                          say=lambda message: print(f"[worker {spec.index}] {message}", flush=True),
+                          worker_seed=worker_seed(spec.index), summarise=False)
+        results = loop.tune_all()
         db.close()
     finally:
         backend.close()
@@ -220,8 +221,6 @@ class _Slot:
         self.worker: str | None = None  # its worker name (host:pid:identity), once started
 
     def start(self) -> None:
-        from .studies import worker_name
-
         context = multiprocessing.get_context("spawn")
         receive, send = context.Pipe(duplex=False)
         self.process = context.Process(target=_worker_main, args=(self.spec, send),
@@ -254,9 +253,6 @@ class _Slot:
 def run_workers(run, plan: list[str | None], backend_name: str, db_location: str, storage_location: str,
                 results_db, storage, space, is_estimate: bool, say) -> list:
     """Run the job's problems in len(plan) worker processes; the per-problem results."""
-    from ..measure.worker import describe_exit
-    from .search import _Context
-
     job = run.job
     if job.text is None:
         raise Fa4tuneError("worker processes need the job as a file (its text is parsed again in each worker)")
@@ -265,7 +261,7 @@ def run_workers(run, plan: list[str | None], backend_name: str, db_location: str
                               job_name=job.name, db=db_location, storage=storage_location, run=shared_run,
                               backend=backend_name)) for i, device in enumerate(plan)]
     # The coordinator's view of the run: it hands back dead workers' trials and reports the problems.
-    context = _Context(run, space, None, results_db, storage, {}, progress=False, say=say)
+    coordinator = worker_name()
     if plan[0] is None:
         say(f"fa4tune: {len(plan)} CPU worker process{'es' if len(plan) > 1 else ''} share run {run.run_id}")
     else:
@@ -303,7 +299,7 @@ def run_workers(run, plan: list[str | None], backend_name: str, db_location: str
                     failures.append(f"worker {index} stopped: {error}")
                     say(f"fa4tune: worker {index} stopped: {error}")
                     continue
-                _hand_back(context, frozenset({slot.worker}))
+                _hand_back(run, space, results_db, storage, coordinator, frozenset({slot.worker}))
                 reason = error or describe_exit(code)
                 if slot.restarts >= MAX_RESTARTS:
                     failures.append(f"worker {index} died {slot.restarts + 1} times (last: {reason})")
@@ -316,7 +312,7 @@ def run_workers(run, plan: list[str | None], backend_name: str, db_location: str
     except KeyboardInterrupt:
         _stop([slot for slot in slots if slot.process is not None and slot.process.is_alive()])
         raise
-    results = _results(context, slots, is_estimate, say)
+    results = _results(run, space, results_db, slots, is_estimate, say)
     incomplete = [r for r in results if not r.stopped]
     if interrupted and incomplete:
         raise KeyboardInterrupt
@@ -327,22 +323,20 @@ def run_workers(run, plan: list[str | None], backend_name: str, db_location: str
 
 
 def _without_job(run):
-    import dataclasses
-
     return dataclasses.replace(run, job=None)
 
 
-def _hand_back(context, dead: frozenset) -> None:
+def _hand_back(run, space, results_db, storage, coordinator: str, dead: frozenset) -> None:
     """Hand back the trials the dead workers left in any of the job's studies."""
     import optuna
 
-    for problem in context.job.problems:
-        name = context.run.study_name(context.space, problem)
+    for problem in run.job.problems:
+        name = run.study_name(space, problem)
         try:
-            study = optuna.load_study(study_name=name, storage=context.storage)
+            study = optuna.load_study(study_name=name, storage=storage)
         except KeyError:
             continue  # not started yet
-        context.recover(study, name, dead)
+        SharedStudy(run, results_db, name, study, coordinator).recover(dead)
 
 
 def _stop(slots) -> None:
@@ -358,17 +352,17 @@ def _stop(slots) -> None:
             slot.process.join()
 
 
-def _results(context, slots, is_estimate: bool, say) -> list:
+def _results(run, space, results_db, slots, is_estimate: bool, say) -> list:
     """Each problem as the results DB has it, with the workers' stop reasons and repeats."""
+    report = ResultsReport(run, space, results_db)
     results = []
-    for problem in context.job.problems:
-        name = context.run.study_name(context.space, problem)
-        result = context._result(problem, name)
+    for problem in run.job.problems:
+        result = report.counts(problem, run.study_name(space, problem))
         reasons = [s.report["results"][problem.key()] for s in slots
                    if s.report and problem.key() in s.report.get("results", {})]
         result.repeats = sum(r["repeats"] for r in reasons)
         stops = sorted({r["stopped"] for r in reasons if r["stopped"]})
         result.stopped = "; ".join(stops)
-        say(context.summary_line(problem, result, is_estimate))
+        say(report.summary_line(problem, result, is_estimate))
         results.append(result)
     return results
