@@ -31,10 +31,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.attention import parse_shape  # noqa: E402
 from benchmarks.sweep import parse_value  # noqa: E402
 from benchmarks.tuning_report import (  # noqa: E402
-    fa4tune_runner, geomean, gpu_target, random_inputs, verify_and_time,
+    fa4tune_runner,
+    geomean,
+    gpu_target,
+    random_inputs,
+    verify_and_time,
 )
 
-GRID_SHAPES = ",".join(f"{d}:{s}{c}" for d in (64, 128) for s in (1024, 4096, 16384) for c in ("", ":causal"))
+GRID_SHAPES = ",".join(
+    f"{d}:{s}{c}" for d in (64, 128) for s in (1024, 4096, 16384) for c in ("", ":causal")
+)
 
 
 def parse_changes(items: list[str]) -> dict:
@@ -46,11 +52,15 @@ def parse_changes(items: list[str]) -> dict:
     for item in items:
         knob, _, text = item.partition("=")
         if knob not in KNOBS or not text:
-            raise ValueError(f"--set wants knob=value with a knob of {', '.join(KNOBS)} (got {item!r})")
+            raise ValueError(
+                f"--set wants knob=value with a knob of {', '.join(KNOBS)} (got {item!r})"
+            )
         try:
             value = parse_value(text)
         except ValueError:
-            raise ValueError(f"--set {item!r}: {text!r} is neither a number nor true/false") from None
+            raise ValueError(
+                f"--set {item!r}: {text!r} is neither a number nor true/false"
+            ) from None
         try:
             changes[knob] = FwdConfig.from_dict({knob: value}).to_dict()[knob]  # 2.0 -> 2, legality
         except ConfigError as exc:
@@ -60,8 +70,8 @@ def parse_changes(items: list[str]) -> dict:
 
 def columns_for(problem, default, tuned, changes: dict, target) -> dict:
     """column name -> FwdConfig, or a string saying why the column is empty."""
-    from fa4tune.kernels.fa4_fwd_sm90.config import FwdConfig
     from fa4tune.kernels.fa4_fwd_sm90 import FAMILY
+    from fa4tune.kernels.fa4_fwd_sm90.config import FwdConfig
 
     columns = {}
     for name, base in (("default", default), ("tuned", tuned)):
@@ -86,24 +96,53 @@ def compile_all(jobs: list, target, directory: Path, workers: int) -> dict:
 
     failed = {}
     with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
-        futures = [(problem, config, pool.submit(compile_op, {
-            "artifact": str(artifact_path(directory, config, problem, target)), "problem": problem.to_dict(),
-            "config": config.to_dict(), "target": target.name}, None, {})) for problem, config in jobs]
+        futures = [
+            (
+                problem,
+                config,
+                pool.submit(
+                    compile_op,
+                    {
+                        "artifact": str(artifact_path(directory, config, problem, target)),
+                        "problem": problem.to_dict(),
+                        "config": config.to_dict(),
+                        "target": target.name,
+                    },
+                    None,
+                    {},
+                ),
+            )
+            for problem, config in jobs
+        ]
         for problem, config, future in futures:
             try:
-                load_compiled(future.result()["artifact"], config, problem.dtype, problem.head_dim,
-                              problem.head_dim_v, problem.causal, target)
+                load_compiled(
+                    future.result()["artifact"],
+                    config,
+                    problem.dtype,
+                    problem.head_dim,
+                    problem.head_dim_v,
+                    problem.causal,
+                    target,
+                )
             except Exception as exc:  # noqa: BLE001 - one cell says so; the other columns still run
-                failed[(problem, config)] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}" if str(exc) \
+                failed[(problem, config)] = (
+                    f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
+                    if str(exc)
                     else type(exc).__name__
+                )
     return failed
 
 
 def measure(problem, columns: dict, target, rounds: int) -> dict:
     """Each column's cell: its reason where it has no config, else verified, then timed."""
     q, k, v = random_inputs(problem, seed=problem.seqlen_q + problem.head_dim)
-    runners = {name: config if isinstance(config, str) else fa4tune_runner(problem, config, target, q, k, v)
-               for name, config in columns.items()}
+    runners = {
+        name: config
+        if isinstance(config, str)
+        else fa4tune_runner(problem, config, target, q, k, v)
+        for name, config in columns.items()
+    }
     return verify_and_time(problem, runners, q, k, v, rounds)
 
 
@@ -127,8 +166,12 @@ def max_spread(cells: dict) -> float | None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE", help="the change (repeatable)")
-    ap.add_argument("--shapes", default=GRID_SHAPES, help="comma-separated head_dim:seqlen[:causal]")
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="KNOB=VALUE", help="the change (repeatable)"
+    )
+    ap.add_argument(
+        "--shapes", default=GRID_SHAPES, help="comma-separated head_dim:seqlen[:causal]"
+    )
     ap.add_argument("--table", default=None, help="table file/dir or results DB for `tuned`")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--jobs", type=int, default=8, help="compile processes")
@@ -144,7 +187,11 @@ def main(argv=None) -> int:
         try:
             problems.append(parse_shape(spec))
         except (ValueError, IndexError) as exc:  # a bad number, a missing part, or a ProblemError
-            why = str(exc) if type(exc).__name__ == "ProblemError" else "want head_dim:seqlen[:causal]"
+            why = (
+                str(exc)
+                if type(exc).__name__ == "ProblemError"
+                else "want head_dim:seqlen[:causal]"
+            )
             print(f"ab: --shapes: {spec!r}: {why}", file=sys.stderr)
             return 2
     if not problems:
@@ -170,40 +217,70 @@ def main(argv=None) -> int:
     for problem in problems:
         default = kernel.default_config(problem, target)
         found = lookup(problem, target, source=args.table, kernel=kernel.name)
-        how = found.source + (", stale" if found.stale else "") + (", estimate" if found.estimate else "")
+        how = (
+            found.source
+            + (", stale" if found.stale else "")
+            + (", estimate" if found.estimate else "")
+        )
         plans.append((problem, how, columns_for(problem, default, found.config, changes, target)))
-    jobs = list({(p, c) for p, _, columns in plans for c in columns.values() if not isinstance(c, str)})
+    jobs = list(
+        {(p, c) for p, _, columns in plans for c in columns.values() if not isinstance(c, str)}
+    )
     with tempfile.TemporaryDirectory() as directory:
         failed = compile_all(jobs, target, Path(directory), args.jobs)
     rows = []
     for problem, how, columns in plans:
-        columns = {n: f"compile failed: {failed[(problem, c)]}" if (problem, c) in failed else c
-                   for n, c in columns.items()}
+        columns = {
+            n: f"compile failed: {failed[(problem, c)]}" if (problem, c) in failed else c
+            for n, c in columns.items()
+        }
         cells = measure(problem, columns, target, args.rounds)
-        rows.append({"key": problem.key(), "lookup": how, "cells": cells,
-                     "configs": {n: c if isinstance(c, str) else c.short() for n, c in columns.items()}})
-        print(f"{problem.key()}: " + ", ".join(f"{n} {cell_text(c)}" for n, c in cells.items()),
-              file=sys.stderr, flush=True)
+        rows.append(
+            {
+                "key": problem.key(),
+                "lookup": how,
+                "cells": cells,
+                "configs": {n: c if isinstance(c, str) else c.short() for n, c in columns.items()},
+            }
+        )
+        print(
+            f"{problem.key()}: " + ", ".join(f"{n} {cell_text(c)}" for n, c in cells.items()),
+            file=sys.stderr,
+            flush=True,
+        )
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "changes": changes,
-                                               "rows": rows}, indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                {"device": torch.cuda.get_device_name(), "changes": changes, "rows": rows}, indent=1
+            )
+        )
     change = " ".join(f"{k}={v}" for k, v in changes.items())
-    print(f"\n`+` = with {change}; {torch.cuda.get_device_name()}, TFLOP/s, {args.rounds} interleaved rounds.\n")
+    print(
+        f"\n`+` = with {change}; {torch.cuda.get_device_name()}, TFLOP/s, {args.rounds} interleaved rounds.\n"
+    )
     names = ["default", "default+", "tuned", "tuned+"]
-    print("| shape | default config | tuned config (lookup) | " + " | ".join(names)
-          + " | default+ / default | tuned+ / tuned | largest round spread |")
+    print(
+        "| shape | default config | tuned config (lookup) | "
+        + " | ".join(names)
+        + " | default+ / default | tuned+ / tuned | largest round spread |"
+    )
     print("|" + "---|" * (len(names) + 6))
     for r in rows:
         ratios = [gain(r["cells"], base) for base in ("default", "tuned")]
         spread = max_spread(r["cells"])
-        print(f"| {r['key']} | {r['configs']['default']} | {r['configs']['tuned']} ({r['lookup']}) | "
-              + " | ".join(cell_text(r["cells"].get(n, "")) for n in names) + " | "
-              + " | ".join("" if x is None else f"{x:.3f}" for x in ratios)
-              + f" | {'' if spread is None else f'{spread:.1%}'} |")
+        print(
+            f"| {r['key']} | {r['configs']['default']} | {r['configs']['tuned']} ({r['lookup']}) | "
+            + " | ".join(cell_text(r["cells"].get(n, "")) for n in names)
+            + " | "
+            + " | ".join("" if x is None else f"{x:.3f}" for x in ratios)
+            + f" | {'' if spread is None else f'{spread:.1%}'} |"
+        )
     for base in ("default", "tuned"):
         ratios = [x for x in (gain(r["cells"], base) for r in rows) if x is not None]
         if ratios:
-            print(f"\n{base}+ / {base}, geometric mean over {len(ratios)} shapes: {geomean(ratios):.3f}x")
+            print(
+                f"\n{base}+ / {base}, geometric mean over {len(ratios)} shapes: {geomean(ratios):.3f}x"
+            )
     return 0
 
 

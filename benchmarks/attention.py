@@ -25,8 +25,14 @@ def grid_problem(head_dim: int, seqlen: int, causal: bool):
     """The design notes' benchmark shape: 16k tokens per batch, hidden 2048, bf16, self-attention."""
     from fa4tune.problem import Problem
 
-    return Problem(head_dim=head_dim, causal=causal, seqlen_q=seqlen, seqlen_k=seqlen,
-                   batch=max(1, TOKENS // seqlen), nheads_q=HIDDEN // head_dim)
+    return Problem(
+        head_dim=head_dim,
+        causal=causal,
+        seqlen_q=seqlen,
+        seqlen_k=seqlen,
+        batch=max(1, TOKENS // seqlen),
+        nheads_q=HIDDEN // head_dim,
+    )
 
 
 def parse_shape(spec: str):
@@ -42,26 +48,52 @@ def grid(hdims, seqlens):
                 yield grid_problem(d, s, causal)
 
 
+def runners_for(q, k, v, out, lse, config, causal: bool, fa4) -> dict:
+    """name -> a function of no arguments running that column once on q, k, v: fa4tune into `out`
+    and `lse`, torch SDPA's cuDNN and flash backends, and flash-attn-4 when it is installed."""
+    import torch
+    import torch.nn.functional as F
+
+    from fa4tune.kernels.fa4_fwd_sm90.launch import attention_forward
+
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # SDPA wants (b, h, s, d)
+
+    def sdpa(backend):
+        def run():
+            with torch.nn.attention.sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+
+        return run
+
+    runners = {
+        "fa4tune": lambda: attention_forward(q, k, v, config, causal=causal, out=out, lse=lse),
+        "sdpa-cudnn": sdpa(torch.nn.attention.SDPBackend.CUDNN_ATTENTION),
+        "sdpa-flash": sdpa(torch.nn.attention.SDPBackend.FLASH_ATTENTION),
+    }
+    if fa4 is not None:
+        runners["flash-attn-4"] = lambda: fa4(q, k, v, causal=causal)
+    return runners
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hdims", default="64,128")
     ap.add_argument("--seqlens", default="1024,4096,16384")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--config", default=None, help="fa4tune knobs as JSON (default: the kernel default)")
+    ap.add_argument(
+        "--config", default=None, help="fa4tune knobs as JSON (default: the kernel default)"
+    )
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per shape")
     args = ap.parse_args(argv)
 
     import torch
-    import torch.nn.functional as F
 
-    from fa4tune.kernels.fa4_fwd_sm90.config import FwdConfig
-
-    from fa4tune.kernels.fa4_fwd_sm90 import FAMILY
-    from fa4tune.kernels.fa4_fwd_sm90.launch import attention_forward
-    from fa4tune.kernels.fa4_fwd_sm90.compile import compile_forward
-    from fa4tune.measure.timing import L2Flusher, time_cuda
     from fa4tune.kernels.common.verify import TOLERANCES, compare, reference_slices
+    from fa4tune.kernels.fa4_fwd_sm90 import FAMILY
+    from fa4tune.kernels.fa4_fwd_sm90.compile import compile_forward
+    from fa4tune.kernels.fa4_fwd_sm90.config import FwdConfig
+    from fa4tune.measure.timing import L2Flusher, time_cuda
 
     if not torch.cuda.is_available():
         print("benchmarks/attention.py needs an NVIDIA GPU", file=sys.stderr)
@@ -75,33 +107,26 @@ def main(argv=None) -> int:
             print(f"# flash-attn-4 not available: {type(exc).__name__}: {exc}", file=sys.stderr)
 
     rows = []
-    for p in grid([int(x) for x in args.hdims.split(",")], [int(x) for x in args.seqlens.split(",")]):
+    for p in grid(
+        [int(x) for x in args.hdims.split(",")], [int(x) for x in args.seqlens.split(",")]
+    ):
         d, s, causal, b, h = p.head_dim, p.seqlen_q, p.causal, p.batch, p.nheads_q
         g = dict(head_dim=d, seqlen=s, causal=causal, batch=b, nheads=h)
-        cfg = FwdConfig.from_dict(json.loads(args.config), base=FAMILY.default_config(p)) if args.config else FAMILY.default_config(p)
+        cfg = (
+            FwdConfig.from_dict(json.loads(args.config), base=FAMILY.default_config(p))
+            if args.config
+            else FAMILY.default_config(p)
+        )
         compiled = compile_forward(cfg, "bf16", d, d, causal)
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         # Poisoned, so that an element the kernel never writes fails the check.
         out = torch.full_like(q, float("nan"))
         lse = torch.full((b, h, s), float("nan"), device="cuda", dtype=torch.float32)
-        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # SDPA wants (b, h, s, d)
-
         # The project's correctness gate: fp32 reference on slices (both ends of batch, heads, rows).
         references = reference_slices(q, k, v, causal, None)
         tolerance = TOLERANCES[p.dtype]
 
-        runners = {"fa4tune": lambda: attention_forward(q, k, v, cfg, causal=causal, out=out, lse=lse)}
-
-        def sdpa(backend):
-            def run():
-                with torch.nn.attention.sdpa_kernel(backend):
-                    return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-            return run
-
-        runners["sdpa-cudnn"] = sdpa(torch.nn.attention.SDPBackend.CUDNN_ATTENTION)
-        runners["sdpa-flash"] = sdpa(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
-        if fa4 is not None:
-            runners["flash-attn-4"] = lambda: fa4(q, k, v, causal=causal)
+        runners = runners_for(q, k, v, out, lse, cfg, causal, fa4)
 
         row = dict(g, config=cfg.to_dict(), compile_s=round(compiled.compile_seconds, 2))
         timed = {}
@@ -142,9 +167,13 @@ def main(argv=None) -> int:
         if isinstance(r.get("fa4tune"), float) and isinstance(r.get("flash-attn-4"), float):
             ratio = f"{r['fa4tune'] / r['flash-attn-4']:.2f}"
         cells = " | ".join(str(r.get(n, "")) for n in names)
-        print(f"| {r['head_dim']} | {r['seqlen']} | {'yes' if r['causal'] else 'no'} | {cells} | {ratio} |")
+        print(
+            f"| {r['head_dim']} | {r['seqlen']} | {'yes' if r['causal'] else 'no'} | {cells} | {ratio} |"
+        )
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+        Path(args.json).write_text(
+            json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1)
+        )
     return 0
 
 

@@ -27,8 +27,12 @@ TILE_NS = (64, 80, 96, 112, 128, 144, 160, 176, 192)
 
 def describe(state: dict) -> dict:
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-    return {"role": os.environ.get("FA4TUNE_WORKER_ROLE"), "gpu_name": "simulated H200", "target": "H200",
-            "sm_count": 132}
+    return {
+        "role": os.environ.get("FA4TUNE_WORKER_ROLE"),
+        "gpu_name": "simulated H200",
+        "target": "H200",
+        "sm_count": 132,
+    }
 
 
 def clocks(request: dict, channel, state: dict) -> dict:
@@ -42,8 +46,15 @@ def measure(request: dict, channel, state: dict) -> dict:
     _, compile_s, compiled_by = _kernel(request, problem, config, target)
     channel.phase("run")
     time.sleep(float(os.environ["SIMULATED_GPU_SECONDS"]))
-    return {"status": "ok", "time_ms": 1.0 + config.tile_n / 1000, "spread": 0.01, "out_error": 1e-3,
-            "lse_error": 1e-4, "compile_s": compile_s, "compiled_by": compiled_by}
+    return {
+        "status": "ok",
+        "time_ms": 1.0 + config.tile_n / 1000,
+        "spread": 0.01,
+        "out_error": 1e-3,
+        "lse_error": 1e-4,
+        "compile_s": compile_s,
+        "compiled_by": compiled_by,
+    }
 
 
 def search_seconds(configs: int, workers: int, cache: str) -> tuple[float, dict]:
@@ -51,14 +62,25 @@ def search_seconds(configs: int, workers: int, cache: str) -> tuple[float, dict]
     from fa4tune.tune.job import parse_job
     from fa4tune.tune.search import run_search
 
-    job = parse_job({
-        "name": f"compile-ahead-{workers}", "backend": "gpu",
-        "spaces": {"tiles": {"tile_m": [128], "tile_n": list(TILE_NS[:configs])}},
-        "problems": [{"head_dim": 128, "seqlen_q": 4096, "batch": 4, "nheads_q": 16}],
-        "sampler": "grid", "budget": {"trials": configs}, "warm_start": 0,
-        "measure": {"worker_module": "compile_ahead", "compile_workers": workers, "cache_dir": cache,
-                    "prune_margin": None, "confirm_top": 1, "confirm_rounds": 1},
-    })
+    job = parse_job(
+        {
+            "name": f"compile-ahead-{workers}",
+            "backend": "gpu",
+            "spaces": {"tiles": {"tile_m": [128], "tile_n": list(TILE_NS[:configs])}},
+            "problems": [{"head_dim": 128, "seqlen_q": 4096, "batch": 4, "nheads_q": 16}],
+            "sampler": "grid",
+            "budget": {"trials": configs},
+            "warm_start": 0,
+            "measure": {
+                "worker_module": "compile_ahead",
+                "compile_workers": workers,
+                "cache_dir": cache,
+                "prune_margin": None,
+                "confirm_top": 1,
+                "confirm_rounds": 1,
+            },
+        }
+    )
     with tempfile.TemporaryDirectory() as tmp:
         db = str(Path(tmp) / "results.db")
         started = time.monotonic()
@@ -75,17 +97,28 @@ def search_seconds(configs: int, workers: int, cache: str) -> tuple[float, dict]
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--configs", type=int, default=8, help=f"candidates (distinct kernels), at most {len(TILE_NS)}")
-    ap.add_argument("--gpu-seconds", type=float, default=1.0, help="simulated GPU time per candidate")
+    ap.add_argument(
+        "--configs",
+        type=int,
+        default=8,
+        help=f"candidates (distinct kernels), at most {len(TILE_NS)}",
+    )
+    ap.add_argument(
+        "--gpu-seconds", type=float, default=1.0, help="simulated GPU time per candidate"
+    )
     ap.add_argument("--workers", type=int, default=1, help="compile workers in the 'on' run")
     args = ap.parse_args(argv)
     os.environ["SIMULATED_GPU_SECONDS"] = str(args.gpu_seconds)
-    print(f"{args.configs} candidates, simulated GPU time {args.gpu_seconds:g} s each, {os.cpu_count()} CPUs")
+    print(
+        f"{args.configs} candidates, simulated GPU time {args.gpu_seconds:g} s each, {os.cpu_count()} CPUs"
+    )
     for workers in (0, args.workers):
         with tempfile.TemporaryDirectory() as cache:  # a cold kernel cache for each run
             seconds, by = search_seconds(args.configs, workers, cache)
-        print(f"compile workers {workers}: search {seconds:.1f} s ({seconds / args.configs:.2f} s per candidate); "
-              f"kernels from: {by}")
+        print(
+            f"compile workers {workers}: search {seconds:.1f} s ({seconds / args.configs:.2f} s per candidate); "
+            f"kernels from: {by}"
+        )
     return 0
 
 

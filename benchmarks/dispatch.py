@@ -45,10 +45,10 @@ def main() -> int:
     from cutlass import Float32, Int32
     from cutlass.cute.runtime import from_dlpack
 
+    from fa4tune.kernels.common.streams import current_tile_counter, tile_counter
+    from fa4tune.kernels.fa4_fwd_sm90.compile import compile_forward
     from fa4tune.kernels.fa4_fwd_sm90.config import FwdConfig
     from fa4tune.kernels.fa4_fwd_sm90.launch import PreparedLaunch, attention_forward
-    from fa4tune.kernels.fa4_fwd_sm90.compile import compile_forward
-    from fa4tune.kernels.common.streams import current_tile_counter, tile_counter
 
     if not torch.cuda.is_available():
         print("benchmarks/dispatch.py needs an NVIDIA GPU", file=sys.stderr)
@@ -58,11 +58,17 @@ def main() -> int:
     lse = torch.empty(1, 1, 128, device="cuda", dtype=torch.float32)
     cfg = FwdConfig()
     compiled = compile_forward(cfg, "bf16", 128, 128, False)
-    args = [from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=3) for t in (q, k, v, out)]
+    args = [
+        from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=3) for t in (q, k, v, out)
+    ]
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")
-    args += [from_dlpack(lse, assumed_align=4).mark_layout_dynamic(leading_dim=2),
-             from_dlpack(counter, assumed_align=4), Float32(1 / math.sqrt(128) * math.log2(math.e)), Int32(1),
-             cuda.CUstream(torch.cuda.current_stream().cuda_stream)]
+    args += [
+        from_dlpack(lse, assumed_align=4).mark_layout_dynamic(leading_dim=2),
+        from_dlpack(counter, assumed_align=4),
+        Float32(1 / math.sqrt(128) * math.log2(math.e)),
+        Int32(1),
+        cuda.CUstream(torch.cuda.current_stream().cuda_stream),
+    ]
     import fa4tune
     from fa4tune.runtime import dispatch
 
@@ -70,8 +76,12 @@ def main() -> int:
     launch = next(iter(dispatch._LAUNCHES.values()))
     # The floor rows get a launch of their own (fa4tune.attention rewrites its launch's pointers),
     # pointed once at tensors that stay alive.
-    floor = PreparedLaunch(launch.problem, launch.config, dispatch._device_target(q.device)[0], q, k, v, None)
-    floor.bind(compile_forward(launch.config, "bf16", 128, 128, False).function.to(launch.device_index))
+    floor = PreparedLaunch(
+        launch.problem, launch.config, dispatch._device_target(q.device)[0], q, k, v, None
+    )
+    floor.bind(
+        compile_forward(launch.config, "bf16", 128, 128, False).function.to(launch.device_index)
+    )
     for pointer, t in zip(floor.pointers, (q, k, v, out, lse, counter)):
         pointer.value = t.data_ptr()
     handle = torch.cuda.current_stream().cuda_stream
@@ -79,17 +89,25 @@ def main() -> int:
     direct = "yes" if launch.result is not None else "no: the DSL's run_compiled_program (fallback)"
     rows = {
         "compiled kernel, prepared DSL arguments (the reference)": lambda: compiled.function(*args),
-        "fa4tune.attention (lookup, allocates out and lse, launch)": lambda: fa4tune.attention(q, k, v),
-        "fa4tune.attention, causal (also fetches the stream's tile counter)":
-            lambda: fa4tune.attention(q, k, v, causal=True),
+        "fa4tune.attention (lookup, allocates out and lse, launch)": lambda: fa4tune.attention(
+            q, k, v
+        ),
+        "fa4tune.attention, causal (also fetches the stream's tile counter)": lambda: (
+            fa4tune.attention(q, k, v, causal=True)
+        ),
         "its floor: the host function called with the packed pointer array": floor._run,
-        "the DSL's run_compiled_program with the same packed arguments":
-            lambda: floor.executor.run_compiled_program(floor.arguments),
-        "attention_forward (converts tensors every call)":
-            lambda: attention_forward(q, k, v, cfg, out=out, lse=lse),
-        "the causal call's counter lookup alone (torch's stream id)": lambda: current_tile_counter(q.device),
-        "the same through the two driver queries (tile_counter)":
-            lambda: tile_counter(q.device, handle),
+        "the DSL's run_compiled_program with the same packed arguments": lambda: (
+            floor.executor.run_compiled_program(floor.arguments)
+        ),
+        "attention_forward (converts tensors every call)": lambda: attention_forward(
+            q, k, v, cfg, out=out, lse=lse
+        ),
+        "the causal call's counter lookup alone (torch's stream id)": lambda: current_tile_counter(
+            q.device
+        ),
+        "the same through the two driver queries (tile_counter)": lambda: tile_counter(
+            q.device, handle
+        ),
     }
     try:
         from flash_attn.cute import flash_attn_func
@@ -97,12 +115,17 @@ def main() -> int:
         rows["flash-attn-4 flash_attn_func"] = lambda: flash_attn_func(q, k, v)
     except Exception as exc:
         print(f"# flash-attn-4 not measured: {type(exc).__name__}", file=sys.stderr)
-    print(f"# fa4tune.attention used config {launch.config.short()} ({dispatch.explain(q, k, v).source} in the "
-          f"lookup); direct host call: {direct}; {torch.cuda.get_device_name()}", file=sys.stderr)
+    print(
+        f"# fa4tune.attention used config {launch.config.short()} ({dispatch.explain(q, k, v).source} in the "
+        f"lookup); direct host call: {direct}; {torch.cuda.get_device_name()}",
+        file=sys.stderr,
+    )
     results = interleaved_us(rows)
     reference = results[next(iter(rows))]
     base = reference[len(reference) // 2]
-    print("| entry point | host µs per call: median | p99 | median minus the reference |\n|---|---|---|---|")
+    print(
+        "| entry point | host µs per call: median | p99 | median minus the reference |\n|---|---|---|---|"
+    )
     for name, values in results.items():
         median, p99 = values[len(values) // 2], values[int(len(values) * 0.99)]
         print(f"| {name} | {median:.1f} | {p99:.1f} | {median - base:+.1f} |")

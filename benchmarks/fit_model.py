@@ -23,18 +23,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def table(before, after) -> list[str]:
-    lines = ["| problem | candidates (fully timed) | rank corr. before | after | regret before | after | scale after |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| problem | candidates (fully timed) | rank corr. before | after | regret before | after | scale after |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for b, a in zip(before, after):
-        lines.append(f"| {b.problem_key} | {b.candidates} ({b.timed}) | {b.rank_correlation:+.2f} | {a.rank_correlation:+.2f} | "
-                     f"{b.regret:.1%} | {a.regret:.1%} | {a.scale:.2f} |")
+        lines.append(
+            f"| {b.problem_key} | {b.candidates} ({b.timed}) | {b.rank_correlation:+.2f} | {a.rank_correlation:+.2f} | "
+            f"{b.regret:.1%} | {a.regret:.1%} | {a.scale:.2f} |"
+        )
     return lines
 
 
 def summary_line(name, s) -> str:
-    return (f"{name}: {s['problems']} problems, {s['candidates']} candidates; RMS log error {s['rms_log_error']:.3f}; "
-            f"over the {s['timed']} fully timed: mean rank correlation {s['mean_rank_correlation']:+.3f}, "
-            f"regret mean {s['mean_regret']:.1%} max {s['max_regret']:.1%}")
+    return (
+        f"{name}: {s['problems']} problems, {s['candidates']} candidates; RMS log error {s['rms_log_error']:.3f}; "
+        f"over the {s['timed']} fully timed: mean rank correlation {s['mean_rank_correlation']:+.3f}, "
+        f"regret mean {s['mean_regret']:.1%} max {s['max_regret']:.1%}"
+    )
 
 
 def main(argv=None) -> int:
@@ -42,7 +48,9 @@ def main(argv=None) -> int:
     source = ap.add_mutually_exclusive_group(required=True)
     source.add_argument("--samples", help="a samples file (JSON)")
     source.add_argument("--db", help="a results DB of a GPU search")
-    ap.add_argument("--run", type=int, help="with --db: the run whose candidates to fit (default: every run)")
+    ap.add_argument(
+        "--run", type=int, help="with --db: the run whose candidates to fit (default: every run)"
+    )
     ap.add_argument("--kernel", default="fa4_fwd_sm90")
     ap.add_argument("--target", default="H200")
     ap.add_argument("--holdout", help="a samples file to check the fit on, not fitted")
@@ -55,7 +63,15 @@ def main(argv=None) -> int:
         ap.error("--run and --save-samples go with --db")
 
     from fa4tune.errors import Fa4tuneError
-    from fa4tune.kernels.fa4_fwd_sm90.calibrate import CalibrationError, evaluate, fit, load_samples, samples_from_db, save_samples, summary
+    from fa4tune.kernels.fa4_fwd_sm90.calibrate import (
+        CalibrationError,
+        evaluate,
+        fit,
+        load_samples,
+        samples_from_db,
+        save_samples,
+        summary,
+    )
     from fa4tune.kernels.fa4_fwd_sm90.cost_model import ModelAssumptions
     from fa4tune.target import get_target
 
@@ -67,17 +83,31 @@ def main(argv=None) -> int:
             from fa4tune.db import ResultsDB
 
             with ResultsDB.open(args.db, create=False) as db:
-                samples = samples_from_db(db, kernel=args.kernel, target=target.name, run_id=args.run)
+                samples = samples_from_db(
+                    db, kernel=args.kernel, target=target.name, run_id=args.run
+                )
             if args.save_samples:
-                save_samples(args.save_samples, samples,
-                             f"{args.db}, " + (f"run {args.run}" if args.run is not None else "every run"))
+                save_samples(
+                    args.save_samples,
+                    samples,
+                    f"{args.db}, " + (f"run {args.run}" if args.run is not None else "every run"),
+                )
         if not samples:
-            raise CalibrationError(f"no measured candidates of {args.kernel} on {target.name} in "
-                                   f"{args.samples or args.db}" + (f", run {args.run}" if args.run is not None else ""))
+            raise CalibrationError(
+                f"no measured candidates of {args.kernel} on {target.name} in "
+                f"{args.samples or args.db}" + (f", run {args.run}" if args.run is not None else "")
+            )
         holdout = load_samples(args.holdout, args.kernel) if args.holdout else []
         installed = ModelAssumptions()
         if args.trials > 0:
-            fitted, _ = fit(samples, target, trials=args.trials, seed=args.seed, refine=args.refine, start=installed)
+            fitted, _ = fit(
+                samples,
+                target,
+                trials=args.trials,
+                seed=args.seed,
+                refine=args.refine,
+                start=installed,
+            )
         else:
             fitted = installed
     except (CalibrationError, Fa4tuneError, KeyError, ValueError) as exc:
@@ -90,11 +120,25 @@ def main(argv=None) -> int:
     print(summary_line("fitted samples, installed assumptions", summary(before)))
     print(summary_line("fitted samples, fitted assumptions   ", summary(after)))
     if holdout:
-        print(summary_line("held-out samples, installed          ", summary(evaluate(installed, holdout, target))))
-        print(summary_line("held-out samples, fitted             ", summary(evaluate(fitted, holdout, target))))
-    changed = {f.name: getattr(fitted, f.name) for f in dataclasses.fields(fitted)
-               if getattr(fitted, f.name) != getattr(installed, f.name)}
-    print("\nfitted assumptions (ModelAssumptions fields):" if changed else "\nno assumption changed")
+        print(
+            summary_line(
+                "held-out samples, installed          ",
+                summary(evaluate(installed, holdout, target)),
+            )
+        )
+        print(
+            summary_line(
+                "held-out samples, fitted             ", summary(evaluate(fitted, holdout, target))
+            )
+        )
+    changed = {
+        f.name: getattr(fitted, f.name)
+        for f in dataclasses.fields(fitted)
+        if getattr(fitted, f.name) != getattr(installed, f.name)
+    }
+    print(
+        "\nfitted assumptions (ModelAssumptions fields):" if changed else "\nno assumption changed"
+    )
     for name, value in changed.items():
         print(f"    {name}: float = {value:.4g}")
     return 0

@@ -21,14 +21,31 @@ from fa4tune.runtime.tables import render_yaml, table_document
 
 def synthetic_table(path: Path, count: int) -> list[Problem]:
     kernel = get_kernel()
-    grid = itertools.product((64, 128), (False, True), (512, 1024, 2048, 4096, 8192, 16384, 32768),
-                             (1, 2, 4, 8, 16), (8, 16, 32))
-    problems = [Problem(head_dim=d, causal=c, seqlen_q=s, batch=b, nheads_q=h) for d, c, s, b, h in grid][:count]
+    grid = itertools.product(
+        (64, 128),
+        (False, True),
+        (512, 1024, 2048, 4096, 8192, 16384, 32768),
+        (1, 2, 4, 8, 16),
+        (8, 16, 32),
+    )
+    problems = [
+        Problem(head_dim=d, causal=c, seqlen_q=s, batch=b, nheads_q=h) for d, c, s, b, h in grid
+    ][:count]
     entries = [
-        BestEntry(kernel=kernel.name, kernel_hash=kernel.source_hash(), target="H200", problem=p.to_dict(),
-                  problem_key=p.key(), bucket_key=p.bucket().key(),
-                  config=kernel.default_config(p, None).to_dict(), time_ms=1.0, tflops=1.0, is_estimate=True,
-                  provenance={}, source="benchmark")
+        BestEntry(
+            kernel=kernel.name,
+            kernel_hash=kernel.source_hash(),
+            target="H200",
+            problem=p.to_dict(),
+            problem_key=p.key(),
+            bucket_key=p.bucket().key(),
+            config=kernel.default_config(p, None).to_dict(),
+            time_ms=1.0,
+            tflops=1.0,
+            is_estimate=True,
+            provenance={},
+            source="benchmark",
+        )
         for p in problems
     ]
     path.write_text(render_yaml(table_document(entries, kernel.name, kernel.source_hash(), "H200")))
@@ -48,8 +65,16 @@ def main() -> None:
         lookup.index()
         load_s = time.perf_counter() - start
 
-        queries = [Problem(head_dim=p.head_dim, causal=p.causal, seqlen_q=p.seqlen_q * 3 // 2,
-                           batch=p.batch, nheads_q=p.nheads_q) for p in tuned]
+        queries = [
+            Problem(
+                head_dim=p.head_dim,
+                causal=p.causal,
+                seqlen_q=p.seqlen_q * 3 // 2,
+                batch=p.batch,
+                nheads_q=p.nheads_q,
+            )
+            for p in tuned
+        ]
         start = time.perf_counter()
         for q in queries:
             lookup(q, "H200")

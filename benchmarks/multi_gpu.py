@@ -36,8 +36,13 @@ BENCHMARKS = REPO / "benchmarks"
 sys.path.insert(0, str(REPO))
 
 
-def derived_job(job_path: Path, problems: int | None, trials: int | None, keep_time_budget: bool,
-                backend: str | None) -> dict:
+def derived_job(
+    job_path: Path,
+    problems: int | None,
+    trials: int | None,
+    keep_time_budget: bool,
+    backend: str | None,
+) -> dict:
     """The job to time: its first `problems` problems (as explicit problems), trials only, no export."""
     from fa4tune.tune.job import load_job
 
@@ -61,13 +66,25 @@ def run(tag: str, job_file: Path, out: Path, placement: list[str], simulate: boo
     an empty kernel cache of its own (OUT/TAG-kernels), so the second run does not load what the
     first compiled."""
     entry = [str(BENCHMARKS / "simulated_gpus.py")] if simulate else ["-m", "fa4tune.cli"]
-    command = [sys.executable, *entry, "search", str(job_file), "--db", str(out / f"{tag}.db"),
-               "--storage", str(out / f"{tag}.journal"), "--no-progress", *placement]
+    command = [
+        sys.executable,
+        *entry,
+        "search",
+        str(job_file),
+        "--db",
+        str(out / f"{tag}.db"),
+        "--storage",
+        str(out / f"{tag}.journal"),
+        "--no-progress",
+        *placement,
+    ]
     cache = out / f"{tag}-kernels"
     shutil.rmtree(cache, ignore_errors=True)
     env = {**os.environ, "FA4TUNE_KERNEL_CACHE": str(cache)}
     if simulate:  # the workers import the simulated worker module by name
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(BENCHMARKS), str(REPO), env.get("PYTHONPATH")) if p)
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(BENCHMARKS), str(REPO), env.get("PYTHONPATH")) if p
+        )
     print(f"{tag}: {' '.join(command[2:])}", flush=True)
     started = time.monotonic()
     with open(out / f"{tag}.log", "w") as log:
@@ -84,8 +101,10 @@ def best_configs(db_path: Path) -> dict:
 
     with ResultsDB.open(str(db_path), create=False) as db:
         studies = {t["problem_key"]: t["study_name"] for t in db.trials()}
-        return {e.problem_key: (e.time_ms, e.config, db.count_trials(studies[e.problem_key]))
-                for e in db.best_configs()}
+        return {
+            e.problem_key: (e.time_ms, e.config, db.count_trials(studies[e.problem_key]))
+            for e in db.best_configs()
+        }
 
 
 def worker_activity(journal: Path, wall_s: float) -> list[str]:
@@ -102,8 +121,9 @@ def worker_activity(journal: Path, wall_s: float) -> list[str]:
         for trial in study.get_trials(deepcopy=False):
             worker = trial.user_attrs.get(WORKER_ATTR)
             if worker and trial.datetime_start and trial.datetime_complete:
-                spans.setdefault(worker, []).append((trial.datetime_start.timestamp(),
-                                                     trial.datetime_complete.timestamp()))
+                spans.setdefault(worker, []).append(
+                    (trial.datetime_start.timestamp(), trial.datetime_complete.timestamp())
+                )
     lines = []
     for worker, intervals in sorted(spans.items()):
         intervals.sort()
@@ -115,8 +135,10 @@ def worker_activity(journal: Path, wall_s: float) -> list[str]:
             elif stop > end:
                 busy += stop - end
                 end = stop
-        lines.append(f"worker {worker}: a trial in flight {busy:.1f} s of {wall_s:.1f} s "
-                     f"({busy / wall_s:.0%}), {len(intervals)} trials")
+        lines.append(
+            f"worker {worker}: a trial in flight {busy:.1f} s of {wall_s:.1f} s "
+            f"({busy / wall_s:.0%}), {len(intervals)} trials"
+        )
     return lines
 
 
@@ -130,28 +152,51 @@ def table(rows: list[list[str]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--job", type=Path, default=REPO / "tuning_configs" / "h200-bf16.yaml")
-    parser.add_argument("--gpus", default="0,1", help="the GPUs of the many-GPU run; the 1-GPU run uses the first")
+    parser.add_argument(
+        "--gpus", default="0,1", help="the GPUs of the many-GPU run; the 1-GPU run uses the first"
+    )
     parser.add_argument("--problems", type=int, help="only the job's first N problems")
-    parser.add_argument("--trials", type=int, help="measured trials per problem (default: the job's)")
-    parser.add_argument("--keep-time-budget", action="store_true", help="keep the job's seconds per problem")
+    parser.add_argument(
+        "--trials", type=int, help="measured trials per problem (default: the job's)"
+    )
+    parser.add_argument(
+        "--keep-time-budget", action="store_true", help="keep the job's seconds per problem"
+    )
     parser.add_argument("--backend", choices=["gpu", "model"], help="override the job's backend")
-    parser.add_argument("--workers", type=int, help="model backend: N CPU workers instead of --gpus")
+    parser.add_argument(
+        "--workers", type=int, help="model backend: N CPU workers instead of --gpus"
+    )
     parser.add_argument("--out", type=Path, default=REPO / "fa4tune-results" / "multi-gpu")
-    parser.add_argument("--simulate", action="store_true",
-                        help="gpu backend with simulated GPUs (sleeps): times the search's machinery on a CPU")
-    parser.add_argument("--compile-workers", type=int,
-                        help="compile processes per worker (default: the job's; with --simulate 8, as on a GPU host)")
+    parser.add_argument(
+        "--simulate",
+        action="store_true",
+        help="gpu backend with simulated GPUs (sleeps): times the search's machinery on a CPU",
+    )
+    parser.add_argument(
+        "--compile-workers",
+        type=int,
+        help="compile processes per worker (default: the job's; with --simulate 8, as on a GPU host)",
+    )
     args = parser.parse_args(argv)
     if args.simulate and (args.workers is not None or args.backend == "model"):
-        parser.error("--simulate runs the gpu backend on simulated GPUs: give --gpus, not --workers or --backend")
+        parser.error(
+            "--simulate runs the gpu backend on simulated GPUs: give --gpus, not --workers or --backend"
+        )
 
     args.out.mkdir(parents=True, exist_ok=True)
     for old in args.out.glob("*"):
-        if old.suffix in (".db", ".journal", ".log", ".flock", ".yaml") or old.name.endswith(("-wal", "-shm")):
+        if old.suffix in (".db", ".journal", ".log", ".flock", ".yaml") or old.name.endswith(
+            ("-wal", "-shm")
+        ):
             old.unlink()
     job_file = args.out / "job.yaml"
-    timed = derived_job(args.job, args.problems, args.trials, args.keep_time_budget,
-                        "gpu" if args.simulate else args.backend)
+    timed = derived_job(
+        args.job,
+        args.problems,
+        args.trials,
+        args.keep_time_budget,
+        "gpu" if args.simulate else args.backend,
+    )
     measure = dict(timed.get("measure") or {})
     if args.simulate:
         measure["worker_module"] = "simulated_gpu_worker"
@@ -163,7 +208,11 @@ def main(argv: list[str] | None = None) -> int:
         timed["measure"] = measure
     job_file.write_text(yaml.safe_dump(timed, sort_keys=False))
     if args.workers is not None:
-        many, one, label = ["--workers", str(args.workers)], ["--workers", "1"], f"{args.workers} workers"
+        many, one, label = (
+            ["--workers", str(args.workers)],
+            ["--workers", "1"],
+            f"{args.workers} workers",
+        )
     else:
         gpus = args.gpus.split(",")
         many, one, label = ["--gpus", args.gpus], ["--gpus", gpus[0]], f"{len(gpus)} GPUs"
@@ -173,28 +222,59 @@ def main(argv: list[str] | None = None) -> int:
     from fa4tune.cli import config_text
 
     single, multi = best_configs(args.out / "one.db"), best_configs(args.out / "many.db")
-    rows = [["problem", "1: best ms", "1: trials", f"{label}: best ms", f"{label}: trials", f"{label} config vs 1",
-             "time ratio"]]
+    rows = [
+        [
+            "problem",
+            "1: best ms",
+            "1: trials",
+            f"{label}: best ms",
+            f"{label}: trials",
+            f"{label} config vs 1",
+            "time ratio",
+        ]
+    ]
     same = 0
     for key in sorted(set(single) | set(multi)):
         a, b = single.get(key), multi.get(key)
         if a is None or b is None:
-            rows.append([key, f"{a[0]:.4g}" if a else "-", str(a[2]) if a else "-", f"{b[0]:.4g}" if b else "-",
-                         str(b[2]) if b else "-", "missing", "-"])
+            rows.append(
+                [
+                    key,
+                    f"{a[0]:.4g}" if a else "-",
+                    str(a[2]) if a else "-",
+                    f"{b[0]:.4g}" if b else "-",
+                    str(b[2]) if b else "-",
+                    "missing",
+                    "-",
+                ]
+            )
             continue
         same += a[1] == b[1]
-        rows.append([key, f"{a[0]:.4g}", str(a[2]), f"{b[0]:.4g}", str(b[2]),
-                     config_text(b[1], a[1], unchanged="same"), f"{b[0] / a[0]:.3f}"])
+        rows.append(
+            [
+                key,
+                f"{a[0]:.4g}",
+                str(a[2]),
+                f"{b[0]:.4g}",
+                str(b[2]),
+                config_text(b[1], a[1], unchanged="same"),
+                f"{b[0] / a[0]:.3f}",
+            ]
+        )
     print()
     print(table(rows))
     print()
-    print(f"wall time: 1 = {single_s:.1f} s, {label} = {many_s:.1f} s, speedup {single_s / many_s:.2f}x "
-          f"(target 1.8x on 2 GPUs); same best config on {same} of {len(rows) - 1} problems")
+    print(
+        f"wall time: 1 = {single_s:.1f} s, {label} = {many_s:.1f} s, speedup {single_s / many_s:.2f}x "
+        f"(target 1.8x on 2 GPUs); same best config on {same} of {len(rows) - 1} problems"
+    )
     for tag, seconds in (("one", single_s), ("many", many_s)):
         for line in worker_activity(args.out / f"{tag}.journal", seconds):
             print(f"{tag}: {line}")
     if args.simulate:
-        print("simulated GPUs (benchmarks/simulated_gpu_worker.py): the search's machinery, not kernels")
+        print(
+            "simulated GPUs (benchmarks/simulated_gpu_worker.py): the search's machinery, not kernels"
+        )
     print(f"logs, DBs and the timed job: {args.out}")
     return 0
 

@@ -37,12 +37,32 @@ SECTIONS = ("SchedulerStats", "WarpStateStats", "ComputeWorkloadAnalysis", "Inst
 # (row label, ncu section, ncu body item label or None for any, metric name)
 ROWS = (
     ("issue slots busy (%)", "Compute Workload Analysis", "", "Issue Slots Busy"),
-    ("XU (MUFU) pipe, % of peak", "Compute Workload Analysis", "Pipe Utilization (% of peak instructions executed over elapsed cycles)", "XU"),
-    ("FMA pipe, % of peak", "Compute Workload Analysis", "Pipe Utilization (% of peak instructions executed over elapsed cycles)", "FMA"),
-    ("ALU pipe, % of peak", "Compute Workload Analysis", "Pipe Utilization (% of peak instructions executed over elapsed cycles)", "ALU"),
+    (
+        "XU (MUFU) pipe, % of peak",
+        "Compute Workload Analysis",
+        "Pipe Utilization (% of peak instructions executed over elapsed cycles)",
+        "XU",
+    ),
+    (
+        "FMA pipe, % of peak",
+        "Compute Workload Analysis",
+        "Pipe Utilization (% of peak instructions executed over elapsed cycles)",
+        "FMA",
+    ),
+    (
+        "ALU pipe, % of peak",
+        "Compute Workload Analysis",
+        "Pipe Utilization (% of peak instructions executed over elapsed cycles)",
+        "ALU",
+    ),
     ("no eligible warp (% of cycles)", "Scheduler Statistics", "", "No Eligible"),
     ("eligible warps per scheduler", "Scheduler Statistics", "", "Eligible Warps Per Scheduler"),
-    ("cycles per issued instruction", "Warp State Statistics", "", "Warp Cycles Per Issued Instruction"),
+    (
+        "cycles per issued instruction",
+        "Warp State Statistics",
+        "",
+        "Warp Cycles Per Issued Instruction",
+    ),
     ("executed instructions", "Instruction Statistics", "", "Executed Instructions"),
 )
 STALLS_SHOWN = 5  # the largest stall reasons of each launch, in cycles per issued instruction
@@ -54,7 +74,7 @@ def _csv_rows(text: str, first_column: str, what: str) -> csv.DictReader:
     lines = text.splitlines()
     start = next((i for i, line in enumerate(lines) if line.startswith(f'"{first_column}",')), None)
     if start is None:
-        raise ValueError(f"no {what} header (\"{first_column}\",...) in the output")
+        raise ValueError(f'no {what} header ("{first_column}",...) in the output')
     return csv.DictReader(io.StringIO("\n".join(lines[start:])))
 
 
@@ -76,7 +96,9 @@ def parse_ncu_csv(text: str) -> list[dict]:
         if row.get("ID") is None or row.get("Metric Name") is None:
             continue
         metrics = launches.setdefault(row["ID"], {})
-        metrics[(row["Section Name"], row["Body Item Label"], row["Metric Name"])] = row["Metric Value"]
+        metrics[(row["Section Name"], row["Body Item Label"], row["Metric Name"])] = row[
+            "Metric Value"
+        ]
     return [launches[key] for key in sorted(launches, key=int)]
 
 
@@ -94,8 +116,11 @@ def summarize(metrics: dict) -> dict:
     out = {}
     for label, section, item, name in ROWS:
         out[label] = number(metrics.get((section, item, name)))
-    stalls = {name[len("Stall "):]: number(value) for (section, _, name), value in metrics.items()
-              if section == "Warp State Statistics" and name.startswith("Stall ") and number(value)}
+    stalls = {
+        name[len("Stall ") :]: number(value)
+        for (section, _, name), value in metrics.items()
+        if section == "Warp State Statistics" and name.startswith("Stall ") and number(value)
+    }
     out["stalls"] = dict(sorted(stalls.items(), key=lambda kv: -kv[1]))
     return out
 
@@ -107,7 +132,9 @@ SAMPLES = "Warp Stall Sampling (All Samples)"
 def parse_source_csv(text: str) -> list[dict]:
     """`ncu --page source --csv --print-source sass` of one launch -> one dict per SASS instruction
     (its columns by name). The line before the header names the kernel."""
-    return [row for row in _csv_rows(text, "Address", "ncu source CSV") if row.get("Source") is not None]
+    return [
+        row for row in _csv_rows(text, "Address", "ncu source CSV") if row.get("Source") is not None
+    ]
 
 
 def opcode(source: str) -> str:
@@ -123,7 +150,9 @@ def opcode(source: str) -> str:
 def summarize_source(rows: list[dict]) -> dict:
     """{opcode: {"share": % of all samples, "stalls": {reason: % of the opcode's samples}}}, the
     opcodes with the most samples first. Stall columns are ncu's stall_* (all samples, issued or not)."""
-    reasons = [name for name in (rows[0] if rows else {}) if name.startswith("stall_") and "(" not in name]
+    reasons = [
+        name for name in (rows[0] if rows else {}) if name.startswith("stall_") and "(" not in name
+    ]
     total = 0.0
     per_op: dict[str, dict] = {}
     for r in rows:
@@ -134,13 +163,16 @@ def summarize_source(rows: list[dict]) -> dict:
         for name in reasons:
             value = number(r.get(name)) or 0.0
             if value:
-                reason = name[len("stall_"):]
+                reason = name[len("stall_") :]
                 entry["stalls"][reason] = entry["stalls"].get(reason, 0.0) + value
     out = {}
     for op, entry in sorted(per_op.items(), key=lambda kv: -kv[1]["samples"]):
         if not entry["samples"]:
             continue
-        stalls = {k: 100.0 * v / entry["samples"] for k, v in sorted(entry["stalls"].items(), key=lambda kv: -kv[1])}
+        stalls = {
+            k: 100.0 * v / entry["samples"]
+            for k, v in sorted(entry["stalls"].items(), key=lambda kv: -kv[1])
+        }
         out[op] = {"share": 100.0 * entry["samples"] / total, "stalls": stalls}
     return out
 
@@ -155,10 +187,13 @@ def source_table(labels: list[str], summaries: list[dict]) -> str:
         stalls = ", ".join(f"{k} {v:.0f}%" for k, v in list(s[op]["stalls"].items())[:3])
         return f"{s[op]['share']:.1f}% ({stalls})"
 
-    out = ["warp-state samples per SASS opcode: share of all samples (the opcode's largest warp states: "
-           "stall reasons, or 'selected' when it issued; a BRA with long_sb is most often the spin of an "
-           "mbarrier wait)\n",
-           "| opcode | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
+    out = [
+        "warp-state samples per SASS opcode: share of all samples (the opcode's largest warp states: "
+        "stall reasons, or 'selected' when it issued; a BRA with long_sb is most often the spin of an "
+        "mbarrier wait)\n",
+        "| opcode | " + " | ".join(labels) + " |",
+        "|---|" + "---|" * len(labels),
+    ]
     out += [f"| {op} | " + " | ".join(cell(s, op) for s in summaries) + " |" for op in ops]
     return "\n".join(out)
 
@@ -175,8 +210,18 @@ def _child(args) -> int:
         return 2
     problem = parse_shape(args.shape)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(problem.batch, problem.seqlen_q, problem.nheads_q, problem.head_dim, device="cuda",
-                           dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    q, k, v = (
+        torch.randn(
+            problem.batch,
+            problem.seqlen_q,
+            problem.nheads_q,
+            problem.head_dim,
+            device="cuda",
+            dtype=torch.bfloat16,
+            generator=gen,
+        )
+        for _ in range(3)
+    )
     try:
         configs = _configs(args, target)
     except ValueError as exc:  # an infeasible variant: said before anything runs
@@ -207,21 +252,41 @@ def _configs(args, target) -> list:
         variant = replace(default, **changes)
         reasons = FAMILY.infeasible_reasons(problem, variant, target)
         if reasons:
-            raise ValueError(f"{variant.short()} is infeasible for {problem.key()}: {'; '.join(reasons)}")
+            raise ValueError(
+                f"{variant.short()} is infeasible for {problem.key()}: {'; '.join(reasons)}"
+            )
         configs.append(variant)
     return configs
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="64:16384", help="head_dim:seqlen[:causal] (16k tokens, hidden 2048)")
-    ap.add_argument("--set", action="append", default=[], help="knob=value: the variant profiled beside the default")
-    ap.add_argument("--ncu", default=None, help="the ncu binary (default: ncu on PATH, else /usr/local/cuda/bin/ncu)")
+    ap.add_argument(
+        "--shape", default="64:16384", help="head_dim:seqlen[:causal] (16k tokens, hidden 2048)"
+    )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        help="knob=value: the variant profiled beside the default",
+    )
+    ap.add_argument(
+        "--ncu",
+        default=None,
+        help="the ncu binary (default: ncu on PATH, else /usr/local/cuda/bin/ncu)",
+    )
     ap.add_argument("--csv", default=None, help="keep ncu's CSV of the details page here")
-    ap.add_argument("--timeout", type=float, default=600.0,
-                    help="seconds for the whole ncu run (the profile and the reading back of its report)")
-    ap.add_argument("--source", action="store_true",
-                    help="also the source counters: which SASS opcodes the warps wait on")
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds for the whole ncu run (the profile and the reading back of its report)",
+    )
+    ap.add_argument(
+        "--source",
+        action="store_true",
+        help="also the source counters: which SASS opcodes the warps wait on",
+    )
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -236,7 +301,10 @@ def main(argv=None) -> int:
     try:
         parse_shape(args.shape)
     except (ValueError, IndexError):
-        print(f"ncu_profile: --shape wants head_dim:seqlen[:causal] (got {args.shape!r})", file=sys.stderr)
+        print(
+            f"ncu_profile: --shape wants head_dim:seqlen[:causal] (got {args.shape!r})",
+            file=sys.stderr,
+        )
         return 2
     if args.child:
         return _child(args)
@@ -256,8 +324,11 @@ def main(argv=None) -> int:
         return subprocess.run([ncu, *arguments], capture_output=True, text=True, timeout=remaining)
 
     def failed(what: str, run) -> int:
-        print(f"ncu_profile: {what}; ncu exit status {run.returncode}; its output ends:\n"
-              f"{(run.stdout[-1500:] + run.stderr[-1500:]).strip()}", file=sys.stderr)
+        print(
+            f"ncu_profile: {what}; ncu exit status {run.returncode}; its output ends:\n"
+            f"{(run.stdout[-1500:] + run.stderr[-1500:]).strip()}",
+            file=sys.stderr,
+        )
         return 1
 
     with tempfile.TemporaryDirectory(prefix="ncu_profile-") as tmp:
@@ -265,13 +336,30 @@ def main(argv=None) -> int:
         # and with --source each launch's source counters.
         report = Path(tmp) / "profile"
         try:
-            done = ncu_run(["--profile-from-start", "off", "--clock-control", "none", "--target-processes", "all",
-                            *[part for section in sections for part in ("--section", section)], "-o", str(report),
-                            sys.executable, str(Path(__file__).resolve()), "--child", "--shape", args.shape,
-                            *[part for item in args.set for part in ("--set", item)]])
+            done = ncu_run(
+                [
+                    "--profile-from-start",
+                    "off",
+                    "--clock-control",
+                    "none",
+                    "--target-processes",
+                    "all",
+                    *[part for section in sections for part in ("--section", section)],
+                    "-o",
+                    str(report),
+                    sys.executable,
+                    str(Path(__file__).resolve()),
+                    "--child",
+                    "--shape",
+                    args.shape,
+                    *[part for item in args.set for part in ("--set", item)],
+                ]
+            )
             if done.returncode != 0 or not Path(f"{report}.ncu-rep").exists():
                 return failed("the profiled run wrote no report", done)
-            details = ncu_run(["-i", f"{report}.ncu-rep", "--page", "details", "--csv", "--print-details", "all"])
+            details = ncu_run(
+                ["-i", f"{report}.ncu-rep", "--page", "details", "--csv", "--print-details", "all"]
+            )
             try:
                 launches = parse_ncu_csv(details.stdout)
             except ValueError as exc:
@@ -280,14 +368,30 @@ def main(argv=None) -> int:
                 return failed(f"{len(launches)} profiled launches, expected {len(labels)}", done)
             source_summaries = []
             for i in range(len(launches) if args.source else 0):
-                source = ncu_run(["-i", f"{report}.ncu-rep", "--page", "source", "--csv", "--print-source", "sass",
-                                  "--launch-skip", str(i), "--launch-count", "1"])
+                source = ncu_run(
+                    [
+                        "-i",
+                        f"{report}.ncu-rep",
+                        "--page",
+                        "source",
+                        "--csv",
+                        "--print-source",
+                        "sass",
+                        "--launch-skip",
+                        str(i),
+                        "--launch-count",
+                        "1",
+                    ]
+                )
                 try:
                     source_summaries.append(summarize_source(parse_source_csv(source.stdout)))
                 except ValueError as exc:
                     return failed(f"reading launch {i}'s source counters: {exc}", source)
         except subprocess.TimeoutExpired:
-            print(f"ncu_profile: ncu did not finish in {args.timeout:.0f} s (--timeout)", file=sys.stderr)
+            print(
+                f"ncu_profile: ncu did not finish in {args.timeout:.0f} s (--timeout)",
+                file=sys.stderr,
+            )
             return 1
     if args.csv:
         Path(args.csv).write_text(details.stdout)
@@ -296,7 +400,9 @@ def main(argv=None) -> int:
         columns = dict(zip(labels, summaries))
         for label, ops in zip(labels, source_summaries):  # none without --source
             columns[label] = dict(columns[label], opcodes=ops)
-        Path(args.json).write_text(json.dumps({"shape": args.shape, "set": args.set, "columns": columns}, indent=1))
+        Path(args.json).write_text(
+            json.dumps({"shape": args.shape, "set": args.set, "columns": columns}, indent=1)
+        )
     print(table(args.shape, labels, summaries))
     if args.source:
         print("\n" + source_table(labels, source_summaries))
@@ -305,18 +411,25 @@ def main(argv=None) -> int:
 
 def table(shape: str, labels: list[str], summaries: list[dict]) -> str:
     """A markdown table: one row per metric of ROWS, then the largest stall reasons."""
+
     def cell(value):
         if value is None:
             return "-"
         return f"{value:,.0f}" if value >= 1000 else f"{value:.2f}"
 
-    out = [f"ncu, one launch per column, shape {shape} (clocks not controlled)\n",
-           "| metric | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
+    out = [
+        f"ncu, one launch per column, shape {shape} (clocks not controlled)\n",
+        "| metric | " + " | ".join(labels) + " |",
+        "|---|" + "---|" * len(labels),
+    ]
     for label, *_ in ROWS:
         out.append(f"| {label} | " + " | ".join(cell(s[label]) for s in summaries) + " |")
     for name in _first_of_each((s["stalls"] for s in summaries), STALLS_SHOWN):
-        out.append(f"| stall: {name} (cycles per issued instruction) | "
-                   + " | ".join(cell(s["stalls"].get(name)) for s in summaries) + " |")
+        out.append(
+            f"| stall: {name} (cycles per issued instruction) | "
+            + " | ".join(cell(s["stalls"].get(name)) for s in summaries)
+            + " |"
+        )
     return "\n".join(out)
 
 

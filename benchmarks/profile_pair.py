@@ -28,7 +28,10 @@ def main(argv: list[str]) -> int:
     for spec in argv or ["128:1024"]:
         p = parse_shape(spec)
         d, s, causal = p.head_dim, p.seqlen_q, p.causal
-        q, k, v = (torch.randn(p.batch, s, p.nheads_q, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        q, k, v = (
+            torch.randn(p.batch, s, p.nheads_q, d, device="cuda", dtype=torch.bfloat16)
+            for _ in range(3)
+        )
         attention_forward(q, k, v, FAMILY.default_config(p), causal=causal)
         if flash_attn_func is not None:
             flash_attn_func(q, k, v, causal=causal)

@@ -24,9 +24,17 @@ def _seconds(name: str, default: float) -> float:
 def describe(state: dict) -> dict:
     if os.environ.get("FA4TUNE_WORKER_ROLE") == "compile":
         return {"role": "compile", "pid": os.getpid()}
-    return {"role": "measure", "pid": os.getpid(), "gpu_name": SIMULATED_GPU, "target": "H200", "sm_count": 132,
-            "cuda_version": "simulated", "cuda_driver": "simulated", "nvidia_driver": "simulated",
-            "clocks": {"sm_mhz": 1980.0, "mem_mhz": 3201.0}}
+    return {
+        "role": "measure",
+        "pid": os.getpid(),
+        "gpu_name": SIMULATED_GPU,
+        "target": "H200",
+        "sm_count": 132,
+        "cuda_version": "simulated",
+        "cuda_driver": "simulated",
+        "nvidia_driver": "simulated",
+        "clocks": {"sm_mhz": 1980.0, "mem_mhz": 3201.0},
+    }
 
 
 def clocks(request: dict, channel, state: dict) -> dict:
@@ -57,14 +65,22 @@ def measure(request: dict, channel, state: dict) -> dict:
         compile_s = _seconds("FA4TUNE_SIM_COMPILE_S", 1.5)
         time.sleep(compile_s)
     channel.phase("run")
-    seconds, _ = CostModel(get_target("H200")).time_s(FwdConfig.from_dict(request["config"]),
-                                                      Problem.from_dict(request["problem"]))
+    seconds, _ = CostModel(get_target("H200")).time_s(
+        FwdConfig.from_dict(request["config"]), Problem.from_dict(request["problem"])
+    )
     time_ms = seconds * 1e3
     result = {"compile_s": compile_s, "out_error": 1e-3, "lse_error": 1e-4}
     if request.get("mode", "search") == "search":
         time.sleep(_seconds("FA4TUNE_SIM_CHEAP_S", 0.22))
         stop = channel.ask({"cheap_ms": time_ms})
         if stop:
-            return {**result, "status": "stopped", "reason": stop, "time_ms": time_ms, "spread": 0.02, "runs": 10}
+            return {
+                **result,
+                "status": "stopped",
+                "reason": stop,
+                "time_ms": time_ms,
+                "spread": 0.02,
+                "runs": 10,
+            }
     time.sleep(_seconds("FA4TUNE_SIM_FULL_S", 0.8))
     return {**result, "status": "ok", "time_ms": time_ms, "spread": 0.01, "runs": 20}

@@ -25,7 +25,9 @@ def simulate_gpus() -> None:
     workers.gpu_target = lambda plan, wanted: get_target("H200")
 
 
-if __name__ == "__main__":  # the workers are spawned: they import this file without running a search
+if (
+    __name__ == "__main__"
+):  # the workers are spawned: they import this file without running a search
     simulate_gpus()
     from fa4tune.cli import main
 

@@ -13,6 +13,7 @@ are listed with their reason, not run. Every config is checked against the fp32 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from dataclasses import replace
@@ -37,16 +38,14 @@ def main(argv=None) -> int:
 
     import torch
 
-    from fa4tune.kernels.fa4_fwd_sm90.config import KNOBS
-
-    from fa4tune.kernels.fa4_fwd_sm90 import FAMILY
-    from fa4tune.kernels.fa4_fwd_sm90.launch import attention_forward
-    from fa4tune.kernels.fa4_fwd_sm90.compile import compile_forward
-    from fa4tune.measure.timing import L2Flusher, time_cuda
-    from fa4tune.kernels.common.verify import TOLERANCES, compare, reference_slices
-    from fa4tune.target import get_target
-
     from benchmarks.attention import parse_shape
+    from fa4tune.kernels.common.verify import TOLERANCES, compare, reference_slices
+    from fa4tune.kernels.fa4_fwd_sm90 import FAMILY
+    from fa4tune.kernels.fa4_fwd_sm90.compile import compile_forward
+    from fa4tune.kernels.fa4_fwd_sm90.config import KNOBS
+    from fa4tune.kernels.fa4_fwd_sm90.launch import attention_forward
+    from fa4tune.measure.timing import L2Flusher, time_cuda
+    from fa4tune.target import get_target
 
     target = get_target(None)
     flusher = L2Flusher()
@@ -64,7 +63,10 @@ def main(argv=None) -> int:
                 cfg = replace(base, **{knob: parse_value(v)})
                 if cfg not in configs:
                     configs.append(cfg)
-        q, k, v = (torch.randn(p.batch, s, p.nheads_q, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        q, k, v = (
+            torch.randn(p.batch, s, p.nheads_q, d, device="cuda", dtype=torch.bfloat16)
+            for _ in range(3)
+        )
         references = reference_slices(q, k, v, causal, None)
         print(f"\n## d={d} seqlen={s} causal={causal} batch={p.batch} heads={p.nheads_q}\n")
         print("| config | TFLOP/s | ms | spread | error | compile s |")
@@ -79,8 +81,10 @@ def main(argv=None) -> int:
                 continue
             compiled = compile_forward(cfg, "bf16", d, d, causal, target)
             out = torch.full_like(q, float("nan"))
-            lse = torch.full((p.batch, p.nheads_q, s), float("nan"), device="cuda", dtype=torch.float32)
-            fn = lambda: attention_forward(q, k, v, cfg, causal=causal, out=out, lse=lse)  # noqa: E731
+            lse = torch.full(
+                (p.batch, p.nheads_q, s), float("nan"), device="cuda", dtype=torch.float32
+            )
+            fn = functools.partial(attention_forward, q, k, v, cfg, causal=causal, out=out, lse=lse)
             fn()
             check = compare(out, lse, references)
             err = check.out_error
@@ -92,11 +96,19 @@ def main(argv=None) -> int:
                 continue
             t = time_cuda(fn, flusher=flusher)
             tflops = p.flops / (t.median_ms * 1e-3) / 1e12
-            row.update(tflops=tflops, ms=t.median_ms, spread=t.spread, error=err,
-                       compile_s=compiled.compile_seconds)
+            row.update(
+                tflops=tflops,
+                ms=t.median_ms,
+                spread=t.spread,
+                error=err,
+                compile_s=compiled.compile_seconds,
+            )
             results.append(row)
-            print(f"| {cfg.short()} | {tflops:.1f} | {t.median_ms:.4f} | {t.spread:.3f} | {err:.2e} | "
-                  f"{compiled.compile_seconds:.1f} |", flush=True)
+            print(
+                f"| {cfg.short()} | {tflops:.1f} | {t.median_ms:.4f} | {t.spread:.3f} | {err:.2e} | "
+                f"{compiled.compile_seconds:.1f} |",
+                flush=True,
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0

@@ -36,9 +36,14 @@ class ReportError(Exception):
 
 def is_grid(problem) -> bool:
     """The benchmark grid of the design notes: 16k tokens, hidden 2048."""
-    return (problem.head_dim in GRID_HEAD_DIMS and problem.seqlen_q in GRID_SEQLENS
-            and problem.seqlen_q == problem.seqlen_k and problem.batch * problem.seqlen_q == 16384
-            and problem.nheads_q * problem.head_dim == 2048 and problem.nheads_kv == problem.nheads_q)
+    return (
+        problem.head_dim in GRID_HEAD_DIMS
+        and problem.seqlen_q in GRID_SEQLENS
+        and problem.seqlen_q == problem.seqlen_k
+        and problem.batch * problem.seqlen_q == 16384
+        and problem.nheads_q * problem.head_dim == 2048
+        and problem.nheads_kv == problem.nheads_q
+    )
 
 
 # ---- what the search did ----------------------------------------------------------------------------
@@ -47,8 +52,11 @@ def search_story(db, problem_key: str, best) -> dict:
     and until it first measured the config that became best; the search's wall time."""
     from fa4tune.db.store import CONFIRM_SOURCE
 
-    trials = [t for t in db.trials(problem_key=problem_key)
-              if t["kernel_hash"] == best.kernel_hash and t["target"] == best.target]
+    trials = [
+        t
+        for t in db.trials(problem_key=problem_key)
+        if t["kernel_hash"] == best.kernel_hash and t["target"] == best.target
+    ]
     search = [t for t in trials if t["source"] != CONFIRM_SOURCE and t["status"] != "pruned"]
     if not search:
         return {"measured": 0}
@@ -63,10 +71,14 @@ def search_story(db, problem_key: str, best) -> dict:
             if to_best is None and t["config"] == best.config:
                 to_best = index
     stamps = [t["created_at"] for t in trials]
-    return {"measured": len(search), "to_near": to_near, "to_best": to_best,
-            "wall_s": (max(stamps) - min(stamps)).total_seconds() if len(stamps) > 1 else 0.0,
-            "stopped": sum(t["status"] == "stopped" for t in search),
-            "failed": sum(t["status"] in ("failed", "wrong") for t in search)}
+    return {
+        "measured": len(search),
+        "to_near": to_near,
+        "to_best": to_best,
+        "wall_s": (max(stamps) - min(stamps)).total_seconds() if len(stamps) > 1 else 0.0,
+        "stopped": sum(t["status"] == "stopped" for t in search),
+        "failed": sum(t["status"] in ("failed", "wrong") for t in search),
+    }
 
 
 # ---- measuring side by side -------------------------------------------------------------------------
@@ -79,10 +91,20 @@ def preload(directory, config, problem, target) -> bool:
     if not path.exists():
         return False
     try:
-        load_compiled(path, config, problem.dtype, problem.head_dim, problem.head_dim_v, problem.causal, target)
+        load_compiled(
+            path,
+            config,
+            problem.dtype,
+            problem.head_dim,
+            problem.head_dim_v,
+            problem.causal,
+            target,
+        )
     except Exception as exc:  # noqa: BLE001 - compiling instead is slower, not wrong
-        print(f"tuning_report: could not load {path.name} ({type(exc).__name__}: {exc}); compiling instead",
-              file=sys.stderr)
+        print(
+            f"tuning_report: could not load {path.name} ({type(exc).__name__}: {exc}); compiling instead",
+            file=sys.stderr,
+        )
         return False
     return True
 
@@ -93,10 +115,14 @@ def random_inputs(problem, seed: int):
 
     dtype = torch.bfloat16 if problem.dtype == "bf16" else torch.float16
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    return tuple(torch.randn(problem.batch, seqlen, heads, dim, device="cuda", dtype=dtype, generator=gen)
-                 for seqlen, heads, dim in ((problem.seqlen_q, problem.nheads_q, problem.head_dim),
-                                            (problem.seqlen_k, problem.nheads_kv, problem.head_dim),
-                                            (problem.seqlen_k, problem.nheads_kv, problem.head_dim_v)))
+    return tuple(
+        torch.randn(problem.batch, seqlen, heads, dim, device="cuda", dtype=dtype, generator=gen)
+        for seqlen, heads, dim in (
+            (problem.seqlen_q, problem.nheads_q, problem.head_dim),
+            (problem.seqlen_k, problem.nheads_kv, problem.head_dim),
+            (problem.seqlen_k, problem.nheads_kv, problem.head_dim_v),
+        )
+    )
 
 
 def fa4tune_runner(problem, config, target, q, k, v):
@@ -107,9 +133,17 @@ def fa4tune_runner(problem, config, target, q, k, v):
 
     from fa4tune.kernels.fa4_fwd_sm90.launch import attention_forward
 
-    out = torch.empty(problem.batch, problem.seqlen_q, problem.nheads_q, problem.head_dim_v, dtype=q.dtype,
-                      device=q.device)
-    lse = torch.empty(problem.batch, problem.nheads_q, problem.seqlen_q, dtype=torch.float32, device=q.device)
+    out = torch.empty(
+        problem.batch,
+        problem.seqlen_q,
+        problem.nheads_q,
+        problem.head_dim_v,
+        dtype=q.dtype,
+        device=q.device,
+    )
+    lse = torch.empty(
+        problem.batch, problem.nheads_q, problem.seqlen_q, dtype=torch.float32, device=q.device
+    )
 
     def run():
         attention_forward(q, k, v, config, causal=problem.causal, out=out, lse=lse, target=target)
@@ -118,6 +152,7 @@ def fa4tune_runner(problem, config, target, q, k, v):
     def poison():
         out.fill_(float("nan"))
         lse.fill_(float("nan"))
+
     run.poison = poison
     return run
 
@@ -127,8 +162,10 @@ def runners_for(problem, default, tuned, target, q, k, v, fa4, fa4_error):
     import torch
     import torch.nn.functional as F
 
-    runners = {"default": fa4tune_runner(problem, default, target, q, k, v),
-               "tuned": fa4tune_runner(problem, tuned, target, q, k, v)}
+    runners = {
+        "default": fa4tune_runner(problem, default, target, q, k, v),
+        "tuned": fa4tune_runner(problem, tuned, target, q, k, v),
+    }
     if fa4 is not None:
         runners[FA4] = lambda: _with_lse(fa4(q, k, v, causal=problem.causal, return_lse=True))
         runners[FA4_O] = lambda: _first(fa4(q, k, v, causal=problem.causal))
@@ -140,14 +177,18 @@ def runners_for(problem, default, tuned, target, q, k, v, fa4, fa4_error):
     def cudnn():
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
             try:
-                o = F.scaled_dot_product_attention(qt, *gqa["kv"], is_causal=problem.causal,
-                                                   enable_gqa=gqa["native"])
+                o = F.scaled_dot_product_attention(
+                    qt, *gqa["kv"], is_causal=problem.causal, enable_gqa=gqa["native"]
+                )
             except RuntimeError:
                 if not gqa["native"]:
                     raise
                 # No GQA in this cuDNN path: K/V heads repeated once, outside the timed runs after this.
                 group = problem.nheads_q // problem.nheads_kv
-                gqa["native"], gqa["kv"] = False, tuple(t.repeat_interleave(group, dim=1) for t in (kt, vt))
+                gqa["native"], gqa["kv"] = (
+                    False,
+                    tuple(t.repeat_interleave(group, dim=1) for t in (kt, vt)),
+                )
                 o = F.scaled_dot_product_attention(qt, *gqa["kv"], is_causal=problem.causal)
         return o.transpose(1, 2)
 
@@ -173,7 +214,11 @@ def measure_problem(problem, default, tuned, target, fa4, fa4_error, rounds: int
     q, k, v = random_inputs(problem, seed=0)
     runners = runners_for(problem, default, tuned, target, q, k, v, fa4, fa4_error)
     cells = verify_and_time(problem, runners, q, k, v, rounds)
-    if isinstance(cells.get("cuDNN"), dict) and problem.nheads_q != problem.nheads_kv and not gqa_native(runners):
+    if (
+        isinstance(cells.get("cuDNN"), dict)
+        and problem.nheads_q != problem.nheads_kv
+        and not gqa_native(runners)
+    ):
         cells["cuDNN"]["note"] = "K/V heads repeated"
     return cells
 
@@ -194,7 +239,9 @@ def verify_and_time(problem, runners: dict, q, k, v, rounds: int) -> dict:
             cells[name] = runner
             continue
         try:
-            if hasattr(runner, "poison"):  # fa4tune's columns: NaN first, so an unwritten element shows
+            if hasattr(
+                runner, "poison"
+            ):  # fa4tune's columns: NaN first, so an unwritten element shows
                 runner.poison()
             result = runner()
             o, lse = result if isinstance(result, tuple) else (result, None)
@@ -225,8 +272,11 @@ def time_interleaved(problem, runners: dict, rounds: int) -> dict:
     cells = {}
     for name, values in medians.items():
         ms = statistics.median(values)
-        cells[name] = {"ms": ms, "tflops": problem.flops / (ms * 1e-3) / 1e12,
-                       "round_spread": (max(values) - min(values)) / ms}
+        cells[name] = {
+            "ms": ms,
+            "tflops": problem.flops / (ms * 1e-3) / 1e12,
+            "round_spread": (max(values) - min(values)) / ms,
+        }
     return cells
 
 
@@ -289,10 +339,14 @@ def render(rows, header: dict) -> str:
         f"Measured {header['date']} on {header['gpu']} (driver {header['driver']}, CUDA {header['cuda']}); "
         f"torch {header['torch']}, nvidia-cutlass-dsl {header['dsl']}, flash-attn-4 {header['fa4']}. "
         f"Kernel hash {header['kernel_hash'][:12]}; results DB `{header['db']}`. "
-        + (f"Each column: {header['rounds']} interleaved rounds of " if header["rounds"] > 1 else
-           "Each column: one round (the columns one after another) of ")
+        + (
+            f"Each column: {header['rounds']} interleaved rounds of "
+            if header["rounds"] > 1
+            else "Each column: one round (the columns one after another) of "
+        )
         + "`fa4tune.measure.timing.time_cuda` (L2 flushed before every run, median of at least 20 runs)"
-        + (", the median of the rounds" if header["rounds"] > 1 else "") + "; every column checked "
+        + (", the median of the rounds" if header["rounds"] > 1 else "")
+        + "; every column checked "
         "against the fp32 reference first (O, and LSE where a column returns it). TFLOP/s = 4·b·h·s_q·s_k·d "
         "(causal: unmasked pairs) / time. fa4tune writes O and LSE; `flash-attn-4` is called with "
         "`return_lse=True` to do the same, and `flash-attn-4, O only` as it runs by default (no LSE); cuDNN "
@@ -303,11 +357,19 @@ def render(rows, header: dict) -> str:
         f"- Tuned against default, geometric mean over the {len(grid)} grid problems: "
         + (f"**{vs_default:.3f}x** (target ≥ 1.05)" if vs_default else "not measured"),
         "- Tuned against flash-attn-4 (both writing O and LSE) on the grid: "
-        + (f"lowest **{min(known_fa4):.3f}x**, {sum(x >= 1.0 for x in known_fa4)} of {len(known_fa4)} shapes "
-           "at or above 1.0 (target: all)" if known_fa4 else "flash-attn-4 not measured"),
+        + (
+            f"lowest **{min(known_fa4):.3f}x**, {sum(x >= 1.0 for x in known_fa4)} of {len(known_fa4)} shapes "
+            "at or above 1.0 (target: all)"
+            if known_fa4
+            else "flash-attn-4 not measured"
+        ),
         "- Tuned against flash-attn-4 computing O only: "
-        + (f"lowest {min(known_fa4_o):.3f}x, {sum(x >= 1.0 for x in known_fa4_o)} of {len(known_fa4_o)} shapes "
-           "at or above 1.0" if known_fa4_o else "not measured"),
+        + (
+            f"lowest {min(known_fa4_o):.3f}x, {sum(x >= 1.0 for x in known_fa4_o)} of {len(known_fa4_o)} shapes "
+            "at or above 1.0"
+            if known_fa4_o
+            else "not measured"
+        ),
         f"- The search held a config within 2% of its final best after at most 40 measured trials on "
         f"{within_40} of {len(rows)} problems (target: all).",
         "",
@@ -317,22 +379,29 @@ def render(rows, header: dict) -> str:
         "search first held a config within 2% of its final best / until it measured the config stored as "
         "best (of all it measured; stopped = cut short by the pruner).",
         "",
-        "| problem | default config | tuned (changed knobs) | " + " | ".join(COLUMNS)
+        "| problem | default config | tuned (changed knobs) | "
+        + " | ".join(COLUMNS)
         + " | tuned / default | tuned / FA4 | tuned / FA4, O only | trials to 2% / to best (of) | search wall time |",
         "|" + "---|" * (len(COLUMNS) + 8),
     ]
     for r in rows:
         if not r.get("cells"):
-            lines.append(f"| {r['key']} | {r.get('default', '')} | {r.get('note', 'not tuned')} |"
-                         + " |" * (len(COLUMNS) + 5))
+            lines.append(
+                f"| {r['key']} | {r.get('default', '')} | {r.get('note', 'not tuned')} |"
+                + " |" * (len(COLUMNS) + 5)
+            )
             continue
         s = r["story"]
-        trials = (f"{s.get('to_near') or '-'} / {s.get('to_best') or '-'} ({s['measured']}"
-                  + (f", {s['stopped']} stopped" if s.get("stopped") else "") + ")")
+        trials = (
+            f"{s.get('to_near') or '-'} / {s.get('to_best') or '-'} ({s['measured']}"
+            + (f", {s['stopped']} stopped" if s.get("stopped") else "")
+            + ")"
+        )
         lines.append(
             f"| {r['key']} | {r['default']} | {r['changed']} | "
             + " | ".join(fmt_cell(r["cells"].get(c, "")) for c in COLUMNS)
-            + ratio_cells(r["cells"]) + f" | {trials} | "
+            + ratio_cells(r["cells"])
+            + f" | {trials} | "
             f"{s.get('wall_s', 0):.0f} s |"
         )
     return "\n".join(lines) + "\n"
@@ -341,7 +410,9 @@ def render(rows, header: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--db", help="results DB (default: the job's db)")
-    ap.add_argument("--job", default="tuning_configs/h200-bf16.yaml", help="the problems, in report order")
+    ap.add_argument(
+        "--job", default="tuning_configs/h200-bf16.yaml", help="the problems, in report order"
+    )
     ap.add_argument("--out", default="docs/tuning-report.md")
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args(argv)
@@ -364,10 +435,10 @@ def build(args) -> str:
     from fa4tune.db import ResultsDB
     from fa4tune.doctor import package_version
     from fa4tune.errors import Fa4tuneError
-    from fa4tune.tune.job import load_job
     from fa4tune.kernels import get_kernel
     from fa4tune.measure.gpu import GpuOptions, artifact_dir
     from fa4tune.target import detect_target
+    from fa4tune.tune.job import load_job
 
     if not torch.cuda.is_available():
         raise ReportError("needs an NVIDIA GPU (the report measures every column on it)")
@@ -386,10 +457,15 @@ def build(args) -> str:
         raise ReportError(str(exc)) from None
     kernel = get_kernel(job.kernel.name)
     installed = kernel.source_hash()
-    best = {e.problem_key: e for e in db.best_configs(kernel=kernel.name, kernel_hash=installed, target=target.name)}
+    best = {
+        e.problem_key: e
+        for e in db.best_configs(kernel=kernel.name, kernel_hash=installed, target=target.name)
+    }
     if not best:
-        raise ReportError(f"{args.db} has no best configs of {kernel.name} (installed hash {installed[:12]}) on "
-                          f"{target.name}: run `fa4tune search {args.job}` first")
+        raise ReportError(
+            f"{args.db} has no best configs of {kernel.name} (installed hash {installed[:12]}) on "
+            f"{target.name}: run `fa4tune search {args.job}` first"
+        )
     fa4, fa4_error = None, None
     try:
         from flash_attn.cute import flash_attn_func as fa4
@@ -400,11 +476,22 @@ def build(args) -> str:
     dsl = package_version("nvidia-cutlass-dsl")
     artifacts = artifact_dir(GpuOptions.parse(job.measure).kernel_cache(), dsl, kernel)
     last = runs[-1] if runs else {}
-    header = {"kernel": kernel.name, "target": target.name, "date": datetime.date.today().isoformat(),
-              "gpu": torch.cuda.get_device_name(), "driver": last.get("nvidia_driver") or "?",
-              "cuda": torch.version.cuda, "torch": torch.__version__, "dsl": dsl or "not installed",
-              "fa4": (package_version("flash-attn-4") or "installed") if fa4 is not None else "not installed",
-              "kernel_hash": installed, "db": args.db, "rounds": args.rounds}
+    header = {
+        "kernel": kernel.name,
+        "target": target.name,
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name(),
+        "driver": last.get("nvidia_driver") or "?",
+        "cuda": torch.version.cuda,
+        "torch": torch.__version__,
+        "dsl": dsl or "not installed",
+        "fa4": (package_version("flash-attn-4") or "installed")
+        if fa4 is not None
+        else "not installed",
+        "kernel_hash": installed,
+        "db": args.db,
+        "rounds": args.rounds,
+    }
     rows = []
     for problem in job.problems:
         key = problem.key()
@@ -416,12 +503,19 @@ def build(args) -> str:
             rows.append(row)
             continue
         tuned = kernel.config(entry.config)
-        row["loaded"] = sum(preload(artifacts, config, problem, target) for config in {default, tuned})
+        row["loaded"] = sum(
+            preload(artifacts, config, problem, target) for config in {default, tuned}
+        )
         row["changed"] = config_text(entry.config, default.to_dict())
         row["story"] = search_story(db, key, entry)
         row["cells"] = measure_problem(problem, default, tuned, target, fa4, fa4_error, args.rounds)
-        print(f"{key}: " + ", ".join(f"{c} {fmt_cell(row['cells'].get(c, ''))}" for c in COLUMNS)
-              + f" ({row['loaded']} kernels loaded from the search's exports)", file=sys.stderr, flush=True)
+        print(
+            f"{key}: "
+            + ", ".join(f"{c} {fmt_cell(row['cells'].get(c, ''))}" for c in COLUMNS)
+            + f" ({row['loaded']} kernels loaded from the search's exports)",
+            file=sys.stderr,
+            flush=True,
+        )
         rows.append(row)
     db.close()
     return render(rows, header)

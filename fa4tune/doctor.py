@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from importlib import metadata
+
 from . import __version__
-from .kernels import families
-from .target import is_described, target_for_device
 from .db import SCHEMA_VERSION, ResultsDB, resolve_location, shown_location, sqlite_path
 from .errors import ResultsDBError
+from .kernels import families
+from .target import is_described, target_for_device
 
 
 def package_version(dist: str) -> str | None:
@@ -33,9 +34,10 @@ def diagnose(db_location: str | None = None) -> list[tuple[str, bool | None, str
         try:
             import torch
 
-            lines.append(("torch", True, f"{torch.__version__} (CUDA build {torch.version.cuda or 'none'})"))
+            lines.append(
+                ("torch", True, f"{torch.__version__} (CUDA build {torch.version.cuda or 'none'})")
+            )
             if torch.cuda.is_available():
-
                 props = torch.cuda.get_device_properties(torch.cuda.current_device())
                 name = props.name
                 target = target_for_device(props)
@@ -44,8 +46,10 @@ def diagnose(db_location: str | None = None) -> list[tuple[str, bool | None, str
                 elif is_described(target):
                     known = f"target {target.name}"
                 else:  # fa4tune.attention runs it (target.undescribed_hopper); a search does not
-                    known = ("target UNKNOWN: fa4tune.attention runs the default configs, searches need a "
-                             "described GPU (fa4tune/target.py)")
+                    known = (
+                        "target UNKNOWN: fa4tune.attention runs the default configs, searches need a "
+                        "described GPU (fa4tune/target.py)"
+                    )
                 gpu_detail = f"{name}, {props.multi_processor_count} SMs, sm_{props.major}{props.minor}; {known}"
                 gpu_ok = target is not None
         except Exception as exc:
@@ -53,11 +57,19 @@ def diagnose(db_location: str | None = None) -> list[tuple[str, bool | None, str
     lines.append(("gpu", gpu_ok, gpu_detail))
     lines.append(("cuda driver", True, cuda_driver_version() or "none"))
     dsl = package_version("nvidia-cutlass-dsl")
-    lines.append(("cute dsl", dsl is not None, f"nvidia-cutlass-dsl {dsl}" if dsl else "not installed"))
+    lines.append(
+        ("cute dsl", dsl is not None, f"nvidia-cutlass-dsl {dsl}" if dsl else "not installed")
+    )
     for name, spec in families().items():
         try:
-            lines.append(("kernel", True, f"{name} ({spec.arch}) source hash {spec.source_hash()[:12]}, "
-                          f"knobs: {', '.join(spec.knobs)}"))
+            lines.append(
+                (
+                    "kernel",
+                    True,
+                    f"{name} ({spec.arch}) source hash {spec.source_hash()[:12]}, "
+                    f"knobs: {', '.join(spec.knobs)}",
+                )
+            )
         except Exception as exc:
             lines.append(("kernel", False, f"{name}: {type(exc).__name__}: {exc}"))
     lines.append(_db_line(db_location))
@@ -100,5 +112,9 @@ def _db_line(db_location: str | None) -> tuple[str, bool, str]:
             counts = db.counts()
     except ResultsDBError as exc:
         return ("results db", False, str(exc))
-    return ("results db", True, f"{shown}: schema v{SCHEMA_VERSION}, {counts['runs']} runs, "
-            f"{counts['trials']} trials, {counts['best_configs']} best configs")
+    return (
+        "results db",
+        True,
+        f"{shown}: schema v{SCHEMA_VERSION}, {counts['runs']} runs, "
+        f"{counts['trials']} trials, {counts['best_configs']} best configs",
+    )

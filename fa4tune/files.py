@@ -23,7 +23,9 @@ def load_document(path: str | os.PathLike, what: str, error: type[Exception]) ->
         try:
             return text, json.loads(text)
         except json.JSONDecodeError as exc:
-            raise error(f"{path}: malformed JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from exc
+            raise error(
+                f"{path}: malformed JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}"
+            ) from exc
     try:
         # libyaml's loader when present: a shipped table loads several times faster.
         return text, yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))

@@ -66,7 +66,9 @@ def beats_default(candidate, default, min_gain: float) -> bool:
     return won is not None and won[0] == won[1]  # rounds that do not pair up show nothing
 
 
-def confirmation_order(measured: list, default_index: int | None, min_gain: float) -> tuple[list, dict | None]:
+def confirmation_order(
+    measured: list, default_index: int | None, min_gain: float
+) -> tuple[list, dict | None]:
     """The order in which re-timed configs are offered as best: `measured` holds (measurement, item)
     pairs, ok and never wrong, fastest first; `default_index` says which is the default's. The
     default goes first unless one of those faster than it beats it (`beats_default`); then the
@@ -81,8 +83,11 @@ def confirmation_order(measured: list, default_index: int | None, min_gain: floa
     kept = None
     if winner is None:  # none measurably faster: keep the default (one kernel fewer to build)
         fastest = ordered[0][0]
-        kept = {"fastest_gain": round(1.0 - fastest.time_ms / default[0].time_ms, 5), "min_gain": min_gain,
-                "rounds_won": rounds_won(fastest, default[0])}
+        kept = {
+            "fastest_gain": round(1.0 - fastest.time_ms / default[0].time_ms, 5),
+            "min_gain": min_gain,
+            "rounds_won": rounds_won(fastest, default[0]),
+        }
         winner = default
     ordered.remove(winner)
     ordered.insert(0, winner)
@@ -130,9 +135,24 @@ def lenders(problem, entries, installed_hash: str) -> list[Lender]:
         if closeness == math.inf:
             continue
         other_bucket = other.bucket()
-        rung = Rung.EXACT if other.key() == key else Rung.BUCKET if other_bucket == bucket else Rung.NEAREST
-        found.append(Lender(entry, other, sibling, rung, closeness, bucket.distance(other_bucket),
-                            entry.kernel_hash == installed_hash))
+        rung = (
+            Rung.EXACT
+            if other.key() == key
+            else Rung.BUCKET
+            if other_bucket == bucket
+            else Rung.NEAREST
+        )
+        found.append(
+            Lender(
+                entry,
+                other,
+                sibling,
+                rung,
+                closeness,
+                bucket.distance(other_bucket),
+                entry.kernel_hash == installed_hash,
+            )
+        )
     return found
 
 
@@ -144,11 +164,20 @@ def for_lookup(found: list[Lender]) -> list[Lender]:
     shadow its measurements; then the rung. Beyond the bucket the closest problem comes first (4100
     tokens borrow from 4096 before 16384), a measurement before an estimate only at equal distance.
     The problem key breaks ties."""
+
     def rank(lender: Lender) -> tuple:
         own_bucket = lender.rung < Rung.NEAREST
         estimate = lender.entry.is_estimate
-        return (not lender.current, lender.sibling, not own_bucket, own_bucket and estimate, lender.rung,
-                lender.closeness, estimate, lender.entry.problem_key)
+        return (
+            not lender.current,
+            lender.sibling,
+            not own_bucket,
+            own_bucket and estimate,
+            lender.rung,
+            lender.closeness,
+            estimate,
+            lender.entry.problem_key,
+        )
 
     return sorted(found, key=rank)
 
@@ -156,5 +185,12 @@ def for_lookup(found: list[Lender]) -> list[Lender]:
 def for_warm_start(found: list[Lender]) -> list[Lender]:
     """The order a search enqueues its neighbours' best configs in: the nearest bucket first, at
     equal distance the problem's own dtype, then current kernel code; the problem key breaks ties."""
-    return sorted(found, key=lambda lender: (lender.bucket_distance, lender.sibling, not lender.current,
-                                             lender.entry.problem_key))
+    return sorted(
+        found,
+        key=lambda lender: (
+            lender.bucket_distance,
+            lender.sibling,
+            not lender.current,
+            lender.entry.problem_key,
+        ),
+    )

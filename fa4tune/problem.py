@@ -15,8 +15,13 @@ SIBLING_DTYPES = {"bf16": "fp16", "fp16": "bf16"}
 HEAD_DIMS = (64, 96, 128, 192, 256)
 
 _DTYPE_ALIASES = {
-    "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
-    "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "torch.bfloat16": "bf16",
+    "fp16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
+    "torch.float16": "fp16",
 }
 
 
@@ -61,7 +66,15 @@ class Problem:
             set_(self, "seqlen_k", self.seqlen_q)
         if self.nheads_kv is None:
             set_(self, "nheads_kv", self.nheads_q)
-        for name in ("head_dim", "head_dim_v", "seqlen_q", "seqlen_k", "batch", "nheads_q", "nheads_kv"):
+        for name in (
+            "head_dim",
+            "head_dim_v",
+            "seqlen_q",
+            "seqlen_k",
+            "batch",
+            "nheads_q",
+            "nheads_kv",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ProblemError(f"{name} must be an integer, got {value!r}")
@@ -114,7 +127,7 @@ class Problem:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Problem":
+    def from_dict(cls, data: dict) -> Problem:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -124,7 +137,7 @@ class Problem:
         return cls(**data)
 
     @classmethod
-    def from_job_fields(cls, fields: dict) -> "Problem":
+    def from_job_fields(cls, fields: dict) -> Problem:
         """A Problem from a job file's fields; `tokens` sets batch = tokens / seqlen_q and `hidden`
         sets nheads_q = hidden / head_dim (the design notes' grid: 16k tokens, hidden 2048)."""
         fields = dict(fields)
@@ -133,15 +146,24 @@ class Problem:
             seqlen = fields.get("seqlen_q", 4096)
             if "batch" in fields:
                 raise ProblemError("give either tokens or batch, not both")
-            if not isinstance(tokens, int) or not isinstance(seqlen, int) or tokens % seqlen or tokens < seqlen:
-                raise ProblemError(f"tokens ({tokens!r}) must be a multiple of seqlen_q ({seqlen!r})")
+            if (
+                not isinstance(tokens, int)
+                or not isinstance(seqlen, int)
+                or tokens % seqlen
+                or tokens < seqlen
+            ):
+                raise ProblemError(
+                    f"tokens ({tokens!r}) must be a multiple of seqlen_q ({seqlen!r})"
+                )
             fields["batch"] = tokens // seqlen
         if hidden is not None:
             head_dim = fields.get("head_dim", 128)
             if "nheads_q" in fields:
                 raise ProblemError("give either hidden or nheads_q, not both")
             if not isinstance(hidden, int) or not isinstance(head_dim, int) or hidden % head_dim:
-                raise ProblemError(f"hidden ({hidden!r}) must be a multiple of head_dim ({head_dim!r})")
+                raise ProblemError(
+                    f"hidden ({hidden!r}) must be a multiple of head_dim ({head_dim!r})"
+                )
             fields["nheads_q"] = hidden // head_dim
         try:
             return cls.from_dict(fields)
@@ -156,7 +178,7 @@ class Problem:
             f"-b{self.batch}-h{self.nheads_q}x{self.nheads_kv}"
         )
 
-    def lent_to(self, problem: "Problem") -> tuple["Problem", bool] | None:
+    def lent_to(self, problem: Problem) -> tuple[Problem, bool] | None:
         """This tuned problem as a lender of its config to `problem` (the runtime lookup, the search's
         warm start): (itself, False) in problem's dtype; (itself in problem's dtype, True) when its dtype
         is the sibling (SIBLING_DTYPES); None when it cannot lend. Head dims and causality are still
@@ -167,16 +189,17 @@ class Problem:
             return replace(self, dtype=problem.dtype), True
         return None
 
-    def bucket(self) -> "Bucket":
+    def bucket(self) -> Bucket:
         return Bucket.of(self)
 
-    def distance(self, other: "Problem") -> float:
+    def distance(self, other: Problem) -> float:
         """Bucket.distance on the exact sizes: how close two problems of one bucket are."""
         if self.bucket().family() != other.bucket().family():
             return math.inf
-        return _size_distance((self.seqlen_q, self.seqlen_k, self.batch * self.nheads_q, self.qheads_per_kvhead),
-                              (other.seqlen_q, other.seqlen_k, other.batch * other.nheads_q,
-                               other.qheads_per_kvhead))
+        return _size_distance(
+            (self.seqlen_q, self.seqlen_k, self.batch * self.nheads_q, self.qheads_per_kvhead),
+            (other.seqlen_q, other.seqlen_k, other.batch * other.nheads_q, other.qheads_per_kvhead),
+        )
 
     def compile_key(self) -> tuple:
         """What a compiled kernel depends on, beyond its config (shapes are run-time)."""
@@ -210,7 +233,7 @@ class Bucket:
     qheads_per_kvhead: int
 
     @classmethod
-    def of(cls, p: Problem) -> "Bucket":
+    def of(cls, p: Problem) -> Bucket:
         return cls(
             dtype=p.dtype,
             head_dim=p.head_dim,
@@ -233,12 +256,14 @@ class Bucket:
         """What two problems must share for one's config to be borrowed by the other."""
         return (self.dtype, self.head_dim, self.head_dim_v, self.causal)
 
-    def distance(self, other: "Bucket") -> float:
+    def distance(self, other: Bucket) -> float:
         """Distance in log2 seqlen and log2 batch·heads (infinite across families)."""
         if self.family() != other.family():
             return math.inf
-        return _size_distance((self.seqlen_q, self.seqlen_k, self.batch_heads, self.qheads_per_kvhead),
-                              (other.seqlen_q, other.seqlen_k, other.batch_heads, other.qheads_per_kvhead))
+        return _size_distance(
+            (self.seqlen_q, self.seqlen_k, self.batch_heads, self.qheads_per_kvhead),
+            (other.seqlen_q, other.seqlen_k, other.batch_heads, other.qheads_per_kvhead),
+        )
 
 
 _SIZE_WEIGHTS = (1.0, 1.0, 0.5, 0.25)  # seqlen_q, seqlen_k, batch·heads, q heads per kv head

@@ -21,8 +21,10 @@ class ReportError(Fa4tuneError):
 
 def _require_matplotlib():
     if importlib.util.find_spec("matplotlib") is None:
-        raise ReportError("fa4tune report needs matplotlib, which is not installed: "
-                          "pip install 'fa4tune[report]' (or pip install matplotlib)")
+        raise ReportError(
+            "fa4tune report needs matplotlib, which is not installed: "
+            "pip install 'fa4tune[report]' (or pip install matplotlib)"
+        )
     import matplotlib
 
     matplotlib.use("Agg")
@@ -39,7 +41,6 @@ def write_report(db_location: str | None, out_dir: str, storage: str | None = No
     plt = _require_matplotlib()
     import optuna
     from optuna.visualization import matplotlib as optuna_plots
-
 
     quiet_optuna()
     out = Path(out_dir)
@@ -67,7 +68,9 @@ def write_report(db_location: str | None, out_dir: str, storage: str | None = No
             slot["best"] = min(slot["best"] or t["time_ms"], t["time_ms"])
     keys = sorted(by_problem)
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(keys)), 4))
-    speedups = [(by_problem[k]["default"] or by_problem[k]["best"]) / by_problem[k]["best"] for k in keys]
+    speedups = [
+        (by_problem[k]["default"] or by_problem[k]["best"]) / by_problem[k]["best"] for k in keys
+    ]
     ax.bar(range(len(keys)), speedups, color="tab:blue")
     ax.axhline(1.0, color="gray", lw=1)
     ax.set_xticks(range(len(keys)))
@@ -81,21 +84,30 @@ def write_report(db_location: str | None, out_dir: str, storage: str | None = No
     pngs.append(str(path))
     rows = "".join(
         f"<tr><td>{html.escape(k)}</td><td>{by_problem[k]['default'] or float('nan'):.4g}</td>"
-        f"<td>{by_problem[k]['best']:.4g}</td><td>{s:.3f}</td></tr>" for k, s in zip(keys, speedups)
+        f"<td>{by_problem[k]['best']:.4g}</td><td>{s:.3f}</td></tr>"
+        for k, s in zip(keys, speedups)
     )
-    sections.append(f"<h2>Default vs tuned</h2><img src='{path.name}'><table border=1><tr><th>problem</th>"
-                    f"<th>default ms</th><th>tuned ms</th><th>speed-up</th></tr>{rows}</table>")
+    sections.append(
+        f"<h2>Default vs tuned</h2><img src='{path.name}'><table border=1><tr><th>problem</th>"
+        f"<th>default ms</th><th>tuned ms</th><th>speed-up</th></tr>{rows}</table>"
+    )
 
     # Per study: Optuna's own plots of the stored study.
     for name, study in studies.items():
         images = []
-        for kind, plot in (("history", optuna_plots.plot_optimization_history),
-                           ("importances", optuna_plots.plot_param_importances)):
+        for kind, plot in (
+            ("history", optuna_plots.plot_optimization_history),
+            ("importances", optuna_plots.plot_param_importances),
+        ):
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                     axes = plot(study)
-            except (ValueError, RuntimeError, ZeroDivisionError) as exc:  # too few trials for the plot
+            except (
+                ValueError,
+                RuntimeError,
+                ZeroDivisionError,
+            ) as exc:  # too few trials for the plot
                 images.append(f"<p>{kind}: {html.escape(str(exc))}</p>")
                 continue
             figure = axes.get_figure() if hasattr(axes, "get_figure") else axes
@@ -110,17 +122,19 @@ def write_report(db_location: str | None, out_dir: str, storage: str | None = No
     estimates = any(r["is_estimate"] for r in runs.values())
     note = "<p><b>Times are cost-model estimates.</b></p>" if estimates else ""
     index = out / "index.html"
-    index.write_text(f"<html><head><title>fa4tune report</title></head><body><h1>fa4tune report</h1>{note}"
-                     f"<p>{len(best)} best configs, {len(trials)} trials.</p>{''.join(sections)}</body></html>\n")
+    index.write_text(
+        f"<html><head><title>fa4tune report</title></head><body><h1>fa4tune report</h1>{note}"
+        f"<p>{len(best)} best configs, {len(trials)} trials.</p>{''.join(sections)}</body></html>\n"
+    )
     return {"html": str(index), "png": pngs}
 
 
-def _load_studies(names: list[tuple[str, int]], runs: dict, db_location: str,
-                  storage: str | None) -> dict:
+def _load_studies(
+    names: list[tuple[str, int]], runs: dict, db_location: str, storage: str | None
+) -> dict:
     """The Optuna study of each (study name, run id), from `storage` or the one its run recorded;
     a ReportError naming the study and the storage when either is missing. Nothing is created."""
     import optuna
-
 
     storages: dict[str, object] = {}
     studies = {}
@@ -132,13 +146,17 @@ def _load_studies(names: list[tuple[str, int]], runs: dict, db_location: str,
             try:
                 storages[location] = open_storage(location, create=False)
             except StorageError as exc:
-                raise ReportError(f"cannot read study {name!r} of run {run_id}: {exc}. Give the "
-                                  "Optuna storage that holds it with --storage") from exc
+                raise ReportError(
+                    f"cannot read study {name!r} of run {run_id}: {exc}. Give the "
+                    "Optuna storage that holds it with --storage"
+                ) from exc
         try:
             studies[name] = optuna.load_study(study_name=name, storage=storages[location])
         except KeyError:
-            raise ReportError(f"study {name!r} of run {run_id} is not in the Optuna storage "
-                              f"{shown!r}; give the storage that holds it with --storage") from None
+            raise ReportError(
+                f"study {name!r} of run {run_id} is not in the Optuna storage "
+                f"{shown!r}; give the storage that holds it with --storage"
+            ) from None
     return studies
 
 
@@ -149,8 +167,10 @@ def _recorded_storage(recorded: str | None, db_location: str, name: str, run_id:
     beside the DB, where it goes by default)."""
 
     if not recorded:
-        raise ReportError(f"run {run_id} recorded no Optuna storage for study {name!r}; give the "
-                          "storage that holds it with --storage")
+        raise ReportError(
+            f"run {run_id} recorded no Optuna storage for study {name!r}; give the "
+            "storage that holds it with --storage"
+        )
     path = journal_path(recorded)
     if path is None or path.is_absolute():
         return recorded
@@ -161,6 +181,8 @@ def _recorded_storage(recorded: str | None, db_location: str, name: str, run_id:
         if candidate.is_file():
             return str(candidate)
     looked = f" (looked for it from {directory}, the results DB's directory)" if directory else ""
-    raise ReportError(f"cannot read study {name!r} of run {run_id}: its Optuna journal "
-                      f"{recorded!r}, a path relative to where that search ran, was not "
-                      f"found{looked}; give it with --storage")
+    raise ReportError(
+        f"cannot read study {name!r} of run {run_id}: its Optuna journal "
+        f"{recorded!r}, a path relative to where that search ran, was not "
+        f"found{looked}; give it with --storage"
+    )

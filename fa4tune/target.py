@@ -58,20 +58,52 @@ _HOPPER = dict(
 TARGETS: dict[str, Target] = {
     t.name: t
     for t in (
-        Target(name="H100-SXM", sm_count=132, clock_mhz=1830, hbm_bytes_per_s=3.35e12,
-               l2_bytes=50 * 2**20, **_HOPPER),
+        Target(
+            name="H100-SXM",
+            sm_count=132,
+            clock_mhz=1830,
+            hbm_bytes_per_s=3.35e12,
+            l2_bytes=50 * 2**20,
+            **_HOPPER,
+        ),
         # H100 PCIe: 114 SMs, a lower boost clock and HBM2e (NVIDIA's H100 datasheet).
-        Target(name="H100-PCIe", sm_count=114, clock_mhz=1755, hbm_bytes_per_s=2.0e12,
-               l2_bytes=50 * 2**20, **_HOPPER),
+        Target(
+            name="H100-PCIe",
+            sm_count=114,
+            clock_mhz=1755,
+            hbm_bytes_per_s=2.0e12,
+            l2_bytes=50 * 2**20,
+            **_HOPPER,
+        ),
         # H200: the H100's SM at the same clocks with faster HBM3e. The matrix rate is the one measured
         # on our H200 (bf16 8192^3 GEMM, the design notes), the copy rate 4.3 TB/s as measured there.
-        Target(name="H200", sm_count=132, clock_mhz=1830, hbm_bytes_per_s=4.3e12,
-               l2_bytes=60 * 2**20, measured_tensor_tflops=750.0, **_HOPPER),
-        Target(name="B200", arch="sm_100a", sm_count=148, clock_mhz=1850, smem_per_block=227 * 1024,
-               smem_per_sm=228 * 1024, regs_per_sm=64 * 1024, max_regs_per_thread=255,
-               max_threads_per_block=1024, tensor_flops_per_clk=8192, mufu_ex2_per_clk=16,
-               fma_per_clk=128, alu_issue_per_clk=128, smem_bytes_per_clk=128,
-               hbm_bytes_per_s=8.0e12, l2_bytes=126 * 2**20),
+        Target(
+            name="H200",
+            sm_count=132,
+            clock_mhz=1830,
+            hbm_bytes_per_s=4.3e12,
+            l2_bytes=60 * 2**20,
+            measured_tensor_tflops=750.0,
+            **_HOPPER,
+        ),
+        Target(
+            name="B200",
+            arch="sm_100a",
+            sm_count=148,
+            clock_mhz=1850,
+            smem_per_block=227 * 1024,
+            smem_per_sm=228 * 1024,
+            regs_per_sm=64 * 1024,
+            max_regs_per_thread=255,
+            max_threads_per_block=1024,
+            tensor_flops_per_clk=8192,
+            mufu_ex2_per_clk=16,
+            fma_per_clk=128,
+            alu_issue_per_clk=128,
+            smem_bytes_per_clk=128,
+            hbm_bytes_per_s=8.0e12,
+            l2_bytes=126 * 2**20,
+        ),
     )
 }
 
@@ -95,8 +127,14 @@ def target_for_device_name(device_name: str, sm_count: int | None = None) -> Tar
     device's SM count (`multi_processor_count`), a device with other SMs than its model's (a MIG slice,
     a cut-down part) gets the target with its own count: persistent kernels size their grid by it."""
     upper = device_name.upper()
-    for token, key in (("H200", "H200"), ("H100 PCIE", "H100-PCIe"), ("H100", "H100-SXM"), ("H800 PCIE", "H100-PCIe"),
-                       ("H800", "H100-SXM"), ("B200", "B200")):
+    for token, key in (
+        ("H200", "H200"),
+        ("H100 PCIE", "H100-PCIe"),
+        ("H100", "H100-SXM"),
+        ("H800 PCIE", "H100-PCIe"),
+        ("H800", "H100-SXM"),
+        ("B200", "B200"),
+    ):
         if token in upper:
             target = TARGETS[key]
             if sm_count is not None and sm_count != target.sm_count:
@@ -111,7 +149,9 @@ def undescribed_hopper(device_name: str, sm_count: int, l2_bytes: int | None = N
     size; the clock and throughputs, which only the cost model reads, are the H100 SXM's. It carries
     the device's name, which no tuned table names, so lookups give the kernel's default configs."""
     base = TARGETS["H100-SXM"]
-    return replace(base, name=device_name, sm_count=int(sm_count), l2_bytes=int(l2_bytes or base.l2_bytes))
+    return replace(
+        base, name=device_name, sm_count=int(sm_count), l2_bytes=int(l2_bytes or base.l2_bytes)
+    )
 
 
 def partial_gpu(target: Target, gpu_name: str) -> str | None:
@@ -120,8 +160,10 @@ def partial_gpu(target: Target, gpu_name: str) -> str | None:
     whole = TARGETS[target.name].sm_count
     if target.sm_count == whole:
         return None
-    return (f"{gpu_name} has {target.sm_count} SMs, not the {whole} of an {target.name} (a MIG slice?): a search "
-            "would store its timings as the whole GPU's. Search on a whole GPU.")
+    return (
+        f"{gpu_name} has {target.sm_count} SMs, not the {whole} of an {target.name} (a MIG slice?): a search "
+        "would store its timings as the whole GPU's. Search on a whole GPU."
+    )
 
 
 def target_for_device(props) -> Target | None:
@@ -129,7 +171,9 @@ def target_for_device(props) -> Target | None:
     for a Hopper GPU that no target describes, undescribed_hopper; None for any other GPU."""
     target = target_for_device_name(props.name, props.multi_processor_count)
     if target is None and (props.major, props.minor) == (9, 0):
-        target = undescribed_hopper(props.name, props.multi_processor_count, getattr(props, "L2_cache_size", None))
+        target = undescribed_hopper(
+            props.name, props.multi_processor_count, getattr(props, "L2_cache_size", None)
+        )
     return target
 
 

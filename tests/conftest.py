@@ -17,7 +17,9 @@ def pytest_collection_modifyitems(config, items):
     shard = os.environ.get("FA4TUNE_TEST_SHARD")
     if shard:
         index, count = (int(part) for part in shard.split("/"))
-        config.hook.pytest_deselected(items=[item for n, item in enumerate(items) if n % count != index])
+        config.hook.pytest_deselected(
+            items=[item for n, item in enumerate(items) if n % count != index]
+        )
         items[:] = [item for n, item in enumerate(items) if n % count == index]
     if not any(item.get_closest_marker("gpu") for item in items):
         return
@@ -97,8 +99,10 @@ def poisoned_attention(q, k, v, causal: bool = False, softmax_scale: float | Non
     assert math.prod(out_shape) > 0, "empty outputs: nothing to poison"
     elsewhere = []
     for _ in range(POISON_ATTEMPTS):
-        poison = [torch.full(out_shape, math.nan, dtype=q.dtype, device=q.device),
-                  torch.full(lse_shape, math.nan, dtype=torch.float32, device=q.device)]
+        poison = [
+            torch.full(out_shape, math.nan, dtype=q.dtype, device=q.device),
+            torch.full(lse_shape, math.nan, dtype=torch.float32, device=q.device),
+        ]
         poisoned = [t.data_ptr() for t in poison]
         del poison  # back to the caching allocator, NaN in them
         out, lse = fa4tune.attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
@@ -106,9 +110,11 @@ def poisoned_attention(q, k, v, causal: bool = False, softmax_scale: float | Non
             break
         elsewhere.append((out, lse))
     else:
-        raise AssertionError(f"fa4tune.attention's outputs never landed on the poisoned blocks "
-                             f"({POISON_ATTEMPTS} calls): the poison would not show unwritten "
-                             "elements")
+        raise AssertionError(
+            f"fa4tune.attention's outputs never landed on the poisoned blocks "
+            f"({POISON_ATTEMPTS} calls): the poison would not show unwritten "
+            "elements"
+        )
     assert not torch.isnan(out).any().item(), "NaN in the output: some elements were never written"
     assert not torch.isnan(lse).any().item(), "NaN in the LSE: some rows were never written"
     return out, lse
@@ -116,8 +122,10 @@ def poisoned_attention(q, k, v, causal: bool = False, softmax_scale: float | Non
 
 # A grid of 8 points but 4 configs: poly_degree has no effect while emu_share is 0, and equal kernels
 # are one config, so the configs a grid search stores never reach the grid's size.
-COLLAPSED_GRID = {"tiles": {"tile_m": [128, 192], "tile_n": [64, 128]},
-                  "exp2": {"poly_degree": [3, 4], "emu_share": [0.0]}}
+COLLAPSED_GRID = {
+    "tiles": {"tile_m": [128, 192], "tile_n": [64, 128]},
+    "exp2": {"poly_degree": [3, 4], "emu_share": [0.0]},
+}
 
 
 def write_job(directory: Path, name: str = "job", **fields) -> Path:
@@ -159,7 +167,9 @@ def entry_point_plugin(tmp_path, monkeypatch):
     site = tmp_path / "site"
     dist = site / "fa4tune_testplugin-1.0.dist-info"
     dist.mkdir(parents=True)
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: fa4tune-testplugin\nVersion: 1.0\n")
+    (dist / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: fa4tune-testplugin\nVersion: 1.0\n"
+    )
     (dist / "entry_points.txt").write_text(
         "[fa4tune.spaces]\neven_stages = fa4tune_testplugin:EvenStagesSpace\n"
     )
@@ -194,6 +204,7 @@ def postgres(postgres_server, request):
 
     base = re.sub(r"[^a-z0-9]+", "_", request.node.name.lower())[:40]
     stamp = f"{os.getpid()}_{next(_database_numbers)}"
-    return (postgres_server.create_database(f"r_{base}_{stamp}"), postgres_server.create_database(f"o_{base}_{stamp}"))
-
-
+    return (
+        postgres_server.create_database(f"r_{base}_{stamp}"),
+        postgres_server.create_database(f"o_{base}_{stamp}"),
+    )

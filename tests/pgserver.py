@@ -35,8 +35,12 @@ def find_bindir() -> Path | None:
     initdb = shutil.which("initdb")
     if initdb:
         return Path(initdb).resolve().parent
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"),
-                   key=lambda p: int(Path(p).parent.parent.name) if Path(p).parent.parent.name.isdigit() else 0)
+    found = sorted(
+        glob.glob("/usr/lib/postgresql/*/bin/initdb"),
+        key=lambda p: (
+            int(Path(p).parent.parent.name) if Path(p).parent.parent.name.isdigit() else 0
+        ),
+    )
     return Path(found[-1]).parent if found else None
 
 
@@ -49,7 +53,9 @@ def free_port() -> int:
 class PostgresServer:
     def __init__(self) -> None:
         if importlib.util.find_spec("psycopg") is None:
-            unavailable("the PostgreSQL driver psycopg is not installed (pip install 'fa4tune[postgres]')")
+            unavailable(
+                "the PostgreSQL driver psycopg is not installed (pip install 'fa4tune[postgres]')"
+            )
         bindir = find_bindir()
         if bindir is None:
             unavailable("PostgreSQL server binaries (initdb, pg_ctl) are not installed")
@@ -58,27 +64,51 @@ class PostgresServer:
             try:
                 self.user = pwd.getpwnam("postgres")
             except KeyError:
-                unavailable("the tests run as root and there is no 'postgres' user to run the server as")
+                unavailable(
+                    "the tests run as root and there is no 'postgres' user to run the server as"
+                )
         self.bindir = bindir
         self.root = Path(tempfile.mkdtemp(prefix="fa4tune-pg-"))
         self.data = self.root / "data"
         self.port = free_port()
         if self.user is not None:
             os.chown(self.root, self.user.pw_uid, self.user.pw_gid)
-        self._run("initdb", "-D", str(self.data), "-U", USER, "--auth=trust", "-E", "UTF8", "--no-sync")
-        options = (f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.root} -c max_connections=300 "
-                   "-c fsync=off -c synchronous_commit=off -c full_page_writes=off")
-        self._run("pg_ctl", "-D", str(self.data), "-l", str(self.root / "server.log"), "-w", "-t", "60",
-                  "-o", options, "start")
+        self._run(
+            "initdb", "-D", str(self.data), "-U", USER, "--auth=trust", "-E", "UTF8", "--no-sync"
+        )
+        options = (
+            f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.root} -c max_connections=300 "
+            "-c fsync=off -c synchronous_commit=off -c full_page_writes=off"
+        )
+        self._run(
+            "pg_ctl",
+            "-D",
+            str(self.data),
+            "-l",
+            str(self.root / "server.log"),
+            "-w",
+            "-t",
+            "60",
+            "-o",
+            options,
+            "start",
+        )
 
     def _run(self, program: str, *args: str) -> None:
-        result = subprocess.run([str(self.bindir / program), *args], cwd=self.root, capture_output=True, text=True,
-                                user=self.user.pw_uid if self.user else None,
-                                group=self.user.pw_gid if self.user else None)
+        result = subprocess.run(
+            [str(self.bindir / program), *args],
+            cwd=self.root,
+            capture_output=True,
+            text=True,
+            user=self.user.pw_uid if self.user else None,
+            group=self.user.pw_gid if self.user else None,
+        )
         if result.returncode != 0:
             log = self.root / "server.log"
             tail = log.read_text()[-2000:] if log.exists() else ""
-            raise RuntimeError(f"{program} failed ({result.returncode}): {result.stdout}{result.stderr}{tail}")
+            raise RuntimeError(
+                f"{program} failed ({result.returncode}): {result.stdout}{result.stderr}{tail}"
+            )
 
     def url(self, database: str) -> str:
         return f"postgresql://{USER}@127.0.0.1:{self.port}/{database}"

@@ -28,9 +28,17 @@ def describe(state: dict) -> dict:
         if os.environ.get("PLANTED_POOL_DOWN"):  # no compile worker can start (no DSL there, say)
             raise RuntimeError("planted: the compile worker cannot start")
         return {"role": "compile", "pid": os.getpid()}
-    return {"role": "measure", "pid": os.getpid(), "gpu_name": "planted H200 (CPU test)", "target": "H200",
-            "sm_count": 132, "cuda_version": "12.8", "cuda_driver": "12.8", "nvidia_driver": "planted",
-            "clocks": {"sm_mhz": 1980.0, "mem_mhz": 3201.0}}
+    return {
+        "role": "measure",
+        "pid": os.getpid(),
+        "gpu_name": "planted H200 (CPU test)",
+        "target": "H200",
+        "sm_count": 132,
+        "cuda_version": "12.8",
+        "cuda_driver": "12.8",
+        "nvidia_driver": "planted",
+        "clocks": {"sm_mhz": 1980.0, "mem_mhz": 3201.0},
+    }
 
 
 def clocks(request: dict, channel, state: dict) -> dict:
@@ -66,7 +74,9 @@ def measure(request: dict, channel, state: dict) -> dict:
     if delay:
         time.sleep(delay)
     if tile_n == SEGFAULT_TILE_N or os.path.exists(os.environ.get("PLANTED_GPU_DOWN") or "\0"):
-        os.kill(os.getpid(), signal.SIGSEGV)  # (PLANTED_GPU_DOWN: a file that, once made, crashes every run)
+        os.kill(
+            os.getpid(), signal.SIGSEGV
+        )  # (PLANTED_GPU_DOWN: a file that, once made, crashes every run)
     hang_pid_file = os.environ.get("PLANTED_HANG_PID_FILE")
     if hang_pid_file:
         with open(f"{hang_pid_file}.part", "w") as f:
@@ -76,16 +86,30 @@ def measure(request: dict, channel, state: dict) -> dict:
         time.sleep(3600)
     if tile_n == DEVICE_ERROR_TILE_N:
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
-    seconds, _ = CostModel(get_target("H200")).time_s(FwdConfig.from_dict(config), Problem.from_dict(request["problem"]))
+    seconds, _ = CostModel(get_target("H200")).time_s(
+        FwdConfig.from_dict(config), Problem.from_dict(request["problem"])
+    )
     time_ms = seconds * 1e3
     out_error = 1e-3
     if tile_n == WRONG_TILE_N:
         time_ms, out_error = time_ms * 0.25, 0.5
-    result = {"pid": os.getpid(), "served": state["served"], "out_error": out_error, "lse_error": 1e-4,
-              "artifact_seen": bool(request.get("artifact")) and os.path.exists(request["artifact"]),
-              "seed": request["seed"], "mode": request["mode"]}
+    result = {
+        "pid": os.getpid(),
+        "served": state["served"],
+        "out_error": out_error,
+        "lse_error": 1e-4,
+        "artifact_seen": bool(request.get("artifact")) and os.path.exists(request["artifact"]),
+        "seed": request["seed"],
+        "mode": request["mode"],
+    }
     if request["mode"] == "search":
         stop = channel.ask({"cheap_ms": time_ms})
         if stop:
-            return {**result, "status": "stopped", "reason": stop, "time_ms": time_ms, "spread": 0.05}
+            return {
+                **result,
+                "status": "stopped",
+                "reason": stop,
+                "time_ms": time_ms,
+                "spread": 0.05,
+            }
     return {**result, "status": "ok", "time_ms": time_ms, "spread": 0.01, "runs": 20}

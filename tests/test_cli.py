@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import REPO, write_job
-from fa4tune.db import SCHEMA_VERSION
+
 from fa4tune.cli import main
+from fa4tune.db import SCHEMA_VERSION
 
 
 def run_cli(capsys, *argv):
@@ -36,7 +36,9 @@ def written(workdir):
 
 # ---- the quickstart and the happy paths ------------------------------------------------------------
 def test_quickstart_end_to_end_then_show_export_import_doctor(workdir, capsys):
-    code, out, _ = run_cli(capsys, "search", REPO / "tuning_configs" / "quickstart.yaml", "--no-progress")
+    code, out, _ = run_cli(
+        capsys, "search", REPO / "tuning_configs" / "quickstart.yaml", "--no-progress"
+    )
     assert code == 0, out
     assert "ESTIMATES" in out and "exported fa4tune-results/quickstart-table.yaml" in out
     assert (workdir / "fa4tune-results" / "results.db").exists()
@@ -51,8 +53,10 @@ def test_quickstart_end_to_end_then_show_export_import_doctor(workdir, capsys):
     code, out, _ = run_cli(capsys, "export")
     assert code == 0 and "tuning_configs/tables/fa4_fwd_sm90-h200.yaml" in out
     exported = workdir / "tuning_configs" / "tables" / "fa4_fwd_sm90-h200.yaml"
-    assert exported.read_text().split("\n", 2)[2] == (
-        workdir / "fa4tune-results" / "quickstart-table.yaml").read_text().split("\n", 2)[2]
+    assert (
+        exported.read_text().split("\n", 2)[2]
+        == (workdir / "fa4tune-results" / "quickstart-table.yaml").read_text().split("\n", 2)[2]
+    )
 
     code, out, _ = run_cli(capsys, "import", exported, "--db", "copy.db")
     assert code == 0 and "12 added" in out
@@ -63,7 +67,9 @@ def test_quickstart_end_to_end_then_show_export_import_doctor(workdir, capsys):
     assert code == 0 and f"schema v{SCHEMA_VERSION}" in out and "fa4_fwd_sm90" in out
 
 
-@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="report needs the [report] extra")
+@pytest.mark.skipif(
+    importlib.util.find_spec("matplotlib") is None, reason="report needs the [report] extra"
+)
 def test_report_writes_html_and_png(workdir, capsys):
     job = write_job(workdir, spaces=["tiles", "pipeline"], budget={"trials": 12})
     assert run_cli(capsys, "search", job, "--no-progress")[0] == 0
@@ -75,8 +81,9 @@ def test_report_writes_html_and_png(workdir, capsys):
     assert "estimates" in (workdir / "rep" / "index.html").read_text()
 
 
-needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
-                                      reason="report needs the [report] extra")
+needs_matplotlib = pytest.mark.skipif(
+    importlib.util.find_spec("matplotlib") is None, reason="report needs the [report] extra"
+)
 RECORDED = ["as the search records it", "relative, as earlier versions did"]
 
 
@@ -122,8 +129,9 @@ def test_report_whose_storage_is_gone_fails_naming_it(workdir, capsys, monkeypat
     db = search_elsewhere(workdir, capsys, monkeypatch, recorded)
     journal = db.parent / "results.optuna.journal"
     journal.unlink()
-    message = assert_bad_input(capsys, ["report", "--db", db, "--out", "rep"],
-                               "cannot read study 'job/", "--storage")
+    message = assert_bad_input(
+        capsys, ["report", "--db", db, "--out", "rep"], "cannot read study 'job/", "--storage"
+    )
     named = str(journal) if recorded == RECORDED[0] else "'fa4tune-results/results.optuna.journal'"
     assert named in message, message
     assert not journal.exists()
@@ -132,7 +140,9 @@ def test_report_whose_storage_is_gone_fails_naming_it(workdir, capsys, monkeypat
 
 def test_report_without_matplotlib_says_how_to_get_it(workdir, capsys, monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "matplotlib" else real(n, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "matplotlib" else real(n, *a)
+    )
     job = write_job(workdir)
     assert run_cli(capsys, "search", job, "--no-progress")[0] == 0
     assert_bad_input(capsys, ["report"], "matplotlib", "fa4tune[report]")
@@ -140,10 +150,20 @@ def test_report_without_matplotlib_says_how_to_get_it(workdir, capsys, monkeypat
 
 def test_doctor_notes_a_missing_optional_extra_neither_ok_nor_bad(workdir, capsys, monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "matplotlib" else real(n, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "matplotlib" else real(n, *a)
+    )
     code, out, _ = run_cli(capsys, "doctor")
     [line] = [line for line in out.splitlines() if "[report]" in line]
-    assert line.split() == ["--", "[report]", "matplotlib", "missing:", "pip", "install", "'fa4tune[report]'"]
+    assert line.split() == [
+        "--",
+        "[report]",
+        "matplotlib",
+        "missing:",
+        "pip",
+        "install",
+        "'fa4tune[report]'",
+    ]
     bad = [line for line in out.splitlines() if line.startswith("BAD")]
     assert code == (1 if bad else 0), out  # the note alone does not fail doctor
 
@@ -179,42 +199,77 @@ def test_malformed_yaml_names_the_file_and_line(workdir, capsys):
     assert written(workdir) == []
 
 
-@pytest.mark.parametrize("fields, fragments", [
-    ({"budget": {"trials": "many"}}, ["budget.trials", "positive integer"]),
-    ({"problems": [{"head_dim": 80}]}, ["problems[0]", "unsupported head_dim 80"]),
-    ({"problems": [{"head_dim": 128, "nheads_q": 12, "nheads_kv": 5}]}, ["problems[0]", "multiple of nheads_kv"]),
-    ({"problems": [{"seqlen_q": 0}]}, ["problems[0]", "seqlen_q must be positive"]),
-    ({"problems": [{"head_dmi": 128}]}, ["problems[0]", "unknown problem field", "head_dim"]),
-    ({"kernel": "fa5_fwd"}, ["kernel", "unknown kernel 'fa5_fwd'", "known kernels: fa4_fwd_sm90"]),
-    ({"spaces": ["tiles", "warp_magic"]}, ["spaces.warp_magic", "unknown search space", "known spaces", "tiles"]),
-    ({"spaces": {"tiles": {"tile_k": [1]}}}, ["spaces", "no parameter 'tile_k'", "tile_m, tile_n"]),
-    ({"spaces": {"tiles": {"tile_n": [100]}}}, ["spaces", "outside its domain"]),
-    ({"sampler": "annealing"}, ["sampler.name", "unknown sampler", "tpe"]),
-    ({"sampler": {"name": "tpe", "n_startup": 3}}, ["sampler", "bad options"]),
-    # The right name, a wrong type: TPE first calls gamma after its start-up trials.
-    ({"sampler": {"name": "tpe", "gamma": 5, "n_startup_trials": 2}, "budget": {"trials": 40}},
-     ["sampler", "bad options", "gamma"]),
-    ({"sampler": {"name": "tpe", "gamma": 0.5, "n_startup_trials": 50}}, ["sampler", "bad options", "gamma"]),
-    ({"sampler": {"name": "tpe", "gamma": 0.2, "n_startup_trials": 500}}, ["sampler", "bad options", "gamma"]),
-    ({"sampler": {"name": "tpe", "n_startup_trials": -3}}, ["sampler", "n_startup_trials", "0 or more"]),
-    ({"backend": "fpga"}, ["backend", "known backends"]),
-    ({"target": "A100"}, ["target", "unknown target", "H200"]),
-    ({"colour": "blue"}, ["colour", "unknown field", "known fields"]),
-    ({"target": "B200"}, ["no kernel supports", "sm_100a"]),
-    ({"export": "job.yaml/table.yaml"}, ["export: cannot write", "job.yaml is not a writable directory"]),
-])
+@pytest.mark.parametrize(
+    "fields, fragments",
+    [
+        ({"budget": {"trials": "many"}}, ["budget.trials", "positive integer"]),
+        ({"problems": [{"head_dim": 80}]}, ["problems[0]", "unsupported head_dim 80"]),
+        (
+            {"problems": [{"head_dim": 128, "nheads_q": 12, "nheads_kv": 5}]},
+            ["problems[0]", "multiple of nheads_kv"],
+        ),
+        ({"problems": [{"seqlen_q": 0}]}, ["problems[0]", "seqlen_q must be positive"]),
+        ({"problems": [{"head_dmi": 128}]}, ["problems[0]", "unknown problem field", "head_dim"]),
+        (
+            {"kernel": "fa5_fwd"},
+            ["kernel", "unknown kernel 'fa5_fwd'", "known kernels: fa4_fwd_sm90"],
+        ),
+        (
+            {"spaces": ["tiles", "warp_magic"]},
+            ["spaces.warp_magic", "unknown search space", "known spaces", "tiles"],
+        ),
+        (
+            {"spaces": {"tiles": {"tile_k": [1]}}},
+            ["spaces", "no parameter 'tile_k'", "tile_m, tile_n"],
+        ),
+        ({"spaces": {"tiles": {"tile_n": [100]}}}, ["spaces", "outside its domain"]),
+        ({"sampler": "annealing"}, ["sampler.name", "unknown sampler", "tpe"]),
+        ({"sampler": {"name": "tpe", "n_startup": 3}}, ["sampler", "bad options"]),
+        # The right name, a wrong type: TPE first calls gamma after its start-up trials.
+        (
+            {
+                "sampler": {"name": "tpe", "gamma": 5, "n_startup_trials": 2},
+                "budget": {"trials": 40},
+            },
+            ["sampler", "bad options", "gamma"],
+        ),
+        (
+            {"sampler": {"name": "tpe", "gamma": 0.5, "n_startup_trials": 50}},
+            ["sampler", "bad options", "gamma"],
+        ),
+        (
+            {"sampler": {"name": "tpe", "gamma": 0.2, "n_startup_trials": 500}},
+            ["sampler", "bad options", "gamma"],
+        ),
+        (
+            {"sampler": {"name": "tpe", "n_startup_trials": -3}},
+            ["sampler", "n_startup_trials", "0 or more"],
+        ),
+        ({"backend": "fpga"}, ["backend", "known backends"]),
+        ({"target": "A100"}, ["target", "unknown target", "H200"]),
+        ({"colour": "blue"}, ["colour", "unknown field", "known fields"]),
+        ({"target": "B200"}, ["no kernel supports", "sm_100a"]),
+        (
+            {"export": "job.yaml/table.yaml"},
+            ["export: cannot write", "job.yaml is not a writable directory"],
+        ),
+    ],
+)
 def test_bad_job_fields(workdir, capsys, fields, fragments):
     job = write_job(workdir, **fields)
     assert_bad_input(capsys, ["search", job], *fragments)
     assert written(workdir) == [], "nothing may be written for a bad job"
 
 
-@pytest.mark.parametrize("flags, fragments", [
-    (["--trials", "0"], ["--trials", "positive whole number"]),
-    (["--trials", "-2"], ["--trials", "positive whole number"]),
-    (["--seconds", "-1"], ["--seconds", "positive number"]),
-    (["--seconds", "nan"], ["--seconds", "positive number"]),
-])
+@pytest.mark.parametrize(
+    "flags, fragments",
+    [
+        (["--trials", "0"], ["--trials", "positive whole number"]),
+        (["--trials", "-2"], ["--trials", "positive whole number"]),
+        (["--seconds", "-1"], ["--seconds", "positive number"]),
+        (["--seconds", "nan"], ["--seconds", "positive number"]),
+    ],
+)
 def test_bad_budget_overrides(workdir, capsys, flags, fragments):
     job = write_job(workdir)
     assert_bad_input(capsys, ["search", job, *flags], *fragments)
@@ -232,8 +287,12 @@ def test_missing_optional_sampler_dependency_is_explained(workdir, capsys):
 def test_unwritable_db_path(workdir, capsys):
     (workdir / "a_file").write_text("x")
     job = write_job(workdir)
-    assert_bad_input(capsys, ["search", job, "--db", "a_file/results.db"], "cannot create results DB",
-                     "not a writable directory")
+    assert_bad_input(
+        capsys,
+        ["search", job, "--db", "a_file/results.db"],
+        "cannot create results DB",
+        "not a writable directory",
+    )
     assert written(workdir) == ["a_file"]
 
 
@@ -254,8 +313,12 @@ def unwritable_directory(tmp_path):
 
 def test_a_db_in_an_unwritable_directory_is_named_as_such(workdir, capsys, tmp_path):
     location = unwritable_directory(tmp_path) / "x.db"
-    message = assert_bad_input(capsys, ["search", write_job(workdir), "--db", location, "--no-progress"],
-                               f"cannot create results DB '{location}'", "is not a writable directory")
+    message = assert_bad_input(
+        capsys,
+        ["search", write_job(workdir), "--db", location, "--no-progress"],
+        f"cannot create results DB '{location}'",
+        "is not a writable directory",
+    )
     assert "corrupt" not in message
     code, out, _ = run_cli(capsys, "doctor", "--db", location)
     [line] = [line for line in out.splitlines() if "results db" in line]
@@ -272,7 +335,11 @@ def test_db_of_another_schema_version(workdir, capsys):
     con.commit()
     con.close()
     before = (workdir / "old.db").read_bytes()
-    for argv in (["search", job, "--db", "old.db"], ["show", "--db", "old.db"], ["export", "--db", "old.db"]):
+    for argv in (
+        ["search", job, "--db", "old.db"],
+        ["show", "--db", "old.db"],
+        ["export", "--db", "old.db"],
+    ):
         assert_bad_input(capsys, argv, "schema version 0", f"reads version {SCHEMA_VERSION}")
     assert (workdir / "old.db").read_bytes() == before
 
@@ -313,8 +380,9 @@ def test_commands_that_read_leave_a_zero_byte_db_as_it_is(workdir, capsys):
     assert line.startswith("ok") and "an empty file, no results yet" in line, line
     untouched()
     with pytest.warns(RuntimeWarning, match="empty file"):
-        found = lookup(Problem(head_dim=128, seqlen_q=2048, batch=2, nheads_q=8), "H200",
-                       source=str(empty))
+        found = lookup(
+            Problem(head_dim=128, seqlen_q=2048, batch=2, nheads_q=8), "H200", source=str(empty)
+        )
     assert found.source == "default"
     untouched()
 
@@ -324,10 +392,12 @@ def test_a_search_refused_leaves_a_zero_byte_db_as_it_is(workdir, capsys):
     empty, untouched = zero_byte_db(workdir)
     (workdir / "notes.txt").write_text("not a database\n")
     job = write_job(workdir)
-    for flags, fragment in ((["--trials", "0"], "--trials"),
-                            (["--storage", empty], "is the results DB's file"),
-                            (["--storage", "notes.txt"], "is not an Optuna journal"),
-                            (["--storage", "sqlite:///notes.txt"], "is not a SQLite database")):
+    for flags, fragment in (
+        (["--trials", "0"], "--trials"),
+        (["--storage", empty], "is the results DB's file"),
+        (["--storage", "notes.txt"], "is not an Optuna journal"),
+        (["--storage", "sqlite:///notes.txt"], "is not a SQLite database"),
+    ):
         assert_bad_input(capsys, ["search", job, "--db", empty, "--no-progress", *flags], fragment)
         untouched()
     assert not (workdir / "empty.optuna.journal").exists()
@@ -340,7 +410,9 @@ def test_table_for_another_kernel_hash(workdir, capsys):
     document = yaml.safe_load((workdir / "t.yaml").read_text())
     document["kernel_hash"] = "0" * 64
     (workdir / "t.yaml").write_text(yaml.safe_dump(document))
-    assert_bad_input(capsys, ["import", "t.yaml", "--db", "new.db"], "kernel_hash 000000000000", "stale")
+    assert_bad_input(
+        capsys, ["import", "t.yaml", "--db", "new.db"], "kernel_hash 000000000000", "stale"
+    )
     code, out, _ = run_cli(capsys, "show", "--table", "t.yaml")
     assert code == 0 and "STALE" in out
 
@@ -356,20 +428,38 @@ def test_export_replaces_a_table_only_with_force(workdir, capsys):
     (workdir / "tables" / "h200-bf16.json").write_bytes(shipped.with_suffix(".json").read_bytes())
     # The shipped table as it was after a carry over a refactor: with its carry record.
     table = yaml.safe_load(shipped.read_text())
-    table["carried"] = [{"checked": "ir, ptx and launch arguments of all entries identical",
-                         "date": "2026-11-29T20:03:02Z", "from_hash": "9" * 64, "from_revision": "a" * 40,
-                         "to_hash": table["kernel_hash"]}]
+    table["carried"] = [
+        {
+            "checked": "ir, ptx and launch arguments of all entries identical",
+            "date": "2026-11-29T20:03:02Z",
+            "from_hash": "9" * 64,
+            "from_revision": "a" * 40,
+            "to_hash": table["kernel_hash"],
+        }
+    ]
     (workdir / "tables" / "h200-bf16.yaml").write_text(yaml.safe_dump(table, sort_keys=False))
     before = {p: p.read_bytes() for p in (workdir / "tables").iterdir()}
-    assert_bad_input(capsys, ["export", "--out", "tables/h200-bf16.yaml"], "tables/h200-bf16.yaml exists",
-                     f"{len(table['entries'])} entries ({len(table['entries'])} measured, 0 cost-model estimates)",
-                     f"hash {table['kernel_hash'][:12]}", "on H200, with 1 carry record;", "--force")
+    assert_bad_input(
+        capsys,
+        ["export", "--out", "tables/h200-bf16.yaml"],
+        "tables/h200-bf16.yaml exists",
+        f"{len(table['entries'])} entries ({len(table['entries'])} measured, 0 cost-model estimates)",
+        f"hash {table['kernel_hash'][:12]}",
+        "on H200, with 1 carry record;",
+        "--force",
+    )
     assert {p: p.read_bytes() for p in (workdir / "tables").iterdir()} == before
     (workdir / "tables" / "h200-bf16.yaml").unlink()  # the JSON half alone is refused too
-    assert_bad_input(capsys, ["export", "--out", "tables/h200-bf16.yaml"], "tables/h200-bf16.json exists")
+    assert_bad_input(
+        capsys, ["export", "--out", "tables/h200-bf16.yaml"], "tables/h200-bf16.json exists"
+    )
     assert run_cli(capsys, "export")[0] == 0
-    assert_bad_input(capsys, ["export"], "tuning_configs/tables/fa4_fwd_sm90-h200.yaml exists",
-                     "1 entries (0 measured, 1 cost-model estimates)")
+    assert_bad_input(
+        capsys,
+        ["export"],
+        "tuning_configs/tables/fa4_fwd_sm90-h200.yaml exists",
+        "1 entries (0 measured, 1 cost-model estimates)",
+    )
     assert run_cli(capsys, "export", "--out", "tables/h200-bf16.yaml", "--force")[0] == 0
     assert yaml.safe_load((workdir / "tables" / "h200-bf16.yaml").read_text())["estimates"] is True
 
@@ -384,8 +474,13 @@ def test_a_cost_model_search_does_not_export_over_measurements(workdir, capsys):
     before = {p: p.read_bytes() for p in (workdir / "tables").iterdir()}
     measured = sum(not e["is_estimate"] for e in yaml.safe_load(shipped.read_text())["entries"])
     job = write_job(workdir, export="tables/h200-bf16.yaml")
-    assert_bad_input(capsys, ["search", job, "--no-progress"], "cannot export to tables/h200-bf16.yaml: it holds "
-                     f"{measured} measured entries", "cost-model estimates", "--export PATH")
+    assert_bad_input(
+        capsys,
+        ["search", job, "--no-progress"],
+        f"cannot export to tables/h200-bf16.yaml: it holds {measured} measured entries",
+        "cost-model estimates",
+        "--export PATH",
+    )
     assert {p: p.read_bytes() for p in (workdir / "tables").iterdir()} == before
     assert not (workdir / "fa4tune-results").exists()  # refused before the DB was made
     code, out, _ = run_cli(capsys, "search", job, "--no-progress", "--export", "mine.yaml")
@@ -393,8 +488,15 @@ def test_a_cost_model_search_does_not_export_over_measurements(workdir, capsys):
     assert yaml.safe_load((workdir / "mine.yaml").read_text())["estimates"] is True
     assert {p: p.read_bytes() for p in (workdir / "tables").iterdir()} == before
     # A table of estimates is the model's to replace, as before.
-    assert run_cli(capsys, "search", write_job(workdir, name="again", export="mine.yaml"), "--no-progress")[0] == 0
-    assert_bad_input(capsys, ["search", job, "--no-progress", "--export", " "], "--export: a table path")
+    assert (
+        run_cli(
+            capsys, "search", write_job(workdir, name="again", export="mine.yaml"), "--no-progress"
+        )[0]
+        == 0
+    )
+    assert_bad_input(
+        capsys, ["search", job, "--no-progress", "--export", " "], "--export: a table path"
+    )
 
 
 def test_export_and_show_take_a_target_in_any_case(workdir, capsys):

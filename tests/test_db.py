@@ -11,18 +11,45 @@ PROBLEM = Problem(head_dim=128, seqlen_q=4096)
 
 
 def add(db, run_id, config, time_ms, estimate=True, status="ok"):
-    m = (Measurement.ok(PROBLEM, time_ms, is_estimate=estimate) if status == "ok"
-         else Measurement(status=status, reason="test", is_estimate=estimate))
-    return db.add_trial(run_id=run_id, study_name="s", optuna_number=None, kernel="fa4_fwd_sm90",
-                        kernel_hash="h", target="H200", problem=PROBLEM, config=config, measurement=m,
-                        source="sampler", provenance={"backend": "test"})
+    m = (
+        Measurement.ok(PROBLEM, time_ms, is_estimate=estimate)
+        if status == "ok"
+        else Measurement(status=status, reason="test", is_estimate=estimate)
+    )
+    return db.add_trial(
+        run_id=run_id,
+        study_name="s",
+        optuna_number=None,
+        kernel="fa4_fwd_sm90",
+        kernel_hash="h",
+        target="H200",
+        problem=PROBLEM,
+        config=config,
+        measurement=m,
+        source="sampler",
+        provenance={"backend": "test"},
+    )
 
 
 def new_run(db):
-    return db.start_run(job_name="j", job_path=None, job_text=None, kernel="fa4_fwd_sm90", kernel_hash="h",
-                        target="H200", backend="model", is_estimate=True, gpu_name=None, sm_count=132,
-                        cuda_driver=None, dsl_version=None, torch_version=None, fa4tune_version="0",
-                        storage_url=None, study_prefix="p")
+    return db.start_run(
+        job_name="j",
+        job_path=None,
+        job_text=None,
+        kernel="fa4_fwd_sm90",
+        kernel_hash="h",
+        target="H200",
+        backend="model",
+        is_estimate=True,
+        gpu_name=None,
+        sm_count=132,
+        cuda_driver=None,
+        dsl_version=None,
+        torch_version=None,
+        fa4tune_version="0",
+        storage_url=None,
+        study_prefix="p",
+    )
 
 
 def test_creates_schema_in_wal_mode_and_keeps_the_best(tmp_path):
@@ -48,10 +75,15 @@ def test_another_schema_version_is_refused(tmp_path):
     path = tmp_path / "r.db"
     ResultsDB.open(str(path)).close()
     con = sqlite3.connect(path)
-    con.execute("UPDATE fa4tune_schema SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION + 1),))
+    con.execute(
+        "UPDATE fa4tune_schema SET value = ? WHERE key = 'schema_version'",
+        (str(SCHEMA_VERSION + 1),),
+    )
     con.commit()
     con.close()
-    with pytest.raises(ResultsDBError, match=f"schema version {SCHEMA_VERSION + 1}.*reads version {SCHEMA_VERSION}"):
+    with pytest.raises(
+        ResultsDBError, match=f"schema version {SCHEMA_VERSION + 1}.*reads version {SCHEMA_VERSION}"
+    ):
         ResultsDB.open(str(path))
 
 
@@ -105,9 +137,20 @@ def test_urls_and_environment(tmp_path, monkeypatch):
 
 def test_merge_reports_conflicts_and_the_better_entry_wins(tmp_path):
     def entry(config, time_ms, estimate=True):
-        return BestEntry(kernel="k", kernel_hash="h", target="H200", problem=PROBLEM.to_dict(),
-                         problem_key=PROBLEM.key(), bucket_key=PROBLEM.bucket().key(), config=config,
-                         time_ms=time_ms, tflops=1.0, is_estimate=estimate, provenance={}, source="t")
+        return BestEntry(
+            kernel="k",
+            kernel_hash="h",
+            target="H200",
+            problem=PROBLEM.to_dict(),
+            problem_key=PROBLEM.key(),
+            bucket_key=PROBLEM.bucket().key(),
+            config=config,
+            time_ms=time_ms,
+            tflops=1.0,
+            is_estimate=estimate,
+            provenance={},
+            source="t",
+        )
 
     with ResultsDB.open(str(tmp_path / "m.db")) as db:
         first = db.merge_best([entry({"a": 1}, 2.0)])
@@ -131,8 +174,16 @@ def test_a_study_stores_each_search_config_once(tmp_path):
             add(db, run, {"tile_n": 128}, 1.0)
         # Re-timings of a stored config (source confirm) are not search trials.
         [trial] = db.trials()
-        db.confirm_best(run_id=run, study_name="s", kernel="fa4_fwd_sm90", kernel_hash="h", target="H200",
-                        problem=PROBLEM, provenance={}, confirmed=[(trial, Measurement.ok(PROBLEM, 1.9))])
+        db.confirm_best(
+            run_id=run,
+            study_name="s",
+            kernel="fa4_fwd_sm90",
+            kernel_hash="h",
+            target="H200",
+            problem=PROBLEM,
+            provenance={},
+            confirmed=[(trial, Measurement.ok(PROBLEM, 1.9))],
+        )
         assert len(db.trials()) == 2 and db.best_configs()[0].time_ms == 1.9
 
 
@@ -154,7 +205,9 @@ def test_schema_2_is_upgraded_to_3(tmp_path):
         with pytest.raises(DuplicateTrial):
             add(db, 1, {"tile_n": 128}, 1.0)
     con = sqlite3.connect(path)
-    assert con.execute("SELECT value FROM fa4tune_schema").fetchone()[0] == str(SCHEMA_VERSION) == "3"
+    assert (
+        con.execute("SELECT value FROM fa4tune_schema").fetchone()[0] == str(SCHEMA_VERSION) == "3"
+    )
 
 
 def hammer(path: str, worker: int, rounds: int) -> None:
@@ -162,10 +215,20 @@ def hammer(path: str, worker: int, rounds: int) -> None:
     with ResultsDB.open(path, create=False) as db:
         for i in range(rounds):
             with db.locked("s") as lock:  # a read, then a write, in one transaction
-                lock.add_trial(run_id=1, optuna_number=None, kernel="fa4_fwd_sm90", kernel_hash="h",
-                               target="H200", problem=PROBLEM, config={"worker": worker, "i": i, "locked": True},
-                               measurement=Measurement.ok(PROBLEM, 1.0 + lock.measured() / 1000, is_estimate=True),
-                               source="sampler", provenance={})
+                lock.add_trial(
+                    run_id=1,
+                    optuna_number=None,
+                    kernel="fa4_fwd_sm90",
+                    kernel_hash="h",
+                    target="H200",
+                    problem=PROBLEM,
+                    config={"worker": worker, "i": i, "locked": True},
+                    measurement=Measurement.ok(
+                        PROBLEM, 1.0 + lock.measured() / 1000, is_estimate=True
+                    ),
+                    source="sampler",
+                    provenance={},
+                )
             add(db, 1, {"worker": worker, "i": i}, 1.0 + i / 100)  # also offers the best config
             db.add_clocks(1, {"worker": worker, "i": i})
             db.top_trials("s", 3)
@@ -189,26 +252,65 @@ def test_many_processes_write_one_sqlite_db_without_database_is_locked(tmp_path)
         assert db.best_configs()[0].time_ms == 1.0
 
 
-def test_a_config_that_was_ever_wrong_does_not_stand_in_for_the_fastest_in_the_min_gain_test(tmp_path):
+def test_a_config_that_was_ever_wrong_does_not_stand_in_for_the_fastest_in_the_min_gain_test(
+    tmp_path,
+):
     """W (3% faster than the default) gave a wrong result once, in another study: it is out. Then X,
     0.5% faster, must still beat the default by the 1% min gain, and does not: the default stays."""
     from fa4tune.kernels import get_kernel
 
     kernel, problem = get_kernel(), Problem(head_dim=128, seqlen_q=2048, batch=2, nheads_q=8)
     db = ResultsDB.open(str(tmp_path / "r.db"))
-    run = db.start_run(job_name="j", kernel=kernel.name, kernel_hash="h", target="H200", backend="gpu",
-                       is_estimate=False, fa4tune_version="0", study_prefix="p")
-    common = dict(run_id=run, kernel=kernel.name, kernel_hash="h", target="H200", problem=problem, provenance={})
-    db.add_trial(study_name="old", optuna_number=0, config={"tile_n": 64}, source="sampler",
-                 measurement=Measurement(status="wrong", reason="output error 0.3"), offer_best=False, **common)
+    run = db.start_run(
+        job_name="j",
+        kernel=kernel.name,
+        kernel_hash="h",
+        target="H200",
+        backend="gpu",
+        is_estimate=False,
+        fa4tune_version="0",
+        study_prefix="p",
+    )
+    common = dict(
+        run_id=run,
+        kernel=kernel.name,
+        kernel_hash="h",
+        target="H200",
+        problem=problem,
+        provenance={},
+    )
+    db.add_trial(
+        study_name="old",
+        optuna_number=0,
+        config={"tile_n": 64},
+        source="sampler",
+        measurement=Measurement(status="wrong", reason="output error 0.3"),
+        offer_best=False,
+        **common,
+    )
     ids = {}
-    for number, (name, tile_n, ms) in enumerate((("D", 128, 1.0), ("X", 96, 0.995), ("W", 64, 0.97))):
-        ids[name] = db.add_trial(study_name="s", optuna_number=number, config={"tile_n": tile_n},
-                                 source="default" if name == "D" else "sampler",
-                                 measurement=Measurement.ok(problem, ms), offer_best=False, **common)
-    db.confirm_best(study_name="s", prefer=ids["D"], min_gain=0.01, confirmed=[
-        ({"id": ids[n]}, Measurement.ok(problem, ms)) for n, ms in (("W", 0.97), ("X", 0.995), ("D", 1.0))],
-        **common)
+    for number, (name, tile_n, ms) in enumerate(
+        (("D", 128, 1.0), ("X", 96, 0.995), ("W", 64, 0.97))
+    ):
+        ids[name] = db.add_trial(
+            study_name="s",
+            optuna_number=number,
+            config={"tile_n": tile_n},
+            source="default" if name == "D" else "sampler",
+            measurement=Measurement.ok(problem, ms),
+            offer_best=False,
+            **common,
+        )
+    db.confirm_best(
+        study_name="s",
+        prefer=ids["D"],
+        min_gain=0.01,
+        confirmed=[
+            ({"id": ids[n]}, Measurement.ok(problem, ms))
+            for n, ms in (("W", 0.97), ("X", 0.995), ("D", 1.0))
+        ],
+        **common,
+    )
     [best] = db.best_configs()
     assert best.config == {"tile_n": 128} and best.provenance.get("kept_default")
     db.close()

@@ -11,15 +11,18 @@ import pytest
 import torch
 
 import fa4tune
-from fa4tune.runtime.dispatch import UnsupportedInput, explain
 from fa4tune.kernels import get_kernel
 from fa4tune.problem import Problem
+from fa4tune.runtime.dispatch import UnsupportedInput, explain
 
 
 def qkv(b=2, sq=256, sk=256, hq=4, hkv=2, d=128, dv=None, dtype=torch.bfloat16, device="meta"):
     dv = d if dv is None else dv
-    return (torch.empty(b, sq, hq, d, dtype=dtype, device=device), torch.empty(b, sk, hkv, d, dtype=dtype, device=device),
-            torch.empty(b, sk, hkv, dv, dtype=dtype, device=device))
+    return (
+        torch.empty(b, sq, hq, d, dtype=dtype, device=device),
+        torch.empty(b, sk, hkv, d, dtype=dtype, device=device),
+        torch.empty(b, sk, hkv, dv, dtype=dtype, device=device),
+    )
 
 
 def test_attention_is_the_dispatch_function():
@@ -28,39 +31,80 @@ def test_attention_is_the_dispatch_function():
     assert fa4tune.attention is attention
 
 
-@pytest.mark.parametrize("make,match", [
-    (lambda: qkv(dtype=torch.float32), "bfloat16 or float16 tensors; q is torch.float32"),
-    (lambda: qkv(d=80), "head_dim of q and k is 80; the kernel supports head dims 64, 96, 128"),
-    (lambda: qkv(dv=72), "head_dim of v is 72"),
-    (lambda: (qkv()[0], qkv()[1], qkv(sk=128)[2]), "k and v must agree"),
-    (lambda: (qkv(b=3)[0], *qkv()[1:]), "same batch size"),
-    (lambda: qkv(hq=3, hkv=2), "must be a multiple of the heads of k and v"),
-    (lambda: (qkv()[0], qkv(d=64)[1], qkv()[2]), "same head_dim"),
-    (lambda: (torch.empty(2, 256, 4, 256, dtype=torch.bfloat16)[..., ::2], *qkv(device="cpu")[1:]),
-     "contiguous in its last dimension"),
-    (lambda: (torch.empty(2, 256, 4, 132, dtype=torch.bfloat16)[..., :128], *qkv(device="cpu")[1:]),
-     "multiples of 8 elements"),
-    (lambda: (qkv()[0][0], *qkv()[1:]), "4-D tensors"),
-    (lambda: ([1, 2], *qkv()[1:]), "torch tensors; q is a list"),
-    (lambda: (qkv()[0], qkv()[1].half(), qkv()[2]), "one dtype"),
-    (lambda: qkv(device="cpu"), "needs CUDA tensors; q is on cpu"),
-    (lambda: qkv(device="meta"), "needs CUDA tensors; q is on meta"),
-    (lambda: (qkv(hq=0)[0], *qkv()[1:]), "need at least one head"),
-    (lambda: (qkv()[0], *qkv(hkv=0)[1:]), "need at least one head"),
-    (lambda: qkv(sk=0, device="cpu"), "needs CUDA tensors; q is on cpu"),  # empty, but on no GPU either
-    # torch calls this contiguous (.contiguous() returns it as it is), but the TMA needs every stride aligned.
-    (lambda: (torch.empty(2, 256, 1, 128, dtype=torch.bfloat16).as_strided((2, 256, 1, 128), (32768, 128, 1, 1)),
-              *qkv(hkv=1, device="cpu")[1:]), r"size-1 dims too; use q.clone\(memory_format=torch.contiguous_format\)"),
-    # An expanded view: the DSL took the zero stride as a constant and read the descriptor wrong.
-    (lambda: (qkv()[0], *(t[:, :, :1].expand(2, 256, 4, 128) for t in qkv(hkv=1, device="cpu")[1:])),
-     r"k has a zero stride .* \(an expanded view\?\); pass k.clone\(memory_format=torch.contiguous_format\)"),
-    # A size-1 dim with stride 0: torch calls it contiguous (.contiguous() returns it unchanged).
-    (lambda: (torch.empty_strided((2, 1, 4, 128), (512, 0, 128, 1), dtype=torch.bfloat16),
-              *qkv(sk=1, device="cpu")[1:]), r"q has a zero stride \(512, 0, 128, 1\)"),
-    (lambda: (torch.nested.nested_tensor([torch.zeros(256, 4, 128, dtype=torch.bfloat16)] * 2), *qkv()[1:]),
-     "dense tensors; q is nested"),
-    (lambda: (qkv(device="cpu")[0].to_sparse(), *qkv()[1:]), "dense tensors; q is torch.sparse_coo"),
-])
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda: qkv(dtype=torch.float32), "bfloat16 or float16 tensors; q is torch.float32"),
+        (lambda: qkv(d=80), "head_dim of q and k is 80; the kernel supports head dims 64, 96, 128"),
+        (lambda: qkv(dv=72), "head_dim of v is 72"),
+        (lambda: (qkv()[0], qkv()[1], qkv(sk=128)[2]), "k and v must agree"),
+        (lambda: (qkv(b=3)[0], *qkv()[1:]), "same batch size"),
+        (lambda: qkv(hq=3, hkv=2), "must be a multiple of the heads of k and v"),
+        (lambda: (qkv()[0], qkv(d=64)[1], qkv()[2]), "same head_dim"),
+        (
+            lambda: (
+                torch.empty(2, 256, 4, 256, dtype=torch.bfloat16)[..., ::2],
+                *qkv(device="cpu")[1:],
+            ),
+            "contiguous in its last dimension",
+        ),
+        (
+            lambda: (
+                torch.empty(2, 256, 4, 132, dtype=torch.bfloat16)[..., :128],
+                *qkv(device="cpu")[1:],
+            ),
+            "multiples of 8 elements",
+        ),
+        (lambda: (qkv()[0][0], *qkv()[1:]), "4-D tensors"),
+        (lambda: ([1, 2], *qkv()[1:]), "torch tensors; q is a list"),
+        (lambda: (qkv()[0], qkv()[1].half(), qkv()[2]), "one dtype"),
+        (lambda: qkv(device="cpu"), "needs CUDA tensors; q is on cpu"),
+        (lambda: qkv(device="meta"), "needs CUDA tensors; q is on meta"),
+        (lambda: (qkv(hq=0)[0], *qkv()[1:]), "need at least one head"),
+        (lambda: (qkv()[0], *qkv(hkv=0)[1:]), "need at least one head"),
+        (
+            lambda: qkv(sk=0, device="cpu"),
+            "needs CUDA tensors; q is on cpu",
+        ),  # empty, but on no GPU either
+        # torch calls this contiguous (.contiguous() returns it as it is), but the TMA needs every stride aligned.
+        (
+            lambda: (
+                torch.empty(2, 256, 1, 128, dtype=torch.bfloat16).as_strided(
+                    (2, 256, 1, 128), (32768, 128, 1, 1)
+                ),
+                *qkv(hkv=1, device="cpu")[1:],
+            ),
+            r"size-1 dims too; use q.clone\(memory_format=torch.contiguous_format\)",
+        ),
+        # An expanded view: the DSL took the zero stride as a constant and read the descriptor wrong.
+        (
+            lambda: (
+                qkv()[0],
+                *(t[:, :, :1].expand(2, 256, 4, 128) for t in qkv(hkv=1, device="cpu")[1:]),
+            ),
+            r"k has a zero stride .* \(an expanded view\?\); pass k.clone\(memory_format=torch.contiguous_format\)",
+        ),
+        # A size-1 dim with stride 0: torch calls it contiguous (.contiguous() returns it unchanged).
+        (
+            lambda: (
+                torch.empty_strided((2, 1, 4, 128), (512, 0, 128, 1), dtype=torch.bfloat16),
+                *qkv(sk=1, device="cpu")[1:],
+            ),
+            r"q has a zero stride \(512, 0, 128, 1\)",
+        ),
+        (
+            lambda: (
+                torch.nested.nested_tensor([torch.zeros(256, 4, 128, dtype=torch.bfloat16)] * 2),
+                *qkv()[1:],
+            ),
+            "dense tensors; q is nested",
+        ),
+        (
+            lambda: (qkv(device="cpu")[0].to_sparse(), *qkv()[1:]),
+            "dense tensors; q is torch.sparse_coo",
+        ),
+    ],
+)
 def test_unsupported_inputs_are_named(make, match):
     q, k, v = make()
     with pytest.raises(UnsupportedInput, match=match):
@@ -76,17 +120,29 @@ def test_inputs_with_nothing_to_compute_are_told_apart_and_answered_without_a_ke
     for shape in ({"b": 0}, {"sq": 0}, {"sk": 0}):
         q, k, v = qkv(**shape, device="cpu")
         assert check_inputs(q, k, v, True)
-        assert check_inputs(q, k[..., ::2].as_strided(k.shape, (3, 5, 7, 1)), v, False)  # odd strides: not read
+        assert check_inputs(
+            q, k[..., ::2].as_strided(k.shape, (3, 5, 7, 1)), v, False
+        )  # odd strides: not read
         out, lse = empty_outputs(q, v)
-        assert out.shape == (q.shape[0], q.shape[1], 4, 128) and out.dtype == q.dtype and torch.all(out == 0)
+        assert (
+            out.shape == (q.shape[0], q.shape[1], 4, 128)
+            and out.dtype == q.dtype
+            and torch.all(out == 0)
+        )
         assert lse.shape == (q.shape[0], 4, q.shape[1]) and lse.dtype == torch.float32
         assert torch.all(lse == -math.inf)
         given = torch.full_like(out, float("nan")), torch.full_like(lse, float("nan"))
-        assert empty_outputs(q, v, *given) == given and torch.all(given[0] == 0) and torch.all(given[1] == -math.inf)
+        assert (
+            empty_outputs(q, v, *given) == given
+            and torch.all(given[0] == 0)
+            and torch.all(given[1] == -math.inf)
+        )
         with pytest.raises(UnsupportedInput, match="empty inputs .* have nothing to look up"):
             explain(q, k, v)
     with pytest.raises(UnsupportedInput, match=r"out must be \(2, 0, 4, 128\)"):
-        empty_outputs(*qkv(sq=0, device="cpu")[::2], out=torch.zeros(2, 1, 4, 128, dtype=torch.bfloat16))
+        empty_outputs(
+            *qkv(sq=0, device="cpu")[::2], out=torch.zeros(2, 1, 4, 128, dtype=torch.bfloat16)
+        )
     with pytest.raises(UnsupportedInput, match="causal must be True or False"):
         check_inputs(*qkv(sk=0), 1)
 
@@ -95,10 +151,14 @@ def test_bad_causal_and_scale():
     with pytest.raises(UnsupportedInput, match="causal must be True or False"):
         fa4tune.attention(*qkv(), causal="yes")
     for bad in (-0.1, True, float("nan"), torch.tensor(0.1), "0.1"):
-        with pytest.raises(UnsupportedInput, match="softmax_scale must be a positive finite number"):
+        with pytest.raises(
+            UnsupportedInput, match="softmax_scale must be a positive finite number"
+        ):
             fa4tune.attention(*qkv(device="cpu"), softmax_scale=bad)
     numpy = pytest.importorskip("numpy")
-    with pytest.raises(UnsupportedInput, match="needs CUDA tensors"):  # a numpy float is a number: on to the device
+    with pytest.raises(
+        UnsupportedInput, match="needs CUDA tensors"
+    ):  # a numpy float is a number: on to the device
         fa4tune.attention(*qkv(device="cpu"), softmax_scale=numpy.float32(0.1))
 
 
@@ -123,14 +183,34 @@ def test_explain_uses_the_tuned_config_of_the_db(workdir, monkeypatch):
     from fa4tune.measure.base import Measurement
 
     kernel = get_kernel()
-    problem = Problem(head_dim=128, causal=True, seqlen_q=256, seqlen_k=256, batch=2, nheads_q=4, nheads_kv=2)
+    problem = Problem(
+        head_dim=128, causal=True, seqlen_q=256, seqlen_k=256, batch=2, nheads_q=4, nheads_kv=2
+    )
     tuned = {**kernel.default_config(problem, None).to_dict(), "tile_n": 96, "num_stages": 3}
     with ResultsDB.open("tuned.db") as db:
-        run = db.start_run(job_name="j", kernel=kernel.name, kernel_hash=kernel.source_hash(), target="H200",
-                           backend="gpu", is_estimate=False, fa4tune_version="0", study_prefix="p")
-        db.add_trial(run_id=run, study_name="s", optuna_number=0, kernel=kernel.name,
-                     kernel_hash=kernel.source_hash(), target="H200", problem=problem, config=tuned,
-                     measurement=Measurement.ok(problem, 0.1), source="sampler", provenance={})
+        run = db.start_run(
+            job_name="j",
+            kernel=kernel.name,
+            kernel_hash=kernel.source_hash(),
+            target="H200",
+            backend="gpu",
+            is_estimate=False,
+            fa4tune_version="0",
+            study_prefix="p",
+        )
+        db.add_trial(
+            run_id=run,
+            study_name="s",
+            optuna_number=0,
+            kernel=kernel.name,
+            kernel_hash=kernel.source_hash(),
+            target="H200",
+            problem=problem,
+            config=tuned,
+            measurement=Measurement.ok(problem, 0.1),
+            source="sampler",
+            provenance={},
+        )
     monkeypatch.setenv("FA4TUNE_DB", str(workdir / "tuned.db"))
     fa4tune.runtime.reset()
     found = explain(*qkv(), causal=True, target="H200")
@@ -150,10 +230,9 @@ def test_packed_arguments_match_what_the_dsl_passes():
     from cutlass import Float32, Int32
     from cutlass.cute.runtime import from_dlpack
 
-    from fa4tune.kernels.fa4_fwd_sm90.launch import PreparedLaunch
     from fa4tune.kernels.fa4_fwd_sm90 import FAMILY
     from fa4tune.kernels.fa4_fwd_sm90.compile import compile_forward
-    from fa4tune.kernels.fa4_fwd_sm90.launch import heads_per_l2_group
+    from fa4tune.kernels.fa4_fwd_sm90.launch import PreparedLaunch, heads_per_l2_group
     from fa4tune.target import get_target
 
     target = get_target("H200")
@@ -173,17 +252,24 @@ def test_packed_arguments_match_what_the_dsl_passes():
         pointer.value = t.data_ptr()
     launch.stream.value = stream_handle
 
-    tensors = [from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=3) for t in (q, k, v, out)]
+    tensors = [
+        from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=3) for t in (q, k, v, out)
+    ]
     tensors.append(from_dlpack(lse, assumed_align=4).mark_layout_dynamic(leading_dim=2))
     tensors.append(from_dlpack(counter, assumed_align=4))
     reference_args, _ = compiled.function.generate_execution_args(
-        *tensors, Float32(0.07 * math.log2(math.e)), Int32(heads_per_l2_group(problem, target)),
-        cuda.CUstream(stream_handle))
+        *tensors,
+        Float32(0.07 * math.log2(math.e)),
+        Int32(heads_per_l2_group(problem, target)),
+        cuda.CUstream(stream_handle),
+    )
     sizes = [48, 48, 48, 48, 40, 8, 4, 4, 8]
     assert len(reference_args) == len(launch.arguments) == len(sizes)
     for index, (theirs, ours, size) in enumerate(zip(reference_args, launch.arguments, sizes)):
         theirs = theirs.value if isinstance(theirs, ctypes.c_void_p) else theirs
-        assert ctypes.string_at(theirs, size) == ctypes.string_at(ours, size), f"argument {index} differs"
+        assert ctypes.string_at(theirs, size) == ctypes.string_at(ours, size), (
+            f"argument {index} differs"
+        )
 
 
 class _RecordingHostFunction:
@@ -216,7 +302,9 @@ def test_direct_call_packs_the_arguments_as_the_dsl_does():
     arguments = [ctypes.addressof(b) for b in buffers]
     host = _RecordingHostFunction(len(arguments))
     kernels = [ctypes.c_void_p(0x7000), ctypes.c_void_p(0x7100)]
-    executor = JitExecutor(SimpleNamespace(capi_func=host), SimpleNamespace(kernel_functions_ptrs=kernels), False)
+    executor = JitExecutor(
+        SimpleNamespace(capi_func=host), SimpleNamespace(kernel_functions_ptrs=kernels), False
+    )
     theirs = list(executor._get_invoke_packed_args(arguments))
 
     run, result = direct_call(executor, arguments)
@@ -229,7 +317,7 @@ def test_direct_call_packs_the_arguments_as_the_dsl_does():
     n = len(arguments)
     assert ours[:n] == theirs[:n] == arguments
     assert theirs[n] == executor._cuda_result_addr and ours[n] == ctypes.addressof(result)
-    assert ours[n + 1:] == theirs[n + 1:] == [0x7000, 0x7100]
+    assert ours[n + 1 :] == theirs[n + 1 :] == [0x7000, 0x7100]
     assert "cudaErrorIllegalAddress (700)" in str(launch_error(700))
 
     # The CUDA-dialect executor (what cute.compile gives here) has no execution context and no
@@ -255,16 +343,22 @@ def test_direct_call_falls_back_to_the_dsl_call():
 def test_a_config_whose_launch_grid_cannot_hold_the_problem_is_infeasible():
     """One CTA per tile, non-causal: (m blocks, heads, batch) grid, y and z at most 65535; persistent
     and causal launches are flat."""
-    from fa4tune.kernels.fa4_fwd_sm90.config import FwdConfig
     from fa4tune.kernels.fa4_fwd_sm90 import FAMILY
+    from fa4tune.kernels.fa4_fwd_sm90.config import FwdConfig
     from fa4tune.target import get_target
 
     big = Problem(head_dim=128, seqlen_q=128, batch=65536, nheads_q=1)
     one_per_tile = FwdConfig(persistent=False)
-    assert any("batch 65536 > 65535" in r for r in FAMILY.infeasible_reasons(big, one_per_tile, get_target("H200")))
+    assert any(
+        "batch 65536 > 65535" in r
+        for r in FAMILY.infeasible_reasons(big, one_per_tile, get_target("H200"))
+    )
     causal = Problem(**{**big.to_dict(), "causal": True})
-    for config, problem in ((FwdConfig(persistent=True), big), (one_per_tile, causal),
-                            (one_per_tile, Problem(head_dim=128, seqlen_q=128, batch=65535, nheads_q=1))):
+    for config, problem in (
+        (FwdConfig(persistent=True), big),
+        (one_per_tile, causal),
+        (one_per_tile, Problem(head_dim=128, seqlen_q=128, batch=65535, nheads_q=1)),
+    ):
         assert not FAMILY.infeasible_reasons(problem, config, get_target("H200")), (config, problem)
 
 
@@ -273,12 +367,20 @@ def test_outputs_passed_in_are_checked():
 
     good = torch.empty(2, 4, 8)
     check_output("lse", good, (2, 4, 8), torch.float32, good.device)
-    check_output("lse", torch.empty(2, 8, 8)[:, :4], (2, 4, 8), torch.float32, good.device)  # strided, apart
-    check_output("out", torch.empty(1, 1, 4, 8), (1, 1, 4, 8), torch.float32, good.device)  # size-1 dims
-    for t, match in ((torch.empty(2, 4, 9), "lse must be"), (good.half(), "lse must be"),
-                     (torch.empty(2, 4, 1).expand(2, 4, 8), "without zero strides"),
-                     (torch.empty(64).as_strided((2, 4, 8), (32, 4, 1)), "elements that share memory"),
-                     (torch.empty(2, 8, 4).transpose(1, 2), "contiguous in its last dimension"), ([1], "dense torch")):
+    check_output(
+        "lse", torch.empty(2, 8, 8)[:, :4], (2, 4, 8), torch.float32, good.device
+    )  # strided, apart
+    check_output(
+        "out", torch.empty(1, 1, 4, 8), (1, 1, 4, 8), torch.float32, good.device
+    )  # size-1 dims
+    for t, match in (
+        (torch.empty(2, 4, 9), "lse must be"),
+        (good.half(), "lse must be"),
+        (torch.empty(2, 4, 1).expand(2, 4, 8), "without zero strides"),
+        (torch.empty(64).as_strided((2, 4, 8), (32, 4, 1)), "elements that share memory"),
+        (torch.empty(2, 8, 4).transpose(1, 2), "contiguous in its last dimension"),
+        ([1], "dense torch"),
+    ):
         with pytest.raises(UnsupportedInput, match=match):
             check_output("lse", t, (2, 4, 8), torch.float32, good.device)
 
@@ -304,10 +406,15 @@ class CpuKernel:
         ref_out, ref_lse = attention_reference(q, k, v, causal=self.causal, softmax_scale=scale)
         out.copy_(ref_out)
         lse.copy_(ref_lse)
-        self.launches.append(SimpleNamespace(
-            pointers=tuple(t.data_ptr() for t in (q, k, v, out, lse)), scale=scale,
-            causal=self.causal, counter=ctypes.c_uint64.from_address(arguments[5]).value,
-            stream=ctypes.c_void_p.from_address(arguments[8]).value))
+        self.launches.append(
+            SimpleNamespace(
+                pointers=tuple(t.data_ptr() for t in (q, k, v, out, lse)),
+                scale=scale,
+                causal=self.causal,
+                counter=ctypes.c_uint64.from_address(arguments[5]).value,
+                stream=ctypes.c_void_p.from_address(arguments[8]).value,
+            )
+        )
         return 0
 
 
@@ -349,12 +456,18 @@ def cpu_device(monkeypatch):
     monkeypatch.setattr(dispatch, "_LAUNCHES", {})
     monkeypatch.setattr(dispatch, "check_device", lambda q, k, v, aligned=True: None)
     monkeypatch.setattr(dispatch, "_device_target", lambda device: (get_target("H200"), FAMILY))
-    monkeypatch.setattr(dispatch, "lookup", lambda problem, target, kernel=None: SimpleNamespace(
-        config=FwdConfig(persistent=True)))
-    monkeypatch.setattr(fwd_launch, "current_device_getter", lambda: (lambda: 0))
-    monkeypatch.setattr(fwd_launch, "raw_stream_getter", lambda: (lambda device_index: CPU_STREAM))
-    monkeypatch.setattr(fwd_launch, "direct_call",
-                        lambda executor, arguments: ((lambda: executor.launch(arguments)), None))
+    monkeypatch.setattr(
+        dispatch,
+        "lookup",
+        lambda problem, target, kernel=None: SimpleNamespace(config=FwdConfig(persistent=True)),
+    )
+    monkeypatch.setattr(fwd_launch, "current_device_getter", lambda: lambda: 0)
+    monkeypatch.setattr(fwd_launch, "raw_stream_getter", lambda: lambda device_index: CPU_STREAM)
+    monkeypatch.setattr(
+        fwd_launch,
+        "direct_call",
+        lambda executor, arguments: ((lambda: executor.launch(arguments)), None),
+    )
     monkeypatch.setattr(fwd_launch, "compile_forward", compile_forward)
     monkeypatch.setattr(fwd_launch, "current_tile_counter", lambda device: TILE_COUNTER)
     monkeypatch.setattr(fwd_launch, "unused_counter", lambda device: UNUSED_COUNTER)
@@ -383,8 +496,10 @@ def attention_checked(device, q, k, v, causal: bool = False, softmax_scale: floa
 
 def cpu_qkv(seed: int, b=2, sq=64, sk=96, hq=4, hkv=2, d=64):
     generator = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(b, s, h, d, generator=generator).to(torch.bfloat16)
-                 for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))
+    return tuple(
+        torch.randn(b, s, h, d, generator=generator).to(torch.bfloat16)
+        for s, h in ((sq, hq), (sk, hkv), (sk, hkv))
+    )
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -401,8 +516,10 @@ def test_a_prepared_launch_takes_each_calls_new_tensors(cpu_device, causal):
 
 def test_another_softmax_scale_on_the_same_tensors_launches_with_that_scale(cpu_device):
     q, k, v = cpu_qkv(0)
-    outputs = [attention_checked(cpu_device, q, k, v, softmax_scale=scale)[0]
-               for scale in (None, 0.05, 0.3, None)]
+    outputs = [
+        attention_checked(cpu_device, q, k, v, softmax_scale=scale)[0]
+        for scale in (None, 0.05, 0.3, None)
+    ]
     assert not torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[3])
     assert len(fa4tune.runtime.dispatch._LAUNCHES) == 3  # one prepared launch per scale
 

@@ -13,8 +13,14 @@ from fa4tune.kernels.sm90 import exp2_poly
 def _exact_round_f32(value: Fraction, mode: str) -> np.float32:
     """Round an exact rational to float32 (nearest-even or toward -inf), by bisection on the grid."""
     approx = np.float32(float(value))  # within one float32 ulp of the answer
-    candidates = [np.nextafter(approx, np.float32(-np.inf)), approx, np.nextafter(approx, np.float32(np.inf))]
-    below = max((c for c in candidates if Fraction(float(c)) <= value), key=lambda c: Fraction(float(c)))
+    candidates = [
+        np.nextafter(approx, np.float32(-np.inf)),
+        approx,
+        np.nextafter(approx, np.float32(np.inf)),
+    ]
+    below = max(
+        (c for c in candidates if Fraction(float(c)) <= value), key=lambda c: Fraction(float(c))
+    )
     if mode == "down" or Fraction(float(below)) == value:
         return below
     above = np.nextafter(below, np.float32(np.inf))

@@ -29,8 +29,12 @@ def _run_device_exp2(xs: np.ndarray, degree: int) -> np.ndarray:
 
     x = torch.from_numpy(xs).cuda()
     y = torch.full_like(x, float("nan"))
-    launch(from_dlpack(x), from_dlpack(y), cutlass.Int32(x.numel()),
-           cuda.CUstream(torch.cuda.current_stream().cuda_stream))
+    launch(
+        from_dlpack(x),
+        from_dlpack(y),
+        cutlass.Int32(x.numel()),
+        cuda.CUstream(torch.cuda.current_stream().cuda_stream),
+    )
     torch.cuda.synchronize()
     return y.cpu().numpy()
 
@@ -40,11 +44,13 @@ def test_device_exp2_matches_cpu_model_bit_for_bit(degree):
     from fa4tune.kernels.sm90 import exp2_poly
 
     rng = np.random.default_rng(degree)
-    xs = np.concatenate([
-        rng.uniform(-130, 9, 1 << 18),
-        np.linspace(-2, 0, 1 << 16),
-        [0.0, -0.0, -1.0, -126.0, -127.0, -1e30, -np.inf, 8.0, 7.99999],
-    ]).astype(np.float32)
+    xs = np.concatenate(
+        [
+            rng.uniform(-130, 9, 1 << 18),
+            np.linspace(-2, 0, 1 << 16),
+            [0.0, -0.0, -1.0, -126.0, -127.0, -1e30, -np.inf, 8.0, 7.99999],
+        ]
+    ).astype(np.float32)
     device_bits = _run_device_exp2(xs, degree).view(np.uint32)
     model_bits = exp2_poly.emulate_exp2_f32(xs, degree).view(np.uint32)
     mismatch = np.flatnonzero(device_bits != model_bits)

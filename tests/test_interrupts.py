@@ -5,8 +5,8 @@ import signal
 from datetime import datetime
 
 import pytest
-
 from conftest import write_job
+
 from fa4tune import interrupts
 from fa4tune.db import ResultsDB
 from fa4tune.tune.job import load_job
@@ -30,7 +30,10 @@ def test_a_signal_inside_a_critical_section_is_raised_when_it_ends():
                 pass
         with interrupts.critical():  # nothing pending is left over from before
             pass
-    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before  # the previous ones
+    assert (
+        signal.getsignal(signal.SIGINT),
+        signal.getsignal(signal.SIGTERM),
+    ) == before  # the previous ones
 
 
 def test_a_results_db_transaction_is_never_cut_by_a_signal(tmp_path):
@@ -54,7 +57,10 @@ def test_a_results_db_transaction_is_never_cut_by_a_signal(tmp_path):
     with db.locked("study") as lock:
         assert lock.confirming() == "me"
     with db._sessions() as session:
-        assert session.get(Lock, "written") is not None and session.get(Lock, "also written") is not None
+        assert (
+            session.get(Lock, "written") is not None
+            and session.get(Lock, "also written") is not None
+        )
     db.close()
 
 
@@ -117,8 +123,14 @@ def signal_at_measurement(monkeypatch, number: int, send) -> list:
 def test_a_search_stops_when_the_garbage_collector_swallowed_its_ctrl_c(workdir, monkeypatch):
     """What made a CI run fail: SIGTERM landed in a weakref callback and the search ran to its budget."""
     calls = signal_at_measurement(monkeypatch, 3, lambda: _signal_inside_del(signal.SIGINT))
-    job = load_job(write_job(workdir, spaces={"tiles": {}, "pipeline": {}, "exp2": {}}, budget={"trials": 50},
-                             sampler="random"))
+    job = load_job(
+        write_job(
+            workdir,
+            spaces={"tiles": {}, "pipeline": {}, "exp2": {}},
+            budget={"trials": 50},
+            sampler="random",
+        )
+    )
     with interrupts.installed():
         with pytest.raises(SearchInterrupted):
             run_search(job, say=lambda *a: None)

@@ -1,29 +1,48 @@
 import pytest
 
 from fa4tune.errors import JobError
-from fa4tune.tune.job import parse_job
 from fa4tune.problem import Problem
+from fa4tune.tune.job import parse_job
 
 
 def test_problem_grid_with_tokens_and_hidden():
-    job = parse_job({"problems": [
-        {"head_dim": [64, 128], "causal": [False, True], "seqlen_q": [1024, 16384], "tokens": 16384, "hidden": 2048},
-        {"head_dim": 128, "seqlen_q": 8192, "nheads_q": 32, "nheads_kv": 8},
-    ]}, source="j.yaml")
+    job = parse_job(
+        {
+            "problems": [
+                {
+                    "head_dim": [64, 128],
+                    "causal": [False, True],
+                    "seqlen_q": [1024, 16384],
+                    "tokens": 16384,
+                    "hidden": 2048,
+                },
+                {"head_dim": 128, "seqlen_q": 8192, "nheads_q": 32, "nheads_kv": 8},
+            ]
+        },
+        source="j.yaml",
+    )
     assert len(job.problems) == 9
     assert Problem(head_dim=64, seqlen_q=1024, batch=16, nheads_q=32) in job.problems
     assert Problem(head_dim=128, seqlen_q=16384, batch=1, nheads_q=16, causal=True) in job.problems
     assert job.problems[-1].qheads_per_kvhead == 4
-    assert job.kernel.name == "fa4_fwd_sm90" and job.sampler.name == "tpe" and job.budget.trials == 30
+    assert (
+        job.kernel.name == "fa4_fwd_sm90" and job.sampler.name == "tpe" and job.budget.trials == 30
+    )
     assert set(job.spaces) == {"tiles", "pipeline", "exp2", "softmax"}
 
 
-@pytest.mark.parametrize("problem, fragment", [
-    ({"seqlen_q": 3000, "tokens": 16384}, "tokens (16384) must be a multiple of seqlen_q (3000)"),
-    ({"head_dim": 96, "hidden": 1000}, "hidden (1000) must be a multiple of head_dim (96)"),
-    ({"tokens": 4096, "batch": 2}, "either tokens or batch"),
-    ({"head_dim": []}, "problems[0].head_dim: an empty list"),
-])
+@pytest.mark.parametrize(
+    "problem, fragment",
+    [
+        (
+            {"seqlen_q": 3000, "tokens": 16384},
+            "tokens (16384) must be a multiple of seqlen_q (3000)",
+        ),
+        ({"head_dim": 96, "hidden": 1000}, "hidden (1000) must be a multiple of head_dim (96)"),
+        ({"tokens": 4096, "batch": 2}, "either tokens or batch"),
+        ({"head_dim": []}, "problems[0].head_dim: an empty list"),
+    ],
+)
 def test_problem_shorthand_errors(problem, fragment):
     with pytest.raises(JobError, match="^j.yaml: ") as info:
         parse_job({"problems": [problem]}, source="j.yaml")

@@ -14,9 +14,8 @@ import pytest
 
 pytestmark = pytest.mark.compile
 
+from fa4tune.kernels.fa4_fwd_sm90 import FAMILY  # noqa: E402
 from fa4tune.kernels.fa4_fwd_sm90.config import ConfigError, FwdConfig  # noqa: E402
-
-from fa4tune.kernels.fa4_fwd_sm90 import FAMILY
 from fa4tune.problem import Problem  # noqa: E402
 from fa4tune.target import get_target  # noqa: E402
 
@@ -31,32 +30,123 @@ SPREAD = [
     (None, "bf16", 256, 256, True),
     (FwdConfig(tile_n=176), "bf16", 128, 128, False),
     (FwdConfig(intra_wg_overlap=False, wg_pingpong=False, num_stages=3), "bf16", 128, 128, True),
-    (FwdConfig(tile_m=192, tile_n=96, num_stages=5, emu_share=0.5, poly_degree=5), "bf16", 64, 64, True),
-    (FwdConfig(tile_n=112, emu_share=0.375, poly_degree=4, rescale_threshold=4.0), "fp16", 192, 192, False),
+    (
+        FwdConfig(tile_m=192, tile_n=96, num_stages=5, emu_share=0.5, poly_degree=5),
+        "bf16",
+        64,
+        64,
+        True,
+    ),
+    (
+        FwdConfig(tile_n=112, emu_share=0.375, poly_degree=4, rescale_threshold=4.0),
+        "fp16",
+        192,
+        192,
+        False,
+    ),
     (FwdConfig(rescale_threshold=8.0, persistent=True), "bf16", 128, 128, False),
     (FwdConfig(tile_m=192, rescale_branch=False, persistent=True), "bf16", 64, 64, True),
-    (FwdConfig(intra_wg_overlap=False, rescale_branch=False, persistent=True), "fp16", 128, 128, True),
+    (
+        FwdConfig(intra_wg_overlap=False, rescale_branch=False, persistent=True),
+        "fp16",
+        128,
+        128,
+        True,
+    ),
     # Per-warpgroup O stores: two and three consumer warpgroups, causal (tile counter) and not.
     (FwdConfig(rescale_threshold=8.0, persistent=True, wg_epilogue=True), "bf16", 128, 128, False),
     (FwdConfig(tile_m=192, persistent=True, wg_epilogue=True), "bf16", 64, 64, True),
     # Four consumer warpgroups at 112 registers each.
-    (FwdConfig(tile_m=256, tile_n=64, rescale_threshold=8.0, persistent=True), "bf16", 64, 64, True),
-    (FwdConfig(tile_m=256, tile_n=80, intra_wg_overlap=False, emu_share=0.5, poly_degree=5), "bf16", 64, 64, False),
-    (FwdConfig(tile_m=256, tile_n=96, intra_wg_overlap=False, emu_share=0.375, poly_degree=5), "bf16", 64, 64, True),
-    (FwdConfig(tile_m=256, tile_n=64, emu_share=0.5, poly_degree=5, persistent=True), "bf16", 64, 64, True),
+    (
+        FwdConfig(tile_m=256, tile_n=64, rescale_threshold=8.0, persistent=True),
+        "bf16",
+        64,
+        64,
+        True,
+    ),
+    (
+        FwdConfig(tile_m=256, tile_n=80, intra_wg_overlap=False, emu_share=0.5, poly_degree=5),
+        "bf16",
+        64,
+        64,
+        False,
+    ),
+    (
+        FwdConfig(tile_m=256, tile_n=96, intra_wg_overlap=False, emu_share=0.375, poly_degree=5),
+        "bf16",
+        64,
+        64,
+        True,
+    ),
+    (
+        FwdConfig(tile_m=256, tile_n=64, emu_share=0.5, poly_degree=5, persistent=True),
+        "bf16",
+        64,
+        64,
+        True,
+    ),
     # Two Q buffers (persistent): two, three and four consumer warpgroups, the tile counter, the
     # hdim-128 one at 225 KB of shared memory.
-    (FwdConfig(rescale_threshold=8.0, persistent=True, wg_epilogue=True, q_stages=2), "bf16", 128, 128, True),
-    (FwdConfig(tile_m=192, rescale_threshold=8.0, persistent=True, q_stages=2), "bf16", 64, 64, False),
-    (FwdConfig(tile_m=256, tile_n=96, intra_wg_overlap=False, persistent=True, q_stages=2), "bf16", 64, 64, True),
+    (
+        FwdConfig(rescale_threshold=8.0, persistent=True, wg_epilogue=True, q_stages=2),
+        "bf16",
+        128,
+        128,
+        True,
+    ),
+    (
+        FwdConfig(tile_m=192, rescale_threshold=8.0, persistent=True, q_stages=2),
+        "bf16",
+        64,
+        64,
+        False,
+    ),
+    (
+        FwdConfig(tile_m=256, tile_n=96, intra_wg_overlap=False, persistent=True, q_stages=2),
+        "bf16",
+        64,
+        64,
+        True,
+    ),
     # The lazy row max (its slow paths take registers beside the accumulators): three consumer
     # warpgroups at 160 registers, four at 112 without overlap, hdim 128 fp16 without overlap.
-    (FwdConfig(tile_m=192, rescale_threshold=8.0, persistent=True, lazy_max=True), "bf16", 64, 64, False),
-    (FwdConfig(tile_m=256, tile_n=96, intra_wg_overlap=False, rescale_threshold=8.0, persistent=True,
-               q_stages=2, lazy_max=True), "bf16", 64, 64, True),
-    (FwdConfig(tile_n=80, intra_wg_overlap=False, rescale_threshold=8.0, lazy_max=True), "fp16", 128, 128, True),
+    (
+        FwdConfig(tile_m=192, rescale_threshold=8.0, persistent=True, lazy_max=True),
+        "bf16",
+        64,
+        64,
+        False,
+    ),
+    (
+        FwdConfig(
+            tile_m=256,
+            tile_n=96,
+            intra_wg_overlap=False,
+            rescale_threshold=8.0,
+            persistent=True,
+            q_stages=2,
+            lazy_max=True,
+        ),
+        "bf16",
+        64,
+        64,
+        True,
+    ),
+    (
+        FwdConfig(tile_n=80, intra_wg_overlap=False, rescale_threshold=8.0, lazy_max=True),
+        "fp16",
+        128,
+        128,
+        True,
+    ),
     # One K/V stage with the branch-free rescale (a GPU rise test's config).
-    (FwdConfig(num_stages=1, rescale_branch=False, rescale_threshold=8.0, lazy_max=True), "fp16", 64, 64, False),
+    (
+        FwdConfig(num_stages=1, rescale_branch=False, rescale_threshold=8.0, lazy_max=True),
+        "fp16",
+        64,
+        64,
+        False,
+    ),
     # Warpgroups without rows (tile_m 192, one CTA per tile) without ping-pong: the configs that hung.
     (FwdConfig(tile_m=192, num_stages=3, wg_pingpong=False), "bf16", 64, 64, True),
     (FwdConfig(tile_m=192, intra_wg_overlap=False, wg_pingpong=False), "bf16", 64, 64, False),
@@ -65,18 +155,33 @@ SPREAD = [
 
 def _ptxas_report(text: str) -> list[tuple[int, int, int]]:
     """(stack frame, spill stores, spill loads) bytes of every function ptxas reported."""
-    return [tuple(int(v) for v in m) for m in re.findall(
-        r"(\d+)\s+bytes\s+stack\s+frame,\s+(\d+)\s+bytes\s+spill\s+stores,\s+(\d+)\s+bytes\s+spill\s+loads", text)]
+    return [
+        tuple(int(v) for v in m)
+        for m in re.findall(
+            r"(\d+)\s+bytes\s+stack\s+frame,\s+(\d+)\s+bytes\s+spill\s+stores,\s+(\d+)\s+bytes\s+spill\s+loads",
+            text,
+        )
+    ]
 
 
-def _compile_with_report(config, dtype, head_dim, head_dim_v, causal, capfd, tmp_path, target="H200"):
+def _compile_with_report(
+    config, dtype, head_dim, head_dim_v, causal, capfd, tmp_path, target="H200"
+):
     """A real compile for sm_90a (the cache bypassed: ptxas prints its remarks only then), with PTX
     kept: (the compiled kernel, ptxas's output)."""
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     from fa4tune.kernels.fa4_fwd_sm90.compile import compile_forward
 
-    compiled = compile_forward(config, dtype, head_dim, head_dim_v, causal, target,
-                               options=f"remarks{{ptx}} --keep-ptx --dump-dir {tmp_path}", use_cache=False)
+    compiled = compile_forward(
+        config,
+        dtype,
+        head_dim,
+        head_dim_v,
+        causal,
+        target,
+        options=f"remarks{{ptx}} --keep-ptx --dump-dir {tmp_path}",
+        use_cache=False,
+    )
     return compiled, "".join(capfd.readouterr())
 
 
@@ -93,20 +198,29 @@ def _serialized_wgmma(text: str) -> list[tuple[str, str]]:
     the registers (C7512: a PV GEMM left in flight across the next S GEMM with four consumer
     warpgroups, session 25), and for a few other causes. The DSL may wrap the message over lines: the
     reason is its first words (at most seven, read across the wrap, none of the next ptxas line)."""
-    return [(m.group(1), " ".join(m.group(2).split())) for m in re.finditer(
-        r"\((C75\d\d)\)\s+Potential\s+Performance\s+Loss:\s+wgmma\.mma_async\s+instructions\s+are\s+"
-        r"serialized\s+due\s+to\s+((?:(?!ptxas\b)[\w-]+(?:\s+|$)){1,7})", text)]
+    return [
+        (m.group(1), " ".join(m.group(2).split()))
+        for m in re.finditer(
+            r"\((C75\d\d)\)\s+Potential\s+Performance\s+Loss:\s+wgmma\.mma_async\s+instructions\s+are\s+"
+            r"serialized\s+due\s+to\s+((?:(?!ptxas\b)[\w-]+(?:\s+|$)){1,7})",
+            text,
+        )
+    ]
 
 
 # ptxas's report of a kernel whose wgmma it serialized, as the DSL passed it on once on one line and
 # once wrapped inside its spill remark (the kernel's name shortened).
-_SERIALIZED = ("ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are "
-               "serialized due to insufficient register resources for the function 'kernel_x'\n"
-               "ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n")
-_SERIALIZED_WRAPPED = ("remark[ptxas]: ptxas detected register spills\n"
-                       "          ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are\n"
-                       "          serialized due to insufficient register resources for the function\n"
-                       "          'kernel_x'\n")
+_SERIALIZED = (
+    "ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are "
+    "serialized due to insufficient register resources for the function 'kernel_x'\n"
+    "ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+)
+_SERIALIZED_WRAPPED = (
+    "remark[ptxas]: ptxas detected register spills\n"
+    "          ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are\n"
+    "          serialized due to insufficient register resources for the function\n"
+    "          'kernel_x'\n"
+)
 
 
 def test_serialized_wgmma_check_reads_ptxas_advice():
@@ -115,23 +229,37 @@ def test_serialized_wgmma_check_reads_ptxas_advice():
     assert _serialized_wgmma(_SERIALIZED_WRAPPED) == [("C7512", reason)]
     assert _serialized_wgmma(_SERIALIZED.splitlines()[1]) == []
     # Two in a row (one without a quoted function name) are two, each with its own reason.
-    two = ("(C7511) Potential Performance Loss: wgmma.mma_async instructions are serialized due to the\n"
-           "  wgmma pipeline crossing function boundary\n" + _SERIALIZED)
-    assert _serialized_wgmma(two) == [("C7511", "the wgmma pipeline crossing function boundary"),
-                                      ("C7512", reason)]
-    assert _ptxas_report(_SERIALIZED_WRAPPED.replace("spills", "spills\n  12 bytes stack\n  frame, 8 bytes "
-                                                     "spill stores, 8 bytes spill loads")) == [(12, 8, 8)]
+    two = (
+        "(C7511) Potential Performance Loss: wgmma.mma_async instructions are serialized due to the\n"
+        "  wgmma pipeline crossing function boundary\n" + _SERIALIZED
+    )
+    assert _serialized_wgmma(two) == [
+        ("C7511", "the wgmma pipeline crossing function boundary"),
+        ("C7512", reason),
+    ]
+    assert _ptxas_report(
+        _SERIALIZED_WRAPPED.replace(
+            "spills", "spills\n  12 bytes stack\n  frame, 8 bytes spill stores, 8 bytes spill loads"
+        )
+    ) == [(12, 8, 8)]
 
 
 def test_serialized_wgmma_check_sees_a_real_serialized_kernel(capfd, tmp_path, monkeypatch):
     """Not blind on a real compile: 256x96 at hdim 64 with intra-warpgroup overlap, which the register
     model refuses (S, P and O of four consumer warpgroups in 112 registers), built with the refusal
     bypassed: ptxas serializes its wgmma (and spills)."""
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before the DSL is loaded, as in _compile_with_report
+    os.environ.setdefault(
+        "CUTE_DSL_ARCH", "sm_90a"
+    )  # before the DSL is loaded, as in _compile_with_report
 
     config = FwdConfig(tile_m=256, tile_n=96, rescale_threshold=8.0, persistent=True, lazy_max=True)
-    assert any("would spill" in r for r in FAMILY.infeasible_reasons(Problem(head_dim=64), config, get_target("H200")))
-    monkeypatch.setattr(FAMILY, "check", lambda *args, **kwargs: None)  # the kernel's refusal bypassed
+    assert any(
+        "would spill" in r
+        for r in FAMILY.infeasible_reasons(Problem(head_dim=64), config, get_target("H200"))
+    )
+    monkeypatch.setattr(
+        FAMILY, "check", lambda *args, **kwargs: None
+    )  # the kernel's refusal bypassed
     _, text = _compile_with_report(config, "bf16", 64, 64, False, capfd, tmp_path)
     assert [code for code, _ in _serialized_wgmma(text)] == ["C7512"], text[-2000:]
 
@@ -174,31 +302,48 @@ _UNFIXED_IDLE_LOOP = """
 def test_early_release_check_flags_the_unfixed_idle_loop_and_passes_synced_ones():
     assert _early_releases(_UNFIXED_IDLE_LOOP) == [(5, 2), (7, 6)]
     synced = _UNFIXED_IDLE_LOOP.replace("    @%p26", "    bar.warp.sync -1;\n    @%p26").replace(
-        "    mbarrier.arrive.shared.b64 %rd16", "    bar.warp.sync -1;\n    mbarrier.arrive.shared.b64 %rd16")
+        "    mbarrier.arrive.shared.b64 %rd16",
+        "    bar.warp.sync -1;\n    mbarrier.arrive.shared.b64 %rd16",
+    )
     assert _early_releases(synced) == []
-    after_wgmma = "mbarrier.try_wait.parity.shared.b64 P1, [%r4], %r200, 1;\nwgmma.wait_group.sync.aligned 0;\n" \
-                  "@%p30 mbarrier.arrive.shared.b64 %rd26, [%r5], %r282;\n"
+    after_wgmma = (
+        "mbarrier.try_wait.parity.shared.b64 P1, [%r4], %r200, 1;\nwgmma.wait_group.sync.aligned 0;\n"
+        "@%p30 mbarrier.arrive.shared.b64 %rd26, [%r5], %r282;\n"
+    )
     assert _early_releases(after_wgmma) == []
-    assert _early_releases(after_wgmma.replace("wgmma.wait_group.sync.aligned 0;\n", "")) == [(2, 1)]
+    assert _early_releases(after_wgmma.replace("wgmma.wait_group.sync.aligned 0;\n", "")) == [
+        (2, 1)
+    ]
     producer = "mbarrier.try_wait.parity.shared.b64 P1, [%r5], %r1, 1;\nmbarrier.arrive.expect_tx.shared.b64 %rd9, [%r4], %r2;\n"
     assert _early_releases(producer) == []
 
 
-@pytest.mark.parametrize("config,dtype,head_dim,head_dim_v,causal", SPREAD,
-                         ids=lambda v: v.short() if isinstance(v, FwdConfig) else str(v))
-def test_compiles_for_sm90a_without_spills(config, dtype, head_dim, head_dim_v, causal, capfd, tmp_path):
+@pytest.mark.parametrize(
+    "config,dtype,head_dim,head_dim_v,causal",
+    SPREAD,
+    ids=lambda v: v.short() if isinstance(v, FwdConfig) else str(v),
+)
+def test_compiles_for_sm90a_without_spills(
+    config, dtype, head_dim, head_dim_v, causal, capfd, tmp_path
+):
     problem = Problem(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal)
     config = config or FAMILY.default_config(problem)
-    compiled, text = _compile_with_report(config, dtype, head_dim, head_dim_v, causal, capfd, tmp_path)
+    compiled, text = _compile_with_report(
+        config, dtype, head_dim, head_dim_v, causal, capfd, tmp_path
+    )
     report = _spill_report(text)
     for stack, stores, loads in report:
         assert (stack, stores, loads) == (0, 0, 0), f"{config.short()} spills: {report}"
-    assert not _serialized_wgmma(text), f"{config.short()}: ptxas serialized the wgmma: {_serialized_wgmma(text)}"
+    assert not _serialized_wgmma(text), (
+        f"{config.short()}: ptxas serialized the wgmma: {_serialized_wgmma(text)}"
+    )
     assert compiled.compile_seconds > 0
     ptx = compiled.function.__ptx__
     assert ptx and "mbarrier.arrive" in ptx, "no PTX kept: the release check would be blind"
-    assert not _early_releases(ptx), f"{config.short()}: releases before the warp saw the stage full " \
-                                     f"(PTX lines: release, wait): {_early_releases(ptx)}"
+    assert not _early_releases(ptx), (
+        f"{config.short()}: releases before the warp saw the stage full "
+        f"(PTX lines: release, wait): {_early_releases(ptx)}"
+    )
 
 
 # Spills the shipped table may keep: (problem key, config) -> why. A spill in any other shipped entry
@@ -213,7 +358,11 @@ def _shipped_entries():
     from fa4tune.runtime.lookup import PACKAGE_TABLES
     from fa4tune.runtime.tables import read_table, table_entries
 
-    return [e for table in sorted(PACKAGE_TABLES.glob("*.yaml")) for e in table_entries(read_table(table))]
+    return [
+        e
+        for table in sorted(PACKAGE_TABLES.glob("*.yaml"))
+        for e in table_entries(read_table(table))
+    ]
 
 
 @pytest.mark.parametrize("entry", _shipped_entries(), ids=lambda e: e.problem_key)
@@ -221,14 +370,17 @@ def test_every_shipped_config_compiles_and_spills_only_where_allowed(entry, capf
     """What fa4tune.attention runs: each entry of the shipped tables, compiled for sm_90a at its own
     problem's head dims and causality, with ptxas's report read back."""
     problem, config = Problem.from_dict(entry.problem), FwdConfig.from_dict(entry.config)
-    _, text = _compile_with_report(config, problem.dtype, problem.head_dim, problem.head_dim_v, problem.causal,
-                                   capfd, tmp_path)
+    _, text = _compile_with_report(
+        config, problem.dtype, problem.head_dim, problem.head_dim_v, problem.causal, capfd, tmp_path
+    )
     report = _spill_report(text)
     spills = any(r != (0, 0, 0) for r in report)
     allowed = ALLOWED_SPILLS.get((entry.problem_key, config.short()))
     assert not spills or allowed, f"{entry.problem_key}: {config.short()} spills {report}"
-    assert not _serialized_wgmma(text), f"{entry.problem_key}: {config.short()}: ptxas serialized the wgmma: " \
-                                        f"{_serialized_wgmma(text)}"
+    assert not _serialized_wgmma(text), (
+        f"{entry.problem_key}: {config.short()}: ptxas serialized the wgmma: "
+        f"{_serialized_wgmma(text)}"
+    )
 
 
 def test_every_allowed_spill_is_still_in_the_shipped_table():
@@ -244,7 +396,9 @@ def test_infeasible_config_is_refused_before_compiling():
     with pytest.raises(ConfigError, match="poly_degree 1|degree 1"):
         compile_forward(FwdConfig(emu_share=0.25, poly_degree=1), "bf16", 128, 128, False, "H200")
     # Persistent CTAs give O its own buffer: 3 stages of hdim 128 fit without it, not with it.
-    assert not FAMILY.infeasible_reasons(Problem(dtype="bf16", head_dim=128), FwdConfig(num_stages=3), get_target("H200"))
+    assert not FAMILY.infeasible_reasons(
+        Problem(dtype="bf16", head_dim=128), FwdConfig(num_stages=3), get_target("H200")
+    )
     with pytest.raises(ConfigError, match="persistent.*o 32 KB"):
         compile_forward(FwdConfig(num_stages=3, persistent=True), "bf16", 128, 128, False, "H200")
     # Per-warpgroup O stores need O's own buffer: a single-tile CTA stages O in Q's.
@@ -254,14 +408,17 @@ def test_infeasible_config_is_refused_before_compiling():
     with pytest.raises(ConfigError, match="q_stages=2 needs persistent=True"):
         compile_forward(FwdConfig(q_stages=2), "bf16", 128, 128, False, "H200")
     with pytest.raises(ConfigError, match="persistent, q_stages=2.*q 64 KB"):
-        compile_forward(FwdConfig(tile_n=160, persistent=True, q_stages=2), "bf16", 128, 128, False, "H200")
-
+        compile_forward(
+            FwdConfig(tile_n=160, persistent=True, q_stages=2), "bf16", 128, 128, False, "H200"
+        )
 
 
 def test_q_stages_in_the_config_schema():
     config = FwdConfig.from_dict({"q_stages": 2.0, "persistent": True})  # YAML/JSON may give 2.0
     assert type(config.q_stages) is int and config.short() == "128x128s2-e0p3-r0-ov-pp-ps-q2"
-    assert FwdConfig().short() == "128x128s2-e0p3-r0-ov-pp"  # one Q buffer leaves the name as it was
+    assert (
+        FwdConfig().short() == "128x128s2-e0p3-r0-ov-pp"
+    )  # one Q buffer leaves the name as it was
     with pytest.raises(ConfigError, match=r"q_stages=3 \(legal: 1, 2\)"):
         FwdConfig(q_stages=3)
 
@@ -274,10 +431,19 @@ def test_lazy_max_in_the_config_schema():
         FwdConfig(lazy_max=1)
 
 
-@pytest.mark.parametrize("persistent,causal,wg_epilogue,q_stages",
-                         [(True, True, False, 1), (True, False, False, 1), (False, True, False, 1),
-                          (True, False, True, 1), (True, True, True, 2)])
-def test_shared_storage_is_what_the_resource_model_books(persistent, causal, wg_epilogue, q_stages, monkeypatch):
+@pytest.mark.parametrize(
+    "persistent,causal,wg_epilogue,q_stages",
+    [
+        (True, True, False, 1),
+        (True, False, False, 1),
+        (False, True, False, 1),
+        (True, False, True, 1),
+        (True, True, True, 2),
+    ],
+)
+def test_shared_storage_is_what_the_resource_model_books(
+    persistent, causal, wg_epilogue, q_stages, monkeypatch
+):
     """The search rejects configs by resources.smem_bytes; a kernel whose shared storage is larger
     would pass that check and fail to launch at the limit. (Before the tile-number slot moved into
     the barrier region, a persistent causal kernel took 1 KB more than the model said.)"""
@@ -297,7 +463,9 @@ def test_shared_storage_is_what_the_resource_model_books(persistent, causal, wg_
     config = FwdConfig(persistent=persistent, wg_epilogue=wg_epilogue, q_stages=q_stages)
     compile_forward(config, "bf16", 128, 128, causal, "H200", use_cache=False)
     assert sizes, "the kernel no longer allocates its shared storage through SmemAllocator"
-    assert sizes[-1] == resources.smem_bytes(config, Problem(dtype="bf16", head_dim=128, causal=causal))
+    assert sizes[-1] == resources.smem_bytes(
+        config, Problem(dtype="bf16", head_dim=128, causal=causal)
+    )
 
 
 @pytest.mark.parametrize("tile_m,tile_n", [(128, 128), (192, 128), (256, 96)])
@@ -325,8 +493,16 @@ def test_four_warpgroups_without_overlap_book_the_emulations_registers():
     target = get_target("H200")
     spills = FwdConfig(tile_m=256, tile_n=96, intra_wg_overlap=False, emu_share=0.5, poly_degree=5)
     assert any("would spill" in r for r in FAMILY.infeasible_reasons(problem, spills, target))
-    assert FAMILY.infeasible_reasons(problem, FwdConfig(tile_m=256, tile_n=96, intra_wg_overlap=False, emu_share=0.375,
-                                                 poly_degree=5), target) == []
+    assert (
+        FAMILY.infeasible_reasons(
+            problem,
+            FwdConfig(
+                tile_m=256, tile_n=96, intra_wg_overlap=False, emu_share=0.375, poly_degree=5
+            ),
+            target,
+        )
+        == []
+    )
 
 
 def test_a_split_that_would_hang_is_refused(monkeypatch):
@@ -334,5 +510,7 @@ def test_a_split_that_would_hang_is_refused(monkeypatch):
 
     monkeypatch.setitem(resources.REGISTER_SPLIT, 4, (24, 120))
     problem = Problem(dtype="bf16", head_dim=64)
-    reasons = FAMILY.infeasible_reasons(problem, FwdConfig(tile_m=256, tile_n=64), get_target("H200"))
+    reasons = FAMILY.infeasible_reasons(
+        problem, FwdConfig(tile_m=256, tile_n=64), get_target("H200")
+    )
     assert any("setmaxnreg.inc would wait for ever" in r for r in reasons), reasons

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 import yaml
+from conftest import PLUGIN_DIR
 
 import fa4tune
-from conftest import PLUGIN_DIR
 from fa4tune.cli import main
 from fa4tune.db import ResultsDB
 from fa4tune.runtime.tables import read_table
@@ -31,11 +31,14 @@ def toy_family(tmp_path, monkeypatch):
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: fa4tune-toyfamily\nVersion: 1.0\n")
     (dist / "entry_points.txt").write_text(
         "[fa4tune.kernels]\ntoy_matmul = fa4tune_toyfamily:FAMILY\n\n"
-        "[fa4tune.spaces]\ntoy_blocks = fa4tune_toyfamily:ToyBlocks\n")
+        "[fa4tune.spaces]\ntoy_blocks = fa4tune_toyfamily:ToyBlocks\n"
+    )
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.syspath_prepend(str(PLUGIN_DIR))
     # Worker processes find it the same way (PYTHONPATH reaches the spawned children's imports).
-    monkeypatch.setenv("PYTHONPATH", f"{site}:{PLUGIN_DIR}:" + __import__("os").environ.get("PYTHONPATH", ""))
+    monkeypatch.setenv(
+        "PYTHONPATH", f"{site}:{PLUGIN_DIR}:" + __import__("os").environ.get("PYTHONPATH", "")
+    )
     fa4tune.kernels.rediscover()
     fa4tune.space.rediscover()
     yield sys.modules.get("fa4tune_toyfamily") or __import__("fa4tune_toyfamily")
@@ -46,8 +49,17 @@ def toy_family(tmp_path, monkeypatch):
 
 
 def toy_job(directory, **fields):
-    job = {"name": "toy", "kernel": "toy_matmul", "backend": "model", "target": "H200",
-           "problems": PROBLEMS, "sampler": "random", "budget": {"trials": 12}, "seed": 0, **fields}
+    job = {
+        "name": "toy",
+        "kernel": "toy_matmul",
+        "backend": "model",
+        "target": "H200",
+        "problems": PROBLEMS,
+        "sampler": "random",
+        "budget": {"trials": 12},
+        "seed": 0,
+        **fields,
+    }
     path = directory / "toy.yaml"
     path.write_text(yaml.safe_dump(job, sort_keys=False))
     return path
@@ -56,7 +68,15 @@ def toy_job(directory, **fields):
 @pytest.mark.parametrize("workers", [None, 2])
 def test_a_third_party_family_goes_search_db_export_lookup(toy_family, workdir, capsys, workers):
     db, table = workdir / "toy.db", workdir / "tables" / "toy.yaml"
-    args = ["search", str(toy_job(workdir)), "--db", str(db), "--export", str(table), "--no-progress"]
+    args = [
+        "search",
+        str(toy_job(workdir)),
+        "--db",
+        str(db),
+        "--export",
+        str(table),
+        "--no-progress",
+    ]
     assert main(args + (["--workers", str(workers)] if workers else [])) == 0
     out = capsys.readouterr().out
     assert "mm-m512-n1024-k2048" in out and "mm-m4096-n1024-k2048" in out, out
@@ -73,15 +93,22 @@ def test_a_third_party_family_goes_search_db_export_lookup(toy_family, workdir, 
     assert best["mm-m512-n1024-k2048"].config == {"block": 32, "split": 4}
 
     document = read_table(table)
-    assert document["kernel"] == "toy_matmul" and document["kernel_hash"] == toy_family.FAMILY.source_hash()
+    assert (
+        document["kernel"] == "toy_matmul"
+        and document["kernel_hash"] == toy_family.FAMILY.source_hash()
+    )
     assert json.loads(table.with_suffix(".json").read_text())["entries"] == document["entries"]
     assert main(["show", "--table", str(table)]) == 0
     assert "block=128 split=4" in capsys.readouterr().out
 
     problem = toy_family.MatmulProblem
-    exact = fa4tune.lookup(problem(m=4096, n=1024, k=2048), "H200", source=table)  # the family by kind
+    exact = fa4tune.lookup(
+        problem(m=4096, n=1024, k=2048), "H200", source=table
+    )  # the family by kind
     assert (exact.source, exact.config) == ("exact", toy_family.ToyConfig(block=128, split=4))
-    near = fa4tune.lookup(problem(m=4000, n=1024, k=2048), "H200", source=str(db), kernel="toy_matmul")
+    near = fa4tune.lookup(
+        problem(m=4000, n=1024, k=2048), "H200", source=str(db), kernel="toy_matmul"
+    )
     assert near.source == "bucket" and near.config.block == 128
     # A lender's config must fit: block 128 does not fit m 100, which falls back to the default.
     small = fa4tune.lookup(problem(m=100, n=1024, k=2048), "H200", source=table)

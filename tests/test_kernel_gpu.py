@@ -14,6 +14,7 @@ pytestmark = [
 ]
 
 from conftest import poisoned_attention  # noqa: E402
+
 from fa4tune.kernels.fa4_fwd_sm90.config import KNOBS, FwdConfig  # noqa: E402
 from fa4tune.problem import Problem  # noqa: E402
 
@@ -41,11 +42,15 @@ def run_checked(config: FwdConfig, p: Problem, seed: int = 0):
 
 def check_on(config: FwdConfig, p: Problem, q, k, v):
     """Run on q, k, v with poisoned outputs; return (O error, LSE error) against the fp32 reference."""
-    from fa4tune.kernels.fa4_fwd_sm90.launch import attention_forward
     from fa4tune.kernels.common.reference import attention_reference
+    from fa4tune.kernels.fa4_fwd_sm90.launch import attention_forward
 
-    out = torch.full((p.batch, p.seqlen_q, p.nheads_q, p.head_dim_v), float("nan"), dtype=q.dtype, device="cuda")
-    lse = torch.full((p.batch, p.nheads_q, p.seqlen_q), float("nan"), dtype=torch.float32, device="cuda")
+    out = torch.full(
+        (p.batch, p.seqlen_q, p.nheads_q, p.head_dim_v), float("nan"), dtype=q.dtype, device="cuda"
+    )
+    lse = torch.full(
+        (p.batch, p.nheads_q, p.seqlen_q), float("nan"), dtype=torch.float32, device="cuda"
+    )
     attention_forward(q, k, v, config, causal=p.causal, out=out, lse=lse)
     torch.cuda.synchronize()
     ref_out, ref_lse = attention_reference(q, k, v, causal=p.causal)
@@ -76,8 +81,15 @@ def test_default_config_matches_reference(head_dim, causal, shape):
     from fa4tune.kernels.fa4_fwd_sm90 import FAMILY
 
     sq, sk, b, hq, hkv = shape
-    p = Problem(head_dim=head_dim, causal=causal, seqlen_q=sq, seqlen_k=sk, batch=b, nheads_q=hq,
-                nheads_kv=hkv)
+    p = Problem(
+        head_dim=head_dim,
+        causal=causal,
+        seqlen_q=sq,
+        seqlen_k=sk,
+        batch=b,
+        nheads_q=hq,
+        nheads_kv=hkv,
+    )
     out_err, lse_err = run_checked(FAMILY.default_config(p), p, seed=hash(shape) & 0xFFFF)
     assert out_err <= OUT_TOL, out_err
     assert lse_err <= LSE_TOL, lse_err
@@ -99,7 +111,16 @@ KNOB_CONFIGS = [
     (128, FwdConfig(rescale_branch=False)),
     (128, FwdConfig(num_stages=1, intra_wg_overlap=False, persistent=True)),
     (64, FwdConfig(tile_m=192, tile_n=96, persistent=True, wg_epilogue=True)),
-    (128, FwdConfig(tile_n=144, intra_wg_overlap=False, rescale_threshold=4.0, persistent=True, wg_epilogue=True)),
+    (
+        128,
+        FwdConfig(
+            tile_n=144,
+            intra_wg_overlap=False,
+            rescale_threshold=4.0,
+            persistent=True,
+            wg_epilogue=True,
+        ),
+    ),
     # Four consumer warpgroups; at seqlen 777 three of them have no rows in the last m block.
     (64, FwdConfig(tile_m=256, tile_n=64, rescale_threshold=8.0, persistent=True)),
     (64, FwdConfig(tile_m=256, tile_n=96, intra_wg_overlap=False, num_stages=3)),
@@ -117,31 +138,57 @@ MANY_TILE_SHAPES = [
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("shape", SHAPES + MANY_TILE_SHAPES, ids=lambda s: "q{}k{}b{}h{}x{}".format(*s))
-@pytest.mark.parametrize("head_dim,config", [
-    (128, FwdConfig(rescale_threshold=8.0, persistent=True)),
-    (64, FwdConfig(tile_m=192, rescale_threshold=8.0, persistent=True)),
-    (128, FwdConfig(rescale_threshold=8.0, persistent=True, wg_epilogue=True)),
-    (64, FwdConfig(tile_m=192, rescale_threshold=8.0, persistent=True, wg_epilogue=True)),
-    (64, FwdConfig(tile_m=256, tile_n=64, rescale_threshold=8.0, persistent=True)),
-    # Two Q buffers: the producer loads the next tile's Q while this tile's S GEMMs read the other.
-    (128, FwdConfig(rescale_threshold=8.0, persistent=True, wg_epilogue=True, q_stages=2)),
-    (128, FwdConfig(intra_wg_overlap=False, rescale_threshold=8.0, persistent=True, q_stages=2)),
-    (64, FwdConfig(tile_m=192, rescale_threshold=8.0, persistent=True, q_stages=2)),
-    (64, FwdConfig(tile_m=256, tile_n=96, intra_wg_overlap=False, persistent=True, q_stages=2)),
-    # The row max taken only after a rise (random scores: hardly ever after a tile's first block).
-    (128, FwdConfig(rescale_threshold=8.0, persistent=True, lazy_max=True)),
-    (64, FwdConfig(tile_m=192, rescale_threshold=8.0, persistent=True, lazy_max=True)),
-    (64, FwdConfig(tile_m=256, tile_n=96, intra_wg_overlap=False, rescale_threshold=8.0, persistent=True,
-                   q_stages=2, lazy_max=True)),
-], ids=lambda x: getattr(x, "short", lambda: str(x))())
+@pytest.mark.parametrize(
+    "shape", SHAPES + MANY_TILE_SHAPES, ids=lambda s: "q{}k{}b{}h{}x{}".format(*s)
+)
+@pytest.mark.parametrize(
+    "head_dim,config",
+    [
+        (128, FwdConfig(rescale_threshold=8.0, persistent=True)),
+        (64, FwdConfig(tile_m=192, rescale_threshold=8.0, persistent=True)),
+        (128, FwdConfig(rescale_threshold=8.0, persistent=True, wg_epilogue=True)),
+        (64, FwdConfig(tile_m=192, rescale_threshold=8.0, persistent=True, wg_epilogue=True)),
+        (64, FwdConfig(tile_m=256, tile_n=64, rescale_threshold=8.0, persistent=True)),
+        # Two Q buffers: the producer loads the next tile's Q while this tile's S GEMMs read the other.
+        (128, FwdConfig(rescale_threshold=8.0, persistent=True, wg_epilogue=True, q_stages=2)),
+        (
+            128,
+            FwdConfig(intra_wg_overlap=False, rescale_threshold=8.0, persistent=True, q_stages=2),
+        ),
+        (64, FwdConfig(tile_m=192, rescale_threshold=8.0, persistent=True, q_stages=2)),
+        (64, FwdConfig(tile_m=256, tile_n=96, intra_wg_overlap=False, persistent=True, q_stages=2)),
+        # The row max taken only after a rise (random scores: hardly ever after a tile's first block).
+        (128, FwdConfig(rescale_threshold=8.0, persistent=True, lazy_max=True)),
+        (64, FwdConfig(tile_m=192, rescale_threshold=8.0, persistent=True, lazy_max=True)),
+        (
+            64,
+            FwdConfig(
+                tile_m=256,
+                tile_n=96,
+                intra_wg_overlap=False,
+                rescale_threshold=8.0,
+                persistent=True,
+                q_stages=2,
+                lazy_max=True,
+            ),
+        ),
+    ],
+    ids=lambda x: getattr(x, "short", lambda: str(x))(),
+)
 def test_persistent_matches_reference(head_dim, config, shape, causal):
     sq, sk, b, hq, hkv = shape
-    p = Problem(dtype="bf16", head_dim=head_dim, causal=causal, seqlen_q=sq, seqlen_k=sk, batch=b,
-                nheads_q=hq, nheads_kv=hkv)
+    p = Problem(
+        dtype="bf16",
+        head_dim=head_dim,
+        causal=causal,
+        seqlen_q=sq,
+        seqlen_k=sk,
+        batch=b,
+        nheads_q=hq,
+        nheads_kv=hkv,
+    )
     out_err, lse_err = run_checked(config, p, seed=sq + sk + b)
     assert out_err < OUT_TOL and lse_err < LSE_TOL, (out_err, lse_err)
-
 
 
 # tile_m 192 with one CTA per tile leaves warpgroups without rows in the last m block (seqlen % 192
@@ -150,34 +197,61 @@ def test_persistent_matches_reference(head_dim, config, shape, causal):
 # v7), one CTA per tile and persistent (causal only: persistent non-causal kernels have no idle path).
 # (1024: two idle warpgroups; 1060: one. tile_m 256: 1060 leaves three, 1024 none.)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("config", [
-    FwdConfig(tile_m=192, intra_wg_overlap=False, rescale_threshold=8.0),
-    FwdConfig(tile_m=192, num_stages=3),
-    FwdConfig(tile_m=192, num_stages=3, wg_pingpong=False),
-    FwdConfig(tile_m=192, intra_wg_overlap=False, wg_pingpong=False),
-    FwdConfig(tile_m=192, persistent=True, rescale_threshold=8.0),
-    FwdConfig(tile_m=192, persistent=True, wg_epilogue=True, wg_pingpong=False),
-    FwdConfig(tile_m=256, tile_n=64),
-    FwdConfig(tile_m=256, tile_n=80, intra_wg_overlap=False, wg_pingpong=False, persistent=True),
-    FwdConfig(tile_m=192, persistent=True, q_stages=2),
-], ids=lambda c: c.short())
+@pytest.mark.parametrize(
+    "config",
+    [
+        FwdConfig(tile_m=192, intra_wg_overlap=False, rescale_threshold=8.0),
+        FwdConfig(tile_m=192, num_stages=3),
+        FwdConfig(tile_m=192, num_stages=3, wg_pingpong=False),
+        FwdConfig(tile_m=192, intra_wg_overlap=False, wg_pingpong=False),
+        FwdConfig(tile_m=192, persistent=True, rescale_threshold=8.0),
+        FwdConfig(tile_m=192, persistent=True, wg_epilogue=True, wg_pingpong=False),
+        FwdConfig(tile_m=256, tile_n=64),
+        FwdConfig(
+            tile_m=256, tile_n=80, intra_wg_overlap=False, wg_pingpong=False, persistent=True
+        ),
+        FwdConfig(tile_m=192, persistent=True, q_stages=2),
+    ],
+    ids=lambda c: c.short(),
+)
 def test_warpgroups_without_rows_keep_the_tile_right(config, causal):
     for seqlen_q, seqlen_k in ((1024, 1024), (1060, 1500)):
-        p = Problem(head_dim=64, causal=causal, seqlen_q=seqlen_q, seqlen_k=seqlen_k, batch=3, nheads_q=16,
-                    nheads_kv=4)
+        p = Problem(
+            head_dim=64,
+            causal=causal,
+            seqlen_q=seqlen_q,
+            seqlen_k=seqlen_k,
+            batch=3,
+            nheads_q=16,
+            nheads_kv=4,
+        )
         out_err, lse_err = run_checked(config, p, seed=seqlen_q)
         assert out_err <= OUT_TOL and lse_err <= LSE_TOL, (p.key(), out_err, lse_err)
 
 
 LAZY_CONFIGS = [
     (64, FwdConfig(tile_m=192, rescale_threshold=8.0, persistent=True, lazy_max=True)),
-    (64, FwdConfig(tile_m=256, tile_n=96, intra_wg_overlap=False, rescale_threshold=8.0, lazy_max=True)),
+    (
+        64,
+        FwdConfig(
+            tile_m=256, tile_n=96, intra_wg_overlap=False, rescale_threshold=8.0, lazy_max=True
+        ),
+    ),
     (128, FwdConfig(rescale_threshold=8.0, persistent=True, wg_epilogue=True, lazy_max=True)),
     (128, FwdConfig(tile_n=80, rescale_threshold=8.0, intra_wg_overlap=False, lazy_max=True)),
     (128, FwdConfig(rescale_threshold=8.0, persistent=True, q_stages=2, lazy_max=True)),
     # Run 11's pick at hdim 128 causal 4k and GQA 8k: three warpgroups, no ping-pong.
-    (128, FwdConfig(tile_m=192, tile_n=64, wg_pingpong=False, rescale_threshold=8.0, persistent=True,
-                    lazy_max=True)),
+    (
+        128,
+        FwdConfig(
+            tile_m=192,
+            tile_n=64,
+            wg_pingpong=False,
+            rescale_threshold=8.0,
+            persistent=True,
+            lazy_max=True,
+        ),
+    ),
     # One K/V stage, and the rescale without a branch.
     (64, FwdConfig(num_stages=1, rescale_branch=False, rescale_threshold=8.0, lazy_max=True)),
 ]
@@ -191,7 +265,7 @@ def rising_inputs(p: Problem, rise: float, seed: int, width: int = 1, quiet: boo
     and the other keys scaled down, so that their scores stay within a small fraction of a log2 unit
     of 0 and every even row's jumps are the given ones (without, they vary by about 6%)."""
     q, k, v = make_inputs(p, seed)
-    scale_log2 = 1.4426950408889634 / p.head_dim ** 0.5
+    scale_log2 = 1.4426950408889634 / p.head_dim**0.5
     sign = torch.ones(p.seqlen_q, device="cuda")
     sign[1::2] = -1.0
     noise = 0.0 if quiet else 0.5
@@ -201,36 +275,59 @@ def rising_inputs(p: Problem, rise: float, seed: int, width: int = 1, quiet: boo
         k = (k.float() * 0.02).to(k.dtype)
         base = 0.0
     for key, jump in ((p.seqlen_k // 2, base + rise / 2), (0, base + rise)):
-        k[:, key:key + width] = jump / scale_log2 / p.head_dim  # a score of about `jump` against (1, ..., 1)
+        k[:, key : key + width] = (
+            jump / scale_log2 / p.head_dim
+        )  # a score of about `jump` against (1, ..., 1)
     return q, k, v
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("rise", [40.0, 300.0])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("head_dim,config", LAZY_CONFIGS, ids=lambda x: getattr(x, "short", lambda: str(x))())
+@pytest.mark.parametrize(
+    "head_dim,config", LAZY_CONFIGS, ids=lambda x: getattr(x, "short", lambda: str(x))()
+)
 def test_lazy_max_follows_a_rise(head_dim, config, causal, rise, dtype):
     """A rise of 40 takes the max from P (in fp16 a P of 2^20 would be inf had the max stayed); one
     of 300 overflows P (2^150), so the warp recomputes its scores from shared memory. Either way the
     result is the reference's."""
-    p = Problem(dtype=dtype, head_dim=head_dim, causal=causal, seqlen_q=700, seqlen_k=1000, batch=2,
-                nheads_q=4, nheads_kv=2)
+    p = Problem(
+        dtype=dtype,
+        head_dim=head_dim,
+        causal=causal,
+        seqlen_q=700,
+        seqlen_k=1000,
+        batch=2,
+        nheads_q=4,
+        nheads_kv=2,
+    )
     q, k, v = rising_inputs(p, rise, seed=int(rise))
     out_err, lse_err = check_on(config, p, q, k, v)
     assert out_err <= OUT_TOL and lse_err <= LSE_TOL, (out_err, lse_err)
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("rise,width", [(124.5, 64), (127.0, 1)], ids=["sum-overflows", "factor-underflows"])
-@pytest.mark.parametrize("head_dim,config", LAZY_CONFIGS[:2], ids=lambda x: getattr(x, "short", lambda: str(x))())
+@pytest.mark.parametrize(
+    "rise,width", [(124.5, 64), (127.0, 1)], ids=["sum-overflows", "factor-underflows"]
+)
+@pytest.mark.parametrize(
+    "head_dim,config", LAZY_CONFIGS[:2], ids=lambda x: getattr(x, "short", lambda: str(x))()
+)
 def test_lazy_max_recomputes_rises_too_large_to_rescale(head_dim, config, causal, rise, width):
     """Rises the slow path must not rescale by, each P finite (below 2^128). 124.5 at groups of 64
     keys: a thread holds 13-16 of a group's columns, whose sum overflows (the first fix of review
     findings: that row's max moved and its sum stayed inf). 127 at one key: the factor 2^-127 flushes
     to zero (the second: P, sum and O of the row zeroed while its max moved, O NaN in the end). Both
     must recompute and take the exact step."""
-    p = Problem(head_dim=head_dim, causal=causal, seqlen_q=700, seqlen_k=1000, batch=2, nheads_q=4,
-                nheads_kv=2)
+    p = Problem(
+        head_dim=head_dim,
+        causal=causal,
+        seqlen_q=700,
+        seqlen_k=1000,
+        batch=2,
+        nheads_q=4,
+        nheads_kv=2,
+    )
     q, k, v = rising_inputs(p, 2 * rise, seed=3, width=width, quiet=True)
     out_err, lse_err = check_on(config, p, q, k, v)
     assert out_err <= OUT_TOL and lse_err <= LSE_TOL, (out_err, lse_err)
@@ -243,10 +340,19 @@ def test_knob_configs_cover_every_value():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("head_dim,config", KNOB_CONFIGS, ids=lambda x: getattr(x, "short", lambda: str(x))())
+@pytest.mark.parametrize(
+    "head_dim,config", KNOB_CONFIGS, ids=lambda x: getattr(x, "short", lambda: str(x))()
+)
 def test_knob_values_match_reference(head_dim, config, causal):
-    p = Problem(head_dim=head_dim, causal=causal, seqlen_q=777, seqlen_k=1029, batch=2, nheads_q=4,
-                nheads_kv=2)
+    p = Problem(
+        head_dim=head_dim,
+        causal=causal,
+        seqlen_q=777,
+        seqlen_k=1029,
+        batch=2,
+        nheads_q=4,
+        nheads_kv=2,
+    )
     out_err, lse_err = run_checked(config, p, seed=7)
     assert out_err <= OUT_TOL, out_err
     assert lse_err <= LSE_TOL, lse_err
@@ -262,19 +368,20 @@ def test_emulated_exp2_no_worse_than_mufu(degree):
 
 
 def test_fp16_inputs():
-    p = Problem(dtype="fp16", head_dim=128, causal=True, seqlen_q=1000, seqlen_k=1000, batch=2, nheads_q=4)
+    p = Problem(
+        dtype="fp16", head_dim=128, causal=True, seqlen_q=1000, seqlen_k=1000, batch=2, nheads_q=4
+    )
     out_err, lse_err = run_checked(FwdConfig(emu_share=0.25, poly_degree=4), p, seed=3)
     assert out_err <= 5e-3, out_err
     assert lse_err <= LSE_TOL, lse_err
-
 
 
 def test_attention_forward_writes_into_the_callers_out_and_lse_and_refuses_bad_ones():
     """out= and lse= are written with their own strides: the right ones receive the result (a
     strided out too), a wrong shape, dtype or a zero stride is refused before the launch."""
     from fa4tune.kernels.common.inputs import UnsupportedInput
-    from fa4tune.kernels.fa4_fwd_sm90.launch import attention_forward
     from fa4tune.kernels.common.reference import attention_reference
+    from fa4tune.kernels.fa4_fwd_sm90.launch import attention_forward
 
     p = Problem(head_dim=128, causal=True, seqlen_q=1000, seqlen_k=1000, batch=2, nheads_q=4)
     q, k, v = make_inputs(p, seed=11)
@@ -285,10 +392,15 @@ def test_attention_forward_writes_into_the_callers_out_and_lse_and_refuses_bad_o
     assert got_out is out and got_lse is lse
     assert ((out.float() - ref_out).norm() / ref_out.norm()).item() < OUT_TOL
     assert (lse - ref_lse).abs().max().item() < LSE_TOL
-    bad = [(dict(out=torch.empty(2, 1000, 4, 64, dtype=q.dtype, device="cuda")), "out must be"),
-           (dict(out=torch.empty_like(q, dtype=torch.float16)), "out must be"),
-           (dict(lse=torch.empty(2, 4, 999, device="cuda")), "lse must be"),
-           (dict(lse=torch.empty(1, 1, 1000, device="cuda").expand(2, 4, 1000)), "without zero strides")]
+    bad = [
+        (dict(out=torch.empty(2, 1000, 4, 64, dtype=q.dtype, device="cuda")), "out must be"),
+        (dict(out=torch.empty_like(q, dtype=torch.float16)), "out must be"),
+        (dict(lse=torch.empty(2, 4, 999, device="cuda")), "lse must be"),
+        (
+            dict(lse=torch.empty(1, 1, 1000, device="cuda").expand(2, 4, 1000)),
+            "without zero strides",
+        ),
+    ]
     for kwargs, match in bad:
         with pytest.raises(UnsupportedInput, match=match):
             attention_forward(q, k, v, FwdConfig(), causal=True, **kwargs)
@@ -310,8 +422,16 @@ def test_a_batch_the_launch_grid_cannot_hold_is_refused_by_name():
 def test_other_head_dims_match_reference(head_dim, head_dim_v, causal):
     from fa4tune.kernels.fa4_fwd_sm90 import FAMILY
 
-    p = Problem(head_dim=head_dim, head_dim_v=head_dim_v, causal=causal, seqlen_q=777, seqlen_k=1029,
-                batch=2, nheads_q=4, nheads_kv=2)
+    p = Problem(
+        head_dim=head_dim,
+        head_dim_v=head_dim_v,
+        causal=causal,
+        seqlen_q=777,
+        seqlen_k=1029,
+        batch=2,
+        nheads_q=4,
+        nheads_kv=2,
+    )
     out_err, lse_err = run_checked(FAMILY.default_config(p), p, seed=5)
     assert out_err <= OUT_TOL, out_err
     assert lse_err <= LSE_TOL, lse_err
@@ -322,19 +442,25 @@ def test_tile_counter_is_zero_after_every_launch_and_graphs_get_their_own(monkey
     zero: back-to-back launches of different tile counts must all be right, and a CUDA graph must
     replay right (its counter is zeroed inside the graph)."""
     from fa4tune.kernels.common import streams
+    from fa4tune.kernels.common.reference import attention_reference
     from fa4tune.kernels.fa4_fwd_sm90 import launch as fwd_launch
     from fa4tune.kernels.fa4_fwd_sm90.launch import attention_forward
-    from fa4tune.kernels.common.reference import attention_reference
 
     config = FwdConfig(rescale_threshold=8.0, persistent=True)
-    problems = [Problem(head_dim=128, causal=True, seqlen_q=sq, seqlen_k=sk, batch=b, nheads_q=h)
-                for sq, sk, b, h in ((1000, 1000, 3, 16), (300, 1029, 2, 4), (2048, 2048, 2, 80))]
+    problems = [
+        Problem(head_dim=128, causal=True, seqlen_q=sq, seqlen_k=sk, batch=b, nheads_q=h)
+        for sq, sk, b, h in ((1000, 1000, 3, 16), (300, 1029, 2, 4), (2048, 2048, 2, 80))
+    ]
     inputs = [make_inputs(p, seed=i) for i, p in enumerate(problems)]
     stream = torch.cuda.current_stream()
     for _ in range(3):
         for p, (q, k, v) in zip(problems, inputs):
-            out = torch.full((p.batch, p.seqlen_q, p.nheads_q, p.head_dim_v), float("nan"), dtype=q.dtype,
-                             device="cuda")
+            out = torch.full(
+                (p.batch, p.seqlen_q, p.nheads_q, p.head_dim_v),
+                float("nan"),
+                dtype=q.dtype,
+                device="cuda",
+            )
             attention_forward(q, k, v, config, causal=True, out=out)
             # the launch's: the current stream's, named by torch's id (a KeyError if it took another)
             counter = streams._COUNTERS[(q.device, "torch", stream.stream_id)]
@@ -347,19 +473,30 @@ def test_tile_counter_is_zero_after_every_launch_and_graphs_get_their_own(monkey
     side = torch.cuda.Stream()
     side.wait_stream(stream)
     with torch.cuda.stream(side):
-        attention_forward(q, k, v, config, causal=True)  # warm-up (compiled already) on the side stream
+        attention_forward(
+            q, k, v, config, causal=True
+        )  # warm-up (compiled already) on the side stream
     stream.wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    out = torch.full((p.batch, p.seqlen_q, p.nheads_q, p.head_dim_v), float("nan"), dtype=q.dtype, device="cuda")
+    out = torch.full(
+        (p.batch, p.seqlen_q, p.nheads_q, p.head_dim_v), float("nan"), dtype=q.dtype, device="cuda"
+    )
     handed_out = []
     original = fwd_launch.current_tile_counter
-    monkeypatch.setattr(fwd_launch, "current_tile_counter",
-                        lambda *a: handed_out.append(original(*a)) or handed_out[-1])
+    monkeypatch.setattr(
+        fwd_launch,
+        "current_tile_counter",
+        lambda *a: handed_out.append(original(*a)) or handed_out[-1],
+    )
     with torch.cuda.graph(graph):
         attention_forward(q, k, v, config, causal=True, out=out)
-    [graph_counter] = handed_out  # kept alive here, as the graph's memory pool keeps it for the graph
+    [graph_counter] = (
+        handed_out  # kept alive here, as the graph's memory pool keeps it for the graph
+    )
     eager = list(streams._COUNTERS.values())
-    assert all(graph_counter.data_ptr() != c.data_ptr() for c in eager), "the graph shares an eager counter"
+    assert all(graph_counter.data_ptr() != c.data_ptr() for c in eager), (
+        "the graph shares an eager counter"
+    )
     ref_out, _ = attention_reference(q, k, v, causal=True)
     for _ in range(3):
         out.fill_(float("nan"))
@@ -376,11 +513,11 @@ def test_kernels_that_ignore_the_counter_get_one_dummy_even_in_a_graph(monkeypat
     fa4tune.attention hand them one fixed dummy per device and never ask for a stream's counter (so
     nothing is allocated per call inside a graph), and a captured graph replays right."""
     import fa4tune
-    from fa4tune.runtime import dispatch
     from fa4tune.kernels.common import streams
+    from fa4tune.kernels.common.reference import attention_reference
     from fa4tune.kernels.fa4_fwd_sm90 import launch as fwd_launch
     from fa4tune.kernels.fa4_fwd_sm90.launch import attention_forward, launch_counter
-    from fa4tune.kernels.common.reference import attention_reference
+    from fa4tune.runtime import dispatch
 
     p = Problem(head_dim=64, causal=False, seqlen_q=1000, seqlen_k=1000, batch=2, nheads_q=8)
     q, k, v = make_inputs(p, seed=11)
@@ -420,11 +557,9 @@ def test_kernels_that_ignore_the_counter_get_one_dummy_even_in_a_graph(monkeypat
 def test_tensors_on_another_gpu_than_the_current_one():
     """With cuda:0 current and the tensors on cuda:1, both entry points launch on cuda:1 (the host
     function launches on the current device), with cuda:1's tile counter, and match the reference."""
-    import fa4tune
     from fa4tune.kernels.common import streams
-    from fa4tune.kernels.fa4_fwd_sm90 import launch as fwd_launch
-    from fa4tune.kernels.fa4_fwd_sm90.launch import attention_forward
     from fa4tune.kernels.common.reference import attention_reference
+    from fa4tune.kernels.fa4_fwd_sm90.launch import attention_forward
 
     p = Problem(head_dim=128, causal=True, seqlen_q=1000, seqlen_k=1000, batch=2, nheads_q=8)
     with torch.cuda.device(1):
@@ -432,8 +567,10 @@ def test_tensors_on_another_gpu_than_the_current_one():
         ref_out, ref_lse = attention_reference(q, k, v, causal=True)
     torch.cuda.set_device(0)
     config = FwdConfig(persistent=True)
-    for run in (lambda: attention_forward(q, k, v, config, causal=True),
-                lambda: poisoned_attention(q, k, v, causal=True)):
+    for run in (
+        lambda: attention_forward(q, k, v, config, causal=True),
+        lambda: poisoned_attention(q, k, v, causal=True),
+    ):
         out, lse = run()
         torch.cuda.synchronize(1)
         assert out.device == q.device and torch.cuda.current_device() == 0
@@ -441,11 +578,15 @@ def test_tensors_on_another_gpu_than_the_current_one():
         assert err < OUT_TOL, err
         finite = torch.isfinite(ref_lse)
         assert (lse[finite] - ref_lse[finite]).abs().max().item() < LSE_TOL
-    assert any(key[0] == q.device for key in streams._COUNTERS), "no tile counter of cuda:1 was made"
+    assert any(key[0] == q.device for key in streams._COUNTERS), (
+        "no tile counter of cuda:1 was made"
+    )
     assert all(c.item() == 0 for c in streams._COUNTERS.values())
 
 
-def test_the_launch_paths_name_torch_streams_by_torch_id_and_external_ones_by_the_driver(monkeypatch):
+def test_the_launch_paths_name_torch_streams_by_torch_id_and_external_ones_by_the_driver(
+    monkeypatch,
+):
     """current_tile_counter, the launch paths' lookup: torch's pool streams and the legacy stream get
     a counter each without a driver query; an external stream is named by the driver's unique id, as
     tile_counter names it; a capture gets a new counter on every call. Pins the torch stream id
@@ -453,7 +594,6 @@ def test_the_launch_paths_name_torch_streams_by_torch_id_and_external_ones_by_th
     from cuda.bindings import runtime
 
     from fa4tune.kernels.common import streams
-    from fa4tune.kernels.fa4_fwd_sm90 import launch as fwd_launch
 
     device = torch.device("cuda", torch.cuda.current_device())
     legacy = torch.cuda.default_stream(device)
@@ -468,7 +608,9 @@ def test_the_launch_paths_name_torch_streams_by_torch_id_and_external_ones_by_th
         assert external.stream_id == external.cuda_stream
         counters = {}
         with monkeypatch.context() as patched:
-            patched.setattr(streams, "_queries", lambda: pytest.fail("a driver query for a torch stream"))
+            patched.setattr(
+                streams, "_queries", lambda: pytest.fail("a driver query for a torch stream")
+            )
             for name, stream in (("legacy", legacy), ("low", low), ("high", high)):
                 with torch.cuda.stream(stream):
                     counters[name] = streams.current_tile_counter(device)
@@ -502,13 +644,19 @@ def test_fa4tune_attention_takes_the_counter_of_the_stream_it_launches_on(monkey
     q, k, v = make_inputs(p, seed=17)
     config = FwdConfig(rescale_threshold=8.0, persistent=True)
     assert config.uses_tile_counter(True)
-    monkeypatch.setattr(dispatch, "lookup", lambda problem, target, kernel=None: SimpleNamespace(config=config))
+    monkeypatch.setattr(
+        dispatch, "lookup", lambda problem, target, kernel=None: SimpleNamespace(config=config)
+    )
     ref_out, _ = attention_reference(q, k, v, causal=True)
     taken = []
     original = fwd_launch.current_tile_counter
-    monkeypatch.setattr(fwd_launch, "current_tile_counter",
-                        lambda device: taken.append((torch.cuda.current_stream().stream_id, original(device)))
-                        or taken[-1][1])
+    monkeypatch.setattr(
+        fwd_launch,
+        "current_tile_counter",
+        lambda device: (
+            taken.append((torch.cuda.current_stream().stream_id, original(device))) or taken[-1][1]
+        ),
+    )
     dispatch.clear()  # launches made from here on bind the recording getter
     streams = [torch.cuda.Stream(), torch.cuda.Stream(priority=-1)]
     for stream in streams * 2:
@@ -538,7 +686,6 @@ def test_stream_queries_through_libcuda_agree_with_the_bindings():
     from cuda.bindings import driver
 
     from fa4tune.kernels.common import streams
-    from fa4tune.kernels.fa4_fwd_sm90 import launch as fwd_launch
 
     queries = streams._queries()
     assert queries.lib is not None, "libcuda was not opened: the slow path would be used"
@@ -552,15 +699,43 @@ def test_stream_queries_through_libcuda_agree_with_the_bindings():
         x.add_(1)
         seen = queries.capturing(side.cuda_stream)
     assert seen
-    assert queries.stream_id(side.cuda_stream) != queries.stream_id(torch.cuda.current_stream().cuda_stream)
+    assert queries.stream_id(side.cuda_stream) != queries.stream_id(
+        torch.cuda.current_stream().cuda_stream
+    )
 
 
 _HUNG_IN_THE_SEARCH = [
     # (head_dim, seqlen, batch, heads, config): the three candidates that hung in the v7 H200 search
-    (64, 4096, 4, 32, dict(tile_m=192, tile_n=80, num_stages=3, rescale_threshold=8.0, wg_pingpong=False)),
-    (128, 1024, 16, 16, dict(tile_m=192, tile_n=80, num_stages=4, emu_share=0.375, wg_pingpong=False)),
-    (128, 4096, 4, 16, dict(tile_m=192, tile_n=64, num_stages=3, poly_degree=4, emu_share=0.25,
-                            rescale_threshold=2.0, wg_pingpong=False, rescale_branch=False)),
+    (
+        64,
+        4096,
+        4,
+        32,
+        dict(tile_m=192, tile_n=80, num_stages=3, rescale_threshold=8.0, wg_pingpong=False),
+    ),
+    (
+        128,
+        1024,
+        16,
+        16,
+        dict(tile_m=192, tile_n=80, num_stages=4, emu_share=0.375, wg_pingpong=False),
+    ),
+    (
+        128,
+        4096,
+        4,
+        16,
+        dict(
+            tile_m=192,
+            tile_n=64,
+            num_stages=3,
+            poly_degree=4,
+            emu_share=0.25,
+            rescale_threshold=2.0,
+            wg_pingpong=False,
+            rescale_branch=False,
+        ),
+    ),
 ]
 
 _LAUNCH_LOOP = """
@@ -585,9 +760,13 @@ def test_configs_that_hung_in_the_search_finish():
     import sys
     from pathlib import Path
 
-    code = _LAUNCH_LOOP.format(root=str(Path(__file__).resolve().parents[1]), cases=_HUNG_IN_THE_SEARCH)
+    code = _LAUNCH_LOOP.format(
+        root=str(Path(__file__).resolve().parents[1]), cases=_HUNG_IN_THE_SEARCH
+    )
     try:
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+        done = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=240
+        )
     except subprocess.TimeoutExpired:
         pytest.fail("a config that hung in the search hung again (1000 launches each, 240 s)")
     assert done.returncode == 0 and "done" in done.stdout, done.stderr[-2000:]

@@ -45,26 +45,32 @@ def test_code_text_drops_comments_docstrings_and_blank_lines_only():
     ]
 
 
-@pytest.mark.parametrize("old,new", [
-    ('"""Module docstring."""', '"""Another module docstring,\n\nlonger."""'),
-    ("# a comment", "# another comment"),
-    ('"""Method docstring."""', "'Method docstring, reworded.'"),
-    ("        # a whole-line comment\n", ""),
-    ("\n\nclass Tile", "\n\n\n\nclass Tile"),
-    ("return self.size * n", "return self.size * n   "),
-])
+@pytest.mark.parametrize(
+    "old,new",
+    [
+        ('"""Module docstring."""', '"""Another module docstring,\n\nlonger."""'),
+        ("# a comment", "# another comment"),
+        ('"""Method docstring."""', "'Method docstring, reworded.'"),
+        ("        # a whole-line comment\n", ""),
+        ("\n\nclass Tile", "\n\n\n\nclass Tile"),
+        ("return self.size * n", "return self.size * n   "),
+    ],
+)
 def test_edits_that_cannot_change_the_code_keep_its_text(old, new):
     assert old in SOURCE
     assert code_text(SOURCE.replace(old, new)) == code_text(SOURCE)
 
 
-@pytest.mark.parametrize("old,new", [
-    ("SCALE = 2.0", "SCALE = 2.5"),
-    ("size = 128", "size = 192"),
-    ('f"#{name}"', 'f"# {name}"'),  # a '#' inside a string is not a comment
-    ("return self.size * n", "return n * self.size"),
-    ("    size = 128", "    size = 128\n    'not a docstring: second statement'"),
-])
+@pytest.mark.parametrize(
+    "old,new",
+    [
+        ("SCALE = 2.0", "SCALE = 2.5"),
+        ("size = 128", "size = 192"),
+        ('f"#{name}"', 'f"# {name}"'),  # a '#' inside a string is not a comment
+        ("return self.size * n", "return n * self.size"),
+        ("    size = 128", "    size = 128\n    'not a docstring: second statement'"),
+    ],
+)
 def test_code_edits_change_its_text(old, new):
     assert old in SOURCE
     assert code_text(SOURCE.replace(old, new)) != code_text(SOURCE)
@@ -85,11 +91,14 @@ def test_code_after_a_docstring_on_its_closing_line_counts():
     assert code_text(source.replace("x = 1", "x = 2")) != code_text(source)
 
 
-@pytest.mark.parametrize("old,new", [
-    ('ASM = """\nmov.b32 %r0, 1;\n\nret;\n"""', 'ASM = """\nmov.b32 %r0, 1;\nret;\n"""'),
-    ('ASM = """\nmov.b32 %r0, 1;\n\nret;\n"""', 'ASM = """\nmov.b32 %r0, 1;  \n\nret;\n"""'),
-    ('ASM = f"""\n{X}\n\n"""', 'ASM = f"""\n{X}\n"""'),
-])
+@pytest.mark.parametrize(
+    "old,new",
+    [
+        ('ASM = """\nmov.b32 %r0, 1;\n\nret;\n"""', 'ASM = """\nmov.b32 %r0, 1;\nret;\n"""'),
+        ('ASM = """\nmov.b32 %r0, 1;\n\nret;\n"""', 'ASM = """\nmov.b32 %r0, 1;  \n\nret;\n"""'),
+        ('ASM = f"""\n{X}\n\n"""', 'ASM = f"""\n{X}\n"""'),
+    ],
+)
 def test_blank_lines_and_trailing_spaces_inside_code_strings_count(old, new):
     assert code_text(old) != code_text(new)
 
@@ -121,9 +130,13 @@ def test_kernel_hash_survives_doc_edits_and_not_code_edits(kernel_copy):
     kernel = copy / "fa4_fwd_sm90" / "kernel.py"
     source = kernel.read_text(encoding="utf-8")
     first_docstring_line = source.split('"""', 2)[1].splitlines()[0]
-    kernel.write_text(source.replace(first_docstring_line, "Reworded.", 1) + "\n# a note\n", encoding="utf-8")
+    kernel.write_text(
+        source.replace(first_docstring_line, "Reworded.", 1) + "\n# a note\n", encoding="utf-8"
+    )
     assert fresh_hash() == installed
-    kernel.write_text(source.replace("BARRIER_EPILOGUE = 1", "BARRIER_EPILOGUE = 3", 1), encoding="utf-8")
+    kernel.write_text(
+        source.replace("BARRIER_EPILOGUE = 1", "BARRIER_EPILOGUE = 3", 1), encoding="utf-8"
+    )
     assert "BARRIER_EPILOGUE = 1" in source and fresh_hash() != installed
     kernel.write_text(source, encoding="utf-8")
     assert fresh_hash() == installed

@@ -4,8 +4,12 @@ import math
 import pytest
 
 from fa4tune.kernels import get_kernel
+from fa4tune.kernels.fa4_fwd_sm90.cost_model import (
+    CostModel,
+    rescale_fraction,
+    softmax_clocks_per_element,
+)
 from fa4tune.measure import make_backend
-from fa4tune.kernels.fa4_fwd_sm90.cost_model import CostModel, rescale_fraction, softmax_clocks_per_element
 from fa4tune.problem import Problem
 from fa4tune.target import get_target
 
@@ -36,10 +40,20 @@ def test_softmax_side_reproduces_the_measured_h200_figures():
 
 
 # docs/tuning-report.md (run 11, H200): the default config's TFLOP/s on the grid, 16k tokens, hidden 2048.
-MEASURED_DEFAULTS = {(64, 1024, False): 445, (64, 1024, True): 299, (64, 4096, False): 576, (64, 4096, True): 500,
-                     (64, 16384, False): 624, (64, 16384, True): 606, (128, 1024, False): 635, (128, 1024, True): 472,
-                     (128, 4096, False): 761, (128, 4096, True): 687, (128, 16384, False): 791,
-                     (128, 16384, True): 771}
+MEASURED_DEFAULTS = {
+    (64, 1024, False): 445,
+    (64, 1024, True): 299,
+    (64, 4096, False): 576,
+    (64, 4096, True): 500,
+    (64, 16384, False): 624,
+    (64, 16384, True): 606,
+    (128, 1024, False): 635,
+    (128, 1024, True): 472,
+    (128, 4096, False): 761,
+    (128, 4096, True): 687,
+    (128, 16384, False): 791,
+    (128, 16384, True): 771,
+}
 
 
 def test_close_to_the_measured_defaults_on_the_h200_grid():
@@ -92,9 +106,15 @@ def test_pipeline_depth_hides_load_latency_when_steps_are_short():
     problem = Problem(head_dim=64, seqlen_q=8192, batch=2, nheads_q=32)
     one, two, three = (MODEL.time_s(config(tile_n=64, num_stages=s), problem)[0] for s in (1, 2, 3))
     assert one > 1.1 * two and two >= three
-    slow_loads = CostModel(H200, dataclasses.replace(MODEL.assumptions, load_latency_clk=4000.0,
-                                                     single_stage_exposed_fetch=1.0))
-    one, two, three = (slow_loads.time_s(config(tile_n=64, num_stages=s), problem)[0] for s in (1, 2, 3))
+    slow_loads = CostModel(
+        H200,
+        dataclasses.replace(
+            MODEL.assumptions, load_latency_clk=4000.0, single_stage_exposed_fetch=1.0
+        ),
+    )
+    one, two, three = (
+        slow_loads.time_s(config(tile_n=64, num_stages=s), problem)[0] for s in (1, 2, 3)
+    )
     assert one > two > three
 
 
@@ -103,12 +123,15 @@ def test_emulated_exp2_in_the_kernel_costs_what_the_searches_measured():
     kept no emulated share on any of 19 problems (runs 6 and 8), and the fit put the difference into
     `emulation_kernel_extra_ops`: 1/8 emulated is slower at head dim 64 and 128, half much slower.
     Without that term the microbenchmark's gain shows, most at the small head dim."""
+
     def gain(head_dim, model=MODEL, share=0.125):
         p = Problem(head_dim=head_dim, seqlen_q=8192, batch=2, nheads_q=2048 // head_dim)
         return model.time_s(config(), p)[0] / model.time_s(config(emu_share=share), p)[0]
 
     assert gain(64) < 1.0 and gain(128) < 1.0 and gain(64, share=0.5) < gain(64)
-    microbenchmark = CostModel(H200, dataclasses.replace(MODEL.assumptions, emulation_kernel_extra_ops=0.0))
+    microbenchmark = CostModel(
+        H200, dataclasses.replace(MODEL.assumptions, emulation_kernel_extra_ops=0.0)
+    )
     assert gain(64, microbenchmark) > gain(128, microbenchmark) > 1.0
 
 
@@ -134,7 +157,9 @@ def test_never_faster_than_hbm_and_targets_differ():
     assert details["bound"] == "memory" and seconds >= p.bytes_min / 1e10
     assert MODEL.time_s(config(), p)[1]["bound"] == "compute"
     # The H100 has the H200's SM: same compute-bound time; B200's tensor cores are twice as fast.
-    assert CostModel(get_target("H100-SXM")).time_s(config(), p)[0] == pytest.approx(MODEL.time_s(config(), p)[0], rel=0.01)
+    assert CostModel(get_target("H100-SXM")).time_s(config(), p)[0] == pytest.approx(
+        MODEL.time_s(config(), p)[0], rel=0.01
+    )
     assert CostModel(get_target("B200")).time_s(config(), p)[0] < MODEL.time_s(config(), p)[0]
 
 
@@ -157,9 +182,15 @@ def test_persistent_hides_the_tile_start_and_takes_causal_tiles_longest_first():
     config = KERNEL.default_config(causal, H200)
     assert config.persistent
     k = MODEL.ctas_per_sm(config, causal)
-    durations = [(MODEL.cta_clocks(config, causal, k, s, m), n) for s, m, n in MODEL.kv_steps(config, causal)]
-    clocks = _longest_first_makespan(durations, H200.sm_count * k) + MODEL.start_clocks(config, causal)
-    assert MODEL.time_s(config, causal)[1]["compute_ms"] == pytest.approx(clocks / (H200.clock_mhz * 1e3))
+    durations = [
+        (MODEL.cta_clocks(config, causal, k, s, m), n) for s, m, n in MODEL.kv_steps(config, causal)
+    ]
+    clocks = _longest_first_makespan(durations, H200.sm_count * k) + MODEL.start_clocks(
+        config, causal
+    )
+    assert MODEL.time_s(config, causal)[1]["compute_ms"] == pytest.approx(
+        clocks / (H200.clock_mhz * 1e3)
+    )
 
 
 def test_the_lazy_max_saves_one_alu_op_per_score():
@@ -174,14 +205,16 @@ def test_the_lazy_max_saves_one_alu_op_per_score():
     problem = Problem(head_dim=64, seqlen_q=4096, batch=4, nheads_q=32)
     config = FwdConfig(tile_m=192, rescale_threshold=8.0, persistent=True)
     steps = problem.seqlen_k // config.tile_n
-    assert (model.step_clocks(replace(config, lazy_max=True), problem, 1, steps, False)
-            < model.step_clocks(config, problem, 1, steps, False))
+    assert model.step_clocks(
+        replace(config, lazy_max=True), problem, 1, steps, False
+    ) < model.step_clocks(config, problem, 1, steps, False)
 
     # A tile's first step takes its row max all the same (the kernel has no running max before it):
     # with a single K/V block per tile the lazy max saves nothing, with many it saves all but one step.
     lazy = replace(config, lazy_max=True)
-    assert model.step_clocks(lazy, problem, 1, steps, True, first=True) \
-        == pytest.approx(model.step_clocks(config, problem, 1, steps, True, first=True))
+    assert model.step_clocks(lazy, problem, 1, steps, True, first=True) == pytest.approx(
+        model.step_clocks(config, problem, 1, steps, True, first=True)
+    )
     one_block = Problem(head_dim=64, seqlen_q=4096, seqlen_k=config.tile_n, batch=4, nheads_q=32)
     assert model.time_s(lazy, one_block)[0] == pytest.approx(model.time_s(config, one_block)[0])
     assert model.time_s(lazy, problem)[0] < model.time_s(config, problem)[0]
@@ -193,7 +226,8 @@ def test_the_lazy_max_saves_one_alu_op_per_score():
     for masked_steps in (1, 2, steps):
         assert saving(model.cta_clocks, masked_steps) == pytest.approx(
             (steps - masked_steps) * saving(model.step_clocks, False)
-            + (masked_steps - 1) * saving(model.step_clocks, True))
+            + (masked_steps - 1) * saving(model.step_clocks, True)
+        )
 
 
 def test_the_first_step_is_masked_and_neither_votes_nor_rescales():
@@ -209,4 +243,6 @@ def test_the_first_step_is_masked_and_neither_votes_nor_rescales():
     assert all(masked >= 1 for steps, masked, _ in MODEL.kv_steps(config, causal) if steps)
     for branch in (True, False):
         c = FwdConfig(tile_n=128, rescale_threshold=8.0, rescale_branch=branch)
-        assert MODEL.step_clocks(c, even, 1, 32, True, first=True) < MODEL.step_clocks(c, even, 1, 32, True)
+        assert MODEL.step_clocks(c, even, 1, 32, True, first=True) < MODEL.step_clocks(
+            c, even, 1, 32, True
+        )

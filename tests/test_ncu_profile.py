@@ -7,10 +7,29 @@ import pytest
 
 from benchmarks.ncu_profile import ROWS, main, parse_ncu_csv, summarize, table
 
-HEADER = ["ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Context", "Stream", "Block Size",
-          "Grid Size", "Device", "CC", "Section Name", "Body Item Label", "Metric Name", "Metric Unit",
-          "Metric Value", "Rule Name", "Rule Type", "Rule Description", "Estimated Speedup Type",
-          "Estimated Speedup"]
+HEADER = [
+    "ID",
+    "Process ID",
+    "Process Name",
+    "Host Name",
+    "Kernel Name",
+    "Context",
+    "Stream",
+    "Block Size",
+    "Grid Size",
+    "Device",
+    "CC",
+    "Section Name",
+    "Body Item Label",
+    "Metric Name",
+    "Metric Unit",
+    "Metric Value",
+    "Rule Name",
+    "Rule Type",
+    "Rule Description",
+    "Estimated Speedup Type",
+    "Estimated Speedup",
+]
 PIPES = "Pipe Utilization (% of peak instructions executed over elapsed cycles)"
 
 
@@ -23,8 +42,31 @@ def ncu_output(launches: list[dict]) -> str:
     writer.writerow(HEADER)
     for launch_id, metrics in enumerate(launches):
         for (section, item, name), value in metrics.items():
-            writer.writerow([str(launch_id), "782", "python3.12", "127.0.0.1", "kernel_fwd", "1", "7", "(512, 1, 1)",
-                             "(132, 1, 1)", "0", "9.0", section, item, name, "%", value, "", "", "", "", ""])
+            writer.writerow(
+                [
+                    str(launch_id),
+                    "782",
+                    "python3.12",
+                    "127.0.0.1",
+                    "kernel_fwd",
+                    "1",
+                    "7",
+                    "(512, 1, 1)",
+                    "(132, 1, 1)",
+                    "0",
+                    "9.0",
+                    section,
+                    item,
+                    name,
+                    "%",
+                    value,
+                    "",
+                    "",
+                    "",
+                    "",
+                    "",
+                ]
+            )
     return out.getvalue()
 
 
@@ -32,7 +74,11 @@ def launch(xu: str, wait: str, executed: str) -> dict:
     return {
         ("Compute Workload Analysis", "", "Issue Slots Busy"): "43.30",
         ("Compute Workload Analysis", PIPES, "XU"): xu,
-        ("Compute Workload Analysis", "Pipe Utilization (% of peak instructions executed over active cycles)", "XU"): "99",
+        (
+            "Compute Workload Analysis",
+            "Pipe Utilization (% of peak instructions executed over active cycles)",
+            "XU",
+        ): "99",
         ("Compute Workload Analysis", PIPES, "FMA"): "17.60",
         ("Scheduler Statistics", "", "No Eligible"): "56.19",
         ("Warp State Statistics", "", "Warp Cycles Per Issued Instruction"): "7.42",
@@ -44,10 +90,16 @@ def launch(xu: str, wait: str, executed: str) -> dict:
 
 
 def test_launches_are_read_in_order_with_their_metrics():
-    launches = parse_ncu_csv(ncu_output([launch("66.48", "2.35", "1,411,537,912"), launch("55.05", "1.77", "1,686,099,448")]))
+    launches = parse_ncu_csv(
+        ncu_output(
+            [launch("66.48", "2.35", "1,411,537,912"), launch("55.05", "1.77", "1,686,099,448")]
+        )
+    )
     assert len(launches) == 2
     first, second = (summarize(m) for m in launches)
-    assert first["XU (MUFU) pipe, % of peak"] == 66.48  # over elapsed cycles, not the active-cycles item
+    assert (
+        first["XU (MUFU) pipe, % of peak"] == 66.48
+    )  # over elapsed cycles, not the active-cycles item
     assert second["executed instructions"] == 1686099448
     assert first["ALU pipe, % of peak"] is None  # not in this output
     assert list(first["stalls"]) == ["Wait", "Long Scoreboard"]  # largest first, zeros left out
@@ -63,18 +115,30 @@ def test_output_without_a_csv_is_an_error():
         parse_ncu_csv("==ERROR== Failed to initialize the profiler: LibraryNotLoaded\n")
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--shape", "64"], "--shape wants head_dim:seqlen"),
-    (["--set", "nope=1"], "--set wants knob=value"),
-    (["--ncu", "/nonexistent/ncu"], "no Nsight Compute at /nonexistent/ncu"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--shape", "64"], "--shape wants head_dim:seqlen"),
+        (["--set", "nope=1"], "--set wants knob=value"),
+        (["--ncu", "/nonexistent/ncu"], "no Nsight Compute at /nonexistent/ncu"),
+    ],
+)
 def test_bad_input_says_what_is_wrong(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
 
 
-SOURCE_COLUMNS = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Warp Stall Sampling (Not-issued Samples)",
-                  "stall_long_sb", "stall_mio", "stall_wait", "stall_barrier", "stall_wait (Not Issued)"]
+SOURCE_COLUMNS = [
+    "Address",
+    "Source",
+    "Warp Stall Sampling (All Samples)",
+    "Warp Stall Sampling (Not-issued Samples)",
+    "stall_long_sb",
+    "stall_mio",
+    "stall_wait",
+    "stall_barrier",
+    "stall_wait (Not Issued)",
+]
 
 
 def source_output(rows: list[tuple]) -> str:
@@ -145,8 +209,11 @@ def fake_ncu(tmp_path):
     ncu = tmp_path / "ncu"
     ncu.write_text(FAKE_NCU.format(python=sys.executable))
     ncu.chmod(0o755)
-    (tmp_path / "details.csv").write_text(ncu_output([launch("66.48", "2.35", "1,411,537,912"),
-                                                       launch("69.30", "2.10", "1,455,668,488")]))
+    (tmp_path / "details.csv").write_text(
+        ncu_output(
+            [launch("66.48", "2.35", "1,411,537,912"), launch("69.30", "2.10", "1,455,668,488")]
+        )
+    )
     (tmp_path / "source0.csv").write_text(source_output(SOURCE_ROWS))
     (tmp_path / "source1.csv").write_text(source_output(SOURCE_ROWS[1:]))
     return ncu
@@ -158,7 +225,20 @@ def test_source_run_profiles_to_a_report_and_reads_each_launch_back(fake_ncu, tm
     import json
 
     out_json = tmp_path / "out.json"
-    assert main(["--ncu", str(fake_ncu), "--set", "wg_pingpong=false", "--source", "--json", str(out_json)]) == 0
+    assert (
+        main(
+            [
+                "--ncu",
+                str(fake_ncu),
+                "--set",
+                "wg_pingpong=false",
+                "--source",
+                "--json",
+                str(out_json),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "| XU (MUFU) pipe, % of peak | 66.48 | 69.30 |" in printed
     assert "| MUFU.EX2 | 80.0% (wait 60%, mio 40%) | 50.0% (mio 60%, wait 40%) |" in printed
@@ -171,9 +251,24 @@ def test_source_run_profiles_to_a_report_and_reads_each_launch_back(fake_ncu, tm
 
 
 def test_run_without_source_reads_the_details_only(fake_ncu, tmp_path, capsys):
-    assert main(["--ncu", str(fake_ncu), "--set", "wg_pingpong=false", "--csv", str(tmp_path / "kept.csv")]) == 0
+    assert (
+        main(
+            [
+                "--ncu",
+                str(fake_ncu),
+                "--set",
+                "wg_pingpong=false",
+                "--csv",
+                str(tmp_path / "kept.csv"),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
-    assert "| XU (MUFU) pipe, % of peak | 66.48 | 69.30 |" in printed and "per SASS opcode" not in printed
+    assert (
+        "| XU (MUFU) pipe, % of peak | 66.48 | 69.30 |" in printed
+        and "per SASS opcode" not in printed
+    )
     calls = (tmp_path / "calls.txt").read_text().splitlines()
     assert len(calls) == 2 and "SourceCounters" not in calls[0]
     assert parse_ncu_csv((tmp_path / "kept.csv").read_text())  # the details page's CSV kept
@@ -183,7 +278,9 @@ def test_a_failed_profile_says_so_with_ncus_output(fake_ncu, tmp_path, capsys):
     (tmp_path / "fail").write_text("")
     assert main(["--ncu", str(fake_ncu), "--source"]) == 1
     err = capsys.readouterr().err
-    assert "the profiled run wrote no report; ncu exit status 1" in err and "ERR_NVGPUCTRPERM" in err
+    assert (
+        "the profiled run wrote no report; ncu exit status 1" in err and "ERR_NVGPUCTRPERM" in err
+    )
     assert len((tmp_path / "calls.txt").read_text().splitlines()) == 1  # nothing read back
 
 

@@ -16,8 +16,10 @@ WRITTEN_AGAINST = "5.0.0"
 
 
 def changed(what: str) -> str:
-    return (f"Optuna {optuna.__version__}'s GridSampler changed ({what}); "
-            f"fa4tune.tune.studies.grid_sampler_class was written against Optuna {WRITTEN_AGAINST}")
+    return (
+        f"Optuna {optuna.__version__}'s GridSampler changed ({what}); "
+        f"fa4tune.tune.studies.grid_sampler_class was written against Optuna {WRITTEN_AGAINST}"
+    )
 
 
 def grid_sampler(seed: int, grid_seed: int):
@@ -52,19 +54,22 @@ def test_a_trials_grid_id_names_the_point_it_suggested():
     assert all("grid_id" in t.system_attrs for t in trials), changed("no grid_id system attribute")
     sampler = grid_sampler(seed=7, grid_seed=2)  # another worker's sampler of the same study
     for trial in trials:
-        assert sampler.point(trial.system_attrs["grid_id"]) == trial.params, \
-            changed("a grid id no longer indexes the shuffled points")
+        assert sampler.point(trial.system_attrs["grid_id"]) == trial.params, changed(
+            "a grid id no longer indexes the shuffled points"
+        )
     assert len({tuple(sorted(t.params.items())) for t in trials}) == len(trials)
 
 
 def test_the_grid_seed_shuffles_the_grid_and_the_seed_chooses_among_its_points():
     size = len(list(itertools.product(*GRID.values())))
     shared = [grid_sampler(seed=seed, grid_seed=2) for seed in (1, 7)]
-    assert [shared[0].point(i) for i in range(size)] == [shared[1].point(i) for i in range(size)], \
+    assert [shared[0].point(i) for i in range(size)] == [shared[1].point(i) for i in range(size)], (
         changed("the seed of its choices shuffles the grid too")
+    )
     other = grid_sampler(seed=1, grid_seed=3)
-    assert [other.point(i) for i in range(size)] != [shared[0].point(i) for i in range(size)], \
+    assert [other.point(i) for i in range(size)] != [shared[0].point(i) for i in range(size)], (
         changed("its seed no longer shuffles the grid")
+    )
 
     def order(seed):
         """The grid ids it picks once the first trial numbers, which name their grid ids
@@ -106,14 +111,19 @@ def test_a_heartbeat_is_recorded_through_the_storages_public_methods(tmp_path, m
         warnings.simplefilter("ignore")
         optuna.storages.fail_stale_trials(study)
     states = {t.number: t.state for t in study.get_trials(deepcopy=False)}
-    assert (states[beating.number], states[silent.number]) == \
-        (optuna.trial.TrialState.FAIL, optuna.trial.TrialState.RUNNING), states
+    assert (states[beating.number], states[silent.number]) == (
+        optuna.trial.TrialState.FAIL,
+        optuna.trial.TrialState.RUNNING,
+    ), states
 
 
 @pytest.mark.parametrize("location", ["journal", "sqlite"])
 def test_a_heartbeat_on_a_storage_without_heartbeats_does_nothing(tmp_path, location):
-    storage = open_storage(str(tmp_path / "s.journal") if location == "journal"
-                           else f"sqlite:///{tmp_path / 'optuna.db'}")
+    storage = open_storage(
+        str(tmp_path / "s.journal")
+        if location == "journal"
+        else f"sqlite:///{tmp_path / 'optuna.db'}"
+    )
     study = optuna.create_study(study_name="s", storage=storage)
     trial = study.ask()
     heartbeat = Heartbeat(storage, storage.get_study_id_from_name("s"), trial.number).start()

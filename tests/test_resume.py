@@ -11,11 +11,11 @@ import time
 
 import optuna
 import pytest
-
 from conftest import COLLAPSED_GRID, sigint_default, write_job
+
 from fa4tune.db import ResultsDB
-from fa4tune.tune.job import load_job
 from fa4tune.measure.model import CostModelBackend
+from fa4tune.tune.job import load_job
 from fa4tune.tune.search import run_search
 from fa4tune.tune.studies import open_storage
 
@@ -36,9 +36,14 @@ SPACE = ["tiles", "pipeline", "exp2", "softmax"]
 
 
 def start_search(job_path, workdir, *extra):
-    return subprocess.Popen([sys.executable, "-c", SLOW_CLI, "search", str(job_path), "--no-progress", *extra],
-                            cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            preexec_fn=sigint_default)
+    return subprocess.Popen(
+        [sys.executable, "-c", SLOW_CLI, "search", str(job_path), "--no-progress", *extra],
+        cwd=workdir,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=sigint_default,
+    )
 
 
 def wait_for_trials(workdir, count, proc, timeout=60):
@@ -59,7 +64,8 @@ def wait_for_trials(workdir, count, proc, timeout=60):
 
 def study_states(job):
     storage = optuna.storages.JournalStorage(
-        optuna.storages.journal.JournalFileBackend("fa4tune-results/results.optuna.journal"))
+        optuna.storages.journal.JournalFileBackend("fa4tune-results/results.optuna.journal")
+    )
     summaries = optuna.get_all_study_summaries(storage)
     assert len(summaries) == 1
     study = optuna.load_study(study_name=summaries[0].study_name, storage=storage)
@@ -106,21 +112,37 @@ def test_ctrl_c_stores_everything_and_says_how_to_resume(workdir):
         stored = db.count_trials(db.trials()[0]["study_name"], measured_only=False)
     _, states = study_states(load_job(job_path))
     assert optuna.trial.TrialState.RUNNING not in states
-    finished = [s for s in states if s in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)]
+    finished = [
+        s for s in states if s in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+    ]
     assert len(finished) >= stored
 
 
 def test_the_resume_hint_repeats_the_options_that_pick_the_run(workdir):
     """A resume continues only a run of the same kind and target: the hint must repeat --backend and
     --target (and the budgets) as given, or following it starts another run."""
-    job_path = write_job(workdir, spaces=SPACE, budget={"trials": 300}, sampler="random", backend="auto")
-    proc = start_search(job_path, workdir, "--backend", "model", "--target", "h100-sxm", "--trials", "250",
-                        "--export", "elsewhere.yaml")
+    job_path = write_job(
+        workdir, spaces=SPACE, budget={"trials": 300}, sampler="random", backend="auto"
+    )
+    proc = start_search(
+        job_path,
+        workdir,
+        "--backend",
+        "model",
+        "--target",
+        "h100-sxm",
+        "--trials",
+        "250",
+        "--export",
+        "elsewhere.yaml",
+    )
     wait_for_trials(workdir, 3, proc)
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130, out
-    assert ("--resume --export elsewhere.yaml --backend model --target h100-sxm --trials 250" in out), out
+    assert (
+        "--resume --export elsewhere.yaml --backend model --target h100-sxm --trials 250" in out
+    ), out
 
 
 def test_sigterm_is_an_interrupt_too(workdir):
@@ -141,10 +163,12 @@ def test_a_resumed_random_search_proposes_new_configs(workdir):
     """With the first session's seed the random sampler replayed the configs measured then, and the
     run of repeats stopped the problem as converged long before its budget."""
     from fa4tune.measure.model import CostModelBackend
-    from fa4tune.tune.search import SearchInterrupted
     from fa4tune.target import get_target
+    from fa4tune.tune.search import SearchInterrupted
 
-    job = load_job(write_job(workdir, spaces=SPACE, budget={"trials": 120}, sampler="random", warm_start=0))
+    job = load_job(
+        write_job(workdir, spaces=SPACE, budget={"trials": 120}, sampler="random", warm_start=0)
+    )
 
     class Interrupting(CostModelBackend):
         calls = 0
@@ -158,9 +182,15 @@ def test_a_resumed_random_search_proposes_new_configs(workdir):
     target = get_target("H200")
     with pytest.raises(SearchInterrupted):
         run_search(job, backend=Interrupting(job.kernel, target), say=lambda *a: None)
-    summary = run_search(job, backend=CostModelBackend(job.kernel, target), resume=True, say=lambda *a: None)
+    summary = run_search(
+        job, backend=CostModelBackend(job.kernel, target), resume=True, say=lambda *a: None
+    )
     result = summary.results[0]
-    assert result.measured == 120 and "budget" in result.stopped, (result.stopped, result.measured, result.repeats)
+    assert result.measured == 120 and "budget" in result.stopped, (
+        result.stopped,
+        result.measured,
+        result.repeats,
+    )
     assert result.repeats < 5
 
 
@@ -170,14 +200,22 @@ def test_an_interrupted_grid_search_measures_every_point_when_resumed(workdir):
     id indexes the shuffled grid, so another seed would take the visited ids for other points."""
     from fa4tune.db import config_key
     from fa4tune.measure.model import CostModelBackend
-    from fa4tune.tune.search import SearchInterrupted
     from fa4tune.space import compose
     from fa4tune.target import get_target
+    from fa4tune.tune.search import SearchInterrupted
 
     # A grid large enough for four interrupts. A lost point that were not queued again would never be
     # measured: the search ends once the sampler has asked for every point.
-    job = load_job(write_job(workdir, spaces={"tiles": {}, "pipeline": {"num_stages": [2, 3]}},
-                             budget={"trials": 1000}, sampler="grid", warm_start=0, probes=0))
+    job = load_job(
+        write_job(
+            workdir,
+            spaces={"tiles": {}, "pipeline": {"num_stages": [2, 3]}},
+            budget={"trials": 1000},
+            sampler="grid",
+            warm_start=0,
+            probes=0,
+        )
+    )
 
     class Interrupting(CostModelBackend):
         calls = 0
@@ -191,16 +229,22 @@ def test_an_interrupted_grid_search_measures_every_point_when_resumed(workdir):
     target = get_target("H200")
     for session in range(6):  # interrupted four times, resumed each time
         try:
-            summary = run_search(job, backend=Interrupting(job.kernel, target), resume=session > 0,
-                                 say=lambda *a: None)
+            summary = run_search(
+                job,
+                backend=Interrupting(job.kernel, target),
+                resume=session > 0,
+                say=lambda *a: None,
+            )
             break
         except SearchInterrupted:
             continue
     assert session == 4 and "exhausted" in summary.results[0].stopped, summary.results[0].stopped
     space, problem = compose(job.kernel, job.spaces), job.problems[0]
     grid = space.grid(problem, target)
-    wanted = {config_key(space.full_config(problem, target, dict(zip(grid, values))))
-              for values in itertools.product(*grid.values())}
+    wanted = {
+        config_key(space.full_config(problem, target, dict(zip(grid, values))))
+        for values in itertools.product(*grid.values())
+    }
     with ResultsDB.open("fa4tune-results/results.db", create=False) as db:
         stored = {t["config_key"] for t in db.trials()}
     assert wanted <= stored, f"{len(wanted - stored)} grid points never measured"
@@ -211,11 +255,19 @@ def test_a_grid_search_cut_short_while_suggesting_resumes(workdir, monkeypatch):
     whole point (named by its grid id) is queued again, not the part, which the grid sampler refuses
     (every resume then crashed)."""
     from fa4tune.measure.model import CostModelBackend
-    from fa4tune.tune.search import SearchInterrupted
     from fa4tune.target import get_target
+    from fa4tune.tune.search import SearchInterrupted
 
-    job = load_job(write_job(workdir, spaces={"tiles": {}, "pipeline": {"num_stages": [2, 3]}},
-                             budget={"trials": 1000}, sampler="grid", warm_start=0, probes=0))
+    job = load_job(
+        write_job(
+            workdir,
+            spaces={"tiles": {}, "pipeline": {"num_stages": [2, 3]}},
+            budget={"trials": 1000},
+            sampler="grid",
+            warm_start=0,
+            probes=0,
+        )
+    )
     suggest, calls = optuna.trial.Trial.suggest_categorical, []
 
     def interrupted_once(self, name, choices):
@@ -228,12 +280,16 @@ def test_a_grid_search_cut_short_while_suggesting_resumes(workdir, monkeypatch):
     target = get_target("H200")
     with pytest.raises(SearchInterrupted):
         run_search(job, backend=CostModelBackend(job.kernel, target), say=lambda *a: None)
-    summary = run_search(job, backend=CostModelBackend(job.kernel, target), resume=True, say=lambda *a: None)
+    summary = run_search(
+        job, backend=CostModelBackend(job.kernel, target), resume=True, say=lambda *a: None
+    )
     assert "exhausted" in summary.results[0].stopped, summary.results[0].stopped
 
 
 @pytest.mark.parametrize("cut", ["claim", "lookahead"])
-def test_a_grid_point_failed_unmeasured_is_queued_again_under_the_studys_lock(workdir, monkeypatch, cut):
+def test_a_grid_point_failed_unmeasured_is_queued_again_under_the_studys_lock(
+    workdir, monkeypatch, cut
+):
     """Between a point's failure and its copy in the queue, another worker would see every point
     asked for and none queued or running, and end the grid as exhausted with that point never
     measured: both happen under the study's lock, where that worker checks again before it stops.
@@ -241,16 +297,28 @@ def test_a_grid_point_failed_unmeasured_is_queued_again_under_the_studys_lock(wo
     import contextlib
 
     from fa4tune.measure.model import CostModelBackend
+    from fa4tune.target import get_target
     from fa4tune.tune.search import SearchInterrupted
     from fa4tune.tune.sharing import SharedStudy
-    from fa4tune.target import get_target
 
-    job = load_job(write_job(workdir, spaces={"tiles": {"tile_m": [128], "tile_n": [64, 96, 128, 160]}},
-                             sampler="grid", budget={"trials": 100}, warm_start=0, probes=0))
+    job = load_job(
+        write_job(
+            workdir,
+            spaces={"tiles": {"tile_m": [128], "tile_n": [64, 96, 128, 160]}},
+            sampler="grid",
+            budget={"trials": 100},
+            warm_start=0,
+            probes=0,
+        )
+    )
     backend = CostModelBackend(job.kernel, get_target("H200"))
     backend.lookahead = 1 if cut == "lookahead" else 0
     events, held = [], []
-    locked, tell, enqueue = ResultsDB.locked, optuna.study.Study.tell, optuna.study.Study.enqueue_trial
+    locked, tell, enqueue = (
+        ResultsDB.locked,
+        optuna.study.Study.tell,
+        optuna.study.Study.enqueue_trial,
+    )
     claim = SharedStudy.claim
 
     @contextlib.contextmanager
@@ -293,14 +361,19 @@ def test_a_grid_point_failed_unmeasured_is_queued_again_under_the_studys_lock(wo
 def test_a_resumed_grid_search_whose_every_point_was_tried_asks_for_none(workdir):
     """Resumed with a larger budget, a study whose grid is exhausted ends at once, its best config
     kept: asked again, the grid sampler would only propose points tried already."""
-    job = load_job(write_job(workdir, spaces=COLLAPSED_GRID, sampler="grid", budget={"trials": 100}))
+    job = load_job(
+        write_job(workdir, spaces=COLLAPSED_GRID, sampler="grid", budget={"trials": 100})
+    )
     first = run_search(job, say=lambda *a: None)
     storage = open_storage(first.storage)
     asked = len(optuna.load_study(study_name=first.results[0].study_name, storage=storage).trials)
     again = run_search(job, resume=True, trials=200, say=lambda *a: None).results[0]
     assert again.stopped == first.results[0].stopped and "grid exhausted" in again.stopped
     assert len(optuna.load_study(study_name=again.study_name, storage=storage).trials) == asked
-    assert (again.measured, again.best_config) == (first.results[0].measured, first.results[0].best_config)
+    assert (again.measured, again.best_config) == (
+        first.results[0].measured,
+        first.results[0].best_config,
+    )
     with ResultsDB.open(first.db_location, create=False) as db:
         assert [b.config for b in db.best_configs()] == [again.best_config]
 
@@ -310,8 +383,8 @@ def test_a_grid_point_that_always_fails_unmeasured_is_not_queued_for_ever(workdi
     fails for its own reasons (here a plugin's check raises on it): it is queued again at most
     MAX_GRID_REQUEUES times, and then counts as tried (the grid sampler must not propose it again)."""
     from fa4tune.errors import SpaceError
-    from fa4tune.tune.grid import MAX_GRID_REQUEUES
     from fa4tune.space import Choice, SearchSpace, _registered, register_space
+    from fa4tune.tune.grid import MAX_GRID_REQUEUES
 
     class Boom(SearchSpace):
         name, knobs = "boom_on_96", ("num_stages",)
@@ -326,18 +399,36 @@ def test_a_grid_point_that_always_fails_unmeasured_is_not_queued_for_ever(workdi
 
     register_space(Boom)
     try:
-        job = load_job(write_job(workdir, spaces={"tiles": {"tile_m": [128], "tile_n": [64, 96, 128]},
-                                                  "boom_on_96": {}},
-                                 budget={"trials": 20}, sampler="grid", warm_start=0, probes=0))
+        job = load_job(
+            write_job(
+                workdir,
+                spaces={"tiles": {"tile_m": [128], "tile_n": [64, 96, 128]}, "boom_on_96": {}},
+                budget={"trials": 20},
+                sampler="grid",
+                warm_start=0,
+                probes=0,
+            )
+        )
         for session in range(MAX_GRID_REQUEUES + 1):
-            with pytest.raises(SpaceError, match="planted plugin bug"):  # a plugin's bug stops the search
+            with pytest.raises(
+                SpaceError, match="planted plugin bug"
+            ):  # a plugin's bug stops the search
                 run_search(job, resume=session > 0, say=lambda *a: None)
-        assert "grid exhausted" in run_search(job, resume=True, say=lambda *a: None).results[0].stopped
+        assert (
+            "grid exhausted" in run_search(job, resume=True, say=lambda *a: None).results[0].stopped
+        )
         storage = optuna.storages.JournalStorage(
-            optuna.storages.journal.JournalFileBackend("fa4tune-results/results.optuna.journal"))
-        study = optuna.load_study(study_name=optuna.get_all_study_summaries(storage)[0].study_name, storage=storage)
-        requeued = [t for t in study.get_trials(deepcopy=False)
-                    if "fixed_params" in t.system_attrs and t.system_attrs["fixed_params"].get("tile_n") == 96]
+            optuna.storages.journal.JournalFileBackend("fa4tune-results/results.optuna.journal")
+        )
+        study = optuna.load_study(
+            study_name=optuna.get_all_study_summaries(storage)[0].study_name, storage=storage
+        )
+        requeued = [
+            t
+            for t in study.get_trials(deepcopy=False)
+            if "fixed_params" in t.system_attrs
+            and t.system_attrs["fixed_params"].get("tile_n") == 96
+        ]
         assert len(requeued) == MAX_GRID_REQUEUES, len(requeued)
     finally:
         _registered.pop(Boom.name, None)
@@ -345,6 +436,7 @@ def test_a_grid_point_that_always_fails_unmeasured_is_not_queued_for_ever(workdi
 
 class _MeasuringModel(CostModelBackend):
     """Stands in for the GPU backend: the cost model's times, stored as measurements."""
+
     name = "gpu"
     is_estimate = False
 
@@ -360,23 +452,35 @@ def test_a_cost_model_resume_does_not_join_a_measured_run(workdir):
     measured = run_search(job, backend=_MeasuringModel(job.kernel, job.target), say=lambda *a: None)
     with ResultsDB.open("fa4tune-results/results.db", create=False) as db:
         before = db.trials()
-    assert not measured.is_estimate and len(before) >= 6 and not any(t["is_estimate"] for t in before)
+    assert (
+        not measured.is_estimate and len(before) >= 6 and not any(t["is_estimate"] for t in before)
+    )
 
     said = []
     estimated = run_search(load_job(job_path), resume=True, trials=10, say=said.append)
     assert not estimated.resumed and estimated.run_id != measured.run_id
-    assert any("no earlier cost-model run of job 'job'" in line and f"run {measured.run_id} was measured on a GPU"
-               in line for line in said), said
+    assert any(
+        "no earlier cost-model run of job 'job'" in line
+        and f"run {measured.run_id} was measured on a GPU" in line
+        for line in said
+    ), said
     with ResultsDB.open("fa4tune-results/results.db", create=False) as db:
         after = db.trials()
-    assert [t for t in after if t["run_id"] == measured.run_id] == before  # the measured run untouched
+    assert [
+        t for t in after if t["run_id"] == measured.run_id
+    ] == before  # the measured run untouched
     new = [t for t in after if t["run_id"] == estimated.run_id]
     assert new and all(t["is_estimate"] for t in new)
     assert {t["study_name"] for t in new}.isdisjoint({t["study_name"] for t in before})
 
     # A measured resume still continues the measured run, and its budget counts only measurements.
-    again = run_search(load_job(job_path), resume=True, trials=8, backend=_MeasuringModel(job.kernel, job.target),
-                       say=lambda *a: None)
+    again = run_search(
+        load_job(job_path),
+        resume=True,
+        trials=8,
+        backend=_MeasuringModel(job.kernel, job.target),
+        say=lambda *a: None,
+    )
     assert again.resumed and again.run_id == measured.run_id
     with ResultsDB.open("fa4tune-results/results.db", create=False) as db:
         joined = [t for t in db.trials() if t["run_id"] == measured.run_id]
@@ -387,10 +491,16 @@ def test_a_resume_charges_the_earlier_sessions_to_the_time_budget(workdir):
     """A problem that used up its time budget before the search stopped stays done when the run is
     resumed (it used to get the whole budget again); a longer budget on the resume continues it for
     the difference."""
-    path = write_job(workdir, spaces=["tiles", "pipeline", "exp2", "softmax"], sampler="random",
-                     budget={"seconds": 0.5, "trials": 100000},
-                     problems=[{"head_dim": 64, "seqlen_q": 4096, "batch": 2, "nheads_q": 16},
-                               {"head_dim": 128, "seqlen_q": 4096, "batch": 2, "nheads_q": 16}])
+    path = write_job(
+        workdir,
+        spaces=["tiles", "pipeline", "exp2", "softmax"],
+        sampler="random",
+        budget={"seconds": 0.5, "trials": 100000},
+        problems=[
+            {"head_dim": 64, "seqlen_q": 4096, "batch": 2, "nheads_q": 16},
+            {"head_dim": 128, "seqlen_q": 4096, "batch": 2, "nheads_q": 16},
+        ],
+    )
     job = load_job(path)
     first = run_search(job, say=lambda *a: None)
     assert all("time budget" in r.stopped and r.measured >= 1 for r in first.results)

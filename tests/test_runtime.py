@@ -13,7 +13,7 @@ from fa4tune.db import ResultsDB
 from fa4tune.kernels import get_kernel
 from fa4tune.problem import Problem
 from fa4tune.runtime.lookup import Lookup, lookup
-from fa4tune.runtime.tables import table_document, render_yaml
+from fa4tune.runtime.tables import render_yaml, table_document
 
 KERNEL = get_kernel()
 TUNED_4K = Problem(head_dim=128, seqlen_q=4096, batch=2, nheads_q=16)
@@ -22,10 +22,20 @@ TUNED_16K = Problem(head_dim=128, seqlen_q=16384, batch=2, nheads_q=16)
 
 def entry(problem, tile_n, kernel_hash=None, target="H200", is_estimate=True):
     config = {**KERNEL.default_config(problem, None).to_dict(), "tile_n": tile_n}
-    return BestEntry(kernel=KERNEL.name, kernel_hash=kernel_hash or KERNEL.source_hash(), target=target,
-                     problem=problem.to_dict(), problem_key=problem.key(), bucket_key=problem.bucket().key(),
-                     config=config, time_ms=1.0, tflops=500.0, is_estimate=is_estimate, provenance={},
-                     source="test")
+    return BestEntry(
+        kernel=KERNEL.name,
+        kernel_hash=kernel_hash or KERNEL.source_hash(),
+        target=target,
+        problem=problem.to_dict(),
+        problem_key=problem.key(),
+        bucket_key=problem.bucket().key(),
+        config=config,
+        time_ms=1.0,
+        tflops=500.0,
+        is_estimate=is_estimate,
+        provenance={},
+        source="test",
+    )
 
 
 def write_table_file(path, entries):
@@ -49,12 +59,18 @@ def test_the_fallback_ladder(tuned_db):
     far = Problem(head_dim=128, seqlen_q=65536, batch=1, nheads_q=16)
     hit = lookup(far, "H200", source=tuned_db)
     assert (hit.source, hit.config.tile_n, hit.problem_key) == ("nearest", 160, TUNED_16K.key())
-    for other_family in (Problem(head_dim=128, seqlen_q=4096, batch=2, nheads_q=16, causal=True),
-                         Problem(head_dim=64, seqlen_q=4096)):
+    for other_family in (
+        Problem(head_dim=128, seqlen_q=4096, batch=2, nheads_q=16, causal=True),
+        Problem(head_dim=64, seqlen_q=4096),
+    ):
         hit = lookup(other_family, "H200", source=tuned_db)
         assert hit.source == "default" and hit.config == KERNEL.default_config(other_family, None)
     # fp16 has no tuned problem: the nearest bf16 one of its head dims and causality lends its config.
-    hit = lookup(Problem(dtype="fp16", head_dim=128, seqlen_q=4096, batch=2, nheads_q=16), "H200", source=tuned_db)
+    hit = lookup(
+        Problem(dtype="fp16", head_dim=128, seqlen_q=4096, batch=2, nheads_q=16),
+        "H200",
+        source=tuned_db,
+    )
     assert (hit.source, hit.config.tile_n, hit.problem_key) == ("other-dtype", 96, TUNED_4K.key())
     # Another target has no tuned configs.
     assert lookup(TUNED_4K, "H100-SXM", source=tuned_db).source == "default"
@@ -65,12 +81,28 @@ def test_within_a_rung_the_closest_tuned_problem_lends_its_config(workdir):
     from 2500, 3900 from 4096, whatever order their keys sort in; the same among nearest buckets."""
     path = str(workdir / "tuned.db")
     tuned_2500 = Problem(head_dim=128, seqlen_q=2500, batch=2, nheads_q=16)
-    tuned_9000 = Problem(head_dim=128, seqlen_q=9000, batch=2, nheads_q=16)  # bucket 16k, as TUNED_16K
+    tuned_9000 = Problem(
+        head_dim=128, seqlen_q=9000, batch=2, nheads_q=16
+    )  # bucket 16k, as TUNED_16K
     with ResultsDB.open(path) as db:
-        db.merge_best([entry(tuned_2500, 64), entry(TUNED_4K, 96), entry(tuned_9000, 128), entry(TUNED_16K, 160)])
-    for seqlen, tile_n, source in ((3000, 64, "bucket"), (3900, 96, "bucket"), (10000, 128, "bucket"),
-                                   (16000, 160, "bucket"), (20000, 160, "nearest")):
-        hit = lookup(Problem(head_dim=128, seqlen_q=seqlen, batch=2, nheads_q=16), "H200", source=path)
+        db.merge_best(
+            [
+                entry(tuned_2500, 64),
+                entry(TUNED_4K, 96),
+                entry(tuned_9000, 128),
+                entry(TUNED_16K, 160),
+            ]
+        )
+    for seqlen, tile_n, source in (
+        (3000, 64, "bucket"),
+        (3900, 96, "bucket"),
+        (10000, 128, "bucket"),
+        (16000, 160, "bucket"),
+        (20000, 160, "nearest"),
+    ):
+        hit = lookup(
+            Problem(head_dim=128, seqlen_q=seqlen, batch=2, nheads_q=16), "H200", source=path
+        )
         assert (seqlen, hit.source, hit.config.tile_n) == (seqlen, source, tile_n)
     # Among entries of one nearest bucket, the closer problem: 40000 tokens (bucket 64k) from 16k's bucket.
     hit = lookup(Problem(head_dim=128, seqlen_q=40000, batch=2, nheads_q=16), "H200", source=path)
@@ -83,8 +115,11 @@ def test_the_nearest_rung_ranks_the_problems_not_their_buckets(workdir):
     tuned_4k = Problem(head_dim=128, seqlen_q=4096, batch=4, nheads_q=16, causal=True)
     tuned_8k = Problem(head_dim=128, seqlen_q=8192, batch=2, nheads_q=32, nheads_kv=8, causal=True)
     write_table_file(workdir / "t.yaml", [entry(tuned_4k, 96), entry(tuned_8k, 160)])
-    hit = lookup(Problem(head_dim=128, seqlen_q=4100, batch=4, nheads_q=16, causal=True), "H200",
-                 source=str(workdir / "t.yaml"))
+    hit = lookup(
+        Problem(head_dim=128, seqlen_q=4100, batch=4, nheads_q=16, causal=True),
+        "H200",
+        source=str(workdir / "t.yaml"),
+    )
     assert (hit.source, hit.problem_key, hit.config.tile_n) == ("nearest", tuned_4k.key(), 96)
 
 
@@ -94,20 +129,39 @@ def test_the_sibling_dtype_lends_after_every_problem_of_the_own_dtype(workdir):
     bf16 one; with none, from the closest bf16 problem whose config fits it (not from one of other
     causality); and bf16 from fp16 the same way."""
     fp16_64k = Problem(dtype="fp16", head_dim=128, seqlen_q=65536, batch=1, nheads_q=16)
-    causal_8k, causal_16k, causal_64k = (Problem(head_dim=128, seqlen_q=s, batch=1, nheads_q=16, causal=True)
-                                         for s in (8192, 16384, 65536))
+    causal_8k, causal_16k, causal_64k = (
+        Problem(head_dim=128, seqlen_q=s, batch=1, nheads_q=16, causal=True)
+        for s in (8192, 16384, 65536)
+    )
     unfit = entry(causal_8k, 192)
-    unfit = replace(unfit, config={**unfit.config, "num_stages": 5})  # more shared memory than an SM has
+    unfit = replace(
+        unfit, config={**unfit.config, "num_stages": 5}
+    )  # more shared memory than an SM has
     fp16_256 = Problem(dtype="fp16", head_dim=256, seqlen_q=4096, batch=1, nheads_q=8, causal=True)
     path = workdir / "t.yaml"
-    write_table_file(path, [entry(TUNED_4K, 96), entry(fp16_64k, 160), unfit, entry(causal_64k, 80),
-                            entry(causal_16k, 128), entry(fp16_256, 64)])
+    write_table_file(
+        path,
+        [
+            entry(TUNED_4K, 96),
+            entry(fp16_64k, 160),
+            unfit,
+            entry(causal_64k, 80),
+            entry(causal_16k, 128),
+            entry(fp16_256, 64),
+        ],
+    )
     cases = [
         (replace(TUNED_4K, dtype="fp16"), ("nearest", fp16_64k.key(), 160)),
         (replace(fp16_64k, dtype="bf16"), ("nearest", TUNED_4K.key(), 96)),
-        (replace(causal_8k, dtype="fp16"), ("other-dtype", causal_16k.key(), 128)),  # 16k is closer than 64k
+        (
+            replace(causal_8k, dtype="fp16"),
+            ("other-dtype", causal_16k.key(), 128),
+        ),  # 16k is closer than 64k
         (replace(fp16_256, dtype="bf16", seqlen_q=2048), ("other-dtype", fp16_256.key(), 64)),
-        (replace(fp16_256, causal=False), ("default", None, KERNEL.default_config(fp16_256, None).tile_n)),
+        (
+            replace(fp16_256, causal=False),
+            ("default", None, KERNEL.default_config(fp16_256, None).tile_n),
+        ),
     ]
     for problem, expected in cases:
         hit = lookup(problem, "H200", source=str(path))
@@ -122,16 +176,36 @@ def test_across_dtypes_current_code_and_measurements_keep_their_precedence(workd
     bf16_3000 = Problem(head_dim=128, seqlen_q=3000, batch=2, nheads_q=16)  # TUNED_4K's bucket
     tables = workdir / "tables"
     tables.mkdir()
-    (tables / "a-stale.yaml").write_text(render_yaml(table_document(
-        [entry(fp16_4k, 64, kernel_hash="0" * 64, is_estimate=False)], KERNEL.name, "0" * 64, "H200")))
-    write_table_file(tables / "b.yaml", [entry(TUNED_4K, 96, is_estimate=True), entry(bf16_3000, 160, is_estimate=False)])
+    (tables / "a-stale.yaml").write_text(
+        render_yaml(
+            table_document(
+                [entry(fp16_4k, 64, kernel_hash="0" * 64, is_estimate=False)],
+                KERNEL.name,
+                "0" * 64,
+                "H200",
+            )
+        )
+    )
+    write_table_file(
+        tables / "b.yaml",
+        [entry(TUNED_4K, 96, is_estimate=True), entry(bf16_3000, 160, is_estimate=False)],
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the stale table is never used, so nothing warns of it
         hit = lookup(fp16_4k, "H200", source=str(tables))
     assert (hit.source, hit.problem_key, hit.config.tile_n, hit.stale, hit.estimate) == (
-        "other-dtype", bf16_3000.key(), 160, False, False)
-    with pytest.warns(RuntimeWarning, match="stale"):  # the stale table is read, and used where nothing else fits
-        assert lookup(replace(fp16_4k, seqlen_q=8192), "H200", source=str(tables / "a-stale.yaml")).stale
+        "other-dtype",
+        bf16_3000.key(),
+        160,
+        False,
+        False,
+    )
+    with pytest.warns(
+        RuntimeWarning, match="stale"
+    ):  # the stale table is read, and used where nothing else fits
+        assert lookup(
+            replace(fp16_4k, seqlen_q=8192), "H200", source=str(tables / "a-stale.yaml")
+        ).stale
 
 
 def test_a_measurement_comes_before_an_estimate_at_the_same_rung(workdir):
@@ -145,11 +219,15 @@ def test_a_measurement_comes_before_an_estimate_at_the_same_rung(workdir):
     assert (hit.source, hit.config.tile_n) == ("exact", 160) and hit.estimate is False
     same_bucket = Problem(head_dim=128, seqlen_q=3000, batch=2, nheads_q=16)
     assert lookup(same_bucket, "H200", source=str(tables)).config.tile_n == 160
-    hit = lookup(TUNED_4K, "H200", source=str(tables / "fa4_fwd_sm90-h200.yaml"))  # an estimate is still used
+    hit = lookup(
+        TUNED_4K, "H200", source=str(tables / "fa4_fwd_sm90-h200.yaml")
+    )  # an estimate is still used
     assert (hit.source, hit.config.tile_n, hit.estimate) == ("exact", 96, True)
 
 
-def test_in_its_bucket_a_measurement_beats_an_exact_estimate_beyond_it_the_closest_problem_wins(workdir):
+def test_in_its_bucket_a_measurement_beats_an_exact_estimate_beyond_it_the_closest_problem_wins(
+    workdir,
+):
     """An estimate of the exact problem (3000 tokens) does not shadow a measurement of its bucket
     (4096): the cost model errs by more than tuning gains. Beyond the bucket, the closer problem
     lends its config, estimate or not: a 12000-token problem borrows from an 8192-token estimate, not
@@ -159,11 +237,15 @@ def test_in_its_bucket_a_measurement_beats_an_exact_estimate_beyond_it_the_close
     exact = Problem(head_dim=128, seqlen_q=3000, batch=2, nheads_q=16)
     near, far = (Problem(head_dim=128, seqlen_q=s, batch=2, nheads_q=16) for s in (8192, 65536))
     write_table_file(tables / "a-estimates.yaml", [entry(exact, 96), entry(near, 128)])
-    write_table_file(tables / "b-measured.yaml", [entry(TUNED_4K, 160, is_estimate=False),
-                                                  entry(far, 176, is_estimate=False)])
+    write_table_file(
+        tables / "b-measured.yaml",
+        [entry(TUNED_4K, 160, is_estimate=False), entry(far, 176, is_estimate=False)],
+    )
     hit = lookup(exact, "H200", source=str(tables))
     assert (hit.source, hit.config.tile_n, hit.estimate) == ("bucket", 160, False)
-    hit = lookup(Problem(head_dim=128, seqlen_q=12000, batch=2, nheads_q=16), "H200", source=str(tables))
+    hit = lookup(
+        Problem(head_dim=128, seqlen_q=12000, batch=2, nheads_q=16), "H200", source=str(tables)
+    )
     assert (hit.source, hit.config.tile_n, hit.estimate) == ("nearest", 128, True)
 
 
@@ -195,8 +277,13 @@ def test_environment_sources(workdir, tuned_db, monkeypatch):
 
 def test_stale_tables_are_flagged(workdir):
     table = workdir / "stale.yaml"
-    table.write_text(render_yaml(table_document([entry(TUNED_4K, 96, kernel_hash="0" * 64)], KERNEL.name,
-                                                "0" * 64, "H200")))
+    table.write_text(
+        render_yaml(
+            table_document(
+                [entry(TUNED_4K, 96, kernel_hash="0" * 64)], KERNEL.name, "0" * 64, "H200"
+            )
+        )
+    )
     with pytest.warns(RuntimeWarning, match="stale"):
         hit = lookup(TUNED_4K, "H200", source=str(table))
     assert hit.stale and hit.source == "exact" and hit.config.tile_n == 96
@@ -231,8 +318,9 @@ def test_the_bucket_rung_compares_problems_not_the_keys_stored_beside_them(workd
 
 
 def test_an_unreadable_entry_or_table_costs_only_itself(workdir):
-    unreadable = BestEntry(**{**entry(TUNED_16K, 160).__dict__,
-                              "problem": {**TUNED_16K.to_dict(), "window": 128}})  # a field from the future
+    unreadable = BestEntry(
+        **{**entry(TUNED_16K, 160).__dict__, "problem": {**TUNED_16K.to_dict(), "window": 128}}
+    )  # a field from the future
     path = str(workdir / "shared.db")
     with ResultsDB.open(path) as db:
         db.merge_best([entry(TUNED_4K, 96), unreadable])
@@ -251,8 +339,16 @@ def test_an_unreadable_entry_or_table_costs_only_itself(workdir):
 def test_a_borrowed_config_that_does_not_fit_is_skipped(workdir):
     # tile_n=192 with hdim 256 and 2 stages does not fit in shared memory: the lookup falls back.
     d256 = Problem(head_dim=256, seqlen_q=4096)
-    bad = BestEntry(**{**entry(d256, 80).__dict__, "config": {**KERNEL.default_config(d256, None).to_dict(),
-                                                              "tile_n": 192, "num_stages": 4}})
+    bad = BestEntry(
+        **{
+            **entry(d256, 80).__dict__,
+            "config": {
+                **KERNEL.default_config(d256, None).to_dict(),
+                "tile_n": 192,
+                "num_stages": 4,
+            },
+        }
+    )
     path = str(workdir / "bad.db")
     with ResultsDB.open(path) as db:
         db.merge_best([bad])
@@ -260,8 +356,12 @@ def test_a_borrowed_config_that_does_not_fit_is_skipped(workdir):
 
 
 def test_thread_safe_and_cheap(tuned_db):
-    problems = [Problem(head_dim=128, seqlen_q=s, batch=b, nheads_q=16, causal=c)
-                for s in (512, 1000, 4096, 9000, 16384, 70000) for b in (1, 2, 8) for c in (False, True)]
+    problems = [
+        Problem(head_dim=128, seqlen_q=s, batch=b, nheads_q=16, causal=c)
+        for s in (512, 1000, 4096, 9000, 16384, 70000)
+        for b in (1, 2, 8)
+        for c in (False, True)
+    ]
     shared = Lookup(tuned_db)
     expected = {p: Lookup(tuned_db)(p, "H200") for p in problems}
     errors = []
@@ -297,7 +397,9 @@ def test_importing_fa4tune_and_looking_up_a_table_stays_light(workdir):
         "heavy = [m for m in ('torch', 'cutlass', 'sqlalchemy', 'optuna') if m in sys.modules]\n"
         "print(heavy)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
     assert out.strip() == "[]"
 
 
@@ -326,7 +428,9 @@ import torch
 print(first, runtime._target(None).name)
 """
     env = {k: v for k, v in __import__("os").environ.items() if k != "FA4TUNE_TARGET"}
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env
+    )
     assert out.stdout.split() == ["H200", "H100-SXM"]
 
 
@@ -348,7 +452,9 @@ def test_a_lookup_without_target_before_torch_is_imported_says_what_it_assumed(m
     monkeypatch.delitem(sys.modules, "torch", raising=False)
     monkeypatch.delenv("FA4TUNE_TARGET", raising=False)
     monkeypatch.setattr(runtime, "_target_cache", {})
-    with pytest.warns(RuntimeWarning, match="torch not imported, so the GPU was not asked: looking up for H200"):
+    with pytest.warns(
+        RuntimeWarning, match="torch not imported, so the GPU was not asked: looking up for H200"
+    ):
         assert runtime._target(None).name == "H200"
     with warnings.catch_warnings():
         warnings.simplefilter("error")

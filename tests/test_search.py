@@ -1,18 +1,18 @@
 import itertools
 
 import pytest
-
 from conftest import COLLAPSED_GRID, write_job
+
 from fa4tune.db import ResultsDB, config_key
 from fa4tune.errors import JobError
-from fa4tune.tune.job import load_job
 from fa4tune.kernels import get_kernel
 from fa4tune.measure.model import CostModelBackend
 from fa4tune.problem import Problem
-from fa4tune.tune.search import run_search
 from fa4tune.space import compose
-from fa4tune.tune.studies import open_storage
 from fa4tune.target import get_target
+from fa4tune.tune.job import load_job
+from fa4tune.tune.search import run_search
+from fa4tune.tune.studies import open_storage
 
 KERNEL = get_kernel()
 H200 = get_target("H200")
@@ -48,16 +48,27 @@ def exhaustive_optimum(job):
     return best, len(list(itertools.product(*grid.values())))
 
 
-SMALL_SPACE = {"tiles": {"tile_m": [128, 192], "tile_n": [64, 96, 128, 160, 192]},
-               "pipeline": {"num_stages": [1, 2, 3, 4], "persistent": [False], "wg_epilogue": [False],
-                            "q_stages": [1]},
-               "exp2": {"poly_degree": [3], "emu_share": [0.0, 0.125, 0.25]},
-               "softmax": {"rescale_threshold": [0.0, 4.0], "rescale_branch": [True], "lazy_max": [False]}}
+SMALL_SPACE = {
+    "tiles": {"tile_m": [128, 192], "tile_n": [64, 96, 128, 160, 192]},
+    "pipeline": {
+        "num_stages": [1, 2, 3, 4],
+        "persistent": [False],
+        "wg_epilogue": [False],
+        "q_stages": [1],
+    },
+    "exp2": {"poly_degree": [3], "emu_share": [0.0, 0.125, 0.25]},
+    "softmax": {"rescale_threshold": [0.0, 4.0], "rescale_branch": [True], "lazy_max": [False]},
+}
 
 
 def test_search_reaches_the_exhaustive_optimum_of_a_small_space(workdir):
-    path = write_job(workdir, spaces=SMALL_SPACE, sampler="tpe", budget={"trials": 40},
-                     problems=[{"head_dim": 64, "seqlen_q": 4096, "batch": 2, "nheads_q": 16}])
+    path = write_job(
+        workdir,
+        spaces=SMALL_SPACE,
+        sampler="tpe",
+        budget={"trials": 40},
+        problems=[{"head_dim": 64, "seqlen_q": 4096, "batch": 2, "nheads_q": 16}],
+    )
     job = load_job(path)
     (best_ms, best_config), size = exhaustive_optimum(job)
     # rescale_threshold: the two listed values plus the default config's 8.0, which a space always keeps;
@@ -66,14 +77,24 @@ def test_search_reaches_the_exhaustive_optimum_of_a_small_space(workdir):
     summary = run_search(job, say=quiet)
     result = summary.results[0]
     assert result.measured <= 40
-    assert result.best_ms == pytest.approx(best_ms)  # ties (equally fast configs) may differ in knobs
-    assert CostModelBackend(KERNEL, H200).measure(job.problems[0], KERNEL.config(result.best_config)).time_ms \
-        == pytest.approx(best_ms)
+    assert result.best_ms == pytest.approx(
+        best_ms
+    )  # ties (equally fast configs) may differ in knobs
+    assert CostModelBackend(KERNEL, H200).measure(
+        job.problems[0], KERNEL.config(result.best_config)
+    ).time_ms == pytest.approx(best_ms)
 
 
 def test_grid_sampler_exhausts_a_tiny_space(workdir):
-    path = write_job(workdir, spaces={"tiles": {"tile_n": [64, 128]}, "pipeline": {"num_stages": [2, 3],
-                     "intra_wg_overlap": [True], "wg_pingpong": [True]}}, sampler="grid", budget={"trials": 100})
+    path = write_job(
+        workdir,
+        spaces={
+            "tiles": {"tile_n": [64, 128]},
+            "pipeline": {"num_stages": [2, 3], "intra_wg_overlap": [True], "wg_pingpong": [True]},
+        },
+        sampler="grid",
+        budget={"trials": 100},
+    )
     job = load_job(path)
     (best_ms, _), size = exhaustive_optimum(job)
     result = run_search(job, say=quiet).results[0]
@@ -85,14 +106,28 @@ def test_grid_sampler_exhausts_a_tiny_space(workdir):
 def test_a_cost_model_run_flags_its_rejected_configs_as_estimates_too(workdir):
     """Every trial of a cost-model run is flagged as an estimate, the configs rejected before compiling
     included (a flag of False would count them among the GPU's measurements)."""
-    path = write_job(workdir, spaces={"tiles": {"tile_n": [128]}, "pipeline": {
-        "num_stages": [2], "intra_wg_overlap": [True], "wg_pingpong": [True], "persistent": [False, True],
-        "wg_epilogue": [True]}}, sampler="grid", budget={"trials": 10})
+    path = write_job(
+        workdir,
+        spaces={
+            "tiles": {"tile_n": [128]},
+            "pipeline": {
+                "num_stages": [2],
+                "intra_wg_overlap": [True],
+                "wg_pingpong": [True],
+                "persistent": [False, True],
+                "wg_epilogue": [True],
+            },
+        },
+        sampler="grid",
+        budget={"trials": 10},
+    )
     result = run_search(load_job(path), say=quiet).results[0]
     assert result.pruned >= 1 and result.measured >= 1  # wg_epilogue needs persistent CTAs
     with ResultsDB.open(str(workdir / "fa4tune-results" / "results.db"), create=False) as db:
         trials = db.trials()
-    assert {t["status"] for t in trials} == {"ok", "pruned"} and all(t["is_estimate"] for t in trials)
+    assert {t["status"] for t in trials} == {"ok", "pruned"} and all(
+        t["is_estimate"] for t in trials
+    )
 
 
 @pytest.mark.parametrize("lookahead", [0, 2])
@@ -102,7 +137,9 @@ def test_a_grid_search_asks_for_each_point_once_and_ends_when_all_were_tried(wor
     until they read as convergence. Candidates asked ahead (lookahead) must not outrun the grid."""
     import optuna
 
-    job = load_job(write_job(workdir, spaces=COLLAPSED_GRID, sampler="grid", budget={"trials": 100}))
+    job = load_job(
+        write_job(workdir, spaces=COLLAPSED_GRID, sampler="grid", budget={"trials": 100})
+    )
     (best_ms, _), size = exhaustive_optimum(job)
     spy = SpyBackend(KERNEL, H200)
     spy.lookahead = lookahead
@@ -111,7 +148,9 @@ def test_a_grid_search_asks_for_each_point_once_and_ends_when_all_were_tried(wor
     assert result.stopped == f"grid exhausted (all {size} points tried)"
     assert result.best_ms == pytest.approx(best_ms)
     assert len(spy.seen) == result.measured == len({config_key(c) for _, c in spy.seen})
-    trials = optuna.load_study(study_name=result.study_name, storage=open_storage(summary.storage)).trials
+    trials = optuna.load_study(
+        study_name=result.study_name, storage=open_storage(summary.storage)
+    ).trials
     grid_ids = [t.system_attrs["grid_id"] for t in trials if "grid_id" in t.system_attrs]
     assert sorted(grid_ids) == list(range(size)), "a grid point was proposed twice, or never"
 
@@ -120,8 +159,12 @@ def test_infeasible_configs_never_reach_the_backend(workdir):
     problems = [{"head_dim": 256, "seqlen_q": 2048, "batch": 2, "nheads_q": 8}]
     # With the softmax space too: without it every emulated candidate is refused (the default's lazy
     # max needs the MUFU's exponentials), and hdim 256 then has only 18 configs to measure.
-    path = write_job(workdir, spaces=["tiles", "pipeline", "exp2", "softmax"], problems=problems,
-                     budget={"trials": 25})
+    path = write_job(
+        workdir,
+        spaces=["tiles", "pipeline", "exp2", "softmax"],
+        problems=problems,
+        budget={"trials": 25},
+    )
     job = load_job(path)
     spy = SpyBackend(KERNEL, H200)
     summary = run_search(job, backend=spy, say=quiet)
@@ -136,7 +179,9 @@ def test_infeasible_configs_never_reach_the_backend(workdir):
     pruned = [t for t in trials if t["status"] == "pruned"]
     assert pruned, "hdim 256 with deep pipelines must hit the shared-memory limit"
     assert all(t["reason"] and t["time_ms"] is None for t in pruned)
-    assert {t["config_key"] for t in pruned}.isdisjoint({t["config_key"] for t in trials if t["status"] == "ok"})
+    assert {t["config_key"] for t in pruned}.isdisjoint(
+        {t["config_key"] for t in trials if t["status"] == "ok"}
+    )
     # Pruned suggestions do not use up the budget: 25 configs were measured on top of them.
     assert summary.results[0].pruned == len(pruned)
 
@@ -150,14 +195,20 @@ def test_emulation_searched_without_the_softmax_space_is_refused_with_the_lazy_m
     with ResultsDB.open(summary.db_location, create=False) as db:
         trials = db.trials()
     emulated = [t for t in trials if t["config"]["emu_share"] > 0]
-    assert emulated and all(t["status"] == "pruned" and "lazy_max with emu_share" in t["reason"]
-                            for t in emulated)
+    assert emulated and all(
+        t["status"] == "pruned" and "lazy_max with emu_share" in t["reason"] for t in emulated
+    )
     assert {t["config"]["emu_share"] for t in trials if t["status"] == "ok"} == {0.0}
 
 
 def test_default_is_measured_first_and_neighbours_warm_start_the_next_problem(workdir):
-    first = write_job(workdir, name="first", spaces=SMALL_SPACE, budget={"trials": 30},
-                      problems=[{"head_dim": 64, "seqlen_q": 4096, "batch": 2, "nheads_q": 16}])
+    first = write_job(
+        workdir,
+        name="first",
+        spaces=SMALL_SPACE,
+        budget={"trials": 30},
+        problems=[{"head_dim": 64, "seqlen_q": 4096, "batch": 2, "nheads_q": 16}],
+    )
     summary = run_search(load_job(first), say=quiet)
     with ResultsDB.open(summary.db_location, create=False) as db:
         trials = db.trials()
@@ -167,8 +218,14 @@ def test_default_is_measured_first_and_neighbours_warm_start_the_next_problem(wo
     assert trials[0]["source"] == "default" and trials[0]["config"] == default.to_dict()
     assert summary.results[0].default_ms == trials[0]["time_ms"]
 
-    second = write_job(workdir, name="second", spaces=SMALL_SPACE, budget={"trials": 3}, warm_start=2,
-                       problems=[{"head_dim": 64, "seqlen_q": 8192, "batch": 1, "nheads_q": 16}])
+    second = write_job(
+        workdir,
+        name="second",
+        spaces=SMALL_SPACE,
+        budget={"trials": 3},
+        warm_start=2,
+        problems=[{"head_dim": 64, "seqlen_q": 8192, "batch": 1, "nheads_q": 16}],
+    )
     run_search(load_job(second), say=quiet)
     with ResultsDB.open(summary.db_location, create=False) as db:
         new = [t for t in db.trials() if t["run_id"] == 2]
@@ -176,8 +233,14 @@ def test_default_is_measured_first_and_neighbours_warm_start_the_next_problem(wo
     assert new[1]["config"] == best.config
 
     # fp16 of the first problem's shape: the bf16 best of that very shape starts it (the sibling dtype).
-    third = write_job(workdir, name="third", spaces=SMALL_SPACE, budget={"trials": 3}, warm_start=1,
-                      problems=[{"dtype": "fp16", "head_dim": 64, "seqlen_q": 4096, "batch": 2, "nheads_q": 16}])
+    third = write_job(
+        workdir,
+        name="third",
+        spaces=SMALL_SPACE,
+        budget={"trials": 3},
+        warm_start=1,
+        problems=[{"dtype": "fp16", "head_dim": 64, "seqlen_q": 4096, "batch": 2, "nheads_q": 16}],
+    )
     run_search(load_job(third), say=quiet)
     with ResultsDB.open(summary.db_location, create=False) as db:
         new = [t for t in db.trials() if t["run_id"] == 3]
@@ -188,7 +251,9 @@ def test_default_is_measured_first_and_neighbours_warm_start_the_next_problem(wo
 def test_search_with_an_entry_point_plugin(workdir, entry_point_plugin):
     from fa4tune_testplugin import REJECTED
 
-    path = write_job(workdir, spaces={"tiles": {}, "even_stages": {}}, sampler="random", budget={"trials": 10})
+    path = write_job(
+        workdir, spaces={"tiles": {}, "even_stages": {}}, sampler="random", budget={"trials": 10}
+    )
     summary = run_search(load_job(path), say=quiet)
     with ResultsDB.open(summary.db_location, create=False) as db:
         trials = db.trials()
@@ -198,8 +263,12 @@ def test_search_with_an_entry_point_plugin(workdir, entry_point_plugin):
 
 
 def test_time_budget_stops_a_problem(workdir):
-    path = write_job(workdir, spaces=["tiles", "pipeline", "exp2", "softmax"], budget={"seconds": 0.5},
-                     sampler="random")
+    path = write_job(
+        workdir,
+        spaces=["tiles", "pipeline", "exp2", "softmax"],
+        budget={"seconds": 0.5},
+        sampler="random",
+    )
     result = run_search(load_job(path), say=quiet).results[0]
     assert "time budget" in result.stopped and result.measured >= 1
 
@@ -247,13 +316,16 @@ def test_opening_an_rdb_storage_retries_a_lost_schema_race_and_nothing_else(work
     import optuna
     from sqlalchemy.exc import IntegrityError
 
-    from fa4tune.tune import studies
     from fa4tune.errors import StorageError
+    from fa4tune.tune import studies
 
     monkeypatch.setattr(studies.time, "sleep", lambda s: None)
     real = optuna.storages.RDBStorage
-    race = IntegrityError("CREATE TABLE studies", {}, Exception(
-        'duplicate key value violates unique constraint "pg_type_typname_nsp_index"'))
+    race = IntegrityError(
+        "CREATE TABLE studies",
+        {},
+        Exception('duplicate key value violates unique constraint "pg_type_typname_nsp_index"'),
+    )
     calls = []
 
     def flaky(url, *args, fails=1, error=race, **kwargs):
@@ -266,28 +338,43 @@ def test_opening_an_rdb_storage_retries_a_lost_schema_race_and_nothing_else(work
     monkeypatch.setattr(optuna.storages, "RDBStorage", flaky)
     assert isinstance(studies.open_storage(url), real) and len(calls) == 2
     calls.clear()
-    monkeypatch.setattr(optuna.storages, "RDBStorage", lambda url, *a, **k: flaky(url, *a, fails=99, **k))
+    monkeypatch.setattr(
+        optuna.storages, "RDBStorage", lambda url, *a, **k: flaky(url, *a, fails=99, **k)
+    )
     with pytest.raises(StorageError, match="pg_type_typname_nsp_index"):
         studies.open_storage(url)
     assert len(calls) == studies.SCHEMA_RACE_ATTEMPTS
     calls.clear()
-    other = IntegrityError("INSERT", {}, Exception("null value in column violates not-null constraint"))
-    monkeypatch.setattr(optuna.storages, "RDBStorage",
-                        lambda url, *a, **k: flaky(url, *a, fails=99, error=other, **k))
+    other = IntegrityError(
+        "INSERT", {}, Exception("null value in column violates not-null constraint")
+    )
+    monkeypatch.setattr(
+        optuna.storages,
+        "RDBStorage",
+        lambda url, *a, **k: flaky(url, *a, fails=99, error=other, **k),
+    )
     with pytest.raises(StorageError, match="not-null"):
         studies.open_storage(url)
     assert len(calls) == 1
 
 
 def test_probes_follow_the_default_and_a_bad_count_is_refused(workdir):
-    job = write_job(workdir, name="probed", spaces=SMALL_SPACE, budget={"trials": 5}, probes=3,
-                    problems=[{"head_dim": 64, "seqlen_q": 4096, "batch": 2, "nheads_q": 16}])
+    job = write_job(
+        workdir,
+        name="probed",
+        spaces=SMALL_SPACE,
+        budget={"trials": 5},
+        probes=3,
+        problems=[{"head_dim": 64, "seqlen_q": 4096, "batch": 2, "nheads_q": 16}],
+    )
     summary = run_search(load_job(job), say=quiet)
     with ResultsDB.open(summary.db_location, create=False) as db:
         trials = db.trials()
     problem = Problem(head_dim=64, seqlen_q=4096, batch=2, nheads_q=16)
     space = compose(KERNEL, load_job(job).spaces)
-    expected = [space.full_config(problem, H200, p).to_dict() for p in space.probes(problem, H200, 3)]
+    expected = [
+        space.full_config(problem, H200, p).to_dict() for p in space.probes(problem, H200, 3)
+    ]
     assert [t["source"] for t in trials[:4]] == ["default", "probe", "probe", "probe"]
     assert [t["config"] for t in trials[1:4]] == expected
     bad = write_job(workdir, name="bad", probes=-1)

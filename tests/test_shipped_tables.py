@@ -33,7 +33,9 @@ def test_every_shipped_entry_is_measured_feasible_and_found(path):
     lookup = Lookup(path)
     for entry in table["entries"]:
         problem, config = Problem.from_dict(entry["problem"]), kernel.config(entry["config"])
-        assert not entry["is_estimate"], f"{entry['problem_key']}: a cost-model estimate in a shipped table"
+        assert not entry["is_estimate"], (
+            f"{entry['problem_key']}: a cost-model estimate in a shipped table"
+        )
         assert entry["provenance"].get("backend") == "gpu" and entry["provenance"].get("confirmed")
         assert FAMILY.infeasible_reasons(problem, config, target) == []
         found = lookup(problem, target, kernel.name)
@@ -50,18 +52,51 @@ def test_every_shipped_table_was_tuned_for_the_installed_kernel_code(path):
     assert table["kernel_hash"] == installed, (
         f"{path.name} was tuned for {table['kernel']} {table['kernel_hash'][:12]}, installed {installed[:12]}: "
         "re-tune it (fa4tune search); if the change leaves the compiled code alone, `fa4tune carry "
-        f"tuning_configs/tables/{path.name} --from REV --write` checks that and carries it")
+        f"tuning_configs/tables/{path.name} --from REV --write` checks that and carries it"
+    )
 
 
 def test_a_wheel_carries_the_shipped_tables(tmp_path):
     # Built from a copy without build/ and *.egg-info: a stale build/lib would carry the tables even if
     # the package data were gone (and the build would write into the checkout).
     source = tmp_path / "src"
-    shutil.copytree(REPO, source, symlinks=True, ignore=shutil.ignore_patterns(
-        ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "fa4tune-results",
-        ".gpuA", ".gpuB", ".run", ".whl", "out"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(tmp_path)], check=True, capture_output=True, timeout=300)
+    shutil.copytree(
+        REPO,
+        source,
+        symlinks=True,
+        ignore=shutil.ignore_patterns(
+            ".git",
+            ".venv",
+            "build",
+            "dist",
+            "*.egg-info",
+            "__pycache__",
+            ".pytest_cache",
+            "fa4tune-results",
+            ".gpuA",
+            ".gpuB",
+            ".run",
+            ".whl",
+            "out",
+        ),
+    )
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            str(source),
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     [wheel] = tmp_path.glob("fa4tune-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for table in TABLES:

@@ -1,5 +1,4 @@
 import itertools
-
 import math
 
 import pytest
@@ -7,7 +6,16 @@ import pytest
 from fa4tune.errors import SpaceError
 from fa4tune.kernels import get_kernel
 from fa4tune.problem import Problem
-from fa4tune.space import Choice, Range, SearchSpace, available_spaces, compose, domain_of, get_space, parse_domain
+from fa4tune.space import (
+    Choice,
+    Range,
+    SearchSpace,
+    available_spaces,
+    compose,
+    domain_of,
+    get_space,
+    parse_domain,
+)
 from fa4tune.target import get_target
 
 KERNEL = get_kernel("fa4_fwd_sm90")
@@ -48,7 +56,9 @@ def test_a_parameter_declared_by_two_plugins_is_an_error():
         name = "tile_n_again"
         knobs = ("tile_n",)
 
-    with pytest.raises(SpaceError, match="'tile_n' is declared by both space 'tiles' and space 'tile_n_again'"):
+    with pytest.raises(
+        SpaceError, match="'tile_n' is declared by both space 'tiles' and space 'tile_n_again'"
+    ):
         from fa4tune.space import ComposedSpace
 
         ComposedSpace(KERNEL, [get_space("tiles")(KERNEL), TileN(KERNEL)])
@@ -57,7 +67,9 @@ def test_a_parameter_declared_by_two_plugins_is_an_error():
 def test_unknown_space_and_parameter_list_the_known_ones():
     with pytest.raises(SpaceError, match="unknown search space 'tilez'; known spaces: .*tiles"):
         get_space("tilez")
-    with pytest.raises(SpaceError, match="has no parameter 'tile_k'; its parameters: tile_m, tile_n"):
+    with pytest.raises(
+        SpaceError, match="has no parameter 'tile_k'; its parameters: tile_m, tile_n"
+    ):
         compose(KERNEL, {"tiles": {"tile_k": Choice([1])}})
     with pytest.raises(SpaceError, match="tile_n value.*100.*outside its domain"):
         compose(KERNEL, {"tiles": {"tile_n": Choice([96, 100])}})
@@ -81,18 +93,31 @@ def test_a_continuous_range_over_a_knob_with_few_values_means_those_values_in_it
     # to the default alone).
     space = compose(KERNEL, {"exp2": {"emu_share": Range(0.125, 0.5)}})
     default = KERNEL.default_config(problem, H200).emu_share
-    assert set(space.domains(problem, H200)["emu_share"].values()) == {default, 0.125, 0.25, 0.375, 0.5}
+    assert set(space.domains(problem, H200)["emu_share"].values()) == {
+        default,
+        0.125,
+        0.25,
+        0.375,
+        0.5,
+    }
     with pytest.raises(SpaceError, match="range float 2.5..3.5 holds none of its values"):
         compose(KERNEL, {"softmax": {"rescale_threshold": Range(2.5, 3.5)}})
     # As a job writes it: YAML's {low: 0, high: 8} is an integer range.
     from fa4tune.space import parse_domain
 
-    space = compose(KERNEL, {"softmax": {"rescale_threshold": parse_domain({"low": 0, "high": 8}, "x")},
-                             "tiles": {"tile_n": parse_domain({"low": 64, "high": 128}, "tile_n")}})
+    space = compose(
+        KERNEL,
+        {
+            "softmax": {"rescale_threshold": parse_domain({"low": 0, "high": 8}, "x")},
+            "tiles": {"tile_n": parse_domain({"low": 64, "high": 128}, "tile_n")},
+        },
+    )
     domains = space.domains(problem, H200)
     assert domains["rescale_threshold"] == Choice((0.0, 2.0, 4.0, 8.0))
     # A range whose every value is legal stays the ordered range it was (and so does the study name).
-    stages = compose(KERNEL, {"pipeline": {"num_stages": parse_domain({"low": 2, "high": 4}, "num_stages")}})
+    stages = compose(
+        KERNEL, {"pipeline": {"num_stages": parse_domain({"low": 2, "high": 4}, "num_stages")}}
+    )
     assert stages.spaces[0].domains["num_stages"] == Range(2, 4, integer=True)
     assert set(domains["tile_n"].values()) >= {64, 128} and 65 not in domains["tile_n"].values()
 
@@ -100,8 +125,11 @@ def test_a_continuous_range_over_a_knob_with_few_values_means_those_values_in_it
 def test_checks_union_plugins_and_kernel_with_reasons():
     space = compose(KERNEL)
     problem = Problem(head_dim=256, seqlen_q=4096)
-    huge = space.full_config(problem, H200, {"tile_m": 192, "tile_n": 192, "num_stages": 5,
-                                             "poly_degree": 1, "emu_share": 0.5})
+    huge = space.full_config(
+        problem,
+        H200,
+        {"tile_m": 192, "tile_n": 192, "num_stages": 5, "poly_degree": 1, "emu_share": 0.5},
+    )
     reasons = space.check(problem, huge, H200)
     assert any("shared memory" in r for r in reasons)
     assert any("exp2" in r or "degree" in r for r in reasons)
@@ -114,13 +142,20 @@ def test_checks_union_plugins_and_kernel_with_reasons():
 
 def test_every_feasible_config_passes_the_kernel_and_every_plugin_reason_is_the_kernels_too():
     """The plugins may not be stricter or looser than the kernel's own rules on the knobs they own."""
-    space = compose(KERNEL, {"exp2": {"poly_degree": Choice([1, 3]), "emu_share": Choice([0.0, 0.25])},
-                             "softmax": {"rescale_threshold": Choice([0.0])}})
+    space = compose(
+        KERNEL,
+        {
+            "exp2": {"poly_degree": Choice([1, 3]), "emu_share": Choice([0.0, 0.25])},
+            "softmax": {"rescale_threshold": Choice([0.0])},
+        },
+    )
     problem = Problem(head_dim=128, seqlen_q=2048)
     grid = space.grid(problem, H200)
     for values in itertools.product(*grid.values()):
         config = space.full_config(problem, H200, dict(zip(grid, values)))
-        assert bool(space.check(problem, config, H200)) == bool(KERNEL.infeasible_reasons(problem, config, H200))
+        assert bool(space.check(problem, config, H200)) == bool(
+            KERNEL.infeasible_reasons(problem, config, H200)
+        )
 
 
 def test_every_legal_threshold_keeps_p_within_fp16():
@@ -149,16 +184,21 @@ def test_lazy_max_needs_a_threshold_above_a_row_of_equal_scores():
     reasons = KERNEL.infeasible_reasons(problem, low, H200)
     assert reasons and "rescale_threshold >= 5.00" in reasons[0]
     assert compose(KERNEL).check(problem, low, H200) == reasons
-    assert KERNEL.infeasible_reasons(problem, KERNEL.config({"rescale_threshold": 4.0, "tile_n": 64}),
-                                     H200) == []
+    assert (
+        KERNEL.infeasible_reasons(
+            problem, KERNEL.config({"rescale_threshold": 4.0, "tile_n": 64}), H200
+        )
+        == []
+    )
     # The emulated exp2 is wrong past 2^127, and the lazy step exponentiates whole rises: MUFU only.
     emulated = KERNEL.config({"rescale_threshold": 8.0, "lazy_max": True, "emu_share": 0.25})
     reasons = KERNEL.infeasible_reasons(problem, emulated, H200)
     assert reasons and "emu_share 0.25" in reasons[0]
 
 
-@pytest.mark.parametrize("head_dim,head_dim_v", [(64, 64), (96, 96), (128, 128), (192, 128), (192, 192),
-                                                  (256, 256)])
+@pytest.mark.parametrize(
+    "head_dim,head_dim_v", [(64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256)]
+)
 def test_the_default_takes_the_lazy_max_at_every_head_dim(head_dim, head_dim_v):
     """Run 11 searched (and shipped) with the lazy max in every default: a default that loses it, or
     one the softmax plugin refuses, would start every search from a config it never measured."""
@@ -183,24 +223,47 @@ def test_probes_change_one_knob_each_nearest_first_and_stay_feasible():
     default = space.default_params(problem, target)
     probes = space.probes(problem, target, 16)
     assert len(probes) == 16
-    changed = [[k for k in default if not (probe[k] == default[k] and type(probe[k]) is type(default[k]))]
-               for probe in probes]
+    changed = [
+        [k for k in default if not (probe[k] == default[k] and type(probe[k]) is type(default[k]))]
+        for probe in probes
+    ]
     # one knob each, or up to three where one of them alone is infeasible beside the default's others
-    assert all(len(c) == 1 or (len(c) <= 3 and any(space.check(
-        problem, space.full_config(problem, target, {**default, k: p[k]}), target) for k in c))
-        for c, p in zip(changed, probes)), changed
+    assert all(
+        len(c) == 1
+        or (
+            len(c) <= 3
+            and any(
+                space.check(
+                    problem, space.full_config(problem, target, {**default, k: p[k]}), target
+                )
+                for k in c
+            )
+        )
+        for c, p in zip(changed, probes)
+    ), changed
     keys = [space.full_config(problem, target, p) for p in probes]
     assert len(set(keys)) == len(keys), "two probes are the same kernel"
     assert space.full_config(problem, target, default) not in keys
-    assert all(space.check(problem, space.full_config(problem, target, p), target) == [] for p in probes)
+    assert all(
+        space.check(problem, space.full_config(problem, target, p), target) == [] for p in probes
+    )
     # poly_degree alone is no kernel change while emu_share is 0: never probed by itself
     assert ["poly_degree"] not in changed
     # the first round takes each knob's nearest values (both, the larger first, when two are equally
     # near) before any knob's next ones: tile_m 192 at hdim 64 probes 256 (repaired) and 128 first
-    probed = [next(k for k in c if space.check(problem, space.full_config(
-        problem, target, {**default, k: p[k]}), target) or len(c) == 1) for c, p in zip(changed, probes)]
+    probed = [
+        next(
+            k
+            for k in c
+            if space.check(
+                problem, space.full_config(problem, target, {**default, k: p[k]}), target
+            )
+            or len(c) == 1
+        )
+        for c, p in zip(changed, probes)
+    ]
     assert probed[:2] == ["tile_m", "tile_m"] and [p["tile_m"] for p in probes[:2]] == [256, 128]
-    first_round = probed[:probed.index("tile_m", 2)] if "tile_m" in probed[2:] else probed
+    first_round = probed[: probed.index("tile_m", 2)] if "tile_m" in probed[2:] else probed
     assert len(set(first_round)) >= 6
     # numbers: the nearest other value first, the larger on a tie
     stages = [p["num_stages"] for p, c in zip(probes, changed) if c == ["num_stages"]]
@@ -218,12 +281,20 @@ def test_a_value_infeasible_beside_the_default_is_probed_with_the_nearest_repair
     problem = Problem(head_dim=64, seqlen_q=1024, batch=16, nheads_q=32)
     default = space.default_params(problem, target)
     assert default["tile_m"] == 192 and default["tile_n"] == 128 and default["intra_wg_overlap"]
-    assert space.check(problem, space.full_config(problem, target, {**default, "tile_m": 256}), target)
+    assert space.check(
+        problem, space.full_config(problem, target, {**default, "tile_m": 256}), target
+    )
     probe = space.probes(problem, target, 1)[0]
-    assert {k: v for k, v in probe.items() if v != default[k]} == \
-        {"tile_m": 256, "tile_n": 96, "intra_wg_overlap": False}
-    assert space.check(problem, space.full_config(problem, target, {**default, "tile_m": 256, "tile_n": 96}),
-                       target)
+    assert {k: v for k, v in probe.items() if v != default[k]} == {
+        "tile_m": 256,
+        "tile_n": 96,
+        "intra_wg_overlap": False,
+    }
+    assert space.check(
+        problem,
+        space.full_config(problem, target, {**default, "tile_m": 256, "tile_n": 96}),
+        target,
+    )
     assert space.check(problem, space.full_config(problem, target, probe), target) == []
 
 
@@ -248,9 +319,11 @@ def test_a_plugins_mistakes_are_named_before_any_search():
         def params(self):
             return {"num_stages": Choice([2, 7])}
 
-    for cls, message in ((NotParams, "domain of num_stages must be a Choice or a Range"),
-                         (OtherKnob, r"a domain to each of its knobs \(num_stages\); it gave tile_n"),
-                         (SevenStages, r"num_stages value\(s\) 7 are not values the kernel takes")):
+    for cls, message in (
+        (NotParams, "domain of num_stages must be a Choice or a Range"),
+        (OtherKnob, r"a domain to each of its knobs \(num_stages\); it gave tile_n"),
+        (SevenStages, r"num_stages value\(s\) 7 are not values the kernel takes"),
+    ):
         with pytest.raises(SpaceError, match=f"space '{cls.name}' .*{message}"):
             cls(KERNEL)
 
@@ -279,18 +352,24 @@ def test_a_plugin_check_that_raises_is_named_and_a_plugin_default_is_the_startin
     assert three.domains(problem, H200)["num_stages"].contains(3)
 
 
-def test_a_broken_entry_point_stops_only_the_jobs_that_need_it(entry_point_plugin, tmp_path, monkeypatch):
+def test_a_broken_entry_point_stops_only_the_jobs_that_need_it(
+    entry_point_plugin, tmp_path, monkeypatch
+):
     import fa4tune.space
 
     dist = tmp_path / "site2" / "fa4tune_broken-1.0.dist-info"
     dist.mkdir(parents=True)
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: fa4tune-broken\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text("[fa4tune.spaces]\nbroken = no_such_module_anywhere:Space\n")
+    (dist / "entry_points.txt").write_text(
+        "[fa4tune.spaces]\nbroken = no_such_module_anywhere:Space\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path / "site2"))
     fa4tune.space.rediscover()
     try:
         assert get_space("tiles").name == "tiles"  # a built-in: the entry points are not loaded
-        assert get_space("even_stages").name == "even_stages"  # another plugin: only its own is loaded
+        assert (
+            get_space("even_stages").name == "even_stages"
+        )  # another plugin: only its own is loaded
         with pytest.raises(SpaceError, match="cannot load search space entry point 'broken'"):
             get_space("broken")
     finally:

@@ -1,22 +1,33 @@
 import pytest
 import yaml
-
 from conftest import write_job
+
 from fa4tune.db import ResultsDB
 from fa4tune.errors import TableError
-from fa4tune.tune.job import load_job
 from fa4tune.kernels import get_kernel
-from fa4tune.tune.search import run_search
 from fa4tune.runtime.tables import export_table, import_table, read_table
+from fa4tune.tune.job import load_job
+from fa4tune.tune.search import run_search
 
 KERNEL = get_kernel()
 
 
 @pytest.fixture
 def searched(workdir):
-    path = write_job(workdir, spaces=["tiles", "pipeline"], budget={"trials": 6},
-                     problems=[{"head_dim": [64, 128], "causal": [False, True], "seqlen_q": 2048, "batch": 2,
-                                "nheads_q": 8}])
+    path = write_job(
+        workdir,
+        spaces=["tiles", "pipeline"],
+        budget={"trials": 6},
+        problems=[
+            {
+                "head_dim": [64, 128],
+                "causal": [False, True],
+                "seqlen_q": 2048,
+                "batch": 2,
+                "nheads_q": 8,
+            }
+        ],
+    )
     summary = run_search(load_job(path), say=lambda *a: None)
     return summary.db_location
 
@@ -73,22 +84,37 @@ def test_a_table_for_another_kernel_hash_is_refused_and_nothing_is_written(searc
         assert db.counts()["best_configs"] == 0
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda d: d.pop("kernel_hash"), "kernel_hash: missing"),
-    (lambda d: d.update(format="other/9"), "format"),
-    (lambda d: d["entries"][0].pop("config"), r"entries\[0\]: missing field\(s\) config"),
-    (lambda d: d["entries"][0]["problem"].update(head_dim=80), r"entries\[0\].problem: unsupported head_dim"),
-    (lambda d: d["entries"][0].update(problem_key="x"), "does not match"),
-    (lambda d: d["entries"][0].update(bucket_key="x"), r"entries\[0\].bucket_key: 'x' does not match"),
-    (lambda d: d["entries"][0]["config"].update(tile_n=100), r"entries\[0\].config"),
-    (lambda d: d.update(target="Z9"), "target: unknown target"),
-    (lambda d: d.update(carried={"from_hash": "x"}), "carried: a list of records"),
-    (lambda d: d.update(carried=[{"from_hash": "x", "to_hash": "y"}]), "carried: a list of records with from_hash"),
-    # `carry --write` renders the label: a table without it must fail here, not with a KeyError there.
-    (lambda d: d.pop("estimates"), "estimates: missing or not true"),
-    (lambda d: d.update(estimates=False), "estimates: missing or not true"),
-    (lambda d: d["entries"][0].update(is_estimate="no"), r"entries\[0\].is_estimate: true or false"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda d: d.pop("kernel_hash"), "kernel_hash: missing"),
+        (lambda d: d.update(format="other/9"), "format"),
+        (lambda d: d["entries"][0].pop("config"), r"entries\[0\]: missing field\(s\) config"),
+        (
+            lambda d: d["entries"][0]["problem"].update(head_dim=80),
+            r"entries\[0\].problem: unsupported head_dim",
+        ),
+        (lambda d: d["entries"][0].update(problem_key="x"), "does not match"),
+        (
+            lambda d: d["entries"][0].update(bucket_key="x"),
+            r"entries\[0\].bucket_key: 'x' does not match",
+        ),
+        (lambda d: d["entries"][0]["config"].update(tile_n=100), r"entries\[0\].config"),
+        (lambda d: d.update(target="Z9"), "target: unknown target"),
+        (lambda d: d.update(carried={"from_hash": "x"}), "carried: a list of records"),
+        (
+            lambda d: d.update(carried=[{"from_hash": "x", "to_hash": "y"}]),
+            "carried: a list of records with from_hash",
+        ),
+        # `carry --write` renders the label: a table without it must fail here, not with a KeyError there.
+        (lambda d: d.pop("estimates"), "estimates: missing or not true"),
+        (lambda d: d.update(estimates=False), "estimates: missing or not true"),
+        (
+            lambda d: d["entries"][0].update(is_estimate="no"),
+            r"entries\[0\].is_estimate: true or false",
+        ),
+    ],
+)
 def test_malformed_tables_name_the_field(searched, workdir, edit, message):
     with ResultsDB.open(searched, create=False) as db:
         export_table(db, "t.yaml", kernel=KERNEL, target="H200")

@@ -10,27 +10,58 @@ from fa4tune.measure.base import Measurement
 from fa4tune.problem import Problem
 
 REPO = Path(__file__).resolve().parent.parent
-spec = importlib.util.spec_from_file_location("tuning_report", REPO / "benchmarks" / "tuning_report.py")
+spec = importlib.util.spec_from_file_location(
+    "tuning_report", REPO / "benchmarks" / "tuning_report.py"
+)
 report = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(report)
 
 GRID = Problem(head_dim=128, seqlen_q=4096, batch=4, nheads_q=16)
 KERNEL = get_kernel()
-HEADER = {"kernel": "k", "target": "H200", "date": "d", "gpu": "NVIDIA H200", "driver": "580", "cuda": "13.0",
-          "torch": "2.11", "dsl": "4.8.1", "fa4": "4.0.0b36", "kernel_hash": "abcdef0123456789", "db": "x.db",
-          "rounds": 3}
+HEADER = {
+    "kernel": "k",
+    "target": "H200",
+    "date": "d",
+    "gpu": "NVIDIA H200",
+    "driver": "580",
+    "cuda": "13.0",
+    "torch": "2.11",
+    "dsl": "4.8.1",
+    "fa4": "4.0.0b36",
+    "kernel_hash": "abcdef0123456789",
+    "db": "x.db",
+    "rounds": 3,
+}
 
 
 def test_search_story_counts_trials_to_the_best(workdir):
     with ResultsDB.open("r.db") as db:
-        run = db.start_run(job_name="j", kernel=KERNEL.name, kernel_hash="h", target="H200", backend="gpu",
-                           is_estimate=False, fa4tune_version="0", study_prefix="p")
+        run = db.start_run(
+            job_name="j",
+            kernel=KERNEL.name,
+            kernel_hash="h",
+            target="H200",
+            backend="gpu",
+            is_estimate=False,
+            fa4tune_version="0",
+            study_prefix="p",
+        )
         times = [2.0, None, 1.5, 1.02, 1.3, 1.0, 1.4]  # None: an infeasible (pruned) suggestion
         for number, ms in enumerate(times):
             m = Measurement.pruned(["x"]) if ms is None else Measurement.ok(GRID, ms)
-            db.add_trial(run_id=run, study_name="s", optuna_number=number, kernel=KERNEL.name, kernel_hash="h",
-                         target="H200", problem=GRID, config={"tile_n": number}, measurement=m, source="sampler",
-                         provenance={})
+            db.add_trial(
+                run_id=run,
+                study_name="s",
+                optuna_number=number,
+                kernel=KERNEL.name,
+                kernel_hash="h",
+                target="H200",
+                problem=GRID,
+                config={"tile_n": number},
+                measurement=m,
+                source="sampler",
+                provenance={},
+            )
         [best] = db.best_configs()
         story = report.search_story(db, GRID.key(), best)
     # Measured (pruned skipped): 2.0, 1.5, 1.02 (within 2% of 1.0: trial 3), 1.3, 1.0 (the best: trial 5).
@@ -38,37 +69,71 @@ def test_search_story_counts_trials_to_the_best(workdir):
 
 
 def test_render_says_what_is_missing():
-    cells = {"default": {"tflops": 600.0}, "tuned": {"tflops": 660.0},
-             "flash-attn-4": "not installed (ModuleNotFoundError: flash_attn)",
-             "flash-attn-4, O only": "not installed (ModuleNotFoundError: flash_attn)", "cuDNN": {"tflops": 610.0}}
-    rows = [{"key": GRID.key(), "grid": True, "default": "128x128s2", "changed": "tile_n=160", "cells": cells,
-             "story": {"measured": 30, "to_near": 12, "to_best": 20, "wall_s": 55.0, "stopped": 4}},
-            {"key": "other", "grid": False, "default": "128x128s2", "note": "not tuned (no best config in the DB)"}]
+    cells = {
+        "default": {"tflops": 600.0},
+        "tuned": {"tflops": 660.0},
+        "flash-attn-4": "not installed (ModuleNotFoundError: flash_attn)",
+        "flash-attn-4, O only": "not installed (ModuleNotFoundError: flash_attn)",
+        "cuDNN": {"tflops": 610.0},
+    }
+    rows = [
+        {
+            "key": GRID.key(),
+            "grid": True,
+            "default": "128x128s2",
+            "changed": "tile_n=160",
+            "cells": cells,
+            "story": {"measured": 30, "to_near": 12, "to_best": 20, "wall_s": 55.0, "stopped": 4},
+        },
+        {
+            "key": "other",
+            "grid": False,
+            "default": "128x128s2",
+            "note": "not tuned (no best config in the DB)",
+        },
+    ]
     text = report.render(rows, {**HEADER, "fa4": "not installed"})
     assert "**1.100x** (target ≥ 1.05)" in text
     assert "flash-attn-4 not measured" in text
     assert "not installed (ModuleNotFoundError: flash_attn)" in text
     assert "| 600 | 660 |" in text and "12 / 20 (30, 4 stopped)" in text and "not tuned" in text
-    assert all(line.count("|") == text.splitlines()[-3].count("|") for line in text.splitlines()[-3:])
+    assert all(
+        line.count("|") == text.splitlines()[-3].count("|") for line in text.splitlines()[-3:]
+    )
 
 
 def test_flash_attn_4_is_judged_by_the_column_that_writes_lse_too():
     """fa4tune writes O and LSE: the target compares it with flash-attn-4 doing the same; the O-only
     column (flash-attn-4's default) is shown beside it with its own ratio."""
-    cells = {"default": {"tflops": 580.0}, "tuned": {"tflops": 584.0}, "flash-attn-4": {"tflops": 581.0},
-             "flash-attn-4, O only": {"tflops": 587.0}, "cuDNN": {"tflops": 480.0}}
-    rows = [{"key": GRID.key(), "grid": True, "default": "192x128", "changed": "(default)", "cells": cells,
-             "story": {"measured": 40, "to_near": 1, "to_best": 1, "wall_s": 27.0}}]
+    cells = {
+        "default": {"tflops": 580.0},
+        "tuned": {"tflops": 584.0},
+        "flash-attn-4": {"tflops": 581.0},
+        "flash-attn-4, O only": {"tflops": 587.0},
+        "cuDNN": {"tflops": 480.0},
+    }
+    rows = [
+        {
+            "key": GRID.key(),
+            "grid": True,
+            "default": "192x128",
+            "changed": "(default)",
+            "cells": cells,
+            "story": {"measured": 40, "to_near": 1, "to_best": 1, "wall_s": 27.0},
+        }
+    ]
     text = report.render(rows, HEADER)
     assert "(both writing O and LSE) on the grid: lowest **1.005x**, 1 of 1 shapes" in text
     assert "computing O only: lowest 0.995x, 0 of 1 shapes" in text
     assert "| 580 | 584 | 581 | 587 | 480 | 1.007 | 1.005 | 0.995 |" in text
     assert report._with_lse(("o", "lse", None)) == ("o", "lse")
     import pytest
+
     with pytest.raises(RuntimeError, match="no LSE"):
         report._with_lse(("o", None))
-    assert report.is_grid(GRID) and not report.is_grid(Problem(head_dim=128, seqlen_q=8192, batch=2, nheads_q=32,
-                                                                  nheads_kv=8))
+    assert report.is_grid(GRID) and not report.is_grid(
+        Problem(head_dim=128, seqlen_q=8192, batch=2, nheads_q=32, nheads_kv=8)
+    )
 
 
 def test_without_a_gpu_it_refuses_and_writes_nothing(workdir, capsys):
@@ -85,6 +150,7 @@ def test_without_a_gpu_it_refuses_and_writes_nothing(workdir, capsys):
 def test_a_cudnn_column_with_repeated_kv_heads_says_so():
     """cuDNN's SDPA may refuse GQA; the report then times it with K/V heads repeated (more traffic
     than the problem has), and the cell must say so."""
+
     def cudnn():
         return None
 
@@ -92,7 +158,10 @@ def test_a_cudnn_column_with_repeated_kv_heads_says_so():
     assert not report.gqa_native({"cuDNN": cudnn})
     cudnn.gqa = {"native": True, "kv": ()}
     assert report.gqa_native({"cuDNN": cudnn}) and report.gqa_native({"cuDNN": "n/a (...)"})
-    assert report.fmt_cell({"tflops": 629.4, "note": "K/V heads repeated"}) == "629 (K/V heads repeated)"
+    assert (
+        report.fmt_cell({"tflops": 629.4, "note": "K/V heads repeated"})
+        == "629 (K/V heads repeated)"
+    )
     assert report.fmt_cell({"tflops": 629.4}) == "629"
 
 
@@ -136,8 +205,13 @@ def test_only_columns_that_pass_the_reference_are_timed(monkeypatch):
     right_o, right_lse = attention_reference(q, k, v, causal=True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     timed = []
-    monkeypatch.setattr(report, "time_interleaved", lambda p, runners, rounds: (timed.extend(runners), {
-        name: {"ms": 1.0} for name in runners})[1])
+    monkeypatch.setattr(
+        report,
+        "time_interleaved",
+        lambda p, runners, rounds: (timed.extend(runners), {name: {"ms": 1.0} for name in runners})[
+            1
+        ],
+    )
 
     def unwritten():
         return torch.full_like(right_o, float("nan")), right_lse
@@ -145,8 +219,14 @@ def test_only_columns_that_pass_the_reference_are_timed(monkeypatch):
     def raises():
         raise RuntimeError("no kernel for this shape\nmore")
 
-    runners = {"absent": "not installed (x)", "both": lambda: (right_o, right_lse), "o only": lambda: right_o,
-               "off": lambda: (right_o * 1.1, right_lse), "unwritten": unwritten, "raises": raises}
+    runners = {
+        "absent": "not installed (x)",
+        "both": lambda: (right_o, right_lse),
+        "o only": lambda: right_o,
+        "off": lambda: (right_o * 1.1, right_lse),
+        "unwritten": unwritten,
+        "raises": raises,
+    }
     cells = report.verify_and_time(problem, runners, q, k, v, rounds=3)
     assert timed == ["both", "o only"]
     assert cells["absent"] == "not installed (x)" and cells["both"] == {"ms": 1.0}

@@ -36,11 +36,19 @@ def test_slices_equal_the_whole_reference(shape, causal):
     slices = reference_slices(q, k, v, causal, None, rows=16)
     assert slices
     for (b, h, start, end), ref_o, ref_lse in slices:
-        torch.testing.assert_close(ref_o, full_o[b:b + 1, start:end, h:h + 1], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(ref_lse, full_lse[b:b + 1, h:h + 1, start:end], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            ref_o, full_o[b : b + 1, start:end, h : h + 1], rtol=1e-5, atol=1e-6
+        )
+        torch.testing.assert_close(
+            ref_lse, full_lse[b : b + 1, h : h + 1, start:end], rtol=1e-5, atol=1e-6
+        )
     # The reference itself as the "kernel output" passes with zero error.
     check = compare(full_o.to(torch.bfloat16), full_lse, slices)
-    assert check.verdict(TOLERANCES["bf16"]) is None and check.out_error < 4e-3 and check.lse_error < 1e-5
+    assert (
+        check.verdict(TOLERANCES["bf16"]) is None
+        and check.out_error < 4e-3
+        and check.lse_error < 1e-5
+    )
 
 
 def test_row_slices_cover_first_and_last_rows():
@@ -57,7 +65,9 @@ def test_a_wrong_tile_in_the_middle_is_caught():
     slices = reference_slices(q, k, v, True, None, rows=16)
     assert compare(out.to(torch.bfloat16), lse, slices).verdict(TOLERANCES["bf16"]) is None
     wrong = out.clone()
-    wrong[1, 48:64, 2] = out[1, 64:80, 2]  # rows 48..63 of the middle batch and head: another tile's
+    wrong[1, 48:64, 2] = out[
+        1, 64:80, 2
+    ]  # rows 48..63 of the middle batch and head: another tile's
     assert "output error" in compare(wrong, lse, slices).verdict(TOLERANCES["bf16"])
     assert (1, 2, 57, 65) in [index for index, _, _ in slices]
 
@@ -73,10 +83,15 @@ def test_an_error_in_long_causal_rows_is_not_drowned_by_the_short_ones():
     off = out.clone()
     off[0, 584:600] *= 1.05  # the last block of rows 5% off, LSE untouched (a wrong P·V, say)
     first, last = [ref_o.norm().item() ** 2 for index, ref_o, _ in slices if index[2] in (0, 584)]
-    assert last / (first + last) < 0.03, "the first rows dominate the norm, as at long causal seqlens"
+    assert last / (first + last) < 0.03, (
+        "the first rows dominate the norm, as at long causal seqlens"
+    )
     check = compare(off, lse, slices)
     assert check.worst == (0, 0, 584, 600) and 0.049 < check.out_error < 0.051
-    assert check.verdict(tol) == "output error 0.05 above tolerance 0.01 (batch 0, head 0, rows 584-599)"
+    assert (
+        check.verdict(tol)
+        == "output error 0.05 above tolerance 0.01 (batch 0, head 0, rows 584-599)"
+    )
 
 
 def test_compare_catches_nan_lse_mismatch_and_large_errors():
@@ -132,8 +147,12 @@ def test_the_check_after_timing_runs_the_kernel_again_on_poisoned_outputs():
     def every_launch():
         out.copy_(ref_out), lse.copy_(ref_lse)
 
-    assert poisoned_check(every_launch, FAMILY, case, slices, synchronize=lambda: None).verdict(
-        TOLERANCES["bf16"]) is None
+    assert (
+        poisoned_check(every_launch, FAMILY, case, slices, synchronize=lambda: None).verdict(
+            TOLERANCES["bf16"]
+        )
+        is None
+    )
 
 
 def test_l2_flusher_refuses_host_memory():

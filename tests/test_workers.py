@@ -13,13 +13,25 @@ from pathlib import Path
 
 import optuna
 import pytest
+from conftest import (
+    COLLAPSED_GRID,
+    REPO,
+    kill_processes,
+    sigint_default,
+    still_alive_after,
+    write_job,
+)
 
-from conftest import (COLLAPSED_GRID, REPO, kill_processes, sigint_default, still_alive_after,
-                      write_job)
 from fa4tune.cli import main
 from fa4tune.db import ResultsDB
 from fa4tune.tune.problem_search import MAX_CONSECUTIVE_REPEATS
-from fa4tune.tune.studies import CLAIM_ATTR, GIVEN_BACK_ATTR, WORKER_ATTR, open_storage, parse_worker
+from fa4tune.tune.studies import (
+    CLAIM_ATTR,
+    GIVEN_BACK_ATTR,
+    WORKER_ATTR,
+    open_storage,
+    parse_worker,
+)
 
 SPACE = ["tiles", "pipeline", "exp2", "softmax"]
 PROBLEMS = [{"head_dim": [64, 128], "seqlen_q": 2048, "batch": 2, "nheads_q": 8}]
@@ -78,9 +90,16 @@ def hold(tmp_path):
 
 def start_search(workdir, env, *args, delay=0.1, new_session=False, **extra_env):
     env = {**env, "FA4TUNE_TEST_MEASURE_S": str(delay), **extra_env}
-    return subprocess.Popen([sys.executable, "-m", "fa4tune.cli", "search", *map(str, args), "--no-progress"],
-                            cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=new_session, preexec_fn=sigint_default)
+    return subprocess.Popen(
+        [sys.executable, "-m", "fa4tune.cli", "search", *map(str, args), "--no-progress"],
+        cwd=workdir,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=new_session,
+        preexec_fn=sigint_default,
+    )
 
 
 def finish(proc, timeout=120):
@@ -88,7 +107,9 @@ def finish(proc, timeout=120):
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()  # its workers follow it
-        raise AssertionError(f"the search did not finish in {timeout} s: {proc.communicate()[0]}") from None
+        raise AssertionError(
+            f"the search did not finish in {timeout} s: {proc.communicate()[0]}"
+        ) from None
     assert proc.returncode == 0, out
     return out
 
@@ -97,8 +118,12 @@ def studies(storage):
     """Each study's trials (`storage`: a location or an open Optuna storage)."""
     if isinstance(storage, str):
         storage = open_storage(storage, heartbeat=False)
-    return {s.study_name: optuna.load_study(study_name=s.study_name, storage=storage).get_trials(deepcopy=False)
-            for s in optuna.get_all_study_summaries(storage)}
+    return {
+        s.study_name: optuna.load_study(study_name=s.study_name, storage=storage).get_trials(
+            deepcopy=False
+        )
+        for s in optuna.get_all_study_summaries(storage)
+    }
 
 
 def claimed_trial(location, timeout=60, proc=None):
@@ -125,8 +150,12 @@ def claiming_workers(location, count: int, timeout=60, proc=None) -> set[int]:
     while time.monotonic() < deadline:
         assert proc is None or proc.poll() is None, proc.stdout.read()
         try:
-            claimed = [t for trials in studies(storage).values() for t in trials
-                       if t.state == optuna.trial.TrialState.RUNNING and CLAIM_ATTR in t.user_attrs]
+            claimed = [
+                t
+                for trials in studies(storage).values()
+                for t in trials
+                if t.state == optuna.trial.TrialState.RUNNING and CLAIM_ATTR in t.user_attrs
+            ]
             pids = {int(parse_worker(t.user_attrs[WORKER_ATTR])[1]) for t in claimed}
         except Exception:
             pids = set()  # not created yet
@@ -153,22 +182,34 @@ def assert_exactly_once(db_location, storage, budget, n_studies, workers=None):
         by_number = {t.number: t for t in trials}
         states = Counter(t.state for t in trials)
         assert states[optuna.trial.TrialState.RUNNING] == 0, states
-        defaults = [t for t in trials if t.user_attrs.get("fa4tune_source") == "default" and "fixed_params" in
-                    t.system_attrs and not {"failed_trial", GIVEN_BACK_ATTR} & set(t.system_attrs)]
+        defaults = [
+            t
+            for t in trials
+            if t.user_attrs.get("fa4tune_source") == "default"
+            and "fixed_params" in t.system_attrs
+            and not {"failed_trial", GIVEN_BACK_ATTR} & set(t.system_attrs)
+        ]
         assert len(defaults) == 1, f"the default was queued {len(defaults)} times in {name}"
         assert sum(t["source"] == "default" for t in mine) == 1, [
-            (t.number, t.state, t.user_attrs, t.system_attrs) for t in trials if "fixed_params" in t.system_attrs]
+            (t.number, t.state, t.user_attrs, t.system_attrs)
+            for t in trials
+            if "fixed_params" in t.system_attrs
+        ]
         for t in mine:  # a stored trial is finished in Optuna with what the DB says
             frozen = by_number[t["optuna_number"]]
             assert frozen.state.is_finished()
             if t["status"] == "ok":
-                assert frozen.state == optuna.trial.TrialState.COMPLETE and frozen.value == t["time_ms"]
+                assert (
+                    frozen.state == optuna.trial.TrialState.COMPLETE
+                    and frozen.value == t["time_ms"]
+                )
         stored_keys = set(keys)
         handed_back = {n for t in trials for n in t.system_attrs.get("retry_history", [])}
         for t in trials:
             if CLAIM_ATTR in t.user_attrs:
-                assert t.user_attrs[CLAIM_ATTR] in stored_keys or t.number in handed_back, \
+                assert t.user_attrs[CLAIM_ATTR] in stored_keys or t.number in handed_back, (
                     f"claimed trial {t.number} of {name} was lost"
+                )
         if workers is not None:
             measured_by = {by_number[t["optuna_number"]].user_attrs.get(WORKER_ATTR) for t in mine}
             assert len(measured_by) >= workers, measured_by
@@ -179,7 +220,9 @@ def assert_exactly_once(db_location, storage, budget, n_studies, workers=None):
 def test_four_workers_share_each_study_through_the_journal(workdir, slow_env):
     path = write_job(workdir, spaces=SPACE, problems=PROBLEMS, budget={"trials": 20}, warm_start=1)
     out = finish(start_search(workdir, slow_env, path, "--workers", 4, delay=0.12))
-    assert "4 CPU worker processes share run 1" in out and out.count("trial budget (20) reached") == 2
+    assert (
+        "4 CPU worker processes share run 1" in out and out.count("trial budget (20) reached") == 2
+    )
     assert_exactly_once(DB, JOURNAL, budget=20, n_studies=2, workers=4)
     measured = measurements(slow_env)
     assert max(measured.values()) == 1 and sum(measured.values()) == 2 * 20  # on the backend, too
@@ -189,8 +232,13 @@ def test_workers_never_measure_one_config_twice_even_in_a_tiny_space(workdir, sl
     """Four workers drawing at random from 12 configs propose the same ones at the same time: the
     claim lets one measure it, the others hear the outcome (or that it is being measured)."""
     space = {"tiles": {"tile_n": [64, 96, 128, 160]}, "softmax": {"rescale_threshold": [0.0, 4.0]}}
-    path = write_job(workdir, spaces=space, sampler="random", budget={"trials": 9},
-                     problems=[{"head_dim": 64, "seqlen_q": 2048, "batch": 2, "nheads_q": 8}])
+    path = write_job(
+        workdir,
+        spaces=space,
+        sampler="random",
+        budget={"trials": 9},
+        problems=[{"head_dim": 64, "seqlen_q": 2048, "batch": 2, "nheads_q": 8}],
+    )
     out = finish(start_search(workdir, slow_env, path, "--workers", 4, delay=0.1))
     assert "trial budget (9) reached" in out
     assert_exactly_once(DB, JOURNAL, budget=9, n_studies=1)
@@ -207,13 +255,19 @@ def test_workers_end_a_grid_search_when_every_point_was_tried(workdir, slow_env)
     measured = measurements(slow_env)
     assert max(measured.values()) == 1, measured
     [trials] = studies(JOURNAL).values()
-    assert {t.system_attrs["grid_id"] for t in trials if "grid_id" in t.system_attrs} == set(range(8))
-    assert len(trials) < MAX_CONSECUTIVE_REPEATS, len(trials)  # no worker asked on until "converged"
+    assert {t.system_attrs["grid_id"] for t in trials if "grid_id" in t.system_attrs} == set(
+        range(8)
+    )
+    assert len(trials) < MAX_CONSECUTIVE_REPEATS, len(
+        trials
+    )  # no worker asked on until "converged"
 
 
 def test_a_worker_killed_mid_trial_loses_nothing_journal(workdir, slow_env, hold):
     path = write_job(workdir, spaces=SPACE, problems=PROBLEMS, budget={"trials": 16})
-    proc = start_search(workdir, slow_env, path, "--workers", 4, delay=0.15, FA4TUNE_TEST_HOLD=str(hold))
+    proc = start_search(
+        workdir, slow_env, path, "--workers", 4, delay=0.15, FA4TUNE_TEST_HOLD=str(hold)
+    )
     name, victim = claimed_trial(JOURNAL, proc=proc)
     pid = int(parse_worker(victim.user_attrs[WORKER_ATTR])[1])
     os.kill(pid, signal.SIGKILL)
@@ -224,14 +278,22 @@ def test_a_worker_killed_mid_trial_loses_nothing_journal(workdir, slow_env, hold
     assert max(measurements(slow_env).values()) == 1
     trials = {t.number: t for t in optuna_studies[name]}
     assert trials[victim.number].state == optuna.trial.TrialState.FAIL
-    [retry] = [t for t in trials.values() if victim.number in t.system_attrs.get("retry_history", [])]
+    [retry] = [
+        t for t in trials.values() if victim.number in t.system_attrs.get("retry_history", [])
+    ]
     # The retry measured the killed trial's config, which is stored once, under the retry's number.
-    [kept] = [t for t in stored if t["study_name"] == name and t["config_key"] == victim.user_attrs[CLAIM_ATTR]]
+    [kept] = [
+        t
+        for t in stored
+        if t["study_name"] == name and t["config_key"] == victim.user_attrs[CLAIM_ATTR]
+    ]
     assert kept["optuna_number"] == retry.number and WORKER_ATTR not in retry.system_attrs
 
 
 def test_ctrl_c_stops_every_worker_and_says_how_to_resume(workdir, slow_env):
-    path = write_job(workdir, spaces=SPACE, problems=PROBLEMS, budget={"trials": 200}, sampler="random")
+    path = write_job(
+        workdir, spaces=SPACE, problems=PROBLEMS, budget={"trials": 200}, sampler="random"
+    )
     proc = start_search(workdir, slow_env, path, "--workers", 2, delay=0.1)
     claimed_trial(JOURNAL, proc=proc)
     proc.send_signal(signal.SIGINT)  # the search process alone: it stops its workers
@@ -244,18 +306,27 @@ def test_ctrl_c_stops_every_worker_and_says_how_to_resume(workdir, slow_env):
         assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
 
 
-@pytest.mark.parametrize("moment, wait_s", [("workers starting", 0.0), ("workers starting", 0.2),
-                                            ("workers starting", 0.6), ("a worker measuring", 0.0)])
+@pytest.mark.parametrize(
+    "moment, wait_s",
+    [
+        ("workers starting", 0.0),
+        ("workers starting", 0.2),
+        ("workers starting", 0.6),
+        ("a worker measuring", 0.0),
+    ],
+)
 def test_ctrl_c_to_the_process_group_prints_no_traceback(workdir, slow_env, moment, wait_s):
     """Ctrl-C from a terminal reaches the search and its workers at once, and the search's SIGTERM
     follows: whether a worker's interpreter is still starting, its handlers being installed, or a
     trial being measured, the search stops quietly with status 130 and settles every trial."""
-    path = write_job(workdir, spaces=SPACE, problems=PROBLEMS, budget={"trials": 200},
-                     sampler="random")
+    path = write_job(
+        workdir, spaces=SPACE, problems=PROBLEMS, budget={"trials": 200}, sampler="random"
+    )
     for attempt in range(3):
         db, journal = f"a{attempt}.db", str(workdir / f"a{attempt}.optuna.journal")
-        proc = start_search(workdir, slow_env, path, "--workers", 2, "--db", db, delay=0.1,
-                            new_session=True)
+        proc = start_search(
+            workdir, slow_env, path, "--workers", 2, "--db", db, delay=0.1, new_session=True
+        )
         lines = []
         if moment == "a worker measuring":
             claimed_trial(journal, proc=proc)
@@ -279,25 +350,44 @@ def test_ctrl_c_to_the_process_group_prints_no_traceback(workdir, slow_env, mome
 
 
 # ---- PostgreSQL -------------------------------------------------------------------------------------
-def test_four_workers_share_each_study_through_postgresql_and_survive_a_kill(workdir, slow_env, postgres, hold):
+def test_four_workers_share_each_study_through_postgresql_and_survive_a_kill(
+    workdir, slow_env, postgres, hold
+):
     db_url, storage_url = postgres
     path = write_job(workdir, spaces=SPACE, problems=ONE_PROBLEM, budget={"trials": 12})
-    proc = start_search(workdir, slow_env, path, "--workers", 4, "--db", db_url, "--storage", storage_url,
-                        delay=0.2, FA4TUNE_TEST_HOLD=str(hold))
+    proc = start_search(
+        workdir,
+        slow_env,
+        path,
+        "--workers",
+        4,
+        "--db",
+        db_url,
+        "--storage",
+        storage_url,
+        delay=0.2,
+        FA4TUNE_TEST_HOLD=str(hold),
+    )
     name, victim = claimed_trial(storage_url, proc=proc)
     os.kill(int(parse_worker(victim.user_attrs[WORKER_ATTR])[1]), signal.SIGKILL)
     hold.unlink()
     out = finish(proc)
     assert "its trials were handed back; restarting it" in out, out
-    stored, optuna_studies = assert_exactly_once(db_url, storage_url, budget=12, n_studies=1, workers=3)
+    stored, optuna_studies = assert_exactly_once(
+        db_url, storage_url, budget=12, n_studies=1, workers=3
+    )
     assert max(measurements(slow_env).values()) == 1
     trials = {t.number: t for t in optuna_studies[name]}
     assert trials[victim.number].state == optuna.trial.TrialState.FAIL
     assert any(victim.number in t.system_attrs.get("retry_history", []) for t in trials.values())
-    assert not (workdir / "fa4tune-results").exists()  # nothing local: both databases are on the server
+    assert not (
+        workdir / "fa4tune-results"
+    ).exists()  # nothing local: both databases are on the server
 
 
-def test_two_hosts_join_one_run_and_the_survivor_finishes_after_the_other_dies(workdir, slow_env, postgres, hold):
+def test_two_hosts_join_one_run_and_the_survivor_finishes_after_the_other_dies(
+    workdir, slow_env, postgres, hold
+):
     """Two hosts (host names set apart) start together with --resume and join one run; host A is
     killed whole (coordinator and workers) mid-run. Host B cannot see A's processes: Optuna's
     heartbeat finds A's trials stale, they are handed back, and B completes every budget."""
@@ -305,10 +395,19 @@ def test_two_hosts_join_one_run_and_the_survivor_finishes_after_the_other_dies(w
     path = write_job(workdir, spaces=SPACE, problems=ONE_PROBLEM, budget={"trials": 12})
     args = (path, "--workers", 2, "--db", db_url, "--storage", storage_url, "--resume")
     # Host A's measurements wait on the hold file: the trial seen running is running when A is killed.
-    host_a = start_search(workdir, slow_env, *args, delay=0.3, new_session=True, FA4TUNE_WORKER_HOST="host-a",
-                          FA4TUNE_HEARTBEAT_S="1", FA4TUNE_TEST_HOLD=str(hold))
-    host_b = start_search(workdir, slow_env, *args, delay=0.3, FA4TUNE_WORKER_HOST="host-b",
-                          FA4TUNE_HEARTBEAT_S="1")
+    host_a = start_search(
+        workdir,
+        slow_env,
+        *args,
+        delay=0.3,
+        new_session=True,
+        FA4TUNE_WORKER_HOST="host-a",
+        FA4TUNE_HEARTBEAT_S="1",
+        FA4TUNE_TEST_HOLD=str(hold),
+    )
+    host_b = start_search(
+        workdir, slow_env, *args, delay=0.3, FA4TUNE_WORKER_HOST="host-b", FA4TUNE_HEARTBEAT_S="1"
+    )
     deadline = time.monotonic() + 60
     while True:  # wait until a worker of host A measures
         name, victim = claimed_trial(storage_url, proc=host_a)
@@ -325,7 +424,11 @@ def test_two_hosts_join_one_run_and_the_survivor_finishes_after_the_other_dies(w
     trials = {t.number: t for t in optuna_studies[name]}
     assert trials[victim.number].state == optuna.trial.TrialState.FAIL
     assert any(victim.number in t.system_attrs.get("retry_history", []) for t in trials.values())
-    hosts = {t.user_attrs.get(WORKER_ATTR, "").partition(":")[0] for ts in optuna_studies.values() for t in ts}
+    hosts = {
+        t.user_attrs.get(WORKER_ATTR, "").partition(":")[0]
+        for ts in optuna_studies.values()
+        for t in ts
+    }
     assert {"host-a", "host-b"} <= hosts
 
 
@@ -357,17 +460,21 @@ def assert_refused(capsys, argv, *fragments):
 def test_bad_worker_options_are_refused_before_anything_is_written(workdir, capsys):
     path = write_job(workdir)
     assert_refused(capsys, ["search", path, "--workers", 0], "--workers must be at least 1")
-    assert_refused(capsys, ["search", path, "--workers", 2, "--gpus", "0,1"], "either --workers N or --gpus")
+    assert_refused(
+        capsys, ["search", path, "--workers", 2, "--gpus", "0,1"], "either --workers N or --gpus"
+    )
     assert_refused(capsys, ["search", path, "--gpus", "0"], "--gpus 0", "model backend")
     with pytest.raises(SystemExit) as exit_:
         main(["search", str(path), "--gpus", "zero"])
-    assert exit_.value.code == 2 and "comma-separated list of GPU indices" in capsys.readouterr().err
+    assert (
+        exit_.value.code == 2 and "comma-separated list of GPU indices" in capsys.readouterr().err
+    )
     assert not (workdir / "fa4tune-results").exists()
 
 
 def test_a_gpu_that_does_not_exist_is_named(monkeypatch):
-    from fa4tune.tune import workers
     from fa4tune.errors import Fa4tuneError
+    from fa4tune.tune import workers
 
     monkeypatch.setattr(workers, "visible_gpus", lambda: ["0", "1"])
     assert workers.plan_workers(None, [1, 0], "gpu") == ["1", "0"]
@@ -386,12 +493,21 @@ def test_unreachable_postgresql_is_one_paragraph_and_nothing_is_written(workdir,
     from pgserver import free_port, unavailable
 
     if importlib.util.find_spec("psycopg") is None:
-        unavailable("the PostgreSQL driver psycopg is not installed (pip install 'fa4tune[postgres]')")
+        unavailable(
+            "the PostgreSQL driver psycopg is not installed (pip install 'fa4tune[postgres]')"
+        )
     path = write_job(workdir)
     nowhere = f"postgresql://fa4tune@127.0.0.1:{free_port()}/fa4tune"
-    assert_refused(capsys, ["search", path, "--storage", nowhere, "--workers", 2],
-                   "cannot use Optuna storage", "127.0.0.1", "server runs")
-    assert_refused(capsys, ["search", path, "--db", nowhere], "cannot use results DB", "server runs")
+    assert_refused(
+        capsys,
+        ["search", path, "--storage", nowhere, "--workers", 2],
+        "cannot use Optuna storage",
+        "127.0.0.1",
+        "server runs",
+    )
+    assert_refused(
+        capsys, ["search", path, "--db", nowhere], "cannot use results DB", "server runs"
+    )
     assert not (workdir / "fa4tune-results").exists()
     secret = nowhere.replace("fa4tune@", "fa4tune:hunter2@")
     assert_refused(capsys, ["search", path, "--db", secret], "cannot use results DB")
@@ -402,8 +518,11 @@ def test_unreachable_postgresql_is_one_paragraph_and_nothing_is_written(workdir,
 
 def test_the_results_db_and_the_storage_must_be_two_databases(workdir, capsys):
     path = write_job(workdir)
-    assert_refused(capsys, ["search", path, "--db", "r.db", "--storage", f"sqlite:///{workdir / 'r.db'}"],
-                   "the results DB and the Optuna storage are the same database")
+    assert_refused(
+        capsys,
+        ["search", path, "--db", "r.db", "--storage", f"sqlite:///{workdir / 'r.db'}"],
+        "the results DB and the Optuna storage are the same database",
+    )
     url = "postgresql://u@db.example:5432/tuning"
     assert_refused(capsys, ["search", path, "--db", url, "--storage", url], "two databases")
     assert not (workdir / "r.db").exists()
@@ -411,16 +530,41 @@ def test_the_results_db_and_the_storage_must_be_two_databases(workdir, capsys):
 
 def test_the_multi_gpu_benchmark_runs_on_cpu_workers(workdir):
     """benchmarks/multi_gpu.py on the cost model (its GPU run is the lead's): both runs, one table."""
-    job = write_job(workdir, spaces=SPACE, problems=PROBLEMS, budget={"trials": 30, "seconds": 600}, export="t.yaml")
+    job = write_job(
+        workdir,
+        spaces=SPACE,
+        problems=PROBLEMS,
+        budget={"trials": 30, "seconds": 600},
+        export="t.yaml",
+    )
     path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "multi_gpu.py"), "--job", str(job), "--workers",
-                          "2", "--trials", "5", "--out", str(workdir / "bench")], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": path})
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "multi_gpu.py"),
+            "--job",
+            str(job),
+            "--workers",
+            "2",
+            "--trials",
+            "5",
+            "--out",
+            str(workdir / "bench"),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": path},
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.splitlines()
     rows = [line for line in lines if line.startswith("| bf16-")]
-    assert len(rows) == 2 and all("| 5 " in row for row in rows)  # both problems, 5 trials in each run
-    assert any(line.startswith("wall time: 1 = ") and "2 workers = " in line and "speedup" in line for line in lines)
+    assert len(rows) == 2 and all(
+        "| 5 " in row for row in rows
+    )  # both problems, 5 trials in each run
+    assert any(
+        line.startswith("wall time: 1 = ") and "2 workers = " in line and "speedup" in line
+        for line in lines
+    )
     timed = (workdir / "bench" / "job.yaml").read_text()
     assert "seconds" not in timed and "export" not in timed and not (workdir / "t.yaml").exists()
 
@@ -430,10 +574,31 @@ def test_the_multi_gpu_benchmark_simulates_gpus_on_a_cpu(workdir):
     GPU (benchmarks/simulated_gpu_worker.py); each run's workers report their time with a trial in flight."""
     job = write_job(workdir, spaces=SPACE, problems=ONE_PROBLEM, budget={"trials": 30})
     path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    sleeps = {"FA4TUNE_SIM_COMPILE_S": "0.05", "FA4TUNE_SIM_CHEAP_S": "0.01", "FA4TUNE_SIM_FULL_S": "0.02"}
-    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "multi_gpu.py"), "--job", str(job), "--simulate",
-                          "--gpus", "0,1", "--trials", "4", "--compile-workers", "2", "--out", str(workdir / "bench")],
-                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": path, **sleeps})
+    sleeps = {
+        "FA4TUNE_SIM_COMPILE_S": "0.05",
+        "FA4TUNE_SIM_CHEAP_S": "0.01",
+        "FA4TUNE_SIM_FULL_S": "0.02",
+    }
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "multi_gpu.py"),
+            "--job",
+            str(job),
+            "--simulate",
+            "--gpus",
+            "0,1",
+            "--trials",
+            "4",
+            "--compile-workers",
+            "2",
+            "--out",
+            str(workdir / "bench"),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": path, **sleeps},
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.splitlines()
     assert len([line for line in lines if line.startswith("| bf16-")]) == 1
@@ -459,8 +624,16 @@ def test_one_worker_confirms_a_study_unless_it_died(workdir):
 
     job = load_job(write_job(workdir))
     with ResultsDB.open("r.db") as db:
-        run = RunRef(job=job, run_id=1, prefix="p", kernel_hash="h", target=job.target, budget_trials=4,
-                     budget_seconds=None, shared=True)
+        run = RunRef(
+            job=job,
+            run_id=1,
+            prefix="p",
+            kernel_hash="h",
+            target=job.target,
+            budget_trials=4,
+            budget_seconds=None,
+            shared=True,
+        )
 
         def worker(name):
             return SharedStudy(run, db, "s", None, name)
@@ -498,7 +671,9 @@ def test_a_pid_taken_over_by_a_later_process_is_a_dead_worker(monkeypatch):
         pytest.skip("no /proc: workers are named by host and pid only")
     assert not studies.worker_gone(me)
     boot, _, start = identity.partition(".")
-    assert studies.worker_gone(f"{host}:{pid}:{boot}.{int(start) - 1}")  # this pid, an earlier process
+    assert studies.worker_gone(
+        f"{host}:{pid}:{boot}.{int(start) - 1}"
+    )  # this pid, an earlier process
     assert not studies.worker_gone(f"{host}:{pid}")  # a name of an earlier fa4tune: the pid lives
     assert studies.parse_worker(f"{host}:{pid}") == (host, pid, None)
     assert not studies.worker_gone(f"elsewhere:{pid}:{identity}")  # another host's: not judged here
@@ -513,14 +688,16 @@ def test_a_pid_taken_over_by_a_later_process_is_a_dead_worker(monkeypatch):
     assert studies.worker_gone(named)  # reaped: no such process
 
 
-def test_trials_measured_after_a_confirmation_by_another_host_are_confirmed_too(workdir, monkeypatch):
+def test_trials_measured_after_a_confirmation_by_another_host_are_confirmed_too(
+    workdir, monkeypatch
+):
     """Host A searched and confirmed; host B resumes the study with a larger budget. A's claim on the
     confirmation must not outlive it (another host's worker is never known dead here), or B's
     trials are never re-timed and, where only confirmations store a best, never become best."""
-    from fa4tune.tune.job import load_job
     from fa4tune.measure.model import CostModelBackend
-    from fa4tune.tune.search import run_search
     from fa4tune.target import get_target
+    from fa4tune.tune.job import load_job
+    from fa4tune.tune.search import run_search
 
     class Confirming(CostModelBackend):  # like the gpu backend: a best only through a confirmation
         confirms_best = True
@@ -531,13 +708,24 @@ def test_trials_measured_after_a_confirmation_by_another_host_are_confirmed_too(
             Confirming.calls += 1
             return [self.measure(problem, self.kernel.config(c)) for c in configs]
 
-    job = load_job(write_job(workdir, spaces={"tiles": {}, "pipeline": {}, "exp2": {}, "softmax": {}},
-                             budget={"trials": 4}, warm_start=0))
+    job = load_job(
+        write_job(
+            workdir,
+            spaces={"tiles": {}, "pipeline": {}, "exp2": {}, "softmax": {}},
+            budget={"trials": 4},
+            warm_start=0,
+        )
+    )
     for host, trials, resume in (("host-a", 4, False), ("host-b", 40, True)):
         monkeypatch.setenv("FA4TUNE_WORKER_HOST", host)
         before = Confirming.calls
-        run_search(job, backend=Confirming(job.kernel, get_target("H200")), trials=trials, resume=resume,
-                   say=lambda *a: None)
+        run_search(
+            job,
+            backend=Confirming(job.kernel, get_target("H200")),
+            trials=trials,
+            resume=resume,
+            say=lambda *a: None,
+        )
         assert Confirming.calls == before + 1, f"{host} did not confirm"
     with ResultsDB.open("fa4tune-results/results.db", create=False) as db:
         name = db.trials()[0]["study_name"]

@@ -7,8 +7,19 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import (JSON, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint,
-                        text)
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    text,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 SCHEMA_VERSION = 3
@@ -45,7 +56,9 @@ class Run(Base):
     sm_count: Mapped[int | None] = mapped_column(Integer)
     cuda_driver: Mapped[str | None] = mapped_column(String(64))  # CUDA driver API version
     nvidia_driver: Mapped[str | None] = mapped_column(String(64))  # the NVIDIA driver's version
-    cuda_version: Mapped[str | None] = mapped_column(String(64))  # the CUDA runtime torch was built with
+    cuda_version: Mapped[str | None] = mapped_column(
+        String(64)
+    )  # the CUDA runtime torch was built with
     clocks: Mapped[dict | None] = mapped_column(JSON)  # clocks seen: at start, after each problem
     dsl_version: Mapped[str | None] = mapped_column(String(64))
     torch_version: Mapped[str | None] = mapped_column(String(64))
@@ -80,9 +93,14 @@ class Trial(ProblemConfigColumns, Base):
         Index("ix_trials_problem", "kernel", "target", "problem_key"),
         # A study stores each config once (its re-timings apart): two workers that measured the same
         # config cannot both store it. A partial index, so only where the database has them.
-        Index("uq_trials_study_config", "study_name", "config_key", unique=True,
-              sqlite_where=text(f"source != '{CONFIRM_SOURCE}'"),
-              postgresql_where=text(f"source != '{CONFIRM_SOURCE}'")).ddl_if(dialect=("sqlite", "postgresql")),
+        Index(
+            "uq_trials_study_config",
+            "study_name",
+            "config_key",
+            unique=True,
+            sqlite_where=text(f"source != '{CONFIRM_SOURCE}'"),
+            postgresql_where=text(f"source != '{CONFIRM_SOURCE}'"),
+        ).ddl_if(dialect=("sqlite", "postgresql")),
     )
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))

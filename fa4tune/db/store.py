@@ -17,11 +17,21 @@ from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from .. import interrupts, policy, __version__
+from .. import __version__, interrupts, policy
 from ..best import BestEntry, MergeReport, config_key, config_values
 from ..errors import Fa4tuneError, ResultsDBError
 from ..files import unwritable_ancestor
-from .models import CONFIRM_SOURCE, SCHEMA_VERSION, UPGRADES, Base, BestConfig, Lock, Run, SchemaInfo, Trial
+from .models import (
+    CONFIRM_SOURCE,
+    SCHEMA_VERSION,
+    UPGRADES,
+    Base,
+    BestConfig,
+    Lock,
+    Run,
+    SchemaInfo,
+    Trial,
+)
 
 # Write transactions carry this execution option: on SQLite they begin IMMEDIATE (below).
 WRITE_OPTION = "fa4tune_write"
@@ -41,7 +51,9 @@ def now() -> datetime:
     return datetime.now(timezone.utc).replace(tzinfo=None)
 
 
-def resolve_location(location: str | os.PathLike | None = None, job_location: str | None = None) -> str:
+def resolve_location(
+    location: str | os.PathLike | None = None, job_location: str | None = None
+) -> str:
     """Where the results DB is: the explicit location (--db), else FA4TUNE_DB, else the job's, else
     the default path under the working directory."""
     for candidate in (location, os.environ.get("FA4TUNE_DB") or None, job_location):
@@ -73,16 +85,23 @@ def engine_url(location: str) -> str:
     it is installed (SQLAlchemy's default would be psycopg2)."""
     url = make_url(location)
     if url.drivername in ("postgresql", "postgres"):
-        for module, driver in (("psycopg", "postgresql+psycopg"), ("psycopg2", "postgresql+psycopg2")):
+        for module, driver in (
+            ("psycopg", "postgresql+psycopg"),
+            ("psycopg2", "postgresql+psycopg2"),
+        ):
             if importlib.util.find_spec(module) is not None:
                 return url.set(drivername=driver).render_as_string(hide_password=False)
-        raise Fa4tuneError(f"{shown_location(location)}: PostgreSQL needs a driver; install it with "
-                           "pip install 'fa4tune[postgres]' (psycopg)")
+        raise Fa4tuneError(
+            f"{shown_location(location)}: PostgreSQL needs a driver; install it with "
+            "pip install 'fa4tune[postgres]' (psycopg)"
+        )
     return location
 
 
-UNREACHABLE_HINT = ("Check the URL, that the server runs and accepts connections from this host, and that the "
-                    "database exists.")
+UNREACHABLE_HINT = (
+    "Check the URL, that the server runs and accepts connections from this host, and that the "
+    "database exists."
+)
 
 
 def reach(location: str) -> None:
@@ -131,8 +150,9 @@ class ResultsDB:
         self.engine = engine
         self.location = location
         self._sessions = sessionmaker(engine, expire_on_commit=False)
-        self._write_sessions = sessionmaker(engine.execution_options(**{WRITE_OPTION: True}),
-                                            expire_on_commit=False)
+        self._write_sessions = sessionmaker(
+            engine.execution_options(**{WRITE_OPTION: True}), expire_on_commit=False
+        )
         self._lock_rows: set[str] = set()  # lock names known to have their row
 
     # ---- opening ------------------------------------------------------------------------------
@@ -147,11 +167,13 @@ class ResultsDB:
         try:
             reach(location)
         except (SQLAlchemyError, ImportError, ValueError, Fa4tuneError) as exc:
-            raise ResultsDBError(f"cannot use results DB {shown_location(location)!r}: {first_line(exc)}. "
-                                 f"{UNREACHABLE_HINT}") from exc
+            raise ResultsDBError(
+                f"cannot use results DB {shown_location(location)!r}: {first_line(exc)}. "
+                f"{UNREACHABLE_HINT}"
+            ) from exc
 
     @classmethod
-    def open(cls, location: str | os.PathLike | None = None, *, create: bool = True) -> "ResultsDB":
+    def open(cls, location: str | os.PathLike | None = None, *, create: bool = True) -> ResultsDB:
         """Open (and with `create`, make) a results DB. A clear ResultsDBError for an unwritable path,
         a file that is not SQLite or not ours, and a schema of another version."""
         location = resolve_location(location)
@@ -173,7 +195,9 @@ class ResultsDB:
         except SQLAlchemyError as exc:
             engine.dispose()
             if path is None:
-                raise ResultsDBError(f"cannot use results DB {shown!r}: {first_line(exc)}. {UNREACHABLE_HINT}") from exc
+                raise ResultsDBError(
+                    f"cannot use results DB {shown!r}: {first_line(exc)}. {UNREACHABLE_HINT}"
+                ) from exc
             raise ResultsDBError(
                 f"results DB {location!r} cannot be read: {first_line(exc)}. If it is a file, it may be "
                 "corrupt or not a database; move it aside or point --db / FA4TUNE_DB elsewhere."
@@ -192,8 +216,10 @@ class ResultsDB:
                     f"{', '.join(sorted(tables))}); give another path with --db or FA4TUNE_DB"
                 )
             if not create:
-                raise ResultsDBError(f"results DB {shown_location(self.location)!r} is empty: run `fa4tune search` "
-                                     "first")
+                raise ResultsDBError(
+                    f"results DB {shown_location(self.location)!r} is empty: run `fa4tune search` "
+                    "first"
+                )
             try:
                 self._transact(_create_schema)
             except DBAPIError:
@@ -219,7 +245,9 @@ class ResultsDB:
         tables = Base.metadata.tables
 
         def upgrade(session: Session) -> int:
-            reached = int(session.get(SchemaInfo, "schema_version").value)  # another worker may have upgraded it
+            reached = int(
+                session.get(SchemaInfo, "schema_version").value
+            )  # another worker may have upgraded it
             while reached in UPGRADES:
                 for table, columns in UPGRADES[reached].items():
                     present = {c["name"] for c in inspect(session.connection()).get_columns(table)}
@@ -272,6 +300,7 @@ class ResultsDB:
     def _transact(self, work):
         """`work(session)` in one write transaction, run again (from the start) when the database
         reports a transient conflict; what `work` returns."""
+
         def once():
             # Ctrl-C waits for the end of the transaction: interrupted inside it, the session could
             # be left holding the write lock (see fa4tune.interrupts).
@@ -287,7 +316,9 @@ class ResultsDB:
         interleave with, on one host or many. The lock is the transaction's: a worker that dies
         holding it releases it with its connection."""
         self._ensure_lock_row(name)
-        with interrupts.critical():  # the whole hold: never interrupted while the lock is taken or held
+        with (
+            interrupts.critical()
+        ):  # the whole hold: never interrupted while the lock is taken or held
             yield from self._hold(name)
 
     def _hold(self, name: str):
@@ -338,7 +369,9 @@ class ResultsDB:
         key = (fields["job_name"], fields["kernel"], fields["kernel_hash"], fields["target"])
         with self.locked("job:" + "/".join(key)) as lock:
             session = lock.session
-            previous = _latest_run(session, *key, is_estimate=fields["is_estimate"]) if resume else None
+            previous = (
+                _latest_run(session, *key, is_estimate=fields["is_estimate"]) if resume else None
+            )
             if previous is not None:
                 previous.status, previous.ended_at = "running", None
                 return previous.id, previous.study_prefix, True
@@ -355,6 +388,7 @@ class ResultsDB:
 
     def fill_run(self, run_id: int, fields: dict) -> None:
         """Set the run's fields that are still empty (a worker telling what GPU the run measures on)."""
+
         def work(session: Session) -> None:
             run = session.get(Run, run_id, with_for_update=True)
             for key, value in fields.items():
@@ -366,6 +400,7 @@ class ResultsDB:
     def add_clocks(self, run_id: int, sample: dict) -> None:
         """Record clocks the GPU was seen running at during the run (workers of several GPUs add to
         the same run: the row is locked while it is changed)."""
+
         def work(session: Session) -> None:
             run = session.get(Run, run_id, with_for_update=True)
             clocks = dict(run.clocks or {})
@@ -385,6 +420,7 @@ class ResultsDB:
         """Note that a worker has searched the study for `seconds` in this run (counting the earlier
         sessions it started from): a resumed run charges them to the problem's time budget. Workers
         search a study side by side, so the longest of them counts, not their sum."""
+
         def work(session: Session) -> None:
             run = session.get(Run, run_id, with_for_update=True)
             details = dict(run.details or {})
@@ -395,8 +431,14 @@ class ResultsDB:
 
         self._transact(work)
 
-    def latest_run(self, job_name: str, kernel: str, kernel_hash: str, target: str,
-                   is_estimate: bool | None = None) -> dict | None:
+    def latest_run(
+        self,
+        job_name: str,
+        kernel: str,
+        kernel_hash: str,
+        target: str,
+        is_estimate: bool | None = None,
+    ) -> dict | None:
         """The job's latest run of this kernel code on `target` (of estimates or of measurements only,
         when `is_estimate` says which)."""
         with self._sessions() as session:
@@ -413,26 +455,66 @@ class ResultsDB:
             return [_columns(r) for r in session.scalars(select(Run).order_by(Run.id))]
 
     # ---- trials -------------------------------------------------------------------------------
-    def add_trial(self, *, run_id: int, study_name: str, optuna_number: int | None, kernel: str,
-                  kernel_hash: str, target: str, problem, config: dict, measurement, source: str,
-                  provenance: dict, offer_best: bool = True) -> int:
+    def add_trial(
+        self,
+        *,
+        run_id: int,
+        study_name: str,
+        optuna_number: int | None,
+        kernel: str,
+        kernel_hash: str,
+        target: str,
+        problem,
+        config: dict,
+        measurement,
+        source: str,
+        provenance: dict,
+        offer_best: bool = True,
+    ) -> int:
         """Store one trial and, when it is the best ok measurement of its problem (and `offer_best`),
         the best config, in one transaction: a kill between the two cannot leave them disagreeing.
         DuplicateTrial when the study already stores a search trial of this config."""
+
         def work(session: Session) -> int:
-            return _add_trial(session, run_id, study_name, optuna_number, kernel, kernel_hash, target, problem,
-                              config, measurement, source, provenance, offer_best)
+            return _add_trial(
+                session,
+                run_id,
+                study_name,
+                optuna_number,
+                kernel,
+                kernel_hash,
+                target,
+                problem,
+                config,
+                measurement,
+                source,
+                provenance,
+                offer_best,
+            )
 
         try:
             return self._transact(work)
         except IntegrityError as exc:
             if _is_duplicate_trial(exc):
-                raise DuplicateTrial(f"{study_name} already stores a trial of {config_key(config)}") from exc
+                raise DuplicateTrial(
+                    f"{study_name} already stores a trial of {config_key(config)}"
+                ) from exc
             raise
 
-    def confirm_best(self, *, run_id: int, study_name: str, kernel: str, kernel_hash: str, target: str,
-                     problem, confirmed: list[tuple[dict, object]], provenance: dict,
-                     prefer: int | None = None, min_gain: float = 0.0) -> int | None:
+    def confirm_best(
+        self,
+        *,
+        run_id: int,
+        study_name: str,
+        kernel: str,
+        kernel_hash: str,
+        target: str,
+        problem,
+        confirmed: list[tuple[dict, object]],
+        provenance: dict,
+        prefer: int | None = None,
+        min_gain: float = 0.0,
+    ) -> int | None:
         """Store the re-timing of the best few trials of a study (`confirmed`: (trial, measurement)
         pairs) as trials of source `confirm`, and offer the fastest ok one as the best config, in
         one transaction. Only a trial that is ok can be confirmed. `prefer` (the id of one of the
@@ -440,31 +522,55 @@ class ResultsDB:
         (`beats_default`: faster by more than `min_gain` (0.003 = 0.3%, the gpu backend's default),
         and in every round timed beside it); the fastest that does goes before it. Returns the
         stored best's trial id, or None when nothing became best."""
+
         def work(session: Session) -> int | None:
             stored = []
             for trial, measurement in confirmed:
                 original = session.get(Trial, trial["id"])
                 if original is None or original.status != "ok" or original.study_name != study_name:
-                    raise ResultsDBError(f"trial {trial['id']} is not an ok trial of {study_name}: it cannot be "
-                                         "confirmed as best")
-                row = _new_trial(session, run_id, study_name, None, kernel, kernel_hash, target, problem,
-                                 original.config, measurement, CONFIRM_SOURCE)
+                    raise ResultsDBError(
+                        f"trial {trial['id']} is not an ok trial of {study_name}: it cannot be "
+                        "confirmed as best"
+                    )
+                row = _new_trial(
+                    session,
+                    run_id,
+                    study_name,
+                    None,
+                    kernel,
+                    kernel_hash,
+                    target,
+                    problem,
+                    original.config,
+                    measurement,
+                    CONFIRM_SOURCE,
+                )
                 row.details = {**row.details, "confirms_trial": original.id}
                 stored.append((row, measurement))
             session.flush()
             # A config that ever gave a wrong result never becomes best: out before the default is
             # weighed against the fastest, or the next one would win without that test.
-            ok = sorted(((m, row) for row, m in stored if m.status == "ok"
-                         and not _was_wrong(session, _trial_entry(row, m, provenance))),
-                        key=lambda pair: (pair[0].time_ms, pair[1].id))
-            default = next((i for i, (_, row) in enumerate(ok) if row.details.get("confirms_trial") == prefer),
-                           None)
+            ok = sorted(
+                (
+                    (m, row)
+                    for row, m in stored
+                    if m.status == "ok"
+                    and not _was_wrong(session, _trial_entry(row, m, provenance))
+                ),
+                key=lambda pair: (pair[0].time_ms, pair[1].id),
+            )
+            default = next(
+                (i for i, (_, row) in enumerate(ok) if row.details.get("confirms_trial") == prefer),
+                None,
+            )
             ok, kept = policy.confirmation_order(ok, default, min_gain)
             # A stored best whose config was re-timed here is judged by these side-by-side rounds, not
             # by its time from another session (clocks, temperature); otherwise the lower time stands.
             retimed = {row.config_key for _, row in ok}
             for measurement, row in ok:  # the fastest that may become best
-                label = dict(provenance, kept_default=kept) if kept and row is ok[0][1] else provenance
+                label = (
+                    dict(provenance, kept_default=kept) if kept and row is ok[0][1] else provenance
+                )
                 entry = _trial_entry(row, measurement, label)
                 if _offer_best(session, entry, trial_id=row.id, retimed=retimed):
                     return row.id
@@ -477,10 +583,16 @@ class ResultsDB:
     def confirmed(self, study_name: str) -> bool:
         """Whether the study's latest search trial is followed by a confirmation."""
         with self._sessions() as session:
-            last_search = session.scalar(select(func.max(Trial.id)).where(
-                Trial.study_name == study_name, Trial.source != CONFIRM_SOURCE))
-            last_confirm = session.scalar(select(func.max(Trial.id)).where(
-                Trial.study_name == study_name, Trial.source == CONFIRM_SOURCE))
+            last_search = session.scalar(
+                select(func.max(Trial.id)).where(
+                    Trial.study_name == study_name, Trial.source != CONFIRM_SOURCE
+                )
+            )
+            last_confirm = session.scalar(
+                select(func.max(Trial.id)).where(
+                    Trial.study_name == study_name, Trial.source == CONFIRM_SOURCE
+                )
+            )
         return last_confirm is not None and (last_search is None or last_confirm > last_search)
 
     def top_trials(self, study_name: str, limit: int) -> list[dict]:
@@ -488,7 +600,11 @@ class ResultsDB:
         with self._sessions() as session:
             rows = session.scalars(
                 select(Trial)
-                .where(Trial.study_name == study_name, Trial.status == "ok", Trial.source != CONFIRM_SOURCE)
+                .where(
+                    Trial.study_name == study_name,
+                    Trial.status == "ok",
+                    Trial.source != CONFIRM_SOURCE,
+                )
                 .order_by(Trial.time_ms, Trial.id)
             )
             picked, seen = [], set()
@@ -509,7 +625,9 @@ class ResultsDB:
         with self._sessions() as session:
             return _trial_by_config(session, study_name, config)
 
-    def count_trials(self, study_name: str, measured_only: bool = True, status: str | None = None) -> int:
+    def count_trials(
+        self, study_name: str, measured_only: bool = True, status: str | None = None
+    ) -> int:
         """Search trials of a study (confirmations not counted): all, those measured (not pruned as
         infeasible), or those of one status."""
         with self._sessions() as session:
@@ -518,8 +636,11 @@ class ResultsDB:
     def study_counts(self, study_name: str) -> dict:
         """A study's search trials by status in one query: {"ok": n, "pruned": n, ...}."""
         with self._sessions() as session:
-            rows = session.execute(select(Trial.status, func.count()).where(
-                Trial.study_name == study_name, Trial.source != CONFIRM_SOURCE).group_by(Trial.status))
+            rows = session.execute(
+                select(Trial.status, func.count())
+                .where(Trial.study_name == study_name, Trial.source != CONFIRM_SOURCE)
+                .group_by(Trial.status)
+            )
             return {status: int(count) for status, count in rows}
 
     def stored_among(self, study_name: str, numbers) -> set[int]:
@@ -527,52 +648,93 @@ class ResultsDB:
         with self._sessions() as session:
             return _stored_among(session, study_name, numbers)
 
-    def trials(self, *, study_name: str | None = None, problem_key: str | None = None,
-               kernel: str | None = None, target: str | None = None, run_id: int | None = None,
-               confirmations: bool = True) -> list[dict]:
+    def trials(
+        self,
+        *,
+        study_name: str | None = None,
+        problem_key: str | None = None,
+        kernel: str | None = None,
+        target: str | None = None,
+        run_id: int | None = None,
+        confirmations: bool = True,
+    ) -> list[dict]:
         """Stored trials, oldest first; without `confirmations`, the search's own (not the re-timings of
         the best few before one is stored best)."""
         query = select(Trial).order_by(Trial.id)
         if not confirmations:
             query = query.where(Trial.source != CONFIRM_SOURCE)
-        for column, value in ((Trial.study_name, study_name), (Trial.problem_key, problem_key),
-                              (Trial.kernel, kernel), (Trial.target, target), (Trial.run_id, run_id)):
+        for column, value in (
+            (Trial.study_name, study_name),
+            (Trial.problem_key, problem_key),
+            (Trial.kernel, kernel),
+            (Trial.target, target),
+            (Trial.run_id, run_id),
+        ):
             if value is not None:
                 query = query.where(column == value)
         with self._sessions() as session:
             return [_columns(t) for t in session.scalars(query)]
 
-    def known_good_config(self, *, kernel: str, kernel_hash: str, target: str, problem_key: str) -> dict | None:
+    def known_good_config(
+        self, *, kernel: str, kernel_hash: str, target: str, problem_key: str
+    ) -> dict | None:
         """A config of the problem measured ok (not estimated) with this kernel code on this target, and
         never wrong there: its best config's trial, else its fastest ok trial, else a measured best
         config without a trial here (imported from a table: measured where the table was made);
         None when there is none. Evidence that the problem runs at all, for the gpu backend's health
         check."""
-        same = (Trial.kernel == kernel, Trial.kernel_hash == kernel_hash, Trial.target == target,
-                Trial.problem_key == problem_key)
+        same = (
+            Trial.kernel == kernel,
+            Trial.kernel_hash == kernel_hash,
+            Trial.target == target,
+            Trial.problem_key == problem_key,
+        )
         wrong = select(Trial.config_key).where(*same, Trial.status == "wrong")
-        ok = select(Trial).where(*same, Trial.status == "ok", Trial.is_estimate.is_(False),
-                                 Trial.config_key.not_in(wrong))
-        this_best = (BestConfig.kernel == kernel, BestConfig.kernel_hash == kernel_hash,
-                     BestConfig.target == target, BestConfig.problem_key == problem_key)
+        ok = select(Trial).where(
+            *same,
+            Trial.status == "ok",
+            Trial.is_estimate.is_(False),
+            Trial.config_key.not_in(wrong),
+        )
+        this_best = (
+            BestConfig.kernel == kernel,
+            BestConfig.kernel_hash == kernel_hash,
+            BestConfig.target == target,
+            BestConfig.problem_key == problem_key,
+        )
         best = select(BestConfig.trial_id).where(*this_best)
         with self._sessions() as session:
-            row = (session.scalars(ok.where(Trial.id == best.scalar_subquery())).first()
-                   or session.scalars(ok.order_by(Trial.time_ms, Trial.id)).first())
+            row = (
+                session.scalars(ok.where(Trial.id == best.scalar_subquery())).first()
+                or session.scalars(ok.order_by(Trial.time_ms, Trial.id)).first()
+            )
             if row is not None:
                 return dict(row.config)
-            imported = session.scalars(select(BestConfig).where(*this_best, BestConfig.is_estimate.is_(False))).first()
-            if imported is not None and config_key(imported.config) not in set(session.scalars(wrong)):
+            imported = session.scalars(
+                select(BestConfig).where(*this_best, BestConfig.is_estimate.is_(False))
+            ).first()
+            if imported is not None and config_key(imported.config) not in set(
+                session.scalars(wrong)
+            ):
                 return dict(imported.config)
             return None
 
     # ---- best configs -------------------------------------------------------------------------
-    def best_configs(self, *, kernel: str | None = None, kernel_hash: str | None = None,
-                     target: str | None = None) -> list[BestEntry]:
-        query = select(BestConfig).order_by(BestConfig.kernel, BestConfig.target, BestConfig.problem_key,
-                                             BestConfig.kernel_hash)
-        for column, value in ((BestConfig.kernel, kernel), (BestConfig.kernel_hash, kernel_hash),
-                              (BestConfig.target, target)):
+    def best_configs(
+        self,
+        *,
+        kernel: str | None = None,
+        kernel_hash: str | None = None,
+        target: str | None = None,
+    ) -> list[BestEntry]:
+        query = select(BestConfig).order_by(
+            BestConfig.kernel, BestConfig.target, BestConfig.problem_key, BestConfig.kernel_hash
+        )
+        for column, value in (
+            (BestConfig.kernel, kernel),
+            (BestConfig.kernel_hash, kernel_hash),
+            (BestConfig.target, target),
+        ):
             if value is not None:
                 query = query.where(column == value)
         with self._sessions() as session:
@@ -580,14 +742,17 @@ class ResultsDB:
 
     def merge_best(self, entries: list[BestEntry]) -> MergeReport:
         """Merge entries (an imported table) in one transaction; the better of two wins."""
+
         def work(session: Session) -> MergeReport:
             added, replaced, kept, conflicts = [], [], [], []
             for entry in entries:
                 row = _find_best(session, entry)
                 existing = _best_entry(row) if row is not None else None  # before the row changes
                 if _was_wrong(session, entry):
-                    conflicts.append(f"{entry.problem_key} on {entry.target}: the table's config {entry.config} "
-                                     "gave wrong results here; not imported")
+                    conflicts.append(
+                        f"{entry.problem_key} on {entry.target}: the table's config {entry.config} "
+                        "gave wrong results here; not imported"
+                    )
                     kept.append(entry.problem_key)
                     continue
                 outcome = _offer_best(session, entry, trial_id=None)
@@ -629,14 +794,18 @@ def _check_sqlite_file(path: Path, location: str, create: bool, make_parent: boo
         if not head and not create:
             # Opening it would make it a SQLite file (WAL mode is written to its header): a command
             # that only reads leaves it as it is.
-            raise ResultsDBError(f"results DB {location!r} is an empty file (0 bytes), with no "
-                                 "results yet: run `fa4tune search` with it first, or give "
-                                 "another --db")
+            raise ResultsDBError(
+                f"results DB {location!r} is an empty file (0 bytes), with no "
+                "results yet: run `fa4tune search` with it first, or give "
+                "another --db"
+            )
         if create and not os.access(path, os.W_OK):
             raise ResultsDBError(f"results DB {location!r} is not writable")
         return
     if not create:
-        raise ResultsDBError(f"no results DB at {location!r}: run `fa4tune search` first, or give --db")
+        raise ResultsDBError(
+            f"no results DB at {location!r}: run `fa4tune search` first, or give --db"
+        )
     blocked = unwritable_ancestor(path)
     if blocked is not None:
         raise ResultsDBError(
@@ -687,13 +856,19 @@ def _transient(exc: DBAPIError) -> bool:
     if isinstance(exc, IntegrityError):  # two workers inserted the same problem's first best config
         return "uq_best_problem" in message or "UNIQUE constraint failed: best_configs." in message
     code = getattr(exc.orig, "sqlstate", None) or getattr(exc.orig, "pgcode", None)
-    return code in POSTGRES_TRANSIENT or "database is locked" in message or "database is busy" in message
+    return (
+        code in POSTGRES_TRANSIENT
+        or "database is locked" in message
+        or "database is busy" in message
+    )
 
 
 def _is_duplicate_trial(exc: IntegrityError) -> bool:
     message = str(exc.orig)  # PostgreSQL names the index, SQLite its columns
-    return ("uq_trials_study_config" in message
-            or "UNIQUE constraint failed: trials.study_name, trials.config_key" in message)
+    return (
+        "uq_trials_study_config" in message
+        or "UNIQUE constraint failed: trials.study_name, trials.config_key" in message
+    )
 
 
 def _create_schema(session: Session) -> None:
@@ -704,17 +879,23 @@ def _create_schema(session: Session) -> None:
     session.add(SchemaInfo(key="schema_version", value=str(SCHEMA_VERSION)))
 
 
-def _latest_run(session: Session, job_name: str, kernel: str, kernel_hash: str, target: str,
-                is_estimate: bool | None = None) -> Run | None:
-    same = [Run.job_name == job_name, Run.kernel == kernel, Run.kernel_hash == kernel_hash, Run.target == target]
+def _latest_run(
+    session: Session,
+    job_name: str,
+    kernel: str,
+    kernel_hash: str,
+    target: str,
+    is_estimate: bool | None = None,
+) -> Run | None:
+    same = [
+        Run.job_name == job_name,
+        Run.kernel == kernel,
+        Run.kernel_hash == kernel_hash,
+        Run.target == target,
+    ]
     if is_estimate is not None:
         same.append(Run.is_estimate.is_(is_estimate))
-    return session.scalars(
-        select(Run)
-        .where(*same)
-        .order_by(Run.id.desc())
-        .limit(1)
-    ).first()
+    return session.scalars(select(Run).where(*same).order_by(Run.id.desc()).limit(1)).first()
 
 
 def _trial_by_number(session: Session, study_name: str, optuna_number: int) -> dict | None:
@@ -726,14 +907,21 @@ def _trial_by_number(session: Session, study_name: str, optuna_number: int) -> d
 
 def _trial_by_config(session: Session, study_name: str, config: dict) -> dict | None:
     row = session.scalars(
-        select(Trial).where(Trial.study_name == study_name, Trial.config_key == config_key(config)).order_by(Trial.id)
+        select(Trial)
+        .where(Trial.study_name == study_name, Trial.config_key == config_key(config))
+        .order_by(Trial.id)
     ).first()
     return _columns(row) if row else None
 
 
-def _count_trials(session: Session, study_name: str, measured_only: bool, status: str | None) -> int:
-    query = select(func.count()).select_from(Trial).where(Trial.study_name == study_name,
-                                                             Trial.source != CONFIRM_SOURCE)
+def _count_trials(
+    session: Session, study_name: str, measured_only: bool, status: str | None
+) -> int:
+    query = (
+        select(func.count())
+        .select_from(Trial)
+        .where(Trial.study_name == study_name, Trial.source != CONFIRM_SOURCE)
+    )
     if measured_only:
         query = query.where(Trial.status != "pruned")
     if status is not None:
@@ -745,31 +933,87 @@ def _stored_among(session: Session, study_name: str, numbers) -> set[int]:
     numbers = list(numbers)
     if not numbers:
         return set()
-    return set(session.scalars(select(Trial.optuna_number).where(
-        Trial.study_name == study_name, Trial.source != CONFIRM_SOURCE, Trial.optuna_number.in_(numbers))))
+    return set(
+        session.scalars(
+            select(Trial.optuna_number).where(
+                Trial.study_name == study_name,
+                Trial.source != CONFIRM_SOURCE,
+                Trial.optuna_number.in_(numbers),
+            )
+        )
+    )
 
 
-def _new_trial(session: Session, run_id, study_name, optuna_number, kernel, kernel_hash, target, problem,
-               config, measurement, source) -> Trial:
+def _new_trial(
+    session: Session,
+    run_id,
+    study_name,
+    optuna_number,
+    kernel,
+    kernel_hash,
+    target,
+    problem,
+    config,
+    measurement,
+    source,
+) -> Trial:
     trial = Trial(
-        run_id=run_id, study_name=study_name, optuna_number=optuna_number, kernel=kernel,
-        kernel_hash=kernel_hash, target=target, problem_key=problem.key(),
-        bucket_key=problem.bucket().key(), problem=problem.to_dict(), config=config_values(config),
-        config_key=config_key(config), source=source, status=measurement.status,
-        reason=measurement.reason, time_ms=measurement.time_ms, spread_ms=measurement.spread_ms,
-        tflops=measurement.tflops, max_error=measurement.max_error,
-        compile_s=measurement.compile_s, is_estimate=measurement.is_estimate,
-        details=dict(measurement.details), created_at=now(),
+        run_id=run_id,
+        study_name=study_name,
+        optuna_number=optuna_number,
+        kernel=kernel,
+        kernel_hash=kernel_hash,
+        target=target,
+        problem_key=problem.key(),
+        bucket_key=problem.bucket().key(),
+        problem=problem.to_dict(),
+        config=config_values(config),
+        config_key=config_key(config),
+        source=source,
+        status=measurement.status,
+        reason=measurement.reason,
+        time_ms=measurement.time_ms,
+        spread_ms=measurement.spread_ms,
+        tflops=measurement.tflops,
+        max_error=measurement.max_error,
+        compile_s=measurement.compile_s,
+        is_estimate=measurement.is_estimate,
+        details=dict(measurement.details),
+        created_at=now(),
     )
     session.add(trial)
     session.flush()
     return trial
 
 
-def _add_trial(session: Session, run_id, study_name, optuna_number, kernel, kernel_hash, target, problem, config,
-               measurement, source, provenance, offer_best) -> int:
-    trial = _new_trial(session, run_id, study_name, optuna_number, kernel, kernel_hash, target, problem, config,
-                       measurement, source)
+def _add_trial(
+    session: Session,
+    run_id,
+    study_name,
+    optuna_number,
+    kernel,
+    kernel_hash,
+    target,
+    problem,
+    config,
+    measurement,
+    source,
+    provenance,
+    offer_best,
+) -> int:
+    trial = _new_trial(
+        session,
+        run_id,
+        study_name,
+        optuna_number,
+        kernel,
+        kernel_hash,
+        target,
+        problem,
+        config,
+        measurement,
+        source,
+    )
     if measurement.status == "ok" and offer_best:
         _offer_best(session, _trial_entry(trial, measurement, provenance), trial_id=trial.id)
     return trial.id
@@ -794,10 +1038,36 @@ class LockedStudy:
     def measured(self) -> int:
         return _count_trials(self.session, self.name, True, None)
 
-    def add_trial(self, *, run_id, optuna_number, kernel, kernel_hash, target, problem, config, measurement,
-                  source, provenance, offer_best=True) -> int:
-        return _add_trial(self.session, run_id, self.name, optuna_number, kernel, kernel_hash, target, problem,
-                          config, measurement, source, provenance, offer_best)
+    def add_trial(
+        self,
+        *,
+        run_id,
+        optuna_number,
+        kernel,
+        kernel_hash,
+        target,
+        problem,
+        config,
+        measurement,
+        source,
+        provenance,
+        offer_best=True,
+    ) -> int:
+        return _add_trial(
+            self.session,
+            run_id,
+            self.name,
+            optuna_number,
+            kernel,
+            kernel_hash,
+            target,
+            problem,
+            config,
+            measurement,
+            source,
+            provenance,
+            offer_best,
+        )
 
     def confirming(self) -> str | None:
         """The worker that claimed the study's confirmation, if any."""
@@ -811,59 +1081,106 @@ def _find_best(session: Session, entry: BestEntry) -> BestConfig | None:
     """The stored best of the entry's problem, locked until the transaction ends (PostgreSQL: another
     worker's offer waits, then compares with what this one stored)."""
     return session.scalars(
-        select(BestConfig).where(
-            BestConfig.kernel == entry.kernel, BestConfig.kernel_hash == entry.kernel_hash,
-            BestConfig.target == entry.target, BestConfig.problem_key == entry.problem_key,
-        ).with_for_update()
+        select(BestConfig)
+        .where(
+            BestConfig.kernel == entry.kernel,
+            BestConfig.kernel_hash == entry.kernel_hash,
+            BestConfig.target == entry.target,
+            BestConfig.problem_key == entry.problem_key,
+        )
+        .with_for_update()
     ).first()
 
 
 def _trial_entry(trial: Trial, measurement, provenance: dict) -> BestEntry:
     return BestEntry(
-        kernel=trial.kernel, kernel_hash=trial.kernel_hash, target=trial.target, problem=dict(trial.problem),
-        problem_key=trial.problem_key, bucket_key=trial.bucket_key, config=dict(trial.config),
-        time_ms=measurement.time_ms, tflops=measurement.tflops, is_estimate=measurement.is_estimate,
-        provenance=provenance, source=f"run {trial.run_id}",
+        kernel=trial.kernel,
+        kernel_hash=trial.kernel_hash,
+        target=trial.target,
+        problem=dict(trial.problem),
+        problem_key=trial.problem_key,
+        bucket_key=trial.bucket_key,
+        config=dict(trial.config),
+        time_ms=measurement.time_ms,
+        tflops=measurement.tflops,
+        is_estimate=measurement.is_estimate,
+        provenance=provenance,
+        source=f"run {trial.run_id}",
     )
 
 
 def _was_wrong(session: Session, entry: BestEntry) -> bool:
     """Whether this config ever gave a wrong result on this problem with this kernel code."""
-    return session.scalar(
-        select(func.count()).select_from(Trial).where(
-            Trial.kernel == entry.kernel, Trial.kernel_hash == entry.kernel_hash, Trial.target == entry.target,
-            Trial.problem_key == entry.problem_key, Trial.config_key == config_key(entry.config),
-            Trial.status == "wrong",
+    return (
+        session.scalar(
+            select(func.count())
+            .select_from(Trial)
+            .where(
+                Trial.kernel == entry.kernel,
+                Trial.kernel_hash == entry.kernel_hash,
+                Trial.target == entry.target,
+                Trial.problem_key == entry.problem_key,
+                Trial.config_key == config_key(entry.config),
+                Trial.status == "wrong",
+            )
         )
-    ) > 0
+        > 0
+    )
 
 
-def _offer_best(session: Session, entry: BestEntry, trial_id: int | None, retimed=frozenset()) -> bool:
+def _offer_best(
+    session: Session, entry: BestEntry, trial_id: int | None, retimed=frozenset()
+) -> bool:
     """Store `entry` as best unless the stored one is at least as good, or the config ever gave a
     wrong result for this problem and kernel code (then never); True when stored. A stored best whose
     config key is in `retimed` was timed again in the same rounds as `entry`, which the caller offers
     as their winner: it is replaced, whatever its time from another session."""
     row = _find_best(session, entry)
     stored = _best_entry(row) if row is not None else None
-    if not policy.stores_best(entry, stored, ever_wrong=_was_wrong(session, entry),
-                              stored_retimed=row is not None and config_key(row.config) in retimed):
+    if not policy.stores_best(
+        entry,
+        stored,
+        ever_wrong=_was_wrong(session, entry),
+        stored_retimed=row is not None and config_key(row.config) in retimed,
+    ):
         return False
     if row is None:
-        row = BestConfig(kernel=entry.kernel, kernel_hash=entry.kernel_hash, target=entry.target,
-                         problem_key=entry.problem_key)
+        row = BestConfig(
+            kernel=entry.kernel,
+            kernel_hash=entry.kernel_hash,
+            target=entry.target,
+            problem_key=entry.problem_key,
+        )
         session.add(row)
-    row.bucket_key, row.problem, row.config = entry.bucket_key, dict(entry.problem), dict(entry.config)
+    row.bucket_key, row.problem, row.config = (
+        entry.bucket_key,
+        dict(entry.problem),
+        dict(entry.config),
+    )
     row.time_ms, row.tflops, row.is_estimate = entry.time_ms, entry.tflops, entry.is_estimate
-    row.provenance, row.source, row.trial_id, row.updated_at = dict(entry.provenance), entry.source, trial_id, now()
+    row.provenance, row.source, row.trial_id, row.updated_at = (
+        dict(entry.provenance),
+        entry.source,
+        trial_id,
+        now(),
+    )
     return True
 
 
 def _best_entry(row: BestConfig) -> BestEntry:
     return BestEntry(
-        kernel=row.kernel, kernel_hash=row.kernel_hash, target=row.target, problem=dict(row.problem),
-        problem_key=row.problem_key, bucket_key=row.bucket_key, config=dict(row.config),
-        time_ms=row.time_ms, tflops=row.tflops, is_estimate=row.is_estimate,
-        provenance=dict(row.provenance or {}), source=row.source,
+        kernel=row.kernel,
+        kernel_hash=row.kernel_hash,
+        target=row.target,
+        problem=dict(row.problem),
+        problem_key=row.problem_key,
+        bucket_key=row.bucket_key,
+        config=dict(row.config),
+        time_ms=row.time_ms,
+        tflops=row.tflops,
+        is_estimate=row.is_estimate,
+        provenance=dict(row.provenance or {}),
+        source=row.source,
     )
 
 

@@ -70,10 +70,14 @@ def _load_entry_point(ep) -> KernelFamily:
     try:
         family = ep.load()
     except Exception as exc:  # a broken plugin must say which one it is
-        raise KernelError(f"cannot load kernel family {origin}: {type(exc).__name__}: {exc}") from exc
+        raise KernelError(
+            f"cannot load kernel family {origin}: {type(exc).__name__}: {exc}"
+        ) from exc
     _validate(family, origin)
     if family.name != ep.name:
-        raise KernelError(f"{origin} names its family {family.name!r}; the entry point must use that name")
+        raise KernelError(
+            f"{origin} names its family {family.name!r}; the entry point must use that name"
+        )
     if ep.name in _BUILTINS:
         raise KernelError(f"{origin} reuses the built-in kernel family name {ep.name!r}")
     return family
@@ -83,7 +87,9 @@ def _entry_point_families() -> dict[str, KernelFamily]:
     global _discovered
     with _lock:
         if _discovered is None:
-            _discovered = {ep.name: _load_entry_point(ep) for ep in entry_points(group=ENTRY_POINT_GROUP)}
+            _discovered = {
+                ep.name: _load_entry_point(ep) for ep in entry_points(group=ENTRY_POINT_GROUP)
+            }
         return _discovered
 
 
@@ -131,12 +137,26 @@ def family_for_problem(problem) -> KernelFamily:
     takers = [f for f in families().values() if isinstance(problem, f.problem_type)]
     if len(takers) != 1:
         names = ", ".join(sorted(f.name for f in takers)) or "none"
-        raise KernelError(f"which kernel family takes a {type(problem).__name__}? {names}; pass kernel=")
+        raise KernelError(
+            f"which kernel family takes a {type(problem).__name__}? {names}; pass kernel="
+        )
     return takers[0]
 
 
 __all__ = [
-    "DEFAULT_KERNEL", "ENTRY_POINT_GROUP", "Check", "KernelFamily", "Peer", "PeerUnavailable", "Rule",
-    "Tolerance", "code_text", "families", "family_for_problem", "get_kernel",
-    "register_family", "rediscover", "unregister_family",
+    "DEFAULT_KERNEL",
+    "ENTRY_POINT_GROUP",
+    "Check",
+    "KernelFamily",
+    "Peer",
+    "PeerUnavailable",
+    "Rule",
+    "Tolerance",
+    "code_text",
+    "families",
+    "family_for_problem",
+    "get_kernel",
+    "register_family",
+    "rediscover",
+    "unregister_family",
 ]

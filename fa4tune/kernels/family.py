@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Mapping
+from typing import Any, ClassVar
 
 from ..errors import KernelError
 from ..problem import Problem
@@ -160,8 +161,10 @@ class KernelFamily:
         """Raise `config_error` naming every violated rule (a kernel's constructor calls this)."""
         reasons = self.infeasible_reasons(problem, config, target)
         if reasons:
-            raise self.config_error(f"config {config.short()} cannot run {problem.key()} on {target.name}: "
-                                    + "; ".join(reasons))
+            raise self.config_error(
+                f"config {config.short()} cannot run {problem.key()} on {target.name}: "
+                + "; ".join(reasons)
+            )
 
     # ---- problems -----------------------------------------------------------------------------
     def problem(self, values: Mapping):
@@ -193,7 +196,9 @@ class KernelFamily:
         """What a compiled kernel depends on: one compile serves every problem with the same key."""
         raise self._missing("compiling")
 
-    def compile(self, problem, config, target, *, options: str | None = None, use_cache: bool = True):
+    def compile(
+        self, problem, config, target, *, options: str | None = None, use_cache: bool = True
+    ):
         """The compiled kernel (an object with `.function`, `.key`, `.compile_seconds` and `.kernel`,
         the kernel object or None when loaded), from the compile cache unless `use_cache` is False."""
         raise self._missing("compiling")

@@ -44,16 +44,29 @@ def code_text(source: str) -> str:
 
     docstrings = []
     for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+        if (
+            isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.body
+        ):
             first = node.body[0]
-            if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
-                    and isinstance(first.value.value, str)):
-                docstrings.append(((first.lineno, column(first.lineno, first.col_offset)),
-                                   (first.end_lineno, column(first.end_lineno, first.end_col_offset))))
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
+                docstrings.append(
+                    (
+                        (first.lineno, column(first.lineno, first.col_offset)),
+                        (first.end_lineno, column(first.end_lineno, first.end_col_offset)),
+                    )
+                )
     # Rows that end inside a string literal other than a docstring keep their trailing spaces, and
     # rows wholly inside one are kept even when blank. (3.12 splits f-strings into several tokens.)
     ends_in_string, inside_string, fstring_starts = set(), set(), []
-    fstring_start, fstring_end = getattr(tokenize, "FSTRING_START", None), getattr(tokenize, "FSTRING_END", None)
+    fstring_start, fstring_end = (
+        getattr(tokenize, "FSTRING_START", None),
+        getattr(tokenize, "FSTRING_END", None),
+    )
     for tok in tokens:
         if tok.type == fstring_start:
             fstring_starts.append(tok.start)
@@ -72,8 +85,9 @@ def code_text(source: str) -> str:
         if row == end_row:
             lines[row - 1] = lines[row - 1][:col] + lines[row - 1][end_col:]
         else:
-            lines[row - 1:end_row] = ([lines[row - 1][:col]] + [""] * (end_row - row - 1)
-                                      + [lines[end_row - 1][end_col:]])
+            lines[row - 1 : end_row] = (
+                [lines[row - 1][:col]] + [""] * (end_row - row - 1) + [lines[end_row - 1][end_col:]]
+            )
     kept = []
     for row, line in enumerate(lines, 1):
         if row in inside_string or row in ends_in_string:

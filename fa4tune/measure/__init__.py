@@ -3,4 +3,11 @@ GPU; issue 4), selected by name, with `auto` choosing the GPU when one is presen
 
 from .base import BACKENDS, Backend, Measurement, backend_class, make_backend, resolve_backend_name
 
-__all__ = ["BACKENDS", "Backend", "Measurement", "backend_class", "make_backend", "resolve_backend_name"]
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "Measurement",
+    "backend_class",
+    "make_backend",
+    "resolve_backend_name",
+]

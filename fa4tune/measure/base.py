@@ -39,11 +39,13 @@ class Measurement:
             raise ValueError(f"a {self.status} measurement needs a reason")
 
     @classmethod
-    def ok(cls, problem, time_ms: float, **kwargs) -> "Measurement":
-        return cls(status="ok", time_ms=time_ms, tflops=problem.flops / (time_ms * 1e-3) / 1e12, **kwargs)
+    def ok(cls, problem, time_ms: float, **kwargs) -> Measurement:
+        return cls(
+            status="ok", time_ms=time_ms, tflops=problem.flops / (time_ms * 1e-3) / 1e12, **kwargs
+        )
 
     @classmethod
-    def pruned(cls, reasons: list[str], is_estimate: bool = False) -> "Measurement":
+    def pruned(cls, reasons: list[str], is_estimate: bool = False) -> Measurement:
         """A config rejected before anything ran; flagged as its run is, estimated or measured."""
         return cls(status="pruned", reason="; ".join(reasons), is_estimate=is_estimate)
 
@@ -66,7 +68,9 @@ class Backend:
     confirms_best: ClassVar[bool] = False
     lookahead: int = 0
     confirm_count: int = 0
-    min_gain: float = 0.0  # a confirmed config replaces the default only when this much faster (0.003:
+    min_gain: float = (
+        0.0  # a confirmed config replaces the default only when this much faster (0.003:
+    )
     # 0.3%) and faster in every confirmation round (store.beats_default)
 
     def __init__(self, kernel, target) -> None:

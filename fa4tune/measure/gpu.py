@@ -23,13 +23,13 @@ from pathlib import Path
 
 from ..errors import BackendError, BackendUnavailable
 from ..problem import Problem
+from ..target import get_target, partial_gpu
 from .base import Backend, Measurement
-from .pruner import make_pruner
 from .gpu_worker import ROLE_VARIABLE
+from .pool import CompilePool
+from .pruner import make_pruner
 from .timing import round_order
 from .worker import Reply, WorkerProcess, WorkerUnavailable
-from ..target import get_target, partial_gpu
-from .pool import CompilePool
 
 DEFAULT_WORKER_MODULE = "fa4tune.measure.gpu_worker"
 
@@ -38,45 +38,69 @@ DEFAULT_WORKER_MODULE = "fa4tune.measure.gpu_worker"
 class GpuOptions:
     """Options of the gpu backend (a job's `measure:` mapping)."""
 
-    compile_workers: int | str = "auto"  # processes compiling ahead; auto: min(8, CPUs - 2), 0 below 4 CPUs
+    compile_workers: int | str = (
+        "auto"  # processes compiling ahead; auto: min(8, CPUs - 2), 0 below 4 CPUs
+    )
     compile_timeout: float = 120.0  # seconds per candidate: compile (or load) the kernel
     run_timeout: float = 60.0  # seconds per candidate: verify and time it
     start_timeout: float = 300.0  # seconds for a worker to import torch and the DSL and see the GPU
-    prune_margin: float | None = 0.10  # stop a candidate whose cheap timing is this much above the best
+    prune_margin: float | None = (
+        0.10  # stop a candidate whose cheap timing is this much above the best
+    )
     prune_after: int = 3  # completed candidates before the pruner may stop any
     confirm_top: int = 3  # re-time this many of the best at the end of each problem
     confirm_rounds: int = 5  # interleaved rounds of that re-timing
-    min_gain: float = 0.003  # the best replaces the default only when this much faster, and in every round
+    min_gain: float = (
+        0.003  # the best replaces the default only when this much faster, and in every round
+    )
     max_worker_deaths: int = 5  # consecutive deaths (crash, hang), then a known-good config decides
     worker_module: str = DEFAULT_WORKER_MODULE  # what the workers run (tests plant their own)
-    cache_dir: str | None = None  # exported kernels; default $FA4TUNE_KERNEL_CACHE, $XDG_CACHE_HOME/fa4tune/kernels
+    cache_dir: str | None = (
+        None  # exported kernels; default $FA4TUNE_KERNEL_CACHE, $XDG_CACHE_HOME/fa4tune/kernels
+    )
     # or ~/.cache/fa4tune/kernels
 
     @classmethod
-    def parse(cls, data: dict | None, where: str = "measure") -> "GpuOptions":
+    def parse(cls, data: dict | None, where: str = "measure") -> GpuOptions:
         """Options from a mapping; ValueError naming the field for anything wrong."""
         data = dict(data or {})
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"{where}.{unknown[0]}: unknown option; known: {', '.join(sorted(known))}")
+            raise ValueError(
+                f"{where}.{unknown[0]}: unknown option; known: {', '.join(sorted(known))}"
+            )
         positive = ("compile_timeout", "run_timeout", "start_timeout")
         counts = ("prune_after", "confirm_top", "confirm_rounds", "max_worker_deaths")
         for name, value in data.items():
-            if name in positive and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            if name in positive and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0
+            ):
                 raise ValueError(f"{where}.{name}: a positive number of seconds, got {value!r}")
-            if name in counts and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            if name in counts and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
                 raise ValueError(f"{where}.{name}: a positive integer, got {value!r}")
         workers = data.get("compile_workers", "auto")
-        if workers != "auto" and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
-            raise ValueError(f"{where}.compile_workers: auto or a non-negative integer, got {workers!r}")
+        if workers != "auto" and (
+            isinstance(workers, bool) or not isinstance(workers, int) or workers < 0
+        ):
+            raise ValueError(
+                f"{where}.compile_workers: auto or a non-negative integer, got {workers!r}"
+            )
         gain = data.get("min_gain", cls.min_gain)
         if isinstance(gain, bool) or not isinstance(gain, (int, float)) or not 0 <= gain < 1:
-            raise ValueError(f"{where}.min_gain: a fraction from 0 to below 1 (0.01 = 1% faster), got {gain!r}")
+            raise ValueError(
+                f"{where}.min_gain: a fraction from 0 to below 1 (0.01 = 1% faster), got {gain!r}"
+            )
         margin = data.get("prune_margin", cls.prune_margin)
-        if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float)) or margin < 0):
-            raise ValueError(f"{where}.prune_margin: a non-negative number (0.1 = 10% slower), or null "
-                             f"to measure every candidate fully; got {margin!r}")
+        if margin is not None and (
+            isinstance(margin, bool) or not isinstance(margin, (int, float)) or margin < 0
+        ):
+            raise ValueError(
+                f"{where}.prune_margin: a non-negative number (0.1 = 10% slower), or null "
+                f"to measure every candidate fully; got {margin!r}"
+            )
         for name in ("worker_module", "cache_dir"):
             if data.get(name) is not None and not isinstance(data[name], str):
                 raise ValueError(f"{where}.{name}: a string, got {data[name]!r}")
@@ -106,8 +130,16 @@ class GpuOptions:
 
 POOL_FAILURES_TO_GIVE_UP = 3
 # What each trial records of the worker's GPU and software (the worker's describe()).
-DEVICE_FIELDS = ("gpu_name", "sm_count", "pci_bus", "nvidia_driver", "cuda_driver", "cuda_version", "torch_version",
-                 "dsl_version")
+DEVICE_FIELDS = (
+    "gpu_name",
+    "sm_count",
+    "pci_bus",
+    "nvidia_driver",
+    "cuda_driver",
+    "cuda_version",
+    "torch_version",
+    "dsl_version",
+)
 
 
 class GpuBackend(Backend):
@@ -121,8 +153,12 @@ class GpuBackend(Backend):
             self.options = GpuOptions.parse(options)
         except ValueError as exc:
             raise BackendError(f"gpu backend options: {exc}") from exc
-        self.worker = WorkerProcess(self.options.worker_module, env={ROLE_VARIABLE: "measure"},
-                                    start_timeout=self.options.start_timeout, name="fa4tune-gpu-worker")
+        self.worker = WorkerProcess(
+            self.options.worker_module,
+            env={ROLE_VARIABLE: "measure"},
+            start_timeout=self.options.start_timeout,
+            name="fa4tune-gpu-worker",
+        )
         self.pool = None
         try:
             info = self.worker.start()
@@ -147,10 +183,16 @@ class GpuBackend(Backend):
         self.pool_failures = 0  # jobs in a row the compile pool could not take
         self.lookahead = self.options.workers()
         if self.lookahead:
-
-            self.pool = CompilePool(self.options.worker_module, self.lookahead, self.options.compile_timeout,
-                                    env={ROLE_VARIABLE: "compile"}, start_timeout=self.options.start_timeout)
-        self._artifact_dir = artifact_dir(self.options.kernel_cache(), info.get("dsl_version"), kernel)
+            self.pool = CompilePool(
+                self.options.worker_module,
+                self.lookahead,
+                self.options.compile_timeout,
+                env={ROLE_VARIABLE: "compile"},
+                start_timeout=self.options.start_timeout,
+            )
+        self._artifact_dir = artifact_dir(
+            self.options.kernel_cache(), info.get("dsl_version"), kernel
+        )
 
     # ---- the Backend interface ----------------------------------------------------------------
     def measure(self, problem, config, should_stop=None) -> Measurement:
@@ -214,11 +256,15 @@ class GpuBackend(Backend):
                 failed[index] = Measurement(status="failed", reason=failure, compile_s=compile_s)
             artifacts[index] = artifact
         for round_index in range(self.options.confirm_rounds):
-            for index in round_order(len(configs), round_index):  # paired rounds: policy.beats_default
+            for index in round_order(
+                len(configs), round_index
+            ):  # paired rounds: policy.beats_default
                 config = configs[index]
                 if index in failed:
                     continue
-                request = self._request(problem, config, "retime", artifacts[index], salt=round_index)
+                request = self._request(
+                    problem, config, "retime", artifacts[index], salt=round_index
+                )
                 measurement = self._measurement(problem, self._ask_worker(request, None), None)
                 self._note_good(problem, config, artifacts[index], measurement)
                 if measurement.status != "ok":
@@ -235,12 +281,20 @@ class GpuBackend(Backend):
             median = statistics.median(times)
             across = (max(times) - min(times)) / median
             within = statistics.median((m.spread_ms or 0.0) / m.time_ms for m in rounds[index])
-            results.append(Measurement.ok(
-                problem, median, spread_ms=max(across, within) * median,
-                max_error=max(m.max_error or 0.0 for m in rounds[index]),
-                details={"rounds_ms": times, "spread_across_rounds": across, "clocks": clocks,
-                         "confirm_rounds": self.options.confirm_rounds},
-            ))
+            results.append(
+                Measurement.ok(
+                    problem,
+                    median,
+                    spread_ms=max(across, within) * median,
+                    max_error=max(m.max_error or 0.0 for m in rounds[index]),
+                    details={
+                        "rounds_ms": times,
+                        "spread_across_rounds": across,
+                        "clocks": clocks,
+                        "confirm_rounds": self.options.confirm_rounds,
+                    },
+                )
+            )
         return results
 
     def make_pruner(self):
@@ -258,13 +312,21 @@ class GpuBackend(Backend):
 
     def provenance(self) -> dict:
         d = self.device
-        return {"gpu_name": d.get("gpu_name"), "sm_count": d.get("sm_count"), "cuda_driver": d.get("cuda_driver"),
-                "nvidia_driver": d.get("nvidia_driver"), "cuda_version": d.get("cuda_version"),
-                "clocks": {"start": d.get("clocks")}, "compute_capability": d.get("compute_capability")}
+        return {
+            "gpu_name": d.get("gpu_name"),
+            "sm_count": d.get("sm_count"),
+            "cuda_driver": d.get("cuda_driver"),
+            "nvidia_driver": d.get("nvidia_driver"),
+            "cuda_version": d.get("cuda_version"),
+            "clocks": {"start": d.get("clocks")},
+            "compute_capability": d.get("compute_capability"),
+        }
 
     def sample_clocks(self) -> dict | None:
         """The GPU's clocks now (after a measurement they are the clocks it ran at)."""
-        reply = self._ask_worker({"op": "clocks"}, None, timeouts={"compile": self.options.run_timeout})
+        reply = self._ask_worker(
+            {"op": "clocks"}, None, timeouts={"compile": self.options.run_timeout}
+        )
         sample = (reply.result or {}).get("clocks") if reply.ok else None
         if sample:
             self.clock_samples.append(sample)
@@ -281,16 +343,30 @@ class GpuBackend(Backend):
     def _request(self, problem, config, mode: str, artifact: str | None, salt: int = 0) -> dict:
         values = config.to_dict()
         key = f"{problem.key()}|{sorted(values.items())}|{salt}"
-        return {"op": "measure", "mode": mode, "kernel": self.kernel.name, "problem": problem.to_dict(),
-                "config": values, "target": self.target.to_dict(), "artifact": artifact,
-                "seed": zlib.crc32(key.encode()), "tolerance": asdict(self.kernel.tolerance(problem))}
+        return {
+            "op": "measure",
+            "mode": mode,
+            "kernel": self.kernel.name,
+            "problem": problem.to_dict(),
+            "config": values,
+            "target": self.target.to_dict(),
+            "artifact": artifact,
+            "seed": zlib.crc32(key.encode()),
+            "tolerance": asdict(self.kernel.tolerance(problem)),
+        }
 
     def _artifact_path(self, problem, config) -> Path:
         return artifact_path(self._artifact_dir, self.kernel, config, problem, self.target)
 
     def _compile_request(self, problem, config, path: Path) -> dict:
-        return {"op": "compile", "kernel": self.kernel.name, "problem": problem.to_dict(), "config": config.to_dict(),
-                "target": self.target.to_dict(), "artifact": str(path)}
+        return {
+            "op": "compile",
+            "kernel": self.kernel.name,
+            "problem": problem.to_dict(),
+            "config": config.to_dict(),
+            "target": self.target.to_dict(),
+            "artifact": str(path),
+        }
 
     def _compiled(self, problem, config) -> tuple[str | None, float | None, str | None]:
         """(object file, compile seconds, failure reason) from the compile pool; all None without one."""
@@ -323,7 +399,11 @@ class GpuBackend(Backend):
             # Deaths in a row may be a bad stretch of the space, not a bad GPU: a config of this
             # problem that measured ok before is measured again, and only if it fails too (or there
             # is none: the problem itself may be what kills the worker) does the search stop.
-            key = Problem.from_dict(request["problem"]).key() if "problem" in request else self.last_good
+            key = (
+                Problem.from_dict(request["problem"]).key()
+                if "problem" in request
+                else self.last_good
+            )
             unhealthy = self._health_check(key)
             if unhealthy:
                 raise BackendUnavailable(
@@ -348,8 +428,10 @@ class GpuBackend(Backend):
         DB holds) measures ok again; else what failed."""
         good = self.known_good.get(problem_key) or self.stored_good.get(problem_key)
         if good is None:
-            return ("and no config of this problem has measured ok in this session or in the results DB to check "
-                    "the GPU with")
+            return (
+                "and no config of this problem has measured ok in this session or in the results DB to check "
+                "the GPU with"
+            )
         problem, config, artifact = good
         short = config.short()
         failed_too = f"and a config of this problem that measured ok before ({short}) failed too"
@@ -360,7 +442,9 @@ class GpuBackend(Backend):
             if failure is not None:
                 return f"{failed_too}: {failure}"
         try:
-            reply = self.worker.request(self._request(problem, config, "retime", artifact), self._timeouts(), None)
+            reply = self.worker.request(
+                self._request(problem, config, "retime", artifact), self._timeouts(), None
+            )
         except WorkerUnavailable as exc:
             return f"and the worker cannot be restarted: {exc}"
         measurement = self._measurement(problem, reply, None)
@@ -371,37 +455,68 @@ class GpuBackend(Backend):
     def _measurement(self, problem, reply: Reply, pool_compile_s: float | None) -> Measurement:
         """A Measurement from the worker's reply. The tolerance is enforced here as well: a result
         that says ok with errors above tolerance (or none) is stored as wrong."""
-        details = {"phase_seconds": {k: round(v, 3) for k, v in reply.phase_seconds.items()},
-                   # Where it ran, with every trial: a resumed run (or another host joining it) keeps
-                   # the run's first provenance, which need not be this one's.
-                   "device": {k: self.device.get(k) for k in DEVICE_FIELDS if self.device.get(k) is not None}}
+        details = {
+            "phase_seconds": {k: round(v, 3) for k, v in reply.phase_seconds.items()},
+            # Where it ran, with every trial: a resumed run (or another host joining it) keeps
+            # the run's first provenance, which need not be this one's.
+            "device": {
+                k: self.device.get(k) for k in DEVICE_FIELDS if self.device.get(k) is not None
+            },
+        }
         if not reply.ok:
             replaced = "; worker replaced" if reply.restarted else ""
-            return Measurement(status="failed", reason=f"{reply.reason}{replaced}", compile_s=pool_compile_s,
-                               details=details)
+            return Measurement(
+                status="failed",
+                reason=f"{reply.reason}{replaced}",
+                compile_s=pool_compile_s,
+                details=details,
+            )
         result = dict(reply.result)
         status = result.pop("status", None)
         compile_s = pool_compile_s if pool_compile_s is not None else result.get("compile_s")
         out_error, lse_error = result.get("out_error"), result.get("lse_error")
-        details.update({k: v for k, v in result.items() if k not in ("time_ms", "spread", "reason")})
+        details.update(
+            {k: v for k, v in result.items() if k not in ("time_ms", "spread", "reason")}
+        )
         common = {"compile_s": compile_s, "max_error": out_error, "details": details}
         if status == "wrong":
-            return Measurement(status="wrong", reason=result.get("reason") or "above tolerance", **common)
+            return Measurement(
+                status="wrong", reason=result.get("reason") or "above tolerance", **common
+            )
         if status == "stopped":
             time_ms = result["time_ms"]
-            return Measurement(status="stopped", reason=result.get("reason") or "stopped early", time_ms=time_ms,
-                               spread_ms=result.get("spread", 0.0) * time_ms, **common)
+            return Measurement(
+                status="stopped",
+                reason=result.get("reason") or "stopped early",
+                time_ms=time_ms,
+                spread_ms=result.get("spread", 0.0) * time_ms,
+                **common,
+            )
         if status != "ok":
-            return Measurement(status="failed", reason=f"the worker answered status {status!r}", **common)
+            return Measurement(
+                status="failed", reason=f"the worker answered status {status!r}", **common
+            )
         tolerance = self.kernel.tolerance(problem)
-        for name, value, limit in (("output", out_error, tolerance.out), ("LSE", lse_error, tolerance.lse)):
+        for name, value, limit in (
+            ("output", out_error, tolerance.out),
+            ("LSE", lse_error, tolerance.lse),
+        ):
             if value is None or not math.isfinite(value) or value > limit:
-                return Measurement(status="wrong", reason=f"{name} error {value!r} is not within {limit:g}",
-                                   **common)
+                return Measurement(
+                    status="wrong",
+                    reason=f"{name} error {value!r} is not within {limit:g}",
+                    **common,
+                )
         time_ms = result.get("time_ms")
         if not isinstance(time_ms, (int, float)) or not time_ms > 0:
-            return Measurement(status="failed", reason=f"the worker reported no usable time ({time_ms!r})", **common)
-        return Measurement.ok(problem, time_ms, spread_ms=result.get("spread", 0.0) * time_ms, **common)
+            return Measurement(
+                status="failed",
+                reason=f"the worker reported no usable time ({time_ms!r})",
+                **common,
+            )
+        return Measurement.ok(
+            problem, time_ms, spread_ms=result.get("spread", 0.0) * time_ms, **common
+        )
 
 
 def artifact_dir(cache: Path, dsl_version: str | None, kernel) -> Path:
@@ -412,7 +527,9 @@ def artifact_dir(cache: Path, dsl_version: str | None, kernel) -> Path:
 def artifact_path(directory: Path, kernel, config, problem, target) -> Path:
     """The object file of `config` of kernel family `kernel` for `problem` in an `artifact_dir`: one
     per compile key, so problems that differ only in sizes share it."""
-    return Path(directory) / f"{kernel.artifact_name(kernel.compile_key(problem, config, target))}.o"
+    return (
+        Path(directory) / f"{kernel.artifact_name(kernel.compile_key(problem, config, target))}.o"
+    )
 
 
 def _worker_target(info: dict, wanted):
@@ -420,14 +537,20 @@ def _worker_target(info: dict, wanted):
     job asked for another."""
 
     if not info.get("target"):
-        raise BackendError(f"the gpu backend needs a GPU fa4tune knows (H100, H200, B200); the worker sees "
-                           f"{info.get('gpu_name') or 'no GPU'}. Use backend: model for estimates.")
+        raise BackendError(
+            f"the gpu backend needs a GPU fa4tune knows (H100, H200, B200); the worker sees "
+            f"{info.get('gpu_name') or 'no GPU'}. Use backend: model for estimates."
+        )
     detected = get_target(info["target"])
     if info.get("sm_count"):
-        partial = partial_gpu(replace(detected, sm_count=int(info["sm_count"])), f"this GPU ({info.get('gpu_name')})")
+        partial = partial_gpu(
+            replace(detected, sm_count=int(info["sm_count"])), f"this GPU ({info.get('gpu_name')})"
+        )
         if partial:
             raise BackendError(partial)
     if wanted is not None and get_target(wanted).name != detected.name:
-        raise BackendError(f"the job targets {get_target(wanted).name} but this GPU is {detected.name} "
-                           f"({info.get('gpu_name')}); drop `target:` or use the model backend")
+        raise BackendError(
+            f"the job targets {get_target(wanted).name} but this GPU is {detected.name} "
+            f"({info.get('gpu_name')}); drop `target:` or use the model backend"
+        )
     return detected

@@ -38,7 +38,6 @@ def describe(state: dict) -> dict:
         return {"role": "compile", "pid": os.getpid()}
     import torch
 
-
     if not torch.cuda.is_available():
         raise RuntimeError("no CUDA GPU is visible to the measuring worker")
     device = torch.cuda.current_device()
@@ -71,8 +70,15 @@ def _pci_bus(props) -> str | None:
         return None
 
 
-SMI_FIELDS = ("driver_version", "clocks.sm", "clocks.mem", "clocks.max.sm", "clocks.max.mem",
-              "temperature.gpu", "power.draw")
+SMI_FIELDS = (
+    "driver_version",
+    "clocks.sm",
+    "clocks.mem",
+    "clocks.max.sm",
+    "clocks.max.mem",
+    "temperature.gpu",
+    "power.draw",
+)
 
 
 def gpu_clocks(state: dict) -> dict:
@@ -82,7 +88,9 @@ def gpu_clocks(state: dict) -> dict:
     if state.get("pci_bus"):
         command += ["-i", state["pci_bus"]]
     try:
-        line = subprocess.run(command, capture_output=True, text=True, timeout=10, check=True).stdout
+        line = subprocess.run(
+            command, capture_output=True, text=True, timeout=10, check=True
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return {}
     values = [v.strip() for v in line.strip().splitlines()[0].split(",")] if line.strip() else []
@@ -97,9 +105,15 @@ def gpu_clocks(state: dict) -> dict:
 
     return {
         "nvidia_driver": values[0],
-        "clocks": {"sm_mhz": number(values[1]), "mem_mhz": number(values[2]), "max_sm_mhz": number(values[3]),
-                   "max_mem_mhz": number(values[4]), "temperature_c": number(values[5]),
-                   "power_w": number(values[6]), "at": time.time()},
+        "clocks": {
+            "sm_mhz": number(values[1]),
+            "mem_mhz": number(values[2]),
+            "max_sm_mhz": number(values[3]),
+            "max_mem_mhz": number(values[4]),
+            "temperature_c": number(values[5]),
+            "power_w": number(values[6]),
+            "at": time.time(),
+        },
     }
 
 
@@ -125,7 +139,6 @@ def measure(request: dict, channel, state: dict) -> dict:
     tolerance, timing options, artifact (optional)."""
     import torch
 
-
     family, problem, config, target = _candidate(request)
     compiled, compile_s, compiled_by = _kernel(request, family, problem, config, target)
     channel.phase("run")
@@ -140,19 +153,31 @@ def measure(request: dict, channel, state: dict) -> dict:
     run = family.launcher(case, config, target)
     references = family.reference(case)
     check = poisoned_check(run, family, case, references, torch.cuda.synchronize)
-    result = {"compile_s": compile_s, "compiled_by": compiled_by, "out_error": check.out_error,
-              "lse_error": check.lse_error}
+    result = {
+        "compile_s": compile_s,
+        "compiled_by": compiled_by,
+        "out_error": check.out_error,
+        "lse_error": check.lse_error,
+    }
     wrong = check.verdict(tolerance)
     if wrong:
         return {**result, "status": "wrong", "reason": wrong}
     options = request.get("timing", {})
     if request.get("mode", "search") == "search":
-        cheap = timing.time_cuda(run, flusher=flusher, **{**CHEAP_TIMING, **options.get("cheap", {})})
+        cheap = timing.time_cuda(
+            run, flusher=flusher, **{**CHEAP_TIMING, **options.get("cheap", {})}
+        )
         result.update(cheap_ms=cheap.median_ms, cheap_spread=cheap.spread, cheap_runs=cheap.runs)
         stop = channel.ask({"cheap_ms": cheap.median_ms})
         if stop:
-            return {**result, "status": "stopped", "reason": stop, "time_ms": cheap.median_ms,
-                    "spread": cheap.spread, "runs": cheap.runs}
+            return {
+                **result,
+                "status": "stopped",
+                "reason": stop,
+                "time_ms": cheap.median_ms,
+                "spread": cheap.spread,
+                "runs": cheap.runs,
+            }
     full = timing.time_cuda(run, flusher=flusher, **{**FULL_TIMING, **options.get("full", {})})
     # Once more after the timed runs: they write the same values as the first, so without the poison a
     # kernel whose later launches write nothing (state an earlier launch left behind, a tile counter
@@ -161,9 +186,18 @@ def measure(request: dict, channel, state: dict) -> dict:
     wrong = after.verdict(tolerance)
     if wrong:
         return {**result, "status": "wrong", "reason": f"after {full.runs} timed runs: {wrong}"}
-    result.update(out_error=max(check.out_error, after.out_error), lse_error=max(check.lse_error, after.lse_error))
-    return {**result, "status": "ok", "time_ms": full.median_ms, "spread": full.spread, "runs": full.runs,
-            "min_ms": full.min_ms}
+    result.update(
+        out_error=max(check.out_error, after.out_error),
+        lse_error=max(check.lse_error, after.lse_error),
+    )
+    return {
+        **result,
+        "status": "ok",
+        "time_ms": full.median_ms,
+        "spread": full.spread,
+        "runs": full.runs,
+        "min_ms": full.min_ms,
+    }
 
 
 def poisoned_check(run, family, case, references, synchronize):
@@ -181,8 +215,12 @@ def _candidate(request: dict):
 
     family = get_kernel(request.get("kernel"))
     target = request["target"]  # the whole description: a device's own SM count is not its model's
-    return (family, family.problem(request["problem"]), family.config(request["config"]),
-            Target(**target) if isinstance(target, dict) else get_target(target))
+    return (
+        family,
+        family.problem(request["problem"]),
+        family.config(request["config"]),
+        Target(**target) if isinstance(target, dict) else get_target(target),
+    )
 
 
 def _kernel(request: dict, family, problem, config, target):
@@ -195,7 +233,9 @@ def _kernel(request: dict, family, problem, config, target):
             compiled = family.load(artifact, problem, config, target)
             return compiled, compiled.compile_seconds, "pool"
         except Exception as exc:  # noqa: BLE001 - fall back to compiling here, and say why
-            how = f"worker (loading {os.path.basename(artifact)} failed: {type(exc).__name__}: {exc})"[:300]
+            how = f"worker (loading {os.path.basename(artifact)} failed: {type(exc).__name__}: {exc})"[
+                :300
+            ]
     start = time.perf_counter()
     compiled = family.compile(problem, config, target)
     return compiled, time.perf_counter() - start, how

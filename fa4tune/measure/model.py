@@ -16,7 +16,9 @@ class CostModelBackend(Backend):
 
     def measure(self, problem, config) -> Measurement:
         seconds, details = self.model.time_s(config, problem)
-        return Measurement.ok(problem, seconds * 1e3, spread_ms=0.0, is_estimate=True, details=details)
+        return Measurement.ok(
+            problem, seconds * 1e3, spread_ms=0.0, is_estimate=True, details=details
+        )
 
     def provenance(self) -> dict:
         return {

@@ -34,15 +34,24 @@ class _Job:
 class CompilePool:
     """Compile requests by key: `submit` queues one (once), `result` waits for its Reply."""
 
-    def __init__(self, module: str, workers: int, compile_timeout: float, *, env: dict | None = None,
-                 start_timeout: float = 300.0) -> None:
+    def __init__(
+        self,
+        module: str,
+        workers: int,
+        compile_timeout: float,
+        *,
+        env: dict | None = None,
+        start_timeout: float = 300.0,
+    ) -> None:
         if workers < 1:
             raise ValueError("a compile pool needs at least one worker")
         # Compile workers never touch the GPU: hide it so that none creates a CUDA context there.
         env = {"CUDA_VISIBLE_DEVICES": "", **(env or {})}
         self.compile_timeout = compile_timeout
-        self._workers = [WorkerProcess(module, env=env, start_timeout=start_timeout,
-                                       name=f"fa4tune-compile-{i}") for i in range(workers)]
+        self._workers = [
+            WorkerProcess(module, env=env, start_timeout=start_timeout, name=f"fa4tune-compile-{i}")
+            for i in range(workers)
+        ]
         self._jobs: dict[str, _Job] = {}
         self._queue: deque[str] = deque()
         self._running: dict[int, str] = {}  # worker index -> job key
@@ -72,7 +81,11 @@ class CompilePool:
             while job.state != "done" and not self._closed and self._thread.is_alive():
                 self._cond.wait(timeout=1.0)
             if job.reply is None:
-                return Reply(ok=False, reason=f"the compile pool stopped ({self._error or 'closed'})", unserved=True)
+                return Reply(
+                    ok=False,
+                    reason=f"the compile pool stopped ({self._error or 'closed'})",
+                    unserved=True,
+                )
             return job.reply
 
     def discard(self, key: str) -> None:

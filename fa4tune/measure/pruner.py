@@ -19,7 +19,9 @@ def make_pruner(margin: float, min_completed: int = 3):
             completed = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
             # Distinct configs: a repeat of a measured config is told COMPLETE with its stored value,
             # and is no second opinion on how fast the space can be.
-            distinct = {tuple(sorted(t.params.items(), key=lambda item: item[0])) for t in completed}
+            distinct = {
+                tuple(sorted(t.params.items(), key=lambda item: item[0])) for t in completed
+            }
             return min(t.value for t in completed) if len(distinct) >= self.min_completed else None
 
         def prune(self, study, trial) -> bool:
@@ -30,7 +32,9 @@ def make_pruner(margin: float, min_completed: int = 3):
             return trial.intermediate_values[step] > best * (1.0 + self.margin)
 
         def explain(self, study, value: float) -> str:
-            return (f"stopped after the cheap timing: {value:.4g} ms is more than {self.margin:.0%} above "
-                    f"the best so far ({self.best(study):.4g} ms)")
+            return (
+                f"stopped after the cheap timing: {value:.4g} ms is more than {self.margin:.0%} above "
+                f"the best so far ({self.best(study):.4g} ms)"
+            )
 
     return SlowerThanBestPruner()

@@ -31,7 +31,11 @@ class L2Flusher:
 
         # On the GPU (the current one unless told): a buffer made with device=None would be host
         # memory, and filling it would leave L2 as warm as it was.
-        device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if device is None
+            else torch.device(device)
+        )
         if device.type != "cuda":
             raise ValueError(f"L2Flusher needs a CUDA device, got {device}")
         props = torch.cuda.get_device_properties(device)
@@ -55,14 +59,21 @@ def _spin_cycles() -> int:
     return int(HOST_HIDE_SECONDS * clock_khz * 1e3)
 
 
-def time_cuda(fn, *, warmup_ms: float = 100.0, min_runs: int = 20, max_runs: int = 200,
-              target_ms: float = 400.0, flush_l2: bool = True, flusher: L2Flusher | None = None) -> Timing:
+def time_cuda(
+    fn,
+    *,
+    warmup_ms: float = 100.0,
+    min_runs: int = 20,
+    max_runs: int = 200,
+    target_ms: float = 400.0,
+    flush_l2: bool = True,
+    flusher: L2Flusher | None = None,
+) -> Timing:
     """Time `fn()` (which launches GPU work on the current stream).
 
     Warm-up runs continue until `warmup_ms` of GPU time has passed (clocks ramp up, caches of compiled
     code fill). Then each run is bracketed by its own pair of events, with an L2 flush before the start
     event; runs repeat until `target_ms` of measured time or `max_runs`, at least `min_runs`."""
-    import torch
 
     # A garbage-collection pause in the host code of a launch could outlast the spin and leave the
     # GPU idle inside the timed interval; collect now and not during the measurement.
@@ -114,5 +125,9 @@ def _time_cuda(fn, warmup_ms, min_runs, max_runs, target_ms, flush_l2, flusher) 
     median = statistics.median(samples)
     q1 = samples[len(samples) // 4]
     q3 = samples[(3 * len(samples)) // 4]
-    return Timing(median_ms=median, spread=(q3 - q1) / median if median > 0 else 0.0, runs=runs,
-                  min_ms=samples[0])
+    return Timing(
+        median_ms=median,
+        spread=(q3 - q1) / median if median > 0 else 0.0,
+        runs=runs,
+        min_ms=samples[0],
+    )

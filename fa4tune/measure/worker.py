@@ -71,8 +71,14 @@ def describe_exit(exitcode: int | None) -> str:
 class WorkerProcess:
     """One child process and the conversation with it. Not thread-safe: one caller at a time."""
 
-    def __init__(self, module: str, *, env: dict | None = None, start_timeout: float = 300.0,
-                 name: str = "fa4tune-worker") -> None:
+    def __init__(
+        self,
+        module: str,
+        *,
+        env: dict | None = None,
+        start_timeout: float = 300.0,
+        name: str = "fa4tune-worker",
+    ) -> None:
         self.module = module
         self.env = dict(env or {})
         self.start_timeout = start_timeout
@@ -104,8 +110,12 @@ class WorkerProcess:
         self.kill()
         context = multiprocessing.get_context("spawn")
         parent_end, child_end = context.Pipe(duplex=True)
-        process = context.Process(target=_worker_main, args=(child_end, self.module, self.env),
-                                  name=self.name, daemon=True)
+        process = context.Process(
+            target=_worker_main,
+            args=(child_end, self.module, self.env),
+            name=self.name,
+            daemon=True,
+        )
         process.start()
         child_end.close()
         self._process, self._conn = process, parent_end
@@ -122,7 +132,9 @@ class WorkerProcess:
             message = self._receive(self._launched + self.start_timeout)
         except _Gone as gone:
             self.kill()
-            raise WorkerUnavailable(f"the worker ({self.module}) did not start: {gone.reason}") from None
+            raise WorkerUnavailable(
+                f"the worker ({self.module}) did not start: {gone.reason}"
+            ) from None
         if message[0] != "ready":
             self.kill()
             raise WorkerUnavailable(f"the worker ({self.module}) did not start: {message[1]}")
@@ -157,8 +169,13 @@ class WorkerProcess:
         """Send a request; `timeouts` maps each phase (compile, run) to its seconds."""
         self.start()
         now = time.monotonic()
-        self._pending = {"timeouts": dict(timeouts), "phase": FIRST_PHASE, "started": now,
-                         "phase_started": now, "phase_seconds": {}}
+        self._pending = {
+            "timeouts": dict(timeouts),
+            "phase": FIRST_PHASE,
+            "started": now,
+            "phase_started": now,
+            "phase_seconds": {},
+        }
         self._pending["deadline"] = now + self._pending["timeouts"].get(FIRST_PHASE, float("inf"))
         try:
             self._conn.send(request)
@@ -170,14 +187,21 @@ class WorkerProcess:
         is still running after `wait_s` seconds (None: until its phase's deadline)."""
         pending = self._pending
         assert pending is not None, "no request in flight"
-        limit = pending["deadline"] if wait_s is None else min(pending["deadline"], time.monotonic() + wait_s)
+        limit = (
+            pending["deadline"]
+            if wait_s is None
+            else min(pending["deadline"], time.monotonic() + wait_s)
+        )
         try:
             message = self._receive(limit)
         except _Gone as gone:
             if gone.timed_out and time.monotonic() < pending["deadline"]:
                 return None  # only our own wait ran out
-            reason = (f"{pending['phase']} timed out after {pending['timeouts'][pending['phase']]:g} s"
-                      if gone.timed_out else f"the worker died during {pending['phase']} ({gone.reason})")
+            reason = (
+                f"{pending['phase']} timed out after {pending['timeouts'][pending['phase']]:g} s"
+                if gone.timed_out
+                else f"the worker died during {pending['phase']} ({gone.reason})"
+            )
             return self._finish(Reply(ok=False, reason=reason), restart=True)
         kind = message[0]
         if kind == "phase":
@@ -202,8 +226,9 @@ class WorkerProcess:
         if kind == "error":
             _, text, device_touched = message
             return self._finish(Reply(ok=False, reason=text), restart=device_touched)
-        return self._finish(Reply(ok=False, reason=f"unexpected message from the worker: {message!r}"),
-                            restart=True)
+        return self._finish(
+            Reply(ok=False, reason=f"unexpected message from the worker: {message!r}"), restart=True
+        )
 
     def request(self, request: dict, timeouts: dict[str, float], on_ask=None) -> Reply:
         """Send a request and wait for its outcome (bounded by the phase timeouts)."""

@@ -114,17 +114,25 @@ class CarryError(Fa4tuneError):
 
 def _git(repo: Path, *args: str) -> bytes:
     try:
-        return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True).stdout
+        return subprocess.run(
+            ["git", "-C", str(repo), *args], check=True, capture_output=True
+        ).stdout
     except FileNotFoundError as exc:
-        raise CarryError("git is not installed: carrying a table needs the revision it was tuned on") from exc
+        raise CarryError(
+            "git is not installed: carrying a table needs the revision it was tuned on"
+        ) from exc
     except subprocess.CalledProcessError as exc:
-        raise CarryError(f"git {' '.join(args)}: {exc.stderr.decode(errors='replace').strip()}") from exc
+        raise CarryError(
+            f"git {' '.join(args)}: {exc.stderr.decode(errors='replace').strip()}"
+        ) from exc
 
 
 def export_tree(repo: Path, rev: str, into: Path) -> str:
     """The `fa4tune` package of `rev` written under `into`; returns the full commit id."""
     commit = _git(repo, "rev-parse", "--verify", f"{rev}^{{commit}}").decode().strip()
-    top = Path(_git(repo, "rev-parse", "--show-toplevel").decode().strip())  # `repo` may be inside it
+    top = Path(
+        _git(repo, "rev-parse", "--show-toplevel").decode().strip()
+    )  # `repo` may be inside it
     archive = _git(top, "archive", "--format=tar", commit, "fa4tune")
     with tarfile.open(fileobj=BytesIO(archive)) as tar:
         if hasattr(tarfile, "data_filter"):
@@ -134,7 +142,9 @@ def export_tree(repo: Path, rev: str, into: Path) -> str:
     return commit
 
 
-def fingerprints(root: Path, kernel: str, jobs: list[dict], dump: Path, timeout: float = 3600) -> tuple[str, dict]:
+def fingerprints(
+    root: Path, kernel: str, jobs: list[dict], dump: Path, timeout: float = 3600
+) -> tuple[str, dict]:
     """(kernel hash, {job key: {"digests", "launch"}}) of the fa4tune tree at `root`: every job is
     compiled, for its target's arch, in one child interpreter that imports nothing of fa4tune from
     elsewhere."""
@@ -145,18 +155,35 @@ def fingerprints(root: Path, kernel: str, jobs: list[dict], dump: Path, timeout:
     # The user's DSL settings stay out (line info, debug code and the like would change the PTX of
     # both trees, or of one); the tree comes first on the path, before the user's own entries.
     env = {name: value for name, value in os.environ.items() if not name.startswith("CUTE_DSL_")}
-    env.update(PYTHONPATH=os.pathsep.join([str(root)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])),
-               CUTE_DSL_KEEP=",".join(ARTIFACTS), CUTE_DSL_DUMP_DIR=str(dump), CUTE_DSL_DISABLE_FILE_CACHING="1",
-               CUTE_DSL_ARCH=arches.pop() if arches else "sm_90a")
+    env.update(
+        PYTHONPATH=os.pathsep.join(
+            [str(root)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+        ),
+        CUTE_DSL_KEEP=",".join(ARTIFACTS),
+        CUTE_DSL_DUMP_DIR=str(dump),
+        CUTE_DSL_DISABLE_FILE_CACHING="1",
+        CUTE_DSL_ARCH=arches.pop() if arches else "sm_90a",
+    )
     stdin = "".join(json.dumps(job) + "\n" for job in jobs)
     try:
-        done = subprocess.run([sys.executable, "-c", _FINGERPRINT, str(root), kernel], input=stdin, env=env,
-                              capture_output=True, text=True, timeout=timeout, cwd=str(dump))
+        done = subprocess.run(
+            [sys.executable, "-c", _FINGERPRINT, str(root), kernel],
+            input=stdin,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=str(dump),
+        )
     except subprocess.TimeoutExpired as exc:
-        raise CarryError(f"compiling {len(jobs)} configs of the tree at {root} took over {timeout:.0f} s") from exc
+        raise CarryError(
+            f"compiling {len(jobs)} configs of the tree at {root} took over {timeout:.0f} s"
+        ) from exc
     if done.returncode:
-        raise CarryError(f"compiling the configs of the tree at {root} failed (exit {done.returncode}):\n"
-                         + (done.stderr.strip()[-3000:] or done.stdout.strip()[-3000:]))
+        raise CarryError(
+            f"compiling the configs of the tree at {root} failed (exit {done.returncode}):\n"
+            + (done.stderr.strip()[-3000:] or done.stdout.strip()[-3000:])
+        )
     lines = []
     for line in done.stdout.splitlines():
         try:
@@ -173,17 +200,27 @@ def fingerprints(root: Path, kernel: str, jobs: list[dict], dump: Path, timeout:
     for job in jobs:
         result = results[job["key"]]
         if set(result["digests"]) != set(ARTIFACTS):
-            raise CarryError(f"{job['name']}: the DSL kept {sorted(result['digests'])} of {list(ARTIFACTS)} "
-                             f"(CUTE_DSL_KEEP={env['CUTE_DSL_KEEP']}); this DSL version cannot be checked")
+            raise CarryError(
+                f"{job['name']}: the DSL kept {sorted(result['digests'])} of {list(ARTIFACTS)} "
+                f"(CUTE_DSL_KEEP={env['CUTE_DSL_KEEP']}); this DSL version cannot be checked"
+            )
     return lines[0]["hash"], results
 
 
 def table_jobs(document: dict) -> list[dict]:
     """One compile job per table entry (the launch arguments depend on the whole problem, not only on
     what the compile sees)."""
-    return [{"key": str(index), "name": row["problem_key"], "kernel": document["kernel"],
-             "target": document["target"], "problem": row["problem"], "config": row["config"]}
-            for index, row in enumerate(document["entries"])]
+    return [
+        {
+            "key": str(index),
+            "name": row["problem_key"],
+            "kernel": document["kernel"],
+            "target": document["target"],
+            "problem": row["problem"],
+            "config": row["config"],
+        }
+        for index, row in enumerate(document["entries"])
+    ]
 
 
 def installed_tree() -> Path:
@@ -191,8 +228,15 @@ def installed_tree() -> Path:
     return Path(__file__).resolve().parents[2]
 
 
-def carry_table(path: str | os.PathLike, rev: str, repo: str | os.PathLike = ".", write: bool = False,
-                say=print, tree: str | os.PathLike | None = None, now: datetime | None = None) -> dict:
+def carry_table(
+    path: str | os.PathLike,
+    rev: str,
+    repo: str | os.PathLike = ".",
+    write: bool = False,
+    say=print,
+    tree: str | os.PathLike | None = None,
+    now: datetime | None = None,
+) -> dict:
     """Check that the fa4tune tree at `tree` (default: the installed one) compiles every entry of the
     table at `path` to the code that the tree at git revision `rev` of `repo` compiles it to, and
     launches it alike; with `write`, rewrite the table (YAML and JSON) for the new tree's kernel hash.
@@ -208,37 +252,55 @@ def carry_table(path: str | os.PathLike, rev: str, repo: str | os.PathLike = "."
         tmp = Path(tmp)
         new_hash, _ = fingerprints(tree, spec.name, [], tmp / "dump-new")
         if document["kernel_hash"] == new_hash:
-            raise CarryError(f"{path}: already tuned for the {spec.name} code of {tree} ({new_hash[:12]}); "
-                             "nothing to carry")
+            raise CarryError(
+                f"{path}: already tuned for the {spec.name} code of {tree} ({new_hash[:12]}); "
+                "nothing to carry"
+            )
         commit = export_tree(repo, rev, tmp / "old")
         old_hash, _ = fingerprints(tmp / "old", spec.name, [], tmp / "dump-old")
         if old_hash != document["kernel_hash"]:
-            raise CarryError(f"{path} was tuned for {spec.name} {document['kernel_hash'][:12]}, but its code at "
-                             f"{rev} ({commit[:12]}) hashes to {old_hash[:12]}: name the revision it was tuned on")
-        say(f"fa4tune carry: compiling {len(jobs)} entries with {spec.name} at {commit[:12]} ({old_hash[:12]}) ...")
+            raise CarryError(
+                f"{path} was tuned for {spec.name} {document['kernel_hash'][:12]}, but its code at "
+                f"{rev} ({commit[:12]}) hashes to {old_hash[:12]}: name the revision it was tuned on"
+            )
+        say(
+            f"fa4tune carry: compiling {len(jobs)} entries with {spec.name} at {commit[:12]} ({old_hash[:12]}) ..."
+        )
         _, old = fingerprints(tmp / "old", spec.name, jobs, tmp / "dump-old")
-        say(f"fa4tune carry: compiling {len(jobs)} entries with {spec.name} of {tree} ({new_hash[:12]}) ...")
+        say(
+            f"fa4tune carry: compiling {len(jobs)} entries with {spec.name} of {tree} ({new_hash[:12]}) ..."
+        )
         _, new = fingerprints(tree, spec.name, jobs, tmp / "dump-new")
     changed = []
     for job in jobs:
         a, b = old[job["key"]], new[job["key"]]
         what = [kind for kind in ARTIFACTS if a["digests"][kind] != b["digests"][kind]]
-        what += [f"{name} {a['launch'][name]} -> {b['launch'].get(name)}" for name in a["launch"]
-                 if a["launch"][name] != b["launch"].get(name)]
+        what += [
+            f"{name} {a['launch'][name]} -> {b['launch'].get(name)}"
+            for name in a["launch"]
+            if a["launch"][name] != b["launch"].get(name)
+        ]
         if what:
             changed.append(f"{job['name']} ({', '.join(what)})")
     if changed:
-        raise CarryError(f"{path}: the code of {len(changed)} of {len(jobs)} entries changed from "
-                         f"{old_hash[:12]} to {new_hash[:12]}; re-tune them:\n  " + "\n  ".join(changed))
+        raise CarryError(
+            f"{path}: the code of {len(changed)} of {len(jobs)} entries changed from "
+            f"{old_hash[:12]} to {new_hash[:12]}; re-tune them:\n  " + "\n  ".join(changed)
+        )
     carried = dict(document)
-    record = {"from_hash": old_hash, "from_revision": commit, "to_hash": new_hash,
-              "checked": f"{', '.join(ARTIFACTS)} and launch arguments of all {len(jobs)} entries identical",
-              "date": (now or datetime.now(timezone.utc)).strftime("%Y-%m-%dT%H:%M:%SZ")}
+    record = {
+        "from_hash": old_hash,
+        "from_revision": commit,
+        "to_hash": new_hash,
+        "checked": f"{', '.join(ARTIFACTS)} and launch arguments of all {len(jobs)} entries identical",
+        "date": (now or datetime.now(timezone.utc)).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
     carried["carried"] = list(document.get("carried", [])) + [record]
     carried["kernel_hash"] = new_hash
-    say(f"fa4tune carry: all {len(jobs)} entries compile to the same code and launch; "
-        f"{old_hash[:12]} -> {new_hash[:12]}")
+    say(
+        f"fa4tune carry: all {len(jobs)} entries compile to the same code and launch; "
+        f"{old_hash[:12]} -> {new_hash[:12]}"
+    )
     if write:
         say(f"fa4tune carry: wrote {', '.join(write_table(carried, path))}")
     return carried
-

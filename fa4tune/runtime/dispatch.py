@@ -27,12 +27,21 @@ import warnings
 
 from ..errors import UnsupportedInput
 from ..kernels import families, get_kernel
-from ..kernels.common.inputs import check_device, check_inputs, check_no_grad, empty_outputs, make_problem, problem_of
+from ..kernels.common.inputs import (
+    check_device,
+    check_inputs,
+    check_no_grad,
+    empty_outputs,
+    make_problem,
+    problem_of,
+)
 from ..target import is_described, target_for_device
 from .lookup import lookup
 
 ENTRY = "attention"  # the families that serve this function's calls (KernelFamily.entry)
-MAX_PREPARED = 4096  # prepared launches kept; beyond it the cache starts over (shapes that never repeat)
+MAX_PREPARED = (
+    4096  # prepared launches kept; beyond it the cache starts over (shapes that never repeat)
+)
 _LAUNCHES: dict = {}
 _PREPARE_LOCK = threading.Lock()
 
@@ -42,12 +51,35 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None)
     try:
         # get_device(): an int (-1 off the GPU), cheaper to build and hash than a torch.device; with
         # is_cuda it names the device. A causal that is not a bool (1 equals True) goes to _prepare.
-        key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-               q.get_device(), k.get_device(), v.get_device(), q.is_cuda, k.is_cuda, v.is_cuda, causal,
-               softmax_scale) if causal is True or causal is False else None
+        key = (
+            (
+                q.shape,
+                k.shape,
+                v.shape,
+                q.stride(),
+                k.stride(),
+                v.stride(),
+                q.dtype,
+                k.dtype,
+                v.dtype,
+                q.get_device(),
+                k.get_device(),
+                v.get_device(),
+                q.is_cuda,
+                k.is_cuda,
+                v.is_cuda,
+                causal,
+                softmax_scale,
+            )
+            if causal is True or causal is False
+            else None
+        )
         if q.requires_grad or k.requires_grad or v.requires_grad:  # checked on every call, not once
             check_no_grad(q, k, v)
-    except (AttributeError, RuntimeError):  # not tensors, or nested ones (no shape): _prepare says which
+    except (
+        AttributeError,
+        RuntimeError,
+    ):  # not tensors, or nested ones (no shape): _prepare says which
         key = None
     try:
         launch = _LAUNCHES.get(key)
@@ -90,11 +122,15 @@ def _device_target(device):
     props = torch.cuda.get_device_properties(device)
     name, capability = props.name, (props.major, props.minor)
     target = target_for_device(props)  # an undescribed Hopper GPU too (target.undescribed_hopper)
-    serving = [f for f in _serving(target) if f.capability == capability] if target is not None else []
+    serving = (
+        [f for f in _serving(target) if f.capability == capability] if target is not None else []
+    )
     if not serving:
         where = "; ".join(dict.fromkeys(f.gpus for f in _serving()))
-        raise UnsupportedInput(f"fa4tune.attention runs on {where}; {device} is {name} "
-                               f"(compute capability {capability[0]}.{capability[1]})")
+        raise UnsupportedInput(
+            f"fa4tune.attention runs on {where}; {device} is {name} "
+            f"(compute capability {capability[0]}.{capability[1]})"
+        )
     return target, serving[0]
 
 
@@ -104,9 +140,13 @@ def _say_undescribed(target) -> None:
     if is_described(target) or target.name in _UNDESCRIBED_SEEN:
         return
     _UNDESCRIBED_SEEN.add(target.name)
-    warnings.warn(f"fa4tune.attention: {target.name} is a Hopper GPU that fa4tune has no description or tuned "
-                  f"table of (it knows H100 and H200); running the kernel's default configs, sized to its "
-                  f"{target.sm_count} SMs", RuntimeWarning, stacklevel=4)
+    warnings.warn(
+        f"fa4tune.attention: {target.name} is a Hopper GPU that fa4tune has no description or tuned "
+        f"table of (it knows H100 and H200); running the kernel's default configs, sized to its "
+        f"{target.sm_count} SMs",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 _UNDESCRIBED_SEEN: set = set()
@@ -116,11 +156,16 @@ _UNDESCRIBED_SEEN: set = set()
 def _prepare(key, q, k, v, causal, softmax_scale):
     empty = check_inputs(q, k, v, causal)  # (attention() has checked requires_grad already)
     # Any real number (a numpy float too), not a bool; a tensor would cost a device sync per call.
-    if softmax_scale is not None and not (isinstance(softmax_scale, numbers.Real)
-                                          and not isinstance(softmax_scale, bool)
-                                          and math.isfinite(softmax_scale) and softmax_scale > 0):
-        raise UnsupportedInput(f"softmax_scale must be a positive finite number or None (a Python or numpy "
-                               f"number, not a tensor or bool), got {softmax_scale!r}")
+    if softmax_scale is not None and not (
+        isinstance(softmax_scale, numbers.Real)
+        and not isinstance(softmax_scale, bool)
+        and math.isfinite(softmax_scale)
+        and softmax_scale > 0
+    ):
+        raise UnsupportedInput(
+            f"softmax_scale must be a positive finite number or None (a Python or numpy "
+            f"number, not a tensor or bool), got {softmax_scale!r}"
+        )
     check_device(q, k, v, aligned=not empty)  # nothing is read from empty inputs
     target, family = _device_target(q.device)  # empty inputs too: refusal does not depend on sizes
     if empty:

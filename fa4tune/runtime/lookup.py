@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import policy
+from .. import target as targets
 from ..errors import KernelError
 from ..kernels import family_for_problem, get_kernel
-from .. import target as targets
 from ..target import DEFAULT_TARGET, get_target
 from .tables import TableError, read_table, table_entries
 
@@ -64,13 +64,19 @@ class _Index:
         for entry in entries:
             try:
                 problem = get_kernel(entry.kernel).problem(entry.problem)
-            except (KernelError, ValueError, TypeError) as exc:  # a problem this fa4tune cannot read
+            except (
+                KernelError,
+                ValueError,
+                TypeError,
+            ) as exc:  # a problem this fa4tune cannot read
                 # (or of a kernel family it lacks): not usable here
                 skipped.append(f"{entry.problem_key} ({exc})")
                 continue
             self.by_target.setdefault((entry.kernel, entry.target), []).append((entry, problem))
         if skipped and warn is not None:
-            warn(f"{origin}: {len(skipped)} entries skipped, their problems unreadable: {'; '.join(skipped[:3])}")
+            warn(
+                f"{origin}: {len(skipped)} entries skipped, their problems unreadable: {'; '.join(skipped[:3])}"
+            )
         self.results: dict = {}  # (kernel, target, problem) -> LookupResult, at most MAX_CACHED
 
 
@@ -96,7 +102,9 @@ class Lookup:
     def _load(self) -> _Index:
         source = self._resolve()
         if source is None:
-            self._warn("no tuned table or DB (set FA4TUNE_TABLE or FA4TUNE_DB); using default configs")
+            self._warn(
+                "no tuned table or DB (set FA4TUNE_TABLE or FA4TUNE_DB); using default configs"
+            )
             return _Index([], "default")
         try:
             entries = _read_source(source, self._warn)
@@ -136,7 +144,9 @@ class Lookup:
             hit = self._climb(index, spec, tgt, problem)
             if len(index.results) >= MAX_CACHED:  # a server seeing ever new shapes: start over
                 index.results.clear()
-            index.results[key] = hit  # a dict store is atomic; two threads at worst compute it twice
+            index.results[key] = (
+                hit  # a dict store is atomic; two threads at worst compute it twice
+            )
         return hit
 
     def _climb(self, index: _Index, spec, target, problem) -> LookupResult:
@@ -151,11 +161,21 @@ class Lookup:
             if spec.infeasible_reasons(problem, config, target):
                 continue  # a borrowed config must still fit this problem
             if not lender.current:
-                self._warn(f"{index.origin} was tuned for other {spec.name} code (hash "
-                           f"{entry.kernel_hash[:12]}, installed {installed[:12]}): its configs are stale")
-            return LookupResult(config, lender.source, entry.problem_key, not lender.current, index.origin,
-                                entry.is_estimate)
-        return LookupResult(spec.default_config(problem, target), "default", None, False, index.origin)
+                self._warn(
+                    f"{index.origin} was tuned for other {spec.name} code (hash "
+                    f"{entry.kernel_hash[:12]}, installed {installed[:12]}): its configs are stale"
+                )
+            return LookupResult(
+                config,
+                lender.source,
+                entry.problem_key,
+                not lender.current,
+                index.origin,
+                entry.is_estimate,
+            )
+        return LookupResult(
+            spec.default_config(problem, target), "default", None, False, index.origin
+        )
 
 
 def _read_source(source: str, warn) -> list:
@@ -191,14 +211,18 @@ def _target(target):
         if name:
             _target_cache["default"] = get_target(name)
         elif "torch" in sys.modules:
-
-            _target_cache["default"] = targets.detect_target(undescribed=True) or get_target(DEFAULT_TARGET)
+            _target_cache["default"] = targets.detect_target(undescribed=True) or get_target(
+                DEFAULT_TARGET
+            )
         else:  # not kept: once torch is imported, the GPU is asked
             if "assumed" not in _target_cache:  # said once: a later call may answer differently
                 _target_cache["assumed"] = True
-                warnings.warn(f"fa4tune.lookup: no target given and torch not imported, so the GPU was not "
-                              f"asked: looking up for {DEFAULT_TARGET} (pass target=, or set FA4TUNE_TARGET)",
-                              RuntimeWarning, stacklevel=4)
+                warnings.warn(
+                    f"fa4tune.lookup: no target given and torch not imported, so the GPU was not "
+                    f"asked: looking up for {DEFAULT_TARGET} (pass target=, or set FA4TUNE_TARGET)",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
             return get_target(DEFAULT_TARGET)
     return _target_cache["default"]
 
@@ -208,8 +232,9 @@ _lookups: dict[str, Lookup] = {}
 _lookups_lock = threading.Lock()
 
 
-def lookup(problem, target=None, *, source: str | os.PathLike | None = None,
-           kernel: str | None = None) -> LookupResult:
+def lookup(
+    problem, target=None, *, source: str | os.PathLike | None = None, kernel: str | None = None
+) -> LookupResult:
     """The config for `problem` on `target` (None: FA4TUNE_TARGET, the local GPU, else H200), from
     `source` (a results DB path/URL or a table file/dir; None: FA4TUNE_TABLE, FA4TUNE_DB, the shipped
     tables), of kernel family `kernel` (None: the family that takes the problem's kind). Returns a

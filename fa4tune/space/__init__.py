@@ -56,7 +56,9 @@ def _load_entry_point(ep) -> type[SearchSpace]:
         raise SpaceError(f"cannot load search space {origin}: {type(exc).__name__}: {exc}") from exc
     _validate_class(cls, origin)
     if cls.name != ep.name:
-        raise SpaceError(f"{origin} names its class {cls.name!r}; the entry point must use that name")
+        raise SpaceError(
+            f"{origin} names its class {cls.name!r}; the entry point must use that name"
+        )
     if ep.name in _BUILTINS:
         raise SpaceError(f"{origin} reuses the built-in space name {ep.name!r}")
     return cls
@@ -100,7 +102,9 @@ def get_space(name: str) -> type[SearchSpace]:
         return _load_entry_point(named[0])
     spaces = available_spaces()  # unknown: the error lists every space (and names a broken plugin)
     if name not in spaces:
-        raise SpaceError(f"unknown search space {name!r}; known spaces: {', '.join(sorted(spaces))}")
+        raise SpaceError(
+            f"unknown search space {name!r}; known spaces: {', '.join(sorted(spaces))}"
+        )
     return spaces[name]
 
 
@@ -109,10 +113,23 @@ def compose(kernel, spec: dict[str, dict[str, Param]] | None = None) -> Composed
     kernel's default spaces."""
     if spec is None:
         spec = {name: {} for name in kernel.default_spaces}
-    return ComposedSpace(kernel, [get_space(name)(kernel, overrides) for name, overrides in spec.items()])
+    return ComposedSpace(
+        kernel, [get_space(name)(kernel, overrides) for name, overrides in spec.items()]
+    )
 
 
 __all__ = [
-    "Choice", "ComposedSpace", "ENTRY_POINT_GROUP", "Param", "Range", "SearchSpace", "available_spaces",
-    "compose", "domain_of", "get_space", "parse_domain", "rediscover", "register_space",
+    "Choice",
+    "ComposedSpace",
+    "ENTRY_POINT_GROUP",
+    "Param",
+    "Range",
+    "SearchSpace",
+    "available_spaces",
+    "compose",
+    "domain_of",
+    "get_space",
+    "parse_domain",
+    "rediscover",
+    "register_space",
 ]

@@ -5,8 +5,9 @@ configs that cannot compile or cannot be right, with a reason, before anything i
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar
 
 from ..errors import SpaceError
 
@@ -25,7 +26,7 @@ class Param:
     def contains(self, value) -> bool:
         raise NotImplementedError
 
-    def with_value(self, value) -> "Param":
+    def with_value(self, value) -> Param:
         """This domain widened to hold `value` (the problem's default must always be measurable)."""
         if self.contains(value):
             return self
@@ -80,7 +81,9 @@ class Range(Param):
 
     def suggest(self, trial, name: str):
         if self.integer:
-            return trial.suggest_int(name, int(self.low), int(self.high), step=int(self.step or 1), log=self.log)
+            return trial.suggest_int(
+                name, int(self.low), int(self.high), step=int(self.step or 1), log=self.log
+            )
         return trial.suggest_float(name, self.low, self.high, step=self.step, log=self.log)
 
     def values(self) -> list | None:
@@ -103,10 +106,14 @@ class Range(Param):
         k = (value - self.low) / self.step
         return abs(k - round(k)) < 1e-9
 
-    def with_value(self, value) -> "Param":
+    def with_value(self, value) -> Param:
         """A continuous range is widened to the value (a Choice of it alone would drop the range)."""
-        if self.contains(value) or self.values() is not None or not isinstance(value, (int, float)) \
-                or isinstance(value, bool):
+        if (
+            self.contains(value)
+            or self.values() is not None
+            or not isinstance(value, (int, float))
+            or isinstance(value, bool)
+        ):
             return super().with_value(value)
         return Range(min(self.low, value), max(self.high, value), log=self.log and value > 0)
 
@@ -150,7 +157,9 @@ def parse_domain(spec: Any, where: str) -> Param:
             )
         low, high, step = spec["low"], spec["high"], spec.get("step")
         for key, value in (("low", low), ("high", high), ("step", step)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float))
+            ):
                 raise SpaceError(f"{where}.{key}: a number is needed, got {value!r}")
         integer = all(isinstance(v, int) for v in (low, high, step) if v is not None)
         return Range(low, high, step=step, log=bool(spec.get("log", False)), integer=integer)
@@ -185,15 +194,28 @@ class SearchSpace:
             # A range without a step (YAML's {low: 0, high: 8} is an integer one) over a knob with a
             # few legal values, some of the range's values not among them, means the legal values
             # in it: its ends alone being legal does not make the values between them legal.
-            if legal is not None and isinstance(domain, Range) and domain.step is None and \
-                    (domain.values() is None or not all(base[name].contains(v) for v in domain.values())):
+            if (
+                legal is not None
+                and isinstance(domain, Range)
+                and domain.step is None
+                and (
+                    domain.values() is None
+                    or not all(base[name].contains(v) for v in domain.values())
+                )
+            ):
                 inside = [v for v in legal if domain.low - 1e-12 <= v <= domain.high + 1e-12]
                 if not inside:
-                    raise SpaceError(f"space {self.name!r}: {name} range {domain.describe()} holds none of its "
-                                     f"values {base[name].describe()}")
+                    raise SpaceError(
+                        f"space {self.name!r}: {name} range {domain.describe()} holds none of its "
+                        f"values {base[name].describe()}"
+                    )
                 overrides[name] = domain_of(inside)  # an evenly spaced run stays an ordered range
                 continue
-            illegal = [v for v in (domain.values() or [domain.low, domain.high]) if not base[name].contains(v)]
+            illegal = [
+                v
+                for v in (domain.values() or [domain.low, domain.high])
+                if not base[name].contains(v)
+            ]
             if illegal:
                 raise SpaceError(
                     f"space {self.name!r}: {name} value(s) {', '.join(map(repr, illegal))} are outside its "
@@ -207,23 +229,33 @@ class SearchSpace:
         who = f"space {self.name!r} ({type(self).__module__}.{type(self).__qualname__})"
         base = self.params()
         if not isinstance(base, dict):
-            raise SpaceError(f"{who}: params() must return a dict of knob name to domain, got {type(base).__name__}")
+            raise SpaceError(
+                f"{who}: params() must return a dict of knob name to domain, got {type(base).__name__}"
+            )
         if set(base) != set(self.knobs):
-            raise SpaceError(f"{who}: params() must give a domain to each of its knobs ({', '.join(self.knobs)}); "
-                             f"it gave {', '.join(map(str, base)) or 'none'}")
+            raise SpaceError(
+                f"{who}: params() must give a domain to each of its knobs ({', '.join(self.knobs)}); "
+                f"it gave {', '.join(map(str, base)) or 'none'}"
+            )
         legal = self.kernel.knobs
         for name, domain in base.items():
             if not isinstance(domain, Param):
-                raise SpaceError(f"{who}: the domain of {name} must be a Choice or a Range, got {domain!r}")
+                raise SpaceError(
+                    f"{who}: the domain of {name} must be a Choice or a Range, got {domain!r}"
+                )
             values = domain.values()
             if name in legal and values is None:
-                raise SpaceError(f"{who}: {name} is a continuous range ({domain.describe()}), but the kernel takes "
-                                 f"only {', '.join(map(repr, legal[name]))}: give it a step or a list of values")
+                raise SpaceError(
+                    f"{who}: {name} is a continuous range ({domain.describe()}), but the kernel takes "
+                    f"only {', '.join(map(repr, legal[name]))}: give it a step or a list of values"
+                )
             if name in legal and values is not None:
                 illegal = [v for v in values if not any(_same(v, ok) for ok in legal[name])]
                 if illegal:
-                    raise SpaceError(f"{who}: {name} value(s) {', '.join(map(repr, illegal))} are not values the "
-                                     f"kernel takes ({', '.join(map(repr, legal[name]))})")
+                    raise SpaceError(
+                        f"{who}: {name} value(s) {', '.join(map(repr, illegal))} are not values the "
+                        f"kernel takes ({', '.join(map(repr, legal[name]))})"
+                    )
         return base
 
     def params(self) -> dict[str, Param]:

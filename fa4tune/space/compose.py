@@ -46,8 +46,10 @@ class ComposedSpace:
             values = space.default(problem, target)
             stray = sorted(set(values) - set(space.domains)) if isinstance(values, dict) else None
             if stray is None or stray:
-                raise SpaceError(f"space {space.name!r}: default() must return a dict of its own knobs "
-                                 f"({', '.join(space.domains)}), got {values!r}")
+                raise SpaceError(
+                    f"space {space.name!r}: default() must return a dict of its own knobs "
+                    f"({', '.join(space.domains)}), got {values!r}"
+                )
             config.update(values)
         return config
 
@@ -131,7 +133,10 @@ class ComposedSpace:
         alternatives, levels = {}, {}
         for name, domain in self.domains(problem, target).items():
             values = [v for v in (domain.values() or []) if not _same(v, default[name])]
-            if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in [*values, default[name]]):
+            if all(
+                isinstance(v, (int, float)) and not isinstance(v, bool)
+                for v in [*values, default[name]]
+            ):
                 values.sort(key=lambda v: (abs(v - default[name]), -v))
                 distances = sorted({abs(v - default[name]) for v in values})
                 levels[name] = [distances.index(abs(v - default[name])) for v in values]
@@ -165,11 +170,15 @@ class ComposedSpace:
         return probes
 
     @staticmethod
-    def _repair(params: dict, fixed: str, alternatives: dict, feasible) -> tuple[dict | None, str | None]:
+    def _repair(
+        params: dict, fixed: str, alternatives: dict, feasible
+    ) -> tuple[dict | None, str | None]:
         """The nearest feasible params that keep `fixed` and change one or two other knobs to their
         listed alternatives (distance: the sum of the alternatives' places, 1 for the nearest; one
         knob before two at equal distance), with its config key; (None, None) if there is none."""
-        others = [(name, values) for name, values in alternatives.items() if name != fixed and values]
+        others = [
+            (name, values) for name, values in alternatives.items() if name != fixed and values
+        ]
         longest = max((len(values) for _, values in others), default=0)
         for distance in range(1, 2 * longest + 1):
             for name, values in others:
@@ -178,11 +187,15 @@ class ComposedSpace:
                     if (key := feasible(candidate)) is not None:
                         return candidate, key
             for i, (first, first_values) in enumerate(others):
-                for second, second_values in others[i + 1:]:
+                for second, second_values in others[i + 1 :]:
                     for a in range(1, min(distance, len(first_values) + 1)):
                         b = distance - a
                         if 1 <= b <= len(second_values):
-                            candidate = {**params, first: first_values[a - 1], second: second_values[b - 1]}
+                            candidate = {
+                                **params,
+                                first: first_values[a - 1],
+                                second: second_values[b - 1],
+                            }
                             if (key := feasible(candidate)) is not None:
                                 return candidate, key
         return None, None
@@ -196,10 +209,14 @@ class ComposedSpace:
             try:
                 found = space.check(problem, config, target)
             except Exception as exc:  # a plugin's bug, named as such
-                raise SpaceError(f"space {space.name!r}: check() raised {type(exc).__name__}: {exc} (config "
-                                 f"{config.to_dict()})") from exc
+                raise SpaceError(
+                    f"space {space.name!r}: check() raised {type(exc).__name__}: {exc} (config "
+                    f"{config.to_dict()})"
+                ) from exc
             if not isinstance(found, (list, tuple)):
-                raise SpaceError(f"space {space.name!r}: check() must return a list of reasons, got {found!r}")
+                raise SpaceError(
+                    f"space {space.name!r}: check() must return a list of reasons, got {found!r}"
+                )
             reasons.extend(str(r) for r in found)
         return reasons
 
@@ -207,5 +224,7 @@ class ComposedSpace:
         lines = []
         for space in self.spaces:
             for name in space.domains:
-                lines.append(f"{space.name}.{name}: {self.domains(problem, target)[name].describe()}")
+                lines.append(
+                    f"{space.name}.{name}: {self.domains(problem, target)[name].describe()}"
+                )
         return lines

@@ -12,6 +12,15 @@ from .base import SearchSpace
 
 class PipelineSpace(SearchSpace):
     name = "pipeline"
-    knobs = ("num_stages", "intra_wg_overlap", "wg_pingpong", "persistent", "wg_epilogue", "q_stages")
-    description = ("K/V pipeline depth, intra-warpgroup overlap, warpgroup ping-pong, persistent CTAs, "
-                   "per-warpgroup O stores, Q buffers")
+    knobs = (
+        "num_stages",
+        "intra_wg_overlap",
+        "wg_pingpong",
+        "persistent",
+        "wg_epilogue",
+        "q_stages",
+    )
+    description = (
+        "K/V pipeline depth, intra-warpgroup overlap, warpgroup ping-pong, persistent CTAs, "
+        "per-warpgroup O stores, Q buffers"
+    )

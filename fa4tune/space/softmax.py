@@ -13,5 +13,7 @@ from .base import SearchSpace
 class SoftmaxSpace(SearchSpace):
     name = "softmax"
     knobs = ("rescale_threshold", "rescale_branch", "lazy_max")
-    description = ("online softmax: threshold below which the O rescale is skipped, how it is skipped, and "
-                   "whether the row max is taken only when the row sums show a rise")
+    description = (
+        "online softmax: threshold below which the O rescale is skipped, how it is skipped, and "
+        "whether the row max is taken only when the row sums show a rise"
+    )

@@ -42,8 +42,11 @@ class Grid:
         if self.storage.get_n_trials(self.study_id) < self.size:
             return GridState.OPEN  # not every point asked for yet (a count, not a read of trials)
         trials = self.study.get_trials(deepcopy=False)
-        asked = {t.system_attrs["grid_id"] for t in trials
-                 if "grid_id" in t.system_attrs and t.state != trial_state.WAITING}
+        asked = {
+            t.system_attrs["grid_id"]
+            for t in trials
+            if "grid_id" in t.system_attrs and t.state != trial_state.WAITING
+        }
         if len(asked) < self.size or any(t.state == trial_state.WAITING for t in trials):
             return GridState.OPEN
         if any(t.state == trial_state.RUNNING for t in trials):
@@ -66,8 +69,11 @@ class Grid:
         import optuna
 
         trial_state = optuna.trial.TrialState
-        params = self.point(self.storage.get_trial(
-            self.storage.get_trial_id_from_study_id_trial_number(self.study_id, number)))
+        params = self.point(
+            self.storage.get_trial(
+                self.storage.get_trial_id_from_study_id_trial_number(self.study_id, number)
+            )
+        )
         if params is None:
             return
         trials = self.study.get_trials(deepcopy=False)

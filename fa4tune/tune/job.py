@@ -34,7 +34,7 @@ JOB_KEYS = {
     "warm_start": "how many neighbouring tuned problems to enqueue (default 3)",
     "probes": "how many one-knob changes of the default to enqueue after it (default 8)",
     "measure": "options of the gpu backend: compile_workers, compile_timeout, run_timeout, prune_margin, "
-               "confirm_top, confirm_rounds, ...",
+    "confirm_top, confirm_rounds, ...",
 }
 
 
@@ -66,7 +66,7 @@ class Job:
     target: Target | None  # None: decided with the backend (local GPU or H200)
     backend: str
     spaces: dict  # space name -> {param: Param}
-    problems: list[Problem]
+    problems: list  # the kernel family's problems
     sampler: SamplerSpec
     budget: Budget
     seed: int
@@ -83,7 +83,9 @@ def load_job(path: str | Path) -> Job:
     return parse_job(data, source=str(path), text=text, default_name=Path(path).stem)
 
 
-def parse_job(data: Any, source: str = "<job>", text: str | None = None, default_name: str = "job") -> Job:
+def parse_job(
+    data: Any, source: str = "<job>", text: str | None = None, default_name: str = "job"
+) -> Job:
     def fail(where: str, message: str) -> JobError:
         return JobError(f"{source}: {where}: {message}")
 
@@ -111,7 +113,9 @@ def parse_job(data: Any, source: str = "<job>", text: str | None = None, default
 
     backend = data.get("backend", "auto")
     if backend not in ("auto", *BACKENDS):
-        raise fail("backend", f"unknown backend {backend!r}; known backends: auto, {', '.join(BACKENDS)}")
+        raise fail(
+            "backend", f"unknown backend {backend!r}; known backends: auto, {', '.join(BACKENDS)}"
+        )
 
     spaces = _parse_spaces(data.get("spaces"), kernel, fail)
     sampler = _parse_sampler(data.get("sampler", "tpe"), fail)
@@ -140,9 +144,22 @@ def parse_job(data: Any, source: str = "<job>", text: str | None = None, default
 
     problems = _parse_problems(data.get("problems"), kernel, fail)
     return Job(
-        name=name, path=source, text=text, kernel=kernel, target=target, backend=backend, spaces=spaces,
-        problems=problems, sampler=sampler, budget=budget, seed=seed, db=data.get("db"),
-        storage=data.get("storage"), export=data.get("export"), **counts, measure=dict(measure),
+        name=name,
+        path=source,
+        text=text,
+        kernel=kernel,
+        target=target,
+        backend=backend,
+        spaces=spaces,
+        problems=problems,
+        sampler=sampler,
+        budget=budget,
+        seed=seed,
+        db=data.get("db"),
+        storage=data.get("storage"),
+        export=data.get("export"),
+        **counts,
+        measure=dict(measure),
     )
 
 
@@ -182,7 +199,9 @@ def _parse_sampler(spec, fail) -> SamplerSpec:
         raise fail("sampler", f"a sampler name ({', '.join(SAMPLERS)}) or {{name: ..., options}}")
     name = spec["name"]
     if name not in SAMPLERS:
-        raise fail("sampler.name", f"unknown sampler {name!r}; known samplers: {', '.join(SAMPLERS)}")
+        raise fail(
+            "sampler.name", f"unknown sampler {name!r}; known samplers: {', '.join(SAMPLERS)}"
+        )
     options = {k: v for k, v in spec.items() if k != "name"}
     return SamplerSpec(name=name, options=options)
 
@@ -199,16 +218,22 @@ def _parse_budget(spec, fail) -> Budget:
     seconds = spec.get("seconds")
     max_pruned = spec.get("max_pruned")
     for key, value in (("trials", trials), ("max_pruned", max_pruned)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
             raise fail(f"budget.{key}", f"a positive integer, got {value!r}")
-    if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0):
+    if seconds is not None and (
+        isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0
+    ):
         raise fail("budget.seconds", f"a positive number, got {seconds!r}")
     return Budget(trials=trials, seconds=seconds, max_pruned=max_pruned)
 
 
 def _parse_problems(spec, kernel, fail) -> list:
     if not isinstance(spec, list) or not spec:
-        raise fail("problems", "a non-empty list of problems, e.g. [{head_dim: 128, seqlen_q: 4096}]")
+        raise fail(
+            "problems", "a non-empty list of problems, e.g. [{head_dim: 128, seqlen_q: 4096}]"
+        )
     problems: list = []
     for index, item in enumerate(spec):
         where = f"problems[{index}]"

@@ -19,15 +19,28 @@ from .studies import make_sampler, problem_seed, worker_name
 # Optuna is imported where it is used, as in studies.py.
 
 
-def problem_sampler(job: Job, space: ComposedSpace, problem: Problem, target, worker_seed: int = 0,
-                    shared: bool = False, earlier_trials: int = 0):
+def problem_sampler(
+    job: Job,
+    space: ComposedSpace,
+    problem: Problem,
+    target,
+    worker_seed: int = 0,
+    shared: bool = False,
+    earlier_trials: int = 0,
+):
     """The problem's sampler. A study that already has trials (a resume, a restarted worker) gets a
     seed of its own: with the first session's, a random sampler replays the configs measured then,
     and a run of repeats reads as convergence."""
     grid = space.grid(problem, target) if job.sampler.name == "grid" else None
     seed = problem_seed(job.seed, problem.key(), worker_seed, earlier_trials)
-    return make_sampler(job.sampler, seed, grid=grid, where=f"{job.path}: sampler", shared=shared,
-                        grid_seed=problem_seed(job.seed, problem.key()))
+    return make_sampler(
+        job.sampler,
+        seed,
+        grid=grid,
+        where=f"{job.path}: sampler",
+        shared=shared,
+        grid_seed=problem_seed(job.seed, problem.key()),
+    )
 
 
 class WorkerLoop:
@@ -36,9 +49,19 @@ class WorkerLoop:
     the best configs it stores record; `worker_seed`: its samplers' seed offset; `summarise`: say
     each problem's summary line when it is done."""
 
-    def __init__(self, run: RunRef, space: ComposedSpace, backend: Backend, db: ResultsDB, storage,
-                 provenance: dict, progress: bool, say, worker_seed: int = 0,
-                 summarise: bool = True) -> None:
+    def __init__(
+        self,
+        run: RunRef,
+        space: ComposedSpace,
+        backend: Backend,
+        db: ResultsDB,
+        storage,
+        provenance: dict,
+        progress: bool,
+        say,
+        worker_seed: int = 0,
+        summarise: bool = True,
+    ) -> None:
         self.run, self.job, self.kernel, self.target = run, run.job, run.job.kernel, run.target
         self.space, self.backend, self.db, self.storage = space, backend, db, storage
         self.provenance, self.progress, self.say = provenance, progress, say
@@ -83,11 +106,21 @@ class WorkerLoop:
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             pruner = self.backend.make_pruner() if self.backend else None
             study = optuna.create_study(
-                study_name=self.run.study_name(self.space, problem), storage=self.storage,
+                study_name=self.run.study_name(self.space, problem),
+                storage=self.storage,
                 direction="minimize",
                 sampler=optuna.samplers.RandomSampler(),  # replaced once its trials are counted
-                pruner=pruner or optuna.pruners.NopPruner(), load_if_exists=True)
+                pruner=pruner or optuna.pruners.NopPruner(),
+                load_if_exists=True,
+            )
             earlier = len(study.get_trials(deepcopy=False))
-            study.sampler = problem_sampler(self.job, self.space, problem, self.target,
-                                            self.worker_seed, self.run.shared, earlier)
+            study.sampler = problem_sampler(
+                self.job,
+                self.space,
+                problem,
+                self.target,
+                self.worker_seed,
+                self.run.shared,
+                earlier,
+            )
         return study

@@ -75,8 +75,9 @@ class ProblemSearch:
         if self.job.sampler.name == "grid":
             grid = Grid(study, loop.storage, self.study_id, self.space.grid(problem, self.target))
         self.recorder = TrialRecorder(self.run, problem, loop.provenance, self.backend.is_estimate)
-        self.shared = SharedStudy(self.run, self.db, self.name, study, loop.worker, grid,
-                                  self.recorder)
+        self.shared = SharedStudy(
+            self.run, self.db, self.name, study, loop.worker, grid, self.recorder
+        )
 
     def tune(self, wait: bool) -> ProblemResult | None:
         """Search the problem until a stop reason, then confirm and summarise it; None when other
@@ -98,16 +99,20 @@ class ProblemSearch:
                 return None
             time.sleep(POLL_S)
             self.shared.recover()
-        if self.backend.confirms_best and not self.db.confirmed(self.name) and \
-                self.shared.claim_confirmation():
+        if (
+            self.backend.confirms_best
+            and not self.db.confirmed(self.name)
+            and self.shared.claim_confirmation()
+        ):
             try:
                 self.confirm()
             finally:  # done (or failed): trials measured later, by a resume or another host, too
                 self.shared.release_confirmation()
         result = self.loop.report.counts(self.problem, self.name, result)
         if self.loop.summarise:
-            self.loop.say(self.loop.report.summary_line(self.problem, result,
-                                                        self.backend.is_estimate))
+            self.loop.say(
+                self.loop.report.summary_line(self.problem, result, self.backend.is_estimate)
+            )
         return result
 
     def start(self) -> None:
@@ -118,8 +123,12 @@ class ProblemSearch:
         # A resume whose first candidates kill the GPU worker checks the GPU with an earlier
         # session's config.
         kernel = self.job.kernel
-        good = self.db.known_good_config(kernel=kernel.name, kernel_hash=self.run.kernel_hash,
-                                         target=self.target.name, problem_key=self.problem.key())
+        good = self.db.known_good_config(
+            kernel=kernel.name,
+            kernel_hash=self.run.kernel_hash,
+            target=self.target.name,
+            problem_key=self.problem.key(),
+        )
         if good is not None:
             self.backend.note_stored_good(self.problem, good)
         self.state.started = True
@@ -130,8 +139,9 @@ class ProblemSearch:
         workers' to measure."""
         state = self.state
         size = self.space.size(self.problem, self.target)
-        bar = _progress_bar(self.problem, self.run.budget_trials, result.measured,
-                            self.loop.progress)
+        bar = _progress_bar(
+            self.problem, self.run.budget_trials, result.measured, self.loop.progress
+        )
         # Candidates asked of Optuna ahead of their measurement, so that the backend can compile
         # them while it measures the current one (lookahead 0: one at a time).
         queue: deque[Candidate] = deque()
@@ -149,15 +159,17 @@ class ProblemSearch:
                 if stop:
                     result.stopped = stop
                     return True
-                if not queue and (grid is GridState.BUSY or
-                                  not self.shared.slot_free(result.measured)):
+                if not queue and (
+                    grid is GridState.BUSY or not self.shared.slot_free(result.measured)
+                ):
                     if not wait:
                         return False  # the budget or the grid's last points: others measure them
                     time.sleep(POLL_S)
                     self.shared.recover()
                     continue
-                while len(queue) < 1 + self.backend.lookahead and \
-                        (not queue or self.shared.grid_state() is GridState.OPEN):
+                while len(queue) < 1 + self.backend.lookahead and (
+                    not queue or self.shared.grid_state() is GridState.OPEN
+                ):
                     queue.append(self.ask())
                 outcome = self.attempt(queue.popleft())
                 if outcome in (Outcome.FULL, Outcome.LOST):
@@ -172,8 +184,9 @@ class ProblemSearch:
                     bar.update(1)
                 if bar is not None:
                     top = self.db.top_trials(self.name, 1)
-                    shown = (f"best {top[0]['tflops']:.0f} TFLOP/s" if top
-                             else "no feasible config yet")
+                    shown = (
+                        f"best {top[0]['tflops']:.0f} TFLOP/s" if top else "no feasible config yet"
+                    )
                     bar.set_postfix_str(f"{shown}, pruned {result.pruned}")
         finally:
             try:
@@ -207,8 +220,10 @@ class ProblemSearch:
         if size is not None and result.measured + result.pruned >= size:
             return f"space exhausted (all {size} configs tried)"
         if result.pruned >= self.job.budget.pruned_cap:
-            return (f"{result.pruned} infeasible suggestions; the space is mostly infeasible for "
-                    "this problem")
+            return (
+                f"{result.pruned} infeasible suggestions; the space is mostly infeasible for "
+                "this problem"
+            )
         if self.state.consecutive >= MAX_CONSECUTIVE_REPEATS and self.job.sampler.name != "grid":
             return "converged (the sampler only proposes configs already tried)"
         return ""
@@ -256,10 +271,14 @@ class ProblemSearch:
             heartbeat.join()
             self.shared.settle(trial.number)
             raise
-        candidate = Candidate(trial, config, trial.user_attrs.get(SOURCE_ATTR, "sampler"), reasons,
-                              heartbeat)
-        if not reasons and self.backend.lookahead and \
-                self.db.trial_by_config(self.name, config) is None:
+        candidate = Candidate(
+            trial, config, trial.user_attrs.get(SOURCE_ATTR, "sampler"), reasons, heartbeat
+        )
+        if (
+            not reasons
+            and self.backend.lookahead
+            and self.db.trial_by_config(self.name, config) is None
+        ):
             self.backend.prefetch(problem, config)
         return candidate
 
@@ -274,8 +293,14 @@ class ProblemSearch:
                 return Outcome(claim.value)
             measurement = self.measure(trial, config)
             try:
-                self.recorder.add(self.db, trial.number, candidate, measurement,
-                                  study_name=self.name, offer_best=not self.backend.confirms_best)
+                self.recorder.add(
+                    self.db,
+                    trial.number,
+                    candidate,
+                    measurement,
+                    study_name=self.name,
+                    offer_best=not self.backend.confirms_best,
+                )
             except DuplicateTrial:
                 # This worker was taken for dead and its trial handed back, and the config was
                 # stored by another worker meanwhile: the stored one stands.
@@ -316,22 +341,35 @@ class ProblemSearch:
         # The default is timed with them (when it ran correctly): a config replaces it only when it
         # is faster by more than the backend's min_gain, and in each of the same interleaved rounds.
         default = self.db.trial_by_config(name, self.space.default_config(problem, self.target))
-        if default is not None and default["status"] == "ok" and \
-                all(t["id"] != default["id"] for t in top):
+        if (
+            default is not None
+            and default["status"] == "ok"
+            and all(t["id"] != default["id"] for t in top)
+        ):
             top.append(default)
         measurements = self.backend.confirm(problem, [kernel.config(t["config"]) for t in top])
-        clocks = next((m.details.get("clocks") for m in measurements if m.details.get("clocks")),
-                      None)
+        clocks = next(
+            (m.details.get("clocks") for m in measurements if m.details.get("clocks")), None
+        )
         if clocks:
             self.db.add_clocks(self.run.run_id, clocks)
-        confirmed = {"candidates": len(top),
-                     "rounds": measurements[0].details.get("confirm_rounds"), "clocks": clocks}
-        self.db.confirm_best(run_id=self.run.run_id, study_name=name, kernel=kernel.name,
-                             kernel_hash=self.run.kernel_hash, target=self.target.name,
-                             problem=problem, confirmed=list(zip(top, measurements)),
-                             prefer=default["id"] if default is not None else None,
-                             min_gain=self.backend.min_gain,
-                             provenance={**self.loop.provenance, "confirmed": confirmed})
+        confirmed = {
+            "candidates": len(top),
+            "rounds": measurements[0].details.get("confirm_rounds"),
+            "clocks": clocks,
+        }
+        self.db.confirm_best(
+            run_id=self.run.run_id,
+            study_name=name,
+            kernel=kernel.name,
+            kernel_hash=self.run.kernel_hash,
+            target=self.target.name,
+            problem=problem,
+            confirmed=list(zip(top, measurements)),
+            prefer=default["id"] if default is not None else None,
+            min_gain=self.backend.min_gain,
+            provenance={**self.loop.provenance, "confirmed": confirmed},
+        )
 
 
 def _progress_bar(problem: Problem, total: int | None, initial: int, enabled: bool):
@@ -339,5 +377,11 @@ def _progress_bar(problem: Problem, total: int | None, initial: int, enabled: bo
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, initial=initial, desc=problem.key(), unit="trial", leave=True,
-                dynamic_ncols=True)
+    return tqdm(
+        total=total,
+        initial=initial,
+        desc=problem.key(),
+        unit="trial",
+        leave=True,
+        dynamic_ncols=True,
+    )

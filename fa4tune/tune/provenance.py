@@ -14,14 +14,18 @@ RUN_GPU_FIELDS = ("gpu_name", "sm_count", "cuda_driver", "nvidia_driver", "cuda_
 
 def versions() -> dict:
     """The versions of the CuTe DSL, torch and fa4tune in this environment (None: not installed)."""
+
     def version(dist: str) -> str | None:
         try:
             return metadata.version(dist)
         except metadata.PackageNotFoundError:
             return None
 
-    return {"dsl_version": version("nvidia-cutlass-dsl"), "torch_version": version("torch"),
-            "fa4tune_version": fa4tune.__version__}
+    return {
+        "dsl_version": version("nvidia-cutlass-dsl"),
+        "torch_version": version("torch"),
+        "fa4tune_version": fa4tune.__version__,
+    }
 
 
 def run_gpu_fields(provenance: dict) -> dict:
@@ -31,9 +35,14 @@ def run_gpu_fields(provenance: dict) -> dict:
 
 def best_provenance(provenance: dict, backend_name: str, run_id: int) -> dict:
     """What a best config stored by this run records of its measurement."""
-    best = {"backend": backend_name, "gpu_name": provenance.get("gpu_name"),
-            "dsl_version": provenance["dsl_version"], "torch_version": provenance["torch_version"],
-            "fa4tune_version": fa4tune.__version__, "run": run_id}
+    best = {
+        "backend": backend_name,
+        "gpu_name": provenance.get("gpu_name"),
+        "dsl_version": provenance["dsl_version"],
+        "torch_version": provenance["torch_version"],
+        "fa4tune_version": fa4tune.__version__,
+        "run": run_id,
+    }
     for key in ("cuda_version", "nvidia_driver"):
         if provenance.get(key):
             best[key] = provenance[key]

@@ -56,8 +56,9 @@ class ResultsReport:
         self.run, self.space, self.db = run, space, db
         self.kernel, self.target = run.job.kernel, run.target
 
-    def counts(self, problem: Problem, name: str,
-               result: ProblemResult | None = None) -> ProblemResult:
+    def counts(
+        self, problem: Problem, name: str, result: ProblemResult | None = None
+    ) -> ProblemResult:
         """The problem's counts as the results DB has them now (all workers, all sessions)."""
         result = result or ProblemResult(problem=problem, study_name=name)
         counts = self.db.study_counts(name)
@@ -68,8 +69,9 @@ class ResultsReport:
 
     def best(self, problem: Problem):
         """The run's kernel's best config of the problem, or None."""
-        for entry in self.db.best_configs(kernel=self.kernel.name, kernel_hash=self.run.kernel_hash,
-                                          target=self.target.name):
+        for entry in self.db.best_configs(
+            kernel=self.kernel.name, kernel_hash=self.run.kernel_hash, target=self.target.name
+        ):
             if entry.problem_key == problem.key():
                 return entry
         return None
@@ -88,11 +90,18 @@ class ResultsReport:
         if best is None:
             line = "no feasible config measured"
         else:
-            speedup = (f", {result.default_ms / best.time_ms:.3f}x the default"
-                       if result.default_ms else "")
+            speedup = (
+                f", {result.default_ms / best.time_ms:.3f}x the default"
+                if result.default_ms
+                else ""
+            )
             changed = {k: v for k, v in best.config.items() if default.get(k) != v}
-            line = (f"best {best.time_ms:.4g} ms = {best.tflops:.0f} TFLOP/s{estimate}{speedup}; "
-                    f"changed from default: {changed or 'nothing'}")
+            line = (
+                f"best {best.time_ms:.4g} ms = {best.tflops:.0f} TFLOP/s{estimate}{speedup}; "
+                f"changed from default: {changed or 'nothing'}"
+            )
         early = f" ({result.stopped_early} stopped early)" if result.stopped_early else ""
-        return (f"{problem.key()}: {line} [{result.measured} measured{early}, "
-                f"{result.pruned} pruned; {result.stopped}]")
+        return (
+            f"{problem.key()}: {line} [{result.measured} measured{early}, "
+            f"{result.pruned} pruned; {result.stopped}]"
+        )

@@ -32,9 +32,17 @@ from .job import Job
 from .loop import WorkerLoop, problem_sampler
 from .provenance import best_provenance, run_gpu_fields, versions
 from .run import ProblemResult, RunRef
-from .studies import (check_storage, default_storage_location, is_server_storage, journal_path,
-                      open_storage, quiet_optuna, resolved_storage_location, try_sampler_options,
-                      worker_seed)
+from .studies import (
+    check_storage,
+    default_storage_location,
+    is_server_storage,
+    journal_path,
+    open_storage,
+    quiet_optuna,
+    resolved_storage_location,
+    try_sampler_options,
+    worker_seed,
+)
 
 
 @dataclass
@@ -82,11 +90,21 @@ class _Setup:
         return self.backend.is_estimate if self.backend is not None else False
 
 
-def run_search(job: Job, *, db: str | None = None, storage: str | None = None,
-               resume: bool = False, backend: str | Backend | None = None, target=None,
-               trials: int | None = None, seconds: float | None = None, progress: bool = False,
-               say=print, workers: int | None = None,
-               gpus: list[int] | None = None) -> SearchSummary:
+def run_search(
+    job: Job,
+    *,
+    db: str | None = None,
+    storage: str | None = None,
+    resume: bool = False,
+    backend: str | Backend | None = None,
+    target=None,
+    trials: int | None = None,
+    seconds: float | None = None,
+    progress: bool = False,
+    say=print,
+    workers: int | None = None,
+    gpus: list[int] | None = None,
+) -> SearchSummary:
     """Run (or with `resume`, continue or join) a search job, in this process or, with `workers` or
     `gpus`, in that many worker processes sharing the studies. Everything that can be checked is
     checked before the results DB or the Optuna storage is touched."""
@@ -109,30 +127,49 @@ def run_search(job: Job, *, db: str | None = None, storage: str | None = None,
             provenance = {**setup.backend.provenance(), **versions()}
         else:
             provenance = {"gpu_name": None, "sm_count": setup.target.sm_count, **versions()}
-        run, summary = _open_run(job, setup, results_db, provenance, resume, say,
-                                 budget_trials, budget_seconds)
-        _search(setup, run, summary, results_db, optuna_storage,
-                best_provenance(provenance, setup.backend_name, run.run_id), progress, say)
+        run, summary = _open_run(
+            job, setup, results_db, provenance, resume, say, budget_trials, budget_seconds
+        )
+        _search(
+            setup,
+            run,
+            summary,
+            results_db,
+            optuna_storage,
+            best_provenance(provenance, setup.backend_name, run.run_id),
+            progress,
+            say,
+        )
     finally:
         if setup.backend is not None:
             setup.backend.close()
     results_db.finish_run(run.run_id, "finished")
     if job.export:
-        summary.exported = export_table(results_db, job.export, kernel=job.kernel,
-                                        target=setup.target.name)
+        summary.exported = export_table(
+            results_db, job.export, kernel=job.kernel, target=setup.target.name
+        )
     results_db.close()
     return summary
 
 
-def _set_up(job: Job, backend, target, workers: int | None, gpus: list[int] | None,
-            db: str | None, storage: str | None, say) -> _Setup:
+def _set_up(
+    job: Job,
+    backend,
+    target,
+    workers: int | None,
+    gpus: list[int] | None,
+    db: str | None,
+    storage: str | None,
+    say,
+) -> _Setup:
     """The backend's name (and object, where it runs in this process), the workers' GPUs, the
     target, and the locations of the results DB and the Optuna storage."""
     kernel = job.kernel
     if isinstance(backend, Backend):
         if workers is not None or gpus is not None:
-            raise Fa4tuneError("a backend object measures in this process; workers need a backend "
-                               "name")
+            raise Fa4tuneError(
+                "a backend object measures in this process; workers need a backend name"
+            )
         backend_name = backend.name
     else:
         backend_name = resolve_backend_name(backend or job.backend, announce=say)
@@ -171,20 +208,35 @@ def _preflight(job: Job, setup: _Setup, trials, seconds) -> tuple[int | None, fl
         _check_export(job)
     ResultsDB.check(setup.db_location)
     check_storage(setup.storage_location)
-    if trials is not None and (isinstance(trials, bool) or not isinstance(trials, int)
-                               or trials < 1):
-        raise Fa4tuneError(f"--trials: a positive whole number of measured trials per problem, got "
-                           f"{trials!r}")
-    if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
-                                or not math.isfinite(seconds) or seconds <= 0):
+    if trials is not None and (
+        isinstance(trials, bool) or not isinstance(trials, int) or trials < 1
+    ):
+        raise Fa4tuneError(
+            f"--trials: a positive whole number of measured trials per problem, got {trials!r}"
+        )
+    if seconds is not None and (
+        isinstance(seconds, bool)
+        or not isinstance(seconds, (int, float))
+        or not math.isfinite(seconds)
+        or seconds <= 0
+    ):
         raise Fa4tuneError(f"--seconds: a positive number of seconds per problem, got {seconds!r}")
-    return (trials if trials is not None else job.budget.trials,
-            seconds if seconds is not None else job.budget.seconds)
+    return (
+        trials if trials is not None else job.budget.trials,
+        seconds if seconds is not None else job.budget.seconds,
+    )
 
 
-def _open_run(job: Job, setup: _Setup, results_db: ResultsDB, provenance: dict, resume: bool, say,
-              budget_trials: int | None,
-              budget_seconds: float | None) -> tuple[RunRef, SearchSummary]:
+def _open_run(
+    job: Job,
+    setup: _Setup,
+    results_db: ResultsDB,
+    provenance: dict,
+    resume: bool,
+    say,
+    budget_trials: int | None,
+    budget_seconds: float | None,
+) -> tuple[RunRef, SearchSummary]:
     """Create the run in the results DB, or with `resume` join the job's latest one (of the same
     kernel code, target, and estimates or measurements); say which."""
     kernel, tgt, is_estimate = job.kernel, setup.target, setup.is_estimate
@@ -192,54 +244,104 @@ def _open_run(job: Job, setup: _Setup, results_db: ResultsDB, provenance: dict, 
     run_id, prefix, resumed = results_db.open_run(
         resume=resume,
         study_prefix=lambda rid: f"{job.name}/{kernel.name}-{kernel_hash[:12]}/{tgt.name}/run{rid}",
-        job_name=job.name, job_path=job.path, job_text=job.text, kernel=kernel.name,
-        kernel_hash=kernel_hash, target=tgt.name, backend=setup.backend_name,
-        is_estimate=is_estimate, **run_gpu_fields(provenance),
-        dsl_version=provenance["dsl_version"], torch_version=provenance["torch_version"],
+        job_name=job.name,
+        job_path=job.path,
+        job_text=job.text,
+        kernel=kernel.name,
+        kernel_hash=kernel_hash,
+        target=tgt.name,
+        backend=setup.backend_name,
+        is_estimate=is_estimate,
+        **run_gpu_fields(provenance),
+        dsl_version=provenance["dsl_version"],
+        torch_version=provenance["torch_version"],
         fa4tune_version=provenance["fa4tune_version"],
         storage_url=shown_location(resolved_storage_location(setup.storage_location)),
     )
     kind = "cost-model" if is_estimate else "measured"
     if resume and not resumed:
-        other = results_db.latest_run(job.name, kernel.name, kernel_hash, tgt.name,
-                                      is_estimate=not is_estimate)
+        other = results_db.latest_run(
+            job.name, kernel.name, kernel_hash, tgt.name, is_estimate=not is_estimate
+        )
         if other:
             was = "is a cost-model run" if other["is_estimate"] else "was measured on a GPU"
             why = f" (run {other['id']} {was}; a {kind} search does not continue it)"
         else:
             why = ""
-        say(f"fa4tune: no earlier {kind} run of job {job.name!r} in "
-            f"{shown_location(setup.db_location)}{why}; starting a new one")
+        say(
+            f"fa4tune: no earlier {kind} run of job {job.name!r} in "
+            f"{shown_location(setup.db_location)}{why}; starting a new one"
+        )
     elif resumed:
         say(f"fa4tune: resuming run {run_id} of job {job.name!r}")
     if is_estimate:
-        say(f"fa4tune: backend {setup.backend_name}: times are ESTIMATES of a cost model for "
-            f"{tgt.name}, not measurements")
-    summary = SearchSummary(run_id=run_id, db_location=setup.db_location,
-                            storage=setup.storage_location, backend=setup.backend_name,
-                            target=tgt.name, is_estimate=is_estimate, resumed=resumed,
-                            workers=len(setup.plan) if setup.plan is not None else 1)
-    run = RunRef(job=job, run_id=run_id, prefix=prefix, kernel_hash=kernel_hash, target=tgt,
-                 budget_trials=budget_trials, budget_seconds=budget_seconds,
-                 shared=setup.plan is not None or is_server_storage(setup.storage_location))
+        say(
+            f"fa4tune: backend {setup.backend_name}: times are ESTIMATES of a cost model for "
+            f"{tgt.name}, not measurements"
+        )
+    summary = SearchSummary(
+        run_id=run_id,
+        db_location=setup.db_location,
+        storage=setup.storage_location,
+        backend=setup.backend_name,
+        target=tgt.name,
+        is_estimate=is_estimate,
+        resumed=resumed,
+        workers=len(setup.plan) if setup.plan is not None else 1,
+    )
+    run = RunRef(
+        job=job,
+        run_id=run_id,
+        prefix=prefix,
+        kernel_hash=kernel_hash,
+        target=tgt,
+        budget_trials=budget_trials,
+        budget_seconds=budget_seconds,
+        shared=setup.plan is not None or is_server_storage(setup.storage_location),
+    )
     return run, summary
 
 
-def _search(setup: _Setup, run: RunRef, summary: SearchSummary, results_db: ResultsDB,
-            optuna_storage, provenance: dict, progress: bool, say) -> None:
+def _search(
+    setup: _Setup,
+    run: RunRef,
+    summary: SearchSummary,
+    results_db: ResultsDB,
+    optuna_storage,
+    provenance: dict,
+    progress: bool,
+    say,
+) -> None:
     """Search the run's problems into summary.results, in this process or in the worker
     processes; the run is marked interrupted or failed when that ends early."""
     try:
         if setup.plan is None:
             # Its own seed where other hosts may share the studies (each with a search like this).
-            loop = WorkerLoop(run, setup.space, setup.backend, results_db, optuna_storage,
-                              provenance, progress, say,
-                              worker_seed=worker_seed(0) if run.shared else 0)
+            loop = WorkerLoop(
+                run,
+                setup.space,
+                setup.backend,
+                results_db,
+                optuna_storage,
+                provenance,
+                progress,
+                say,
+                worker_seed=worker_seed(0) if run.shared else 0,
+            )
             summary.results = loop.tune_all()
         else:
             summary.results = worker_processes.run_workers(
-                run, setup.plan, setup.backend_name, setup.db_location, setup.storage_location,
-                results_db, optuna_storage, setup.space, summary.is_estimate, say)
+                run,
+                setup.plan,
+                setup.backend_name,
+                setup.db_location,
+                setup.storage_location,
+                results_db,
+                optuna_storage,
+                setup.space,
+                summary.is_estimate,
+                say,
+            )
         interrupts.checkpoint()  # one swallowed during the last confirmation: interrupted
     except KeyboardInterrupt:
         results_db.finish_run(run.run_id, "interrupted")
@@ -254,8 +356,10 @@ def _check_export(job: Job) -> None:
     for target_path in table_paths(job.export):
         blocked = unwritable_ancestor(target_path)
         if blocked is not None:
-            raise Fa4tuneError(f"{job.path}: export: cannot write {target_path}: {blocked} is not "
-                               "a writable directory")
+            raise Fa4tuneError(
+                f"{job.path}: export: cannot write {target_path}: {blocked} is not "
+                "a writable directory"
+            )
         if target_path.is_dir():
             raise Fa4tuneError(f"{job.path}: export: {target_path} is a directory")
 
@@ -272,7 +376,8 @@ def _refuse_estimates_over_measurements(job: Job) -> None:
                 f"cannot export to {path}: it holds {measured} measured "
                 f"entr{'y' if measured == 1 else 'ies'}, and this search gives cost-model "
                 "estimates, which would replace them in the file. Export somewhere else (fa4tune "
-                "search --export PATH, or the job's `export`), or run the search on the GPU")
+                "search --export PATH, or the job's `export`), or run the search on the GPU"
+            )
 
 
 def _check_apart(db_location: str, storage_location: str) -> None:
@@ -284,16 +389,21 @@ def _check_apart(db_location: str, storage_location: str) -> None:
             raise StorageError(
                 f"the Optuna journal {storage_location!r} is the results DB's file; give the "
                 "journal another path with --storage or the job's `storage` (or leave it out: "
-                f"{default_storage_location(db_location)})")
+                f"{default_storage_location(db_location)})"
+            )
         return
     storage_url = make_url(storage_location)
     same = False
     if storage_url.get_backend_name() == "sqlite":  # the same file (an in-memory one is no file)
         db_path, storage_path = sqlite_path(db_location), sqlite_path(storage_location)
-        same = db_path is not None and storage_path is not None and \
-            db_path.resolve() == storage_path.resolve()
+        same = (
+            db_path is not None
+            and storage_path is not None
+            and db_path.resolve() == storage_path.resolve()
+        )
     elif "://" in db_location:
         db_url = make_url(db_location)
+
         def where(url):
             return url.get_backend_name(), url.host, url.port, url.database
 

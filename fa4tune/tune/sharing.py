@@ -22,8 +22,17 @@ from ..measure.base import Measurement
 from ..problem import Problem
 from .grid import Grid, GridState
 from .run import RunRef
-from .studies import (CLAIM_ATTR, WORKER_ATTR, fail_stale, give_back, hand_back, tell_outcome,
-                      tell_stored, trial_orphaned, worker_gone)
+from .studies import (
+    CLAIM_ATTR,
+    WORKER_ATTR,
+    fail_stale,
+    give_back,
+    hand_back,
+    tell_outcome,
+    tell_stored,
+    trial_orphaned,
+    worker_gone,
+)
 
 # Optuna is imported where it is used, as in studies.py.
 
@@ -59,15 +68,24 @@ class TrialRecorder:
     provenance: dict
     is_estimate: bool
 
-    def add(self, store, number: int, candidate: Candidate, measurement: Measurement,
-            **options) -> None:
+    def add(
+        self, store, number: int, candidate: Candidate, measurement: Measurement, **options
+    ) -> None:
         """Store the candidate's trial through `store`: the results DB (options: study_name,
         offer_best) or, under the study's lock, the LockedStudy."""
-        store.add_trial(run_id=self.run.run_id, optuna_number=number,
-                        kernel=self.run.job.kernel.name, kernel_hash=self.run.kernel_hash,
-                        target=self.run.target.name,
-                        problem=self.problem, config=candidate.config, measurement=measurement,
-                        source=candidate.source, provenance=self.provenance, **options)
+        store.add_trial(
+            run_id=self.run.run_id,
+            optuna_number=number,
+            kernel=self.run.job.kernel.name,
+            kernel_hash=self.run.kernel_hash,
+            target=self.run.target.name,
+            problem=self.problem,
+            config=candidate.config,
+            measurement=measurement,
+            source=candidate.source,
+            provenance=self.provenance,
+            **options,
+        )
 
 
 class SharedStudy:
@@ -75,14 +93,23 @@ class SharedStudy:
     other workers, through the results DB `db`. `grid`: its points, in a grid search. `recorder`
     stores the infeasible candidates that a claim prunes (a worker that measures has one)."""
 
-    def __init__(self, run: RunRef, db: ResultsDB, name: str, study, worker: str,
-                 grid: Grid | None = None, recorder: TrialRecorder | None = None) -> None:
+    def __init__(
+        self,
+        run: RunRef,
+        db: ResultsDB,
+        name: str,
+        study,
+        worker: str,
+        grid: Grid | None = None,
+        recorder: TrialRecorder | None = None,
+    ) -> None:
         self.run, self.db, self.name, self.study, self.worker = run, db, name, study, worker
         self.grid, self.recorder = grid, recorder
 
     # ---- budget slots ---------------------------------------------------------------------------
-    def in_flight(self, stored_among, trials=None, exclude: int | None = None,
-                  reserved: bool = True) -> list:
+    def in_flight(
+        self, stored_among, trials=None, exclude: int | None = None, reserved: bool = True
+    ) -> list:
         """The claims that hold budget slots: trials being measured (RUNNING, claimed, not stored
         yet) and, with `reserved`, the trials of dead workers queued again with their claim
         (WAITING), which keep their slot for whoever measures them. `stored_among(numbers)`: which
@@ -93,15 +120,19 @@ class SharedStudy:
         states = (running,) + ((optuna.trial.TrialState.WAITING,) if reserved else ())
         if trials is None:
             trials = self.study.get_trials(deepcopy=False, states=states)
-        claimed = [t for t in trials
-                   if t.state in states and CLAIM_ATTR in t.user_attrs and t.number != exclude]
+        claimed = [
+            t
+            for t in trials
+            if t.state in states and CLAIM_ATTR in t.user_attrs and t.number != exclude
+        ]
         stored = stored_among([t.number for t in claimed if t.state == running])
         return [t for t in claimed if t.number not in stored]
 
     def measuring(self, trials=None) -> list:
         """Claimed trials being measured now (by any worker); `trials`: the study's, if read."""
-        return self.in_flight(lambda numbers: self.db.stored_among(self.name, numbers),
-                              trials=trials, reserved=False)
+        return self.in_flight(
+            lambda numbers: self.db.stored_among(self.name, numbers), trials=trials, reserved=False
+        )
 
     def still_running(self) -> bool:
         """Whether a claimed trial is being measured (by any worker), or another worker (or an
@@ -129,19 +160,25 @@ class SharedStudy:
 
         trial, config, study = candidate.trial, candidate.config, self.study
         with self.db.locked(self.name) as lock:
-            active = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,
-                                                              optuna.trial.TrialState.WAITING))
+            active = study.get_trials(
+                deepcopy=False,
+                states=(optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.WAITING),
+            )
             mine = next((t for t in active if t.number == trial.number), None)
-            if mine is None or mine.state != optuna.trial.TrialState.RUNNING or \
-                    mine.user_attrs.get(WORKER_ATTR) != self.worker:
+            if (
+                mine is None
+                or mine.state != optuna.trial.TrialState.RUNNING
+                or mine.user_attrs.get(WORKER_ATTR) != self.worker
+            ):
                 return Claim.LOST
             earlier = lock.stored(config)
             if earlier is not None:  # never measure a config twice: tell Optuna what it gave before
                 tell_stored(study, trial.number, earlier)
                 return Claim.REPEAT
             if candidate.reasons:
-                measurement = Measurement.pruned(candidate.reasons,
-                                                 is_estimate=self.recorder.is_estimate)
+                measurement = Measurement.pruned(
+                    candidate.reasons, is_estimate=self.recorder.is_estimate
+                )
                 self.recorder.add(lock, trial.number, candidate, measurement)
                 tell_outcome(study, trial.number, "pruned", None)
                 return Claim.PRUNED
@@ -169,10 +206,12 @@ class SharedStudy:
 
         with self.db.locked(self.name) as lock:
             fail_stale(self.study)
-            for frozen in self.study.get_trials(deepcopy=False,
-                                                states=(optuna.trial.TrialState.RUNNING,)):
-                if frozen.user_attrs.get(WORKER_ATTR) == self.worker or \
-                        not trial_orphaned(frozen, self.run.shared, dead):
+            for frozen in self.study.get_trials(
+                deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)
+            ):
+                if frozen.user_attrs.get(WORKER_ATTR) == self.worker or not trial_orphaned(
+                    frozen, self.run.shared, dead
+                ):
                     continue
                 stored = lock.stored_number(frozen.number)
                 if stored is not None:
@@ -225,8 +264,9 @@ class SharedStudy:
         """Whether this worker re-times the study's best few (one worker does, unless it died)."""
         with self.db.locked(self.name) as lock:
             holder = lock.confirming()
-            if self.db.confirmed(self.name) or \
-                    (holder not in (None, self.worker) and not worker_gone(holder)):
+            if self.db.confirmed(self.name) or (
+                holder not in (None, self.worker) and not worker_gone(holder)
+            ):
                 return False
             lock.set_confirming(self.worker)
             return True

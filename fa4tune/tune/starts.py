@@ -35,8 +35,10 @@ class StartingConfigs:
         probes = self.space.probes(problem, self.target, self.job.probes)
         with self.db.locked(study.study_name) as lock:
             active = []
-            for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,
-                                                              optuna.trial.TrialState.RUNNING)):
+            for t in study.get_trials(
+                deepcopy=False,
+                states=(optuna.trial.TrialState.WAITING, optuna.trial.TrialState.RUNNING),
+            ):
                 params = queued_params(t)
                 if len(params) == len(domains):  # a RUNNING trial may be half suggested
                     active.append(config_key(self.space.full_config(problem, self.target, params)))

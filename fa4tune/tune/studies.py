@@ -14,7 +14,6 @@ import copy
 import functools
 import importlib.util
 import json
-from datetime import datetime
 import logging
 import os
 import socket
@@ -22,10 +21,18 @@ import threading
 import time
 import warnings
 import zlib
+from datetime import datetime
 from pathlib import Path
 
-from ..db import (UNREACHABLE_HINT, engine_options, engine_url, first_line, reach, shown_location,
-                  sqlite_path)
+from ..db import (
+    UNREACHABLE_HINT,
+    engine_options,
+    engine_url,
+    first_line,
+    reach,
+    shown_location,
+    sqlite_path,
+)
 from ..db.store import SQLITE_HEADER
 from ..errors import JobError, StorageError
 from ..files import unwritable_ancestor
@@ -37,7 +44,9 @@ RDB_PREFIXES = ("sqlite:", "postgresql", "mysql", "oracle", "mssql")
 WORKER_ATTR = "fa4tune_worker"  # host:pid:identity of the worker that asked the trial
 CLAIM_ATTR = "fa4tune_claim"  # the config (key) whose measurement the trial holds a budget slot for
 SOURCE_ATTR = "fa4tune_source"  # why a queued trial was queued: default, warm-start or probe
-GIVEN_BACK_ATTR = "fa4tune_given_back"  # a queued trial put back unmeasured: the number it was popped as
+GIVEN_BACK_ATTR = (
+    "fa4tune_given_back"  # a queued trial put back unmeasured: the number it was popped as
+)
 # Heartbeats on server storages (PostgreSQL, MySQL): every FA4TUNE_HEARTBEAT_S seconds (default 10) a
 # worker records that each of its trials is alive; one silent for HEARTBEAT_GRACE times that is stale
 # and handed back.
@@ -86,7 +95,9 @@ def resolved_storage_location(location: str) -> str:
 def heartbeat_seconds() -> int:
     value = os.environ.get("FA4TUNE_HEARTBEAT_S", str(HEARTBEAT_S))
     if not value.isdigit() or int(value) < 1:
-        raise StorageError(f"FA4TUNE_HEARTBEAT_S must be a whole number of seconds, 1 or more; got {value!r}")
+        raise StorageError(
+            f"FA4TUNE_HEARTBEAT_S must be a whole number of seconds, 1 or more; got {value!r}"
+        )
     return int(value)
 
 
@@ -98,15 +109,21 @@ def check_storage(location: str) -> None:
     path = journal_path(location)
     if path is not None:
         if path.is_dir():
-            raise StorageError(f"Optuna storage {location!r} is a directory; give a journal file path")
+            raise StorageError(
+                f"Optuna storage {location!r} is a directory; give a journal file path"
+            )
         blocked = None if path.exists() and os.access(path, os.W_OK) else unwritable_ancestor(path)
         if blocked is not None:
-            raise StorageError(f"cannot write the Optuna journal {location!r}: {blocked} is not a writable "
-                               "directory")
+            raise StorageError(
+                f"cannot write the Optuna journal {location!r}: {blocked} is not a writable "
+                "directory"
+            )
         if path.is_file() and not _reads_as_journal(path):
-            raise StorageError(f"Optuna storage {location!r} is not an Optuna journal (its first "
-                               "line is not one of Optuna's records); move it aside or give "
-                               "another --storage")
+            raise StorageError(
+                f"Optuna storage {location!r} is not an Optuna journal (its first "
+                "line is not one of Optuna's records); move it aside or give "
+                "another --storage"
+            )
         return
     if is_server_storage(location):
         heartbeat_seconds()
@@ -116,12 +133,16 @@ def check_storage(location: str) -> None:
             with open(path, "rb") as f:
                 head = f.read(len(SQLITE_HEADER))
             if head and head != SQLITE_HEADER:
-                raise StorageError(f"Optuna storage {shown!r}: {path} is not a SQLite database; "
-                                   "move it aside or give another --storage")
+                raise StorageError(
+                    f"Optuna storage {shown!r}: {path} is not a SQLite database; "
+                    "move it aside or give another --storage"
+                )
     try:
         reach(location)
     except Exception as exc:  # the driver's and SQLAlchemy's many kinds all mean "cannot use it"
-        raise StorageError(f"cannot use Optuna storage {shown!r}: {first_line(exc)}. {UNREACHABLE_HINT}") from exc
+        raise StorageError(
+            f"cannot use Optuna storage {shown!r}: {first_line(exc)}. {UNREACHABLE_HINT}"
+        ) from exc
 
 
 def _reads_as_journal(path: Path) -> bool:
@@ -176,7 +197,12 @@ class JournalFlock:
 SCHEMA_RACE_ATTEMPTS = 5
 # What a process that lost the race to create Optuna's schema sees: concurrent CREATE TABLE (a
 # duplicate row type or relation), or a second first row of the version tables.
-SCHEMA_RACE_MARKS = ("pg_type_typname_nsp_index", "already exists", "version_info_pkey", "alembic_version_pkc")
+SCHEMA_RACE_MARKS = (
+    "pg_type_typname_nsp_index",
+    "already exists",
+    "version_info_pkey",
+    "alembic_version_pkc",
+)
 
 
 def lost_schema_race(exc: BaseException) -> bool:
@@ -200,11 +226,15 @@ def open_storage(location: str, heartbeat: bool | None = None, create: bool = Tr
     from optuna.storages.journal import JournalFileBackend, JournalStorage
 
     if not create:
-        path = journal_path(location) if not is_rdb(location) else (
-            sqlite_path(location) if location.startswith("sqlite:") else None)
+        path = (
+            journal_path(location)
+            if not is_rdb(location)
+            else (sqlite_path(location) if location.startswith("sqlite:") else None)
+        )
         if path is not None and not path.exists():
-            raise StorageError(f"no Optuna storage at {shown_location(location)!r}: the file does "
-                               "not exist")
+            raise StorageError(
+                f"no Optuna storage at {shown_location(location)!r}: the file does not exist"
+            )
     try:
         if is_rdb(location):
             url = engine_url(location)
@@ -212,28 +242,37 @@ def open_storage(location: str, heartbeat: bool | None = None, create: bool = Tr
             options = {}
             if beats:
                 seconds = heartbeat_seconds()
-                options = {"heartbeat_interval": seconds, "grace_period": HEARTBEAT_GRACE * seconds,
-                           "heartbeat_stale_trial_callback": HandBack()}
+                options = {
+                    "heartbeat_interval": seconds,
+                    "grace_period": HEARTBEAT_GRACE * seconds,
+                    "heartbeat_stale_trial_callback": HandBack(),
+                }
             for attempt in range(SCHEMA_RACE_ATTEMPTS):
                 try:
                     with warnings.catch_warnings():
                         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                        return optuna.storages.RDBStorage(url, engine_kwargs=engine_options(url), **options)
+                        return optuna.storages.RDBStorage(
+                            url, engine_kwargs=engine_options(url), **options
+                        )
                 except Exception as exc:  # noqa: BLE001  (only a lost schema race is tried again)
                     if attempt + 1 == SCHEMA_RACE_ATTEMPTS or not lost_schema_race(exc):
                         raise
                     time.sleep(0.2 * (attempt + 1))
         path = journal_path(location)
         if path.is_dir():
-            raise StorageError(f"Optuna storage {location!r} is a directory; give a journal file path")
+            raise StorageError(
+                f"Optuna storage {location!r} is a directory; give a journal file path"
+            )
         path.parent.mkdir(parents=True, exist_ok=True)
         journal = str(path.resolve())
         return JournalStorage(JournalFileBackend(journal, lock_obj=JournalFlock(journal)))
     except StorageError:
         raise
     except Exception as exc:  # Optuna and SQLAlchemy raise many kinds; all mean "cannot use it"
-        raise StorageError(f"cannot open Optuna storage {shown_location(location)!r}: {type(exc).__name__}: "
-                           f"{first_line(exc)}") from exc
+        raise StorageError(
+            f"cannot open Optuna storage {shown_location(location)!r}: {type(exc).__name__}: "
+            f"{first_line(exc)}"
+        ) from exc
 
 
 # ---- workers sharing a study ------------------------------------------------------------------------
@@ -344,8 +383,12 @@ class HandBack:
 
         retry = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None)
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # experimental, or deprecated in favour of the name above
-            self.retry = (retry or optuna.storages.RetryFailedTrialCallback)(max_retry=MAX_HAND_BACKS)
+            warnings.simplefilter(
+                "ignore"
+            )  # experimental, or deprecated in favour of the name above
+            self.retry = (retry or optuna.storages.RetryFailedTrialCallback)(
+                max_retry=MAX_HAND_BACKS
+            )
 
     def __call__(self, study, trial) -> None:
         with warnings.catch_warnings():
@@ -368,9 +411,13 @@ def give_back(study, trial) -> None:
 
     study.tell(trial.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
     # What study.enqueue_trial adds, plus where it came from (GIVEN_BACK_ATTR).
-    study.add_trial(optuna.trial.create_trial(
-        state=optuna.trial.TrialState.WAITING, user_attrs=_unmarked(trial).user_attrs,
-        system_attrs={"fixed_params": queued_params(trial), GIVEN_BACK_ATTR: trial.number}))
+    study.add_trial(
+        optuna.trial.create_trial(
+            state=optuna.trial.TrialState.WAITING,
+            user_attrs=_unmarked(trial).user_attrs,
+            system_attrs={"fixed_params": queued_params(trial), GIVEN_BACK_ATTR: trial.number},
+        )
+    )
 
 
 def queued_params(trial) -> dict:
@@ -412,15 +459,19 @@ class Heartbeat:
     def __init__(self, storage, study_id: int, number: int) -> None:
         self.storage = storage
         self.interval = heartbeat_interval(storage)
-        self.trial_id = (storage.get_trial_id_from_study_id_trial_number(study_id, number)
-                         if self.interval is not None else None)
+        self.trial_id = (
+            storage.get_trial_id_from_study_id_trial_number(study_id, number)
+            if self.interval is not None
+            else None
+        )
         self.stopped = threading.Event()
         self.thread: threading.Thread | None = None
 
-    def start(self) -> "Heartbeat":
+    def start(self) -> Heartbeat:
         if self.interval is not None:
-            self.thread = threading.Thread(target=self.beat,
-                                           name=f"fa4tune-heartbeat-{self.trial_id}")
+            self.thread = threading.Thread(
+                target=self.beat, name=f"fa4tune-heartbeat-{self.trial_id}"
+            )
             self.thread.start()
         return self
 
@@ -494,8 +545,14 @@ def grid_sampler_class():
     return AskTellGridSampler
 
 
-def make_sampler(spec, seed: int, grid: dict | None = None, where: str = "sampler", shared: bool = False,
-                 grid_seed: int = 0):
+def make_sampler(
+    spec,
+    seed: int,
+    grid: dict | None = None,
+    where: str = "sampler",
+    shared: bool = False,
+    grid_seed: int = 0,
+):
     """An Optuna sampler from a job's sampler spec; bad options are a JobError naming the field. A
     `shared` study (several workers) gets TPE's constant liar unless the job says otherwise, so that
     workers do not all propose the same configs around the best so far."""
@@ -517,7 +574,9 @@ def make_sampler(spec, seed: int, grid: dict | None = None, where: str = "sample
             warnings.simplefilter("ignore")  # constant_liar is experimental
             return factories[spec.name](**options)
     except (TypeError, ValueError) as exc:
-        raise JobError(f"{where}: bad options {spec.options} for the {spec.name} sampler: {exc}") from exc
+        raise JobError(
+            f"{where}: bad options {spec.options} for the {spec.name} sampler: {exc}"
+        ) from exc
 
 
 def try_sampler_options(spec, where: str = "sampler") -> None:
@@ -530,11 +589,18 @@ def try_sampler_options(spec, where: str = "sampler") -> None:
     import optuna
 
     startup = spec.options.get("n_startup_trials")
-    if startup is not None and (isinstance(startup, bool) or not isinstance(startup, int) or startup < 0):
-        raise JobError(f"{where}: n_startup_trials must be a whole number of 0 or more, got {startup!r}")
+    if startup is not None and (
+        isinstance(startup, bool) or not isinstance(startup, int) or startup < 0
+    ):
+        raise JobError(
+            f"{where}: n_startup_trials must be a whole number of 0 or more, got {startup!r}"
+        )
     # The start-up cut short, so that the options the sampler uses after it are used here too.
-    tried = type(spec)(name=spec.name, options={**spec.options, "n_startup_trials": min(startup, 3)}) \
-        if startup is not None else spec
+    tried = (
+        type(spec)(name=spec.name, options={**spec.options, "n_startup_trials": min(startup, 3)})
+        if startup is not None
+        else spec
+    )
     sampler = make_sampler(tried, 0, where=where)
     trials = 13
     study = optuna.create_study(sampler=sampler, storage=optuna.storages.InMemoryStorage())
@@ -546,15 +612,22 @@ def try_sampler_options(spec, where: str = "sampler") -> None:
                 x, k = trial.suggest_float("x", 0.0, 1.0), trial.suggest_categorical("k", [1, 2, 3])
                 study.tell(trial, (x - 0.3) ** 2 + k)
     except Exception as exc:  # noqa: BLE001 - any failure here is the options'
-        raise JobError(f"{where}: bad options {spec.options} for the {spec.name} sampler: "
-                       f"{type(exc).__name__}: {exc}") from exc
+        raise JobError(
+            f"{where}: bad options {spec.options} for the {spec.name} sampler: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def problem_seed(seed: int, problem_key: str, worker: int = 0, earlier_trials: int = 0) -> int:
     """A per-problem seed, stable across runs and processes. Workers sharing a study (`worker` > 0)
     each get their own, or they would all propose the same configs; so does each session of a study
     (by the number of trials it found), or a resume would propose the configs of the first again."""
-    return (seed * 1_000_003 + zlib.crc32(problem_key.encode()) + worker * 7919 + earlier_trials * 104_729) % (2**31)
+    return (
+        seed * 1_000_003
+        + zlib.crc32(problem_key.encode())
+        + worker * 7919
+        + earlier_trials * 104_729
+    ) % (2**31)
 
 
 def worker_seed(index: int) -> int:

@@ -60,7 +60,9 @@ def visible_gpus() -> list[str]:
     return listed[:count] if listed else [str(i) for i in range(count)]
 
 
-def plan_workers(workers: int | None, gpus: list[int] | None, backend_name: str) -> list[str | None] | None:
+def plan_workers(
+    workers: int | None, gpus: list[int] | None, backend_name: str
+) -> list[str | None] | None:
     """One entry per worker: the CUDA_VISIBLE_DEVICES value it gets (None: a CPU worker of the model
     backend); None for no worker processes (search in this process)."""
     if workers is None and gpus is None:
@@ -68,8 +70,10 @@ def plan_workers(workers: int | None, gpus: list[int] | None, backend_name: str)
     if workers is not None and gpus is not None:
         raise Fa4tuneError("give either --workers N or --gpus LIST, not both")
     if workers is not None and workers < 1:
-        raise Fa4tuneError(f"--workers must be at least 1 (one worker process per GPU, or per CPU worker of "
-                           f"the model backend); got {workers}")
+        raise Fa4tuneError(
+            f"--workers must be at least 1 (one worker process per GPU, or per CPU worker of "
+            f"the model backend); got {workers}"
+        )
     if backend_name == "model":
         if gpus is not None:
             raise Fa4tuneError(
@@ -80,13 +84,17 @@ def plan_workers(workers: int | None, gpus: list[int] | None, backend_name: str)
     visible = visible_gpus()
     wanted = gpus if gpus is not None else list(range(workers))
     if len(set(wanted)) != len(wanted):
-        raise Fa4tuneError(f"--gpus {','.join(map(str, wanted))} names a GPU twice; one worker per GPU")
+        raise Fa4tuneError(
+            f"--gpus {','.join(map(str, wanted))} names a GPU twice; one worker per GPU"
+        )
     missing = [g for g in wanted if not 0 <= g < len(visible)]
     if missing:
         have = f"GPUs 0..{len(visible) - 1}" if visible else "no GPU"
         what = "--workers" if gpus is None else "--gpus"
-        raise Fa4tuneError(f"{what}: GPU {', '.join(map(str, missing))} does not exist; this host has {have} "
-                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+        raise Fa4tuneError(
+            f"{what}: GPU {', '.join(map(str, missing))} does not exist; this host has {have} "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})"
+        )
     return [visible[g] for g in wanted]
 
 
@@ -95,22 +103,34 @@ def gpu_target(plan: list[str | None], wanted):
     import torch
 
     visible = visible_gpus()
-    models = {(props.name, props.multi_processor_count)
-              for props in (torch.cuda.get_device_properties(visible.index(device)) for device in plan)}
+    models = {
+        (props.name, props.multi_processor_count)
+        for props in (torch.cuda.get_device_properties(visible.index(device)) for device in plan)
+    }
     if len(models) != 1:
         shown = ", ".join(sorted(f"{name} ({sms} SMs)" for name, sms in models))
-        raise BackendError(f"the workers' GPUs are of different models ({shown}); pick GPUs of one model with --gpus")
+        raise BackendError(
+            f"the workers' GPUs are of different models ({shown}); pick GPUs of one model with --gpus"
+        )
     name, sm_count = models.pop()
     detected = target_for_device_name(name, sm_count)
-    partial = partial_gpu(detected, f"each of the workers' GPUs ({name})") if detected is not None else None
+    partial = (
+        partial_gpu(detected, f"each of the workers' GPUs ({name})")
+        if detected is not None
+        else None
+    )
     if partial:
         raise BackendError(partial)
     if detected is None:
-        raise BackendError(f"the gpu backend needs a GPU fa4tune knows (H100, H200, B200); this host has {name}. "
-                           "Use backend: model for estimates.")
+        raise BackendError(
+            f"the gpu backend needs a GPU fa4tune knows (H100, H200, B200); this host has {name}. "
+            "Use backend: model for estimates."
+        )
     if wanted is not None and get_target(wanted).name != detected.name:
-        raise BackendError(f"the job targets {get_target(wanted).name} but the GPUs are {detected.name} ({name}); "
-                           "drop `target:` or use the model backend")
+        raise BackendError(
+            f"the job targets {get_target(wanted).name} but the GPUs are {detected.name} ({name}); "
+            "drop `target:` or use the model backend"
+        )
     return detected
 
 
@@ -184,12 +204,18 @@ def _worker_main(spec: WorkerSpec, conn) -> None:
 
 def _work(spec: WorkerSpec) -> dict:
     quiet_optuna()
-    job = parse_job(yaml.safe_load(spec.job_text), source=spec.job_path or "<job>", text=spec.job_text,
-                    default_name=spec.job_name)
+    job = parse_job(
+        yaml.safe_load(spec.job_text),
+        source=spec.job_path or "<job>",
+        text=spec.job_text,
+        default_name=spec.job_name,
+    )
     run = dataclasses.replace(spec.run, job=job)
     measure = dict(job.measure)
     if spec.backend == "gpu":
-        if measure.get("compile_workers", "auto") == "auto":  # this host's CPUs are shared by its workers
+        if (
+            measure.get("compile_workers", "auto") == "auto"
+        ):  # this host's CPUs are shared by its workers
             measure["compile_workers"] = GpuOptions.auto_compile_workers(spec.workers)
         backend = make_backend("gpu", job.kernel, run.target.name, **measure)
     else:
@@ -198,11 +224,18 @@ def _work(spec: WorkerSpec) -> dict:
         db = ResultsDB.open(spec.db, create=False)
         provenance = {**backend.provenance(), **versions()}
         db.fill_run(run.run_id, run_gpu_fields(provenance))
-        loop = WorkerLoop(run, compose(job.kernel, job.spaces), backend, db,
-                          open_storage(spec.storage),
-                          best_provenance(provenance, spec.backend, run.run_id), progress=False,
-                          say=lambda message: print(f"[worker {spec.index}] {message}", flush=True),
-                          worker_seed=worker_seed(spec.index), summarise=False)
+        loop = WorkerLoop(
+            run,
+            compose(job.kernel, job.spaces),
+            backend,
+            db,
+            open_storage(spec.storage),
+            best_provenance(provenance, spec.backend, run.run_id),
+            progress=False,
+            say=lambda message: print(f"[worker {spec.index}] {message}", flush=True),
+            worker_seed=worker_seed(spec.index),
+            summarise=False,
+        )
         results = loop.tune_all()
         db.close()
     finally:
@@ -223,8 +256,11 @@ class _Slot:
     def start(self) -> None:
         context = multiprocessing.get_context("spawn")
         receive, send = context.Pipe(duplex=False)
-        self.process = context.Process(target=_worker_main, args=(self.spec, send),
-                                       name=f"fa4tune-search-worker-{self.spec.index}")
+        self.process = context.Process(
+            target=_worker_main,
+            args=(self.spec, send),
+            name=f"fa4tune-search-worker-{self.spec.index}",
+        )
         # An interrupt waits until the worker is started and known (to _stop). The worker inherits
         # this thread's signal mask through fork and exec: it starts with STOP_SIGNALS blocked, so
         # that none cuts into its interpreter's start-up (a traceback, and no report) before its
@@ -250,23 +286,53 @@ class _Slot:
             pass
 
 
-def run_workers(run, plan: list[str | None], backend_name: str, db_location: str, storage_location: str,
-                results_db, storage, space, is_estimate: bool, say) -> list:
+def run_workers(
+    run,
+    plan: list[str | None],
+    backend_name: str,
+    db_location: str,
+    storage_location: str,
+    results_db,
+    storage,
+    space,
+    is_estimate: bool,
+    say,
+) -> list:
     """Run the job's problems in len(plan) worker processes; the per-problem results."""
     job = run.job
     if job.text is None:
-        raise Fa4tuneError("worker processes need the job as a file (its text is parsed again in each worker)")
+        raise Fa4tuneError(
+            "worker processes need the job as a file (its text is parsed again in each worker)"
+        )
     shared_run = _without_job(run)
-    slots = [_Slot(WorkerSpec(index=i, device=device, workers=len(plan), job_text=job.text, job_path=job.path,
-                              job_name=job.name, db=db_location, storage=storage_location, run=shared_run,
-                              backend=backend_name)) for i, device in enumerate(plan)]
+    slots = [
+        _Slot(
+            WorkerSpec(
+                index=i,
+                device=device,
+                workers=len(plan),
+                job_text=job.text,
+                job_path=job.path,
+                job_name=job.name,
+                db=db_location,
+                storage=storage_location,
+                run=shared_run,
+                backend=backend_name,
+            )
+        )
+        for i, device in enumerate(plan)
+    ]
     # The coordinator's view of the run: it hands back dead workers' trials and reports the problems.
     coordinator = worker_name()
     if plan[0] is None:
-        say(f"fa4tune: {len(plan)} CPU worker process{'es' if len(plan) > 1 else ''} share run {run.run_id}")
+        say(
+            f"fa4tune: {len(plan)} CPU worker process{'es' if len(plan) > 1 else ''} share run {run.run_id}"
+        )
     else:
-        say(f"fa4tune: {len(plan)} worker process{'es' if len(plan) > 1 else ''} share run {run.run_id}, one per "
-            f"GPU (CUDA_VISIBLE_DEVICES {', '.join(plan)})")
+        say(
+            f"fa4tune: {len(plan)} worker process{'es' if len(plan) > 1 else ''} share run {run.run_id}, one per "
+            f"GPU (CUDA_VISIBLE_DEVICES {', '.join(plan)})"
+        )
     failures: list[str] = []
     interrupted = False
     try:
@@ -302,11 +368,15 @@ def run_workers(run, plan: list[str | None], backend_name: str, db_location: str
                 _hand_back(run, space, results_db, storage, coordinator, frozenset({slot.worker}))
                 reason = error or describe_exit(code)
                 if slot.restarts >= MAX_RESTARTS:
-                    failures.append(f"worker {index} died {slot.restarts + 1} times (last: {reason})")
+                    failures.append(
+                        f"worker {index} died {slot.restarts + 1} times (last: {reason})"
+                    )
                     say(f"fa4tune: worker {index} died again ({reason}); not restarted")
                     continue
                 slot.restarts += 1
-                say(f"fa4tune: worker {index} died ({reason}); its trials were handed back; restarting it")
+                say(
+                    f"fa4tune: worker {index} died ({reason}); its trials were handed back; restarting it"
+                )
                 slot.start()
                 running.append(slot)
     except KeyboardInterrupt:
@@ -317,8 +387,10 @@ def run_workers(run, plan: list[str | None], backend_name: str, db_location: str
     if interrupted and incomplete:
         raise KeyboardInterrupt
     if failures and incomplete:
-        raise BackendUnavailable("; ".join(failures) + f". {len(incomplete)} problems are unfinished: continue "
-                                 "with --resume")
+        raise BackendUnavailable(
+            "; ".join(failures) + f". {len(incomplete)} problems are unfinished: continue "
+            "with --resume"
+        )
     return results
 
 
@@ -358,8 +430,11 @@ def _results(run, space, results_db, slots, is_estimate: bool, say) -> list:
     results = []
     for problem in run.job.problems:
         result = report.counts(problem, run.study_name(space, problem))
-        reasons = [s.report["results"][problem.key()] for s in slots
-                   if s.report and problem.key() in s.report.get("results", {})]
+        reasons = [
+            s.report["results"][problem.key()]
+            for s in slots
+            if s.report and problem.key() in s.report.get("results", {})
+        ]
         result.repeats = sum(r["repeats"] for r in reasons)
         stops = sorted({r["stopped"] for r in reasons if r["stopped"]})
         result.stopped = "; ".join(stops)

@@ -10,8 +10,16 @@ import math
 from ...errors import UnsupportedInput
 from ...problem import HEAD_DIMS, Problem
 
-__all__ = ["UnsupportedInput", "check_device", "check_inputs", "check_no_grad", "check_output",
-           "empty_outputs", "make_problem", "problem_of"]
+__all__ = [
+    "UnsupportedInput",
+    "check_device",
+    "check_inputs",
+    "check_no_grad",
+    "check_output",
+    "empty_outputs",
+    "make_problem",
+    "problem_of",
+]
 
 
 def problem_of(q, k, v, causal) -> Problem:
@@ -19,16 +27,25 @@ def problem_of(q, k, v, causal) -> Problem:
     too: they have no problem to look up or tune). Checks all but the device, so that it runs on CPU
     and meta tensors too."""
     if check_inputs(q, k, v, causal):
-        raise UnsupportedInput(f"empty inputs (q {tuple(q.shape)}, k {tuple(k.shape)}) have nothing to look up "
-                               "or tune")
+        raise UnsupportedInput(
+            f"empty inputs (q {tuple(q.shape)}, k {tuple(k.shape)}) have nothing to look up or tune"
+        )
     return make_problem(q, k, v, causal)
 
 
 def make_problem(q, k, v, causal) -> Problem:
     """The Problem of inputs that check_inputs passed, not empty."""
-    return Problem(dtype=str(q.dtype), head_dim=q.shape[3], head_dim_v=v.shape[3], causal=causal,
-                   seqlen_q=q.shape[1], seqlen_k=k.shape[1], batch=q.shape[0], nheads_q=q.shape[2],
-                   nheads_kv=k.shape[2])
+    return Problem(
+        dtype=str(q.dtype),
+        head_dim=q.shape[3],
+        head_dim_v=v.shape[3],
+        causal=causal,
+        seqlen_q=q.shape[1],
+        seqlen_k=k.shape[1],
+        batch=q.shape[0],
+        nheads_q=q.shape[2],
+        nheads_kv=k.shape[2],
+    )
 
 
 def check_inputs(q, k, v, causal) -> bool:
@@ -43,33 +60,51 @@ def check_inputs(q, k, v, causal) -> bool:
         if not isinstance(t, torch.Tensor):
             raise UnsupportedInput(f"attention takes torch tensors; {name} is a {type(t).__name__}")
         if t.layout is not torch.strided or t.is_nested:
-            raise UnsupportedInput(f"attention takes dense tensors; {name} is "
-                                   f"{'nested' if t.is_nested else t.layout}")
+            raise UnsupportedInput(
+                f"attention takes dense tensors; {name} is {'nested' if t.is_nested else t.layout}"
+            )
         if t.dim() != 4:
-            raise UnsupportedInput(f"attention takes 4-D tensors (batch, seqlen, heads, head_dim); "
-                                   f"{name} has shape {tuple(t.shape)}")
+            raise UnsupportedInput(
+                f"attention takes 4-D tensors (batch, seqlen, heads, head_dim); "
+                f"{name} has shape {tuple(t.shape)}"
+            )
     if q.dtype not in (torch.bfloat16, torch.float16):
-        raise UnsupportedInput(f"attention takes bfloat16 or float16 tensors; q is {q.dtype} "
-                               "(convert with q.to(torch.bfloat16))")
+        raise UnsupportedInput(
+            f"attention takes bfloat16 or float16 tensors; q is {q.dtype} "
+            "(convert with q.to(torch.bfloat16))"
+        )
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
-            raise UnsupportedInput(f"q, k and v must have one dtype; q is {q.dtype}, {name} is {t.dtype}")
+            raise UnsupportedInput(
+                f"q, k and v must have one dtype; q is {q.dtype}, {name} is {t.dtype}"
+            )
     for name, dim in (("head_dim of q and k", q.shape[3]), ("head_dim of v", v.shape[3])):
         if dim not in HEAD_DIMS:
-            raise UnsupportedInput(f"{name} is {dim}; the kernel supports head dims "
-                                   f"{', '.join(map(str, HEAD_DIMS))}")
+            raise UnsupportedInput(
+                f"{name} is {dim}; the kernel supports head dims {', '.join(map(str, HEAD_DIMS))}"
+            )
     if k.shape[3] != q.shape[3]:
-        raise UnsupportedInput(f"q and k must have the same head_dim; q is {tuple(q.shape)}, k is {tuple(k.shape)}")
+        raise UnsupportedInput(
+            f"q and k must have the same head_dim; q is {tuple(q.shape)}, k is {tuple(k.shape)}"
+        )
     if k.shape[:3] != v.shape[:3]:
-        raise UnsupportedInput(f"k and v must agree in batch, seqlen and heads; k is {tuple(k.shape)}, "
-                               f"v is {tuple(v.shape)}")
+        raise UnsupportedInput(
+            f"k and v must agree in batch, seqlen and heads; k is {tuple(k.shape)}, "
+            f"v is {tuple(v.shape)}"
+        )
     if k.shape[0] != q.shape[0]:
-        raise UnsupportedInput(f"q and k must have the same batch size; q is {tuple(q.shape)}, k is {tuple(k.shape)}")
+        raise UnsupportedInput(
+            f"q and k must have the same batch size; q is {tuple(q.shape)}, k is {tuple(k.shape)}"
+        )
     if q.shape[2] == 0 or k.shape[2] == 0:
-        raise UnsupportedInput(f"q, k and v need at least one head; q is {tuple(q.shape)}, k is {tuple(k.shape)}")
+        raise UnsupportedInput(
+            f"q, k and v need at least one head; q is {tuple(q.shape)}, k is {tuple(k.shape)}"
+        )
     if q.shape[2] % k.shape[2]:
-        raise UnsupportedInput(f"the heads of q ({q.shape[2]}) must be a multiple of the heads of k and v "
-                               f"({k.shape[2]}) (grouped-query attention)")
+        raise UnsupportedInput(
+            f"the heads of q ({q.shape[2]}) must be a multiple of the heads of k and v "
+            f"({k.shape[2]}) (grouped-query attention)"
+        )
     if not isinstance(causal, bool):
         raise UnsupportedInput(f"causal must be True or False, got {causal!r}")
     if 0 in (q.shape[0], q.shape[1], k.shape[1]):
@@ -79,17 +114,23 @@ def check_inputs(q, k, v, causal) -> bool:
             # An expanded view (k[:, :, :1].expand(...), say), or a size-1 dim given stride 0 (which torch
             # calls contiguous): the DSL's DLPack import takes a zero stride for a constant and misreads
             # the descriptor. (GQA needs no expansion: pass k and v with their own heads.)
-            raise UnsupportedInput(f"{name} has a zero stride {t.stride()} (an expanded view?); pass "
-                                   f"{name}.clone(memory_format=torch.contiguous_format), or k and v with fewer "
-                                   "heads than q (GQA)")
+            raise UnsupportedInput(
+                f"{name} has a zero stride {t.stride()} (an expanded view?); pass "
+                f"{name}.clone(memory_format=torch.contiguous_format), or k and v with fewer "
+                "heads than q (GQA)"
+            )
         if t.stride(-1) != 1:
-            raise UnsupportedInput(f"{name} must be contiguous in its last dimension (head_dim); its strides are "
-                                   f"{t.stride()} (use {name}.contiguous())")
+            raise UnsupportedInput(
+                f"{name} must be contiguous in its last dimension (head_dim); its strides are "
+                f"{t.stride()} (use {name}.contiguous())"
+            )
         if any(s % 8 for s in t.stride()[:-1]):
             # .contiguous() returns a tensor whose only odd strides are of size-1 dims unchanged.
-            raise UnsupportedInput(f"{name}'s strides {t.stride()} must be multiples of 8 elements (16 bytes, "
-                                   f"for the TMA), those of size-1 dims too; use "
-                                   f"{name}.clone(memory_format=torch.contiguous_format)")
+            raise UnsupportedInput(
+                f"{name}'s strides {t.stride()} must be multiples of 8 elements (16 bytes, "
+                f"for the TMA), those of size-1 dims too; use "
+                f"{name}.clone(memory_format=torch.contiguous_format)"
+            )
     return False
 
 
@@ -120,8 +161,10 @@ def check_no_grad(q, k, v) -> None:
     import torch
 
     if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
-        raise UnsupportedInput("fa4tune.attention is forward only (no backward), and q, k or v requires grad: "
-                               "call it under torch.no_grad() or torch.inference_mode(), or pass detached tensors")
+        raise UnsupportedInput(
+            "fa4tune.attention is forward only (no backward), and q, k or v requires grad: "
+            "call it under torch.no_grad() or torch.inference_mode(), or pass detached tensors"
+        )
 
 
 def check_device(q, k, v, aligned: bool = True) -> None:
@@ -131,10 +174,13 @@ def check_device(q, k, v, aligned: bool = True) -> None:
         if not t.is_cuda:
             raise UnsupportedInput(f"attention needs CUDA tensors; {name} is on {t.device}")
         if t.device != q.device:
-            raise UnsupportedInput(f"q, k and v must be on one device; q is on {q.device}, {name} on {t.device}")
+            raise UnsupportedInput(
+                f"q, k and v must be on one device; q is on {q.device}, {name} on {t.device}"
+            )
         if aligned and t.data_ptr() % 16:
-            raise UnsupportedInput(f"{name} must start at a 16-byte aligned address (for the TMA); "
-                                   f"pass {name}.clone()")
+            raise UnsupportedInput(
+                f"{name} must start at a 16-byte aligned address (for the TMA); pass {name}.clone()"
+            )
 
 
 def check_output(name: str, t, shape: tuple, dtype, device, align: int = 16) -> None:
@@ -146,19 +192,25 @@ def check_output(name: str, t, shape: tuple, dtype, device, align: int = 16) -> 
     if not isinstance(t, torch.Tensor) or t.layout is not torch.strided or t.is_nested:
         raise UnsupportedInput(f"{name} must be a dense torch tensor, got {type(t).__name__}")
     if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device:
-        raise UnsupportedInput(f"{name} must be {tuple(shape)} {dtype} on {device}; it is {tuple(t.shape)} "
-                               f"{t.dtype} on {t.device}")
+        raise UnsupportedInput(
+            f"{name} must be {tuple(shape)} {dtype} on {device}; it is {tuple(t.shape)} "
+            f"{t.dtype} on {t.device}"
+        )
     if t.stride(-1) != 1 or 0 in t.stride() or t.data_ptr() % align or _overlapping(t):
-        raise UnsupportedInput(f"{name} must be contiguous in its last dimension, without zero strides or "
-                               f"elements that share memory, and start {align}-byte aligned; its strides are "
-                               f"{t.stride()}")
+        raise UnsupportedInput(
+            f"{name} must be contiguous in its last dimension, without zero strides or "
+            f"elements that share memory, and start {align}-byte aligned; its strides are "
+            f"{t.stride()}"
+        )
 
 
 def _overlapping(t) -> bool:
     """Whether two elements of t share memory (the kernel's writes to them would race): each dim's
     stride, in increasing order, must step over everything the smaller ones span."""
     span = 1
-    for stride, size in sorted((stride, size) for size, stride in zip(t.shape, t.stride()) if size > 1):
+    for stride, size in sorted(
+        (stride, size) for size, stride in zip(t.shape, t.stride()) if size > 1
+    ):
         if stride < span:
             return True
         span = stride * size

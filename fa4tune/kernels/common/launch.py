@@ -44,22 +44,29 @@ def direct_call(executor, arguments: list[int]):
     except AttributeError:
         result_type = capi = None
     if capi is None:
+
         def run():
             executor.run_compiled_program(arguments)
             return 0
+
         return run, None
     result = result_type() if result_type is not None else None
-    extra = ([ctypes.addressof(result)] if result is not None else []) + [p.value for p in kernel_ptrs]
+    extra = ([ctypes.addressof(result)] if result is not None else []) + [
+        p.value for p in kernel_ptrs
+    ]
     packed = (ctypes.c_void_p * (len(arguments) + len(extra)))(*arguments, *extra)
     if result is None:
+
         def run():
             capi(packed)
             return 0
+
         return run, None
 
     def run():
         capi(packed)
         return result.value
+
     return run, result
 
 

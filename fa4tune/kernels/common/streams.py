@@ -6,6 +6,7 @@ one per call. Shared by every family whose kernels schedule tiles through a coun
 from __future__ import annotations
 
 import threading
+
 _COUNTERS: dict = {}
 _COUNTERS_LOCK = threading.Lock()
 
@@ -56,7 +57,9 @@ class _StreamQueries:
         return self._query("cuStreamGetId", stream, self.ctypes.c_ulonglong)
 
     def capturing(self, stream: int) -> bool:
-        return self._query("cuStreamIsCapturing", stream, self.ctypes.c_int) != 0  # 0: CU_STREAM_CAPTURE_STATUS_NONE
+        return (
+            self._query("cuStreamIsCapturing", stream, self.ctypes.c_int) != 0
+        )  # 0: CU_STREAM_CAPTURE_STATUS_NONE
 
 
 _QUERIES: list = []
@@ -85,7 +88,11 @@ def _indexed(device):
     if isinstance(device, torch.device) and device.index is not None:
         return device
     device = torch.device(device)
-    return device if device.index is not None else torch.device(device.type, torch.cuda.current_device())
+    return (
+        device
+        if device.index is not None
+        else torch.device(device.type, torch.cuda.current_device())
+    )
 
 
 def current_device_getter():
@@ -149,7 +156,11 @@ def _torch_streams():
     if not _TORCH_STREAMS:
         import torch
 
-        names = ("_cuda_isCurrentStreamCapturing", "_cuda_getCurrentStream", "_cuda_getCurrentRawStream")
+        names = (
+            "_cuda_isCurrentStreamCapturing",
+            "_cuda_getCurrentStream",
+            "_cuda_getCurrentRawStream",
+        )
         functions = (current_device_getter(), *(getattr(torch._C, name, None) for name in names))
         _TORCH_STREAMS.append(functions if all(functions) else None)
     return _TORCH_STREAMS[0]
@@ -165,7 +176,9 @@ def current_tile_counter(device):
     (torch's id is its handle, which a new stream can get once it is destroyed) still goes by the
     driver's id."""
     torch_streams = _TORCH_STREAMS[0] if _TORCH_STREAMS else _torch_streams()
-    index = getattr(device, "index", None)  # a torch.device's; per call, so no import and no _indexed
+    index = getattr(
+        device, "index", None
+    )  # a torch.device's; per call, so no import and no _indexed
     if torch_streams is None or not isinstance(index, int) or torch_streams[0]() != index:
         device = _indexed(device)
         return tile_counter(device, _current_handle(device))
@@ -174,11 +187,15 @@ def current_tile_counter(device):
         return _zeroed_counter(device)
     torch_id = current_stream(index)[0]
     handle = raw_stream(index)
-    if handle and (torch_id == handle or not torch_id & 1):  # native ids are odd, external ones the handle
+    if handle and (
+        torch_id == handle or not torch_id & 1
+    ):  # native ids are odd, external ones the handle
         return tile_counter(device, handle)
     key = (device, "torch", torch_id)
     counter = _COUNTERS.get(key)  # (not `or`: a tensor's truth would read it back from the GPU)
-    return counter if counter is not None else _cached(_COUNTERS, key, lambda: _zeroed_counter(device))
+    return (
+        counter if counter is not None else _cached(_COUNTERS, key, lambda: _zeroed_counter(device))
+    )
 
 
 def _current_handle(device) -> int:

@@ -30,7 +30,9 @@ def _keys_seen(end: int, seqlen_q: int, seqlen_k: int, causal: bool) -> int:
     return seqlen_k if not causal else max(0, min(seqlen_k, end + seqlen_k - seqlen_q))
 
 
-def row_slices(seqlen_q: int, seqlen_k: int, causal: bool, rows: int = ROWS_PER_SLICE) -> list[tuple[int, int, int]]:
+def row_slices(
+    seqlen_q: int, seqlen_k: int, causal: bool, rows: int = ROWS_PER_SLICE
+) -> list[tuple[int, int, int]]:
     """(first row, end row, keys seen) of the query-row blocks to check. Without a mask every key is
     seen; with the bottom-right causal mask row i sees keys j <= i + seqlen_k - seqlen_q, so a block
     ending at row `end` needs the first `end + seqlen_k - seqlen_q` keys (clamped)."""
@@ -40,8 +42,14 @@ def row_slices(seqlen_q: int, seqlen_k: int, causal: bool, rows: int = ROWS_PER_
     return [(start, end, _keys_seen(end, seqlen_q, seqlen_k, causal)) for start, end in blocks]
 
 
-def middle_slice(batch: int, nheads_q: int, seqlen_q: int, seqlen_k: int, causal: bool,
-                 rows: int = ROWS_PER_SLICE) -> tuple[int, int, int, int, int] | None:
+def middle_slice(
+    batch: int,
+    nheads_q: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    causal: bool,
+    rows: int = ROWS_PER_SLICE,
+) -> tuple[int, int, int, int, int] | None:
     """(batch, head, first row, end row, keys seen) of the slice from the middle, or None when the
     first and last slices already cover every row (no rows between them). Half a block wide, it
     starts off the tile grid (an odd row), so it cuts across tiles of every size."""
@@ -53,30 +61,43 @@ def middle_slice(batch: int, nheads_q: int, seqlen_q: int, seqlen_k: int, causal
     return batch // 2, nheads_q // 2, start, end, _keys_seen(end, seqlen_q, seqlen_k, causal)
 
 
-def reference_slices(q, k, v, causal: bool, softmax_scale: float | None, rows: int = ROWS_PER_SLICE):
+def reference_slices(
+    q, k, v, causal: bool, softmax_scale: float | None, rows: int = ROWS_PER_SLICE
+):
     """[(index, reference O, reference LSE)] where `index` = (batch, head, row start, row end) picks
     the slice of the kernel's O (b, s, h, d) and LSE (b, h, s) to compare."""
     batch, seqlen_q, nheads_q, _ = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     group = nheads_q // nheads_kv
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
-    picked = [(b, h, start, end, keys) for b in sorted({0, batch - 1}) for h in sorted({0, nheads_q - 1})
-              for start, end, keys in row_slices(seqlen_q, seqlen_k, causal, rows)]
+    picked = [
+        (b, h, start, end, keys)
+        for b in sorted({0, batch - 1})
+        for h in sorted({0, nheads_q - 1})
+        for start, end, keys in row_slices(seqlen_q, seqlen_k, causal, rows)
+    ]
     middle = middle_slice(batch, nheads_q, seqlen_q, seqlen_k, causal, rows)
     if middle is not None:
         picked.append(middle)
     out = []
     for b, h, start, end, keys in picked:
         kv = h // group
-        qs = q[b:b + 1, start:end, h:h + 1]
+        qs = q[b : b + 1, start:end, h : h + 1]
         if keys == 0:  # causal rows before the first key: O = 0 and LSE = -inf by definition
             import torch
 
-            ref_o = torch.zeros((1, end - start, 1, v.shape[3]), dtype=torch.float32, device=q.device)
+            ref_o = torch.zeros(
+                (1, end - start, 1, v.shape[3]), dtype=torch.float32, device=q.device
+            )
             ref_lse = torch.full((1, 1, end - start), float("-inf"), device=q.device)
         else:
-            ref_o, ref_lse = attention_reference(qs, k[b:b + 1, :keys, kv:kv + 1], v[b:b + 1, :keys, kv:kv + 1],
-                                                 causal=causal, softmax_scale=scale)
+            ref_o, ref_lse = attention_reference(
+                qs,
+                k[b : b + 1, :keys, kv : kv + 1],
+                v[b : b + 1, :keys, kv : kv + 1],
+                causal=causal,
+                softmax_scale=scale,
+            )
         out.append(((b, h, start, end), ref_o, ref_lse))
     return out
 
@@ -88,7 +109,9 @@ def compare(out, lse, references) -> Check:
     import torch
 
     if torch.isnan(out).any().item():
-        return Check(math.nan, math.nan, "NaN in the output: some elements were never written or are NaN")
+        return Check(
+            math.nan, math.nan, "NaN in the output: some elements were never written or are NaN"
+        )
     if lse is not None and torch.isnan(lse).any().item():
         return Check(math.nan, math.nan, "NaN in the LSE: some rows were never written or are NaN")
     # O's error per slice, the worst one counting: summed over the slices, the rows that see few keys
@@ -98,16 +121,22 @@ def compare(out, lse, references) -> Check:
     lse_error = 0.0
     for index, ref_o, ref_lse in references:
         b, h, start, end = index
-        got_o = out[b:b + 1, start:end, h:h + 1].float()
+        got_o = out[b : b + 1, start:end, h : h + 1].float()
         error = (got_o - ref_o).norm().item() / max(ref_o.norm().item(), 1e-30)
-        if error > out_error or (math.isnan(error) and not math.isnan(out_error)):  # a NaN stays worst
+        if error > out_error or (
+            math.isnan(error) and not math.isnan(out_error)
+        ):  # a NaN stays worst
             out_error, worst = error, index
         if lse is None:
             continue
-        got_lse = lse[b:b + 1, h:h + 1, start:end]
+        got_lse = lse[b : b + 1, h : h + 1, start:end]
         finite = torch.isfinite(ref_lse)
         if not torch.equal(finite, torch.isfinite(got_lse)):
-            return Check(math.nan, math.nan, "LSE is finite where the reference row sees no key, or the reverse")
+            return Check(
+                math.nan,
+                math.nan,
+                "LSE is finite where the reference row sees no key, or the reverse",
+            )
         if finite.any():
             lse_error = max(lse_error, (got_lse[finite] - ref_lse[finite]).abs().max().item())
     return Check(out_error, lse_error, worst=worst)

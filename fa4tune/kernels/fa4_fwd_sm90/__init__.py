@@ -41,9 +41,16 @@ class ForwardSm90(KernelFamily):
     # shared Hopper device code and the shared host launch code. Not the spec, the cost model, its
     # calibration or the peers; not the fp32 reference or the output checks.
     source_globs = ("fa4_fwd_sm90/*.py", "sm90/*.py", "common/*.py")
-    source_excludes = ("fa4_fwd_sm90/__init__.py", "fa4_fwd_sm90/cost_model.py", "fa4_fwd_sm90/calibrate.py",
-                       "fa4_fwd_sm90/peers.py", "common/__init__.py", "common/reference.py",
-                       "common/verify.py", "common/measure.py")
+    source_excludes = (
+        "fa4_fwd_sm90/__init__.py",
+        "fa4_fwd_sm90/cost_model.py",
+        "fa4_fwd_sm90/calibrate.py",
+        "fa4_fwd_sm90/peers.py",
+        "common/__init__.py",
+        "common/reference.py",
+        "common/verify.py",
+        "common/measure.py",
+    )
 
     # ---- configs and problems -----------------------------------------------------------------
     def default_config(self, problem, target=None) -> FwdConfig:
@@ -87,13 +94,23 @@ class ForwardSm90(KernelFamily):
     def compile_key(self, problem, config, target) -> tuple:
         from .compile import compile_key
 
-        return compile_key(config, problem.dtype, problem.head_dim, problem.head_dim_v, problem.causal, target)
+        return compile_key(
+            config, problem.dtype, problem.head_dim, problem.head_dim_v, problem.causal, target
+        )
 
     def compile(self, problem, config, target, *, options=None, use_cache=True):
         from .compile import compile_forward
 
-        return compile_forward(config, problem.dtype, problem.head_dim, problem.head_dim_v, problem.causal,
-                               target, options=options, use_cache=use_cache)
+        return compile_forward(
+            config,
+            problem.dtype,
+            problem.head_dim,
+            problem.head_dim_v,
+            problem.causal,
+            target,
+            options=options,
+            use_cache=use_cache,
+        )
 
     def export(self, compiled, path) -> str:
         from .compile import export_compiled
@@ -103,8 +120,15 @@ class ForwardSm90(KernelFamily):
     def load(self, path, problem, config, target):
         from .compile import load_compiled
 
-        return load_compiled(path, config, problem.dtype, problem.head_dim, problem.head_dim_v, problem.causal,
-                             target)
+        return load_compiled(
+            path,
+            config,
+            problem.dtype,
+            problem.head_dim,
+            problem.head_dim_v,
+            problem.causal,
+            target,
+        )
 
     def artifact_name(self, key: tuple) -> str:
         from .compile import artifact_name
@@ -114,8 +138,10 @@ class ForwardSm90(KernelFamily):
     def launch_arguments(self, problem, config, target) -> dict:
         from .launch import heads_per_l2_group
 
-        return {"heads_per_l2_group": heads_per_l2_group(problem, target),
-                "tile_counter": bool(config.uses_tile_counter(problem.causal))}
+        return {
+            "heads_per_l2_group": heads_per_l2_group(problem, target),
+            "tile_counter": bool(config.uses_tile_counter(problem.causal)),
+        }
 
     def prepare_launch(self, problem, config, target, q, k, v, softmax_scale=None):
         from .launch import prepare_launch
@@ -142,8 +168,16 @@ class ForwardSm90(KernelFamily):
         from .launch import attention_forward
 
         def run():
-            attention_forward(case.q, case.k, case.v, config, causal=case.problem.causal, out=case.out,
-                              lse=case.lse, target=target)
+            attention_forward(
+                case.q,
+                case.k,
+                case.v,
+                config,
+                causal=case.problem.causal,
+                out=case.out,
+                lse=case.lse,
+                target=target,
+            )
 
         return run
 

@@ -32,7 +32,11 @@ from .cost_model import CostModel, ModelAssumptions
 
 # The assumptions a fit moves, with the range it searches (log-uniform where marked).
 FITTED = {
-    "tensor_efficiency_scale": (0.9, 1.32, False),  # 1.32: the H200's measured rate times it is the peak
+    "tensor_efficiency_scale": (
+        0.9,
+        1.32,
+        False,
+    ),  # 1.32: the H200's measured rate times it is the peak
     "overlap_norm_both": (1.0, 6.0, False),
     "overlap_norm_one": (1.0, 4.0, False),
     "overlap_norm_none": (1.0, 2.5, False),
@@ -60,8 +64,9 @@ class Sample:
 
 
 # ---- where samples come from ------------------------------------------------------------------------
-def samples_from_db(db, *, kernel: str, target: str, run_id: int | None = None,
-                    kernel_hash: str | None = None) -> list[Sample]:
+def samples_from_db(
+    db, *, kernel: str, target: str, run_id: int | None = None, kernel_hash: str | None = None
+) -> list[Sample]:
     """The measured candidates of `kernel` on `target` stored in a results DB (one run, or every run of
     one kernel hash, or all), confirmation re-timings left out (they repeat a candidate)."""
     spec = get_kernel(kernel)
@@ -77,8 +82,14 @@ def samples_from_db(db, *, kernel: str, target: str, run_id: int | None = None,
             config = spec.config(row["config"]).canonical()
         except spec.config_error:
             continue  # a knob this kernel no longer has
-        samples.append(Sample(Problem.from_dict(row["problem"]), config, float(row["time_ms"]),
-                              row["status"] == "ok"))
+        samples.append(
+            Sample(
+                Problem.from_dict(row["problem"]),
+                config,
+                float(row["time_ms"]),
+                row["status"] == "ok",
+            )
+        )
     return samples
 
 
@@ -92,11 +103,20 @@ def _by_problem(samples: list[Sample]) -> dict[str, list[Sample]]:
 def save_samples(path: str | Path, samples: list[Sample], note: str = "") -> None:
     by_problem = _by_problem(samples)
     knobs = sorted({k for s in samples for k in s.config.to_dict()})
-    document = {"note": note, "knobs": knobs, "problems": [
-        {"problem": group[0].problem.to_dict(),
-         "trials": [[s.config.to_dict().get(k) for k in knobs] + [round(s.time_ms, 6), int(s.full)]
-                    for s in group]}
-        for _, group in sorted(by_problem.items())]}
+    document = {
+        "note": note,
+        "knobs": knobs,
+        "problems": [
+            {
+                "problem": group[0].problem.to_dict(),
+                "trials": [
+                    [s.config.to_dict().get(k) for k in knobs] + [round(s.time_ms, 6), int(s.full)]
+                    for s in group
+                ],
+            }
+            for _, group in sorted(by_problem.items())
+        ],
+    }
     text = json.dumps(document, separators=(",", ":"))
     # One candidate per line: readable in a diff.
     Path(path).write_text(text.replace("],[", "],\n[") + "\n")
@@ -112,10 +132,13 @@ def load_samples(path: str | Path, kernel: str = "fa4_fwd_sm90") -> list[Sample]
             problem = Problem.from_dict(entry["problem"])
             for row in entry["trials"]:
                 if len(row) != len(knobs) + 2:
-                    raise ValueError(f"a row of {len(row)} values for {len(knobs)} knobs, the time and the flag")
-                values = dict(zip(knobs, row[:len(knobs)]))
-                samples.append(Sample(problem, spec.config(values).canonical(),
-                                      float(row[-2]), bool(row[-1])))
+                    raise ValueError(
+                        f"a row of {len(row)} values for {len(knobs)} knobs, the time and the flag"
+                    )
+                values = dict(zip(knobs, row[: len(knobs)]))
+                samples.append(
+                    Sample(problem, spec.config(values).canonical(), float(row[-2]), bool(row[-1]))
+                )
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CalibrationError(f"cannot read samples from {path}: {exc}") from None
     return samples
@@ -151,7 +174,9 @@ class ProblemFit:
     candidates: int  # all samples of the problem
     timed: int  # of them fully timed: what the rank correlation and the regret are over
     rank_correlation: float  # Spearman, model times against measured times
-    regret: float  # measured time of the model's first choice / best measured - 1 (ties: their mean)
+    regret: (
+        float  # measured time of the model's first choice / best measured - 1 (ties: their mean)
+    )
     log_error: float  # root mean squared log(model / measured), all samples
     scale: float  # geometric mean of measured / model, all samples
 
@@ -162,22 +187,29 @@ def evaluate(assumptions: ModelAssumptions, samples: list[Sample], target) -> li
     for key, group in sorted(_by_problem(samples).items()):
         predicted = [model.time_s(s.config, s.problem)[0] * 1e3 for s in group]
         logs = [math.log(p / s.time_ms) for p, s in zip(predicted, group)]
-        timed = [(p, s.time_ms) for p, s in zip(predicted, group) if s.full] or \
-            [(p, s.time_ms) for p, s in zip(predicted, group)]  # no full timing: the cheap ones
+        timed = [(p, s.time_ms) for p, s in zip(predicted, group) if s.full] or [
+            (p, s.time_ms) for p, s in zip(predicted, group)
+        ]  # no full timing: the cheap ones
         first = min(p for p, _ in timed)
         chosen = [m for p, m in timed if p == first]  # the model cannot tell these apart
         best = min(m for _, m in timed)
-        fits.append(ProblemFit(
-            key, len(group), sum(s.full for s in group),
-            spearman([p for p, _ in timed], [m for _, m in timed]) if len(timed) > 1 else 1.0,
-            sum(chosen) / len(chosen) / best - 1.0, math.sqrt(sum(x * x for x in logs) / len(logs)),
-            math.exp(-sum(logs) / len(logs))))
+        fits.append(
+            ProblemFit(
+                key,
+                len(group),
+                sum(s.full for s in group),
+                spearman([p for p, _ in timed], [m for _, m in timed]) if len(timed) > 1 else 1.0,
+                sum(chosen) / len(chosen) / best - 1.0,
+                math.sqrt(sum(x * x for x in logs) / len(logs)),
+                math.exp(-sum(logs) / len(logs)),
+            )
+        )
     return fits
 
 
 def loss(fits: list[ProblemFit]) -> float:
     """Mean over problems of the mean squared log error: what `fit` minimises."""
-    return sum(f.log_error ** 2 for f in fits) / len(fits)
+    return sum(f.log_error**2 for f in fits) / len(fits)
 
 
 def summary(fits: list[ProblemFit]) -> dict:
@@ -185,11 +217,16 @@ def summary(fits: list[ProblemFit]) -> dict:
     if not n:
         raise CalibrationError("no samples to evaluate")
     mean_loss = loss(fits)
-    return {"problems": n, "candidates": sum(f.candidates for f in fits), "timed": sum(f.timed for f in fits),
-            "loss": mean_loss,
-            "mean_rank_correlation": sum(f.rank_correlation for f in fits) / n,
-            "mean_regret": sum(f.regret for f in fits) / n, "max_regret": max(f.regret for f in fits),
-            "rms_log_error": math.sqrt(mean_loss)}
+    return {
+        "problems": n,
+        "candidates": sum(f.candidates for f in fits),
+        "timed": sum(f.timed for f in fits),
+        "loss": mean_loss,
+        "mean_rank_correlation": sum(f.rank_correlation for f in fits) / n,
+        "mean_regret": sum(f.regret for f in fits) / n,
+        "max_regret": max(f.regret for f in fits),
+        "rms_log_error": math.sqrt(mean_loss),
+    }
 
 
 # ---- the fit ----------------------------------------------------------------------------------------
@@ -206,8 +243,11 @@ def _refine(values: dict, best: float, params: dict, objective, budget: int) -> 
                 if spent >= budget:
                     break
                 current = values[name]
-                moved = current * math.exp(sign * step * math.log(high / low)) if log else \
-                    current + sign * step * (high - low)
+                moved = (
+                    current * math.exp(sign * step * math.log(high / low))
+                    if log
+                    else current + sign * step * (high - low)
+                )
                 moved = min(high, max(low, moved))
                 if moved == current:
                     continue
@@ -222,8 +262,16 @@ def _refine(values: dict, best: float, params: dict, objective, budget: int) -> 
     return values, best
 
 
-def fit(samples: list[Sample], target, *, trials: int = 300, seed: int = 0, refine: int = 150,
-        start: ModelAssumptions | None = None, params: dict | None = None) -> tuple[ModelAssumptions, dict]:
+def fit(
+    samples: list[Sample],
+    target,
+    *,
+    trials: int = 300,
+    seed: int = 0,
+    refine: int = 150,
+    start: ModelAssumptions | None = None,
+    params: dict | None = None,
+) -> tuple[ModelAssumptions, dict]:
     """Fit the assumptions in `params` (default FITTED) to the samples: Optuna's TPE for `trials`
     evaluations from `start`, then a pattern search of at most `refine` more. Returns the best
     assumptions and {"before": summary, "after": summary}."""
@@ -247,11 +295,17 @@ def fit(samples: list[Sample], target, *, trials: int = 300, seed: int = 0, refi
         return loss(evaluate(dataclasses.replace(start, **values), samples, target))
 
     def objective(trial):
-        return loss_of({name: trial.suggest_float(name, low, high, log=log)
-                        for name, (low, high, log) in params.items()})
+        return loss_of(
+            {
+                name: trial.suggest_float(name, low, high, log=log)
+                for name, (low, high, log) in params.items()
+            }
+        )
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(direction="minimize", sampler=optuna.samplers.TPESampler(seed=seed, multivariate=True))
+    study = optuna.create_study(
+        direction="minimize", sampler=optuna.samplers.TPESampler(seed=seed, multivariate=True)
+    )
     study.enqueue_trial({name: clip(name) for name in params})
     study.optimize(objective, n_trials=trials)
     values, best = _refine(dict(study.best_params), study.best_value, params, loss_of, refine)

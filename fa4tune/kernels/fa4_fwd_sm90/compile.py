@@ -22,7 +22,7 @@ from ..common.dsl import import_dsl
 from . import FAMILY
 from .config import FwdConfig
 
-_CACHE: dict[tuple, "CompiledForward"] = {}
+_CACHE: dict[tuple, CompiledForward] = {}
 _CACHE_LOCK = threading.Lock()
 
 
@@ -34,11 +34,19 @@ class CompiledForward:
     key: tuple
 
 
-def compile_key(config: FwdConfig, dtype: str, head_dim: int, head_dim_v: int, causal: bool,
-                target: Target) -> tuple:
+def compile_key(
+    config: FwdConfig, dtype: str, head_dim: int, head_dim_v: int, causal: bool, target: Target
+) -> tuple:
     # The SM count too: a persistent kernel's grid is sized by it at compile time.
-    return (config.canonical(), normalize_dtype(dtype), head_dim, head_dim_v, bool(causal), target.arch,
-            target.sm_count)
+    return (
+        config.canonical(),
+        normalize_dtype(dtype),
+        head_dim,
+        head_dim_v,
+        bool(causal),
+        target.arch,
+        target.sm_count,
+    )
 
 
 def compile_forward(
@@ -62,8 +70,11 @@ def compile_forward(
         hit = _CACHE.get(key) if use_cache else None
     if hit is not None:
         return hit
-    FAMILY.check(Problem(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal),
-                 config, target)
+    FAMILY.check(
+        Problem(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal),
+        config,
+        target,
+    )
     cute = import_dsl(target)
     import cutlass
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
@@ -79,17 +90,24 @@ def compile_forward(
     from cutlass.cute import AddressSpace
 
     def dynamic_tensor(dtype, rank: int, align: int):
-        return make_fake_tensor(dtype, tuple(cute.sym_int32() for _ in range(rank)),
-                                stride=tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,),
-                                memspace=AddressSpace.generic, assumed_align=align)
+        return make_fake_tensor(
+            dtype,
+            tuple(cute.sym_int32() for _ in range(rank)),
+            stride=tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,),
+            memspace=AddressSpace.generic,
+            assumed_align=align,
+        )
 
     bshd = [dynamic_tensor(elem, 4, 16) for _ in range(4)]
     lse = dynamic_tensor(cutlass.Float32, 3, 4)
-    counter = make_fake_tensor(cutlass.Int32, (1,), stride=(1,), memspace=AddressSpace.generic, assumed_align=4)
+    counter = make_fake_tensor(
+        cutlass.Int32, (1,), stride=(1,), memspace=AddressSpace.generic, assumed_align=4
+    )
     start = time.perf_counter()
-    args = (*bshd, lse, counter,
-            cutlass.Float32(1.0), cutlass.Int32(1), make_fake_stream())
-    function = cute.compile(kernel, *args, options=options) if options else cute.compile(kernel, *args)
+    args = (*bshd, lse, counter, cutlass.Float32(1.0), cutlass.Int32(1), make_fake_stream())
+    function = (
+        cute.compile(kernel, *args, options=options) if options else cute.compile(kernel, *args)
+    )
     compiled = CompiledForward(kernel, function, time.perf_counter() - start, key)
     if use_cache:
         with _CACHE_LOCK:
@@ -114,8 +132,15 @@ def export_compiled(compiled: CompiledForward, path) -> str:
     return str(path)
 
 
-def load_compiled(path, config: FwdConfig, dtype: str, head_dim: int, head_dim_v: int | None = None,
-                  causal: bool = False, target: Target | str | None = None) -> CompiledForward:
+def load_compiled(
+    path,
+    config: FwdConfig,
+    dtype: str,
+    head_dim: int,
+    head_dim_v: int | None = None,
+    causal: bool = False,
+    target: Target | str | None = None,
+) -> CompiledForward:
     """Load a kernel that `export_compiled` wrote (in any process) into this process's compile
     cache, so that compile_forward and attention_forward find it. Milliseconds instead of seconds."""
     target = get_target(target)

@@ -7,7 +7,7 @@ import math
 from dataclasses import asdict, dataclass, fields, replace
 
 from ...problem import Problem
-from ...target import Target, get_target
+from ...target import Target
 from ..family import Rule
 from ..sm90 import exp2_poly
 from . import resources
@@ -97,7 +97,7 @@ class FwdConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict, base: "FwdConfig | None" = None) -> "FwdConfig":
+    def from_dict(cls, data: dict, base: FwdConfig | None = None) -> FwdConfig:
         """Build a config from knob values; missing knobs come from `base` (or the class defaults)."""
         unknown = sorted(set(data) - set(KNOBS))
         if unknown:
@@ -110,7 +110,7 @@ class FwdConfig:
                 values[name] = int(values[name])  # YAML / JSON round trips may give 128.0
         return replace(base, **values) if base is not None else cls(**values)
 
-    def canonical(self) -> "FwdConfig":
+    def canonical(self) -> FwdConfig:
         """The same kernel with knobs that have no effect set to their defaults, so that two configs
         that compile to the same code compare equal (poly_degree is unused without emulation)."""
         if self.emu_share == 0.0 and self.poly_degree != FwdConfig.poly_degree:
@@ -137,13 +137,17 @@ def unsupported_reasons(problem: Problem, target: Target) -> list[str]:
     """Why this kernel cannot take the problem at all, whatever the config."""
     reasons = []
     if target.arch not in KERNEL_ARCHS:
-        reasons.append(f"the fa4 forward kernel is built for {', '.join(KERNEL_ARCHS)}; "
-                       f"target {target.name} is {target.arch}")
+        reasons.append(
+            f"the fa4 forward kernel is built for {', '.join(KERNEL_ARCHS)}; "
+            f"target {target.name} is {target.arch}"
+        )
     for name in ("head_dim", "head_dim_v"):
         value = getattr(problem, name)
         if value not in SUPPORTED_HEAD_DIMS:
-            reasons.append(f"{name}={value} not supported (supported: "
-                           f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))})")
+            reasons.append(
+                f"{name}={value} not supported (supported: "
+                f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))})"
+            )
     return reasons
 
 
@@ -155,9 +159,11 @@ def grid_reasons(config: FwdConfig, problem: Problem) -> list[str]:
     (m blocks, heads, batch) grid, whose y and z extents CUDA caps; the other launches are flat."""
     if config.persistent or problem.causal:
         return []
-    return [f"{name} {value} > {MAX_GRID_YZ} (the grid's {axis} extent with one CTA per tile, non-causal)"
-            for name, value, axis in (("heads", problem.nheads_q, "y"), ("batch", problem.batch, "z"))
-            if value > MAX_GRID_YZ]
+    return [
+        f"{name} {value} > {MAX_GRID_YZ} (the grid's {axis} extent with one CTA per tile, non-causal)"
+        for name, value, axis in (("heads", problem.nheads_q, "y"), ("batch", problem.batch, "z"))
+        if value > MAX_GRID_YZ
+    ]
 
 
 def lazy_max_reasons(config: FwdConfig) -> list[str]:
@@ -170,14 +176,18 @@ def lazy_max_reasons(config: FwdConfig) -> list[str]:
     if not config.lazy_max:
         return []
     reasons = []
-    if 2.0 ** config.rescale_threshold < config.tile_n / 2:
-        reasons.append(f"lazy_max with rescale_threshold {config.rescale_threshold:g} would take the row max "
-                       f"at every block of equal scores (a thread's row sum is then tile_n/4 = "
-                       f"{config.tile_n // 4}, the limit 2^threshold must be at least twice that: "
-                       f"rescale_threshold >= {math.log2(config.tile_n / 2):.2f})")
+    if 2.0**config.rescale_threshold < config.tile_n / 2:
+        reasons.append(
+            f"lazy_max with rescale_threshold {config.rescale_threshold:g} would take the row max "
+            f"at every block of equal scores (a thread's row sum is then tile_n/4 = "
+            f"{config.tile_n // 4}, the limit 2^threshold must be at least twice that: "
+            f"rescale_threshold >= {math.log2(config.tile_n / 2):.2f})"
+        )
     if config.emu_share > 0:
-        reasons.append(f"lazy_max with emu_share {config.emu_share:g}: the lazy step exponentiates the "
-                       f"whole rise of a row's scores, and the emulated exp2 holds only up to 2^127")
+        reasons.append(
+            f"lazy_max with emu_share {config.emu_share:g}: the lazy step exponentiates the "
+            f"whole rise of a row's scores, and the emulated exp2 holds only up to 2^127"
+        )
     return reasons
 
 
@@ -185,11 +195,24 @@ def lazy_max_reasons(config: FwdConfig) -> list[str]:
 # and the kernel's constructor refuses the same configs with the same reasons.
 RULES = (
     Rule("launch grid", lambda problem, config, target: grid_reasons(config, problem)),
-    Rule("wgmma and TMA shapes", lambda problem, config, target: resources.tile_reasons(config, problem)),
+    Rule(
+        "wgmma and TMA shapes",
+        lambda problem, config, target: resources.tile_reasons(config, problem),
+    ),
     Rule("epilogue", lambda problem, config, target: resources.epilogue_reasons(config)),
-    Rule("shared memory", lambda problem, config, target: resources.smem_reasons(config, problem, target)),
-    Rule("registers", lambda problem, config, target: resources.register_reasons(config, problem, target)),
-    Rule("exp2 accuracy", lambda problem, config, target: exp2_poly.accuracy_reasons(
-        config.poly_degree, config.emu_share, problem.dtype)),
+    Rule(
+        "shared memory",
+        lambda problem, config, target: resources.smem_reasons(config, problem, target),
+    ),
+    Rule(
+        "registers",
+        lambda problem, config, target: resources.register_reasons(config, problem, target),
+    ),
+    Rule(
+        "exp2 accuracy",
+        lambda problem, config, target: exp2_poly.accuracy_reasons(
+            config.poly_degree, config.emu_share, problem.dtype
+        ),
+    ),
     Rule("lazy row max", lambda problem, config, target: lazy_max_reasons(config)),
 )

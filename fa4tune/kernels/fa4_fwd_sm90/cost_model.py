@@ -80,15 +80,21 @@ class ModelAssumptions:
     single_stage_exposed_fetch: float = 0.3384
 
 
-def softmax_clocks_per_element(target, emu_share: float, poly_degree: int,
-                               assumptions: ModelAssumptions = ModelAssumptions(),
-                               lazy_max: bool = False) -> float:
+def softmax_clocks_per_element(
+    target,
+    emu_share: float,
+    poly_degree: int,
+    assumptions: ModelAssumptions = ModelAssumptions(),
+    lazy_max: bool = False,
+) -> float:
     """SM clocks per score element on the softmax side (max, scale, exp2, sum, pack); with
     `lazy_max` without the max (one FMNMX per element fewer)."""
     a = assumptions
     base_ops = target.alu_issue_per_clk / a.no_exp_elements_per_clk - (1.0 if lazy_max else 0.0)
     mufu = (1.0 - emu_share) / target.mufu_ex2_per_clk
-    issue_ops = base_ops + (1.0 - emu_share) * 1.0 + emu_share * (poly_degree + a.emulation_extra_ops)
+    issue_ops = (
+        base_ops + (1.0 - emu_share) * 1.0 + emu_share * (poly_degree + a.emulation_extra_ops)
+    )
     issue = issue_ops / target.alu_issue_per_clk
     return max(mufu, issue) + a.softmax_pipe_overlap * min(mufu, issue)
 
@@ -126,13 +132,16 @@ class CostModel:
         wgs = resources.num_consumer_warpgroups(config)
         if wgs in resources.REGISTER_SPLIT:
             producer, consumer = resources.register_split(config)
-            by_regs = t.regs_per_sm // (resources.THREADS_PER_WARPGROUP * (producer + wgs * consumer))
+            by_regs = t.regs_per_sm // (
+                resources.THREADS_PER_WARPGROUP * (producer + wgs * consumer)
+            )
         else:
             by_regs = 1
         return max(1, min(by_smem, by_regs))
 
-    def step_clocks(self, config, problem, ctas_per_sm: int, steps: int, masked: bool,
-                    first: bool = False) -> float:
+    def step_clocks(
+        self, config, problem, ctas_per_sm: int, steps: int, masked: bool, first: bool = False
+    ) -> float:
         """SM clocks one K/V step of one CTA takes while `ctas_per_sm` CTAs share the SM. A tile's
         `first` step takes its row max even with `lazy_max` (there is no running max before it), and
         neither votes on nor rescales O (there is nothing in O yet)."""
@@ -140,13 +149,16 @@ class CostModel:
         tm, tn, d, dv = config.tile_m, config.tile_n, problem.head_dim, problem.head_dim_v
         tensor = 2.0 * tm * tn * (d + dv) / (t.tensor_flops_per_clk * self.tensor_efficiency())
         elements = tm * tn
-        softmax = elements * softmax_clocks_per_element(t, config.emu_share, config.poly_degree, a,
-                                                        lazy_max=config.lazy_max and not first)
+        softmax = elements * softmax_clocks_per_element(
+            t, config.emu_share, config.poly_degree, a, lazy_max=config.lazy_max and not first
+        )
         softmax += elements * config.emu_share * a.emulation_kernel_extra_ops / t.alu_issue_per_clk
         if first:
             pass  # the first step starts O: nothing to vote on or rescale
         elif config.rescale_branch:
-            softmax += rescale_fraction(config.rescale_threshold, steps) * tm * dv / t.alu_issue_per_clk
+            softmax += (
+                rescale_fraction(config.rescale_threshold, steps) * tm * dv / t.alu_issue_per_clk
+            )
             if config.rescale_threshold > 0:
                 softmax += 2.0 * tm / t.alu_issue_per_clk  # the per-row vote on whether to rescale
         else:  # O is multiplied on every later step
@@ -155,9 +167,13 @@ class CostModel:
             softmax += 2.0 * elements / t.alu_issue_per_clk  # compare and select per element
         # Every consumer warpgroup reads the K and V tiles from shared memory, and Q once per step.
         smem = ((tm // 64) * tn * (d + dv) * 2 + tm * d * 2) / t.smem_bytes_per_clk
-        overlaps = int(bool(config.intra_wg_overlap)) + int(bool(getattr(config, "wg_pingpong", False)))
+        overlaps = int(bool(config.intra_wg_overlap)) + int(
+            bool(getattr(config, "wg_pingpong", False))
+        )
         p = (a.overlap_norm_none, a.overlap_norm_one, a.overlap_norm_both)[overlaps]
-        p += a.overlap_norm_per_extra_warpgroup * max(0, resources.num_consumer_warpgroups(config) - 2)
+        p += a.overlap_norm_per_extra_warpgroup * max(
+            0, resources.num_consumer_warpgroups(config) - 2
+        )
         compute = max((tensor**p + softmax**p) ** (1.0 / p), smem) + a.step_overhead_clk
         transfer = tn * (d + dv) * 2 / a.l2_bytes_per_clk_per_sm
         fetch = a.load_latency_clk + transfer
@@ -171,14 +187,18 @@ class CostModel:
         """CTA start, Q's load and the first K/V round trip: once per tile, or once per SM when
         persistent."""
         a = self.assumptions
-        prologue = a.load_latency_clk + config.tile_m * problem.head_dim * 2 / a.l2_bytes_per_clk_per_sm
+        prologue = (
+            a.load_latency_clk + config.tile_m * problem.head_dim * 2 / a.l2_bytes_per_clk_per_sm
+        )
         return a.cta_overhead_clk + prologue + a.load_latency_clk
 
     def cta_clocks(self, config, problem, ctas_per_sm: int, steps: int, masked_steps: int) -> float:
         t, a = self.target, self.assumptions
         tm, dv = config.tile_m, problem.head_dim_v
         start = 0.0 if config.persistent else self.start_clocks(config, problem)
-        epilogue = tm * dv * 2 / a.l2_bytes_per_clk_per_sm + ctas_per_sm * tm * dv / t.alu_issue_per_clk
+        epilogue = (
+            tm * dv * 2 / a.l2_bytes_per_clk_per_sm + ctas_per_sm * tm * dv / t.alu_issue_per_clk
+        )
         if steps == 0:  # no loads: only the CTA start, and only without persistence
             return (0.0 if config.persistent else a.cta_overhead_clk) + epilogue
         # The kernel walks the K/V blocks last first and always masks the first: kv_steps counts it
@@ -186,7 +206,9 @@ class CostModel:
         plain = self.step_clocks(config, problem, ctas_per_sm, steps, masked=False)
         masked = self.step_clocks(config, problem, ctas_per_sm, steps, masked=True)
         first = self.step_clocks(config, problem, ctas_per_sm, steps, masked=True, first=True)
-        return start + first + (steps - masked_steps) * plain + (masked_steps - 1) * masked + epilogue
+        return (
+            start + first + (steps - masked_steps) * plain + (masked_steps - 1) * masked + epilogue
+        )
 
     def kv_steps(self, config, problem) -> list[tuple[int, int, int]]:
         """(steps, masked steps, number of CTAs) for each distinct kind of CTA. The kernel masks the

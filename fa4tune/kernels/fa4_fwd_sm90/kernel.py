@@ -57,19 +57,6 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ...problem import Problem
 from ...target import Target, get_target
-from . import resources
-from . import FAMILY
-from .arguments import (
-    OutputStores,
-    Pipelines,
-    SharedTensors,
-    TileInfo,
-    TileSchedule,
-    TiledMmas,
-    TmaLoads,
-    WgFragments,
-)
-from .config import FwdConfig
 from ..sm90.helpers import (
     acc_as_operand_a,
     acc_rows_cols,
@@ -81,6 +68,18 @@ from ..sm90.helpers import (
     wgmma,
 )
 from ..sm90.softmax import OnlineSoftmax
+from . import FAMILY, resources
+from .arguments import (
+    OutputStores,
+    Pipelines,
+    SharedTensors,
+    TiledMmas,
+    TileInfo,
+    TileSchedule,
+    TmaLoads,
+    WgFragments,
+)
+from .config import FwdConfig
 
 DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 
@@ -120,8 +119,11 @@ class FlashForwardSm90:
     ):
         target = get_target(target)
         # The same feasibility rules the search applies: refuse before any compile, naming the knob.
-        FAMILY.check(Problem(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal),
-                     config, target)
+        FAMILY.check(
+            Problem(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal),
+            config,
+            target,
+        )
         self.config = config
         self.dtype = DTYPES[Problem(dtype=dtype, head_dim=head_dim).dtype]
         self.head_dim = head_dim
@@ -170,17 +172,29 @@ class FlashForwardSm90:
 
         tile_m, tile_n, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
         mma_qk = hopper.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
-            Float32, atom_layout_mnk=(self.num_consumer_wg, 1, 1), tiler_mn=(64, tile_n),
+            self.dtype,
+            self.dtype,
+            warpgroup.OperandMajorMode.K,
+            warpgroup.OperandMajorMode.K,
+            Float32,
+            atom_layout_mnk=(self.num_consumer_wg, 1, 1),
+            tiler_mn=(64, tile_n),
         )
         mma_pv = hopper.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
-            Float32, atom_layout_mnk=(self.num_consumer_wg, 1, 1), tiler_mn=(64, dv),
+            self.dtype,
+            self.dtype,
+            warpgroup.OperandMajorMode.K,
+            warpgroup.OperandMajorMode.MN,
+            Float32,
+            atom_layout_mnk=(self.num_consumer_wg, 1, 1),
+            tiler_mn=(64, dv),
             a_source=warpgroup.OperandSource.RMEM,
         )
         # With q_stages 2 (persistent only) Q has a stage mode: the next tile's Q loads into the other
         # buffer while this tile's S GEMMs still read theirs.
-        sQ_layout = smem_tile_layout(self.dtype, tile_m, d, self.q_stages if self.q_stages > 1 else None)
+        sQ_layout = smem_tile_layout(
+            self.dtype, tile_m, d, self.q_stages if self.q_stages > 1 else None
+        )
         sQ_one = sQ_layout if self.q_stages == 1 else cute.select(sQ_layout, mode=[0, 1])
         sK_layout = smem_tile_layout(self.dtype, tile_n, d, self.num_stages)
         sV_layout = smem_tile_layout(self.dtype, tile_n, dv, self.num_stages)
@@ -214,7 +228,9 @@ class FlashForwardSm90:
                 cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], resources.SMEM_ALIGN
             ]
             if const_expr(self.persistent):
-                sO: cute.struct.Align[cute.struct.MemRange[self.dtype, o_elems], resources.SMEM_ALIGN]
+                sO: cute.struct.Align[
+                    cute.struct.MemRange[self.dtype, o_elems], resources.SMEM_ALIGN
+                ]
 
         load = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(load, mQ, sQ_one, (tile_m, d))
@@ -245,12 +261,27 @@ class FlashForwardSm90:
             # All m blocks of a head are adjacent, so their shared K/V is read once into L2.
             grid = [num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[3])]
         self.kernel(
-            tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, mTileCounter,
-            tma_q, tma_k, tma_v, tma_o,
-            sQ_layout, sK_layout, sV_layout, sO_layout,
-            mma_qk, mma_pv,
-            softmax_scale_log2, heads_per_l2_group,
-            bytes_q, bytes_k, bytes_v,
+            tma_mQ,
+            tma_mK,
+            tma_mV,
+            tma_mO,
+            mLSE,
+            mTileCounter,
+            tma_q,
+            tma_k,
+            tma_v,
+            tma_o,
+            sQ_layout,
+            sK_layout,
+            sV_layout,
+            sO_layout,
+            mma_qk,
+            mma_pv,
+            softmax_scale_log2,
+            heads_per_l2_group,
+            bytes_q,
+            bytes_k,
+            bytes_v,
             SharedStorage,
         ).launch(
             grid=grid,
@@ -382,17 +413,27 @@ class FlashForwardSm90:
         # Consumers release a stage with one arrive per warp.
         consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_wg * 4)
         pipe_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.q_stages, producer_group=one_thread,
-            consumer_group=consumer_warps, tx_count=bytes_q, defer_sync=True,
+            barrier_storage=storage.mbar_q.data_ptr(),
+            num_stages=self.q_stages,
+            producer_group=one_thread,
+            consumer_group=consumer_warps,
+            tx_count=bytes_q,
+            defer_sync=True,
         )
         pipe_k = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.num_stages,
-            producer_group=one_thread, consumer_group=consumer_warps, tx_count=bytes_k,
+            barrier_storage=storage.mbar_k.data_ptr(),
+            num_stages=self.num_stages,
+            producer_group=one_thread,
+            consumer_group=consumer_warps,
+            tx_count=bytes_k,
             defer_sync=True,
         )
         pipe_v = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.num_stages,
-            producer_group=one_thread, consumer_group=consumer_warps, tx_count=bytes_v,
+            barrier_storage=storage.mbar_v.data_ptr(),
+            num_stages=self.num_stages,
+            producer_group=one_thread,
+            consumer_group=consumer_warps,
+            tx_count=bytes_v,
             defer_sync=True,
         )
         cute.arch.mbarrier_init_fence()
@@ -421,8 +462,16 @@ class FlashForwardSm90:
                 self.produce(TmaLoads(tma_q, tma_k, tma_v, mQ, mK, mV), smem, pipes, sched)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            self.consume(OutputStores(tma_o, mO, mLSE), smem, TiledMmas(mma_qk, mma_pv), pipes,
-                         sched, softmax_scale_log2, mK.shape[0], tidx - 128)
+            self.consume(
+                OutputStores(tma_o, mO, mLSE),
+                smem,
+                TiledMmas(mma_qk, mma_pv),
+                pipes,
+                sched,
+                softmax_scale_log2,
+                mK.shape[0],
+                tidx - 128,
+            )
 
     # ---- producer ------------------------------------------------------------------------------
     @cute.jit
@@ -443,38 +492,54 @@ class FlashForwardSm90:
             n_block_max, n_mask_min = self.n_block_range(m_block, seqlen_q, seqlen_k)
             if n_block_max > 0:
                 info = TileInfo(m_block, head, batch, seqlen_q, seqlen_k, n_block_max, n_mask_min)
-                kv_state, q_state = self.produce_tile(loads, smem, pipes, info, head_kv, kv_state,
-                                                      q_state)
+                kv_state, q_state = self.produce_tile(
+                    loads, smem, pipes, info, head_kv, kv_state, q_state
+                )
             if const_expr(self.tile_counter):
                 tile = self.fetch_tile(sched.counter, num_tiles)
-                cute.arch.barrier(barrier_id=BARRIER_TILE_EMPTY,
-                                  number_of_threads=self.tile_handoff_threads)
+                cute.arch.barrier(
+                    barrier_id=BARRIER_TILE_EMPTY, number_of_threads=self.tile_handoff_threads
+                )
                 sTile[0] = tile
-                cute.arch.barrier_arrive(barrier_id=BARRIER_TILE_FULL,
-                                         number_of_threads=self.tile_handoff_threads)
+                cute.arch.barrier_arrive(
+                    barrier_id=BARRIER_TILE_FULL, number_of_threads=self.tile_handoff_threads
+                )
             else:
                 tile = self.next_tile(tile, num_tiles)
 
     @cute.jit
-    def produce_tile(self, loads: TmaLoads, smem: SharedTensors, pipes: Pipelines, info: TileInfo,
-                     head_kv: Int32, kv_state: pipeline.PipelineState,
-                     q_state: pipeline.PipelineState):
+    def produce_tile(
+        self,
+        loads: TmaLoads,
+        smem: SharedTensors,
+        pipes: Pipelines,
+        info: TileInfo,
+        head_kv: Int32,
+        kv_state: pipeline.PipelineState,
+        q_state: pipeline.PipelineState,
+    ):
         """Load one tile's Q and its K/V blocks, last block first; returns the pipeline states for
         the next tile."""
         m_block, head, batch, n_block_max = info.m_block, info.head, info.batch, info.n_block_max
-        gQ = cute.local_tile(loads.mQ[None, None, head, batch], (self.tile_m, self.head_dim),
-                             (m_block, 0))
-        gK = cute.local_tile(loads.mK[None, None, head_kv, batch], (self.tile_n, self.head_dim),
-                             (None, 0))
-        gV = cute.local_tile(loads.mV[None, None, head_kv, batch], (self.tile_n, self.head_dim_v),
-                             (None, 0))
+        gQ = cute.local_tile(
+            loads.mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0)
+        )
+        gK = cute.local_tile(
+            loads.mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0)
+        )
+        gV = cute.local_tile(
+            loads.mV[None, None, head_kv, batch], (self.tile_n, self.head_dim_v), (None, 0)
+        )
         one_cta = cute.make_layout(1)
-        tQsQ, tQgQ = cpasync.tma_partition(loads.tma_q, 0, one_cta, cute.group_modes(smem.sQ, 0, 2),
-                                           cute.group_modes(gQ, 0, 2))
-        tKsK, tKgK = cpasync.tma_partition(loads.tma_k, 0, one_cta, cute.group_modes(smem.sK, 0, 2),
-                                           cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(loads.tma_v, 0, one_cta, cute.group_modes(smem.sV, 0, 2),
-                                           cute.group_modes(gV, 0, 2))
+        tQsQ, tQgQ = cpasync.tma_partition(
+            loads.tma_q, 0, one_cta, cute.group_modes(smem.sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+        )
+        tKsK, tKgK = cpasync.tma_partition(
+            loads.tma_k, 0, one_cta, cute.group_modes(smem.sK, 0, 2), cute.group_modes(gK, 0, 2)
+        )
+        tVsV, tVgV = cpasync.tma_partition(
+            loads.tma_v, 0, one_cta, cute.group_modes(smem.sV, 0, 2), cute.group_modes(gV, 0, 2)
+        )
 
         # K of the first block goes first: the first S GEMM needs it together with Q.
         self.load_stage(loads.tma_k, pipes.k, tKgK, tKsK, n_block_max - 1, kv_state)
@@ -505,8 +570,12 @@ class FlashForwardSm90:
     def load_stage(self, tma, pipe, gsrc, sdst, n_block, state):
         """Wait for the stage to be free, then TMA one K or V block into it."""
         pipe.producer_acquire(state)
-        cute.copy(tma, gsrc[None, n_block], sdst[None, state.index],
-                  tma_bar_ptr=pipe.producer_get_barrier(state))
+        cute.copy(
+            tma,
+            gsrc[None, n_block],
+            sdst[None, state.index],
+            tma_bar_ptr=pipe.producer_get_barrier(state),
+        )
 
     # ---- consumers -----------------------------------------------------------------------------
     @property
@@ -524,18 +593,30 @@ class FlashForwardSm90:
                 nxt = 1 - wg
             else:
                 nxt = nxt - (nxt // self.num_consumer_wg) * self.num_consumer_wg
-            cute.arch.barrier_arrive(barrier_id=self.turn_barrier_first + nxt, number_of_threads=256)
+            cute.arch.barrier_arrive(
+                barrier_id=self.turn_barrier_first + nxt, number_of_threads=256
+            )
 
     @cute.jit
-    def mask_scores(self, acc_S: cute.Tensor, thr_mma_qk: cute.ThrMma, info: TileInfo,
-                    n_block: Int32, causal: cutlass.Constexpr[bool]):
+    def mask_scores(
+        self,
+        acc_S: cute.Tensor,
+        thr_mma_qk: cute.ThrMma,
+        info: TileInfo,
+        n_block: Int32,
+        causal: cutlass.Constexpr[bool],
+    ):
         """Set scores past seqlen_k (and, if causal, above the diagonal) to -inf."""
         m_block, seqlen_q, seqlen_k = info.m_block, info.seqlen_q, info.seqlen_k
         scores = acc_rows_cols(acc_S)
-        coords = acc_rows_cols(thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+        coords = acc_rows_cols(
+            thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+        )
         # Columns of thread 0 are compile-time constants; shift the limit by this thread's offset.
         coords0 = acc_rows_cols(
-            thr_mma_qk.get_slice(0).partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+            thr_mma_qk.get_slice(0).partition_C(
+                cute.make_identity_tensor((self.tile_m, self.tile_n))
+            )
         )
         col_offset = coords[0, 0][1]
         col_limit_k = seqlen_k - n_block * self.tile_n - col_offset
@@ -543,14 +624,25 @@ class FlashForwardSm90:
             limit = col_limit_k
             if const_expr(causal):
                 row = m_block * self.tile_m + coords[r, 0][0]
-                limit = cutlass.min(limit, row + 1 + seqlen_k - seqlen_q - n_block * self.tile_n - col_offset)
+                limit = cutlass.min(
+                    limit, row + 1 + seqlen_k - seqlen_q - n_block * self.tile_n - col_offset
+                )
             for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
                 # A select per element: an `if` here would carry the whole fragment through each branch.
                 scores[r, c] = -Float32.inf if coords0[0, c][1] >= limit else scores[r, c]
 
     @cute.jit
-    def consume(self, stores: OutputStores, smem: SharedTensors, mmas: TiledMmas, pipes: Pipelines,
-                sched: TileSchedule, softmax_scale_log2: Float32, seqlen_k: Int32, ctid: Int32):
+    def consume(
+        self,
+        stores: OutputStores,
+        smem: SharedTensors,
+        mmas: TiledMmas,
+        pipes: Pipelines,
+        sched: TileSchedule,
+        softmax_scale_log2: Float32,
+        seqlen_k: Int32,
+        ctid: Int32,
+    ):
         """The main loop and epilogue of each of this CTA's tiles, for consumer thread `ctid`."""
         wg = cute.arch.make_warp_uniform(ctid // 128)
         wg_mma_qk = mmas.qk.get_slice(wg * 128)
@@ -559,14 +651,19 @@ class FlashForwardSm90:
         tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(smem.sQ))
         tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(smem.sK))
         tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(swap_first_modes(smem.sV)))
-        acc_O = cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((self.tile_m, self.head_dim_v)),
-                                      Float32)
+        acc_O = cute.make_rmem_tensor(
+            wg_mma_pv.partition_shape_C((self.tile_m, self.head_dim_v)), Float32
+        )
         tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n)))
         s_shape = wg_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
 
         softmax = OnlineSoftmax(
-            softmax_scale_log2, cute.size(acc_rows_cols(acc_O), mode=[0]), self.rescale_threshold,
-            self.emu_share, self.poly_degree, self.rescale_branch,
+            softmax_scale_log2,
+            cute.size(acc_rows_cols(acc_O), mode=[0]),
+            self.rescale_threshold,
+            self.emu_share,
+            self.poly_degree,
+            self.rescale_branch,
         )
         row_scale = cute.make_rmem_tensor(softmax.num_rows, Float32)
 
@@ -579,8 +676,9 @@ class FlashForwardSm90:
         seqlen_q = sched.mQ.shape[0]
         tile, num_tiles = self.first_tile(sched)
         if const_expr(self.tile_counter):  # the number slot starts empty
-            cute.arch.barrier_arrive(barrier_id=BARRIER_TILE_EMPTY,
-                                     number_of_threads=self.tile_handoff_threads)
+            cute.arch.barrier_arrive(
+                barrier_id=BARRIER_TILE_EMPTY, number_of_threads=self.tile_handoff_threads
+            )
         while tile < num_tiles:
             m_block, head, batch = self.tile_coords(sched, tile)
             n_block_max, n_mask_min = self.n_block_range(m_block, seqlen_q, seqlen_k)
@@ -589,8 +687,9 @@ class FlashForwardSm90:
             softmax.reset()
             # Grouped in the loop, not before it: the DSL carries acc_O through the loop (fill is
             # called on it), and the main loop takes the loop's acc_O, as the epilogue does.
-            frags = WgFragments(wg, tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape, row_scale, thr_mma_qk,
-                                smem.sQ, smem.sK)
+            frags = WgFragments(
+                wg, tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape, row_scale, thr_mma_qk, smem.sQ, smem.sK
+            )
             if n_block_max > 0:
                 if self.has_no_rows(wg, info):
                     # All of this warpgroup's rows lie past the end of Q (the last m block of a
@@ -603,22 +702,33 @@ class FlashForwardSm90:
             softmax.finalize(acc_O, lse)
             self.epilogue(acc_O, lse, stores, smem.sO, mmas.pv, ctid, info)
             if const_expr(self.tile_counter):
-                cute.arch.barrier(barrier_id=BARRIER_TILE_FULL,
-                                  number_of_threads=self.tile_handoff_threads)
+                cute.arch.barrier(
+                    barrier_id=BARRIER_TILE_FULL, number_of_threads=self.tile_handoff_threads
+                )
                 tile = sched.slot[0]
                 if tile < num_tiles:
-                    cute.arch.barrier_arrive(barrier_id=BARRIER_TILE_EMPTY,
-                                             number_of_threads=self.tile_handoff_threads)
+                    cute.arch.barrier_arrive(
+                        barrier_id=BARRIER_TILE_EMPTY, number_of_threads=self.tile_handoff_threads
+                    )
             else:
                 tile = self.next_tile(tile, num_tiles)
         if const_expr(self.persistent):
-            if self.is_o_storer(ctid):  # the last O store must have read shared memory before the CTA exits
+            if self.is_o_storer(
+                ctid
+            ):  # the last O store must have read shared memory before the CTA exits
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def mainloop(self, kv: pipeline.PipelineState, q_state: pipeline.PipelineState,
-                 frags: WgFragments, mmas: TiledMmas, pipes: Pipelines, softmax: OnlineSoftmax,
-                 info: TileInfo):
+    def mainloop(
+        self,
+        kv: pipeline.PipelineState,
+        q_state: pipeline.PipelineState,
+        frags: WgFragments,
+        mmas: TiledMmas,
+        pipes: Pipelines,
+        softmax: OnlineSoftmax,
+        info: TileInfo,
+    ):
         """All K/V blocks of one tile (n_block_max > 0), last block first. Returns the pipeline states
         for the next tile."""
         n_block_max, n_mask_min = info.n_block_max, info.n_mask_min
@@ -635,8 +745,14 @@ class FlashForwardSm90:
             # next S GEMM to be issued.
             acc_S = cute.make_rmem_tensor(frags.s_shape, Float32)
             pipes.k.consumer_wait(kv)
-            wgmma(mmas.qk, acc_S, frags.tSrQ, frags.tSrK[None, None, None, kv.index],
-                  accumulate=False, wait=0)
+            wgmma(
+                mmas.qk,
+                acc_S,
+                frags.tSrQ,
+                frags.tSrK[None, None, None, kv.index],
+                accumulate=False,
+                wait=0,
+            )
             pipes.k.consumer_release(kv)
             self.mask_scores(acc_S, frags.thr_mma_qk, info, n_block_max - 1, self.causal)
             softmax.step(acc_S, True, frags.row_scale)
@@ -645,21 +761,29 @@ class FlashForwardSm90:
             if const_expr(self.causal):
                 n_masked = cutlass.max(n_block_max - 1 - n_mask_min, 0)
             for i in cutlass.range(n_masked, unroll=1):
-                kv = self.overlapped_step(kv, n_block_max - 2 - i, True, frags, mmas, pipes,
-                                          softmax, info)
+                kv = self.overlapped_step(
+                    kv, n_block_max - 2 - i, True, frags, mmas, pipes, softmax, info
+                )
             n_unmasked = n_block_max - 1
             if const_expr(self.causal):
                 n_unmasked = cutlass.min(n_block_max - 1, n_mask_min)
             for i in cutlass.range(n_unmasked, unroll=1):
-                kv = self.overlapped_step(kv, n_unmasked - 1 - i, False, frags, mmas, pipes,
-                                          softmax, info)
+                kv = self.overlapped_step(
+                    kv, n_unmasked - 1 - i, False, frags, mmas, pipes, softmax, info
+                )
             # Every S GEMM of the tile is done: Q's buffer may take the next tile's Q (with two
             # buffers, the Q of the tile after next).
             self.release_q(pipes.q, q_state)
             # Last PV GEMM.
             pipes.v.consumer_wait(kv)
-            wgmma(mmas.pv, frags.acc_O, frags.tOrP, frags.tOrVt[None, None, None, kv.index],
-                  accumulate=True, wait=0)
+            wgmma(
+                mmas.pv,
+                frags.acc_O,
+                frags.tOrP,
+                frags.tOrVt[None, None, None, kv.index],
+                accumulate=True,
+                wait=0,
+            )
             pipes.v.consumer_release(kv)
             kv.advance()
         else:
@@ -694,8 +818,14 @@ class FlashForwardSm90:
         return first_row >= info.seqlen_q
 
     @cute.jit
-    def idle_mainloop(self, kv: pipeline.PipelineState, q_state: pipeline.PipelineState, wg: Int32,
-                      pipes: Pipelines, n_block_max: Int32):
+    def idle_mainloop(
+        self,
+        kv: pipeline.PipelineState,
+        q_state: pipeline.PipelineState,
+        wg: Int32,
+        pipes: Pipelines,
+        n_block_max: Int32,
+    ):
         """The main loop of a warpgroup without rows in this tile: no GEMM and no softmax, only the
         pipeline's waits and releases (every consumer warp releases every stage, and waits for it
         first so as never to arrive a phase early) and the GEMM turns: the same stages, phases and
@@ -752,9 +882,17 @@ class FlashForwardSm90:
             pipe_q.consumer_release(q_state)
 
     @cute.jit
-    def overlapped_step(self, kv: pipeline.PipelineState, n_block: Int32,
-                        masked: cutlass.Constexpr[bool], frags: WgFragments, mmas: TiledMmas,
-                        pipes: Pipelines, softmax: OnlineSoftmax, info: TileInfo):
+    def overlapped_step(
+        self,
+        kv: pipeline.PipelineState,
+        n_block: Int32,
+        masked: cutlass.Constexpr[bool],
+        frags: WgFragments,
+        mmas: TiledMmas,
+        pipes: Pipelines,
+        softmax: OnlineSoftmax,
+        info: TileInfo,
+    ):
         """S(n_block) = Q K^T issued before O += P V of the previous block; the softmax of S runs while
         that PV GEMM is in flight."""
         kv_v = kv.clone()
@@ -762,11 +900,23 @@ class FlashForwardSm90:
         acc_S = cute.make_rmem_tensor(frags.s_shape, Float32)
         pipes.k.consumer_wait(kv)
         self.turn_wait(frags.wg)
-        wgmma(mmas.qk, acc_S, frags.tSrQ, frags.tSrK[None, None, None, kv.index],
-              accumulate=False, wait=-1)
+        wgmma(
+            mmas.qk,
+            acc_S,
+            frags.tSrQ,
+            frags.tSrK[None, None, None, kv.index],
+            accumulate=False,
+            wait=-1,
+        )
         pipes.v.consumer_wait(kv_v)
-        wgmma(mmas.pv, frags.acc_O, frags.tOrP, frags.tOrVt[None, None, None, kv_v.index],
-              accumulate=True, wait=-1)
+        wgmma(
+            mmas.pv,
+            frags.acc_O,
+            frags.tOrP,
+            frags.tOrVt[None, None, None, kv_v.index],
+            accumulate=True,
+            wait=-1,
+        )
         self.turn_pass(frags.wg)
         warpgroup.wait_group(1)
         if const_expr(not self.lazy_max):
@@ -787,9 +937,17 @@ class FlashForwardSm90:
         return kv
 
     @cute.jit
-    def serial_step(self, kv: pipeline.PipelineState, i: Int32, n_masked: Int32,
-                    frags: WgFragments, mmas: TiledMmas, pipes: Pipelines, softmax: OnlineSoftmax,
-                    info: TileInfo):
+    def serial_step(
+        self,
+        kv: pipeline.PipelineState,
+        i: Int32,
+        n_masked: Int32,
+        frags: WgFragments,
+        mmas: TiledMmas,
+        pipes: Pipelines,
+        softmax: OnlineSoftmax,
+        info: TileInfo,
+    ):
         """Block i of the tile (K block n_block_max - 1 - i; the first n_masked are masked)
         without intra-warpgroup overlap: S GEMM, softmax, PV GEMM in sequence. The turn is passed
         after the S GEMM and taken back before the PV GEMM, so the other warpgroup's GEMMs run under
@@ -797,8 +955,14 @@ class FlashForwardSm90:
         n_block = info.n_block_max - 1 - i
         acc_S = cute.make_rmem_tensor(frags.s_shape, Float32)
         pipes.k.consumer_wait(kv)
-        wgmma(mmas.qk, acc_S, frags.tSrQ, frags.tSrK[None, None, None, kv.index],
-              accumulate=False, wait=-1)
+        wgmma(
+            mmas.qk,
+            acc_S,
+            frags.tSrQ,
+            frags.tSrK[None, None, None, kv.index],
+            accumulate=False,
+            wait=-1,
+        )
         self.turn_pass(frags.wg)
         warpgroup.wait_group(0)
         if const_expr(not self.lazy_max):
@@ -821,16 +985,30 @@ class FlashForwardSm90:
             pipes.k.consumer_release(kv)  # only now: the recompute reads K's stage
         pipes.v.consumer_wait(kv)
         self.turn_wait(frags.wg)
-        wgmma(mmas.pv, frags.acc_O, frags.tOrP, frags.tOrVt[None, None, None, kv.index],
-              accumulate=True, wait=0)
+        wgmma(
+            mmas.pv,
+            frags.acc_O,
+            frags.tOrP,
+            frags.tOrVt[None, None, None, kv.index],
+            accumulate=True,
+            wait=0,
+        )
         pipes.v.consumer_release(kv)
         kv.advance()
         return kv
 
     @cute.jit
-    def lazy_step(self, acc_S: cute.Tensor, kv: pipeline.PipelineState, n_block: Int32, masked,
-                  causal: cutlass.Constexpr[bool], frags: WgFragments, softmax: OnlineSoftmax,
-                  info: TileInfo):
+    def lazy_step(
+        self,
+        acc_S: cute.Tensor,
+        kv: pipeline.PipelineState,
+        n_block: Int32,
+        masked,
+        causal: cutlass.Constexpr[bool],
+        frags: WgFragments,
+        softmax: OnlineSoftmax,
+        info: TileInfo,
+    ):
         """The softmax of a block after the tile's first with `lazy_max`; where the rise is too large to
         rescale by, the scores again (masked as the caller masked them: `masked`, a flag or a run-time
         condition) and the exact step. The caller releases K's stage after this."""
@@ -850,7 +1028,9 @@ class FlashForwardSm90:
         that follows, whose row-max shuffles need every lane's recomputed scores: so every lane has
         read K here before the stage can be refilled."""
         scores = acc_rows_cols(acc_S)
-        coords = acc_rows_cols(thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+        coords = acc_rows_cols(
+            thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+        )
         num_rows = cute.size(scores, mode=[0])
         num_cols = cute.size(scores, mode=[1])
         # One column at a time, head_dim steps each: few registers live beside the accumulators.
@@ -872,8 +1052,16 @@ class FlashForwardSm90:
         return ctid < 32
 
     @cute.jit
-    def epilogue(self, acc_O: cute.Tensor, lse: cute.Tensor, stores: OutputStores, sO: cute.Tensor,
-                 mma_pv: cute.TiledMma, ctid: Int32, info: TileInfo):
+    def epilogue(
+        self,
+        acc_O: cute.Tensor,
+        lse: cute.Tensor,
+        stores: OutputStores,
+        sO: cute.Tensor,
+        mma_pv: cute.TiledMma,
+        ctid: Int32,
+        info: TileInfo,
+    ):
         """Store the tile's O (through shared memory and a TMA store) and its LSE."""
         # Names of their own: the LSE store below writes through mLSE inside a run-time branch, and
         # the DSL carries a name written there through the branch (`stores`: the whole group).
@@ -897,7 +1085,9 @@ class FlashForwardSm90:
             cute.arch.barrier(barrier_id=BARRIER_WG_O_FREE_FIRST + wg, number_of_threads=128)
             sO_rows = stages_as_rows(sO)
         else:
-            cute.arch.barrier(barrier_id=BARRIER_EPILOGUE, number_of_threads=self.num_consumer_threads)
+            cute.arch.barrier(
+                barrier_id=BARRIER_EPILOGUE, number_of_threads=self.num_consumer_threads
+            )
         store_atom = cute.make_copy_atom(
             cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
         )
@@ -906,7 +1096,9 @@ class FlashForwardSm90:
 
         # LSE: the thread holding column 0 of a row writes it.
         thr_mma = mma_pv.get_slice(ctid)
-        coords = acc_rows_cols(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
+        coords = acc_rows_cols(
+            thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v)))
+        )
         if coords[0, 0][1] == 0:
             for r in cutlass.range_constexpr(cute.size(lse)):
                 row = m_block * self.tile_m + coords[r, 0][0]
@@ -919,22 +1111,43 @@ class FlashForwardSm90:
         cute.arch.fence_view_async_shared()
         if const_expr(self.wg_epilogue):
             if not self.is_o_storer(ctid):
-                cute.arch.barrier_arrive(barrier_id=BARRIER_WG_O_WRITTEN_FIRST + wg, number_of_threads=128)
+                cute.arch.barrier_arrive(
+                    barrier_id=BARRIER_WG_O_WRITTEN_FIRST + wg, number_of_threads=128
+                )
             else:
                 cute.arch.barrier(barrier_id=BARRIER_WG_O_WRITTEN_FIRST + wg, number_of_threads=128)
-                gO = cute.local_tile(mO[None, None, head, batch], (64, self.head_dim_v),
-                                     (m_block * self.num_consumer_wg + wg, 0))
-                tOsO, tOgO = cpasync.tma_partition(tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
-                                                   cute.group_modes(gO, 0, 2))
+                gO = cute.local_tile(
+                    mO[None, None, head, batch],
+                    (64, self.head_dim_v),
+                    (m_block * self.num_consumer_wg + wg, 0),
+                )
+                tOsO, tOgO = cpasync.tma_partition(
+                    tma_o,
+                    0,
+                    cute.make_layout(1),
+                    cute.group_modes(sO, 0, 2),
+                    cute.group_modes(gO, 0, 2),
+                )
                 cute.copy(tma_o, tOsO[None, wg], tOgO)
                 cute.arch.cp_async_bulk_commit_group()
         elif ctid >= 32:
-            cute.arch.barrier_arrive(barrier_id=BARRIER_O_WRITTEN, number_of_threads=self.num_consumer_threads)
+            cute.arch.barrier_arrive(
+                barrier_id=BARRIER_O_WRITTEN, number_of_threads=self.num_consumer_threads
+            )
         else:
-            cute.arch.barrier(barrier_id=BARRIER_O_WRITTEN, number_of_threads=self.num_consumer_threads)
-            gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim_v), (m_block, 0))
-            tOsO, tOgO = cpasync.tma_partition(tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
-                                               cute.group_modes(gO, 0, 2))
+            cute.arch.barrier(
+                barrier_id=BARRIER_O_WRITTEN, number_of_threads=self.num_consumer_threads
+            )
+            gO = cute.local_tile(
+                mO[None, None, head, batch], (self.tile_m, self.head_dim_v), (m_block, 0)
+            )
+            tOsO, tOgO = cpasync.tma_partition(
+                tma_o,
+                0,
+                cute.make_layout(1),
+                cute.group_modes(sO, 0, 2),
+                cute.group_modes(gO, 0, 2),
+            )
             cute.copy(tma_o, tOsO, tOgO)
             cute.arch.cp_async_bulk_commit_group()
             if const_expr(not self.persistent):

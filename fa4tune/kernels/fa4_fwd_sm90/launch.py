@@ -13,7 +13,14 @@ from ...errors import UnsupportedInput
 from ...problem import Problem
 from ...target import Target, get_target
 from ..common.dsl import import_dsl
-from ..common.inputs import check_device, check_inputs, check_no_grad, check_output, empty_outputs, make_problem
+from ..common.inputs import (
+    check_device,
+    check_inputs,
+    check_no_grad,
+    check_output,
+    empty_outputs,
+    make_problem,
+)
 from ..common.launch import direct_call, launch_error, pack_descriptor, raw_stream_getter
 from ..common.streams import current_device_getter, current_tile_counter, unused_counter
 from .compile import compile_forward
@@ -22,7 +29,9 @@ from .config import FwdConfig, grid_reasons
 
 def heads_per_l2_group(problem: Problem, target: Target) -> int:
     """How many (batch, head) pairs to run side by side so that their K/V stay in half the L2."""
-    kv_bytes = problem.seqlen_k * (problem.head_dim + problem.head_dim_v) * 2 / problem.qheads_per_kvhead
+    kv_bytes = (
+        problem.seqlen_k * (problem.head_dim + problem.head_dim_v) * 2 / problem.qheads_per_kvhead
+    )
     fit = max(1, int((target.l2_bytes / 2) // max(kv_bytes, 1)))
     group = 1 << (fit.bit_length() - 1)
     return max(1, min(group, problem.batch * problem.nheads_q))
@@ -40,12 +49,23 @@ def check_grid(config: FwdConfig, problem: Problem) -> None:
     """UnsupportedInput when the config's launch grid cannot hold the problem (config.grid_reasons)."""
     reasons = grid_reasons(config, problem)
     if reasons:
-        raise UnsupportedInput(f"config {config.short()} cannot launch {problem.key()}: {'; '.join(reasons)}; "
-                               "split the batch (or the heads)")
+        raise UnsupportedInput(
+            f"config {config.short()} cannot launch {problem.key()}: {'; '.join(reasons)}; "
+            "split the batch (or the heads)"
+        )
 
 
-def attention_forward(q, k, v, config: FwdConfig, causal: bool = False, softmax_scale: float | None = None,
-                      out=None, lse=None, target: Target | str | None = None):
+def attention_forward(
+    q,
+    k,
+    v,
+    config: FwdConfig,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    out=None,
+    lse=None,
+    target: Target | str | None = None,
+):
     """Run the kernel on CUDA tensors on the current stream. Returns (out, lse): out like q with
     head_dim_v, lse (batch, nheads_q, seqlen_q) float32 in natural log (O zero and LSE -inf, without
     a launch, when batch, seqlen_q or seqlen_k is 0)."""
@@ -65,15 +85,22 @@ def attention_forward(q, k, v, config: FwdConfig, causal: bool = False, softmax_
     from cutlass.cute.runtime import from_dlpack
 
     check_grid(config, problem)
-    compiled = compile_forward(config, problem.dtype, problem.head_dim, problem.head_dim_v, causal, target)
+    compiled = compile_forward(
+        config, problem.dtype, problem.head_dim, problem.head_dim_v, causal, target
+    )
     batch, seqlen_q, nheads_q, _ = q.shape
-    out_shape, lse_shape = (batch, seqlen_q, nheads_q, problem.head_dim_v), (batch, nheads_q, seqlen_q)
+    out_shape, lse_shape = (
+        (batch, seqlen_q, nheads_q, problem.head_dim_v),
+        (batch, nheads_q, seqlen_q),
+    )
     if out is None:
         out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
     else:
         check_output("out", out, out_shape, q.dtype, q.device)
         if any(s % 8 for s in out.stride()[:-1]):
-            raise UnsupportedInput(f"out's strides {out.stride()} must be multiples of 8 elements (TMA store)")
+            raise UnsupportedInput(
+                f"out's strides {out.stride()} must be multiples of 8 elements (TMA store)"
+            )
     if lse is None:
         lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     else:
@@ -83,12 +110,21 @@ def attention_forward(q, k, v, config: FwdConfig, causal: bool = False, softmax_
     # stream's: both must be the tensors' device. So must the current device be when torch exports a
     # tensor through DLPack (torch 2.11 refuses a tensor of another device).
     with torch.cuda.device(q.device):
-        tensors = [from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=3) for t in (q, k, v, out)]
+        tensors = [
+            from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=3)
+            for t in (q, k, v, out)
+        ]
         lse_t = from_dlpack(lse, assumed_align=4).mark_layout_dynamic(leading_dim=2)
         stream_handle = torch.cuda.current_stream(q.device).cuda_stream
         counter = from_dlpack(launch_counter(config, causal, q.device), assumed_align=4)
-        compiled.function(*tensors, lse_t, counter, Float32(scale * math.log2(math.e)),
-                          Int32(heads_per_l2_group(problem, target)), cuda.CUstream(stream_handle))
+        compiled.function(
+            *tensors,
+            lse_t,
+            counter,
+            Float32(scale * math.log2(math.e)),
+            Int32(heads_per_l2_group(problem, target)),
+            cuda.CUstream(stream_handle),
+        )
     return out, lse
 
 
@@ -114,15 +150,22 @@ class PreparedLaunch:
         # The first 8 bytes of each descriptor are its data pointer: the only part a call changes.
         self.pointers = [ctypes.c_uint64.from_buffer(d) for d in self.descriptors]
         # Kernels that ignore the tile counter get one fixed dummy: no per-call lookup or allocation.
-        self._tile_counter = current_tile_counter if config.uses_tile_counter(problem.causal) else None
+        self._tile_counter = (
+            current_tile_counter if config.uses_tile_counter(problem.causal) else None
+        )
         self._unused_counter = unused_counter(q.device) if self._tile_counter is None else None
-        scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(problem.head_dim)
+        scale = (
+            float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(problem.head_dim)
+        )
         self.scale_log2 = ctypes.c_float(scale * math.log2(math.e))
         self.l2_group = ctypes.c_int32(heads_per_l2_group(problem, target))
         self.stream = ctypes.c_void_p(0)
         # The compiled host function's arguments: one pointer per kernel argument, in order.
         self.arguments = [ctypes.addressof(d) for d in self.descriptors] + [
-            ctypes.addressof(self.scale_log2), ctypes.addressof(self.l2_group), ctypes.addressof(self.stream)]
+            ctypes.addressof(self.scale_log2),
+            ctypes.addressof(self.l2_group),
+            ctypes.addressof(self.stream),
+        ]
         self.lock = threading.Lock()
         self._get_device = current_device_getter()
         self._device_guard = torch.cuda.device
@@ -139,8 +182,10 @@ class PreparedLaunch:
     def __call__(self, q, k, v):
         q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
         if (q_ptr | k_ptr | v_ptr) & 15:
-            raise UnsupportedInput("q, k and v must start at 16-byte aligned addresses (for the TMA); "
-                                   "pass a .clone() of a tensor sliced at an odd offset")
+            raise UnsupportedInput(
+                "q, k and v must start at 16-byte aligned addresses (for the TMA); "
+                "pass a .clone() of a tensor sliced at an odd offset"
+            )
         if self._get_device() == self.device_index:
             return self._launch(q_ptr, k_ptr, v_ptr)
         # The kernel launches in the current device's context, on its current stream, whose tile
@@ -164,11 +209,14 @@ class PreparedLaunch:
         return out, lse
 
 
-def prepare_launch(problem: Problem, config: FwdConfig, target: Target, q, k, v, softmax_scale) -> PreparedLaunch:
+def prepare_launch(
+    problem: Problem, config: FwdConfig, target: Target, q, k, v, softmax_scale
+) -> PreparedLaunch:
     """The prepared launch of `config` for calls shaped like q, k, v (checked by the caller)."""
     check_grid(config, problem)  # a default's: the lookup skips borrowed configs that cannot launch
-    compiled = compile_forward(config, problem.dtype, problem.head_dim, problem.head_dim_v, problem.causal,
-                               target)
+    compiled = compile_forward(
+        config, problem.dtype, problem.head_dim, problem.head_dim_v, problem.causal, target
+    )
     launch = PreparedLaunch(problem, config, target, q, k, v, softmax_scale)
     # An executor for the tensors' device (the CUDA-dialect one cute.compile gives here loads a
     # context-free library and ignores it; the host function launches on the current device).

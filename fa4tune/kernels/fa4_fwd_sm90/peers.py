@@ -24,7 +24,9 @@ def fa4_with_lse(problem, q, k, v):
     def run():
         result = fa4(q, k, v, causal=problem.causal, return_lse=True)
         if not (isinstance(result, tuple) and len(result) >= 2 and result[1] is not None):
-            raise RuntimeError("flash-attn-4 returned no LSE for return_lse=True")  # it would go unchecked
+            raise RuntimeError(
+                "flash-attn-4 returned no LSE for return_lse=True"
+            )  # it would go unchecked
         return result[0], result[1]
 
     return run
@@ -54,13 +56,17 @@ def cudnn_sdpa(problem, q, k, v):
     def run():
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
             try:
-                o = F.scaled_dot_product_attention(qt, *gqa["kv"], is_causal=problem.causal,
-                                                   enable_gqa=gqa["native"])
+                o = F.scaled_dot_product_attention(
+                    qt, *gqa["kv"], is_causal=problem.causal, enable_gqa=gqa["native"]
+                )
             except RuntimeError:
                 if not gqa["native"]:
                     raise
                 group = problem.nheads_q // problem.nheads_kv
-                gqa["native"], gqa["kv"] = False, tuple(t.repeat_interleave(group, dim=1) for t in (kt, vt))
+                gqa["native"], gqa["kv"] = (
+                    False,
+                    tuple(t.repeat_interleave(group, dim=1) for t in (kt, vt)),
+                )
                 o = F.scaled_dot_product_attention(qt, *gqa["kv"], is_causal=problem.causal)
         return o.transpose(1, 2), None
 

@@ -44,11 +44,11 @@ CONSUMER_OVERHEAD_REGS = {2: 24, 3: 32, 4: 32}
 EMULATION_REGS_SERIAL = {4: 8}
 
 
-def num_consumer_warpgroups(config: "FwdConfig") -> int:
+def num_consumer_warpgroups(config: FwdConfig) -> int:
     return config.tile_m // WGMMA_M
 
 
-def num_threads(config: "FwdConfig") -> int:
+def num_threads(config: FwdConfig) -> int:
     return THREADS_PER_WARPGROUP * (num_consumer_warpgroups(config) + 1)
 
 
@@ -56,7 +56,7 @@ def _round_up(n: int, align: int) -> int:
     return (n + align - 1) // align * align
 
 
-def smem_layout_bytes(config: "FwdConfig", problem: "Problem") -> dict[str, int]:
+def smem_layout_bytes(config: FwdConfig, problem: Problem) -> dict[str, int]:
     """Bytes of each shared-memory buffer. A single-tile CTA stages O through Q's buffer (Q is dead
     once the last S GEMM has read it), so that region is sized for the larger of the two; a persistent
     CTA loads the next Q while O is stored, so O has a buffer of its own (and Q q_stages of them)."""
@@ -68,7 +68,9 @@ def smem_layout_bytes(config: "FwdConfig", problem: "Problem") -> dict[str, int]
     # full + empty barrier per stage for K and for V, plus a pair per Q buffer.
     barriers = (2 * config.q_stages + 4 * config.num_stages) * MBARRIER_BYTES
     if config.uses_tile_counter(problem.causal):
-        barriers += 8  # the next tile's number (padded to 8), handed from the producer to the consumers
+        barriers += (
+            8  # the next tile's number (padded to 8), handed from the producer to the consumers
+        )
     if config.persistent:
         q_o = {"q": _round_up(config.q_stages * q, SMEM_ALIGN), "o": _round_up(o, SMEM_ALIGN)}
     else:
@@ -81,14 +83,16 @@ def smem_layout_bytes(config: "FwdConfig", problem: "Problem") -> dict[str, int]
     }
 
 
-def smem_bytes(config: "FwdConfig", problem: "Problem") -> int:
+def smem_bytes(config: FwdConfig, problem: Problem) -> int:
     return sum(smem_layout_bytes(config, problem).values())
 
 
-def smem_reasons(config: "FwdConfig", problem: "Problem", target: Target) -> list[str]:
+def smem_reasons(config: FwdConfig, problem: Problem, target: Target) -> list[str]:
     used = smem_bytes(config, problem)
     if used > target.smem_per_block:
-        parts = ", ".join(f"{k} {v // 1024} KB" for k, v in smem_layout_bytes(config, problem).items())
+        parts = ", ".join(
+            f"{k} {v // 1024} KB" for k, v in smem_layout_bytes(config, problem).items()
+        )
         return [
             f"shared memory {used / 1024:.0f} KB exceeds the {target.smem_per_block // 1024} KB per block "
             f"of {target.name} (tile_m={config.tile_m}, tile_n={config.tile_n}, "
@@ -99,7 +103,7 @@ def smem_reasons(config: "FwdConfig", problem: "Problem", target: Target) -> lis
     return []
 
 
-def consumer_registers_needed(config: "FwdConfig", problem: "Problem") -> int:
+def consumer_registers_needed(config: FwdConfig, problem: Problem) -> int:
     """fp32 accumulator registers one consumer thread holds at its peak, plus the fixed overhead.
 
     Per warpgroup (64 rows, 128 threads): O is 64·dv fp32 (dv/2 per thread), S is 64·tile_n fp32
@@ -115,7 +119,7 @@ def consumer_registers_needed(config: "FwdConfig", problem: "Problem") -> int:
     return regs_o + regs_s + regs_p + regs_emu + CONSUMER_OVERHEAD_REGS.get(wgs, 32)
 
 
-def register_split(config: "FwdConfig") -> tuple[int, int]:
+def register_split(config: FwdConfig) -> tuple[int, int]:
     """(producer, consumer) registers per thread after setmaxnreg."""
     return REGISTER_SPLIT[num_consumer_warpgroups(config)]
 
@@ -123,8 +127,11 @@ def register_split(config: "FwdConfig") -> tuple[int, int]:
 def launch_registers(wgs: int, target: Target) -> int:
     """Registers per thread at launch for a block of `wgs` consumer warpgroups and the producer, one
     block per SM: the register file over the threads, in the allocation unit of 8 per thread."""
-    return min(target.max_regs_per_thread,
-               target.regs_per_sm // (THREADS_PER_WARPGROUP * (wgs + 1))) // 8 * 8
+    return (
+        min(target.max_regs_per_thread, target.regs_per_sm // (THREADS_PER_WARPGROUP * (wgs + 1)))
+        // 8
+        * 8
+    )
 
 
 def register_split_reasons(wgs: int, target: Target) -> list[str]:
@@ -135,17 +142,21 @@ def register_split_reasons(wgs: int, target: Target) -> list[str]:
     launch = launch_registers(wgs, target)
     released, taken = launch - producer, wgs * (consumer - launch)
     if taken > released:
-        return [f"register split {producer}/{consumer} with {wgs} consumer warpgroups: they launch with "
-                f"{launch} registers per thread, and would take {taken} per lane where the producer "
-                f"warpgroup gives back {released} (setmaxnreg.inc would wait for ever)"]
+        return [
+            f"register split {producer}/{consumer} with {wgs} consumer warpgroups: they launch with "
+            f"{launch} registers per thread, and would take {taken} per lane where the producer "
+            f"warpgroup gives back {released} (setmaxnreg.inc would wait for ever)"
+        ]
     return []
 
 
-def register_reasons(config: "FwdConfig", problem: "Problem", target: Target) -> list[str]:
+def register_reasons(config: FwdConfig, problem: Problem, target: Target) -> list[str]:
     wgs = num_consumer_warpgroups(config)
     if wgs not in REGISTER_SPLIT:
-        return [f"tile_m={config.tile_m} gives {wgs} consumer warpgroups; supported: "
-                f"{', '.join(str(w * WGMMA_M) for w in REGISTER_SPLIT)}"]
+        return [
+            f"tile_m={config.tile_m} gives {wgs} consumer warpgroups; supported: "
+            f"{', '.join(str(w * WGMMA_M) for w in REGISTER_SPLIT)}"
+        ]
     _, consumer = REGISTER_SPLIT[wgs]
     reasons = register_split_reasons(wgs, target)  # (a balanced split also fits the register file)
     need = consumer_registers_needed(config, problem)
@@ -158,7 +169,7 @@ def register_reasons(config: "FwdConfig", problem: "Problem", target: Target) ->
     return reasons
 
 
-def tile_reasons(config: "FwdConfig", problem: "Problem") -> list[str]:
+def tile_reasons(config: FwdConfig, problem: Problem) -> list[str]:
     """wgmma and TMA shape rules."""
     reasons = []
     if config.tile_m % WGMMA_M:
@@ -169,25 +180,33 @@ def tile_reasons(config: "FwdConfig", problem: "Problem") -> list[str]:
     if not 16 <= config.tile_n <= 256:
         reasons.append(f"tile_n={config.tile_n} outside the wgmma N range 16..256")
     if problem.head_dim % 16:
-        reasons.append(f"head_dim={problem.head_dim} is not a multiple of 16 (the K of the Q·K wgmma)")
+        reasons.append(
+            f"head_dim={problem.head_dim} is not a multiple of 16 (the K of the Q·K wgmma)"
+        )
     if problem.head_dim_v % 8 or problem.head_dim_v > 256:
         reasons.append(f"head_dim_v={problem.head_dim_v} must be a multiple of 8 and at most 256")
     return reasons
 
 
-def epilogue_reasons(config: "FwdConfig") -> list[str]:
+def epilogue_reasons(config: FwdConfig) -> list[str]:
     """A single-tile CTA stages O in Q's buffer, which the consumer warpgroups share: only persistent
     CTAs, whose O has a buffer of its own, can store it per warpgroup, or double-buffer Q for the next
     tile."""
     reasons = []
     if config.wg_epilogue and not config.persistent:
-        reasons.append("wg_epilogue=True needs persistent=True (a single-tile CTA stores O through Q's "
-                       "buffer, which all its consumer warpgroups read)")
+        reasons.append(
+            "wg_epilogue=True needs persistent=True (a single-tile CTA stores O through Q's "
+            "buffer, which all its consumer warpgroups read)"
+        )
     if config.q_stages > 1 and not config.persistent:
-        reasons.append(f"q_stages={config.q_stages} needs persistent=True (a single-tile CTA loads one Q "
-                       f"and stages O in its buffer)")
+        reasons.append(
+            f"q_stages={config.q_stages} needs persistent=True (a single-tile CTA loads one Q "
+            f"and stages O in its buffer)"
+        )
     if config.wg_epilogue and num_consumer_warpgroups(config) > 3:
-        reasons.append(f"wg_epilogue=True is built for at most three consumer warpgroups (its two "
-                       f"named barriers each sit on ids 8-13, where four take their GEMM turns); "
-                       f"tile_m={config.tile_m} has {num_consumer_warpgroups(config)}")
+        reasons.append(
+            f"wg_epilogue=True is built for at most three consumer warpgroups (its two "
+            f"named barriers each sit on ids 8-13, where four take their GEMM turns); "
+            f"tile_m={config.tile_m} has {num_consumer_warpgroups(config)}"
+        )
     return reasons

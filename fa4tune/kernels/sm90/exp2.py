@@ -14,7 +14,7 @@ from . import exp2_poly
 
 def _hex_f32(value: float) -> str:
     """A float32 as a PTX immediate (0fXXXXXXXX), so the coefficient is exactly the modelled one."""
-    return "0f%08X" % struct.unpack("<I", struct.pack("<f", value))[0]
+    return f"0f{struct.unpack('<I', struct.pack('<f', value))[0]:08X}"
 
 
 def _emulated_exp2_ptx(degree: int) -> str:

@@ -90,11 +90,16 @@ def _remez_relative(degree: int, iterations: int = 60) -> np.ndarray:
         sign[sign == 0] = 1
         runs = np.flatnonzero(np.diff(sign)) + 1
         bounds = np.concatenate(([0], runs, [len(grid)]))
-        extrema = [lo + int(np.argmax(np.abs(err[lo:hi]))) for lo, hi in zip(bounds[:-1], bounds[1:])]
+        extrema = [
+            lo + int(np.argmax(np.abs(err[lo:hi]))) for lo, hi in zip(bounds[:-1], bounds[1:])
+        ]
         if len(extrema) < n + 2:
             break
         # Keep the n+2 consecutive extrema with the largest smallest magnitude.
-        best = max(range(len(extrema) - n - 1), key=lambda i: min(abs(err[j]) for j in extrema[i : i + n + 2]))
+        best = max(
+            range(len(extrema) - n - 1),
+            key=lambda i: min(abs(err[j]) for j in extrema[i : i + n + 2]),
+        )
         new_ref = grid[extrema[best : best + n + 2]]
         if np.allclose(new_ref, ref, atol=1e-12):
             break
@@ -105,12 +110,16 @@ def _remez_relative(degree: int, iterations: int = 60) -> np.ndarray:
 # ------------------------------------------------------------------------------------------------
 # The kernel's sequence, modelled bit for bit
 # ------------------------------------------------------------------------------------------------
-def emulate_exp2_f32(x: np.ndarray, degree: int, coeffs: tuple[float, ...] | None = None) -> np.ndarray:
+def emulate_exp2_f32(
+    x: np.ndarray, degree: int, coeffs: tuple[float, ...] | None = None
+) -> np.ndarray:
     """exp2(x) exactly as the kernel's FMA-pipe path computes it, in float32. Valid for x <= 127."""
     _check_degree(degree)
     c = np.asarray(coefficients(degree) if coeffs is None else coeffs, dtype=np.float32)
     x = np.asarray(x, dtype=np.float32)
-    xc = np.maximum(x, CLAMP_LOW)  # NaN never reaches here in the kernel (scores are finite or -inf)
+    xc = np.maximum(
+        x, CLAMP_LOW
+    )  # NaN never reaches here in the kernel (scores are finite or -inf)
     t = add_round_down_f32(xc, ROUND_MAGIC)
     j = (t.astype(np.float64) - np.float64(ROUND_MAGIC)).astype(np.float32)  # exact
     f = (xc.astype(np.float64) - j.astype(np.float64)).astype(np.float32)  # exact
@@ -124,7 +133,9 @@ def emulate_exp2_f32(x: np.ndarray, degree: int, coeffs: tuple[float, ...] | Non
 def _sample_points() -> np.ndarray:
     """Every float32 fraction step that matters: a dense sweep of [0, 1) plus offsets by integers."""
     frac = np.linspace(0.0, 1.0, 1 << 16, endpoint=False, dtype=np.float64)
-    frac = np.concatenate([frac, np.nextafter(np.float32(1.0), np.float32(0.0), dtype=np.float32)[None]])
+    frac = np.concatenate(
+        [frac, np.nextafter(np.float32(1.0), np.float32(0.0), dtype=np.float32)[None]]
+    )
     return np.concatenate([(frac - 1.0), (frac - 17.0), (frac - 100.0)]).astype(np.float32)
 
 
@@ -134,7 +145,7 @@ def _rel_error(degree: int, coeffs: np.ndarray, xs: np.ndarray) -> float:
     return float(np.max(np.abs(got / want - 1.0)))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def coefficients(degree: int) -> tuple[float, ...]:
     """float32 coefficients c_0..c_degree of the polynomial for 2^f on [0, 1)."""
     _check_degree(degree)
@@ -155,7 +166,7 @@ def coefficients(degree: int) -> tuple[float, ...]:
     return tuple(float(v) for v in c)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def max_relative_error(degree: int) -> float:
     """Largest |emulated / exact - 1| over a dense sweep of the fraction at several exponents."""
     return _rel_error(degree, np.asarray(coefficients(degree), np.float32), _sample_points())
@@ -182,4 +193,6 @@ def accuracy_reasons(poly_degree: int, emu_share: float, dtype: str) -> list[str
 
 def _check_degree(degree: int) -> None:
     if not isinstance(degree, (int, np.integer)) or not MIN_DEGREE <= degree <= MAX_DEGREE:
-        raise ValueError(f"poly_degree must be an integer in {MIN_DEGREE}..{MAX_DEGREE}, got {degree!r}")
+        raise ValueError(
+            f"poly_degree must be an integer in {MIN_DEGREE}..{MAX_DEGREE}, got {degree!r}"
+        )

@@ -37,7 +37,10 @@ def stages_as_rows(t: cute.Tensor) -> cute.Tensor:
     [s * rows, (s + 1) * rows)."""
     shape, stride = t.layout.shape, t.layout.stride
     return cute.make_tensor(
-        t.iterator, cute.make_layout(((shape[0], shape[2]), shape[1]), stride=((stride[0], stride[2]), stride[1]))
+        t.iterator,
+        cute.make_layout(
+            ((shape[0], shape[2]), shape[1]), stride=((stride[0], stride[2]), stride[1])
+        ),
     )
 
 

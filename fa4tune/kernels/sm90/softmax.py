@@ -82,7 +82,11 @@ class OnlineSoftmax:
         rebuilt = copy.copy(self)
         pos = 0
         for name, count in zip(self._RUNTIME_FIELDS, self._value_counts):
-            setattr(rebuilt, name, cutlass.new_from_mlir_values(getattr(self, name), values[pos:pos + count]))
+            setattr(
+                rebuilt,
+                name,
+                cutlass.new_from_mlir_values(getattr(self, name), values[pos : pos + count]),
+            )
             pos += count
         return rebuilt
 
@@ -96,8 +100,10 @@ class OnlineSoftmax:
         for c in range(len(chains), ncols):
             chains[c % 4] = cute.arch.fmax(chains[c % 4], row[c])
         while len(chains) > 1:
-            chains = [cute.arch.fmax(chains[i], chains[i + 1]) if i + 1 < len(chains) else chains[i]
-                      for i in range(0, len(chains), 2)]
+            chains = [
+                cute.arch.fmax(chains[i], chains[i + 1]) if i + 1 < len(chains) else chains[i]
+                for i in range(0, len(chains), 2)
+            ]
         return chains[0]
 
     @cute.jit
@@ -110,8 +116,14 @@ class OnlineSoftmax:
     # inside a run-time branch through names of its own (written through self's fields there, the
     # kernel did not build: a value created in the branch was used outside it).
     @cute.jit
-    def _exact_step(self, acc_S: cute.Tensor, is_first: cutlass.Constexpr[bool], row_scale: cute.Tensor,
-                    row_max_of: cute.Tensor, row_sum_of: cute.Tensor):
+    def _exact_step(
+        self,
+        acc_S: cute.Tensor,
+        is_first: cutlass.Constexpr[bool],
+        row_scale: cute.Tensor,
+        row_max_of: cute.Tensor,
+        row_sum_of: cute.Tensor,
+    ):
         scores = acc_rows_cols(acc_S)
         ncols = cute.size(scores, mode=[1])
         emulate = emulated_columns(ncols, self.emu_share)
@@ -159,7 +171,8 @@ class OnlineSoftmax:
                 sums[c % 4] = sums[c % 4] + p
         while len(sums) > 1:
             sums = [sums[i] + sums[i + 1] for i in range(0, len(sums) - 1, 2)] + (
-                [sums[-1]] if len(sums) % 2 else [])
+                [sums[-1]] if len(sums) % 2 else []
+            )
         return sums[0]
 
     @cute.jit
@@ -179,13 +192,15 @@ class OnlineSoftmax:
             unset = unset | (row_max[r] == -Float32.inf)
         recompute = cutlass.Boolean(False)
         partial = cute.make_rmem_tensor(self.num_rows, Float32)
-        limit = Float32(2.0 ** self.rescale_threshold)
+        limit = Float32(2.0**self.rescale_threshold)
         high = cutlass.Boolean(False)
         if cute.arch.vote_any_sync(unset):
             self._exact_step(acc_S, False, row_scale, row_max, row_sum)
         else:
             for r in cutlass.range_constexpr(self.num_rows):
-                partial[r] = self._exponentiate(scores[r, None], row_max[r] * self.scale_log2, emulate)
+                partial[r] = self._exponentiate(
+                    scores[r, None], row_max[r] * self.scale_log2, emulate
+                )
                 # A NaN sum (NaN scores) leaves the fast path as well.
                 high = high | (partial[r] > limit) | (partial[r] != partial[r])
             if cute.arch.vote_any_sync(high):
@@ -197,8 +212,15 @@ class OnlineSoftmax:
         return recompute
 
     @cute.jit
-    def _settle_from_p(self, scores: cute.Tensor, partial: cute.Tensor, row_scale: cute.Tensor,
-                       limit: Float32, row_max: cute.Tensor, row_sum: cute.Tensor) -> cutlass.Boolean:
+    def _settle_from_p(
+        self,
+        scores: cute.Tensor,
+        partial: cute.Tensor,
+        row_scale: cute.Tensor,
+        limit: Float32,
+        row_max: cute.Tensor,
+        row_sum: cute.Tensor,
+    ) -> cutlass.Boolean:
         """The slow path of step_lazy: a row's largest P is 2 to the power of how far its max rose
         (quad-reduced, so the four threads of a row agree). Rows past the limit move their max there,
         and P, the row sum and (through row_scale) O follow; the others keep it. Returns whether a row
@@ -212,8 +234,12 @@ class OnlineSoftmax:
             # Past 2^125 (inf included) the factor 1/p_max would flush to zero (the MUFU's exp2 is
             # ftz); and the sum, not only the max: finite P near 2^128 can sum to inf, and the max
             # drops NaN.
-            overflow = (overflow | (p_max[r] > Float32(2.0 ** 125)) | (partial[r] == Float32.inf)
-                        | (partial[r] != partial[r]))
+            overflow = (
+                overflow
+                | (p_max[r] > Float32(2.0**125))
+                | (partial[r] == Float32.inf)
+                | (partial[r] != partial[r])
+            )
         recompute = cute.arch.vote_any_sync(overflow)
         if not recompute:
             for r in cutlass.range_constexpr(self.num_rows):
@@ -262,7 +288,9 @@ class OnlineSoftmax:
             row_lse = -Float32.inf
             if seen_any:
                 inv = cute.arch.rcp_approx(total)
-                row_lse = (self.row_max[r] * self.scale_log2 + cute.math.log2(total, fastmath=True)) * LN2
+                row_lse = (
+                    self.row_max[r] * self.scale_log2 + cute.math.log2(total, fastmath=True)
+                ) * LN2
             lse[r] = row_lse
             for c in cutlass.range_constexpr(cute.size(out, mode=[1])):
                 out[r, c] = out[r, c] * inv

@@ -36,9 +36,11 @@ class ToyBucket:
     def family(self) -> tuple:
         return ()
 
-    def distance(self, other: "ToyBucket") -> float:
-        return sum(abs(math.log2(a) - math.log2(b)) for a, b in ((self.m, other.m), (self.n, other.n),
-                                                                  (self.k, other.k)))
+    def distance(self, other: ToyBucket) -> float:
+        return sum(
+            abs(math.log2(a) - math.log2(b))
+            for a, b in ((self.m, other.m), (self.n, other.n), (self.k, other.k))
+        )
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ class MatmulProblem:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "MatmulProblem":
+    def from_dict(cls, data: dict) -> MatmulProblem:
         return cls(**data)
 
     def key(self) -> str:
@@ -72,10 +74,10 @@ class MatmulProblem:
     def bucket(self) -> ToyBucket:
         return ToyBucket(_pow2_ceil(self.m), _pow2_ceil(self.n), _pow2_ceil(self.k))
 
-    def distance(self, other: "MatmulProblem") -> float:
+    def distance(self, other: MatmulProblem) -> float:
         return ToyBucket(self.m, self.n, self.k).distance(ToyBucket(other.m, other.n, other.k))
 
-    def lent_to(self, problem: "MatmulProblem"):
+    def lent_to(self, problem: MatmulProblem):
         return self, False
 
 
@@ -85,7 +87,11 @@ class ToyConfig:
     split: int = 1
 
     def __post_init__(self) -> None:
-        bad = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if getattr(self, f.name) not in KNOBS[f.name]]
+        bad = [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in fields(self)
+            if getattr(self, f.name) not in KNOBS[f.name]
+        ]
         if bad:
             raise ToyConfigError("illegal knob value(s): " + "; ".join(bad))
 
@@ -93,13 +99,13 @@ class ToyConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "ToyConfig":
+    def from_dict(cls, data: dict) -> ToyConfig:
         unknown = sorted(set(data) - set(KNOBS))
         if unknown:
             raise ToyConfigError(f"unknown knob(s) {', '.join(unknown)}")
         return replace(cls(), **data)
 
-    def canonical(self) -> "ToyConfig":
+    def canonical(self) -> ToyConfig:
         return self
 
     def short(self) -> str:
@@ -124,7 +130,11 @@ class ToyCostModel:
     def time_s(self, config, problem) -> tuple[float, dict]:
         best_block = min(128, max(16, problem.m // 16))
         best_split = min(4, max(1, problem.k // 512))
-        penalty = 1 + abs(math.log2(config.block / best_block)) * 0.2 + abs(math.log2(config.split / best_split)) * 0.1
+        penalty = (
+            1
+            + abs(math.log2(config.block / best_block)) * 0.2
+            + abs(math.log2(config.split / best_split)) * 0.1
+        )
         return problem.flops / 5e14 * penalty, {"penalty": penalty}
 
     def provenance(self) -> dict:
