@@ -10,8 +10,8 @@ __version__ = "0.1.0"
 from .problem import Problem  # noqa: E402
 from .runtime.lookup import LookupResult, lookup  # noqa: E402
 
-# `fa4tune.attention` and `fa4tune.explain` live in fa4tune.runtime.dispatch, imported on first use: a
-# call needs torch and the CuTe DSL.
+# `fa4tune.attention` and `fa4tune.explain` live in fa4tune.runtime.dispatch, imported on first use:
+# a call needs torch and the CuTe DSL.
 _DISPATCH = ("attention", "explain")
 
 

@@ -1,5 +1,6 @@
-"""Best-config entries as the results DB, the exported tables and the lookup share them (which one wins
-is fa4tune.policy's to say). Plain data: the lookup reads tables without importing SQLAlchemy."""
+"""Best-config entries as the results DB, the exported tables and the lookup share them (which one
+wins is fa4tune.policy's to say). Plain data: the lookup reads tables without importing
+SQLAlchemy."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import dataclass
 
 
 def config_values(config) -> dict:
-    """A config's knob values: a config value (a family's config type) as its dict, a dict as itself."""
+    """A config's knob values: a config value (a family's config type) as its dict, a dict as is."""
     return config.to_dict() if hasattr(config, "to_dict") else dict(config)
 
 

@@ -39,7 +39,7 @@ def _say(message: str) -> None:
     print(message, flush=True)
 
 
-# ---- search -----------------------------------------------------------------------------------------
+# ---- search -------------------------------------------------------------------------------------
 def cmd_search(args) -> int:
     job = load_job(args.job)
     if args.export is not None:
@@ -84,16 +84,17 @@ def cmd_search(args) -> int:
             if value
         )
         _say(
-            f"fa4tune: interrupted; every finished trial is stored in {shown_location(s.db_location)} (run "
-            f"{s.run_id}). Continue with: fa4tune search {args.job} --resume"
-            + (f" {again}" if again else "")
+            "fa4tune: interrupted; every finished trial is stored in "
+            f"{shown_location(s.db_location)} (run {s.run_id}). Continue with: "
+            f"fa4tune search {args.job} --resume" + (f" {again}" if again else "")
         )
         return EXIT_INTERRUPTED
     estimate = " (cost-model estimates)" if summary.is_estimate else ""
     workers = f" by {summary.workers} workers" if summary.workers > 1 else ""
     _say(
-        f"fa4tune: run {summary.run_id} done on {summary.target} with backend {summary.backend}{estimate}"
-        f"{workers}; results in {shown_location(summary.db_location)}, studies in {shown_location(summary.storage)}"
+        f"fa4tune: run {summary.run_id} done on {summary.target} with backend "
+        f"{summary.backend}{estimate}{workers}; results in {shown_location(summary.db_location)}, "
+        f"studies in {shown_location(summary.storage)}"
     )
     for path in summary.exported:
         _say(f"fa4tune: exported {path}")
@@ -189,13 +190,15 @@ def cmd_show(args) -> int:
         )
         for record in document.get("carried", []):
             _say(
-                f"carried from {record['from_hash'][:12]} (the code of {record['from_revision'][:12]}) to "
-                f"{record['to_hash'][:12]} on {record['date'][:10]}: {record['checked']}"
+                f"carried from {record['from_hash'][:12]} (the code of "
+                f"{record['from_revision'][:12]}) to {record['to_hash'][:12]} on "
+                f"{record['date'][:10]}: {record['checked']}"
             )
         if installed.get(document["kernel"]) != document["kernel_hash"]:
             _say(
                 f"STALE: the installed {document['kernel']} has hash "
-                f"{installed.get(document['kernel'], '?')[:12]}; these configs were tuned for other code"
+                f"{installed.get(document['kernel'], '?')[:12]}; these configs "
+                "were tuned for other code"
             )
         _say(_format_table(headers, _entries_rows(entries, installed)))
         return 0
@@ -253,10 +256,10 @@ def cmd_show(args) -> int:
     return 0
 
 
-# ---- export / import --------------------------------------------------------------------------------
+# ---- export / import ----------------------------------------------------------------------------
 def _refuse_overwrite(out: str) -> None:
-    """An existing table is someone's tuning (the shipped one: measurements and their carry records):
-    `export` replaces it only when told to, and says what would be lost."""
+    """An existing table is someone's tuning (the shipped one: measurements and their carry
+    records): `export` replaces it only when told to, and says what would be lost."""
 
     for path, document in existing_tables(out):
         if isinstance(document, TableError):
@@ -266,8 +269,9 @@ def _refuse_overwrite(out: str) -> None:
             estimated = sum(row["is_estimate"] for row in rows)
             carried = len(document.get("carried", []))
             holds = (
-                f"{len(rows)} entries ({len(rows) - estimated} measured, {estimated} cost-model estimates) "
-                f"of {document['kernel']} hash {document['kernel_hash'][:12]} on {document['target']}"
+                f"{len(rows)} entries ({len(rows) - estimated} measured, {estimated} "
+                f"cost-model estimates) of {document['kernel']} hash "
+                f"{document['kernel_hash'][:12]} on {document['target']}"
                 + (f", with {carried} carry record{'s' if carried > 1 else ''}" if carried else "")
             )
         raise Fa4tuneError(
@@ -325,7 +329,7 @@ def cmd_carry(args) -> int:
     return 0
 
 
-# ---- report / doctor --------------------------------------------------------------------------------
+# ---- report / doctor ----------------------------------------------------------------------------
 def cmd_report(args) -> int:
     paths = write_report(args.db, args.out, storage=args.storage)
     _say(f"fa4tune: report written: {paths['html']} ({len(paths['png'])} PNG plots)")
@@ -341,14 +345,17 @@ def cmd_doctor(args) -> int:
     return 0 if healthy else 1
 
 
-# ---- entry point ------------------------------------------------------------------------------------
+# ---- entry point --------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fa4tune", description="Autotune FlashAttention-4-style kernels."
     )
     parser.add_argument("--version", action="version", version=f"fa4tune {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    db_help = "results DB: a SQLite path or SQLAlchemy URL (default: $FA4TUNE_DB, else fa4tune-results/results.db)"
+    db_help = (
+        "results DB: a SQLite path or SQLAlchemy URL (default: $FA4TUNE_DB, "
+        "else fa4tune-results/results.db)"
+    )
 
     p = sub.add_parser("search", help="run a search job (tuning_configs/*.yaml)")
     p.add_argument("job", help="the job's YAML file")
@@ -458,7 +465,8 @@ def main(argv: list[str] | None = None) -> int:
         print("fa4tune: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:
-        # The reader went away (`fa4tune show | head`): not an error; keep Python from complaining at exit.
+        # The reader went away (`fa4tune show | head`): not an error; keep Python from complaining
+        # at exit.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except Exception as exc:

@@ -47,10 +47,13 @@ def diagnose(db_location: str | None = None) -> list[tuple[str, bool | None, str
                     known = f"target {target.name}"
                 else:  # fa4tune.attention runs it (target.undescribed_hopper); a search does not
                     known = (
-                        "target UNKNOWN: fa4tune.attention runs the default configs, searches need a "
-                        "described GPU (fa4tune/target.py)"
+                        "target UNKNOWN: fa4tune.attention runs the default configs, searches "
+                        "need a described GPU (fa4tune/target.py)"
                     )
-                gpu_detail = f"{name}, {props.multi_processor_count} SMs, sm_{props.major}{props.minor}; {known}"
+                gpu_detail = (
+                    f"{name}, {props.multi_processor_count} SMs, "
+                    f"sm_{props.major}{props.minor}; {known}"
+                )
                 gpu_ok = target is not None
         except Exception as exc:
             lines.append(("torch", False, f"import failed: {exc}"))

@@ -1,6 +1,6 @@
 """The errors fa4tune reports to a person: one paragraph each, caught by the CLI and turned into a
-non-zero exit. Errors of the lead's modules (ProblemError, ConfigError, TargetError) are ValueErrors and
-are reported the same way."""
+non-zero exit. Errors of the lead's modules (ProblemError, ConfigError, TargetError) are ValueErrors
+and are reported the same way."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ class BackendError(Fa4tuneError):
 
 
 class BackendUnavailable(BackendError):
-    """A backend that cannot measure any more (its worker does not start, or keeps dying): the search
-    stops rather than record every remaining candidate as failed."""
+    """A backend that cannot measure any more (its worker does not start, or keeps dying): the
+    search stops rather than record every remaining candidate as failed."""
 
 
 class ResultsDBError(Fa4tuneError):
@@ -48,8 +48,8 @@ class UnsupportedInput(ValueError):
 
 def is_user_error(exc: BaseException) -> bool:
     """Whether an exception is bad input or an unusable environment, to be told to a person in one
-    paragraph rather than as a traceback: fa4tune's own errors, and the ValueErrors fa4tune's modules
-    raise for bad input (ProblemError, ConfigError, TargetError, UnsupportedInput)."""
+    paragraph rather than as a traceback: fa4tune's own errors, and the ValueErrors fa4tune's
+    modules raise for bad input (ProblemError, ConfigError, TargetError, UnsupportedInput)."""
     if isinstance(exc, Fa4tuneError):
         return True
     return isinstance(exc, ValueError) and type(exc).__module__.startswith("fa4tune")

@@ -1,5 +1,5 @@
-"""Reading the YAML / JSON documents fa4tune takes (jobs, tables) with errors that name the file, and
-writing files whole or not at all."""
+"""Reading the YAML / JSON documents fa4tune takes (jobs, tables) with errors that name the file,
+and writing files whole or not at all."""
 
 from __future__ import annotations
 

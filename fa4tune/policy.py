@@ -1,5 +1,5 @@
-"""Which config wins: the one home of fa4tune's selection rules, which the results DB, the search and
-the runtime lookup all follow.
+"""Which config wins: the one home of fa4tune's selection rules, which the results DB, the search
+and the runtime lookup all follow.
 
 - `better`: of two best-config entries for one problem, a measurement beats an estimate, otherwise
   the faster one wins.
@@ -8,8 +8,8 @@ the runtime lookup all follow.
 - `beats_default` and `confirmation_order`: after the re-timing of a problem's best few beside its
   default, which one becomes best (a config replaces the default only when it is measurably faster,
   in every round).
-- `lenders` with `for_lookup` and `for_warm_start`: which tuned problems lend their config to another
-  problem, nearest first, as the runtime lookup climbs its ladder and as a search warms up.
+- `lenders` with `for_lookup` and `for_warm_start`: which tuned problems lend their config to
+  another problem, nearest first, as the runtime lookup climbs its ladder and as a search warms up.
 
 Plain data only: nothing here reads a database or a file."""
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 
-# ---- best configs ---------------------------------------------------------------------------------
+# ---- best configs -------------------------------------------------------------------------------
 def better(candidate, incumbent) -> bool:
     """Whether `candidate` (a BestEntry) beats `incumbent` for the same problem: a measurement beats
     an estimate; otherwise the faster one wins (a tie keeps the incumbent)."""
@@ -30,10 +30,10 @@ def better(candidate, incumbent) -> bool:
 
 
 def stores_best(candidate, stored, *, ever_wrong: bool, stored_retimed: bool = False) -> bool:
-    """Whether `candidate` becomes the problem's best config over `stored` (None: nothing stored yet).
-    A config that ever gave a wrong result for the problem with this kernel code never does. A stored
-    best that was timed again in the same rounds as the candidate (`stored_retimed`), which the caller
-    offers as their winner, is replaced whatever its time from another session."""
+    """Whether `candidate` becomes the problem's best config over `stored` (None: nothing stored
+    yet). A config that ever gave a wrong result for the problem with this kernel code never does. A
+    stored best that was timed again in the same rounds as the candidate (`stored_retimed`), which
+    the caller offers as their winner, is replaced whatever its time from another session."""
     if ever_wrong:
         return False
     return stored is None or stored_retimed or better(candidate, stored)
@@ -57,7 +57,8 @@ def beats_default(candidate, default, min_gain: float) -> bool:
     """Whether a confirmed candidate is measurably faster than the default timed beside it: by more
     than `min_gain` (median over the rounds) and in every round where both were timed (the rounds
     are paired: one round times all of them back to back). With 5 rounds, two configs of equal speed
-    pass the second test one time in 32; measurements without rounds are judged by the first alone."""
+    pass the second test one time in 32; measurements without rounds are judged by the first
+    alone."""
     if not 1.0 - candidate.time_ms / default.time_ms > min_gain:
         return False
     if not _rounds(candidate) and not _rounds(default):
@@ -158,12 +159,12 @@ def lenders(problem, entries, installed_hash: str) -> list[Lender]:
 
 def for_lookup(found: list[Lender]) -> list[Lender]:
     """The order the runtime lookup tries lenders in. Current kernel code first, whatever the dtype.
-    Then the problem's own dtype before the sibling's. In the problem's own bucket (the unit a config
-    is shared in) a measurement comes before an estimate, even of the exact problem: the cost model
-    errs by more than tuning gains, and an estimate table exported beside the shipped one must not
-    shadow its measurements; then the rung. Beyond the bucket the closest problem comes first (4100
-    tokens borrow from 4096 before 16384), a measurement before an estimate only at equal distance.
-    The problem key breaks ties."""
+    Then the problem's own dtype before the sibling's. In the problem's own bucket (the unit a
+    config is shared in) a measurement comes before an estimate, even of the exact problem: the cost
+    model errs by more than tuning gains, and an estimate table exported beside the shipped one must
+    not shadow its measurements; then the rung. Beyond the bucket the closest problem comes first
+    (4100 tokens borrow from 4096 before 16384), a measurement before an estimate only at equal
+    distance. The problem key breaks ties."""
 
     def rank(lender: Lender) -> tuple:
         own_bucket = lender.rung < Rung.NEAREST
@@ -184,7 +185,8 @@ def for_lookup(found: list[Lender]) -> list[Lender]:
 
 def for_warm_start(found: list[Lender]) -> list[Lender]:
     """The order a search enqueues its neighbours' best configs in: the nearest bucket first, at
-    equal distance the problem's own dtype, then current kernel code; the problem key breaks ties."""
+    equal distance the problem's own dtype, then current kernel code; the problem key breaks
+    ties."""
     return sorted(
         found,
         key=lambda lender: (

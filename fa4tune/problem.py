@@ -11,7 +11,8 @@ DTYPES = ("bf16", "fp16")
 # so a table of one serves the other where it holds nothing usable of that dtype, head dims and
 # causality.
 SIBLING_DTYPES = {"bf16": "fp16", "fp16": "bf16"}
-# Head dims any fa4tune kernel could ever take; a given kernel may support fewer (its own check says so).
+# Head dims any fa4tune kernel could ever take; a given kernel may support fewer (its own check says
+# so).
 HEAD_DIMS = (64, 96, 128, 192, 256)
 
 _DTYPE_ALIASES = {
@@ -44,7 +45,8 @@ def _pow2_ceil(n: int) -> int:
 class Problem:
     """One attention forward problem: O = softmax(scale * Q K^T [+ causal mask]) V.
 
-    q is (batch, seqlen_q, nheads_q, head_dim); k and v are (batch, seqlen_k, nheads_kv, head_dim[_v]).
+    q is (batch, seqlen_q, nheads_q, head_dim); k and v are (batch, seqlen_k, nheads_kv,
+    head_dim[_v]).
     """
 
     dtype: str = "bf16"
@@ -132,7 +134,8 @@ class Problem:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ProblemError(
-                f"unknown problem field(s) {', '.join(unknown)}; known fields: {', '.join(sorted(known))}"
+                f"unknown problem field(s) {', '.join(unknown)}; known fields: "
+                f"{', '.join(sorted(known))}"
             )
         return cls(**data)
 
@@ -179,10 +182,10 @@ class Problem:
         )
 
     def lent_to(self, problem: Problem) -> tuple[Problem, bool] | None:
-        """This tuned problem as a lender of its config to `problem` (the runtime lookup, the search's
-        warm start): (itself, False) in problem's dtype; (itself in problem's dtype, True) when its dtype
-        is the sibling (SIBLING_DTYPES); None when it cannot lend. Head dims and causality are still
-        the distance's to judge."""
+        """This tuned problem as a lender of its config to `problem` (the runtime lookup, the
+        search's warm start): (itself, False) in problem's dtype; (itself in problem's dtype, True)
+        when its dtype is the sibling (SIBLING_DTYPES); None when it cannot lend. Head dims and
+        causality are still the distance's to judge."""
         if self.dtype == problem.dtype:
             return self, False
         if self.dtype == SIBLING_DTYPES.get(problem.dtype):
@@ -207,10 +210,11 @@ class Problem:
 
 
 def causal_pairs(seqlen_q: int, seqlen_k: int) -> int:
-    """Number of unmasked (i, j): row i sees keys j <= i + seqlen_k - seqlen_q (bottom-right aligned)."""
+    """Number of unmasked (i, j): row i sees keys j <= i + seqlen_k - seqlen_q
+    (bottom-right aligned)."""
     offset = seqlen_k - seqlen_q
-    # Row i sees clamp(i + offset + 1, 0, seqlen_k) keys: zero up to row `lo`, growing by one per row
-    # up to row `hi`, then all seqlen_k keys.
+    # Row i sees clamp(i + offset + 1, 0, seqlen_k) keys: zero up to row `lo`, growing by one per
+    # row up to row `hi`, then all seqlen_k keys.
     lo = min(seqlen_q, max(0, -offset))
     hi = min(seqlen_q, max(lo, seqlen_k - offset - 1))
     first, last = lo + offset + 1, (hi - 1) + offset + 1
@@ -220,8 +224,8 @@ def causal_pairs(seqlen_q: int, seqlen_k: int) -> int:
 
 @dataclass(frozen=True, order=True)
 class Bucket:
-    """Problems that share a tuned config: same dtype, head dims and causality, with seqlens rounded up
-    to powers of two and batch·heads rounded up to a power of two, and the GQA ratio kept."""
+    """Problems that share a tuned config: same dtype, head dims and causality, with seqlens rounded
+    up to powers of two and batch·heads rounded up to a power of two, and the GQA ratio kept."""
 
     dtype: str
     head_dim: int

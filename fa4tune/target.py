@@ -75,8 +75,9 @@ TARGETS: dict[str, Target] = {
             l2_bytes=50 * 2**20,
             **_HOPPER,
         ),
-        # H200: the H100's SM at the same clocks with faster HBM3e. The matrix rate is the one measured
-        # on our H200 (bf16 8192^3 GEMM, the design notes), the copy rate 4.3 TB/s as measured there.
+        # H200: the H100's SM at the same clocks with faster HBM3e. The matrix rate is the one
+        # measured on our H200 (bf16 8192^3 GEMM, the design notes), the copy rate 4.3 TB/s as
+        # measured there.
         Target(
             name="H200",
             sm_count=132,
@@ -124,8 +125,9 @@ def get_target(name: str | Target | None = None) -> Target:
 
 def target_for_device_name(device_name: str, sm_count: int | None = None) -> Target | None:
     """Map a CUDA device name such as 'NVIDIA H200' or 'NVIDIA H100 80GB HBM3' to a target. With the
-    device's SM count (`multi_processor_count`), a device with other SMs than its model's (a MIG slice,
-    a cut-down part) gets the target with its own count: persistent kernels size their grid by it."""
+    device's SM count (`multi_processor_count`), a device with other SMs than its model's (a MIG
+    slice, a cut-down part) gets the target with its own count: persistent kernels size their grid
+    by it."""
     upper = device_name.upper()
     for token, key in (
         ("H200", "H200"),
@@ -145,9 +147,10 @@ def target_for_device_name(device_name: str, sm_count: int | None = None) -> Tar
 
 def undescribed_hopper(device_name: str, sm_count: int, l2_bytes: int | None = None) -> Target:
     """A Hopper GPU (sm_90) that TARGETS does not describe (an H20, say): the SM every sm_90 part
-    shares (shared memory, registers, the sm_90a instructions), with the device's own SM count and L2
-    size; the clock and throughputs, which only the cost model reads, are the H100 SXM's. It carries
-    the device's name, which no tuned table names, so lookups give the kernel's default configs."""
+    shares (shared memory, registers, the sm_90a instructions), with the device's own SM count and
+    L2 size; the clock and throughputs, which only the cost model reads, are the H100 SXM's. It
+    carries the device's name, which no tuned table names, so lookups give the kernel's default
+    configs."""
     base = TARGETS["H100-SXM"]
     return replace(
         base, name=device_name, sm_count=int(sm_count), l2_bytes=int(l2_bytes or base.l2_bytes)
@@ -161,14 +164,14 @@ def partial_gpu(target: Target, gpu_name: str) -> str | None:
     if target.sm_count == whole:
         return None
     return (
-        f"{gpu_name} has {target.sm_count} SMs, not the {whole} of an {target.name} (a MIG slice?): a search "
-        "would store its timings as the whole GPU's. Search on a whole GPU."
+        f"{gpu_name} has {target.sm_count} SMs, not the {whole} of an {target.name} (a MIG "
+        "slice?): a search would store its timings as the whole GPU's. Search on a whole GPU."
     )
 
 
 def target_for_device(props) -> Target | None:
-    """The target of a CUDA device from its properties (torch's): its model's, with its own SM count;
-    for a Hopper GPU that no target describes, undescribed_hopper; None for any other GPU."""
+    """The target of a CUDA device from its properties (torch's): its model's, with its own SM
+    count; for a Hopper GPU that no target describes, undescribed_hopper; None for any other GPU."""
     target = target_for_device_name(props.name, props.multi_processor_count)
     if target is None and (props.major, props.minor) == (9, 0):
         target = undescribed_hopper(

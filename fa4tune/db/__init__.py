@@ -1,4 +1,4 @@
-"""The results database (SQLAlchemy 2.0 ORM): runs, trials, best configs. The only SQL in fa4tune."""
+"""The results DB (SQLAlchemy 2.0 ORM): runs, trials, best configs. The only SQL in fa4tune."""
 
 from ..best import BestEntry, MergeReport
 from .models import SCHEMA_VERSION

@@ -23,8 +23,8 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 SCHEMA_VERSION = 3
-# Version 2 added the provenance of GPU runs: NVIDIA driver, CUDA version, clocks seen. Version 3 added
-# the locks table and the one-search-trial-per-config index (many workers sharing a study).
+# Version 2 added the provenance of GPU runs: NVIDIA driver, CUDA version, clocks seen. Version 3
+# added the locks table and the one-search-trial-per-config index (many workers sharing a study).
 UPGRADES = {1: {"runs": ("nvidia_driver", "cuda_version", "clocks")}, 2: {}}
 CONFIRM_SOURCE = "confirm"  # trials of the re-timing before a best is stored; not search trials
 
@@ -107,7 +107,8 @@ class Trial(ProblemConfigColumns, Base):
     study_name: Mapped[str] = mapped_column(String(512))
     optuna_number: Mapped[int | None] = mapped_column(Integer)
     config_key: Mapped[str] = mapped_column(Text)
-    # default, warm-start, probe, sampler; or confirm: the re-timing of the best few before one is stored best
+    # default, warm-start, probe, sampler; or confirm: the re-timing of the best few before one is
+    # stored best
     source: Mapped[str] = mapped_column(String(32))
     status: Mapped[str] = mapped_column(String(16))  # ok, failed, wrong, pruned, stopped
     reason: Mapped[str | None] = mapped_column(Text)
@@ -142,9 +143,9 @@ class BestConfig(ProblemConfigColumns, Base):
 
 
 class Lock(Base):
-    """One row per study (or job) that workers serialise on: a transaction that updates the row holds
-    it until it ends (a row lock in PostgreSQL; SQLite's write lock). `confirming` names the worker
-    that re-times the study's best few, so that one worker does it."""
+    """One row per study (or job) that workers serialise on: a transaction that updates the row
+    holds it until it ends (a row lock in PostgreSQL; SQLite's write lock). `confirming` names the
+    worker that re-times the study's best few, so that one worker does it."""
 
     __tablename__ = "locks"
     name: Mapped[str] = mapped_column(String(512), primary_key=True)

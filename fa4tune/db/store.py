@@ -105,7 +105,7 @@ UNREACHABLE_HINT = (
 
 
 def reach(location: str) -> None:
-    """Connect to a database URL once and let go; the driver's (or SQLAlchemy's) error when it cannot."""
+    """Connect to a DB URL once and let go; the driver's (or SQLAlchemy's) error when it cannot."""
     url = engine_url(location)
     engine = create_engine(url, **engine_options(url))
     try:
@@ -174,8 +174,8 @@ class ResultsDB:
 
     @classmethod
     def open(cls, location: str | os.PathLike | None = None, *, create: bool = True) -> ResultsDB:
-        """Open (and with `create`, make) a results DB. A clear ResultsDBError for an unwritable path,
-        a file that is not SQLite or not ours, and a schema of another version."""
+        """Open (and with `create`, make) a results DB. A clear ResultsDBError for an unwritable
+        path, a file that is not SQLite or not ours, and a schema of another version."""
         location = resolve_location(location)
         path = sqlite_path(location)
         shown = shown_location(location)
@@ -199,8 +199,9 @@ class ResultsDB:
                     f"cannot use results DB {shown!r}: {first_line(exc)}. {UNREACHABLE_HINT}"
                 ) from exc
             raise ResultsDBError(
-                f"results DB {location!r} cannot be read: {first_line(exc)}. If it is a file, it may be "
-                "corrupt or not a database; move it aside or point --db / FA4TUNE_DB elsewhere."
+                f"results DB {location!r} cannot be read: {first_line(exc)}. If it is a "
+                "file, it may be corrupt or not a database; move it aside or point "
+                "--db / FA4TUNE_DB elsewhere."
             ) from exc
         except ResultsDBError:
             engine.dispose()
@@ -212,8 +213,9 @@ class ResultsDB:
         if "fa4tune_schema" not in tables:
             if tables:
                 raise ResultsDBError(
-                    f"{shown_location(self.location)!r} holds a database that is not an fa4tune results DB (tables: "
-                    f"{', '.join(sorted(tables))}); give another path with --db or FA4TUNE_DB"
+                    f"{shown_location(self.location)!r} holds a database that is not an "
+                    f"fa4tune results DB (tables: {', '.join(sorted(tables))}); give "
+                    "another path with --db or FA4TUNE_DB"
                 )
             if not create:
                 raise ResultsDBError(
@@ -235,13 +237,14 @@ class ResultsDB:
         if found != str(SCHEMA_VERSION):
             raise ResultsDBError(
                 f"results DB {self.location!r} has schema version {found}, but this fa4tune "
-                f"({_fa4tune_version()}) reads version {SCHEMA_VERSION}. Use the fa4tune version that wrote "
-                "it, or export its tables with that version and import them into a new DB."
+                f"({_fa4tune_version()}) reads version {SCHEMA_VERSION}. Use the "
+                "fa4tune version that wrote it, or export its tables with that version "
+                "and import them into a new DB."
             )
 
     def _upgrade(self, version: int) -> str:
-        """Add the columns later versions added (all nullable), one version at a time, and the tables
-        and indexes they added, in one transaction; the version they reach."""
+        """Add the columns later versions added (all nullable), one version at a time, and the
+        tables and indexes they added, in one transaction; the version they reach."""
         tables = Base.metadata.tables
 
         def upgrade(session: Session) -> int:
@@ -268,9 +271,9 @@ class ResultsDB:
             version = self._transact(upgrade)
         except SQLAlchemyError as exc:
             raise ResultsDBError(
-                f"results DB {self.location!r} has schema version {version} and could not be upgraded to "
-                f"{SCHEMA_VERSION} ({first_line(exc)}); make it writable, or export its tables and import "
-                "them into a new DB"
+                f"results DB {self.location!r} has schema version {version} and could not be "
+                f"upgraded to {SCHEMA_VERSION} ({first_line(exc)}); make it writable, or export "
+                "its tables and import them into a new DB"
             ) from exc
         return str(version)
 
@@ -362,10 +365,10 @@ class ResultsDB:
     def open_run(self, *, resume: bool, study_prefix, **fields) -> tuple[int, str, bool]:
         """Start a run of a job, or with `resume` continue (join) its latest run of the same kernel
         code and target that measures the same way (a cost-model search never continues a measured
-        run: its estimates would count toward the measured studies' budgets and teach their samplers):
-        (run id, study prefix, whether an earlier run was continued). Serialised per job, so that
-        hosts starting together with --resume join one run. `study_prefix(run_id)` names the run's
-        studies."""
+        run: its estimates would count toward the measured studies' budgets and teach their
+        samplers): (run id, study prefix, whether an earlier run was continued). Serialised per job,
+        so that hosts starting together with --resume join one run. `study_prefix(run_id)` names the
+        run's studies."""
         key = (fields["job_name"], fields["kernel"], fields["kernel_hash"], fields["target"])
         with self.locked("job:" + "/".join(key)) as lock:
             session = lock.session
@@ -387,7 +390,7 @@ class ResultsDB:
         self._transact(work)
 
     def fill_run(self, run_id: int, fields: dict) -> None:
-        """Set the run's fields that are still empty (a worker telling what GPU the run measures on)."""
+        """Set the run's fields still empty (a worker telling what GPU the run measures on)."""
 
         def work(session: Session) -> None:
             run = session.get(Run, run_id, with_for_update=True)
@@ -439,8 +442,8 @@ class ResultsDB:
         target: str,
         is_estimate: bool | None = None,
     ) -> dict | None:
-        """The job's latest run of this kernel code on `target` (of estimates or of measurements only,
-        when `is_estimate` says which)."""
+        """The job's latest run of this kernel code on `target` (of estimates or of measurements
+        only, when `is_estimate` says which)."""
         with self._sessions() as session:
             run = _latest_run(session, job_name, kernel, kernel_hash, target, is_estimate)
             return _columns(run) if run else None
@@ -471,9 +474,9 @@ class ResultsDB:
         provenance: dict,
         offer_best: bool = True,
     ) -> int:
-        """Store one trial and, when it is the best ok measurement of its problem (and `offer_best`),
-        the best config, in one transaction: a kill between the two cannot leave them disagreeing.
-        DuplicateTrial when the study already stores a search trial of this config."""
+        """Store one trial and, when it is the best ok measurement of its problem (and
+        `offer_best`), the best config, in one transaction: a kill between the two cannot leave them
+        disagreeing. DuplicateTrial when the study already stores a search trial of this config."""
 
         def work(session: Session) -> int:
             return _add_trial(
@@ -564,8 +567,9 @@ class ResultsDB:
                 None,
             )
             ok, kept = policy.confirmation_order(ok, default, min_gain)
-            # A stored best whose config was re-timed here is judged by these side-by-side rounds, not
-            # by its time from another session (clocks, temperature); otherwise the lower time stands.
+            # A stored best whose config was re-timed here is judged by these side-by-side rounds,
+            # not by its time from another session (clocks, temperature); otherwise the lower time
+            # stands.
             retimed = {row.config_key for _, row in ok}
             for measurement, row in ok:  # the fastest that may become best
                 label = (
@@ -621,7 +625,7 @@ class ResultsDB:
             return _trial_by_number(session, study_name, optuna_number)
 
     def trial_by_config(self, study_name: str, config: dict) -> dict | None:
-        """The earlier trial of this study with the same config (the search never measures twice)."""
+        """The study's earlier trial with the same config (the search never measures twice)."""
         with self._sessions() as session:
             return _trial_by_config(session, study_name, config)
 
@@ -658,8 +662,8 @@ class ResultsDB:
         run_id: int | None = None,
         confirmations: bool = True,
     ) -> list[dict]:
-        """Stored trials, oldest first; without `confirmations`, the search's own (not the re-timings of
-        the best few before one is stored best)."""
+        """Stored trials, oldest first; without `confirmations`, the search's own (not the
+        re-timings of the best few before one is stored best)."""
         query = select(Trial).order_by(Trial.id)
         if not confirmations:
             query = query.where(Trial.source != CONFIRM_SOURCE)
@@ -678,9 +682,9 @@ class ResultsDB:
     def known_good_config(
         self, *, kernel: str, kernel_hash: str, target: str, problem_key: str
     ) -> dict | None:
-        """A config of the problem measured ok (not estimated) with this kernel code on this target, and
-        never wrong there: its best config's trial, else its fastest ok trial, else a measured best
-        config without a trial here (imported from a table: measured where the table was made);
+        """A config of the problem measured ok (not estimated) with this kernel code on this target,
+        and never wrong there: its best config's trial, else its fastest ok trial, else a measured
+        best config without a trial here (imported from a table: measured where the table was made);
         None when there is none. Evidence that the problem runs at all, for the gpu backend's health
         check."""
         same = (
@@ -763,8 +767,9 @@ class ResultsDB:
                 if existing.config != entry.config:
                     winner = "table" if outcome else "database"
                     conflicts.append(
-                        f"{entry.problem_key} on {entry.target}: database {existing.time_ms:.4g} ms "
-                        f"{existing.config} vs table {entry.time_ms:.4g} ms {entry.config}; the {winner} wins"
+                        f"{entry.problem_key} on {entry.target}: database "
+                        f"{existing.time_ms:.4g} ms {existing.config} vs table "
+                        f"{entry.time_ms:.4g} ms {entry.config}; the {winner} wins"
                     )
             return MergeReport(added, replaced, kept, conflicts)
 
@@ -788,8 +793,8 @@ def _check_sqlite_file(path: Path, location: str, create: bool, make_parent: boo
             head = f.read(len(SQLITE_HEADER))
         if head and head != SQLITE_HEADER:
             raise ResultsDBError(
-                f"results DB {location!r} is not a SQLite database (corrupt or another kind of file); "
-                "move it aside or give another path with --db or FA4TUNE_DB"
+                f"results DB {location!r} is not a SQLite database (corrupt or another kind of "
+                "file); move it aside or give another path with --db or FA4TUNE_DB"
             )
         if not head and not create:
             # Opening it would make it a SQLite file (WAL mode is written to its header): a command
@@ -825,8 +830,8 @@ def _sqlite_connect(dbapi_connection, _record) -> None:
     # reader (`fa4tune show`, a test polling it) may hold it.
     cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_S * 1000:.0f}")
     # WAL lets readers (show, lookup, other workers) run while a search writes. SQLite refuses the
-    # switch at once, without waiting, where waiting could deadlock (two connections both switching):
-    # so it is tried again, for as long as the busy timeout.
+    # switch at once, without waiting, where waiting could deadlock (two connections both
+    # switching): so it is tried again, for as long as the busy timeout.
     deadline, pause = time.monotonic() + SQLITE_BUSY_TIMEOUT_S, 0.01
     while True:
         try:
@@ -843,9 +848,9 @@ def _sqlite_connect(dbapi_connection, _record) -> None:
 
 
 def _sqlite_begin(connection) -> None:
-    """A write transaction takes SQLite's write lock when it begins (IMMEDIATE), waiting for it under
-    the busy timeout. A deferred one that read first and then wrote could not wait: SQLite fails it
-    at once with "database is locked" when another worker committed in between."""
+    """A write transaction takes SQLite's write lock when it begins (IMMEDIATE), waiting for it
+    under the busy timeout. A deferred one that read first and then wrote could not wait: SQLite
+    fails it at once with "database is locked" when another worker committed in between."""
     write = connection.get_execution_options().get(WRITE_OPTION)
     connection.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
 
@@ -1020,7 +1025,7 @@ def _add_trial(
 
 
 class LockedStudy:
-    """Inside ResultsDB.locked: the study's stored trials read, and written, in the lock's transaction."""
+    """In ResultsDB.locked: the study's stored trials read and written in the lock's transaction."""
 
     def __init__(self, session: Session, name: str) -> None:
         self.session = session
@@ -1078,8 +1083,8 @@ class LockedStudy:
 
 
 def _find_best(session: Session, entry: BestEntry) -> BestConfig | None:
-    """The stored best of the entry's problem, locked until the transaction ends (PostgreSQL: another
-    worker's offer waits, then compares with what this one stored)."""
+    """The stored best of the entry's problem, locked until the transaction ends (PostgreSQL:
+    another worker's offer waits, then compares with what this one stored)."""
     return session.scalars(
         select(BestConfig)
         .where(
@@ -1132,9 +1137,9 @@ def _offer_best(
     session: Session, entry: BestEntry, trial_id: int | None, retimed=frozenset()
 ) -> bool:
     """Store `entry` as best unless the stored one is at least as good, or the config ever gave a
-    wrong result for this problem and kernel code (then never); True when stored. A stored best whose
-    config key is in `retimed` was timed again in the same rounds as `entry`, which the caller offers
-    as their winner: it is replaced, whatever its time from another session."""
+    wrong result for this problem and kernel code (then never); True when stored. A stored best
+    whose config key is in `retimed` was timed again in the same rounds as `entry`, which the caller
+    offers as their winner: it is replaced, whatever its time from another session."""
     row = _find_best(session, entry)
     stored = _best_entry(row) if row is not None else None
     if not policy.stores_best(

@@ -1,6 +1,6 @@
 """The kernel families: built-in ones by name, third-party ones by entry point, and ones registered
-in this process. Families are imported on first use; importing a family imports neither torch nor the
-CuTe DSL (family.py says what a family provides).
+in this process. Families are imported on first use; importing a family imports neither torch nor
+the CuTe DSL (family.py says what a family provides).
 
 Third-party packages register a KernelFamily instance under the entry-point group `fa4tune.kernels`:
 

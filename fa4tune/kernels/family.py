@@ -40,8 +40,8 @@ KERNELS_DIR = Path(__file__).resolve().parent
 
 @dataclass(frozen=True)
 class Rule:
-    """One feasibility rule of a family: `check(problem, config, target)` gives the reasons the config
-    cannot be built or cannot be right for the problem on the target (none: it passes)."""
+    """One feasibility rule of a family: `check(problem, config, target)` gives the reasons the
+    config cannot be built or cannot be right for the problem on the target (none: it passes)."""
 
     name: str
     check: Callable[[Any, Any, Any], list[str]]
@@ -123,9 +123,9 @@ class KernelFamily:
     rules: ClassVar[tuple[Rule, ...]] = ()
     # The fa4tune function whose calls this family serves ("attention"), if any.
     entry: ClassVar[str | None] = None
-    # Files whose code decides the compiled kernel, relative to `source_root` (None: fa4tune/kernels/,
-    # for the built-in families): editing them makes tuned tables stale (comments and docstrings do
-    # not count: source.code_text).
+    # Files whose code decides the compiled kernel, relative to `source_root` (None:
+    # fa4tune/kernels/, for the built-in families): editing them makes tuned tables stale (comments
+    # and docstrings do not count: source.code_text).
     source_root: ClassVar[Path | None] = None
     source_globs: ClassVar[tuple[str, ...]] = ()
     source_excludes: ClassVar[tuple[str, ...]] = ()
@@ -139,8 +139,8 @@ class KernelFamily:
 
     # ---- configs ------------------------------------------------------------------------------
     def config(self, values):
-        """The config of knob values (a mapping; missing knobs take the config type's defaults), or a
-        config passed through; raises `config_error` naming the bad knobs."""
+        """The config of knob values (a mapping; missing knobs take the config type's defaults), or
+        a config passed through; raises `config_error` naming the bad knobs."""
         if isinstance(values, self.config_type):
             return values
         return self.config_type.from_dict(dict(values))
@@ -154,7 +154,7 @@ class KernelFamily:
         return []
 
     def infeasible_reasons(self, problem, config, target) -> list[str]:
-        """Every reason the config cannot be built or cannot be right for the problem on the target."""
+        """Every reason the config cannot be built or be right for the problem on the target."""
         return all_reasons(self.unsupported_reasons, self.rules, problem, config, target)
 
     def check(self, problem, config, target) -> None:
@@ -199,8 +199,9 @@ class KernelFamily:
     def compile(
         self, problem, config, target, *, options: str | None = None, use_cache: bool = True
     ):
-        """The compiled kernel (an object with `.function`, `.key`, `.compile_seconds` and `.kernel`,
-        the kernel object or None when loaded), from the compile cache unless `use_cache` is False."""
+        """The compiled kernel (an object with `.function`, `.key`, `.compile_seconds` and
+        `.kernel`, the kernel object or None when loaded), from the compile cache unless `use_cache`
+        is False."""
         raise self._missing("compiling")
 
     def export(self, compiled, path) -> str:
@@ -208,7 +209,7 @@ class KernelFamily:
         raise self._missing("exporting compiled kernels")
 
     def load(self, path, problem, config, target):
-        """A compiled kernel from an object file `export` wrote, into this process's compile cache."""
+        """A compiled kernel from an object file `export` wrote, in this process's compile cache."""
         raise self._missing("loading compiled kernels")
 
     def artifact_name(self, key: tuple) -> str:
@@ -216,8 +217,8 @@ class KernelFamily:
         raise self._missing("compiled-kernel files")
 
     def launch_arguments(self, problem, config, target) -> dict:
-        """The run-time arguments a launch passes that shape the work, beyond the compiled code (what
-        `fa4tune carry` compares besides the code)."""
+        """The run-time arguments a launch passes that shape the work, beyond the compiled code
+        (what `fa4tune carry` compares besides the code)."""
         return {}
 
     def prepare_launch(self, problem, config, target, *tensors, **options):
@@ -253,8 +254,8 @@ class KernelFamily:
 
     # ---- estimates and peers ------------------------------------------------------------------
     def cost_model(self, target, assumptions=None):
-        """An object with `time_s(config, problem) -> (seconds, details)` and `provenance() -> dict`:
-        what the `model` backend times candidates with."""
+        """An object with `time_s(config, problem) -> (seconds, details)` and
+        `provenance() -> dict`: what the `model` backend times candidates with."""
         raise self._missing("a cost model (search it with the gpu backend)")
 
     def peers(self) -> list[Peer]:

@@ -9,8 +9,8 @@ import io
 import tokenize
 from pathlib import Path
 
-# Names what hash_files covers; a new scheme gives every kernel a new hash (and stale tables). Scheme 2:
-# files are named by their path below fa4tune/kernels/ (scheme 1: their name alone).
+# Names what hash_files covers; a new scheme gives every kernel a new hash (and stale tables).
+# Scheme 2: files are named by their path below fa4tune/kernels/ (scheme 1: their name alone).
 CODE_HASH_SCHEME = b"code-text-2"
 
 
@@ -36,7 +36,8 @@ def code_text(source: str) -> str:
         tree = ast.parse(source)
     except (SyntaxError, ValueError, tokenize.TokenError):
         return source
-    # Rows as tokenize and ast count them: split on "\n" only (splitlines also splits on \f, \x85, ...).
+    # Rows as tokenize and ast count them: split on "\n" only
+    # (splitlines also splits on \f, \x85, ...).
     lines = source.split("\n")
 
     def column(row: int, byte: int) -> int:  # the AST counts columns in UTF-8 bytes

@@ -10,7 +10,8 @@ from typing import ClassVar
 from ..errors import BackendError
 
 # ok: measured and verified. failed: crashed, hung, did not compile. wrong: above the reference's
-# tolerance. pruned: infeasible, never measured. stopped: measured cheaply and stopped by the pruner.
+# tolerance. pruned: infeasible, never measured. stopped: measured cheaply and stopped by the
+# pruner.
 STATUSES = ("ok", "failed", "wrong", "pruned", "stopped")
 
 
@@ -87,8 +88,8 @@ class Backend:
         """A prefetched candidate that will not be measured after all (nothing by default)."""
 
     def note_stored_good(self, problem, config: dict) -> None:
-        """A config of `problem` that the results DB holds as measured ok, told when the problem starts
-        (nothing by default; the gpu backend checks the GPU with it after crashes)."""
+        """A config of `problem` that the results DB holds as measured ok, told when the problem
+        starts (nothing by default; the gpu backend checks the GPU with it after crashes)."""
 
     def confirm(self, problem, configs: list[dict]) -> list[Measurement]:
         """Measure `configs` again, side by side, before the fastest is stored as best."""
@@ -99,7 +100,7 @@ class Backend:
         return None
 
     def provenance(self) -> dict:
-        """Fields for the run record: gpu_name, sm_count, cuda_driver (None where not applicable)."""
+        """Fields for the run record: gpu_name, sm_count, cuda_driver (None where inapplicable)."""
         return {"gpu_name": None, "sm_count": self.target.sm_count, "cuda_driver": None}
 
     def close(self) -> None:
@@ -149,8 +150,8 @@ def backend_class(name: str) -> type[Backend]:
     except ModuleNotFoundError as exc:
         if exc.name == module_name:
             raise BackendError(
-                f"the {name!r} backend is not part of this fa4tune version ({module_name} is missing); "
-                "use backend: model"
+                f"the {name!r} backend is not part of this fa4tune version ({module_name} "
+                "is missing); use backend: model"
             ) from exc
         raise BackendError(f"the {name!r} backend cannot be imported: {exc}") from exc
     return getattr(module, attr)

@@ -114,9 +114,11 @@ class GpuOptions:
     @staticmethod
     def auto_compile_workers(search_workers: int = 1) -> int:
         """min(8, CPUs - 2) compile workers for one search worker; with several on the host (one per
-        GPU), each gets its share of the CPUs left after their own two (search and measuring worker)."""
+        GPU), each gets its share of the CPUs left after their own two (search and measuring
+        worker)."""
         spare = (os.cpu_count() or 1) - 2 * search_workers
-        # Below 2 spare CPUs per search worker the compile workers would steal the measuring worker's CPU.
+        # Below 2 spare CPUs per search worker the compile workers would steal the measuring
+        # worker's CPU.
         return 0 if spare < 2 * search_workers else min(8, spare // search_workers)
 
     def kernel_cache(self) -> Path:
@@ -177,8 +179,8 @@ class GpuBackend(Backend):
         # key of the last problem measured ok (for a request that names no problem: clocks)
         self.known_good: dict[str, tuple] = {}
         self.last_good: str | None = None
-        # problem key -> (problem, config, None) that the results DB holds as measured ok: the health
-        # check's fallback when this session has measured none of the problem ok
+        # problem key -> (problem, config, None) that the results DB holds as measured ok: the
+        # health check's fallback when this session has measured none of the problem ok
         self.stored_good: dict[str, tuple] = {}
         self.pool_failures = 0  # jobs in a row the compile pool could not take
         self.lookahead = self.options.workers()
@@ -226,8 +228,8 @@ class GpuBackend(Backend):
             self.last_good = problem.key()
 
     def note_stored_good(self, problem, config) -> None:
-        # No artifact yet: the health check asks the compile pool (whose cache may hold it), else the
-        # measuring worker compiles it.
+        # No artifact yet: the health check asks the compile pool (whose cache may hold it), else
+        # the measuring worker compiles it.
         self.stored_good[problem.key()] = (problem, self.kernel.config(config), None)
 
     def prefetch(self, problem, config) -> None:
@@ -339,7 +341,8 @@ class GpuBackend(Backend):
         self.worker.close()
 
     # ---- helpers ------------------------------------------------------------------------------
-    # The worker processes get plain data: the family by name, the problem, config and target as dicts.
+    # The worker processes get plain data: the family by name, the problem, config and target as
+    # dicts.
     def _request(self, problem, config, mode: str, artifact: str | None, salt: int = 0) -> dict:
         values = config.to_dict()
         key = f"{problem.key()}|{sorted(values.items())}|{salt}"
@@ -369,7 +372,8 @@ class GpuBackend(Backend):
         }
 
     def _compiled(self, problem, config) -> tuple[str | None, float | None, str | None]:
-        """(object file, compile seconds, failure reason) from the compile pool; all None without one."""
+        """(object file, compile seconds, failure reason) from the compile pool; all None
+        without one."""
         if self.pool is None:
             return None, None, None
         path = self._artifact_path(problem, config)
@@ -407,8 +411,9 @@ class GpuBackend(Backend):
             unhealthy = self._health_check(key)
             if unhealthy:
                 raise BackendUnavailable(
-                    f"the gpu worker died {self.deaths} times in a row (last: {self.last_death}), {unhealthy}; "
-                    "the GPU may be unusable. Check `nvidia-smi`, then resume the search with --resume."
+                    f"the gpu worker died {self.deaths} times in a row (last: "
+                    f"{self.last_death}), {unhealthy}; the GPU may be unusable. Check "
+                    "`nvidia-smi`, then resume the search with --resume."
                 )
             self.deaths = 0
         try:
@@ -429,8 +434,8 @@ class GpuBackend(Backend):
         good = self.known_good.get(problem_key) or self.stored_good.get(problem_key)
         if good is None:
             return (
-                "and no config of this problem has measured ok in this session or in the results DB to check "
-                "the GPU with"
+                "and no config of this problem has measured ok in this session or in the "
+                "results DB to check the GPU with"
             )
         problem, config, artifact = good
         short = config.short()

@@ -25,13 +25,13 @@ from . import timing
 
 ROLE_VARIABLE = "FA4TUNE_WORKER_ROLE"
 CHEAP_TIMING = {"warmup_ms": 25.0, "min_runs": 5, "max_runs": 10, "target_ms": 25.0}
-# The GPU runs candidate after candidate, so its clocks are already up: 50 ms of warm-up, then 200 ms
-# of timed runs (20-200, each after an L2 flush). Each measurement records its spread, and the best few
-# are timed again in interleaved rounds before one is stored.
+# The GPU runs candidate after candidate, so its clocks are already up: 50 ms of warm-up, then
+# 200 ms of timed runs (20-200, each after an L2 flush). Each measurement records its spread, and
+# the best few are timed again in interleaved rounds before one is stored.
 FULL_TIMING = {"warmup_ms": 50.0, "min_runs": 20, "max_runs": 200, "target_ms": 200.0}
 
 
-# ---- start-up ---------------------------------------------------------------------------------------
+# ---- start-up -----------------------------------------------------------------------------------
 def describe(state: dict) -> dict:
     if os.environ.get(ROLE_VARIABLE) == "compile":
         state["role"] = "compile"
@@ -117,7 +117,7 @@ def gpu_clocks(state: dict) -> dict:
     }
 
 
-# ---- requests ---------------------------------------------------------------------------------------
+# ---- requests -----------------------------------------------------------------------------------
 def clocks(request: dict, channel, state: dict) -> dict:
     return gpu_clocks(state)
 
@@ -134,8 +134,8 @@ def compile(request: dict, channel, state: dict) -> dict:  # noqa: A001 - the op
 
 
 def measure(request: dict, channel, state: dict) -> dict:
-    """Verify and time one candidate. request: kernel, problem, config, target, mode ("search": cheap
-    timing and the parent's verdict before the full one; "retime": full timing only), seed,
+    """Verify and time one candidate. request: kernel, problem, config, target, mode ("search":
+    cheap timing and the parent's verdict before the full one; "retime": full timing only), seed,
     tolerance, timing options, artifact (optional)."""
     import torch
 
@@ -179,9 +179,9 @@ def measure(request: dict, channel, state: dict) -> dict:
                 "runs": cheap.runs,
             }
     full = timing.time_cuda(run, flusher=flusher, **{**FULL_TIMING, **options.get("full", {})})
-    # Once more after the timed runs: they write the same values as the first, so without the poison a
-    # kernel whose later launches write nothing (state an earlier launch left behind, a tile counter
-    # not reset to zero) would pass on the first run's output, and time at next to nothing.
+    # Once more after the timed runs: they write the same values as the first, so without the poison
+    # a kernel whose later launches write nothing (state an earlier launch left behind, a tile
+    # counter not reset to zero) would pass on the first run's output, and time at next to nothing.
     after = poisoned_check(run, family, case, references, torch.cuda.synchronize)
     wrong = after.verdict(tolerance)
     if wrong:
@@ -201,8 +201,8 @@ def measure(request: dict, channel, state: dict) -> dict:
 
 
 def poisoned_check(run, family, case, references, synchronize):
-    """Poison the outputs (NaN), run once and compare with the references: an element the run does not
-    write shows as NaN."""
+    """Poison the outputs (NaN), run once and compare with the references: an element the run does
+    not write shows as NaN."""
     synchronize()
     family.poison(case)
     run()
@@ -233,9 +233,9 @@ def _kernel(request: dict, family, problem, config, target):
             compiled = family.load(artifact, problem, config, target)
             return compiled, compiled.compile_seconds, "pool"
         except Exception as exc:  # noqa: BLE001 - fall back to compiling here, and say why
-            how = f"worker (loading {os.path.basename(artifact)} failed: {type(exc).__name__}: {exc})"[
-                :300
-            ]
+            how = (
+                f"worker (loading {os.path.basename(artifact)} failed: {type(exc).__name__}: {exc})"
+            )[:300]
     start = time.perf_counter()
     compiled = family.compile(problem, config, target)
     return compiled, time.perf_counter() - start, how

@@ -1,12 +1,12 @@
 """Compiling ahead: a few worker processes compile the candidates the search will measure next while
 the GPU worker times the current one.
 
-`cute.compile` never uses the CuTe DSL's on-disk cache (it forces no_cache), so a compile done in one
-process cannot be picked up from that cache by another. What crosses processes is the DSL's AOT
-export: the compiling process writes the kernel as an object file (`export_to_c`), and the GPU worker
-loads it in milliseconds (`cute.runtime.load_module`). Object files are kept under a cache directory
-keyed by kernel version and compile key, so a later run (or another problem with the same head dims
-and causality) reuses them.
+`cute.compile` never uses the CuTe DSL's on-disk cache (it forces no_cache), so a compile done in
+one process cannot be picked up from that cache by another. What crosses processes is the DSL's AOT
+export: the compiling process writes the kernel as an object file (`export_to_c`), and the GPU
+worker loads it in milliseconds (`cute.runtime.load_module`). Object files are kept under a cache
+directory keyed by kernel version and compile key, so a later run (or another problem with the same
+head dims and causality) reuses them.
 
 A background thread feeds the compile workers and collects their results, so that they keep working
 while the caller waits on the GPU worker."""

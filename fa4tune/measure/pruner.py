@@ -6,7 +6,8 @@ from __future__ import annotations
 def make_pruner(margin: float, min_completed: int = 3):
     """An Optuna pruner for cheap first measurements: it stops a candidate whose first (cheap) value
     is more than `margin` above the best completed value so far, once `min_completed` candidates
-    have completed. The cheap timing is noisy (few runs), so only a clearly slower one is stopped."""
+    have completed. The cheap timing is noisy (few runs), so only a clearly slower one is
+    stopped."""
     from optuna.pruners import BasePruner
     from optuna.trial import TrialState
 
@@ -17,8 +18,8 @@ def make_pruner(margin: float, min_completed: int = 3):
 
         def best(self, study) -> float | None:
             completed = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-            # Distinct configs: a repeat of a measured config is told COMPLETE with its stored value,
-            # and is no second opinion on how fast the space can be.
+            # Distinct configs: a repeat of a measured config is told COMPLETE with its stored
+            # value, and is no second opinion on how fast the space can be.
             distinct = {
                 tuple(sorted(t.params.items(), key=lambda item: item[0])) for t in completed
             }
@@ -33,8 +34,8 @@ def make_pruner(margin: float, min_completed: int = 3):
 
         def explain(self, study, value: float) -> str:
             return (
-                f"stopped after the cheap timing: {value:.4g} ms is more than {self.margin:.0%} above "
-                f"the best so far ({self.best(study):.4g} ms)"
+                f"stopped after the cheap timing: {value:.4g} ms is more than {self.margin:.0%} "
+                f"above the best so far ({self.best(study):.4g} ms)"
             )
 
     return SlowerThanBestPruner()

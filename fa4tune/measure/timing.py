@@ -24,7 +24,7 @@ HOST_HIDE_SECONDS = 1e-3  # well above any launch's host-side preparation we hav
 
 
 class L2Flusher:
-    """Overwrites a buffer twice the size of L2 so that no run reads its inputs from a warm cache."""
+    """Overwrites a buffer twice the size of L2 so no run reads its inputs from a warm cache."""
 
     def __init__(self, device=None):
         import torch
@@ -47,8 +47,9 @@ class L2Flusher:
 
 
 def round_order(count: int, round_index: int) -> list[int]:
-    """The order in which interleaved round `round_index` times `count` candidates: each round starts
-    one later, so that none is always timed first or last (rounds compared pairwise stay fair)."""
+    """The order in which interleaved round `round_index` times `count` candidates: each round
+    starts one later, so that none is always timed first or last (rounds compared pairwise stay
+    fair)."""
     return [(round_index + step) % count for step in range(count)]
 
 
@@ -71,9 +72,10 @@ def time_cuda(
 ) -> Timing:
     """Time `fn()` (which launches GPU work on the current stream).
 
-    Warm-up runs continue until `warmup_ms` of GPU time has passed (clocks ramp up, caches of compiled
-    code fill). Then each run is bracketed by its own pair of events, with an L2 flush before the start
-    event; runs repeat until `target_ms` of measured time or `max_runs`, at least `min_runs`."""
+    Warm-up runs continue until `warmup_ms` of GPU time has passed (clocks ramp up, caches of
+    compiled code fill). Then each run is bracketed by its own pair of events, with an L2 flush
+    before the start event; runs repeat until `target_ms` of measured time or `max_runs`, at least
+    `min_runs`."""
 
     # A garbage-collection pause in the host code of a launch could outlast the spin and leave the
     # GPU idle inside the timed interval; collect now and not during the measurement.

@@ -15,7 +15,8 @@ device work starts (the parent switches from the compile timeout to the run time
 The parent never blocks on a dead or hung child: every wait has a deadline, a missed deadline kills
 the child (SIGKILL), and end-of-file on the pipe is a death whose exit code or signal becomes the
 reason. An exception raised after the `run` phase began ends the child too (a CUDA error leaves its
-context unusable); the next request starts a fresh one. A child whose parent dies exits by itself."""
+context unusable); the next request starts a fresh one. A child whose parent dies exits by
+itself."""
 
 from __future__ import annotations
 
@@ -214,7 +215,8 @@ class WorkerProcess:
             try:
                 answer = on_ask(message[1]) if on_ask is not None else None
             except BaseException:
-                self.kill()  # interrupted while the child waits for the answer: it cannot be left mid-request
+                # Interrupted while the child waits for the answer: it cannot be left mid-request.
+                self.kill()
                 raise
             try:
                 self._conn.send(("answer", answer))
@@ -282,7 +284,7 @@ class _Gone(Exception):
         self.timed_out = timed_out
 
 
-# ---- the child side ---------------------------------------------------------------------------------
+# ---- the child side -----------------------------------------------------------------------------
 class Channel:
     """What a worker function uses to talk to the parent during a request."""
 

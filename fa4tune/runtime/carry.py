@@ -2,9 +2,9 @@
 
 A table names the kernel code it was tuned for (its `kernel_hash`, over the kernel files' code). Any
 code edit, a refactor or a host-side mend included, gives a new hash and so a stale table until a
-re-tune on the GPU. But a table's measurements stay true for as long as what runs stays the same: the
-compiled kernel and the launch fa4tune makes of it. `carry_table` checks exactly that on the CPU, entry
-by entry, between the tree the table was tuned on (a git revision) and the installed one:
+re-tune on the GPU. But a table's measurements stay true for as long as what runs stays the same:
+the compiled kernel and the launch fa4tune makes of it. `carry_table` checks exactly that on the
+CPU, entry by entry, between the tree the table was tuned on (a git revision) and the installed one:
 
 - the compiled kernel: the DSL's module after canonicalisation (host launch code and device kernel,
   `CUTE_DSL_KEEP=ir`) and the PTX built from it (`ptx`), both compiled for the table's arch, with
@@ -15,9 +15,10 @@ by entry, between the tree the table was tuned on (a git revision) and the insta
 Not checked: the DSL itself (both trees compile with the installed one; the kernel hash does not
 cover it either), and the Python that prepares the tensors and the softmax scale for a launch, which
 the correctness tests cover. Each tree is compiled in its own Python process (the old one from
-`git archive`), with the DSL's file cache off. Only when every entry agrees is the table rewritten, with the installed hash and a record
-of the carry (`carried`: from which hash and revision, how checked, when). Anything else is a
-CarryError that names the entries whose code changed: those need a re-tune.
+`git archive`), with the DSL's file cache off. Only when every entry agrees is the table rewritten,
+with the installed hash and a record of the carry (`carried`: from which hash and revision, how
+checked, when). Anything else is a CarryError that names the entries whose code changed: those need
+a re-tune.
 """
 
 from __future__ import annotations
@@ -37,13 +38,13 @@ from ..kernels import get_kernel
 from ..target import get_target
 from .tables import read_table, write_table
 
-# Run in each tree's own interpreter (PYTHONPATH = that tree): compiles every job read from stdin and
-# prints one JSON line per job with the digests of what it compiled. It takes the kernel family's API
-# (family.compile, family.launch_arguments) where the tree has one, else the API of trees before kernel
-# families (interface.compile_forward, heads_per_l2_group). A kernel's symbol names carry the module
-# path of its class (`fa4tunekernelsfwd_sm90FlashForwardSm90...`, cut at a fixed length): each symbol
-# that holds it is renamed by its order of first use before hashing, so that moving the kernel's
-# module changes no digest.
+# Run in each tree's own interpreter (PYTHONPATH = that tree): compiles every job read from stdin
+# and prints one JSON line per job with the digests of what it compiled. It takes the kernel
+# family's API (family.compile, family.launch_arguments) where the tree has one, else the API of
+# trees before kernel families (interface.compile_forward, heads_per_l2_group). A kernel's symbol
+# names carry the module path of its class (`fa4tunekernelsfwd_sm90FlashForwardSm90...`, cut at a
+# fixed length): each symbol that holds it is renamed by its order of first use before hashing, so
+# that moving the kernel's module changes no digest.
 _FINGERPRINT = r"""
 import hashlib, json, os, re, sys
 from pathlib import Path
@@ -62,16 +63,19 @@ from fa4tune.target import get_target
 def check_origin():
     for name, module in list(sys.modules.items()):
         path = getattr(module, "__file__", None)
-        if (name == "fa4tune" or name.startswith("fa4tune.")) and path and not Path(path).resolve().is_relative_to(root):
+        if ((name == "fa4tune" or name.startswith("fa4tune.")) and path
+                and not Path(path).resolve().is_relative_to(root)):
             sys.exit(f"imported {name} from {path}, not from the tree at {root}")
 
 
 def compile_and_launch(spec, problem, config, target):
     if hasattr(spec, "launch_arguments"):  # a kernel family
-        return spec.compile(problem, config, target, use_cache=False), spec.launch_arguments(problem, config, target)
+        return (spec.compile(problem, config, target, use_cache=False),
+                spec.launch_arguments(problem, config, target))
     from fa4tune.kernels import interface
-    compiled = interface.compile_forward(config, problem.dtype, problem.head_dim, problem.head_dim_v,
-                                         problem.causal, target, use_cache=False)
+    compiled = interface.compile_forward(config, problem.dtype, problem.head_dim,
+                                         problem.head_dim_v, problem.causal, target,
+                                         use_cache=False)
     return compiled, {"heads_per_l2_group": interface.heads_per_l2_group(problem, target),
                       "tile_counter": bool(config.uses_tile_counter(problem.causal))}
 
@@ -92,14 +96,16 @@ for line in sys.stdin:
     mangled = re.escape((cls.__module__.replace(".", "") + cls.__qualname__).encode())
     digests = {}
     for path in sorted(dump.iterdir()):
-        kind = "ir" if path.name.endswith(".mlir") else "ptx" if path.name.endswith(".ptx") else None
+        kind = ("ir" if path.name.endswith(".mlir")
+                else "ptx" if path.name.endswith(".ptx") else None)
         if kind is None:
             continue
         if kind in digests:
             sys.exit(f"two {kind} files for one compile in {dump}")
         names = {}
         text = re.sub(rb"[A-Za-z0-9_]*" + mangled + rb"[A-Za-z0-9_]*",
-                      lambda m: names.setdefault(m.group(0), b"SYMBOL%d" % len(names)), path.read_bytes())
+                      lambda m: names.setdefault(m.group(0), b"SYMBOL%d" % len(names)),
+                      path.read_bytes())
         digests[kind] = hashlib.sha256(text).hexdigest()
     check_origin()
     print(json.dumps({"key": job["key"], "digests": digests, "launch": launch}), flush=True)
@@ -208,8 +214,8 @@ def fingerprints(
 
 
 def table_jobs(document: dict) -> list[dict]:
-    """One compile job per table entry (the launch arguments depend on the whole problem, not only on
-    what the compile sees)."""
+    """One compile job per table entry (the launch arguments depend on the whole problem, not only
+    on what the compile sees)."""
     return [
         {
             "key": str(index),
@@ -237,11 +243,11 @@ def carry_table(
     tree: str | os.PathLike | None = None,
     now: datetime | None = None,
 ) -> dict:
-    """Check that the fa4tune tree at `tree` (default: the installed one) compiles every entry of the
-    table at `path` to the code that the tree at git revision `rev` of `repo` compiles it to, and
-    launches it alike; with `write`, rewrite the table (YAML and JSON) for the new tree's kernel hash.
-    Returns the carried document; CarryError when it cannot be carried (TableError when it cannot be
-    written: the YAML and JSON pair is then put back as it was)."""
+    """Check that the fa4tune tree at `tree` (default: the installed one) compiles every entry of
+    the table at `path` to the code that the tree at git revision `rev` of `repo` compiles it to,
+    and launches it alike; with `write`, rewrite the table (YAML and JSON) for the new tree's kernel
+    hash. Returns the carried document; CarryError when it cannot be carried (TableError when it
+    cannot be written: the YAML and JSON pair is then put back as it was)."""
     path = Path(path)
     document = read_table(path)
     spec = get_kernel(document["kernel"])
@@ -261,14 +267,17 @@ def carry_table(
         if old_hash != document["kernel_hash"]:
             raise CarryError(
                 f"{path} was tuned for {spec.name} {document['kernel_hash'][:12]}, but its code at "
-                f"{rev} ({commit[:12]}) hashes to {old_hash[:12]}: name the revision it was tuned on"
+                f"{rev} ({commit[:12]}) hashes to {old_hash[:12]}: name the "
+                "revision it was tuned on"
             )
         say(
-            f"fa4tune carry: compiling {len(jobs)} entries with {spec.name} at {commit[:12]} ({old_hash[:12]}) ..."
+            f"fa4tune carry: compiling {len(jobs)} entries with {spec.name} at "
+            f"{commit[:12]} ({old_hash[:12]}) ..."
         )
         _, old = fingerprints(tmp / "old", spec.name, jobs, tmp / "dump-old")
         say(
-            f"fa4tune carry: compiling {len(jobs)} entries with {spec.name} of {tree} ({new_hash[:12]}) ..."
+            f"fa4tune carry: compiling {len(jobs)} entries with {spec.name} of "
+            f"{tree} ({new_hash[:12]}) ..."
         )
         _, new = fingerprints(tree, spec.name, jobs, tmp / "dump-new")
     changed = []
@@ -292,7 +301,9 @@ def carry_table(
         "from_hash": old_hash,
         "from_revision": commit,
         "to_hash": new_hash,
-        "checked": f"{', '.join(ARTIFACTS)} and launch arguments of all {len(jobs)} entries identical",
+        "checked": (
+            f"{', '.join(ARTIFACTS)} and launch arguments of all {len(jobs)} entries identical"
+        ),
         "date": (now or datetime.now(timezone.utc)).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
     carried["carried"] = list(document.get("carried", [])) + [record]

@@ -1,5 +1,5 @@
-"""`fa4tune.attention(q, k, v, causal=False, softmax_scale=None) -> (out, lse)`: the forward pass with
-the tuned config for the caller's shapes.
+"""`fa4tune.attention(q, k, v, causal=False, softmax_scale=None) -> (out, lse)`: the forward pass
+with the tuned config for the caller's shapes.
 
     out, lse = fa4tune.attention(q, k, v, causal=True)
 
@@ -11,12 +11,12 @@ The causal mask is aligned to the bottom right, as in FlashAttention. The kernel
 CUDA stream; nothing is synchronised. Inputs with nothing to compute (batch, seqlen_q or seqlen_k 0)
 give O zero and LSE -inf, as in flash-attn-4, without a kernel.
 
-The first call for a shape validates the inputs, looks the config up (fa4tune.lookup: $FA4TUNE_TABLE,
-$FA4TUNE_DB, else the shipped tables), compiles it once (the kernels' compile cache) and has the family
-prepare the launch: the kernel's argument descriptors (pointer, shape, strides) are packed once, so that a later
-call with the same shapes, strides, dtypes, devices, causality and scale only writes the new data
-pointers and the stream into them and calls the compiled host function. `explain` says which config
-a call would use, without running anything."""
+The first call for a shape validates the inputs, looks the config up (fa4tune.lookup:
+$FA4TUNE_TABLE, $FA4TUNE_DB, else the shipped tables), compiles it once (the kernels' compile cache)
+and has the family prepare the launch: the kernel's argument descriptors (pointer, shape, strides)
+are packed once, so that a later call with the same shapes, strides, dtypes, devices, causality and
+scale only writes the new data pointers and the stream into them and calls the compiled host
+function. `explain` says which config a call would use, without running anything."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ _PREPARE_LOCK = threading.Lock()
 
 
 def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None):
-    """(out, lse) of softmax(scale · q kᵀ [+ causal mask]) v with the tuned kernel; see the module."""
+    """(out, lse) of softmax(scale · q kᵀ [+ causal mask]) v by the tuned kernel; see the module."""
     try:
         # get_device(): an int (-1 off the GPU), cheaper to build and hash than a torch.device; with
         # is_cuda it names the device. A causal that is not a bool (1 equals True) goes to _prepare.
@@ -101,14 +101,15 @@ def explain(q, k, v, causal: bool = False, target=None):
 
 
 def clear() -> None:
-    """Forget prepared launches (after changing FA4TUNE_TABLE / FA4TUNE_DB, with fa4tune.runtime.reset)."""
+    """Forget prepared launches (after changing FA4TUNE_TABLE / FA4TUNE_DB, with
+    fa4tune.runtime.reset)."""
     with _PREPARE_LOCK:
         _LAUNCHES.clear()
 
 
-# ---- validation -------------------------------------------------------------------------------------
+# ---- validation ---------------------------------------------------------------------------------
 def _serving(target=None) -> list:
-    """The families that serve fa4tune.attention (on `target`'s arch, when given), the default first."""
+    """Families that serve fa4tune.attention (on `target`'s arch, when given), the default first."""
     default = get_kernel(None)
     ordered = [default] + [f for f in families().values() if f is not default]
     return [f for f in ordered if f.entry == ENTRY and (target is None or f.arch == target.arch)]
@@ -141,9 +142,9 @@ def _say_undescribed(target) -> None:
         return
     _UNDESCRIBED_SEEN.add(target.name)
     warnings.warn(
-        f"fa4tune.attention: {target.name} is a Hopper GPU that fa4tune has no description or tuned "
-        f"table of (it knows H100 and H200); running the kernel's default configs, sized to its "
-        f"{target.sm_count} SMs",
+        f"fa4tune.attention: {target.name} is a Hopper GPU that fa4tune has no description or "
+        "tuned table of (it knows H100 and H200); running the kernel's default configs, "
+        f"sized to its {target.sm_count} SMs",
         RuntimeWarning,
         stacklevel=4,
     )
@@ -152,7 +153,7 @@ def _say_undescribed(target) -> None:
 _UNDESCRIBED_SEEN: set = set()
 
 
-# ---- prepared launches ------------------------------------------------------------------------------
+# ---- prepared launches --------------------------------------------------------------------------
 def _prepare(key, q, k, v, causal, softmax_scale):
     empty = check_inputs(q, k, v, causal)  # (attention() has checked requires_grad already)
     # Any real number (a numpy float too), not a bool; a tensor would cost a device sync per call.

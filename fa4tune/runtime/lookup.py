@@ -3,13 +3,13 @@
     config, how = fa4tune.lookup(Problem(head_dim=128, seqlen_q=8192, causal=True))
 
 The ladder: the exact problem, else a tuned problem of the same bucket, else the nearest tuned
-problem of the same dtype, head dims and causality (distance in log seqlen and log batch·heads), else
-one of the sibling dtype (fp16 for bf16 and back: one element width), by the same rules, else the
-kernel's default; configs tuned for the installed kernel code come before stale ones whatever their
-rung or dtype, and in the problem's bucket measurements before cost-model estimates. A source is read
-once and kept in memory; a lookup is a dict access after the first call for a problem. It never
-raises for a missing, empty or unreadable source: it returns the default and warns once. Importing
-this module imports neither torch nor cutlass."""
+problem of the same dtype, head dims and causality (distance in log seqlen and log batch·heads),
+else one of the sibling dtype (fp16 for bf16 and back: one element width), by the same rules, else
+the kernel's default; configs tuned for the installed kernel code come before stale ones whatever
+their rung or dtype, and in the problem's bucket measurements before cost-model estimates. A source
+is read once and kept in memory; a lookup is a dict access after the first call for a problem. It
+never raises for a missing, empty or unreadable source: it returns the default and warns once.
+Importing this module imports neither torch nor cutlass."""
 
 from __future__ import annotations
 
@@ -26,17 +26,17 @@ from ..kernels import family_for_problem, get_kernel
 from ..target import DEFAULT_TARGET, get_target
 from .tables import TableError, read_table, table_entries
 
-# The shipped tables: tuning_configs/tables, through the link fa4tune/shipped_tables (a wheel carries
-# the files themselves there).
+# The shipped tables: tuning_configs/tables, through the link fa4tune/shipped_tables (a wheel
+# carries the files themselves there).
 PACKAGE_TABLES = Path(__file__).resolve().parent.parent / "shipped_tables"
 
 
 @dataclass(frozen=True)
 class LookupResult:
     """What `lookup` found: the config, which rung of the ladder it came from ("exact", "bucket",
-    "nearest", "other-dtype", "default"), the tuned problem it was borrowed from, whether that tuning
-    was done on other kernel code (stale), and whether its time was a cost-model estimate, not a
-    measurement."""
+    "nearest", "other-dtype", "default"), the tuned problem it was borrowed from, whether that
+    tuning was done on other kernel code (stale), and whether its time was a cost-model estimate,
+    not a measurement."""
 
     config: object
     source: str
@@ -57,8 +57,9 @@ class _Index:
 
     def __init__(self, entries, origin: str, warn=None) -> None:
         self.origin = origin
-        # (kernel, target) -> [(entry, its problem)]: the problem read once at load (its key and bucket
-        # come from it, not from the keys stored beside it, which an older fa4tune may have written).
+        # (kernel, target) -> [(entry, its problem)]: the problem read once at load (its key and
+        # bucket come from it, not from the keys stored beside it, which an older fa4tune may have
+        # written).
         self.by_target: dict[tuple[str, str], list] = {}
         skipped = []
         for entry in entries:
@@ -75,7 +76,8 @@ class _Index:
             self.by_target.setdefault((entry.kernel, entry.target), []).append((entry, problem))
         if skipped and warn is not None:
             warn(
-                f"{origin}: {len(skipped)} entries skipped, their problems unreadable: {'; '.join(skipped[:3])}"
+                f"{origin}: {len(skipped)} entries skipped, their problems "
+                f"unreadable: {'; '.join(skipped[:3])}"
             )
         self.results: dict = {}  # (kernel, target, problem) -> LookupResult, at most MAX_CACHED
 
@@ -133,7 +135,7 @@ class Lookup:
             self._warned.add(message)
             warnings.warn(f"fa4tune.lookup: {message}", RuntimeWarning, stacklevel=4)
 
-    # ---- the ladder -------------------------------------------------------------------------------
+    # ---- the ladder -----------------------------------------------------------------------------
     def __call__(self, problem, target=None, kernel: str | None = None) -> LookupResult:
         index = self.index()
         tgt = _target(target)
@@ -204,7 +206,8 @@ def _target(target):
     if target is not None:
         return get_target(target)
     if "default" not in _target_cache:
-        # Asking CUDA needs torch; import it only when the caller already has (fa4tune.attention does).
+        # Asking CUDA needs torch; import it only when the caller already has (fa4tune.attention
+        # does).
         import sys
 
         name = os.environ.get("FA4TUNE_TARGET")
@@ -236,9 +239,9 @@ def lookup(
     problem, target=None, *, source: str | os.PathLike | None = None, kernel: str | None = None
 ) -> LookupResult:
     """The config for `problem` on `target` (None: FA4TUNE_TARGET, the local GPU, else H200), from
-    `source` (a results DB path/URL or a table file/dir; None: FA4TUNE_TABLE, FA4TUNE_DB, the shipped
-    tables), of kernel family `kernel` (None: the family that takes the problem's kind). Returns a
-    LookupResult that also unpacks as (config, source)."""
+    `source` (a results DB path/URL or a table file/dir; None: FA4TUNE_TABLE, FA4TUNE_DB, the
+    shipped tables), of kernel family `kernel` (None: the family that takes the problem's kind).
+    Returns a LookupResult that also unpacks as (config, source)."""
     if source is None:
         return _default_lookup(problem, target, kernel)
     key = str(source)

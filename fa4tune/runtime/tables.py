@@ -64,7 +64,8 @@ def export_table(
     db, out: str | os.PathLike | None, *, kernel=None, target: str, kernel_hash: str | None = None
 ) -> list[str]:
     """Write the best configs of `kernel` (installed version unless `kernel_hash`) on `target` to
-    OUT.yaml and OUT.json; returns the paths. An error, and nothing written, when there is nothing."""
+    OUT.yaml and OUT.json; returns the paths. An error, and nothing written, when there is
+    nothing."""
     spec = get_kernel(kernel)
     kernel_hash = kernel_hash or spec.source_hash()
     if len(kernel_hash) < 64:  # a prefix, as show, doctor and the hint below print them
@@ -75,8 +76,8 @@ def export_table(
         }
         if len(matches) > 1:
             raise TableError(
-                f"kernel hash {kernel_hash!r} is the start of {len(matches)} hashes in {db.location}: "
-                f"give more of it ({', '.join(sorted(h[:16] for h in matches))})"
+                f"kernel hash {kernel_hash!r} is the start of {len(matches)} hashes in "
+                f"{db.location}: give more of it ({', '.join(sorted(h[:16] for h in matches))})"
             )
         kernel_hash = matches.pop() if matches else kernel_hash
     entries = db.best_configs(kernel=spec.name, kernel_hash=kernel_hash, target=target)
@@ -84,8 +85,8 @@ def export_table(
         others = {e.kernel_hash[:12] for e in db.best_configs(kernel=spec.name, target=target)}
         hint = (
             (
-                f"; the DB has configs of other versions of the kernel ({', '.join(sorted(others))}): pass "
-                "--kernel-hash to export one"
+                "; the DB has configs of other versions of the kernel "
+                f"({', '.join(sorted(others))}): pass --kernel-hash to export one"
             )
             if others
             else ""
@@ -107,7 +108,8 @@ def table_paths(out: str | os.PathLike) -> tuple[Path, Path]:
 
 def existing_tables(out: str | os.PathLike) -> list[tuple[Path, dict | TableError]]:
     """The files of the table named `out` that exist (a directory in the way is the write's error to
-    report), each with its document or the TableError reading it gave: what writing `out` would replace."""
+    report), each with its document or the TableError reading it gave: what writing `out` would
+    replace."""
     found = []
     for path in table_paths(out):
         if path.is_file():
@@ -196,7 +198,8 @@ def read_table(path: str | os.PathLike) -> dict:
             row["is_estimate"], bool
         ):  # the lookup ranks measurements before estimates
             raise TableError(f"{where}.is_estimate: true or false")
-    # The label `fa4tune export` writes (and the YAML header warns by): whether any entry is an estimate.
+    # The label `fa4tune export` writes (and the YAML header warns by): whether any entry is an
+    # estimate.
     estimates = any(row["is_estimate"] for row in document["entries"])
     if document.get("estimates") is not estimates:
         raise TableError(
@@ -228,8 +231,8 @@ def check_importable(path: str | os.PathLike) -> dict:
     if document["kernel_hash"] != installed:
         raise TableError(
             f"{path}: kernel_hash {document['kernel_hash'][:12]} is not the installed {spec.name} "
-            f"({installed[:12]}): the table was tuned for other kernel code and is stale. Re-tune with "
-            "`fa4tune search`, or import it with the fa4tune version that exported it."
+            f"({installed[:12]}): the table was tuned for other kernel code and is stale. Re-tune "
+            "with `fa4tune search`, or import it with the fa4tune version that exported it."
         )
     for index, row in enumerate(document["entries"]):
         try:

@@ -1,5 +1,5 @@
-"""Search-space plugins: the registry. Built-ins live in this package; third-party plugins register a
-SearchSpace subclass under the entry-point group `fa4tune.spaces`:
+"""Search-space plugins: the registry. Built-ins live in this package; third-party plugins register
+a SearchSpace subclass under the entry-point group `fa4tune.spaces`:
 
     [project.entry-points."fa4tune.spaces"]
     my_space = "my_package.my_module:MySpace"
@@ -89,7 +89,8 @@ def rediscover() -> None:
 
 def get_space(name: str) -> type[SearchSpace]:
     """A plugin class by name. Built-in and registered ones are found without loading the entry
-    points, so that a broken third-party plugin stops only the jobs that name it (or an unknown name)."""
+    points, so that a broken third-party plugin stops only the jobs that name it (or an unknown
+    name)."""
     if name in _registered:
         return _registered[name]
     if name in _BUILTINS:

@@ -12,9 +12,9 @@ from typing import Any, ClassVar
 from ..errors import SpaceError
 
 
-# ---- parameter domains ----------------------------------------------------------------------------
+# ---- parameter domains --------------------------------------------------------------------------
 class Param:
-    """The domain of one knob. Subclasses: Choice (a list) and Range (int or float, optional step)."""
+    """One knob's domain. Subclasses: Choice (a list) and Range (int or float, optional step)."""
 
     def suggest(self, trial, name: str):
         raise NotImplementedError
@@ -107,7 +107,7 @@ class Range(Param):
         return abs(k - round(k)) < 1e-9
 
     def with_value(self, value) -> Param:
-        """A continuous range is widened to the value (a Choice of it alone would drop the range)."""
+        """A continuous range widens to the value (a Choice of it alone would drop the range)."""
         if (
             self.contains(value)
             or self.values() is not None
@@ -130,7 +130,8 @@ def _same(a, b) -> bool:
 
 def domain_of(values: Sequence) -> Param:
     """The natural domain for a kernel knob's legal values: an evenly spaced numeric run becomes a
-    stepped range (samplers such as TPE, CMA-ES and GP model it as ordered), anything else a choice."""
+    stepped range (samplers such as TPE, CMA-ES and GP model it as ordered), anything else a
+    choice."""
     values = list(values)
     numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
     if numeric and len(values) >= 3 and values == sorted(values):
@@ -153,7 +154,8 @@ def parse_domain(spec: Any, where: str) -> Param:
         unknown = sorted(set(spec) - {"low", "high", "step", "log"})
         if unknown or "low" not in spec or "high" not in spec:
             raise SpaceError(
-                f"{where}: a range is written {{low: L, high: H, step: S, log: false}}, got {spec!r}"
+                f"{where}: a range is written {{low: L, high: H, step: S, "
+                f"log: false}}, got {spec!r}"
             )
         low, high, step = spec["low"], spec["high"], spec.get("step")
         for key, value in (("low", low), ("high", high), ("step", step)):
@@ -167,12 +169,12 @@ def parse_domain(spec: Any, where: str) -> Param:
     return Choice([spec])
 
 
-# ---- the plugin base class --------------------------------------------------------------------------
+# ---- the plugin base class ----------------------------------------------------------------------
 class SearchSpace:
     """A search-space plugin. Subclasses set `name` and `knobs` (the kernel knobs they search); most
-    need nothing else. The kernel family's rules judge every config; override `check` for rules of the
-    plugin's own. Override `params` for a domain narrower than the kernel's
-    legal values, `default` for a default other than the kernel's, `suggest` for conditional params."""
+    need nothing else. The kernel family's rules judge every config; override `check` for rules of
+    the plugin's own. Override `params` for a domain narrower than the kernel's legal values,
+    `default` for a default other than the kernel's, `suggest` for conditional params."""
 
     name: ClassVar[str] = ""
     knobs: ClassVar[tuple[str, ...]] = ()
@@ -218,8 +220,8 @@ class SearchSpace:
             ]
             if illegal:
                 raise SpaceError(
-                    f"space {self.name!r}: {name} value(s) {', '.join(map(repr, illegal))} are outside its "
-                    f"domain {base[name].describe()}"
+                    f"space {self.name!r}: {name} value(s) {', '.join(map(repr, illegal))} are "
+                    f"outside its domain {base[name].describe()}"
                 )
         self.domains: dict[str, Param] = {**base, **overrides}
 
@@ -230,12 +232,13 @@ class SearchSpace:
         base = self.params()
         if not isinstance(base, dict):
             raise SpaceError(
-                f"{who}: params() must return a dict of knob name to domain, got {type(base).__name__}"
+                f"{who}: params() must return a dict of knob name to domain, "
+                f"got {type(base).__name__}"
             )
         if set(base) != set(self.knobs):
             raise SpaceError(
-                f"{who}: params() must give a domain to each of its knobs ({', '.join(self.knobs)}); "
-                f"it gave {', '.join(map(str, base)) or 'none'}"
+                f"{who}: params() must give a domain to each of its knobs "
+                f"({', '.join(self.knobs)}); it gave {', '.join(map(str, base)) or 'none'}"
             )
         legal = self.kernel.knobs
         for name, domain in base.items():
@@ -246,15 +249,16 @@ class SearchSpace:
             values = domain.values()
             if name in legal and values is None:
                 raise SpaceError(
-                    f"{who}: {name} is a continuous range ({domain.describe()}), but the kernel takes "
-                    f"only {', '.join(map(repr, legal[name]))}: give it a step or a list of values"
+                    f"{who}: {name} is a continuous range ({domain.describe()}), but "
+                    f"the kernel takes only {', '.join(map(repr, legal[name]))}: give "
+                    "it a step or a list of values"
                 )
             if name in legal and values is not None:
                 illegal = [v for v in values if not any(_same(v, ok) for ok in legal[name])]
                 if illegal:
                     raise SpaceError(
-                        f"{who}: {name} value(s) {', '.join(map(repr, illegal))} are not values the "
-                        f"kernel takes ({', '.join(map(repr, legal[name]))})"
+                        f"{who}: {name} value(s) {', '.join(map(repr, illegal))} are not values "
+                        f"the kernel takes ({', '.join(map(repr, legal[name]))})"
                     )
         return base
 
@@ -264,8 +268,8 @@ class SearchSpace:
         missing = [k for k in self.knobs if k not in legal]
         if missing:
             raise SpaceError(
-                f"space {self.name!r} searches {', '.join(missing)}, which kernel {self.kernel.name} does "
-                f"not have; its knobs: {', '.join(legal)}"
+                f"space {self.name!r} searches {', '.join(missing)}, which kernel "
+                f"{self.kernel.name} does not have; its knobs: {', '.join(legal)}"
             )
         return {k: domain_of(legal[k]) for k in self.knobs}
 
@@ -280,6 +284,6 @@ class SearchSpace:
         return {name: domains[name].suggest(trial, name) for name in self.domains}
 
     def check(self, problem, config, target) -> list[str]:
-        """Reasons the full config (the kernel's config value) is infeasible beyond the kernel family's
-        own rules, which always apply; empty when it is fine."""
+        """Reasons the full config (the kernel's config value) is infeasible beyond the kernel
+        family's own rules, which always apply; empty when it is fine."""
         return []

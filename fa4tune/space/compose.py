@@ -1,8 +1,8 @@
 """The search over several plugins at once: their parameters side by side (a knob declared by two
-plugins is an error), knobs no plugin searches fixed at the kernel's default for the problem, and the
-kernel family's rules (with any rules of the plugins' own) deciding whether a config may reach the
-backend. A config leaves here as the family's config value, canonical: two params that build the same
-kernel give equal configs."""
+plugins is an error), knobs no plugin searches fixed at the kernel's default for the problem, and
+the kernel family's rules (with any rules of the plugins' own) deciding whether a config may reach
+the backend. A config leaves here as the family's config value, canonical: two params that build the
+same kernel give equal configs."""
 
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ class ComposedSpace:
 
     # ---- per-problem domains and defaults -------------------------------------------------------
     def default_values(self, problem, target) -> dict:
-        """The knob values of the kernel's default for the problem, with the starting values of plugins
-        that override `SearchSpace.default` (each for its own knobs)."""
+        """The knob values of the kernel's default for the problem, with the starting values of
+        plugins that override `SearchSpace.default` (each for its own knobs)."""
         config = self.kernel.default_config(problem, target).to_dict()
         for space in self.spaces:
             if type(space).default is SearchSpace.default:
@@ -54,7 +54,7 @@ class ComposedSpace:
         return config
 
     def domains(self, problem, target) -> dict[str, Param]:
-        """Each parameter's domain, widened to hold the problem's default so the default is measurable."""
+        """Each parameter's domain, widened to hold the problem's default, making it measurable."""
         default = self.default_values(problem, target)
         return {
             name: domain.with_value(default[name])
@@ -106,8 +106,8 @@ class ComposedSpace:
         return params
 
     def full_config(self, problem, target, params: dict):
-        """The kernel's config: its default for the problem with the searched parameters replaced, in
-        canonical form (knobs without effect reset), so equal kernels get equal configs."""
+        """The kernel's config: its default for the problem with the searched parameters replaced,
+        in canonical form (knobs without effect reset), so equal kernels get equal configs."""
         return self.kernel.config({**self.default_values(problem, target), **params}).canonical()
 
     def default_config(self, problem, target):
@@ -116,16 +116,16 @@ class ComposedSpace:
 
     def probes(self, problem, target, count: int) -> list[dict]:
         """Up to `count` params that each change one knob of the problem's default, feasible and
-        distinct as kernels: first the nearest other value of every knob in turn (for numbers the next
-        one up or down; both, the larger first, when they are equally near), then the next nearest,
-        and so on. Knobs with a continuous domain are not probed. Measured right after the default,
-        they show the sampler which single knobs matter before it models the space.
+        distinct as kernels: first the nearest other value of every knob in turn (for numbers the
+        next one up or down; both, the larger first, when they are equally near), then the next
+        nearest, and so on. Knobs with a continuous domain are not probed. Measured right after the
+        default, they show the sampler which single knobs matter before it models the space.
 
-        A value that is infeasible beside the default's other knobs (four consumer warpgroups with the
-        default's wide K/V blocks, say) is probed with the nearest feasible change of one or two other
-        knobs: each other value counts as its place in that knob's order (1 for the nearest), a change
-        as the sum, fewer knobs first on a tie. Otherwise such a value would only ever be measured if
-        the sampler happened on a feasible combination by chance."""
+        A value that is infeasible beside the default's other knobs (four consumer warpgroups with
+        the default's wide K/V blocks, say) is probed with the nearest feasible change of one or two
+        other knobs: each other value counts as its place in that knob's order (1 for the nearest),
+        a change as the sum, fewer knobs first on a tie. Otherwise such a value would only ever be
+        measured if the sampler happened on a feasible combination by chance."""
         if count <= 0:
             return []
         default = self.default_params(problem, target)
@@ -201,7 +201,7 @@ class ComposedSpace:
         return None, None
 
     def check(self, problem, config, target) -> list[str]:
-        """Every reason the config is infeasible: the kernel family's rules, then the plugins' own."""
+        """Every reason the config is infeasible: the family's rules, then the plugins' own."""
         reasons = self.kernel.infeasible_reasons(problem, config, target)
         for space in self.spaces:
             if type(space).check is SearchSpace.check:

@@ -2,8 +2,9 @@
 softmax with its next QK^T GEMM (two score tiles live at once: more registers), and whether the
 consumer warpgroups ping-pong so that one's softmax overlaps the other's GEMMs; and whether CTAs are
 persistent (one per SM, loading the next tile while finishing this one; O then needs its own shared
-memory); whether each consumer warpgroup of a persistent CTA stores its O rows on its own; and whether
-a persistent CTA double-buffers Q, so that the next tile's Q loads under this tile's GEMMs."""
+memory); whether each consumer warpgroup of a persistent CTA stores its O rows on its own; and
+whether a persistent CTA double-buffers Q, so that the next tile's Q loads under this tile's
+GEMMs."""
 
 from __future__ import annotations
 

@@ -33,8 +33,8 @@ JOB_KEYS = {
     "export": "table path to export the best configs to when the search ends",
     "warm_start": "how many neighbouring tuned problems to enqueue (default 3)",
     "probes": "how many one-knob changes of the default to enqueue after it (default 8)",
-    "measure": "options of the gpu backend: compile_workers, compile_timeout, run_timeout, prune_margin, "
-    "confirm_top, confirm_rounds, ...",
+    "measure": "options of the gpu backend: compile_workers, compile_timeout, run_timeout, "
+    "prune_margin, confirm_top, confirm_rounds, ...",
 }
 
 

@@ -2,11 +2,12 @@
 on request), the samplers a job may name, and how studies are named. Optuna's storage is kept apart
 from the results DB so that many workers share a study through Optuna, not through our tables.
 
-Many workers: every trial a worker asks for carries the worker's name (`host:pid:identity`, WORKER_ATTR),
-and the config it claimed a budget slot for (CLAIM_ATTR, see sharing.py). A worker that dies leaves
-its trials RUNNING; they are handed back (failed, and queued again by Optuna's retry callback) by
-whoever sees it dead: on its own host, a process that no longer exists; on another host, Optuna's
-heartbeat (RDB storages on a server), whose stale trials the same callback queues again."""
+Many workers: every trial a worker asks for carries the worker's name (`host:pid:identity`,
+WORKER_ATTR), and the config it claimed a budget slot for (CLAIM_ATTR, see sharing.py). A worker
+that dies leaves its trials RUNNING; they are handed back (failed, and queued again by Optuna's
+retry callback) by whoever sees it dead: on its own host, a process that no longer exists; on
+another host, Optuna's heartbeat (RDB storages on a server), whose stale trials the same callback
+queues again."""
 
 from __future__ import annotations
 
@@ -47,9 +48,9 @@ SOURCE_ATTR = "fa4tune_source"  # why a queued trial was queued: default, warm-s
 GIVEN_BACK_ATTR = (
     "fa4tune_given_back"  # a queued trial put back unmeasured: the number it was popped as
 )
-# Heartbeats on server storages (PostgreSQL, MySQL): every FA4TUNE_HEARTBEAT_S seconds (default 10) a
-# worker records that each of its trials is alive; one silent for HEARTBEAT_GRACE times that is stale
-# and handed back.
+# Heartbeats on server storages (PostgreSQL, MySQL): every FA4TUNE_HEARTBEAT_S seconds (default 10)
+# a worker records that each of its trials is alive; one silent for HEARTBEAT_GRACE times that is
+# stale and handed back.
 HEARTBEAT_S = 10
 HEARTBEAT_GRACE = 3
 # A trial a dead worker left running is queued again at most this often (a config that kills the
@@ -275,7 +276,7 @@ def open_storage(location: str, heartbeat: bool | None = None, create: bool = Tr
         ) from exc
 
 
-# ---- workers sharing a study ------------------------------------------------------------------------
+# ---- workers sharing a study --------------------------------------------------------------------
 def this_host() -> str:
     """The host name in worker names; FA4TUNE_WORKER_HOST overrides it where hosts share a name."""
     return os.environ.get("FA4TUNE_WORKER_HOST") or socket.gethostname()
@@ -296,7 +297,8 @@ def _stat_fields(pid: int) -> list[str] | None:
 def _identity_of(fields: list[str] | None) -> str | None:
     """The boot and the start time (clock ticks after boot) of a live process, from its stat fields:
     with its pid, what no later process shares. A pid alone does not do: a search restarted in a
-    container (a pid namespace) gets the pid of the one that was killed. None where there is no /proc."""
+    container (a pid namespace) gets the pid of the one that was killed. None where there is no
+    /proc."""
     if fields is None or len(fields) < 20:
         return None
     try:
@@ -320,7 +322,7 @@ def worker_name(pid: int | None = None) -> str:
 
 
 def parse_worker(worker: str) -> tuple[str, str, str | None]:
-    """(host, pid, identity or None) of a worker name; names of earlier fa4tune versions are host:pid."""
+    """(host, pid, identity or None) of a worker name; earlier versions' names are host:pid."""
     head, _, last = worker.rpartition(":")
     if last.isdigit():
         return head, last, None
@@ -521,8 +523,8 @@ def grid_sampler_class():
     from optuna.samplers import GridSampler
 
     class AskTellGridSampler(GridSampler):
-        """Optuna's grid sampler stops the study from inside `tell` once the grid is done, which only
-        works under study.optimize; the search loop notices an exhausted space itself.
+        """Optuna's grid sampler stops the study from inside `tell` once the grid is done, which
+        only works under study.optimize; the search loop notices an exhausted space itself.
 
         Its seed also shuffles the grid, and a trial's grid id indexes the shuffled grid: every
         worker and every session of a study must shuffle alike (`grid_seed`), or the ids that one

@@ -5,8 +5,8 @@ GPU (spawned; CUDA_VISIBLE_DEVICES names the worker's GPU; with the model backen
 processes). Each worker runs the search loop of search.py over all problems against the same Optuna
 studies and results DB; search.py says how they share a study. The coordinator watches them: a
 worker that dies (a crash, SIGKILL) has its trials handed back at once and is started again (at most
-MAX_RESTARTS times per GPU); one that stops on bad input or an unusable GPU is not restarted. When all
-are done, the coordinator reports each problem from the results DB. Several hosts run one
+MAX_RESTARTS times per GPU); one that stops on bad input or an unusable GPU is not restarted. When
+all are done, the coordinator reports each problem from the results DB. Several hosts run one
 coordinator each (`--resume` joins the job's run, see README)."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ STOP_GRACE_S = 30  # how long interrupted workers get to store and settle their 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # what interrupts a worker (see _worker_main)
 
 
-# ---- planning ---------------------------------------------------------------------------------------
+# ---- planning -----------------------------------------------------------------------------------
 def visible_gpus() -> list[str]:
     """The GPUs this process may use, as CUDA_VISIBLE_DEVICES entries for the workers."""
     if not cuda_available():
@@ -77,8 +77,9 @@ def plan_workers(
     if backend_name == "model":
         if gpus is not None:
             raise Fa4tuneError(
-                f"--gpus {','.join(map(str, gpus))}: this search runs on the model backend (no CUDA GPU here, or "
-                "backend: model), which uses no GPU; give --workers N for N CPU worker processes"
+                f"--gpus {','.join(map(str, gpus))}: this search runs on the model "
+                "backend (no CUDA GPU here, or backend: model), which uses no GPU; give "
+                "--workers N for N CPU worker processes"
             )
         return [None] * workers
     visible = visible_gpus()
@@ -110,7 +111,8 @@ def gpu_target(plan: list[str | None], wanted):
     if len(models) != 1:
         shown = ", ".join(sorted(f"{name} ({sms} SMs)" for name, sms in models))
         raise BackendError(
-            f"the workers' GPUs are of different models ({shown}); pick GPUs of one model with --gpus"
+            f"the workers' GPUs are of different models ({shown}); pick "
+            "GPUs of one model with --gpus"
         )
     name, sm_count = models.pop()
     detected = target_for_device_name(name, sm_count)
@@ -134,7 +136,7 @@ def gpu_target(plan: list[str | None], wanted):
     return detected
 
 
-# ---- the worker process -----------------------------------------------------------------------------
+# ---- the worker process -------------------------------------------------------------------------
 @dataclass(frozen=True)
 class WorkerSpec:
     """What a worker process needs to join the run (everything picklable)."""
@@ -243,7 +245,7 @@ def _work(spec: WorkerSpec) -> dict:
     return {r.problem.key(): {"stopped": r.stopped, "repeats": r.repeats} for r in results}
 
 
-# ---- the coordinator --------------------------------------------------------------------------------
+# ---- the coordinator ----------------------------------------------------------------------------
 class _Slot:
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
@@ -322,16 +324,18 @@ def run_workers(
         )
         for i, device in enumerate(plan)
     ]
-    # The coordinator's view of the run: it hands back dead workers' trials and reports the problems.
+    # The coordinator's view of the run: it hands back dead workers' trials and reports the
+    # problems.
     coordinator = worker_name()
     if plan[0] is None:
         say(
-            f"fa4tune: {len(plan)} CPU worker process{'es' if len(plan) > 1 else ''} share run {run.run_id}"
+            f"fa4tune: {len(plan)} CPU worker "
+            f"process{'es' if len(plan) > 1 else ''} share run {run.run_id}"
         )
     else:
         say(
-            f"fa4tune: {len(plan)} worker process{'es' if len(plan) > 1 else ''} share run {run.run_id}, one per "
-            f"GPU (CUDA_VISIBLE_DEVICES {', '.join(plan)})"
+            f"fa4tune: {len(plan)} worker process{'es' if len(plan) > 1 else ''} share run "
+            f"{run.run_id}, one per GPU (CUDA_VISIBLE_DEVICES {', '.join(plan)})"
         )
     failures: list[str] = []
     interrupted = False
@@ -340,7 +344,8 @@ def run_workers(
             slot.start()
         running = list(slots)
         while running:
-            interrupts.checkpoint()  # a signal whose KeyboardInterrupt was swallowed (see fa4tune.interrupts)
+            # A signal whose KeyboardInterrupt was swallowed (see fa4tune.interrupts).
+            interrupts.checkpoint()
             wait([slot.process.sentinel for slot in running], timeout=1.0)
             for slot in list(running):
                 slot.collect()
@@ -375,7 +380,8 @@ def run_workers(
                     continue
                 slot.restarts += 1
                 say(
-                    f"fa4tune: worker {index} died ({reason}); its trials were handed back; restarting it"
+                    f"fa4tune: worker {index} died ({reason}); its trials were "
+                    "handed back; restarting it"
                 )
                 slot.start()
                 running.append(slot)

@@ -1,7 +1,7 @@
-"""Checks of the torch tensors an attention call takes (q, k, v in the (batch, seqlen, heads, head_dim)
-layout, and outputs a caller passes), the Problem they make, and the outputs of a call with nothing to
-compute. Shared by the attention families and the dispatcher; every check but the device runs on CPU
-and meta tensors too."""
+"""Checks of the torch tensors an attention call takes (q, k, v in the (batch, seqlen, heads,
+head_dim) layout, and outputs a caller passes), the Problem they make, and the outputs of a call
+with nothing to compute. Shared by the attention families and the dispatcher; every check but the
+device runs on CPU and meta tensors too."""
 
 from __future__ import annotations
 
@@ -49,11 +49,11 @@ def make_problem(q, k, v, causal) -> Problem:
 
 
 def check_inputs(q, k, v, causal) -> bool:
-    """UnsupportedInput naming what is not supported, for every check but the device (so that it runs
-    on CPU and meta tensors too; fa4tune.attention and attention_forward both validate their inputs
-    here). True when there is nothing to compute: no batch, no query rows or no keys. The callers then
-    return O zero and LSE -inf, as flash-attn-4 does (and this kernel for rows without keys), without
-    a launch."""
+    """UnsupportedInput naming what is not supported, for every check but the device (so that it
+    runs on CPU and meta tensors too; fa4tune.attention and attention_forward both validate their
+    inputs here). True when there is nothing to compute: no batch, no query rows or no keys. The
+    callers then return O zero and LSE -inf, as flash-attn-4 does (and this kernel for rows without
+    keys), without a launch."""
     import torch
 
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -111,9 +111,10 @@ def check_inputs(q, k, v, causal) -> bool:
         return True  # nothing is read, so neither strides nor alignment matter
     for name, t in (("q", q), ("k", k), ("v", v)):
         if 0 in t.stride():
-            # An expanded view (k[:, :, :1].expand(...), say), or a size-1 dim given stride 0 (which torch
-            # calls contiguous): the DSL's DLPack import takes a zero stride for a constant and misreads
-            # the descriptor. (GQA needs no expansion: pass k and v with their own heads.)
+            # An expanded view (k[:, :, :1].expand(...), say), or a size-1 dim given stride 0 (which
+            # torch calls contiguous): the DSL's DLPack import takes a zero stride for a constant
+            # and misreads the descriptor. (GQA needs no expansion: pass k and v with their own
+            # heads.)
             raise UnsupportedInput(
                 f"{name} has a zero stride {t.stride()} (an expanded view?); pass "
                 f"{name}.clone(memory_format=torch.contiguous_format), or k and v with fewer "

@@ -11,8 +11,8 @@ import ctypes
 import struct
 
 # A compiled host function takes each tensor of dynamic layout as a memref descriptor: the data
-# pointer, i32 extents and the i64 strides of every mode but the last (which is 1). A tensor of static
-# layout (a (1,) tile counter, say) is the pointer alone.
+# pointer, i32 extents and the i64 strides of every mode but the last (which is 1). A tensor of
+# static layout (a (1,) tile counter, say) is the pointer alone.
 DESCRIPTOR_4D = struct.Struct("<Q4i3q")
 DESCRIPTOR_3D = struct.Struct("<Q3i4x2q")
 
@@ -30,8 +30,8 @@ def raw_stream_getter():
 
 
 def direct_call(executor, arguments: list[int]):
-    """(run, result): `run()` calls the executor's compiled host function with `arguments` (addresses)
-    and returns its CUDA error code (0: launched).
+    """(run, result): `run()` calls the executor's compiled host function with `arguments`
+    (addresses) and returns its CUDA error code (0: launched).
 
     The DSL's `run_compiled_program` converts the argument list into a new pointer array on every
     call; here the array is built once, as the DSL builds it (the arguments, then the address of the

@@ -22,8 +22,8 @@ class AttentionCase:
 
 
 def attention_case(problem, device) -> AttentionCase:
-    """Uninitialised buffers of the problem's inputs (batch, seqlen, heads, dim) and outputs (O like q
-    with head_dim_v, LSE (batch, nheads_q, seqlen_q) float32) on `device`."""
+    """Uninitialised buffers of the problem's inputs (batch, seqlen, heads, dim) and outputs (O like
+    q with head_dim_v, LSE (batch, nheads_q, seqlen_q) float32) on `device`."""
     import torch
 
     dtype = torch.bfloat16 if problem.dtype == "bf16" else torch.float16

@@ -8,10 +8,10 @@ import math
 def attention_reference(q, k, v, causal: bool = False, softmax_scale: float | None = None):
     """O and LSE of softmax(scale·Q Kᵀ [+ bottom-right causal mask]) V, computed in float32.
 
-    q: (batch, seqlen_q, nheads_q, d); k, v: (batch, seqlen_k, nheads_kv, d[_v]); nheads_q a multiple of
-    nheads_kv. Returns O as (batch, seqlen_q, nheads_q, d_v) float32 and LSE as (batch, nheads_q,
-    seqlen_q) float32 in natural log. A row that sees no key (causal with seqlen_q > seqlen_k) has
-    O = 0 and LSE = -inf, as in FlashAttention.
+    q: (batch, seqlen_q, nheads_q, d); k, v: (batch, seqlen_k, nheads_kv, d[_v]); nheads_q a
+    multiple of nheads_kv. Returns O as (batch, seqlen_q, nheads_q, d_v) float32 and LSE as (batch,
+    nheads_q, seqlen_q) float32 in natural log. A row that sees no key (causal with seqlen_q >
+    seqlen_k) has O = 0 and LSE = -inf, as in FlashAttention.
     """
     import torch
 

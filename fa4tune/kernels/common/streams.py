@@ -13,9 +13,10 @@ _COUNTERS_LOCK = threading.Lock()
 
 class _StreamQueries:
     """The two driver queries tile_counter makes per call: is the stream capturing a graph, and its
-    unique id (the launch paths ask torch instead, except for external streams: current_tile_counter).
-    Called through ctypes on libcuda, the cuda-python bindings where libcuda cannot be opened that
-    way (which cost a few microseconds more per call on the H200's host; README, Dispatch)."""
+    unique id (the launch paths ask torch instead, except for external streams:
+    current_tile_counter). Called through ctypes on libcuda, the cuda-python bindings where libcuda
+    cannot be opened that way (which cost a few microseconds more per call on the H200's host;
+    README, Dispatch)."""
 
     def __init__(self) -> None:
         import ctypes
@@ -39,7 +40,7 @@ class _StreamQueries:
         self.ctypes = ctypes
 
     def _query(self, name: str, stream: int, out_type) -> int:
-        """The value the driver function `name` writes for `stream`; RuntimeError on a driver error."""
+        """What the driver function `name` writes for `stream`; RuntimeError on a driver error."""
         if self.lib is None:
             from cuda.bindings import driver as cuda
 
@@ -73,7 +74,8 @@ def _queries() -> _StreamQueries:
 
 def _stream_key(device, stream: int) -> tuple:
     """(device, the driver's unique id of the stream): unlike a handle, the id of a destroyed stream
-    is never given to a new one, so a new stream cannot inherit a counter that old work still uses."""
+    is never given to a new one, so a new stream cannot inherit a counter that old work still
+    uses."""
     return device, _queries().stream_id(stream)
 
 

@@ -114,9 +114,9 @@ def compare(out, lse, references) -> Check:
         )
     if lse is not None and torch.isnan(lse).any().item():
         return Check(math.nan, math.nan, "NaN in the LSE: some rows were never written or are NaN")
-    # O's error per slice, the worst one counting: summed over the slices, the rows that see few keys
-    # (large O) would drown the rest (at 16k causal the first rows' blocks hold 99% of the norm, and
-    # a slice of long rows 10% off would pass).
+    # O's error per slice, the worst one counting: summed over the slices, the rows that see few
+    # keys (large O) would drown the rest (at 16k causal the first rows' blocks hold 99% of the
+    # norm, and a slice of long rows 10% off would pass).
     out_error, worst = 0.0, None
     lse_error = 0.0
     for index, ref_o, ref_lse in references:

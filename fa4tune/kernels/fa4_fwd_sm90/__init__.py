@@ -6,7 +6,8 @@
     arguments.py   the argument groups its device methods pass each other
     compile.py     compiling, the compile cache, object files
     launch.py      attention_forward and the prepared launch of fa4tune.attention
-    cost_model.py  the analytic model the `model` backend times candidates with; calibrate.py fits it
+    cost_model.py  the analytic model the `model` backend times candidates with; calibrate.py
+                   fits it
     peers.py       flash-attn-4 and cuDNN, for the benchmarks
 
 The shared Hopper device code is in ../sm90/, the host-side pieces shared by attention families in
@@ -37,9 +38,9 @@ class ForwardSm90(KernelFamily):
     default_spaces = ("tiles", "pipeline", "exp2", "softmax")
     rules = RULES
     entry = "attention"
-    # What compiles or launches: this folder's kernel, config, resource, compile and launch code, the
-    # shared Hopper device code and the shared host launch code. Not the spec, the cost model, its
-    # calibration or the peers; not the fp32 reference or the output checks.
+    # What compiles or launches: this folder's kernel, config, resource, compile and launch code,
+    # the shared Hopper device code and the shared host launch code. Not the spec, the cost model,
+    # its calibration or the peers; not the fp32 reference or the output checks.
     source_globs = ("fa4_fwd_sm90/*.py", "sm90/*.py", "common/*.py")
     source_excludes = (
         "fa4_fwd_sm90/__init__.py",
@@ -64,20 +65,21 @@ class ForwardSm90(KernelFamily):
             cfg = FwdConfig(tile_m=128, tile_n=128 if dv <= 128 else 112)
         else:
             cfg = FwdConfig(tile_m=128, tile_n=80)
-        # Rescale O only when a row max rose by more than 2^8: rare after the first blocks, and P stays
-        # well inside bf16/fp16 range (measured: +1-7% at 1k tokens, neutral at 16k; docs/kernel-notes.md).
-        # Persistent CTAs: non-causal +10% at 1k tokens, +2-3% at 4k, even at 16k; causal (tiles from the
-        # kernel's counter) +12-20% at 1k, +5% at 4k, +0.5-1% at 16k (H200, v4 and v5 in docs/kernel-notes.md).
-        # The lazy row max (`lazy_max`), in an A/B on the H200: hdim 64 non-causal +6.7-7.5% at 1k-16k,
-        # causal +6.4% at 16k, +3.9% at 4k, +0.2% at 1k, -1.6% at 512; hdim 128 +0.9-3.3% (512 causal
-        # -0.3%; session 22 in docs/kernel-notes.md; run 11, session 23, searched with it). It needs
-        # threshold 8 and the MUFU's exponentials.
+        # Rescale O only when a row max rose by more than 2^8: rare after the first blocks, and P
+        # stays well inside bf16/fp16 range (measured: +1-7% at 1k tokens, neutral at 16k;
+        # docs/kernel-notes.md). Persistent CTAs: non-causal +10% at 1k tokens, +2-3% at 4k, even at
+        # 16k; causal (tiles from the kernel's counter) +12-20% at 1k, +5% at 4k, +0.5-1% at 16k
+        # (H200, v4 and v5 in docs/kernel-notes.md). The lazy row max (`lazy_max`), in an A/B on the
+        # H200: hdim 64 non-causal +6.7-7.5% at 1k-16k, causal +6.4% at 16k, +3.9% at 4k, +0.2% at
+        # 1k, -1.6% at 512; hdim 128 +0.9-3.3% (512 causal -0.3%; session 22 in
+        # docs/kernel-notes.md; run 11, session 23, searched with it). It needs threshold 8 and the
+        # MUFU's exponentials.
         cfg = replace(cfg, rescale_threshold=8.0, persistent=True, lazy_max=True)
         if cfg.persistent and resources.smem_reasons(cfg, problem, target or get_target(None)):
             cfg = replace(cfg, persistent=False)  # O's own buffer does not fit (hdim 192, 256)
         if target is not None and self.infeasible_reasons(problem, cfg, target):
-            # Fall back to a smaller pipeline before giving up; a problem no config fits is reported by
-            # the caller through infeasible_reasons.
+            # Fall back to a smaller pipeline before giving up; a problem no config fits is reported
+            # by the caller through infeasible_reasons.
             for stages in (1,):
                 alt = replace(cfg, num_stages=stages)
                 if not self.infeasible_reasons(problem, alt, target):

@@ -4,14 +4,14 @@
     fitted, report = fit(samples, get_target("H200"), trials=300)
 
 A sample is one measured candidate (problem, config, median ms, and whether that is the full
-timing or the pruner's cheap one, 10 runs, which a stopped candidate has alone). The fit minimises the
-mean over problems of the mean squared log error of the model's times over all samples, so that
+timing or the pruner's cheap one, 10 runs, which a stopped candidate has alone). The fit minimises
+the mean over problems of the mean squared log error of the model's times over all samples, so that
 every problem weighs the same however many candidates its search measured; it moves only the
-assumptions in FITTED (the softmax side's three stay at the design notes' microbenchmark). `evaluate` says
-how well a set of assumptions ranks each problem's fully timed candidates (cheap timings can be
-several percent off): the rank correlation, and the regret of trusting the model, i.e. how much slower
-the candidate the model ranks first measured than the best one measured (averaged over the
-candidates the model ties for first).
+assumptions in FITTED (the softmax side's three stay at the design notes' microbenchmark).
+`evaluate` says how well a set of assumptions ranks each problem's fully timed candidates (cheap
+timings can be several percent off): the rank correlation, and the regret of trusting the model,
+i.e. how much slower the candidate the model ranks first measured than the best one measured
+(averaged over the candidates the model ties for first).
 
 Samples travel as JSON (`save_samples` / `load_samples`): one problem per entry, its candidates as
 knob-value rows under a shared list of knob names, then the time and 1 for a full timing, 0 for a
@@ -63,12 +63,12 @@ class Sample:
     full: bool = True  # False: the pruner's cheap timing (a stopped candidate)
 
 
-# ---- where samples come from ------------------------------------------------------------------------
+# ---- where samples come from --------------------------------------------------------------------
 def samples_from_db(
     db, *, kernel: str, target: str, run_id: int | None = None, kernel_hash: str | None = None
 ) -> list[Sample]:
-    """The measured candidates of `kernel` on `target` stored in a results DB (one run, or every run of
-    one kernel hash, or all), confirmation re-timings left out (they repeat a candidate)."""
+    """The measured candidates of `kernel` on `target` stored in a results DB (one run, or every run
+    of one kernel hash, or all), confirmation re-timings left out (they repeat a candidate)."""
     spec = get_kernel(kernel)
     samples = []
     for row in db.trials(kernel=kernel, target=target, run_id=run_id, confirmations=False):
@@ -144,7 +144,7 @@ def load_samples(path: str | Path, kernel: str = "fa4_fwd_sm90") -> list[Sample]
     return samples
 
 
-# ---- how well a model fits --------------------------------------------------------------------------
+# ---- how well a model fits ----------------------------------------------------------------------
 def _ranks(values: list[float]) -> list[float]:
     order = sorted(range(len(values)), key=values.__getitem__)
     ranks = [0.0] * len(values)
@@ -229,7 +229,7 @@ def summary(fits: list[ProblemFit]) -> dict:
     }
 
 
-# ---- the fit ----------------------------------------------------------------------------------------
+# ---- the fit ------------------------------------------------------------------------------------
 def _refine(values: dict, best: float, params: dict, objective, budget: int) -> tuple[dict, float]:
     """Pattern search from TPE's best: each assumption in turn a step up and down (a factor in log
     space, a share of the range otherwise), kept where the loss falls; the step halves after a pass

@@ -121,8 +121,9 @@ def artifact_name(key: tuple) -> str:
 
 
 def export_compiled(compiled: CompiledForward, path) -> str:
-    """Write a compiled kernel as an object file (the DSL's AOT export) that `load_compiled` loads in
-    another process. Written under a temporary name and renamed: a reader never sees half a file."""
+    """Write a compiled kernel as an object file (the DSL's AOT export) that `load_compiled` loads
+    in another process. Written under a temporary name and renamed: a reader never sees half a
+    file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     name = artifact_name(compiled.key)
@@ -142,7 +143,8 @@ def load_compiled(
     target: Target | str | None = None,
 ) -> CompiledForward:
     """Load a kernel that `export_compiled` wrote (in any process) into this process's compile
-    cache, so that compile_forward and attention_forward find it. Milliseconds instead of seconds."""
+    cache, so that compile_forward and attention_forward find it. Milliseconds instead of
+    seconds."""
     target = get_target(target)
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     key = compile_key(config, dtype, head_dim, head_dim_v, causal, target)

@@ -1,5 +1,5 @@
-"""The compile-time knobs of the Hopper forward kernel: one schema, its legal values, its defaults and
-its feasibility rules (shared with the search-space plugins)."""
+"""The compile-time knobs of the Hopper forward kernel: one schema, its legal values, its defaults
+and its feasibility rules (shared with the search-space plugins)."""
 
 from __future__ import annotations
 
@@ -46,17 +46,18 @@ class FwdConfig:
     num_stages: depth of the K/V TMA pipeline.  poly_degree: degree of the software exp2.
     emu_share: share of each row's exponentials computed on the FMA pipe instead of the MUFU.
     rescale_threshold: O and the row sum are rescaled only when the row max rose by more than this
-    (log2 units); 0 rescales on every rise.  intra_wg_overlap: issue the next S GEMM before the current
-    softmax.  wg_pingpong: order the consumer warpgroups' GEMMs with named barriers so that one
-    warpgroup's softmax overlaps the other's GEMMs.  rescale_branch: a warp skips the O rescale (a
-    vote and a branch) when none of its rows moved its max; otherwise O is always multiplied.
-    persistent: one CTA per SM walks the tiles, loading the next tile while it finishes this one
-    (O then needs its own shared-memory buffer); causal tiles come from a global counter, longest first.
-    wg_epilogue: (persistent only) each consumer warpgroup stores its own rows of O through a buffer of
-    its own as soon as its main loop is done, without waiting for the other warpgroups.
-    q_stages: (persistent only) Q buffers in shared memory; with 2 the producer loads the next tile's Q
-    as soon as it has issued this tile's last K/V loads, while this tile's S GEMMs still read the
-    other buffer, instead of after the last of them.
+    (log2 units); 0 rescales on every rise.  intra_wg_overlap: issue the next S GEMM before the
+    current softmax.  wg_pingpong: order the consumer warpgroups' GEMMs with named barriers so that
+    one warpgroup's softmax overlaps the other's GEMMs.  rescale_branch: a warp skips the O rescale
+    (a vote and a branch) when none of its rows moved its max; otherwise O is always multiplied.
+    persistent: one CTA per SM walks the tiles, loading the next tile while it finishes this
+    one (O then needs its own shared-memory buffer); causal tiles come from a global counter,
+    longest first.
+    wg_epilogue: (persistent only) each consumer warpgroup stores its own rows of O through a buffer
+    of its own as soon as its main loop is done, without waiting for the other warpgroups.
+    q_stages: (persistent only) Q buffers in shared memory; with 2 the producer loads the next
+    tile's Q as soon as it has issued this tile's last K/V loads, while this tile's S GEMMs still
+    read the other buffer, instead of after the last of them.
     lazy_max: after a tile's first K/V block, exponentiate against the running max without first
     taking the block's row max; the row sums show when a row's max rose past the threshold, and only
     then is the max taken (from P) and O rescaled. A rise too large to rescale by (past 125 in log2
@@ -98,7 +99,7 @@ class FwdConfig:
 
     @classmethod
     def from_dict(cls, data: dict, base: FwdConfig | None = None) -> FwdConfig:
-        """Build a config from knob values; missing knobs come from `base` (or the class defaults)."""
+        """Build a config from knob values; the others come from `base` (or the class defaults)."""
         unknown = sorted(set(data) - set(KNOBS))
         if unknown:
             raise ConfigError(
@@ -128,8 +129,8 @@ class FwdConfig:
             f"-e{self.emu_share:g}p{self.poly_degree}-r{self.rescale_threshold:g}"
             f"{'-ov' if self.intra_wg_overlap else ''}{'-pp' if self.wg_pingpong else ''}"
             f"{'' if self.rescale_branch else '-rm'}{'-ps' if self.persistent else ''}"
-            f"{'-we' if self.wg_epilogue else ''}{f'-q{self.q_stages}' if self.q_stages > 1 else ''}"
-            f"{'-lm' if self.lazy_max else ''}"
+            f"{'-we' if self.wg_epilogue else ''}"
+            f"{f'-q{self.q_stages}' if self.q_stages > 1 else ''}{'-lm' if self.lazy_max else ''}"
         )
 
 
@@ -160,19 +161,20 @@ def grid_reasons(config: FwdConfig, problem: Problem) -> list[str]:
     if config.persistent or problem.causal:
         return []
     return [
-        f"{name} {value} > {MAX_GRID_YZ} (the grid's {axis} extent with one CTA per tile, non-causal)"
+        f"{name} {value} > {MAX_GRID_YZ} (the grid's {axis} extent with "
+        "one CTA per tile, non-causal)"
         for name, value, axis in (("heads", problem.nheads_q, "y"), ("batch", problem.batch, "z"))
         if value > MAX_GRID_YZ
     ]
 
 
 def lazy_max_reasons(config: FwdConfig) -> list[str]:
-    """Why the lazy row max cannot take this config. Each thread sums tile_n / 4 of a row's P, each 1
-    where the score equals the max; the fast path holds while every such sum stays within
-    2^rescale_threshold, so that limit must be at least twice the sum of a row of equal scores, or rows
-    of equal scores take the slow path at every block. And the lazy step exponentiates scores up to the
-    whole rise over the running max, past 127 in log2 units, where the emulated exp2 is wrong (its
-    exponent wraps into the sign: negative P, or NaN), so it takes the MUFU only."""
+    """Why the lazy row max cannot take this config. Each thread sums tile_n / 4 of a row's P, each
+    1 where the score equals the max; the fast path holds while every such sum stays within
+    2^rescale_threshold, so that limit must be at least twice the sum of a row of equal scores, or
+    rows of equal scores take the slow path at every block. And the lazy step exponentiates scores
+    up to the whole rise over the running max, past 127 in log2 units, where the emulated exp2 is
+    wrong (its exponent wraps into the sign: negative P, or NaN), so it takes the MUFU only."""
     if not config.lazy_max:
         return []
     reasons = []
@@ -191,8 +193,8 @@ def lazy_max_reasons(config: FwdConfig) -> list[str]:
     return reasons
 
 
-# The kernel's feasibility rules: the search spaces refuse a config by them before anything compiles,
-# and the kernel's constructor refuses the same configs with the same reasons.
+# The kernel's feasibility rules: the search spaces refuse a config by them before anything
+# compiles, and the kernel's constructor refuses the same configs with the same reasons.
 RULES = (
     Rule("launch grid", lambda problem, config, target: grid_reasons(config, problem)),
     Rule(

@@ -1,21 +1,23 @@
-"""An analytic cost model of the FA4-style forward kernel on a Target: what the search optimises when
-no GPU is present (the `model` backend asks the family for it). Deterministic; every result is marked as an estimate.
+"""An analytic cost model of the FA4-style forward kernel on a Target: what the search optimises
+when no GPU is present (the `model` backend asks the family for it). Deterministic; every result is
+marked as an estimate.
 
 Per K/V step of one CTA (tile_m query rows against tile_n keys) it costs
   - the two GEMMs on the tensor cores (at the target's measured GEMM efficiency, scaled),
   - the softmax side: exponentials on MUFU and everything else on the ALU issue slots, the emulated
-    share of exponentials moving from MUFU to FMA issue (calibrated on the design notes' H200 microbenchmark, plus
-    what an emulated exponential costs in the kernel), the O rescale (skipped by rescale_threshold)
-    and causal/ragged masking,
+    share of exponentials moving from MUFU to FMA issue (calibrated on the design notes' H200
+    microbenchmark, plus what an emulated exponential costs in the kernel), the O rescale (skipped
+    by rescale_threshold) and causal/ragged masking,
   - the shared-memory operand traffic of the GEMMs, and a fixed handshake cost,
-and overlaps the GEMMs with the softmax side (intra-warpgroup overlap and warpgroup ping-pong, better
-with more consumer warpgroups). A K/V load starts when its stage is released; further stages hide its
-latency. CTAs are scheduled on sm_count × (CTAs per SM) slots (wave quantisation; causal CTAs longest
-first), and the kernel can never beat HBM. A persistent kernel pays the CTA start and the first loads
-once per SM; later tiles load under their predecessor.
+and overlaps the GEMMs with the softmax side (intra-warpgroup overlap and warpgroup ping-pong,
+better with more consumer warpgroups). A K/V load starts when its stage is released; further stages
+hide its latency. CTAs are scheduled on sm_count × (CTAs per SM) slots (wave quantisation; causal
+CTAs longest first), and the kernel can never beat HBM. A persistent kernel pays the CTA start and
+the first loads once per SM; later tiles load under their predecessor.
 
-The softmax side's constants come from a microbenchmark (the team's design notes); the others are fitted to an H200
-search's measurements (`fa4tune.kernels.fa4_fwd_sm90.calibrate`, ModelAssumptions says how well they fit)."""
+The softmax side's constants come from a microbenchmark (the team's design notes); the others are
+fitted to an H200 search's measurements (`fa4tune.kernels.fa4_fwd_sm90.calibrate`, ModelAssumptions
+says how well they fit)."""
 
 from __future__ import annotations
 
@@ -30,8 +32,9 @@ from . import resources
 class ModelAssumptions:
     """What the model assumes beyond the Target's numbers; each is calibrated or estimated here."""
 
-    # Softmax side, per score element, measured on an H200 (design notes' microbenchmark): 23.5 elements/clk/SM with no
-    # exponential at all -> ALU lane-ops per element = alu_issue_per_clk / 23.5.
+    # Softmax side, per score element, measured on an H200 (design notes' microbenchmark):
+    # 23.5 elements/clk/SM with no exponential at all -> ALU lane-ops per element =
+    # alu_issue_per_clk / 23.5.
     no_exp_elements_per_clk: float = 23.5
     # Lane-ops of one emulated exp2 beyond the polynomial's `degree` FMAs (range split, exponent
     # insert, conversion). With `softmax_pipe_overlap` this reproduces 14.1 elements/clk MUFU-only,
@@ -39,13 +42,14 @@ class ModelAssumptions:
     emulation_extra_ops: float = 3.9
     # MUFU and ALU issue overlap imperfectly: time = max + softmax_pipe_overlap * min.
     softmax_pipe_overlap: float = 0.17
-    # The rest is fitted (`fa4tune.kernels.fa4_fwd_sm90.calibrate`, `benchmarks/fit_model.py`) to the 702 candidates
-    # of the H200 search of run 10 (the lazy row max in every default; tuning_configs/calibration/
-    # h200-run10.json): mean squared log error over problems, TPE then a pattern search. Held out, run
-    # 11's 640 candidates (the shipped table's search): RMS log error 0.105 (0.117 with the fit to run 8
-    # before); over the 261 fully timed ones, rank correlation per problem 0.44 (0.43) and the model's
-    # first choice 2.7% slower than the best measured, on average (3.4%). Read the values as a fit, not
-    # as hardware facts: they trade off against each other, and the tensor scale sits on its bound.
+    # The rest is fitted (`fa4tune.kernels.fa4_fwd_sm90.calibrate`, `benchmarks/fit_model.py`) to
+    # the 702 candidates of the H200 search of run 10 (the lazy row max in every default;
+    # tuning_configs/calibration/h200-run10.json): mean squared log error over problems, TPE then a
+    # pattern search. Held out, run 11's 640 candidates (the shipped table's search): RMS log error
+    # 0.105 (0.117 with the fit to run 8 before); over the 261 fully timed ones, rank correlation
+    # per problem 0.44 (0.43) and the model's first choice 2.7% slower than the best measured, on
+    # average (3.4%). Read the values as a fit, not as hardware facts: they trade off against each
+    # other, and the tensor scale sits on its bound.
     # GEMMs and softmax combine as an L^p norm (p = 1: no overlap, larger: more), by which of
     # intra-warpgroup overlap and warpgroup ping-pong are on; more consumer warpgroups hide more of
     # the softmax behind the other warpgroups' GEMMs: p grows by the last per warpgroup beyond two.
@@ -66,13 +70,14 @@ class ModelAssumptions:
     # 989 TFLOP/s peak (the same SM as the H100's). Not fitted; with the scale below, any value from
     # 0.76 up gives the peak.
     default_tensor_efficiency: float = 0.76
-    # Attention's GEMMs against the target's measured (or default) GEMM rate, capped at the peak: the
-    # fit took the peak, so every target's GEMMs run at its peak (the 8192^3 GEMM behind the 750 runs
-    # hotter, at lower clocks; the step overhead above carries the rest).
+    # Attention's GEMMs against the target's measured (or default) GEMM rate, capped at the peak:
+    # the fit took the peak, so every target's GEMMs run at its peak (the 8192^3 GEMM behind the 750
+    # runs hotter, at lower clocks; the step overhead above carries the rest).
     tensor_efficiency_scale: float = 1.32
     # Lane-ops one emulated exp2 costs inside the kernel beyond what the microbenchmark above saw
     # (registers and scheduling around the GEMMs): no best config of runs 6 to 11 has an emulated
-    # share (in runs 6 and 8 some measured within 3% of the best at hdim 256 and hdim 64 512 causal).
+    # share (in runs 6 and 8 some measured within 3% of the best at hdim 256 and hdim 64 512
+    # causal).
     emulation_kernel_extra_ops: float = 13.0
     # With one stage the next K/V load starts only when the stage is released: the share of the
     # load (latency and transfer) that the step then waits for (K and V have separate buffers, so
@@ -100,10 +105,10 @@ def softmax_clocks_per_element(
 
 
 def rescale_fraction(rescale_threshold: float, steps: int) -> float:
-    """Share of K/V steps that rescale O. At threshold 0 any rise of any row's max rescales, which with
-    64 rows per warpgroup is nearly every step. Above it, only a jump larger than the threshold does:
-    the running max of n blocks rises about 1 + ln n times, and larger jumps are rarer still (assumed
-    to halve per 4 units of threshold)."""
+    """Share of K/V steps that rescale O. At threshold 0 any rise of any row's max rescales, which
+    with 64 rows per warpgroup is nearly every step. Above it, only a jump larger than the threshold
+    does: the running max of n blocks rises about 1 + ln n times, and larger jumps are rarer still
+    (assumed to halve per 4 units of threshold)."""
     if rescale_threshold <= 0 or steps <= 1:
         return 1.0
     return min(1.0, (1.0 + math.log(steps)) / steps * 2.0 ** (-rescale_threshold / 4.0))
@@ -177,8 +182,8 @@ class CostModel:
         compute = max((tensor**p + softmax**p) ** (1.0 / p), smem) + a.step_overhead_clk
         transfer = tn * (d + dv) * 2 / a.l2_bytes_per_clk_per_sm
         fetch = a.load_latency_clk + transfer
-        # A load starts when its stage is released. With one stage the step waits for the share of the
-        # load the rest of its own step does not cover; each further stage covers one more step.
+        # A load starts when its stage is released. With one stage the step waits for the share of
+        # the load the rest of its own step does not cover; each further stage covers one more step.
         busy = ctas_per_sm * compute
         wait = max(0.0, a.single_stage_exposed_fetch * fetch - (config.num_stages - 1) * busy)
         return max(busy + wait, ctas_per_sm * transfer)
@@ -241,8 +246,8 @@ class CostModel:
             waves = -(-count // slots)
             makespan = waves * clocks
         else:
-            # Causal tiles longest first, each to the first free slot (persistent CTAs take theirs from
-            # the kernel's tile counter, so they fill the slots the same way).
+            # Causal tiles longest first, each to the first free slot (persistent CTAs take theirs
+            # from the kernel's tile counter, so they fill the slots the same way).
             makespan = _longest_first_makespan(durations, slots)
             waves = None
         if config.persistent:

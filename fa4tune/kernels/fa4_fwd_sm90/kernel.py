@@ -3,40 +3,42 @@
 A CTA computes (tile_m rows of Q) x (one head) x (one batch) tiles of O and their LSE, one tile (or,
 with `persistent`, one after another):
 
-* warpgroup 0 is the producer: after setmaxnreg lowers its registers, one warp loads each tile's Q and
-  its K/V blocks through a `num_stages` TMA + mbarrier pipeline;
+* warpgroup 0 is the producer: after setmaxnreg lowers its registers, one warp loads each tile's Q
+  and its K/V blocks through a `num_stages` TMA + mbarrier pipeline;
 * warpgroups 1..tile_m/64 are consumers, 64 rows of Q each, with more registers. They issue
   S = Q K^T (both operands in shared memory) and O += P V (P from registers) as wgmma, and run the
   online softmax in registers between the two;
 * with `wg_pingpong` the consumers take turns issuing GEMMs through named barriers, so that one
-  warpgroup's softmax runs under another's GEMMs; with `intra_wg_overlap` each consumer issues its next
-  S GEMM before the softmax of the current one (the PV GEMM of step j overlaps the softmax of step j+1);
+  warpgroup's softmax runs under another's GEMMs; with `intra_wg_overlap` each consumer issues its
+  next S GEMM before the softmax of the current one (the PV GEMM of step j overlaps the softmax of
+  step j+1);
 * the softmax rescales O only when a row max rose by more than `rescale_threshold`, and takes
   `emu_share` of its exponentials on the FMA pipe (a degree-`poly_degree` polynomial);
 * with `lazy_max`, after a tile's first block the softmax exponentiates against the running max
-  without first taking the block's row max (../sm90/softmax.py says how a rise is caught); a warp whose P
-  overflowed recomputes its scores from Q and K in shared memory, so K's stage is released after the
-  softmax instead of right after the S GEMM;
+  without first taking the block's row max (../sm90/softmax.py says how a rise is caught); a warp
+  whose P overflowed recomputes its scores from Q and K in shared memory, so K's stage is released
+  after the softmax instead of right after the S GEMM;
 * causal masking is applied only to the K blocks that cross the diagonal (bottom-right aligned), and
-  blocks above the diagonal are never loaded; causal tiles are scheduled longest first, grouped by heads
-  so that the K/V of the heads in flight stay in L2;
-* with three or four consumer warpgroups (tile_m 192 or 256), a warpgroup whose rows all lie past the
-  end of Q (in the last m block) issues no GEMM and no exponential: it only waits for and releases the K/V stages
-  and passes the GEMM turns, so the warpgroups with rows have the tensor cores and the MUFU to
-  themselves (not in persistent non-causal kernels, where it measured slower);
-* O leaves through shared memory (Q's buffer, or with `persistent` a buffer of its own) and a TMA store;
-  with `wg_epilogue` each consumer warpgroup has its own buffer and store and waits for no other
-  warpgroup there; LSE is written per row;
+  blocks above the diagonal are never loaded; causal tiles are scheduled longest first, grouped by
+  heads so that the K/V of the heads in flight stay in L2;
+* with three or four consumer warpgroups (tile_m 192 or 256), a warpgroup whose rows all lie past
+  the end of Q (in the last m block) issues no GEMM and no exponential: it only waits for and
+  releases the K/V stages and passes the GEMM turns, so the warpgroups with rows have the tensor
+  cores and the MUFU to themselves (not in persistent non-causal kernels, where it measured slower);
+* O leaves through shared memory (Q's buffer, or with `persistent` a buffer of its own) and a TMA
+  store; with `wg_epilogue` each consumer warpgroup has its own buffer and store and waits for no
+  other warpgroup there; LSE is written per row;
 * with `persistent` the grid is one CTA per SM and each CTA walks the tiles: the producer loads the
-  next tile's Q and K/V while the consumers finish this one, so the prologue and epilogue of a tile hide
-  under its neighbours' main loops. The consumers release Q once the tile's S GEMMs are done (after its
-  last GEMM without `intra_wg_overlap`); with `q_stages` 2, Q has two buffers and the next tile's Q
-  loads once the producer has issued this tile's last K/V, while this tile's S GEMMs still read the
-  other buffer, instead of after them. Non-causal tiles all cost the same and go to the CTAs with a
-  fixed stride. Causal tiles differ in length, so a fixed stride would let the CTAs drift apart in the
-  longest-first order (and the heads in flight out of L2): each CTA's producer takes its next tile from
-  a global counter instead (an atomic add) and hands the number to its consumers through shared memory.
-  The counter starts at zero and the last fetch of a launch puts it back to zero.
+  next tile's Q and K/V while the consumers finish this one, so the prologue and epilogue of a tile
+  hide under its neighbours' main loops. The consumers release Q once the tile's S GEMMs are done
+  (after its last GEMM without `intra_wg_overlap`); with `q_stages` 2, Q has two buffers and the
+  next tile's Q loads once the producer has issued this tile's last K/V, while this tile's S GEMMs
+  still read the other buffer, instead of after them. Non-causal tiles all cost the same and go to
+  the CTAs with a fixed stride. Causal tiles differ in length, so a fixed stride would let the CTAs
+  drift apart in the longest-first order (and the heads in flight out of L2): each CTA's producer
+  takes its next tile from a global counter instead (an atomic add) and hands the number to its
+  consumers through shared memory. The counter starts at zero and the last fetch of a launch puts it
+  back to zero.
 
 The device methods pass their arguments grouped, in the frozen dataclasses of arguments.py (TMA
 loads, output stores, shared tiles, pipelines, tiled MMAs, tile schedule, tile info, a warpgroup's
@@ -91,22 +93,22 @@ DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 BARRIER_EPILOGUE = 1  # all consumers: O's buffer is free
 BARRIER_TURN_FIRST = 2  # one per consumer warpgroup: 2, 3, 4
 BARRIER_O_WRITTEN = 5  # consumers arrive, the storing warp waits: O is in shared memory
-# The tile-number handoff of a counter-scheduled CTA (producer warp and consumers): the producer waits on
-# EMPTY before it writes the next tile's number and arrives on FULL; the consumers wait on FULL, read,
-# and arrive on EMPTY (once up front, then after every number but the last).
+# The tile-number handoff of a counter-scheduled CTA (producer warp and consumers): the producer
+# waits on EMPTY before it writes the next tile's number and arrives on FULL; the consumers wait on
+# FULL, read, and arrive on EMPTY (once up front, then after every number but the last).
 BARRIER_TILE_FULL = 6
 BARRIER_TILE_EMPTY = 7
-# With `wg_epilogue` each consumer warpgroup has its own pair: its O rows' buffer is free (8, 9, 10),
-# and its O rows are in shared memory (11, 12, 13).
+# With `wg_epilogue` each consumer warpgroup has its own pair: its O rows' buffer is free
+# (8, 9, 10), and its O rows are in shared memory (11, 12, 13).
 BARRIER_WG_O_FREE_FIRST = 8
 BARRIER_WG_O_WRITTEN_FIRST = 11
-# Four consumer warpgroups (tile_m 256, never with `wg_epilogue`) take their turns on 8-11: 2-4 and 5
-# would leave the fourth on the O handoff's id.
+# Four consumer warpgroups (tile_m 256, never with `wg_epilogue`) take their turns on 8-11: 2-4 and
+# 5 would leave the fourth on the O handoff's id.
 BARRIER_TURN_FIRST_4WG = 8
 
 
 class FlashForwardSm90:
-    """Compile-time configuration of one forward kernel. Shapes (batch, seqlens, heads) are run-time."""
+    """Compile-time config of one forward kernel. Shapes (batch, seqlens, heads) are run-time."""
 
     def __init__(
         self,
@@ -161,7 +163,7 @@ class FlashForwardSm90:
         mV: cute.Tensor,  # (batch, seqlen_k, nheads_kv, head_dim_v)
         mO: cute.Tensor,  # (batch, seqlen_q, nheads_q, head_dim_v)
         mLSE: cute.Tensor,  # (batch, nheads_q, seqlen_q), float32
-        mTileCounter: cute.Tensor,  # (1,) int32, zero between launches; used by counter-scheduled CTAs
+        mTileCounter: cute.Tensor,  # (1,) int32, zero between launches; for counter-scheduled CTAs
         softmax_scale_log2: Float32,
         heads_per_l2_group: Int32,
         stream: cuda.CUstream,
@@ -190,8 +192,8 @@ class FlashForwardSm90:
             tiler_mn=(64, dv),
             a_source=warpgroup.OperandSource.RMEM,
         )
-        # With q_stages 2 (persistent only) Q has a stage mode: the next tile's Q loads into the other
-        # buffer while this tile's S GEMMs still read theirs.
+        # With q_stages 2 (persistent only) Q has a stage mode: the next tile's Q loads into the
+        # other buffer while this tile's S GEMMs still read theirs.
         sQ_layout = smem_tile_layout(
             self.dtype, tile_m, d, self.q_stages if self.q_stages > 1 else None
         )
@@ -205,8 +207,9 @@ class FlashForwardSm90:
             sO_layout = smem_tile_layout(self.dtype, 64, dv, self.num_consumer_wg)
             sO_box, o_box = cute.select(sO_layout, mode=[0, 1]), (64, dv)
 
-        # Single tile: O is staged in Q's buffer (Q is dead once every consumer has issued its last S
-        # GEMM). Persistent: the next tile's Q loads while this tile's O is stored, so O has its own.
+        # Single tile: O is staged in Q's buffer (Q is dead once every consumer has issued its last
+        # S GEMM). Persistent: the next tile's Q loads while this tile's O is stored, so O has its
+        # own.
         q_o_elems = max(cute.cosize(sQ_layout), cute.cosize(sO_layout))
         o_elems = 0
         if const_expr(self.persistent):
@@ -299,9 +302,9 @@ class FlashForwardSm90:
         CTA's block index).
 
         Non-causal tiles all cost the same: m blocks run fastest, then heads, then batches, so the
-        m blocks of one head, which share its K/V, run side by side. Causal tiles are scheduled longest
-        first (last rows first) and grouped by `heads_per_l2_group` heads whose K/V fit in L2
-        together; inside a group the head index runs fastest."""
+        m blocks of one head, which share its K/V, run side by side. Causal tiles are scheduled
+        longest first (last rows first) and grouped by `heads_per_l2_group` heads whose K/V fit in
+        L2 together; inside a group the head index runs fastest."""
         mQ, heads_per_l2_group = sched.mQ, sched.heads_per_l2_group
         seqlen_q = mQ.shape[0]
         nheads = mQ.shape[2]
@@ -350,8 +353,8 @@ class FlashForwardSm90:
     def fetch_tile(self, mTileCounter: cute.Tensor, num_tiles: Int32):
         """The producer warp's next tile from the global counter: the first tiles are the block
         indices, so fetch k returns tile grid + k. A launch makes exactly num_tiles fetches (one per
-        tile past the first grid ones, one more per CTA that finds none left), so the fetch that sees
-        num_tiles - 1 is the last and puts the counter back to zero for the next launch."""
+        tile past the first grid ones, one more per CTA that finds none left), so the fetch that
+        sees num_tiles - 1 is the last and puts the counter back to zero for the next launch."""
         old = Int32(0)
         if cute.arch.lane_idx() == 0:
             old = cute.arch.atomic_add(mTileCounter.iterator, Int32(1), sem="relaxed", scope="gpu")
@@ -366,8 +369,8 @@ class FlashForwardSm90:
         n_block_max = (seqlen_k + self.tile_n - 1) // self.tile_n
         n_mask_min = n_block_max
         if const_expr(self.causal):
-            # Bottom-right alignment: row i sees keys j < i + 1 + seqlen_k - seqlen_q. The tile's last
-            # row bounds the visible blocks; its first row bounds the blocks that need no mask.
+            # Bottom-right alignment: row i sees keys j < i + 1 + seqlen_k - seqlen_q. The tile's
+            # last row bounds the visible blocks; its first row bounds the blocks that need no mask.
             last_row_end = (m_block + 1) * self.tile_m + seqlen_k - seqlen_q
             n_block_max = cutlass.min(
                 n_block_max, (cutlass.max(last_row_end, 0) + self.tile_n - 1) // self.tile_n
@@ -628,7 +631,8 @@ class FlashForwardSm90:
                     limit, row + 1 + seqlen_k - seqlen_q - n_block * self.tile_n - col_offset
                 )
             for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
-                # A select per element: an `if` here would carry the whole fragment through each branch.
+                # A select per element: an `if` here would carry the whole fragment through each
+                # branch.
                 scores[r, c] = -Float32.inf if coords0[0, c][1] >= limit else scores[r, c]
 
     @cute.jit
@@ -729,8 +733,8 @@ class FlashForwardSm90:
         softmax: OnlineSoftmax,
         info: TileInfo,
     ):
-        """All K/V blocks of one tile (n_block_max > 0), last block first. Returns the pipeline states
-        for the next tile."""
+        """All K/V blocks of one tile (n_block_max > 0), last block first. Returns the pipeline
+        states for the next tile."""
         n_block_max, n_mask_min = info.n_block_max, info.n_mask_min
         pipes.q.consumer_wait(q_state)
         if const_expr(self.q_stages > 1):
@@ -801,10 +805,10 @@ class FlashForwardSm90:
     def has_no_rows(self, wg: Int32, info: TileInfo):
         """Whether consumer warpgroup `wg` has no row of Q in this tile, checked only with three or
         four consumer warpgroups (tile_m 192 leaves one or two of them idle in the last m block of
-        every power-of-two seqlen; tile_m 256 up to three below a multiple of 256). With two, whose tiles divide those seqlens, the branch buys
-        nothing and moves the PV GEMM's wait in the SASS. Nor in persistent non-causal kernels:
-        there the branch cost 2.5-3.7% at hdim 64, 1k-16k tokens (H200), where causal ones gained
-        1-8%; without it their SASS is v6's.
+        every power-of-two seqlen; tile_m 256 up to three below a multiple of 256). With two, whose
+        tiles divide those seqlens, the branch buys nothing and moves the PV GEMM's wait in the
+        SASS. Nor in persistent non-causal kernels: there the branch cost 2.5-3.7% at hdim 64,
+        1k-16k tokens (H200), where causal ones gained 1-8%; without it their SASS is v6's.
 
         The tile's first row is marked warp-uniform before the compare. Without that, ptxas does not
         treat the branch as uniform, and a persistent CTA carries the pipeline states that leave it
@@ -829,8 +833,9 @@ class FlashForwardSm90:
         """The main loop of a warpgroup without rows in this tile: no GEMM and no softmax, only the
         pipeline's waits and releases (every consumer warp releases every stage, and waits for it
         first so as never to arrive a phase early) and the GEMM turns: the same stages, phases and
-        turns as mainloop (with intra-warpgroup overlap, V's wait comes after the turn is passed). Its O
-        stays zero; the epilogue writes neither its O rows (the TMA store clips them) nor its LSE.
+        turns as mainloop (with intra-warpgroup overlap, V's wait comes after the turn is passed).
+        Its O stays zero; the epilogue writes neither its O rows (the TMA store clips them) nor its
+        LSE.
 
         A release is one lane's arrive. In mainloop a wgmma (warpgroup-aligned) stands between
         each wait and its release, so every lane has seen the stage full before lane 0 frees it.
@@ -893,8 +898,8 @@ class FlashForwardSm90:
         softmax: OnlineSoftmax,
         info: TileInfo,
     ):
-        """S(n_block) = Q K^T issued before O += P V of the previous block; the softmax of S runs while
-        that PV GEMM is in flight."""
+        """S(n_block) = Q K^T issued before O += P V of the previous block; the softmax of S runs
+        while that PV GEMM is in flight."""
         kv_v = kv.clone()
         kv.advance()
         acc_S = cute.make_rmem_tensor(frags.s_shape, Float32)
@@ -1009,9 +1014,9 @@ class FlashForwardSm90:
         softmax: OnlineSoftmax,
         info: TileInfo,
     ):
-        """The softmax of a block after the tile's first with `lazy_max`; where the rise is too large to
-        rescale by, the scores again (masked as the caller masked them: `masked`, a flag or a run-time
-        condition) and the exact step. The caller releases K's stage after this."""
+        """The softmax of a block after the tile's first with `lazy_max`; where the rise is too
+        large to rescale by, the scores again (masked as the caller masked them: `masked`, a flag or
+        a run-time condition) and the exact step. The caller releases K's stage after this."""
         if softmax.step_lazy(acc_S, frags.row_scale):
             self.recompute_scores(acc_S, frags.sQ, frags.sK[None, None, kv.index], frags.thr_mma_qk)
             if masked:
@@ -1020,13 +1025,13 @@ class FlashForwardSm90:
 
     @cute.jit
     def recompute_scores(self, acc_S, sQ_tile, sK_block, thr_mma_qk):
-        """This thread's scores of the block again, from Q and K in shared memory on the FMA pipe: the
-        lazy max's way back after a rise too large to rescale by (a score more than 125 above the
-        running max in log2 units), when the exponentials have already overwritten the scores. Slow
-        (head_dim FMAs per score, one column at a time), and taken only by a warp whose rows' scores
-        rose that far. Its caller releases K's stage (one lane's arrive) only after the exact step
-        that follows, whose row-max shuffles need every lane's recomputed scores: so every lane has
-        read K here before the stage can be refilled."""
+        """This thread's scores of the block again, from Q and K in shared memory on the FMA pipe:
+        the lazy max's way back after a rise too large to rescale by (a score more than 125 above
+        the running max in log2 units), when the exponentials have already overwritten the scores.
+        Slow (head_dim FMAs per score, one column at a time), and taken only by a warp whose rows'
+        scores rose that far. Its caller releases K's stage (one lane's arrive) only after the exact
+        step that follows, whose row-max shuffles need every lane's recomputed scores: so every lane
+        has read K here before the stage can be refilled."""
         scores = acc_rows_cols(acc_S)
         coords = acc_rows_cols(
             thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
@@ -1073,11 +1078,11 @@ class FlashForwardSm90:
             if self.is_o_storer(ctid):  # the previous tile's O store has read O's buffer
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
         # Single tile: every consumer has issued (and waited for) its last S GEMM, so Q's buffer is
-        # free for O. Persistent: O's own buffer is free. With `wg_epilogue` a warpgroup waits only for
-        # its own buffer: it does not wait for the others to finish their main loops, so it can start
-        # the next tile while they still run their GEMMs (the ping-pong order carries on). Not so in
-        # counter-scheduled (persistent causal) CTAs: the tile-number handoff after the epilogue is a
-        # barrier of all consumers.
+        # free for O. Persistent: O's own buffer is free. With `wg_epilogue` a warpgroup waits only
+        # for its own buffer: it does not wait for the others to finish their main loops, so it can
+        # start the next tile while they still run their GEMMs (the ping-pong order carries on). Not
+        # so in counter-scheduled (persistent causal) CTAs: the tile-number handoff after the
+        # epilogue is a barrier of all consumers.
         wg = None
         sO_rows = sO
         if const_expr(self.wg_epilogue):

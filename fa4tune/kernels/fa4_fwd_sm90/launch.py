@@ -1,7 +1,7 @@
 """Running the forward kernel on torch tensors: `attention_forward` (converts its tensors on every
 call: the measuring worker's and the benchmarks' way in) and the prepared launch that
-`fa4tune.attention` keeps per call signature (descriptors packed once; a call writes the pointers and
-the stream, allocates O and LSE, and launches)."""
+`fa4tune.attention` keeps per call signature (descriptors packed once; a call writes the pointers
+and the stream, allocates O and LSE, and launches)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def launch_counter(config: FwdConfig, causal: bool, device):
 
 
 def check_grid(config: FwdConfig, problem: Problem) -> None:
-    """UnsupportedInput when the config's launch grid cannot hold the problem (config.grid_reasons)."""
+    """UnsupportedInput when the config's grid cannot hold the problem (config.grid_reasons)."""
     reasons = grid_reasons(config, problem)
     if reasons:
         raise UnsupportedInput(
@@ -78,7 +78,8 @@ def attention_forward(
     if empty:
         return empty_outputs(q, v, out, lse)
     problem = make_problem(q, k, v, causal)
-    # The DSL only once the input is known to be good (its first import fixes the arch it builds for).
+    # The DSL only once the input is known to be good (its first import fixes the arch it builds
+    # for).
     import_dsl(target)
     from cuda.bindings import driver as cuda
     from cutlass import Float32, Int32
@@ -149,7 +150,8 @@ class PreparedLaunch:
         self.descriptors.append(ctypes.create_string_buffer(8))  # the tile counter
         # The first 8 bytes of each descriptor are its data pointer: the only part a call changes.
         self.pointers = [ctypes.c_uint64.from_buffer(d) for d in self.descriptors]
-        # Kernels that ignore the tile counter get one fixed dummy: no per-call lookup or allocation.
+        # Kernels that ignore the tile counter get one fixed dummy: no per-call lookup or
+        # allocation.
         self._tile_counter = (
             current_tile_counter if config.uses_tile_counter(problem.causal) else None
         )

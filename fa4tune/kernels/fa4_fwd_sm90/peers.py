@@ -43,8 +43,8 @@ def fa4_o_only(problem, q, k, v):
 
 
 def cudnn_sdpa(problem, q, k, v):
-    """torch SDPA's cuDNN backend, no gradient. Where that path has no GQA, K/V heads are repeated once
-    (outside the timed runs after the first; `run.gqa["native"]` then says False)."""
+    """torch SDPA's cuDNN backend, no gradient. Where that path has no GQA, K/V heads are repeated
+    once (outside the timed runs after the first; `run.gqa["native"]` then says False)."""
     if problem.causal and problem.seqlen_q != problem.seqlen_k:
         raise PeerUnavailable("n/a (SDPA's causal mask is top-left aligned)")
     import torch

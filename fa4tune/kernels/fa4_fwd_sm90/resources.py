@@ -1,8 +1,8 @@
 """Shared-memory, register and tiling estimates of the Hopper forward kernel.
 
-The one place where the kernel's resource use is modelled: the search-space plugins reject configs with
-these functions before anything compiles, and the kernel's constructor refuses the same configs with
-the same reasons. Limits come from the Target, never from literals here.
+The one place where the kernel's resource use is modelled: the search-space plugins reject configs
+with these functions before anything compiles, and the kernel's constructor refuses the same configs
+with the same reasons. Limits come from the Target, never from literals here.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ ELEMENT_BYTES = 2  # bf16 / fp16
 MBARRIER_BYTES = 8
 SMEM_ALIGN = 1024  # each swizzled buffer is 1024-byte aligned (128B swizzle atom)
 
-# setmaxnreg budgets (producer, consumer) per number of consumer warpgroups. Both are multiples of 8 as
-# setmaxnreg requires. The block launches with the registers per thread that one block per SM allows
-# (launch_registers); setmaxnreg.inc then takes registers only from what the block's own
+# setmaxnreg budgets (producer, consumer) per number of consumer warpgroups. Both are multiples of 8
+# as setmaxnreg requires. The block launches with the registers per thread that one block per SM
+# allows (launch_registers); setmaxnreg.inc then takes registers only from what the block's own
 # setmaxnreg.dec gave back, and waits for ever if that is too little: the consumers may gain no more
 # than the producer warpgroup released (four consumer warpgroups launch with 96, so 120 hung).
 REGISTER_SPLIT = {2: (24, 240), 3: (32, 160), 4: (24, 112)}
@@ -33,14 +33,16 @@ REGISTER_SPLIT = {2: (24, 240), 3: (32, 160), 4: (24, 112)}
 # (hdim 64 192x192: 80 bytes, hdim 96 192x160: 24, hdim 128 192x128: 4), with overlap they do not
 # (hdim 64 192x128). They stay admitted: the first measured fastest at hdim 64 4k causal in two
 # searches (runs 6 and 8; run 9 took 256x96 there), so a spill is for the search to judge
-# (tests/test_kernel_compile.py lists the spills the shipped table may keep). Session 25 compiled 118
-# configs of the kernel with the lazy max (bf16, non-causal, persistent where it fits, every tile_m,
-# tile_n and overlap the rules admit at head dims 64, 96, 128, 192, 256): none of those three spills
-# there; the one config that did is two warpgroups with overlap at exactly 240 (hdim 192, 128x160, one
-# stage): 48 bytes, and ptxas serialized its wgmma (C7512). Admitted like the others: one trial.
+# (tests/test_kernel_compile.py lists the spills the shipped table may keep). Session 25 compiled
+# 118 configs of the kernel with the lazy max (bf16, non-causal, persistent where it fits, every
+# tile_m, tile_n and overlap the rules admit at head dims 64, 96, 128, 192, 256): none of those
+# three spills there; the one config that did is two warpgroups with overlap at exactly 240 (hdim
+# 192, 128x160, one stage): 48 bytes, and ptxas serialized its wgmma (C7512). Admitted like the
+# others: one trial.
 CONSUMER_OVERHEAD_REGS = {2: 24, 3: 32, 4: 32}
 # Four warpgroups without intra-warpgroup overlap, half or more of the exponentials emulated: the
-# polynomial's temporaries need more (ptxas, hdim 64: 256x96 spilled 24 bytes at 112, 256x80 did not).
+# polynomial's temporaries need more (ptxas, hdim 64: 256x96 spilled 24 bytes at 112, 256x80 did
+# not).
 EMULATION_REGS_SERIAL = {4: 8}
 
 
@@ -58,8 +60,9 @@ def _round_up(n: int, align: int) -> int:
 
 def smem_layout_bytes(config: FwdConfig, problem: Problem) -> dict[str, int]:
     """Bytes of each shared-memory buffer. A single-tile CTA stages O through Q's buffer (Q is dead
-    once the last S GEMM has read it), so that region is sized for the larger of the two; a persistent
-    CTA loads the next Q while O is stored, so O has a buffer of its own (and Q q_stages of them)."""
+    once the last S GEMM has read it), so that region is sized for the larger of the two; a
+    persistent CTA loads the next Q while O is stored, so O has a buffer of its own (and Q q_stages
+    of them)."""
     d, dv = problem.head_dim, problem.head_dim_v
     q = config.tile_m * d * ELEMENT_BYTES
     o = config.tile_m * dv * ELEMENT_BYTES
@@ -94,11 +97,11 @@ def smem_reasons(config: FwdConfig, problem: Problem, target: Target) -> list[st
             f"{k} {v // 1024} KB" for k, v in smem_layout_bytes(config, problem).items()
         )
         return [
-            f"shared memory {used / 1024:.0f} KB exceeds the {target.smem_per_block // 1024} KB per block "
-            f"of {target.name} (tile_m={config.tile_m}, tile_n={config.tile_n}, "
+            f"shared memory {used / 1024:.0f} KB exceeds the {target.smem_per_block // 1024} KB "
+            f"per block of {target.name} (tile_m={config.tile_m}, tile_n={config.tile_n}, "
             f"num_stages={config.num_stages}{', persistent' if config.persistent else ''}"
-            f"{f', q_stages={config.q_stages}' if config.q_stages > 1 else ''}, "
-            f"head dims {problem.head_dim}/{problem.head_dim_v}: {parts})"
+            f"{f', q_stages={config.q_stages}' if config.q_stages > 1 else ''}, head dims "
+            f"{problem.head_dim}/{problem.head_dim_v}: {parts})"
         ]
     return []
 
@@ -143,9 +146,9 @@ def register_split_reasons(wgs: int, target: Target) -> list[str]:
     released, taken = launch - producer, wgs * (consumer - launch)
     if taken > released:
         return [
-            f"register split {producer}/{consumer} with {wgs} consumer warpgroups: they launch with "
-            f"{launch} registers per thread, and would take {taken} per lane where the producer "
-            f"warpgroup gives back {released} (setmaxnreg.inc would wait for ever)"
+            f"register split {producer}/{consumer} with {wgs} consumer warpgroups: they launch "
+            f"with {launch} registers per thread, and would take {taken} per lane where the "
+            f"producer warpgroup gives back {released} (setmaxnreg.inc would wait for ever)"
         ]
     return []
 
@@ -162,9 +165,10 @@ def register_reasons(config: FwdConfig, problem: Problem, target: Target) -> lis
     need = consumer_registers_needed(config, problem)
     if need > min(consumer, target.max_regs_per_thread):
         reasons.append(
-            f"consumer threads need about {need} registers (O {problem.head_dim_v}, S {config.tile_n}"
-            f"{', P for intra-warpgroup overlap' if config.intra_wg_overlap else ''}) but get {consumer} "
-            f"with tile_m={config.tile_m}: the kernel would spill"
+            f"consumer threads need about {need} registers (O {problem.head_dim_v}, "
+            f"S {config.tile_n}"
+            f"{', P for intra-warpgroup overlap' if config.intra_wg_overlap else ''}) "
+            f"but get {consumer} with tile_m={config.tile_m}: the kernel would spill"
         )
     return reasons
 
@@ -189,9 +193,9 @@ def tile_reasons(config: FwdConfig, problem: Problem) -> list[str]:
 
 
 def epilogue_reasons(config: FwdConfig) -> list[str]:
-    """A single-tile CTA stages O in Q's buffer, which the consumer warpgroups share: only persistent
-    CTAs, whose O has a buffer of its own, can store it per warpgroup, or double-buffer Q for the next
-    tile."""
+    """A single-tile CTA stages O in Q's buffer, which the consumer warpgroups share: only
+    persistent CTAs, whose O has a buffer of its own, can store it per warpgroup, or double-buffer Q
+    for the next tile."""
     reasons = []
     if config.wg_epilogue and not config.persistent:
         reasons.append(

@@ -1,5 +1,6 @@
-"""exp2 on the device: the MUFU instruction, and the software version on the FMA pipe whose exact model
-is fa4tune.kernels.exp2_poly (the same instruction sequence, the same float32 coefficients)."""
+"""exp2 on the device: the MUFU instruction, and the software version on the FMA pipe whose exact
+model is fa4tune.kernels.exp2_poly (the same instruction sequence, the same float32
+coefficients)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def _emulated_exp2_ptx(degree: int) -> str:
         ".reg .f32 xc, t, j, f, p;",
         ".reg .b32 tb, pb;",
         f"max.f32 xc, $1, {_hex_f32(float(exp2_poly.CLAMP_LOW))};",
-        # Round toward -inf so that t's low mantissa bits hold floor(x); the two subtractions are exact.
+        # Round toward -inf so that t's low mantissa bits hold floor(x); the two subtractions are
+        # exact.
         f"add.rm.f32 t, xc, {magic};",
         f"sub.rn.f32 j, t, {magic};",
         "sub.rn.f32 f, xc, j;",
@@ -48,7 +50,7 @@ def _emulated_exp2_ptx(degree: int) -> str:
 
 @dsl_user_op
 def exp2_emulated(x: Float32, degree: int, *, loc=None, ip=None) -> Float32:
-    """2^x for x <= 127 by Cody-Waite split and a degree-`degree` polynomial, on the FMA/ALU pipes."""
+    """2^x for x <= 127 by Cody-Waite split and a degree-`degree` polynomial, on FMA/ALU pipes."""
     return Float32(
         llvm.inline_asm(
             T.f32(),

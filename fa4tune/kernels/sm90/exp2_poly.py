@@ -8,11 +8,13 @@ Algorithm (all float32, the same sequence the kernel issues):
   3. j = t - 1.5·2^23 ;  f = x - j           exact: j = floor(x), f in [0, 1)
   4. p = c_n; p = fma(p, f, c_k) ... c_0     2^f by Horner, one FMA per degree
   5. bits(result) = bits(p) + (bits(t) << 23) adds floor(x) into the exponent field
-The split in 2-3 is the Cody-Waite reduction for base 2 (exact, since j and x share the float32 grid).
+The split in 2-3 is the Cody-Waite reduction for base 2 (exact, since j and x share the float32
+grid).
 
-The coefficients come from a Remez exchange for the minimax *relative* error of 2^f on [0, 1], computed
-here in float64, then rounded to float32 and polished by a small search over neighbouring float32 values
-using the exact float32 model, so that the accuracy the feasibility check reports is the kernel's own.
+The coefficients come from a Remez exchange for the minimax *relative* error of 2^f on [0, 1],
+computed here in float64, then rounded to float32 and polished by a small search over neighbouring
+float32 values using the exact float32 model, so that the accuracy the feasibility check reports is
+the kernel's own.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ MIN_DEGREE, MAX_DEGREE = 1, 5
 ROUND_MAGIC = np.float32(1.5 * 2**23)  # 0x4B400000
 CLAMP_LOW = np.float32(-126.0)
 
-# Relative half-ulp of each storage dtype: the error below which an exponential is invisible after P is
-# rounded to that dtype.
+# Relative half-ulp of each storage dtype: the error below which an exponential is invisible after P
+# is rounded to that dtype.
 HALF_ULP = {"bf16": 2.0**-8, "fp16": 2.0**-11}
 
 
@@ -131,7 +133,7 @@ def emulate_exp2_f32(
 
 
 def _sample_points() -> np.ndarray:
-    """Every float32 fraction step that matters: a dense sweep of [0, 1) plus offsets by integers."""
+    """Every float32 fraction step that matters: a dense sweep of [0, 1) plus integer offsets."""
     frac = np.linspace(0.0, 1.0, 1 << 16, endpoint=False, dtype=np.float64)
     frac = np.concatenate(
         [frac, np.nextafter(np.float32(1.0), np.float32(0.0), dtype=np.float32)[None]]
@@ -185,8 +187,8 @@ def accuracy_reasons(poly_degree: int, emu_share: float, dtype: str) -> list[str
     if err > budget:
         return [
             f"exp2 polynomial of degree {poly_degree} has max relative error {err:.2e}, above the "
-            f"{dtype} half-ulp {budget:.2e}: emulated exponentials would be visibly less accurate than "
-            "MUFU ones"
+            f"{dtype} half-ulp {budget:.2e}: emulated exponentials would be visibly "
+            "less accurate than MUFU ones"
         ]
     return []
 

@@ -1,5 +1,5 @@
-"""Small Hopper building blocks for the forward kernel: shared-memory layouts, register-fragment views of
-the wgmma accumulator, and one wgmma issue routine."""
+"""Small Hopper building blocks for the forward kernel: shared-memory layouts, register-fragment
+views of the wgmma accumulator, and one wgmma issue routine."""
 
 from __future__ import annotations
 
@@ -61,8 +61,8 @@ def acc_rows_cols(acc: cute.Tensor) -> cute.Tensor:
 
 def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
     """View an fp32 S accumulator ((2, 2, V), M, N) in the order of a 16-bit wgmma A fragment
-    ((2, 2, 2), M, (V/2, N)): one k-block of 16 columns is two consecutive 8-column groups, so P can be
-    fed to the P·V wgmma from registers without any data exchange between threads."""
+    ((2, 2, 2), M, (V/2, N)): one k-block of 16 columns is two consecutive 8-column groups, so P can
+    be fed to the P·V wgmma from registers without any data exchange between threads."""
     s, d = acc.layout.shape, acc.layout.stride
     assert s[0][2] % 2 == 0, "tile_n must be a multiple of 16"
     shape = ((s[0][0], s[0][1], 2), s[1], (s[0][2] // 2, s[2]))
@@ -90,10 +90,10 @@ def _pack_pair(lo: Float32, hi: Float32, ptx_type: str, *, loc=None, ip=None) ->
 def convert_to_16bit(src: cute.Tensor, dst: cute.Tensor):
     """dst = src rounded to dst's 16-bit type, one cvt per pair of neighbours.
 
-    `Tensor.load().to()` gives the same instructions, but LLVM then sinks them out of the main loop's
-    body into the loop header (the loop carries 64 fp32 scores instead of 32 packed registers, and
-    the conversions run in one block after the O rescale branch). An inline-asm conversion stays where
-    it is written, among the exponentials."""
+    `Tensor.load().to()` gives the same instructions, but LLVM then sinks them out of the main
+    loop's body into the loop header (the loop carries 64 fp32 scores instead of 32 packed
+    registers, and the conversions run in one block after the O rescale branch). An inline-asm
+    conversion stays where it is written, among the exponentials."""
     ptx_type = "bf16" if cutlass.const_expr(dst.element_type is cutlass.BFloat16) else "f16"
     packed = cute.recast_tensor(dst, Int32)
     for i in cutlass.range_constexpr(cute.size(packed)):
@@ -101,8 +101,8 @@ def convert_to_16bit(src: cute.Tensor, dst: cute.Tensor):
 
 
 def wgmma(tiled_mma, acc, frag_a, frag_b, accumulate: bool, wait: int) -> None:
-    """Issue acc (+)= A·B over every k-block as one wgmma group; wait until at most `wait` groups are
-    in flight (-1: do not wait)."""
+    """Issue acc (+)= A·B over every k-block as one wgmma group; wait until at most `wait` groups
+    are in flight (-1: do not wait)."""
     warpgroup.fence()
     # A fresh atom per call: the ACCUMULATE field is mutated below.
     atom = cute.make_mma_atom(tiled_mma.op)

@@ -1,14 +1,14 @@
 """Online softmax in registers for the Hopper forward kernel.
 
-Each consumer thread holds two rows of every 64-row wgmma tile, each row spread over the four threads
-of a quad. The running max is reduced across the quad at every step; the running sum is kept per
-thread and reduced once, at the end.
+Each consumer thread holds two rows of every 64-row wgmma tile, each row spread over the four
+threads of a quad. The running max is reduced across the quad at every step; the running sum is kept
+per thread and reduced once, at the end.
 
 Conditional rescaling: the max used for the exponentials is only moved (and O and the sum rescaled)
-when the new row max exceeds it by more than `rescale_threshold` (log2 units, after the softmax scale).
-Otherwise the stale max stays and P values may reach 2^threshold, which fp32 sums and bf16 P carry
-without loss. The final normalisation divides by the sum taken against that same max, so the output is
-exact whatever the threshold.
+when the new row max exceeds it by more than `rescale_threshold` (log2 units, after the softmax
+scale). Otherwise the stale max stays and P values may reach 2^threshold, which fp32 sums and bf16 P
+carry without loss. The final normalisation divides by the sum taken against that same max, so the
+output is exact whatever the threshold.
 
 With `rescale_branch` a warp skips the O rescale when none of its rows moved its max (a vote and a
 branch); without, O is always multiplied (by 1.0 for the rows that kept their max), which costs the
@@ -17,12 +17,12 @@ multiplies but leaves the compiler one straight block to schedule the softmax in
 Lazy max (`step_lazy`): the max only has to bound P, so after a tile's first block the exponentials
 are taken against the running max straight away, without the block's row max (one FMNMX per score
 and two shuffles per row fewer). Every P is at most its thread's row sum (all P are non-negative:
-MUFU exponentials only, the kernel refuses emulated ones here, whose polynomial is wrong past 2^127),
-so while no sum exceeds 2^threshold no P does, and the step is exactly the one that keeps the max. A
-warp with a sum above that takes the max from P (its log2 is how far the max rose) and rescales where
-it rose past the threshold. A rise past 125 in log2 units (whose factor 2^-rise would flush to zero,
-or whose P or sum overflowed) or a NaN sum leaves nothing to rescale by: then the warp asks its caller
-to recompute the scores and takes the exact step.
+MUFU exponentials only, the kernel refuses emulated ones here, whose polynomial is wrong past
+2^127), so while no sum exceeds 2^threshold no P does, and the step is exactly the one that keeps
+the max. A warp with a sum above that takes the max from P (its log2 is how far the max rose) and
+rescales where it rose past the threshold. A rise past 125 in log2 units (whose factor 2^-rise would
+flush to zero, or whose P or sum overflowed) or a NaN sum leaves nothing to rescale by: then the
+warp asks its caller to recompute the scores and takes the exact step.
 """
 
 from __future__ import annotations
@@ -178,15 +178,17 @@ class OnlineSoftmax:
     @cute.jit
     def step_lazy(self, acc_S: cute.Tensor, row_scale: cute.Tensor) -> cutlass.Boolean:
         """A block after the tile's first (see the module docstring): like step(acc_S, False,
-        row_scale), but the row max is taken only where the row sums show a rise. Returns whether the
-        warp must recompute its scores and take step() instead (a rise too far to rescale by, or a NaN
-        sum: see _settle_from_p); the state is then as it was before the call. Warp-uniform."""
+        row_scale), but the row max is taken only where the row sums show a rise. Returns whether
+        the warp must recompute its scores and take step() instead (a rise too far to rescale by, or
+        a NaN sum: see _settle_from_p); the state is then as it was before the call.
+        Warp-uniform."""
         scores = acc_rows_cols(acc_S)
         ncols = cute.size(scores, mode=[1])
         emulate = emulated_columns(ncols, self.emu_share)
         row_max, row_sum = self.row_max, self.row_sum  # local names: written in the branches below
         # A row without a finite max yet (causal rows above the diagonal so far) has no reference to
-        # exponentiate against: its warp takes the exact step, on the scores, which are still intact.
+        # exponentiate against: its warp takes the exact step, on the scores, which are still
+        # intact.
         unset = row_max[0] == -Float32.inf
         for r in cutlass.range_constexpr(1, self.num_rows):
             unset = unset | (row_max[r] == -Float32.inf)
@@ -222,10 +224,10 @@ class OnlineSoftmax:
         row_sum: cute.Tensor,
     ) -> cutlass.Boolean:
         """The slow path of step_lazy: a row's largest P is 2 to the power of how far its max rose
-        (quad-reduced, so the four threads of a row agree). Rows past the limit move their max there,
-        and P, the row sum and (through row_scale) O follow; the others keep it. Returns whether a row
-        rose too far for that (past 2^125, where the factor would flush to zero, or a P or a thread's
-        sum overflowed) or a sum is NaN, leaving the state untouched then."""
+        (quad-reduced, so the four threads of a row agree). Rows past the limit move their max
+        there, and P, the row sum and (through row_scale) O follow; the others keep it. Returns
+        whether a row rose too far for that (past 2^125, where the factor would flush to zero, or a
+        P or a thread's sum overflowed) or a sum is NaN, leaving the state untouched then."""
         ncols = cute.size(scores, mode=[1])
         p_max = cute.make_rmem_tensor(self.num_rows, Float32)
         overflow = cutlass.Boolean(False)
@@ -258,7 +260,7 @@ class OnlineSoftmax:
 
     @cute.jit
     def rescale(self, acc_O: cute.Tensor, row_scale: cute.Tensor):
-        """O rows *= row_scale; with rescale_branch, skipped when no row of the warp moved its max."""
+        """O rows *= row_scale; with rescale_branch, skipped if no row of the warp moved its max."""
         if cutlass.const_expr(self.rescale_branch):
             moved = row_scale[0] != 1.0
             for r in cutlass.range_constexpr(1, self.num_rows):
