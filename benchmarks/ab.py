@@ -1,20 +1,21 @@
 """A/B of a knob change: the default and the table's config of each shape, each as is and with the
 change, timed side by side.
 
-    python benchmarks/ab.py --set q_stages=2 [--set wg_epilogue=true] [--shapes 64:1024,128:4096:causal]
-                            [--table PATH] [--rounds 3] [--jobs 8] [--json out.json]
+    python benchmarks/ab.py --set q_stages=2 [--set wg_epilogue=true]
+                            [--shapes 64:1024,128:4096:causal] [--table PATH] [--rounds 3]
+                            [--jobs 8] [--json out.json]
 
 Shapes are 'head_dim:seqlen[:causal]' at 16k tokens and hidden 2048 (benchmarks/attention.py); the
-default list is the tuning grid (head dims 64 and 128 at 1k, 4k, 16k, causal and not). `tuned` is the
-config fa4tune.attention looks up (FA4TUNE_TABLE, FA4TUNE_DB, else the shipped tables, or --table);
-the table says how it was found (exact, bucket, nearest, other-dtype, default) and whether it is stale or an
-estimate. A variant the feasibility rules refuse, one that is the base itself (the base already has
-the change) and one that fails to compile are listed as such, not timed, and left out of the
-geometric means. The kernels compile first, in a pool of --jobs processes (CPU work); then every
-column is checked against the fp32 reference on random inputs (outputs poisoned with NaN first) and
-timed in interleaved rounds with the L2 flushed (fa4tune.measure.timing). Prints a markdown table
-last: TFLOP/s, the ratio of each variant to its base (above 1: the change is faster), and the largest
-spread between rounds of the shape's columns."""
+default list is the tuning grid (head dims 64 and 128 at 1k, 4k, 16k, causal and not). `tuned` is
+the config fa4tune.attention looks up (FA4TUNE_TABLE, FA4TUNE_DB, else the shipped tables, or
+--table); the table says how it was found (exact, bucket, nearest, other-dtype, default) and whether
+it is stale or an estimate. A variant the feasibility rules refuse, one that is the base itself (the
+base already has the change) and one that fails to compile are listed as such, not timed, and left
+out of the geometric means. The kernels compile first, in a pool of --jobs processes (CPU work);
+then every column is checked against the fp32 reference on random inputs (outputs poisoned with NaN
+first) and timed in interleaved rounds with the L2 flushed (fa4tune.measure.timing). Prints a
+markdown table last: TFLOP/s, the ratio of each variant to its base (above 1: the change is faster),
+and the largest spread between rounds of the shape's columns."""
 
 from __future__ import annotations
 
@@ -44,8 +45,8 @@ GRID_SHAPES = ",".join(
 
 
 def parse_changes(items: list[str]) -> dict:
-    """{knob: value} from ["knob=value", ...]; a ValueError naming the item for anything the kernel's
-    config schema would not take."""
+    """{knob: value} from ["knob=value", ...]; a ValueError naming the item for anything the
+    kernel's config schema would not take."""
     from fa4tune.kernels.fa4_fwd_sm90.config import KNOBS, ConfigError, FwdConfig
 
     changes = {}
@@ -256,7 +257,8 @@ def main(argv=None) -> int:
         )
     change = " ".join(f"{k}={v}" for k, v in changes.items())
     print(
-        f"\n`+` = with {change}; {torch.cuda.get_device_name()}, TFLOP/s, {args.rounds} interleaved rounds.\n"
+        f"\n`+` = with {change}; {torch.cuda.get_device_name()}, "
+        f"TFLOP/s, {args.rounds} interleaved rounds.\n"
     )
     names = ["default", "default+", "tuned", "tuned+"]
     print(
@@ -279,7 +281,8 @@ def main(argv=None) -> int:
         ratios = [x for x in (gain(r["cells"], base) for r in rows) if x is not None]
         if ratios:
             print(
-                f"\n{base}+ / {base}, geometric mean over {len(ratios)} shapes: {geomean(ratios):.3f}x"
+                f"\n{base}+ / {base}, geometric mean over {len(ratios)} shapes: "
+                f"{geomean(ratios):.3f}x"
             )
     return 0
 

@@ -1,11 +1,13 @@
-"""Forward attention TFLOP/s on the standard grid: fa4tune (default or given config) against torch SDPA
+"""Forward attention TFLOP/s on the standard grid: \
+fa4tune (default or given config) against torch SDPA
 (cuDNN and flash backends) and flash-attn-4 when installed. Prints a markdown table, writes JSON.
 
     python benchmarks/attention.py [--json out.json] [--hdims 64,128] [--seqlens 1024,4096,16384]
 
 Grid: 16k tokens per batch, hidden 2048 (nheads = 2048 / head_dim), bf16, causal and not.
-FLOPs = 4·b·h·s_q·s_k·d, halved for causal. Every column is checked against the fp32 reference on slices
-(fa4tune.kernels.common.verify, LSE too for fa4tune) before it is timed; a column that fails shows 'wrong'.
+FLOPs = 4·b·h·s_q·s_k·d, halved for causal. Every column is checked against the fp32 reference on
+slices (fa4tune.kernels.common.verify, LSE too for fa4tune) before it is timed; a column that fails
+shows 'wrong'.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ TOKENS, HIDDEN = 16384, 2048
 
 
 def grid_problem(head_dim: int, seqlen: int, causal: bool):
-    """The design notes' benchmark shape: 16k tokens per batch, hidden 2048, bf16, self-attention."""
+    """The design notes' benchmark shape: 16k tokens per batch, hidden 2048, bf16,
+    self-attention."""
     from fa4tune.problem import Problem
 
     return Problem(
@@ -122,7 +125,8 @@ def main(argv=None) -> int:
         # Poisoned, so that an element the kernel never writes fails the check.
         out = torch.full_like(q, float("nan"))
         lse = torch.full((b, h, s), float("nan"), device="cuda", dtype=torch.float32)
-        # The project's correctness gate: fp32 reference on slices (both ends of batch, heads, rows).
+        # The project's correctness gate: fp32 reference on slices (both ends of batch, heads,
+        # rows).
         references = reference_slices(q, k, v, causal, None)
         tolerance = TOLERANCES[p.dtype]
 
@@ -168,7 +172,8 @@ def main(argv=None) -> int:
             ratio = f"{r['fa4tune'] / r['flash-attn-4']:.2f}"
         cells = " | ".join(str(r.get(n, "")) for n in names)
         print(
-            f"| {r['head_dim']} | {r['seqlen']} | {'yes' if r['causal'] else 'no'} | {cells} | {ratio} |"
+            f"| {r['head_dim']} | {r['seqlen']} | "
+            f"{'yes' if r['causal'] else 'no'} | {cells} | {ratio} |"
         )
     if args.json:
         Path(args.json).write_text(

@@ -110,13 +110,15 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     os.environ["SIMULATED_GPU_SECONDS"] = str(args.gpu_seconds)
     print(
-        f"{args.configs} candidates, simulated GPU time {args.gpu_seconds:g} s each, {os.cpu_count()} CPUs"
+        f"{args.configs} candidates, simulated GPU time {args.gpu_seconds:g} s each, "
+        f"{os.cpu_count()} CPUs"
     )
     for workers in (0, args.workers):
         with tempfile.TemporaryDirectory() as cache:  # a cold kernel cache for each run
             seconds, by = search_seconds(args.configs, workers, cache)
         print(
-            f"compile workers {workers}: search {seconds:.1f} s ({seconds / args.configs:.2f} s per candidate); "
+            f"compile workers {workers}: search {seconds:.1f} s "
+            f"({seconds / args.configs:.2f} s per candidate); "
             f"kernels from: {by}"
         )
     return 0

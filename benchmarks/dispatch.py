@@ -1,10 +1,10 @@
-"""Host-side cost of one forward call: fa4tune's entry points against calling the compiled kernel with
-prepared arguments (and flash-attn-4 when installed). Prints microseconds per call.
+"""Host-side cost of one forward call: fa4tune's entry points against calling the compiled kernel
+with prepared arguments (and flash-attn-4 when installed). Prints microseconds per call.
 
-Measured on a tiny problem so the GPU never holds the host back: each entry point is called in bursts
-of 100 with the host clock read around each call, and the queue is drained between bursts (untimed).
-The entry points take turns, a burst each per round, so that a slow spell of the host falls on all of
-them alike; the last column is each row's median minus the compiled kernel's.
+Measured on a tiny problem so the GPU never holds the host back: each entry point is called in
+bursts of 100 with the host clock read around each call, and the queue is drained between bursts
+(untimed). The entry points take turns, a burst each per round, so that a slow spell of the host
+falls on all of them alike; the last column is each row's median minus the compiled kernel's.
 """
 
 from __future__ import annotations
@@ -116,7 +116,8 @@ def main() -> int:
     except Exception as exc:
         print(f"# flash-attn-4 not measured: {type(exc).__name__}", file=sys.stderr)
     print(
-        f"# fa4tune.attention used config {launch.config.short()} ({dispatch.explain(q, k, v).source} in the "
+        f"# fa4tune.attention used config {launch.config.short()} "
+        f"({dispatch.explain(q, k, v).source} in the "
         f"lookup); direct host call: {direct}; {torch.cuda.get_device_name()}",
         file=sys.stderr,
     )
@@ -124,7 +125,8 @@ def main() -> int:
     reference = results[next(iter(rows))]
     base = reference[len(reference) // 2]
     print(
-        "| entry point | host µs per call: median | p99 | median minus the reference |\n|---|---|---|---|"
+        "| entry point | host µs per call: median | p99 | median minus the reference |\n"
+        "|---|---|---|---|"
     )
     for name, values in results.items():
         median, p99 = values[len(values) // 2], values[int(len(values) * 0.99)]

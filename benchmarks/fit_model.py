@@ -2,7 +2,8 @@
 
     python benchmarks/fit_model.py --samples tuning_configs/calibration/h200-run10.json \
         --holdout tuning_configs/calibration/h200-run11.json [--trials 300] [--refine 250]
-    python benchmarks/fit_model.py --db fa4tune-results/h200-bf16.db --run 8 --save-samples run8.json
+    python benchmarks/fit_model.py --db fa4tune-results/h200-bf16.db --run 8 \
+        --save-samples run8.json
 
 Samples come from a results DB (one run's measured candidates, `--run`) or a samples file
 (`fa4tune.measure.calibrate.save_samples`). Prints, per problem, the rank correlation and the regret
@@ -24,12 +25,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def table(before, after) -> list[str]:
     lines = [
-        "| problem | candidates (fully timed) | rank corr. before | after | regret before | after | scale after |",
+        "| problem | candidates (fully timed) | rank corr. before | after | "
+        "regret before | after | scale after |",
         "|---|---|---|---|---|---|---|",
     ]
     for b, a in zip(before, after):
         lines.append(
-            f"| {b.problem_key} | {b.candidates} ({b.timed}) | {b.rank_correlation:+.2f} | {a.rank_correlation:+.2f} | "
+            f"| {b.problem_key} | {b.candidates} ({b.timed}) | "
+            f"{b.rank_correlation:+.2f} | {a.rank_correlation:+.2f} | "
             f"{b.regret:.1%} | {a.regret:.1%} | {a.scale:.2f} |"
         )
     return lines
@@ -37,8 +40,10 @@ def table(before, after) -> list[str]:
 
 def summary_line(name, s) -> str:
     return (
-        f"{name}: {s['problems']} problems, {s['candidates']} candidates; RMS log error {s['rms_log_error']:.3f}; "
-        f"over the {s['timed']} fully timed: mean rank correlation {s['mean_rank_correlation']:+.3f}, "
+        f"{name}: {s['problems']} problems, {s['candidates']} candidates; "
+        f"RMS log error {s['rms_log_error']:.3f}; "
+        f"over the {s['timed']} fully timed: "
+        f"mean rank correlation {s['mean_rank_correlation']:+.3f}, "
         f"regret mean {s['mean_regret']:.1%} max {s['max_regret']:.1%}"
     )
 

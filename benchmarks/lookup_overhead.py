@@ -1,4 +1,5 @@
-"""Prints what fa4tune.lookup costs per call: the first call for a problem (climbing the ladder over a
+"""Prints what fa4tune.lookup costs per call: \
+the first call for a problem (climbing the ladder over a
 table of tuned problems) and every later call (a dict hit). Prints numbers; never passes or fails.
 
     python benchmarks/lookup_overhead.py [--entries 200]

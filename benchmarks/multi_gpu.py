@@ -17,7 +17,8 @@ kernel (benchmarks/simulated_gpu_worker.py, phase times measured on the H200): t
 machinery timed on a CPU, e.g. --simulate --gpus 0,1 with the whole job.
 
 For each run the script also prints, per worker process, how much of the wall time it had a trial
-of some problem in flight (from the Optuna journal); the rest is start-up, confirmations and waits."""
+of some problem in flight (from the Optuna journal); the rest is start-up, confirmations and
+waits."""
 
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ def derived_job(
     keep_time_budget: bool,
     backend: str | None,
 ) -> dict:
-    """The job to time: its first `problems` problems (as explicit problems), trials only, no export."""
+    """The job to time: its first `problems` problems (as explicit problems), trials only, no
+    export."""
     from fa4tune.tune.job import load_job
 
     job = load_job(job_path)
@@ -175,12 +177,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--compile-workers",
         type=int,
-        help="compile processes per worker (default: the job's; with --simulate 8, as on a GPU host)",
+        help=(
+            "compile processes per worker (default: the job's; with --simulate 8, as on a GPU host)"
+        ),
     )
     args = parser.parse_args(argv)
     if args.simulate and (args.workers is not None or args.backend == "model"):
         parser.error(
-            "--simulate runs the gpu backend on simulated GPUs: give --gpus, not --workers or --backend"
+            "--simulate runs the gpu backend on simulated GPUs: "
+            "give --gpus, not --workers or --backend"
         )
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -265,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     print()
     print(
-        f"wall time: 1 = {single_s:.1f} s, {label} = {many_s:.1f} s, speedup {single_s / many_s:.2f}x "
+        f"wall time: 1 = {single_s:.1f} s, {label} = {many_s:.1f} s, "
+        f"speedup {single_s / many_s:.2f}x "
         f"(target 1.8x on 2 GPUs); same best config on {same} of {len(rows) - 1} problems"
     )
     for tag, seconds in (("one", single_s), ("many", many_s)):
@@ -273,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{tag}: {line}")
     if args.simulate:
         print(
-            "simulated GPUs (benchmarks/simulated_gpu_worker.py): the search's machinery, not kernels"
+            "simulated GPUs (benchmarks/simulated_gpu_worker.py): "
+            "the search's machinery, not kernels"
         )
     print(f"logs, DBs and the timed job: {args.out}")
     return 0

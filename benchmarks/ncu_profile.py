@@ -1,22 +1,23 @@
 """Where a kernel's time goes, from the hardware counters: Nsight Compute (ncu) around one launch of
 a shape's default config and of that config with a knob change, side by side.
 
-    python benchmarks/ncu_profile.py [--shape 64:16384] [--set emu_share=0.125 ...] [--source] [--ncu PATH]
-                                     [--csv out.csv] [--json out.json]
+    python benchmarks/ncu_profile.py [--shape 64:16384] [--set emu_share=0.125 ...] [--source]
+                                     [--ncu PATH] [--csv out.csv] [--json out.json]
 
 A shape is 'head_dim:seqlen[:causal]' at 16k tokens and hidden 2048 (benchmarks/attention.py). The
-script runs itself under ncu (`--profile-from-start off`, `--clock-control none`: the clocks are left
-as they are); the profiled child compiles and runs each config once outside the profiled range, then
-once between cudaProfilerStart and cudaProfilerStop, so each profile is one launch of the kernel. It
-collects the sections SchedulerStats, WarpStateStats, ComputeWorkloadAnalysis and InstructionStats and
-prints a markdown table of what they say about a latency- or pipe-bound kernel: issue slots, pipe
-utilisation (XU is the MUFU), eligible warps, the largest stall reasons, executed instructions.
-With --source it also collects the source counters (warp-state samples per SASS instruction) and
-prints a second table: the opcodes the warps were sampled on most, each with its share of all
-samples and its largest stall reasons (where in the code the stalls of the first table are).
-ncu replays the launch once per pass of counters, so a kernel's outputs are written several times;
-nothing is checked against the reference here (the other benchmarks do that). ncu needs a machine
-whose GPU counters are readable (on a gVisor host they are not: ncu says so and this script stops)."""
+script runs itself under ncu (`--profile-from-start off`, `--clock-control none`: the clocks are
+left as they are); the profiled child compiles and runs each config once outside the profiled range,
+then once between cudaProfilerStart and cudaProfilerStop, so each profile is one launch of the
+kernel. It collects the sections SchedulerStats, WarpStateStats, ComputeWorkloadAnalysis and
+InstructionStats and prints a markdown table of what they say about a latency- or pipe-bound kernel:
+issue slots, pipe utilisation (XU is the MUFU), eligible warps, the largest stall reasons, executed
+instructions. With --source it also collects the source counters (warp-state samples per SASS
+instruction) and prints a second table: the opcodes the warps were sampled on most, each with its
+share of all samples and its largest stall reasons (where in the code the stalls of the first table
+are). ncu replays the launch once per pass of counters, so a kernel's outputs are written several
+times; nothing is checked against the reference here (the other benchmarks do that). ncu needs a
+machine whose GPU counters are readable (on a gVisor host they are not: ncu says so and this script
+stops)."""
 
 from __future__ import annotations
 
@@ -70,7 +71,8 @@ STALLS_SHOWN = 5  # the largest stall reasons of each launch, in cycles per issu
 
 def _csv_rows(text: str, first_column: str, what: str) -> csv.DictReader:
     """The rows of the CSV in ncu's output whose header starts with `first_column`; the lines before
-    the header (the profiled program's own output, ncu's ==PROF== lines, a kernel's name) skipped."""
+    the header (the profiled program's own output, ncu's ==PROF== lines, a kernel's name)
+    skipped."""
     lines = text.splitlines()
     start = next((i for i, line in enumerate(lines) if line.startswith(f'"{first_column}",')), None)
     if start is None:
@@ -149,7 +151,8 @@ def opcode(source: str) -> str:
 
 def summarize_source(rows: list[dict]) -> dict:
     """{opcode: {"share": % of all samples, "stalls": {reason: % of the opcode's samples}}}, the
-    opcodes with the most samples first. Stall columns are ncu's stall_* (all samples, issued or not)."""
+    opcodes with the most samples first. Stall columns are ncu's stall_* (all samples, issued or
+    not)."""
     reasons = [
         name for name in (rows[0] if rows else {}) if name.startswith("stall_") and "(" not in name
     ]
@@ -188,9 +191,9 @@ def source_table(labels: list[str], summaries: list[dict]) -> str:
         return f"{s[op]['share']:.1f}% ({stalls})"
 
     out = [
-        "warp-state samples per SASS opcode: share of all samples (the opcode's largest warp states: "
-        "stall reasons, or 'selected' when it issued; a BRA with long_sb is most often the spin of an "
-        "mbarrier wait)\n",
+        "warp-state samples per SASS opcode: share of all samples (the opcode's largest "
+        "warp states: stall reasons, or 'selected' when it issued; a BRA with long_sb is most "
+        "often the spin of an mbarrier wait)\n",
         "| opcode | " + " | ".join(labels) + " |",
         "|---|" + "---|" * len(labels),
     ]

@@ -1,17 +1,19 @@
 """Shapes the tuned table does not hold: what `fa4tune.attention` borrows for them, measured.
 
-For each shape, the config the runtime lookup picks (the same bucket, else the nearest tuned problem;
-`fa4tune.lookup`) is timed beside the kernel's default and the peers, as in docs/tuning-report.md
-(interleaved rounds, L2 flushed, every column checked against the fp32 reference first). It answers
-whether a user whose shape was never searched still gains from the table, or loses.
+For each shape, the config the runtime lookup picks (the same bucket, else the nearest tuned
+problem; `fa4tune.lookup`) is timed beside the kernel's default and the peers, as in
+docs/tuning-report.md (interleaved rounds, L2 flushed, every column checked against the fp32
+reference first). It answers whether a user whose shape was never searched still gains from the
+table, or loses.
 
-    python benchmarks/off_table.py [--shapes 64:2048,64:8192:causal,...] [--dtype fp16] [--table PATH]
-                                   [--rounds 3] [--json out.json]
+    python benchmarks/off_table.py [--shapes 64:2048,64:8192:causal,...] [--dtype fp16]
+                                   [--table PATH] [--rounds 3] [--json out.json]
 
-Shapes are 'head_dim:seqlen[:causal]' at batch 16384 // seqlen (16k tokens; 15k at 3072) and hidden 2048 (as benchmarks/attention.py
-takes them). The default list: head dims 64 and 128 at seqlens 2048 and 8192 (between the grid's), and
-3072 (not a power of two), causal and not. `--dtype fp16` asks the same of fp16 problems, which a
-bf16-only table serves from its sibling-dtype rung. Prints a markdown table last."""
+Shapes are 'head_dim:seqlen[:causal]' at batch 16384 // seqlen (16k tokens; 15k at 3072) and hidden
+2048 (as benchmarks/attention.py takes them). The default list: head dims 64 and 128 at seqlens 2048
+and 8192 (between the grid's), and 3072 (not a power of two), causal and not. `--dtype fp16` asks
+the same of fp16 problems, which a bf16-only table serves from its sibling-dtype rung. Prints a
+markdown table last."""
 
 from __future__ import annotations
 
@@ -110,7 +112,8 @@ def main(argv=None) -> int:
             json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1)
         )
     print(
-        f"\nOff-table shapes on {torch.cuda.get_device_name()}, TFLOP/s ({args.rounds} interleaved rounds); "
+        f"\nOff-table shapes on {torch.cuda.get_device_name()}, "
+        f"TFLOP/s ({args.rounds} interleaved rounds); "
         "`borrowed` is the config fa4tune.attention runs (lookup rung, tuned problem).\n"
     )
     print(
@@ -131,7 +134,8 @@ def main(argv=None) -> int:
     ratios = [x for x in (ratio(r["cells"], "tuned", "default") for r in rows) if x is not None]
     if ratios:
         print(
-            f"\nborrowed / default, geometric mean over {len(ratios)} of {len(rows)} shapes: {geomean(ratios):.3f}x"
+            f"\nborrowed / default, geometric mean over {len(ratios)} of {len(rows)} shapes: "
+            f"{geomean(ratios):.3f}x"
         )
     return 0
 

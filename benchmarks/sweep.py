@@ -105,7 +105,8 @@ def main(argv=None) -> int:
             )
             results.append(row)
             print(
-                f"| {cfg.short()} | {tflops:.1f} | {t.median_ms:.4f} | {t.spread:.3f} | {err:.2e} | "
+                f"| {cfg.short()} | {tflops:.1f} | {t.median_ms:.4f} | "
+                f"{t.spread:.3f} | {err:.2e} | "
                 f"{compiled.compile_seconds:.1f} |",
                 flush=True,
             )

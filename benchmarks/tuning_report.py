@@ -2,16 +2,17 @@
 
 From the results DB of a GPU search: per problem the default and the tuned config, their TFLOP/s and
 flash-attn-4's and cuDNN's (one process, interleaved rounds), the trials the search needed to reach
-its best, and its wall time. fa4tune always writes O and LSE, so flash-attn-4 is timed doing the same
-(`return_lse=True`: the column the target is judged by) and, beside it, as it runs by default, O
-alone; cuDNN (torch SDPA, no gradient) computes O alone.
+its best, and its wall time. fa4tune always writes O and LSE, so flash-attn-4 is timed doing the
+same (`return_lse=True`: the column the target is judged by) and, beside it, as it runs by default,
+O alone; cuDNN (torch SDPA, no gradient) computes O alone.
 
-    python benchmarks/tuning_report.py [--db fa4tune-results/h200-bf16.db] [--job tuning_configs/h200-bf16.yaml]
+    python benchmarks/tuning_report.py [--db fa4tune-results/h200-bf16.db]
+                                       [--job tuning_configs/h200-bf16.yaml]
                                        [--out docs/tuning-report.md] [--rounds 5]
 
-Every column is checked against the fp32 reference (slices, fa4tune.kernels.common.verify) before it is
-timed; a column whose implementation is missing, fails or is wrong says so instead of a number. The
-report is written whole at the end, or not at all."""
+Every column is checked against the fp32 reference (slices, fa4tune.kernels.common.verify) before it
+is timed; a column whose implementation is missing, fails or is wrong says so instead of a number.
+The report is written whole at the end, or not at all."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def is_grid(problem) -> bool:
     )
 
 
-# ---- what the search did ----------------------------------------------------------------------------
+# ---- what the search did -------------------------------------------------------------------------
 def search_story(db, problem_key: str, best) -> dict:
     """Trials (measured, in order) until the search first held a config within 2% of its final best,
     and until it first measured the config that became best; the search's wall time."""
@@ -81,9 +82,10 @@ def search_story(db, problem_key: str, best) -> dict:
     }
 
 
-# ---- measuring side by side -------------------------------------------------------------------------
+# ---- measuring side by side ----------------------------------------------------------------------
 def preload(directory, config, problem, target) -> bool:
-    """Load the kernel the search exported for `config`, if it is there; False: it will be compiled."""
+    """Load the kernel the search exported for `config`, if it is there; False: it will be
+    compiled."""
     from fa4tune.kernels.fa4_fwd_sm90.compile import load_compiled
     from fa4tune.measure.gpu import artifact_path
 
@@ -102,7 +104,8 @@ def preload(directory, config, problem, target) -> bool:
         )
     except Exception as exc:  # noqa: BLE001 - compiling instead is slower, not wrong
         print(
-            f"tuning_report: could not load {path.name} ({type(exc).__name__}: {exc}); compiling instead",
+            f"tuning_report: could not load {path.name} ({type(exc).__name__}: {exc}); "
+            "compiling instead",
             file=sys.stderr,
         )
         return False
@@ -126,9 +129,9 @@ def random_inputs(problem, seed: int):
 
 
 def fa4tune_runner(problem, config, target, q, k, v):
-    """A column running fa4tune's kernel with `config`: returns (O, LSE); `.poison()` fills both with
-    NaN, so that an element the kernel does not write shows. Each column has its own outputs, so that
-    one cannot pass on what another wrote."""
+    """A column running fa4tune's kernel with `config`: returns (O, LSE); `.poison()` fills both
+    with NaN, so that an element the kernel does not write shows. Each column has its own outputs,
+    so that one cannot pass on what another wrote."""
     import torch
 
     from fa4tune.kernels.fa4_fwd_sm90.launch import attention_forward
@@ -183,7 +186,8 @@ def runners_for(problem, default, tuned, target, q, k, v, fa4, fa4_error):
             except RuntimeError:
                 if not gqa["native"]:
                     raise
-                # No GQA in this cuDNN path: K/V heads repeated once, outside the timed runs after this.
+                # No GQA in this cuDNN path: K/V heads repeated once, outside the timed runs after
+                # this.
                 group = problem.nheads_q // problem.nheads_kv
                 gqa["native"], gqa["kv"] = (
                     False,
@@ -204,7 +208,8 @@ def _first(result):
 
 
 def _with_lse(result):
-    """(O, LSE) from flash-attn-4 asked for its LSE; an error if it gave none (it would not be checked)."""
+    """(O, LSE) from flash-attn-4 asked for its LSE; an error if it gave none (it would not be
+    checked)."""
     if not (isinstance(result, tuple) and len(result) >= 2 and result[1] is not None):
         raise RuntimeError("flash-attn-4 returned no LSE for return_lse=True")
     return result[0], result[1]
@@ -224,9 +229,9 @@ def measure_problem(problem, default, tuned, target, fa4, fa4_error, rounds: int
 
 
 def verify_and_time(problem, runners: dict, q, k, v, rounds: int) -> dict:
-    """name -> cell: each runner (a callable returning O or (O, LSE), or a string saying why the column
-    is empty) is checked against the fp32 reference on q, k, v first; one that raises or is wrong gets
-    its reason as the cell and is not timed; the others are timed (time_interleaved)."""
+    """name -> cell: each runner (a callable returning O or (O, LSE), or a string saying why the
+    column is empty) is checked against the fp32 reference on q, k, v first; one that raises or is
+    wrong gets its reason as the cell and is not timed; the others are timed (time_interleaved)."""
     import torch
 
     from fa4tune.kernels.common.verify import TOLERANCES, compare, reference_slices
@@ -301,7 +306,7 @@ def gqa_native(runners) -> bool:
     return getattr(runners.get("cuDNN"), "gqa", {}).get("native", True)
 
 
-# ---- the report -------------------------------------------------------------------------------------
+# ---- the report ----------------------------------------------------------------------------------
 def fmt_cell(cell) -> str:
     if isinstance(cell, dict):
         return f"{cell['tflops']:.0f}" + (f" ({cell['note']})" if cell.get("note") else "")
@@ -336,20 +341,24 @@ def render(rows, header: dict) -> str:
     lines = [
         f"# Tuning report: {header['kernel']} on {header['target']}",
         "",
-        f"Measured {header['date']} on {header['gpu']} (driver {header['driver']}, CUDA {header['cuda']}); "
-        f"torch {header['torch']}, nvidia-cutlass-dsl {header['dsl']}, flash-attn-4 {header['fa4']}. "
+        f"Measured {header['date']} on {header['gpu']} "
+        f"(driver {header['driver']}, CUDA {header['cuda']}); "
+        f"torch {header['torch']}, nvidia-cutlass-dsl {header['dsl']}, "
+        f"flash-attn-4 {header['fa4']}. "
         f"Kernel hash {header['kernel_hash'][:12]}; results DB `{header['db']}`. "
         + (
             f"Each column: {header['rounds']} interleaved rounds of "
             if header["rounds"] > 1
             else "Each column: one round (the columns one after another) of "
         )
-        + "`fa4tune.measure.timing.time_cuda` (L2 flushed before every run, median of at least 20 runs)"
+        + "`fa4tune.measure.timing.time_cuda` "
+        "(L2 flushed before every run, median of at least 20 runs)"
         + (", the median of the rounds" if header["rounds"] > 1 else "")
         + "; every column checked "
-        "against the fp32 reference first (O, and LSE where a column returns it). TFLOP/s = 4·b·h·s_q·s_k·d "
-        "(causal: unmasked pairs) / time. fa4tune writes O and LSE; `flash-attn-4` is called with "
-        "`return_lse=True` to do the same, and `flash-attn-4, O only` as it runs by default (no LSE); cuDNN "
+        "against the fp32 reference first (O, and LSE where a column returns it). "
+        "TFLOP/s = 4·b·h·s_q·s_k·d (causal: unmasked pairs) / time. fa4tune writes O and LSE; "
+        "`flash-attn-4` is called with `return_lse=True` to do the same, and "
+        "`flash-attn-4, O only` as it runs by default (no LSE); cuDNN "
         "(torch SDPA without gradients) computes O only. Written by `benchmarks/tuning_report.py`.",
         "",
         "## Summary",
@@ -358,30 +367,33 @@ def render(rows, header: dict) -> str:
         + (f"**{vs_default:.3f}x** (target ≥ 1.05)" if vs_default else "not measured"),
         "- Tuned against flash-attn-4 (both writing O and LSE) on the grid: "
         + (
-            f"lowest **{min(known_fa4):.3f}x**, {sum(x >= 1.0 for x in known_fa4)} of {len(known_fa4)} shapes "
+            f"lowest **{min(known_fa4):.3f}x**, "
+            f"{sum(x >= 1.0 for x in known_fa4)} of {len(known_fa4)} shapes "
             "at or above 1.0 (target: all)"
             if known_fa4
             else "flash-attn-4 not measured"
         ),
         "- Tuned against flash-attn-4 computing O only: "
         + (
-            f"lowest {min(known_fa4_o):.3f}x, {sum(x >= 1.0 for x in known_fa4_o)} of {len(known_fa4_o)} shapes "
+            f"lowest {min(known_fa4_o):.3f}x, "
+            f"{sum(x >= 1.0 for x in known_fa4_o)} of {len(known_fa4_o)} shapes "
             "at or above 1.0"
             if known_fa4_o
             else "not measured"
         ),
-        f"- The search held a config within 2% of its final best after at most 40 measured trials on "
-        f"{within_40} of {len(rows)} problems (target: all).",
+        "- The search held a config within 2% of its final best after at most 40 measured "
+        f"trials on {within_40} of {len(rows)} problems (target: all).",
         "",
         "## Per problem",
         "",
-        "TFLOP/s per column; `tuned` changes only the knobs shown. Trials: measured candidates until the "
-        "search first held a config within 2% of its final best / until it measured the config stored as "
-        "best (of all it measured; stopped = cut short by the pruner).",
+        "TFLOP/s per column; `tuned` changes only the knobs shown. Trials: measured candidates "
+        "until the search first held a config within 2% of its final best / until it measured "
+        "the config stored as best (of all it measured; stopped = cut short by the pruner).",
         "",
         "| problem | default config | tuned (changed knobs) | "
         + " | ".join(COLUMNS)
-        + " | tuned / default | tuned / FA4 | tuned / FA4, O only | trials to 2% / to best (of) | search wall time |",
+        + " | tuned / default | tuned / FA4 | tuned / FA4, O only | "
+        "trials to 2% / to best (of) | search wall time |",
         "|" + "---|" * (len(COLUMNS) + 8),
     ]
     for r in rows:
@@ -472,7 +484,8 @@ def build(args) -> str:
     except Exception as exc:  # not installed, or it does not import here
         fa4_error = f"{type(exc).__name__}: {exc}"[:100]
     runs = [r for r in db.runs() if r["kernel_hash"] == installed and r["target"] == target.name]
-    # The search exported every kernel it measured: load those (milliseconds) instead of compiling again.
+    # The search exported every kernel it measured: load those (milliseconds) instead of compiling
+    # again.
     dsl = package_version("nvidia-cutlass-dsl")
     artifacts = artifact_dir(GpuOptions.parse(job.measure).kernel_cache(), dsl, kernel)
     last = runs[-1] if runs else {}

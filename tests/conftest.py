@@ -120,8 +120,8 @@ def poisoned_attention(q, k, v, causal: bool = False, softmax_scale: float | Non
     return out, lse
 
 
-# A grid of 8 points but 4 configs: poly_degree has no effect while emu_share is 0, and equal kernels
-# are one config, so the configs a grid search stores never reach the grid's size.
+# A grid of 8 points but 4 configs: poly_degree has no effect while emu_share is 0, and equal
+# kernels are one config, so the configs a grid search stores never reach the grid's size.
 COLLAPSED_GRID = {
     "tiles": {"tile_m": [128, 192], "tile_n": [64, 128]},
     "exp2": {"poly_degree": [3, 4], "emu_share": [0.0]},

@@ -31,7 +31,8 @@ def unavailable(reason: str):
 
 
 def find_bindir() -> Path | None:
-    """The directory of initdb and pg_ctl: on PATH, else Debian's /usr/lib/postgresql/VERSION/bin."""
+    """The directory of initdb and pg_ctl: on PATH, else Debian's
+    /usr/lib/postgresql/VERSION/bin."""
     initdb = shutil.which("initdb")
     if initdb:
         return Path(initdb).resolve().parent

@@ -1,5 +1,6 @@
-"""benchmarks/ab.py without a GPU: what --set takes, which columns a shape gets (refused, already the
-base, the variant), and clean refusals (exit 2, the reason named) for bad arguments or no GPU."""
+"""benchmarks/ab.py without a GPU: what --set takes, which columns a shape gets (refused, already
+the base, the variant), and clean refusals (exit 2, the reason named) for bad arguments or no
+GPU."""
 
 import importlib.util
 from pathlib import Path
@@ -52,12 +53,14 @@ def test_columns_say_why_a_variant_is_not_run():
     assert columns["tuned+"].startswith(
         "refused: shared memory"
     )  # a second Q does not fit beside 160-wide K/V
-    # A base that already has the change gets no second, identical column (it would dilute the mean).
+    # A base that already has the change gets no second, identical column (it would dilute the
+    # mean).
     columns = ab.columns_for(
         HDIM128, default, FwdConfig(persistent=True, q_stages=2), {"q_stages": 2}, H200
     )
     assert columns["tuned+"] == "= tuned (it has the change)"
-    # A change that only moves a knob without effect (poly_degree without emulation) is the base too.
+    # A change that only moves a knob without effect (poly_degree without emulation) is the base
+    # too.
     assert ab.columns_for(HDIM128, default, default, {"poly_degree": 5}, H200)[
         "default+"
     ].startswith("= default")

@@ -30,7 +30,8 @@ REPO = Path(__file__).resolve().parents[1]
 CALIBRATION = REPO / "tuning_configs" / "calibration"
 KERNEL = get_kernel()
 H200 = get_target("H200")
-# The assumptions before the calibration (session 19): set by hand from the design notes and upstream FA4.
+# The assumptions before the calibration (session 19): set by hand from the design notes and
+# upstream FA4.
 HAND_SET = ModelAssumptions(
     overlap_norm_both=2.0,
     overlap_norm_one=1.5,
@@ -57,7 +58,8 @@ def synthetic(assumptions):
     samples = []
     for problem in problems:
         base = KERNEL.default_config(problem, H200)
-        # (Not 3 stages: the model times them as 2 once two hide the loads, and ties blur the regret.)
+        # (Not 3 stages: the model times them as 2 once two hide the loads, and ties blur the
+        # regret.)
         for knobs in (
             {},
             {"num_stages": 1},
@@ -111,7 +113,8 @@ def test_metrics():
         and f.scale == pytest.approx(1.0)
         for f in fits
     )
-    # Every candidate measured twice as slow: the ranks hold, the scale says so, the log error is ln 2.
+    # Every candidate measured twice as slow: the ranks hold, the scale says so, the log error is
+    # ln 2.
     slow = [dataclasses.replace(s, time_ms=2 * s.time_ms) for s in exact]
     fits = evaluate(ModelAssumptions(), slow, H200)
     assert all(
@@ -203,8 +206,8 @@ def test_regret_and_ranks_use_full_timings_and_average_ties():
         and fit_.rank_correlation == pytest.approx(1.0)
     )
     assert fit_.log_error > 0  # the loss still sees it
-    # Two candidates the model cannot tell apart (the same config twice), measured 1.0 and 1.2 against a
-    # best of 1.0: the regret is their mean, 10%.
+    # Two candidates the model cannot tell apart (the same config twice), measured 1.0 and 1.2
+    # against a best of 1.0: the regret is their mean, 10%.
     twin = Sample(favourite.problem, favourite.config, favourite.time_ms * 1.2)
     (fit_,) = evaluate(ModelAssumptions(), exact + [twin], H200)
     assert fit_.regret == pytest.approx(0.1)

@@ -1,5 +1,6 @@
-"""`fa4tune carry`: a table moves to new kernel code only when every entry compiles to the same module
-and PTX and launches alike; otherwise nothing is written and the changed entries are named."""
+"""`fa4tune carry`: a table moves to new kernel code only when every entry compiles to the same
+module and PTX and launches alike; otherwise nothing is written and the changed entries are
+named."""
 
 import shutil
 import subprocess
@@ -17,8 +18,8 @@ from fa4tune.runtime.tables import read_table, render_yaml
 PACKAGE = Path(__file__).resolve().parent.parent / "fa4tune"
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 
-# Two entries of the shipped table: a persistent hdim-64 causal kernel with tile_m 192 (its heads per
-# L2 group is above 1), and an hdim-128 one.
+# Two entries of the shipped table: a persistent hdim-64 causal kernel with tile_m 192 (its heads
+# per L2 group is above 1), and an hdim-128 one.
 KEYS = ("bf16-d64x64-causal-q1024-k1024-b16-h32x32", "bf16-d128x128-full-q4096-k4096-b4-h16x16")
 
 
@@ -108,7 +109,8 @@ def test_a_refactor_that_compiles_to_the_same_code_carries_the_table(
     )
     when = datetime(2026, 11, 29, tzinfo=timezone.utc)
     # The user's DSL settings do not reach the compiles (line info puts source line numbers into
-    # the PTX, and the refactor moved lines), and the repository may be named by any directory in it.
+    # the PTX, and the refactor moved lines), and the repository may be named by any directory in
+    # it.
     monkeypatch.setenv("CUTE_DSL_LINEINFO", "1")
     carried = carry_table(
         table, "HEAD", repo=repo / "fa4tune" / "kernels", tree=repo, write=True, now=when
@@ -165,8 +167,8 @@ def test_a_change_to_the_compiled_code_or_the_launch_names_each_entry_and_writes
         "fa4_fwd_sm90/compile.py",
         "counter = make_fake_tensor(cutlass.Int32, (1,), stride=(1,), "
         "memspace=AddressSpace.generic, assumed_align=4)",
-        "counter = make_fake_tensor(cutlass.Int32, (1,), stride=(1,), memspace=AddressSpace.generic, "
-        "assumed_align=8)",
+        "counter = make_fake_tensor(cutlass.Int32, (1,), stride=(1,), "
+        "memspace=AddressSpace.generic, assumed_align=8)",
     )
     with pytest.raises(CarryError) as caught:
         carry_table(table, "HEAD", repo=repo, tree=repo, write=True, say=lambda *a: None)

@@ -34,7 +34,7 @@ def written(workdir):
     return sorted(str(p.relative_to(workdir)) for p in workdir.rglob("*") if p.suffix != ".yaml")
 
 
-# ---- the quickstart and the happy paths ------------------------------------------------------------
+# ---- the quickstart and the happy paths ----------------------------------------------------------
 def test_quickstart_end_to_end_then_show_export_import_doctor(workdir, capsys):
     code, out, _ = run_cli(
         capsys, "search", REPO / "tuning_configs" / "quickstart.yaml", "--no-progress"
@@ -191,7 +191,7 @@ def test_show_refuses_a_negative_top(workdir, capsys, top):
     assert "--top" in err and "a whole number of 0 or more" in err and repr(top) in err
 
 
-# ---- bad input ------------------------------------------------------------------------------------
+# ---- bad input -----------------------------------------------------------------------------------
 def test_malformed_yaml_names_the_file_and_line(workdir, capsys):
     bad = workdir / "bad.yaml"
     bad.write_text("kernel: fa4_fwd_sm90\nproblems: [ {head_dim: 128\nbudget: 3\n")
@@ -443,7 +443,8 @@ def test_export_replaces_a_table_only_with_force(workdir, capsys):
         capsys,
         ["export", "--out", "tables/h200-bf16.yaml"],
         "tables/h200-bf16.yaml exists",
-        f"{len(table['entries'])} entries ({len(table['entries'])} measured, 0 cost-model estimates)",
+        f"{len(table['entries'])} entries "
+        f"({len(table['entries'])} measured, 0 cost-model estimates)",
         f"hash {table['kernel_hash'][:12]}",
         "on H200, with 1 carry record;",
         "--force",
@@ -465,8 +466,9 @@ def test_export_replaces_a_table_only_with_force(workdir, capsys):
 
 
 def test_a_cost_model_search_does_not_export_over_measurements(workdir, capsys):
-    """The shipped job run with --backend model used to replace the shipped table's measurements with
-    estimates; now it stops before anything is written, and --export sends the table elsewhere."""
+    """The shipped job run with --backend model used to replace the shipped table's measurements
+    with estimates; now it stops before anything is written, and --export sends the table
+    elsewhere."""
     shipped = REPO / "tuning_configs" / "tables" / "h200-bf16.yaml"
     (workdir / "tables").mkdir()
     for path in (shipped, shipped.with_suffix(".json")):

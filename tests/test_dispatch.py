@@ -1,7 +1,8 @@
-"""fa4tune.attention on the CPU: every unsupported input gets an error naming it (CPU and meta tensors
-stand in for CUDA ones), `explain` finds the tuned config of a DB, and the launch's packed arguments
-are byte for byte what the CuTe DSL itself passes to the compiled kernel; with the kernel played by
-the CPU, repeated calls on one shape launch with each call's tensors, scale and causality."""
+"""fa4tune.attention on the CPU: every unsupported input gets an error naming it (CPU and meta
+tensors stand in for CUDA ones), `explain` finds the tuned config of a DB, and the launch's packed
+arguments are byte for byte what the CuTe DSL itself passes to the compiled kernel; with the kernel
+played by the CPU, repeated calls on one shape launch with each call's tensors, scale and
+causality."""
 
 import ctypes
 import math
@@ -66,7 +67,8 @@ def test_attention_is_the_dispatch_function():
             lambda: qkv(sk=0, device="cpu"),
             "needs CUDA tensors; q is on cpu",
         ),  # empty, but on no GPU either
-        # torch calls this contiguous (.contiguous() returns it as it is), but the TMA needs every stride aligned.
+        # torch calls this contiguous (.contiguous() returns it as it is), but the TMA needs every
+        # stride aligned.
         (
             lambda: (
                 torch.empty(2, 256, 1, 128, dtype=torch.bfloat16).as_strided(
@@ -76,15 +78,18 @@ def test_attention_is_the_dispatch_function():
             ),
             r"size-1 dims too; use q.clone\(memory_format=torch.contiguous_format\)",
         ),
-        # An expanded view: the DSL took the zero stride as a constant and read the descriptor wrong.
+        # An expanded view: the DSL took the zero stride as a constant and read the descriptor
+        # wrong.
         (
             lambda: (
                 qkv()[0],
                 *(t[:, :, :1].expand(2, 256, 4, 128) for t in qkv(hkv=1, device="cpu")[1:]),
             ),
-            r"k has a zero stride .* \(an expanded view\?\); pass k.clone\(memory_format=torch.contiguous_format\)",
+            r"k has a zero stride .* \(an expanded view\?\); "
+            r"pass k.clone\(memory_format=torch.contiguous_format\)",
         ),
-        # A size-1 dim with stride 0: torch calls it contiguous (.contiguous() returns it unchanged).
+        # A size-1 dim with stride 0: torch calls it contiguous (.contiguous() returns it
+        # unchanged).
         (
             lambda: (
                 torch.empty_strided((2, 1, 4, 128), (512, 0, 128, 1), dtype=torch.bfloat16),
@@ -221,8 +226,9 @@ def test_explain_uses_the_tuned_config_of_the_db(workdir, monkeypatch):
 
 @pytest.mark.compile
 def test_packed_arguments_match_what_the_dsl_passes():
-    """The launch writes argument descriptors itself; they must equal the DSL's own, byte for byte, for
-    the exact compiled signature (a change of the kernel's arguments fails here, not on a GPU)."""
+    """The launch writes argument descriptors itself; they must equal the DSL's own, byte for byte,
+    for the exact compiled signature (a change of the kernel's arguments fails here, not on a
+    GPU)."""
     import os
 
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before cutlass is first imported
@@ -288,9 +294,10 @@ class _RecordingHostFunction:
 
 @pytest.mark.compile
 def test_direct_call_packs_the_arguments_as_the_dsl_does():
-    """fa4tune.attention calls the compiled host function with a pointer array it built once; it must
-    be the array the DSL's own executor builds (arguments, error slot, kernel handles), with an error
-    slot of its own, and a non-zero error code must come back. A DSL that changes the layout fails here."""
+    """fa4tune.attention calls the compiled host function with a pointer array it built once; it
+    must be the array the DSL's own executor builds (arguments, error slot, kernel handles), with an
+    error slot of its own, and a non-zero error code must come back. A DSL that changes the layout
+    fails here."""
     import os
 
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
@@ -331,7 +338,8 @@ def test_direct_call_packs_the_arguments_as_the_dsl_does():
 
 
 def test_direct_call_falls_back_to_the_dsl_call():
-    """An executor without the compiled function's internals is called through run_compiled_program."""
+    """An executor without the compiled function's internals is called through
+    run_compiled_program."""
     from fa4tune.kernels.common.launch import direct_call
 
     seen = []
@@ -341,8 +349,8 @@ def test_direct_call_falls_back_to_the_dsl_call():
 
 
 def test_a_config_whose_launch_grid_cannot_hold_the_problem_is_infeasible():
-    """One CTA per tile, non-causal: (m blocks, heads, batch) grid, y and z at most 65535; persistent
-    and causal launches are flat."""
+    """One CTA per tile, non-causal: (m blocks, heads, batch) grid, y and z at most 65535;
+    persistent and causal launches are flat."""
     from fa4tune.kernels.fa4_fwd_sm90 import FAMILY
     from fa4tune.kernels.fa4_fwd_sm90.config import FwdConfig
     from fa4tune.target import get_target
@@ -419,8 +427,8 @@ class CpuKernel:
 
 
 def described_tensor(address: int, dtype, rank: int):
-    """The CPU tensor that the packed descriptor at `address` (fa4tune.kernels.common.launch.DESCRIPTOR_4D, or
-    DESCRIPTOR_3D for rank 3) names."""
+    """The CPU tensor that the packed descriptor at `address`
+    (fa4tune.kernels.common.launch.DESCRIPTOR_4D, or DESCRIPTOR_3D for rank 3) names."""
     from fa4tune.kernels.common.launch import DESCRIPTOR_3D, DESCRIPTOR_4D
 
     layout = DESCRIPTOR_4D if rank == 4 else DESCRIPTOR_3D

@@ -11,7 +11,8 @@ from fa4tune.kernels.sm90 import exp2_poly
 
 
 def _exact_round_f32(value: Fraction, mode: str) -> np.float32:
-    """Round an exact rational to float32 (nearest-even or toward -inf), by bisection on the grid."""
+    """Round an exact rational to float32 (nearest-even or toward -inf), by bisection on the
+    grid."""
     approx = np.float32(float(value))  # within one float32 ulp of the answer
     candidates = [
         np.nextafter(approx, np.float32(-np.inf)),

@@ -170,9 +170,9 @@ def test_deaths_in_a_row_stop_the_search_when_the_good_config_fails_too(workdir,
 
 @pytest.mark.parametrize("vouching", ["another problem's config", "a config stored as wrong"])
 def test_only_a_good_config_of_the_same_problem_vouches_for_the_gpu(workdir, vouching):
-    """A problem whose every candidate kills the worker (its inputs do not fit, say) stops the search,
-    though another problem's config still runs; and a config the backend stored as wrong (the
-    worker said ok) vouches for nothing."""
+    """A problem whose every candidate kills the worker (its inputs do not fit, say) stops the
+    search, though another problem's config still runs; and a config the backend stored as wrong
+    (the worker said ok) vouches for nothing."""
     from fa4tune.errors import BackendUnavailable
 
     other = Problem(head_dim=128, seqlen_q=1024, batch=2, nheads_q=8)
@@ -187,8 +187,8 @@ def test_only_a_good_config_of_the_same_problem_vouches_for_the_gpu(workdir, vou
             b.measure(PROBLEM, config(64))
 
 
-# hdim 256: the default's tile_n is 80, which kills the planted worker while compiling, as does every
-# config of this space (tile_n 80 throughout); tile_n 64 measures ok.
+# hdim 256: the default's tile_n is 80, which kills the planted worker while compiling, as does
+# every config of this space (tile_n 80 throughout); tile_n 64 measures ok.
 HDIM256 = {"head_dim": 256, "seqlen_q": 2048, "batch": 2, "nheads_q": 8}
 CRASHING_SPACE = {
     "tiles": {"tile_m": [128], "tile_n": [planted.EXIT_TILE_N]},
@@ -205,8 +205,8 @@ RESULTS = "fa4tune-results/results.db"
 
 
 def crashing_job(workdir):
-    """A new search of HDIM256 whose four candidates all kill the worker: two deaths, the health check,
-    two more."""
+    """A new search of HDIM256 whose four candidates all kill the worker: two deaths, the health
+    check, two more."""
     return load_job(
         write_job(
             workdir,
@@ -224,8 +224,8 @@ def crashing_job(workdir):
 @pytest.mark.parametrize("gpu", ["healthy", "down"])
 def test_a_config_the_results_db_holds_as_ok_vouches_for_the_gpu(workdir, monkeypatch, gpu):
     """A search (a resume, say) whose first candidates all kill the worker has no good config of its
-    own: the GPU is checked with the one an earlier run measured ok (compiled again, by the measuring
-    worker), and the search goes on while that still measures ok."""
+    own: the GPU is checked with the one an earlier run measured ok (compiled again, by the
+    measuring worker), and the search goes on while that still measures ok."""
     from fa4tune.errors import BackendUnavailable
 
     down = workdir / "gpu-down"
@@ -265,7 +265,8 @@ def test_a_config_the_results_db_holds_as_ok_vouches_for_the_gpu(workdir, monkey
 
 def test_the_db_config_that_checks_the_gpu_comes_from_the_compile_pools_cache(workdir, monkeypatch):
     """With a compile pool, the DB's config is not compiled again by the measuring worker at every
-    check: the pool hands over its object file, found in the kernel cache where the earlier run put it."""
+    check: the pool hands over its object file, found in the kernel cache where the earlier run put
+    it."""
     from fa4tune.measure.gpu import GpuBackend
 
     pool = {
@@ -325,9 +326,9 @@ DECOYS = {
 def test_only_a_measured_never_wrong_db_config_of_the_same_problem_and_kernel_code_vouches(
     workdir, decoy
 ):
-    """The decoy, an ok trial in the results DB that is not this problem's, kernel code's or target's,
-    an estimate, or a config that was also wrong, vouches for nothing: the search stops. A genuine one
-    (slower than the decoy, which would crash if measured) then lets it go on."""
+    """The decoy, an ok trial in the results DB that is not this problem's, kernel code's or
+    target's, an estimate, or a config that was also wrong, vouches for nothing: the search stops. A
+    genuine one (slower than the decoy, which would crash if measured) then lets it go on."""
     from fa4tune.errors import BackendUnavailable
     from fa4tune.measure.base import Measurement
 
@@ -541,8 +542,9 @@ def test_a_wrong_config_never_becomes_best_in_the_db(workdir):
 
 
 def default_and_probe_trials():
-    """A results DB with a default (tile_n 128, 1.0 ms) and a probe (tile_n 96, 0.99 ms) trial of one
-    study, none of them offered as best yet: (db, the keywords confirm_best needs, default id, probe id)."""
+    """A results DB with a default (tile_n 128, 1.0 ms) and a probe (tile_n 96, 0.99 ms) trial of
+    one study, none of them offered as best yet: (db, the keywords confirm_best needs, default id,
+    probe id)."""
     from fa4tune.measure.base import Measurement
 
     db = ResultsDB.open("r.db")
@@ -616,8 +618,8 @@ def rounds(problem, *times_ms):
 @pytest.mark.parametrize(
     "other_rounds, third_rounds, best_tile_n",
     [
-        # tile_n 96 is the fastest by the median (2%) but loses the fourth round to the default: a slow
-        # spell of the GPU may do that once, so it cannot be told from the default.
+        # tile_n 96 is the fastest by the median (2%) but loses the fourth round to the default: a
+        # slow spell of the GPU may do that once, so it cannot be told from the default.
         (
             (0.97, 0.98, 0.98, 1.01, 0.97),
             (0.99, 0.99, 0.99, 0.99, 0.99),
@@ -715,8 +717,8 @@ def test_a_confirmation_judges_a_stored_best_it_retimed_by_its_own_rounds(workdi
     # An earlier session stored tile_n 96 at 0.90 ms (a faster spell of the GPU)...
     db.confirm_best(**confirm, confirmed=[({"id": other_id}, Measurement.ok(PROBLEM, 0.90))])
     assert db.best_configs()[0].config == {"tile_n": 96}
-    # ...these rounds time it 0.4% faster than the default: within min_gain, so the default takes over,
-    # however much lower the earlier session's time was.
+    # ...these rounds time it 0.4% faster than the default: within min_gain, so the default takes
+    # over, however much lower the earlier session's time was.
     db.confirm_best(
         **confirm,
         prefer=default_id,
@@ -766,9 +768,9 @@ def test_the_db_vouches_with_the_best_configs_trial_else_the_fastest_never_a_wro
 
 
 def test_a_measured_best_imported_without_a_trial_vouches_unless_it_was_wrong_here(workdir):
-    """A table's measured entry, imported into a DB that has no trial of its problem, is evidence that
-    the problem runs (it was measured where the table was made); an estimate is not, nor a config
-    this DB has seen give a wrong result."""
+    """A table's measured entry, imported into a DB that has no trial of its problem, is evidence
+    that the problem runs (it was measured where the table was made); an estimate is not, nor a
+    config this DB has seen give a wrong result."""
     from fa4tune.best import BestEntry
     from fa4tune.measure.base import Measurement
 
@@ -824,7 +826,8 @@ def test_a_measured_best_imported_without_a_trial_vouches_unless_it_was_wrong_he
 def test_a_search_confirms_the_default_beside_the_best_and_keeps_it_within_min_gain(
     workdir, min_gain, kept
 ):
-    # hdim 64 causal at 1k: the default tile_m is 192; 128 is ~15% faster on the planted (cost-model) GPU
+    # hdim 64 causal at 1k: the default tile_m is 192; 128 is ~15% faster on the planted
+    # (cost-model) GPU
     problem = {"head_dim": 64, "seqlen_q": 1024, "batch": 16, "nheads_q": 32, "causal": True}
     path = write_job(
         workdir,
@@ -895,8 +898,9 @@ def test_compile_pool_hands_over_artifacts_and_survives_crashing_and_hanging_com
             "tile_n": [64, 128, planted.POOL_CRASH_TILE_N, planted.POOL_HANG_TILE_N],
         }
     }
-    # Head dim 64: shared memory and registers take every one of these tiles at tile_m 128; the space
-    # also holds the default's tile_m 192, where 160 and 176 spill and are rejected before any compile.
+    # Head dim 64: shared memory and registers take every one of these tiles at tile_m 128; the
+    # space also holds the default's tile_m 192, where 160 and 176 spill and are rejected before any
+    # compile.
     path = write_job(
         workdir,
         backend="gpu",

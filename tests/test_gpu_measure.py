@@ -1,5 +1,5 @@
-"""The gpu backend and fa4tune.attention on a real GPU (skipped without one): a short search stores a
-verified, confirmed best; fa4tune.attention matches the reference and runs the table's config; a
+"""The gpu backend and fa4tune.attention on a real GPU (skipped without one): a short search stores
+a verified, confirmed best; fa4tune.attention matches the reference and runs the table's config; a
 kernel exported by one process and loaded by another computes exactly what a fresh compile does."""
 
 from __future__ import annotations
@@ -245,7 +245,8 @@ def test_fp16_runs_the_config_tuned_for_bf16(workdir, monkeypatch):
 @pytest.mark.parametrize("causal", [False, True])
 def test_inputs_with_nothing_to_compute_give_zero_and_minus_inf(causal, monkeypatch):
     """No batch, no query rows or no keys: O zero and LSE -inf on the tensors' device and current
-    stream, as in flash-attn-4, with no kernel compiled; attention_forward fills a caller's out and lse."""
+    stream, as in flash-attn-4, with no kernel compiled; attention_forward fills a caller's out and
+    lse."""
     import fa4tune
     from fa4tune.kernels.common.inputs import UnsupportedInput
     from fa4tune.kernels.fa4_fwd_sm90 import launch as fwd_launch
@@ -380,7 +381,8 @@ def test_kernel_exported_in_another_process_equals_a_fresh_compile(workdir):
     script = (
         "from fa4tune.kernels.fa4_fwd_sm90.config import FwdConfig\n"
         "from fa4tune.kernels.fa4_fwd_sm90.compile import compile_forward, export_compiled\n"
-        f"export_compiled(compile_forward(FwdConfig(tile_n=112, num_stages=3, rescale_threshold=4.0), "
+        "export_compiled(compile_forward("
+        "FwdConfig(tile_n=112, num_stages=3, rescale_threshold=4.0), "
         f"'bf16', 128, 128, True, 'H200'), {str(path)!r})\n"
     )
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}

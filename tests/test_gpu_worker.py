@@ -1,6 +1,6 @@
-"""The measuring worker's correctness gate (gpu_worker.measure) on the CPU, in this process: the real
-function, with CPU stand-ins for the device (inputs, synchronize, L2 flush, CUDA-event timing) and
-for the kernel (the forward family's attention_forward). A kernel that is right on its first
+"""The measuring worker's correctness gate (gpu_worker.measure) on the CPU, in this process: the
+real function, with CPU stand-ins for the device (inputs, synchronize, L2 flush, CUDA-event timing)
+and for the kernel (the forward family's attention_forward). A kernel that is right on its first
 launch only (later launches write nothing: the poison stays) is caught by the check after the timed
 runs; one that is wrong from the start, or never writes, is caught by the first check, whatever
 outputs an earlier candidate left in the kept buffers."""
@@ -100,7 +100,8 @@ def cpu_case(family, problem, state: dict):
 
 
 def fake_time_cuda(fn, *, flusher=None, **options) -> timing.Timing:
-    """time_cuda without CUDA events: TIMED_RUNS launches, each after a flush, at a made-up 0.1 ms."""
+    """time_cuda without CUDA events: TIMED_RUNS launches, each after a flush, at a made-up
+    0.1 ms."""
     for _ in range(TIMED_RUNS):
         if flusher is not None:
             flusher()

@@ -121,7 +121,8 @@ def signal_at_measurement(monkeypatch, number: int, send) -> list:
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_search_stops_when_the_garbage_collector_swallowed_its_ctrl_c(workdir, monkeypatch):
-    """What made a CI run fail: SIGTERM landed in a weakref callback and the search ran to its budget."""
+    """What made a CI run fail: SIGTERM landed in a weakref callback and the search ran to its
+    budget."""
     calls = signal_at_measurement(monkeypatch, 3, lambda: _signal_inside_del(signal.SIGINT))
     job = load_job(
         write_job(

@@ -147,7 +147,8 @@ SPREAD = [
         64,
         False,
     ),
-    # Warpgroups without rows (tile_m 192, one CTA per tile) without ping-pong: the configs that hung.
+    # Warpgroups without rows (tile_m 192, one CTA per tile) without ping-pong: the configs that
+    # hung.
     (FwdConfig(tile_m=192, num_stages=3, wg_pingpong=False), "bf16", 64, 64, True),
     (FwdConfig(tile_m=192, intra_wg_overlap=False, wg_pingpong=False), "bf16", 64, 64, False),
 ]
@@ -194,10 +195,11 @@ def _spill_report(text: str) -> list[tuple[int, int, int]]:
 def _serialized_wgmma(text: str) -> list[tuple[str, str]]:
     """(ptxas's code, its reason) for each time ptxas says it serialized the kernel's wgmma (every
     wgmma then waits for the one before it: a correct kernel, maybe without a spill, whose GEMMs no
-    longer overlap anything). ptxas does that when the accumulators of the GEMMs in flight do not fit
-    the registers (C7512: a PV GEMM left in flight across the next S GEMM with four consumer
-    warpgroups, session 25), and for a few other causes. The DSL may wrap the message over lines: the
-    reason is its first words (at most seven, read across the wrap, none of the next ptxas line)."""
+    longer overlap anything). ptxas does that when the accumulators of the GEMMs in flight do not
+    fit the registers (C7512: a PV GEMM left in flight across the next S GEMM with four consumer
+    warpgroups, session 25), and for a few other causes. The DSL may wrap the message over lines:
+    the reason is its first words (at most seven, read across the wrap, none of the next ptxas
+    line)."""
     return [
         (m.group(1), " ".join(m.group(2).split()))
         for m in re.finditer(
@@ -217,7 +219,8 @@ _SERIALIZED = (
 )
 _SERIALIZED_WRAPPED = (
     "remark[ptxas]: ptxas detected register spills\n"
-    "          ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are\n"
+    "          ptxas info    : (C7512) Potential Performance Loss: "
+    "wgmma.mma_async instructions are\n"
     "          serialized due to insufficient register resources for the function\n"
     "          'kernel_x'\n"
 )
@@ -230,7 +233,8 @@ def test_serialized_wgmma_check_reads_ptxas_advice():
     assert _serialized_wgmma(_SERIALIZED.splitlines()[1]) == []
     # Two in a row (one without a quoted function name) are two, each with its own reason.
     two = (
-        "(C7511) Potential Performance Loss: wgmma.mma_async instructions are serialized due to the\n"
+        "(C7511) Potential Performance Loss: wgmma.mma_async instructions are "
+        "serialized due to the\n"
         "  wgmma pipeline crossing function boundary\n" + _SERIALIZED
     )
     assert _serialized_wgmma(two) == [
@@ -245,9 +249,9 @@ def test_serialized_wgmma_check_reads_ptxas_advice():
 
 
 def test_serialized_wgmma_check_sees_a_real_serialized_kernel(capfd, tmp_path, monkeypatch):
-    """Not blind on a real compile: 256x96 at hdim 64 with intra-warpgroup overlap, which the register
-    model refuses (S, P and O of four consumer warpgroups in 112 registers), built with the refusal
-    bypassed: ptxas serializes its wgmma (and spills)."""
+    """Not blind on a real compile: 256x96 at hdim 64 with intra-warpgroup overlap, which the
+    register model refuses (S, P and O of four consumer warpgroups in 112 registers), built with the
+    refusal bypassed: ptxas serializes its wgmma (and spills)."""
     os.environ.setdefault(
         "CUTE_DSL_ARCH", "sm_90a"
     )  # before the DSL is loaded, as in _compile_with_report
@@ -307,14 +311,18 @@ def test_early_release_check_flags_the_unfixed_idle_loop_and_passes_synced_ones(
     )
     assert _early_releases(synced) == []
     after_wgmma = (
-        "mbarrier.try_wait.parity.shared.b64 P1, [%r4], %r200, 1;\nwgmma.wait_group.sync.aligned 0;\n"
+        "mbarrier.try_wait.parity.shared.b64 P1, [%r4], %r200, 1;\n"
+        "wgmma.wait_group.sync.aligned 0;\n"
         "@%p30 mbarrier.arrive.shared.b64 %rd26, [%r5], %r282;\n"
     )
     assert _early_releases(after_wgmma) == []
     assert _early_releases(after_wgmma.replace("wgmma.wait_group.sync.aligned 0;\n", "")) == [
         (2, 1)
     ]
-    producer = "mbarrier.try_wait.parity.shared.b64 P1, [%r5], %r1, 1;\nmbarrier.arrive.expect_tx.shared.b64 %rd9, [%r4], %r2;\n"
+    producer = (
+        "mbarrier.try_wait.parity.shared.b64 P1, [%r5], %r1, 1;\n"
+        "mbarrier.arrive.expect_tx.shared.b64 %rd9, [%r4], %r2;\n"
+    )
     assert _early_releases(producer) == []
 
 
@@ -346,11 +354,12 @@ def test_compiles_for_sm90a_without_spills(
     )
 
 
-# Spills the shipped table may keep: (problem key, config) -> why. A spill in any other shipped entry
-# fails the test below; so does a listed one that a re-tune replaced (the list must follow the table).
-# None since run 9 (run 11 neither): runs 6 and 8 kept hdim 64 4k causal at 192x192 with one stage, which spills 80
-# bytes (three warpgroups without overlap at exactly 160 registers) and measured fastest there (497
-# and 495 TFLOP/s against the default's 482 and 480); run 9 took 256x96, without spills.
+# Spills the shipped table may keep: (problem key, config) -> why. A spill in any other shipped
+# entry fails the test below; so does a listed one that a re-tune replaced (the list must follow the
+# table). None since run 9 (run 11 neither): runs 6 and 8 kept hdim 64 4k causal at 192x192 with one
+# stage, which spills 80 bytes (three warpgroups without overlap at exactly 160 registers) and
+# measured fastest there (497 and 495 TFLOP/s against the default's 482 and 480); run 9 took 256x96,
+# without spills.
 ALLOWED_SPILLS: dict[tuple[str, str], str] = {}
 
 
@@ -471,8 +480,9 @@ def test_shared_storage_is_what_the_resource_model_books(
 @pytest.mark.parametrize("tile_m,tile_n", [(128, 128), (192, 128), (256, 96)])
 def test_the_producer_gives_back_what_the_consumers_take(tile_m, tile_n, capfd, tmp_path):
     """setmaxnreg.inc takes registers only from what the block's setmaxnreg.dec gave back, and waits
-    for ever if that is too little (tile_m 256 with a 24/120 split hung on the H200). ptxas must launch
-    the block with the registers the model assumes, and each split must balance from there."""
+    for ever if that is too little (tile_m 256 with a 24/120 split hung on the H200). ptxas must
+    launch the block with the registers the model assumes, and each split must balance from
+    there."""
     from fa4tune.kernels.fa4_fwd_sm90 import resources
 
     target = get_target("H200")
@@ -488,7 +498,8 @@ def test_the_producer_gives_back_what_the_consumers_take(tile_m, tile_n, capfd, 
 
 def test_four_warpgroups_without_overlap_book_the_emulations_registers():
     """256x96 without intra-warpgroup overlap spilled 24 bytes with half the exponentials emulated
-    (ptxas, 112 registers): the register model refuses it, and the same shape with fewer emulated."""
+    (ptxas, 112 registers): the register model refuses it, and the same shape with fewer
+    emulated."""
     problem = Problem(dtype="bf16", head_dim=64)
     target = get_target("H200")
     spills = FwdConfig(tile_m=256, tile_n=96, intra_wg_overlap=False, emu_share=0.5, poly_degree=5)

@@ -41,7 +41,8 @@ def run_checked(config: FwdConfig, p: Problem, seed: int = 0):
 
 
 def check_on(config: FwdConfig, p: Problem, q, k, v):
-    """Run on q, k, v with poisoned outputs; return (O error, LSE error) against the fp32 reference."""
+    """Run on q, k, v with poisoned outputs; return (O error, LSE error) against the fp32
+    reference."""
     from fa4tune.kernels.common.reference import attention_reference
     from fa4tune.kernels.fa4_fwd_sm90.launch import attention_forward
 
@@ -95,8 +96,8 @@ def test_default_config_matches_reference(head_dim, causal, shape):
     assert lse_err <= LSE_TOL, lse_err
 
 
-# Every value of every knob appears at least once (poly_degree 1 only without emulation: its error is
-# above the bf16 half-ulp, and the feasibility check refuses it with emulation on).
+# Every value of every knob appears at least once (poly_degree 1 only without emulation: its error
+# is above the bf16 half-ulp, and the feasibility check refuses it with emulation on).
 KNOB_CONFIGS = [
     (64, FwdConfig(tile_m=192, tile_n=64, num_stages=5)),
     (64, FwdConfig(tile_m=192, tile_n=96, num_stages=4, emu_share=0.125, poly_degree=2)),
@@ -149,7 +150,8 @@ MANY_TILE_SHAPES = [
         (128, FwdConfig(rescale_threshold=8.0, persistent=True, wg_epilogue=True)),
         (64, FwdConfig(tile_m=192, rescale_threshold=8.0, persistent=True, wg_epilogue=True)),
         (64, FwdConfig(tile_m=256, tile_n=64, rescale_threshold=8.0, persistent=True)),
-        # Two Q buffers: the producer loads the next tile's Q while this tile's S GEMMs read the other.
+        # Two Q buffers: the producer loads the next tile's Q while this tile's S GEMMs read the
+        # other.
         (128, FwdConfig(rescale_threshold=8.0, persistent=True, wg_epilogue=True, q_stages=2)),
         (
             128,
@@ -157,7 +159,8 @@ MANY_TILE_SHAPES = [
         ),
         (64, FwdConfig(tile_m=192, rescale_threshold=8.0, persistent=True, q_stages=2)),
         (64, FwdConfig(tile_m=256, tile_n=96, intra_wg_overlap=False, persistent=True, q_stages=2)),
-        # The row max taken only after a rise (random scores: hardly ever after a tile's first block).
+        # The row max taken only after a rise (random scores: hardly ever after a tile's first
+        # block).
         (128, FwdConfig(rescale_threshold=8.0, persistent=True, lazy_max=True)),
         (64, FwdConfig(tile_m=192, rescale_threshold=8.0, persistent=True, lazy_max=True)),
         (
@@ -193,9 +196,10 @@ def test_persistent_matches_reference(head_dim, config, shape, causal):
 
 # tile_m 192 with one CTA per tile leaves warpgroups without rows in the last m block (seqlen % 192
 # in 1..128), which then only keep the pipeline and the GEMM turns going: with and without
-# intra-warpgroup overlap, with and without ping-pong (whose idle loop once hung: docs/kernel-notes.md,
-# v7), one CTA per tile and persistent (causal only: persistent non-causal kernels have no idle path).
-# (1024: two idle warpgroups; 1060: one. tile_m 256: 1060 leaves three, 1024 none.)
+# intra-warpgroup overlap, with and without ping-pong (whose idle loop once hung:
+# docs/kernel-notes.md, v7), one CTA per tile and persistent (causal only: persistent non-causal
+# kernels have no idle path). (1024: two idle warpgroups; 1060: one. tile_m 256: 1060 leaves three,
+# 1024 none.)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize(
     "config",
@@ -259,11 +263,12 @@ LAZY_CONFIGS = [
 
 def rising_inputs(p: Problem, rise: float, seed: int, width: int = 1, quiet: bool = False):
     """q, k, v whose even rows' scores jump at two groups of `width` keys: by rise/2 (in log2 units,
-    after the softmax scale) over the other keys' at keys seqlen_k/2 on, and by as much again at keys
-    0 on. The kernel walks the K blocks last first, so both jumps come after a tile's first block; the
-    odd rows see the groups far below their max. With `quiet` the rows of q are exactly +-(1, ..., 1)
-    and the other keys scaled down, so that their scores stay within a small fraction of a log2 unit
-    of 0 and every even row's jumps are the given ones (without, they vary by about 6%)."""
+    after the softmax scale) over the other keys' at keys seqlen_k/2 on, and by as much again at
+    keys 0 on. The kernel walks the K blocks last first, so both jumps come after a tile's first
+    block; the odd rows see the groups far below their max. With `quiet` the rows of q are exactly
+    +-(1, ..., 1) and the other keys scaled down, so that their scores stay within a small fraction
+    of a log2 unit of 0 and every even row's jumps are the given ones (without, they vary by about
+    6%)."""
     q, k, v = make_inputs(p, seed)
     scale_log2 = 1.4426950408889634 / p.head_dim**0.5
     sign = torch.ones(p.seqlen_q, device="cuda")
@@ -316,9 +321,9 @@ def test_lazy_max_follows_a_rise(head_dim, config, causal, rise, dtype):
 def test_lazy_max_recomputes_rises_too_large_to_rescale(head_dim, config, causal, rise, width):
     """Rises the slow path must not rescale by, each P finite (below 2^128). 124.5 at groups of 64
     keys: a thread holds 13-16 of a group's columns, whose sum overflows (the first fix of review
-    findings: that row's max moved and its sum stayed inf). 127 at one key: the factor 2^-127 flushes
-    to zero (the second: P, sum and O of the row zeroed while its max moved, O NaN in the end). Both
-    must recompute and take the exact step."""
+    findings: that row's max moved and its sum stayed inf). 127 at one key: the factor 2^-127
+    flushes to zero (the second: P, sum and O of the row zeroed while its max moved, O NaN in the
+    end). Both must recompute and take the exact step."""
     p = Problem(
         head_dim=head_dim,
         causal=causal,
@@ -407,8 +412,8 @@ def test_attention_forward_writes_into_the_callers_out_and_lse_and_refuses_bad_o
 
 
 def test_a_batch_the_launch_grid_cannot_hold_is_refused_by_name():
-    """Head dim 256, non-causal: the default runs one CTA per tile on a (m blocks, heads, batch) grid,
-    whose z extent CUDA caps at 65535."""
+    """Head dim 256, non-causal: the default runs one CTA per tile on a (m blocks, heads, batch)
+    grid, whose z extent CUDA caps at 65535."""
     import fa4tune
     from fa4tune.kernels.common.inputs import UnsupportedInput
 
@@ -462,7 +467,8 @@ def test_tile_counter_is_zero_after_every_launch_and_graphs_get_their_own(monkey
                 device="cuda",
             )
             attention_forward(q, k, v, config, causal=True, out=out)
-            # the launch's: the current stream's, named by torch's id (a KeyError if it took another)
+            # the launch's: the current stream's, named by torch's id (a KeyError if it took
+            # another)
             counter = streams._COUNTERS[(q.device, "torch", stream.stream_id)]
             ref_out, _ = attention_reference(q, k, v, causal=True)
             err = ((out.float() - ref_out).norm() / ref_out.norm()).item()
@@ -556,7 +562,8 @@ def test_kernels_that_ignore_the_counter_get_one_dummy_even_in_a_graph(monkeypat
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_tensors_on_another_gpu_than_the_current_one():
     """With cuda:0 current and the tensors on cuda:1, both entry points launch on cuda:1 (the host
-    function launches on the current device), with cuda:1's tile counter, and match the reference."""
+    function launches on the current device), with cuda:1's tile counter, and match the
+    reference."""
     from fa4tune.kernels.common import streams
     from fa4tune.kernels.common.reference import attention_reference
     from fa4tune.kernels.fa4_fwd_sm90.launch import attention_forward
@@ -587,10 +594,10 @@ def test_tensors_on_another_gpu_than_the_current_one():
 def test_the_launch_paths_name_torch_streams_by_torch_id_and_external_ones_by_the_driver(
     monkeypatch,
 ):
-    """current_tile_counter, the launch paths' lookup: torch's pool streams and the legacy stream get
-    a counter each without a driver query; an external stream is named by the driver's unique id, as
-    tile_counter names it; a capture gets a new counter on every call. Pins the torch stream id
-    layout that the shortcut reads (native ids odd, an external stream's id its handle)."""
+    """current_tile_counter, the launch paths' lookup: torch's pool streams and the legacy stream
+    get a counter each without a driver query; an external stream is named by the driver's unique
+    id, as tile_counter names it; a capture gets a new counter on every call. Pins the torch stream
+    id layout that the shortcut reads (native ids odd, an external stream's id its handle)."""
     from cuda.bindings import runtime
 
     from fa4tune.kernels.common import streams
@@ -631,9 +638,9 @@ def test_the_launch_paths_name_torch_streams_by_torch_id_and_external_ones_by_th
 
 
 def test_fa4tune_attention_takes_the_counter_of_the_stream_it_launches_on(monkeypatch):
-    """fa4tune.attention with a persistent causal kernel, on two streams in turn: each launch takes its
-    stream's counter (two streams, two counters), the results match the reference, and both counters
-    are back at zero."""
+    """fa4tune.attention with a persistent causal kernel, on two streams in turn: each launch takes
+    its stream's counter (two streams, two counters), the results match the reference, and both
+    counters are back at zero."""
     from types import SimpleNamespace
 
     from fa4tune.kernels.common.reference import attention_reference

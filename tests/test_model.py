@@ -28,8 +28,8 @@ def tflops(problem, cfg, target=H200):
 
 
 def test_softmax_side_reproduces_the_measured_h200_figures():
-    """The design notes: 14.1 elements/clk/SM MUFU-only, 15.2 with 1/8 emulated at degree 3, worse than
-    MUFU-only past about 30% emulated."""
+    """The design notes: 14.1 elements/clk/SM MUFU-only, 15.2 with 1/8 emulated at degree 3, worse
+    than MUFU-only past about 30% emulated."""
     rate = lambda share: 1.0 / softmax_clocks_per_element(H200, share, 3)  # noqa: E731
     assert rate(0.0) == pytest.approx(14.1, rel=0.02)
     assert rate(0.125) == pytest.approx(15.2, rel=0.02)
@@ -39,7 +39,8 @@ def test_softmax_side_reproduces_the_measured_h200_figures():
     assert softmax_clocks_per_element(H200, 0.25, 5) > softmax_clocks_per_element(H200, 0.25, 3)
 
 
-# docs/tuning-report.md (run 11, H200): the default config's TFLOP/s on the grid, 16k tokens, hidden 2048.
+# docs/tuning-report.md (run 11, H200): the default config's TFLOP/s on the grid, 16k tokens, hidden
+# 2048.
 MEASURED_DEFAULTS = {
     (64, 1024, False): 445,
     (64, 1024, True): 299,
@@ -57,10 +58,10 @@ MEASURED_DEFAULTS = {
 
 
 def test_close_to_the_measured_defaults_on_the_h200_grid():
-    """The calibrated model (fitted to all of run 10's candidates, most of them slower than the default)
-    against the defaults as the tuning report measured them: log error within log(1.15) each and
-    log(1.10) RMS. It has 0.129 and 0.085 (13.8% and 8.9%; too slow at 16k tokens, too fast at 1k
-    causal); the fit to run 8 it replaced had 0.159 and 0.101 on these defaults (log(1.12) and
+    """The calibrated model (fitted to all of run 10's candidates, most of them slower than the
+    default) against the defaults as the tuning report measured them: log error within log(1.15)
+    each and log(1.10) RMS. It has 0.129 and 0.085 (13.8% and 8.9%; too slow at 16k tokens, too fast
+    at 1k causal); the fit to run 8 it replaced had 0.159 and 0.101 on these defaults (log(1.12) and
     log(1.08) held on run 8's, before the lazy max)."""
     errors = []
     for (d, s, causal), measured in MEASURED_DEFAULTS.items():
@@ -210,7 +211,8 @@ def test_the_lazy_max_saves_one_alu_op_per_score():
     ) < model.step_clocks(config, problem, 1, steps, False)
 
     # A tile's first step takes its row max all the same (the kernel has no running max before it):
-    # with a single K/V block per tile the lazy max saves nothing, with many it saves all but one step.
+    # with a single K/V block per tile the lazy max saves nothing, with many it saves all but one
+    # step.
     lazy = replace(config, lazy_max=True)
     assert model.step_clocks(lazy, problem, 1, steps, True, first=True) == pytest.approx(
         model.step_clocks(config, problem, 1, steps, True, first=True)
@@ -222,7 +224,8 @@ def test_the_lazy_max_saves_one_alu_op_per_score():
     def saving(fn, *args):
         return fn(config, problem, 1, steps, *args) - fn(lazy, problem, 1, steps, *args)
 
-    # The first step is masked (the kernel masks the first block it takes), and later masked ones too.
+    # The first step is masked (the kernel masks the first block it takes), and later masked ones
+    # too.
     for masked_steps in (1, 2, steps):
         assert saving(model.cta_clocks, masked_steps) == pytest.approx(
             (steps - masked_steps) * saving(model.step_clocks, False)

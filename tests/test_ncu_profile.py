@@ -142,8 +142,8 @@ SOURCE_COLUMNS = [
 
 
 def source_output(rows: list[tuple]) -> str:
-    """What `ncu -i REPORT --page source --csv --print-source sass` prints for one launch: a line naming
-    the kernel, the header, one row per SASS instruction."""
+    """What `ncu -i REPORT --page source --csv --print-source sass` prints for one launch: a line
+    naming the kernel, the header, one row per SASS instruction."""
     out = io.StringIO()
     writer = csv.writer(out, quoting=csv.QUOTE_ALL, lineterminator="\n")
     out.write('"Kernel Name","kernel_fwd",\n')
@@ -189,7 +189,8 @@ args = sys.argv[1:]
 (here / "calls.txt").open("a").write(" ".join(args) + "\\n")
 if "-o" in args:
     if (here / "fail").exists():
-        sys.stdout.write("==ERROR== ERR_NVGPUCTRPERM - no permission to access NVIDIA GPU Performance Counters\\n")
+        sys.stdout.write("==ERROR== ERR_NVGPUCTRPERM - no permission to access NVIDIA GPU \
+Performance Counters\\n")
         sys.exit(1)
     pathlib.Path(args[args.index("-o") + 1] + ".ncu-rep").write_text("report")
 elif not pathlib.Path(args[args.index("-i") + 1]).exists():
@@ -221,7 +222,8 @@ def fake_ncu(tmp_path):
 
 def test_source_run_profiles_to_a_report_and_reads_each_launch_back(fake_ncu, tmp_path, capsys):
     """The whole main() with --source against a stand-in for ncu: the sections asked for, the report
-    read back once for the details and once per launch for the source counters, both tables printed."""
+    read back once for the details and once per launch for the source counters, both tables
+    printed."""
     import json
 
     out_json = tmp_path / "out.json"

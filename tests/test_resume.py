@@ -204,8 +204,8 @@ def test_an_interrupted_grid_search_measures_every_point_when_resumed(workdir):
     from fa4tune.target import get_target
     from fa4tune.tune.search import SearchInterrupted
 
-    # A grid large enough for four interrupts. A lost point that were not queued again would never be
-    # measured: the search ends once the sampler has asked for every point.
+    # A grid large enough for four interrupts. A lost point that were not queued again would never
+    # be measured: the search ends once the sampler has asked for every point.
     job = load_job(
         write_job(
             workdir,
@@ -381,7 +381,8 @@ def test_a_resumed_grid_search_whose_every_point_was_tried_asks_for_none(workdir
 def test_a_grid_point_that_always_fails_unmeasured_is_not_queued_for_ever(workdir):
     """A point queued again after each failure would be the first thing every resume does, though it
     fails for its own reasons (here a plugin's check raises on it): it is queued again at most
-    MAX_GRID_REQUEUES times, and then counts as tried (the grid sampler must not propose it again)."""
+    MAX_GRID_REQUEUES times, and then counts as tried (the grid sampler must not propose it
+    again)."""
     from fa4tune.errors import SpaceError
     from fa4tune.space import Choice, SearchSpace, _registered, register_space
     from fa4tune.tune.grid import MAX_GRID_REQUEUES

@@ -65,7 +65,8 @@ def test_the_fallback_ladder(tuned_db):
     ):
         hit = lookup(other_family, "H200", source=tuned_db)
         assert hit.source == "default" and hit.config == KERNEL.default_config(other_family, None)
-    # fp16 has no tuned problem: the nearest bf16 one of its head dims and causality lends its config.
+    # fp16 has no tuned problem: the nearest bf16 one of its head dims and causality lends its
+    # config.
     hit = lookup(
         Problem(dtype="fp16", head_dim=128, seqlen_q=4096, batch=2, nheads_q=16),
         "H200",
@@ -104,14 +105,15 @@ def test_within_a_rung_the_closest_tuned_problem_lends_its_config(workdir):
             Problem(head_dim=128, seqlen_q=seqlen, batch=2, nheads_q=16), "H200", source=path
         )
         assert (seqlen, hit.source, hit.config.tile_n) == (seqlen, source, tile_n)
-    # Among entries of one nearest bucket, the closer problem: 40000 tokens (bucket 64k) from 16k's bucket.
+    # Among entries of one nearest bucket, the closer problem: 40000 tokens (bucket 64k) from 16k's
+    # bucket.
     hit = lookup(Problem(head_dim=128, seqlen_q=40000, batch=2, nheads_q=16), "H200", source=path)
     assert (hit.source, hit.config.tile_n) == ("nearest", 160)
 
 
 def test_the_nearest_rung_ranks_the_problems_not_their_buckets(workdir):
-    """4100 causal tokens (bucket 8k) borrow from the 4096-token problem beside them, not from the one
-    whose bucket is nearer (8192 tokens, 32 query heads over 8)."""
+    """4100 causal tokens (bucket 8k) borrow from the 4096-token problem beside them, not from the
+    one whose bucket is nearer (8192 tokens, 32 query heads over 8)."""
     tuned_4k = Problem(head_dim=128, seqlen_q=4096, batch=4, nheads_q=16, causal=True)
     tuned_8k = Problem(head_dim=128, seqlen_q=8192, batch=2, nheads_q=32, nheads_kv=8, causal=True)
     write_table_file(workdir / "t.yaml", [entry(tuned_4k, 96), entry(tuned_8k, 160)])
@@ -124,10 +126,10 @@ def test_the_nearest_rung_ranks_the_problems_not_their_buckets(workdir):
 
 
 def test_the_sibling_dtype_lends_after_every_problem_of_the_own_dtype(workdir):
-    """fp16 and bf16 share one element width, so a config tuned for one runs the other. An fp16 problem
-    borrows from a far fp16 problem (16x the tokens) of its head dims and causality before the exact
-    bf16 one; with none, from the closest bf16 problem whose config fits it (not from one of other
-    causality); and bf16 from fp16 the same way."""
+    """fp16 and bf16 share one element width, so a config tuned for one runs the other. An fp16
+    problem borrows from a far fp16 problem (16x the tokens) of its head dims and causality before
+    the exact bf16 one; with none, from the closest bf16 problem whose config fits it (not from one
+    of other causality); and bf16 from fp16 the same way."""
     fp16_64k = Problem(dtype="fp16", head_dim=128, seqlen_q=65536, batch=1, nheads_q=16)
     causal_8k, causal_16k, causal_64k = (
         Problem(head_dim=128, seqlen_q=s, batch=1, nheads_q=16, causal=True)
@@ -169,9 +171,9 @@ def test_the_sibling_dtype_lends_after_every_problem_of_the_own_dtype(workdir):
 
 
 def test_across_dtypes_current_code_and_measurements_keep_their_precedence(workdir):
-    """On the sibling-dtype rung as on the others: a config tuned for the installed kernel code comes
-    before a stale one even of the problem's own dtype and exact shape, and in the problem's bucket a
-    measurement before an estimate of the exact problem."""
+    """On the sibling-dtype rung as on the others: a config tuned for the installed kernel code
+    comes before a stale one even of the problem's own dtype and exact shape, and in the problem's
+    bucket a measurement before an estimate of the exact problem."""
     fp16_4k = replace(TUNED_4K, dtype="fp16")
     bf16_3000 = Problem(head_dim=128, seqlen_q=3000, batch=2, nheads_q=16)  # TUNED_4K's bucket
     tables = workdir / "tables"
@@ -230,8 +232,8 @@ def test_in_its_bucket_a_measurement_beats_an_exact_estimate_beyond_it_the_close
 ):
     """An estimate of the exact problem (3000 tokens) does not shadow a measurement of its bucket
     (4096): the cost model errs by more than tuning gains. Beyond the bucket, the closer problem
-    lends its config, estimate or not: a 12000-token problem borrows from an 8192-token estimate, not
-    from a 65536-token measurement."""
+    lends its config, estimate or not: a 12000-token problem borrows from an 8192-token estimate,
+    not from a 65536-token measurement."""
     tables = workdir / "tables"
     tables.mkdir()
     exact = Problem(head_dim=128, seqlen_q=3000, batch=2, nheads_q=16)
@@ -392,7 +394,8 @@ def test_importing_fa4tune_and_looking_up_a_table_stays_light(workdir):
     write_table_file(table, [entry(TUNED_4K, 96)])
     code = (
         "import sys, fa4tune\n"
-        f"hit = fa4tune.lookup(fa4tune.Problem(head_dim=128, seqlen_q=4096, batch=2, nheads_q=16), 'H200', source={str(table)!r})\n"
+        "hit = fa4tune.lookup(fa4tune.Problem(head_dim=128, seqlen_q=4096, batch=2, nheads_q=16), "
+        f"'H200', source={str(table)!r})\n"
         "assert hit.source == 'exact', hit\n"
         "heavy = [m for m in ('torch', 'cutlass', 'sqlalchemy', 'optuna') if m in sys.modules]\n"
         "print(heavy)\n"
@@ -445,8 +448,9 @@ def test_the_lookup_cache_is_bounded(tuned_db, monkeypatch):
 
 
 def test_a_lookup_without_target_before_torch_is_imported_says_what_it_assumed(monkeypatch):
-    """Without torch the GPU is not asked (importing it costs seconds): the lookup is for H200 then, and
-    says so once, since after torch is imported the same call may look up for the local GPU instead."""
+    """Without torch the GPU is not asked (importing it costs seconds): the lookup is for H200 then,
+    and says so once, since after torch is imported the same call may look up for the local GPU
+    instead."""
     import fa4tune.runtime.lookup as runtime
 
     monkeypatch.delitem(sys.modules, "torch", raising=False)

@@ -71,8 +71,8 @@ def test_search_reaches_the_exhaustive_optimum_of_a_small_space(workdir):
     )
     job = load_job(path)
     (best_ms, best_config), size = exhaustive_optimum(job)
-    # rescale_threshold: the two listed values plus the default config's 8.0, which a space always keeps;
-    # persistent and lazy_max: the listed False plus the default's True.
+    # rescale_threshold: the two listed values plus the default config's 8.0, which a space always
+    # keeps; persistent and lazy_max: the listed False plus the default's True.
     assert size == 2 * 5 * 4 * 2 * 2 * 3 * 3 * 2 * 2  # the budget is 40 of 5760 configs
     summary = run_search(job, say=quiet)
     result = summary.results[0]
@@ -104,8 +104,8 @@ def test_grid_sampler_exhausts_a_tiny_space(workdir):
 
 
 def test_a_cost_model_run_flags_its_rejected_configs_as_estimates_too(workdir):
-    """Every trial of a cost-model run is flagged as an estimate, the configs rejected before compiling
-    included (a flag of False would count them among the GPU's measurements)."""
+    """Every trial of a cost-model run is flagged as an estimate, the configs rejected before
+    compiling included (a flag of False would count them among the GPU's measurements)."""
     path = write_job(
         workdir,
         spaces={
@@ -187,8 +187,9 @@ def test_infeasible_configs_never_reach_the_backend(workdir):
 
 
 def test_emulation_searched_without_the_softmax_space_is_refused_with_the_lazy_max_named(workdir):
-    """The README's warning: the defaults take the lazy max, which refuses emulated exponentials, and
-    without the softmax space nothing turns it off, so every emulated candidate is refused, by name."""
+    """The README's warning: the defaults take the lazy max, which refuses emulated exponentials,
+    and without the softmax space nothing turns it off, so every emulated candidate is refused, by
+    name."""
     problems = [{"head_dim": 128, "seqlen_q": 2048, "batch": 2, "nheads_q": 8}]
     path = write_job(workdir, spaces={"exp2": {}}, problems=problems, budget={"trials": 10})
     summary = run_search(load_job(path), say=quiet)
@@ -232,7 +233,8 @@ def test_default_is_measured_first_and_neighbours_warm_start_the_next_problem(wo
     assert [t["source"] for t in new[:2]] == ["default", "warm-start"]
     assert new[1]["config"] == best.config
 
-    # fp16 of the first problem's shape: the bf16 best of that very shape starts it (the sibling dtype).
+    # fp16 of the first problem's shape: the bf16 best of that very shape starts it (the sibling
+    # dtype).
     third = write_job(
         workdir,
         name="third",

@@ -1,5 +1,6 @@
-"""The tuned tables fa4tune ships (tuning_configs/tables, reached through fa4tune/shipped_tables): every
-entry is a measured, feasible config that the lookup returns for its problem, and a wheel carries them."""
+"""The tuned tables fa4tune ships (tuning_configs/tables, reached through fa4tune/shipped_tables):
+every entry is a measured, feasible config that the lookup returns for its problem, and a wheel
+carries them."""
 
 import shutil
 import subprocess
@@ -44,21 +45,22 @@ def test_every_shipped_entry_is_measured_feasible_and_found(path):
 
 @pytest.mark.parametrize("path", TABLES, ids=lambda p: p.name)
 def test_every_shipped_table_was_tuned_for_the_installed_kernel_code(path):
-    """A kernel code change without a re-tune (or a carry, for code that compiles the same) would ship
-    configs measured on other code (the lookup still uses them, with a warning). Comments and
+    """A kernel code change without a re-tune (or a carry, for code that compiles the same) would
+    ship configs measured on other code (the lookup still uses them, with a warning). Comments and
     docstrings do not count (tests/test_kernel_hash.py)."""
     table = read_table(path)
     installed = get_kernel(table["kernel"]).source_hash()
     assert table["kernel_hash"] == installed, (
-        f"{path.name} was tuned for {table['kernel']} {table['kernel_hash'][:12]}, installed {installed[:12]}: "
+        f"{path.name} was tuned for {table['kernel']} {table['kernel_hash'][:12]}, "
+        f"installed {installed[:12]}: "
         "re-tune it (fa4tune search); if the change leaves the compiled code alone, `fa4tune carry "
         f"tuning_configs/tables/{path.name} --from REV --write` checks that and carries it"
     )
 
 
 def test_a_wheel_carries_the_shipped_tables(tmp_path):
-    # Built from a copy without build/ and *.egg-info: a stale build/lib would carry the tables even if
-    # the package data were gone (and the build would write into the checkout).
+    # Built from a copy without build/ and *.egg-info: a stale build/lib would carry the tables even
+    # if the package data were gone (and the build would write into the checkout).
     source = tmp_path / "src"
     shutil.copytree(
         REPO,

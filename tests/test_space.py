@@ -84,8 +84,8 @@ def test_the_default_is_always_in_the_searched_domain():
 
 
 def test_a_continuous_range_over_a_knob_with_few_values_means_those_values_in_it():
-    """Only the ends used to be checked: {low: 0, high: 8} over the thresholds 0, 2, 4, 8 passed, and
-    every value between the legal ones was then proposed and rejected."""
+    """Only the ends used to be checked: {low: 0, high: 8} over the thresholds 0, 2, 4, 8 passed,
+    and every value between the legal ones was then proposed and rejected."""
     problem = Problem(head_dim=128, seqlen_q=4096)
     space = compose(KERNEL, {"softmax": {"rescale_threshold": Range(0.0, 8.0)}})
     assert space.domains(problem, H200)["rescale_threshold"] == Choice((0.0, 2.0, 4.0, 8.0))
@@ -114,7 +114,8 @@ def test_a_continuous_range_over_a_knob_with_few_values_means_those_values_in_it
     )
     domains = space.domains(problem, H200)
     assert domains["rescale_threshold"] == Choice((0.0, 2.0, 4.0, 8.0))
-    # A range whose every value is legal stays the ordered range it was (and so does the study name).
+    # A range whose every value is legal stays the ordered range it was (and so does the study
+    # name).
     stages = compose(
         KERNEL, {"pipeline": {"num_stages": parse_domain({"low": 2, "high": 4}, "num_stages")}}
     )
@@ -141,7 +142,8 @@ def test_checks_union_plugins_and_kernel_with_reasons():
 
 
 def test_every_feasible_config_passes_the_kernel_and_every_plugin_reason_is_the_kernels_too():
-    """The plugins may not be stricter or looser than the kernel's own rules on the knobs they own."""
+    """The plugins may not be stricter or looser than the kernel's own rules on the knobs they
+    own."""
     space = compose(
         KERNEL,
         {
@@ -227,7 +229,8 @@ def test_probes_change_one_knob_each_nearest_first_and_stay_feasible():
         [k for k in default if not (probe[k] == default[k] and type(probe[k]) is type(default[k]))]
         for probe in probes
     ]
-    # one knob each, or up to three where one of them alone is infeasible beside the default's others
+    # one knob each, or up to three where one of them alone is infeasible beside the default's
+    # others
     assert all(
         len(c) == 1
         or (

@@ -12,7 +12,8 @@ from fa4tune.kernels.common import streams
 
 
 class FakeLibcuda:
-    """libcuda's two stream queries: they write `values[name]` through the pointer, return `code`."""
+    """libcuda's two stream queries: they write `values[name]` through the pointer, return
+    `code`."""
 
     def __init__(self, values, code=0):
         self.values, self.code, self.calls = values, code, []
@@ -149,7 +150,8 @@ class FakeTorchStreams:
 
 @pytest.fixture
 def fake_launch_path(monkeypatch):
-    """current_tile_counter with torch's getters faked: returns (set the fake, the driver-path calls)."""
+    """current_tile_counter with torch's getters faked: returns (set the fake, the driver-path
+    calls)."""
     torch = pytest.importorskip("torch")
     driver_path = []
     monkeypatch.setattr(streams, "_COUNTERS", {})

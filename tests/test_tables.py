@@ -106,7 +106,8 @@ def test_a_table_for_another_kernel_hash_is_refused_and_nothing_is_written(searc
             lambda d: d.update(carried=[{"from_hash": "x", "to_hash": "y"}]),
             "carried: a list of records with from_hash",
         ),
-        # `carry --write` renders the label: a table without it must fail here, not with a KeyError there.
+        # `carry --write` renders the label: a table without it must fail here, not with a KeyError
+        # there.
         (lambda d: d.pop("estimates"), "estimates: missing or not true"),
         (lambda d: d.update(estimates=False), "estimates: missing or not true"),
         (

@@ -1,5 +1,5 @@
-"""A CUDA device is mapped to its target with its own SM count: a persistent kernel sizes its grid by
-it, so an H100 PCIe (114 SMs) or a MIG slice must not be compiled for 132."""
+"""A CUDA device is mapped to its target with its own SM count: a persistent kernel sizes its grid
+by it, so an H100 PCIe (114 SMs) or a MIG slice must not be compiled for 132."""
 
 import warnings
 from types import SimpleNamespace
@@ -87,7 +87,8 @@ def test_dispatch_runs_a_hopper_gpu_it_has_no_description_of_on_default_configs(
             head_dim=128, seqlen_q=8192, batch=2, nheads_q=32, nheads_kv=8, causal=True
         )
         assert fa4tune.lookup(problem).source == "default"
-        # The cost model and searches take a described GPU only: get_target(None) falls back to H200.
+        # The cost model and searches take a described GPU only: get_target(None) falls back to
+        # H200.
         assert get_target(None).name == "H200"
         assert (
             dispatch.explain(
@@ -119,7 +120,8 @@ def test_an_undescribed_hopper_gets_default_configs_sized_to_its_sms_and_l2():
 
     h20 = undescribed_hopper("NVIDIA H20", 78, 60 * 2**20)
     problem = Problem(head_dim=128, seqlen_q=8192, batch=2, nheads_q=32, nheads_kv=8, causal=True)
-    # The shipped H200 table has this very problem; a GPU it does not describe borrows nothing from it.
+    # The shipped H200 table has this very problem; a GPU it does not describe borrows nothing from
+    # it.
     assert fa4tune.lookup(problem, "H200").source == "exact"
     result = fa4tune.lookup(problem, h20)
     assert result.source == "default" and result.config == get_kernel().default_config(problem, h20)
@@ -136,7 +138,8 @@ def test_an_undescribed_hopper_gets_default_configs_sized_to_its_sms_and_l2():
 
 
 def test_the_gpu_worker_compiles_for_the_whole_target_it_is_sent():
-    """The search sends the worker its target whole: a MIG slice's SM count must reach the compile."""
+    """The search sends the worker its target whole: a MIG slice's SM count must reach the
+    compile."""
     from fa4tune.measure.gpu_worker import _candidate
     from fa4tune.problem import Problem
 

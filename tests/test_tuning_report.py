@@ -64,7 +64,8 @@ def test_search_story_counts_trials_to_the_best(workdir):
             )
         [best] = db.best_configs()
         story = report.search_story(db, GRID.key(), best)
-    # Measured (pruned skipped): 2.0, 1.5, 1.02 (within 2% of 1.0: trial 3), 1.3, 1.0 (the best: trial 5).
+    # Measured (pruned skipped): 2.0, 1.5, 1.02 (within 2% of 1.0: trial 3), 1.3, 1.0 (the best:
+    # trial 5).
     assert story["measured"] == 6 and story["to_near"] == 3 and story["to_best"] == 5
 
 

@@ -1,5 +1,5 @@
-"""The correctness gate's slices of the fp32 reference (on the CPU): each slice equals the same rows of
-the whole problem's reference, causal offsets included, and the comparison catches NaN, -inf
+"""The correctness gate's slices of the fp32 reference (on the CPU): each slice equals the same rows
+of the whole problem's reference, causal offsets included, and the comparison catches NaN, -inf
 mismatches and errors above tolerance."""
 
 import math
@@ -58,8 +58,9 @@ def test_row_slices_cover_first_and_last_rows():
 
 
 def test_a_wrong_tile_in_the_middle_is_caught():
-    """Finite, wrong values in the middle of batch, heads and rows (a scheduler that computed another
-    tile there) pass the NaN check and the slices at the ends: the middle slice catches them."""
+    """Finite, wrong values in the middle of batch, heads and rows (a scheduler that computed
+    another tile there) pass the NaN check and the slices at the ends: the middle slice catches
+    them."""
     q, k, v = inputs((120, 120, 3, 4, 2))
     out, lse = attention_reference(q, k, v, causal=True)
     slices = reference_slices(q, k, v, True, None, rows=16)

@@ -1,7 +1,8 @@
-"""Many workers sharing each problem's study (fa4tune search --workers N), on the cost model: through
-the journal file on one host and through a real PostgreSQL server (tests/pgserver.py), across two
-"hosts" of which one dies. Exactly once: the measured trials of a study equal its budget, no config is
-stored twice, the default is queued once, and what a killed worker was measuring is handed back."""
+"""Many workers sharing each problem's study (fa4tune search --workers N), on the cost model:
+through the journal file on one host and through a real PostgreSQL server (tests/pgserver.py),
+across two "hosts" of which one dies. Exactly once: the measured trials of a study equal its budget,
+no config is stored twice, the default is queued once, and what a killed worker was measuring is
+handed back."""
 
 import os
 import signal
@@ -41,8 +42,8 @@ DB = "fa4tune-results/results.db"
 
 # Every process of the search (the CLI and the workers it spawns) imports this first: the cost model
 # takes FA4TUNE_TEST_MEASURE_S per measurement, so that workers overlap, then waits while the file
-# FA4TUNE_TEST_HOLD exists (a test kills a worker it has seen measuring, then lets the others go: the
-# kill lands mid-trial however loaded the machine is), and appends each finished measurement
+# FA4TUNE_TEST_HOLD exists (a test kills a worker it has seen measuring, then lets the others go:
+# the kill lands mid-trial however loaded the machine is), and appends each finished measurement
 # (problem, config) to the file FA4TUNE_TEST_MEASURE_LOG.
 SLOW_MODEL = """
 import json, os, time
@@ -216,7 +217,7 @@ def assert_exactly_once(db_location, storage, budget, n_studies, workers=None):
     return stored, optuna_studies
 
 
-# ---- one host, the journal --------------------------------------------------------------------------
+# ---- one host, the journal -----------------------------------------------------------------------
 def test_four_workers_share_each_study_through_the_journal(workdir, slow_env):
     path = write_job(workdir, spaces=SPACE, problems=PROBLEMS, budget={"trials": 20}, warm_start=1)
     out = finish(start_search(workdir, slow_env, path, "--workers", 4, delay=0.12))
@@ -349,7 +350,7 @@ def test_ctrl_c_to_the_process_group_prints_no_traceback(workdir, slow_env, mome
             assert set(complete) <= stored, out
 
 
-# ---- PostgreSQL -------------------------------------------------------------------------------------
+# ---- PostgreSQL ----------------------------------------------------------------------------------
 def test_four_workers_share_each_study_through_postgresql_and_survive_a_kill(
     workdir, slow_env, postgres, hold
 ):
@@ -394,7 +395,8 @@ def test_two_hosts_join_one_run_and_the_survivor_finishes_after_the_other_dies(
     db_url, storage_url = postgres
     path = write_job(workdir, spaces=SPACE, problems=ONE_PROBLEM, budget={"trials": 12})
     args = (path, "--workers", 2, "--db", db_url, "--storage", storage_url, "--resume")
-    # Host A's measurements wait on the hold file: the trial seen running is running when A is killed.
+    # Host A's measurements wait on the hold file: the trial seen running is running when A is
+    # killed.
     host_a = start_search(
         workdir,
         slow_env,
@@ -448,7 +450,7 @@ def test_workers_leave_when_their_coordinator_is_sigkilled(workdir, slow_env, ho
         kill_processes(workers)
 
 
-# ---- bad input --------------------------------------------------------------------------------------
+# ---- bad input -----------------------------------------------------------------------------------
 def assert_refused(capsys, argv, *fragments):
     code = main([str(a) for a in argv])
     err = capsys.readouterr().err.strip()
@@ -529,7 +531,8 @@ def test_the_results_db_and_the_storage_must_be_two_databases(workdir, capsys):
 
 
 def test_the_multi_gpu_benchmark_runs_on_cpu_workers(workdir):
-    """benchmarks/multi_gpu.py on the cost model (its GPU run is the lead's): both runs, one table."""
+    """benchmarks/multi_gpu.py on the cost model (its GPU run is the lead's): both runs, one
+    table."""
     job = write_job(
         workdir,
         spaces=SPACE,
@@ -570,8 +573,9 @@ def test_the_multi_gpu_benchmark_runs_on_cpu_workers(workdir):
 
 
 def test_the_multi_gpu_benchmark_simulates_gpus_on_a_cpu(workdir):
-    """--simulate: the gpu backend's real worker processes, pool and confirmation, with sleeps for the
-    GPU (benchmarks/simulated_gpu_worker.py); each run's workers report their time with a trial in flight."""
+    """--simulate: the gpu backend's real worker processes, pool and confirmation, with sleeps for
+    the GPU (benchmarks/simulated_gpu_worker.py); each run's workers report their time with a trial
+    in flight."""
     job = write_job(workdir, spaces=SPACE, problems=ONE_PROBLEM, budget={"trials": 30})
     path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     sleeps = {
@@ -691,8 +695,8 @@ def test_a_pid_taken_over_by_a_later_process_is_a_dead_worker(monkeypatch):
 def test_trials_measured_after_a_confirmation_by_another_host_are_confirmed_too(
     workdir, monkeypatch
 ):
-    """Host A searched and confirmed; host B resumes the study with a larger budget. A's claim on the
-    confirmation must not outlive it (another host's worker is never known dead here), or B's
+    """Host A searched and confirmed; host B resumes the study with a larger budget. A's claim on
+    the confirmation must not outlive it (another host's worker is never known dead here), or B's
     trials are never re-timed and, where only confirmations store a best, never become best."""
     from fa4tune.measure.model import CostModelBackend
     from fa4tune.target import get_target

@@ -122,7 +122,8 @@ def block_fits(problem, config, target) -> list[str]:
 
 
 class ToyCostModel:
-    """Fastest where block is m/16 (capped) and split is k/512: a landscape with one known optimum."""
+    """Fastest where block is m/16 (capped) and split is k/512: a landscape with one known
+    optimum."""
 
     def __init__(self, target) -> None:
         self.target = target
