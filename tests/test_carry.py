@@ -165,10 +165,8 @@ def test_a_change_to_the_compiled_code_or_the_launch_names_each_entry_and_writes
     edit(
         repo,
         "fa4_fwd_sm90/compile.py",
-        "counter = make_fake_tensor(cutlass.Int32, (1,), stride=(1,), "
-        "memspace=AddressSpace.generic, assumed_align=4)",
-        "counter = make_fake_tensor(cutlass.Int32, (1,), stride=(1,), "
-        "memspace=AddressSpace.generic, assumed_align=8)",
+        "memspace=AddressSpace.generic, assumed_align=4\n    )",
+        "memspace=AddressSpace.generic, assumed_align=8\n    )",
     )
     with pytest.raises(CarryError) as caught:
         carry_table(table, "HEAD", repo=repo, tree=repo, write=True, say=lambda *a: None)
