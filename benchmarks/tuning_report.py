@@ -25,8 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-FA4, FA4_O = "flash-attn-4", "flash-attn-4, O only"
-COLUMNS = ("default", "tuned", FA4, FA4_O, "cuDNN")
+from fa4tune.kernels.fa4_fwd_sm90.peers import CUDNN, FA4, FA4_O  # noqa: E402
+
+COLUMNS = ("default", "tuned", FA4, FA4_O, CUDNN)
 GRID_HEAD_DIMS, GRID_SEQLENS = (64, 128), (1024, 4096, 16384)
 NEAR_BEST = 0.02  # "reached the best": within 2% of the search's final best
 
@@ -160,71 +161,34 @@ def fa4tune_runner(problem, config, target, q, k, v):
     return run
 
 
-def runners_for(problem, default, tuned, target, q, k, v, fa4, fa4_error):
-    """name -> (callable returning O, or a string saying why the column is empty)."""
-    import torch
-    import torch.nn.functional as F
+def runners_for(problem, default, tuned, target, q, k, v, kernel) -> dict:
+    """name -> a callable returning O or (O, LSE), or a string saying why the column is empty: the
+    default and the tuned config, then the kernel family's benchmark peers (flash-attn-4 with its
+    LSE and without, cuDNN)."""
+    from fa4tune.kernels import PeerUnavailable
 
     runners = {
         "default": fa4tune_runner(problem, default, target, q, k, v),
         "tuned": fa4tune_runner(problem, tuned, target, q, k, v),
     }
-    if fa4 is not None:
-        runners[FA4] = lambda: _with_lse(fa4(q, k, v, causal=problem.causal, return_lse=True))
-        runners[FA4_O] = lambda: _first(fa4(q, k, v, causal=problem.causal))
-    else:
-        runners[FA4] = runners[FA4_O] = f"not installed ({fa4_error})"
-    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-    gqa = {"native": problem.nheads_q != problem.nheads_kv, "kv": (kt, vt)}
-
-    def cudnn():
-        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
-            try:
-                o = F.scaled_dot_product_attention(
-                    qt, *gqa["kv"], is_causal=problem.causal, enable_gqa=gqa["native"]
-                )
-            except RuntimeError:
-                if not gqa["native"]:
-                    raise
-                # No GQA in this cuDNN path: K/V heads repeated once, outside the timed runs after
-                # this.
-                group = problem.nheads_q // problem.nheads_kv
-                gqa["native"], gqa["kv"] = (
-                    False,
-                    tuple(t.repeat_interleave(group, dim=1) for t in (kt, vt)),
-                )
-                o = F.scaled_dot_product_attention(qt, *gqa["kv"], is_causal=problem.causal)
-        return o.transpose(1, 2)
-
-    cudnn.gqa = gqa
-    runners["cuDNN"] = cudnn
-    if problem.causal and problem.seqlen_q != problem.seqlen_k:
-        runners["cuDNN"] = "n/a (SDPA's causal mask is top-left aligned)"
+    for peer in kernel.peers():
+        try:
+            runners[peer.name] = peer.prepare(problem, q, k, v)
+        except PeerUnavailable as exc:
+            runners[peer.name] = str(exc)
     return runners
 
 
-def _first(result):
-    return result[0] if isinstance(result, tuple) else result
-
-
-def _with_lse(result):
-    """(O, LSE) from flash-attn-4 asked for its LSE; an error if it gave none (it would not be
-    checked)."""
-    if not (isinstance(result, tuple) and len(result) >= 2 and result[1] is not None):
-        raise RuntimeError("flash-attn-4 returned no LSE for return_lse=True")
-    return result[0], result[1]
-
-
-def measure_problem(problem, default, tuned, target, fa4, fa4_error, rounds: int) -> dict:
+def measure_problem(problem, default, tuned, target, kernel, rounds: int) -> dict:
     q, k, v = random_inputs(problem, seed=0)
-    runners = runners_for(problem, default, tuned, target, q, k, v, fa4, fa4_error)
+    runners = runners_for(problem, default, tuned, target, q, k, v, kernel)
     cells = verify_and_time(problem, runners, q, k, v, rounds)
     if (
-        isinstance(cells.get("cuDNN"), dict)
+        isinstance(cells.get(CUDNN), dict)
         and problem.nheads_q != problem.nheads_kv
         and not gqa_native(runners)
     ):
-        cells["cuDNN"]["note"] = "K/V heads repeated"
+        cells[CUDNN]["note"] = "K/V heads repeated"
     return cells
 
 
@@ -303,7 +267,7 @@ def gpu_target(prog: str):
 def gqa_native(runners) -> bool:
     """Whether the cuDNN column ran grouped-query attention itself (else with K/V heads repeated,
     more memory traffic than the problem has)."""
-    return getattr(runners.get("cuDNN"), "gqa", {}).get("native", True)
+    return getattr(runners.get(CUDNN), "gqa", {}).get("native", True)
 
 
 # ---- the report ----------------------------------------------------------------------------------
@@ -478,11 +442,6 @@ def build(args) -> str:
             f"{args.db} has no best configs of {kernel.name} (installed hash {installed[:12]}) on "
             f"{target.name}: run `fa4tune search {args.job}` first"
         )
-    fa4, fa4_error = None, None
-    try:
-        from flash_attn.cute import flash_attn_func as fa4
-    except Exception as exc:  # not installed, or it does not import here
-        fa4_error = f"{type(exc).__name__}: {exc}"[:100]
     runs = [r for r in db.runs() if r["kernel_hash"] == installed and r["target"] == target.name]
     # The search exported every kernel it measured: load those (milliseconds) instead of compiling
     # again.
@@ -498,9 +457,7 @@ def build(args) -> str:
         "cuda": torch.version.cuda,
         "torch": torch.__version__,
         "dsl": dsl or "not installed",
-        "fa4": (package_version("flash-attn-4") or "installed")
-        if fa4 is not None
-        else "not installed",
+        "fa4": package_version("flash-attn-4") or "not installed",
         "kernel_hash": installed,
         "db": args.db,
         "rounds": args.rounds,
@@ -521,7 +478,7 @@ def build(args) -> str:
         )
         row["changed"] = config_text(entry.config, default.to_dict())
         row["story"] = search_story(db, key, entry)
-        row["cells"] = measure_problem(problem, default, tuned, target, fa4, fa4_error, args.rounds)
+        row["cells"] = measure_problem(problem, default, tuned, target, kernel, args.rounds)
         print(
             f"{key}: "
             + ", ".join(f"{c} {fmt_cell(row['cells'].get(c, ''))}" for c in COLUMNS)

@@ -127,14 +127,42 @@ def test_flash_attn_4_is_judged_by_the_column_that_writes_lse_too():
     assert "(both writing O and LSE) on the grid: lowest **1.005x**, 1 of 1 shapes" in text
     assert "computing O only: lowest 0.995x, 0 of 1 shapes" in text
     assert "| 580 | 584 | 581 | 587 | 480 | 1.007 | 1.005 | 0.995 |" in text
-    assert report._with_lse(("o", "lse", None)) == ("o", "lse")
-    import pytest
-
-    with pytest.raises(RuntimeError, match="no LSE"):
-        report._with_lse(("o", None))
     assert report.is_grid(GRID) and not report.is_grid(
         Problem(head_dim=128, seqlen_q=8192, batch=2, nheads_q=32, nheads_kv=8)
     )
+
+
+def test_the_report_takes_its_peers_from_the_kernel_family(monkeypatch):
+    """The peer columns are the family's peers; flash-attn-4 asked for its LSE must give one (a
+    column without it would go unchecked), and a peer that cannot run says why in its cell."""
+    import pytest
+
+    from fa4tune.kernels import PeerUnavailable
+    from fa4tune.kernels.fa4_fwd_sm90 import FAMILY, peers
+
+    assert [peer.name for peer in FAMILY.peers()][: len(report.COLUMNS) - 2] == list(
+        report.COLUMNS[2:]
+    )
+
+    def fake_fa4(q, k, v, causal=False, return_lse=False):
+        return ("o", "lse", None) if return_lse else "o"
+
+    monkeypatch.setattr(peers, "_flash_attn_4", lambda: fake_fa4)
+    assert peers.fa4_with_lse(GRID, "q", "k", "v")() == ("o", "lse")
+    assert peers.fa4_o_only(GRID, "q", "k", "v")() == ("o", None)
+    monkeypatch.setattr(peers, "_flash_attn_4", lambda: lambda *args, **kwargs: ("o", None))
+    with pytest.raises(RuntimeError, match="no LSE"):
+        peers.fa4_with_lse(GRID, "q", "k", "v")()
+
+    def missing():
+        raise PeerUnavailable("not installed (test)")
+
+    monkeypatch.setattr(peers, "_flash_attn_4", missing)
+    monkeypatch.setattr(report, "fa4tune_runner", lambda *args: "fa4tune column")
+    shifted = Problem(head_dim=128, causal=True, seqlen_q=1024, seqlen_k=2048)
+    runners = report.runners_for(shifted, None, None, None, "q", "k", "v", FAMILY)
+    assert runners["flash-attn-4"] == runners["flash-attn-4, O only"] == "not installed (test)"
+    assert runners["cuDNN"] == "n/a (SDPA's causal mask is top-left aligned)"
 
 
 def test_without_a_gpu_it_refuses_and_writes_nothing(workdir, capsys):
