@@ -155,7 +155,7 @@ def fake_launch_path(monkeypatch):
     torch = pytest.importorskip("torch")
     driver_path = []
     monkeypatch.setattr(streams, "_COUNTERS", {})
-    monkeypatch.setattr(streams, "_zeroed_counter", lambda device: FakeCounter())
+    monkeypatch.setattr(streams, "_zeroed_counter", lambda device, kept=False: FakeCounter())
     monkeypatch.setattr(streams, "_current_handle", lambda device: 0xCAFE0)
     monkeypatch.setattr(
         streams,

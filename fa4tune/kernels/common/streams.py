@@ -131,7 +131,9 @@ def tile_counter(device, stream: int):
             return tile_counter(device, stream)
     if _capturing(stream):
         return _zeroed_counter(device)
-    return _cached(_COUNTERS, _stream_key(device, stream), lambda: _zeroed_counter(device))
+    return _cached(
+        _COUNTERS, _stream_key(device, stream), lambda: _zeroed_counter(device, kept=True)
+    )
 
 
 _UNUSED: dict = {}
@@ -140,12 +142,9 @@ _UNUSED: dict = {}
 def unused_counter(device):
     """What a kernel that ignores the tile counter is given for it (it has the argument all the
     same): one int32 per device, never read or written, so no allocation per call. It is left
-    uninitialised: if the first call comes during a graph capture, the graph's pool provides it and
-    the graph records no node for it."""
-    import torch
-
+    uninitialised, and comes from the driver (_kept_int32), never from a CUDA graph's pool."""
     device = _indexed(device)
-    return _cached(_UNUSED, device, lambda: torch.empty(1, dtype=torch.int32, device=device))
+    return _cached(_UNUSED, device, lambda: _kept_int32(device))
 
 
 _TORCH_STREAMS: list = []
@@ -196,7 +195,9 @@ def current_tile_counter(device):
     key = (device, "torch", torch_id)
     counter = _COUNTERS.get(key)  # (not `or`: a tensor's truth would read it back from the GPU)
     return (
-        counter if counter is not None else _cached(_COUNTERS, key, lambda: _zeroed_counter(device))
+        counter
+        if counter is not None
+        else _cached(_COUNTERS, key, lambda: _zeroed_counter(device, kept=True))
     )
 
 
@@ -206,7 +207,46 @@ def _current_handle(device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
-def _zeroed_counter(device):
+def _zeroed_counter(device, kept: bool = False):
+    """A (1,) int32 counter at zero (zeroed on the current stream). A `kept` one (a stream's, kept
+    for the process) comes from the driver; one per call during a capture from torch's allocator,
+    which gives the graph's pool: freed after the call, as any temporary of a captured graph."""
     import torch
 
+    if kept:
+        return _kept_int32(device).zero_()
     return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+class _DriverWord:
+    """4 bytes of device memory from cuMemAlloc, never freed, shown to torch through the CUDA array
+    interface."""
+
+    def __init__(self, device) -> None:
+        import torch
+        from cuda.bindings import driver as cuda
+
+        with torch.cuda.device(device):  # the device's primary context, made current by torch
+            torch.cuda.init()
+            err, pointer = cuda.cuMemAlloc(4)
+        if int(err):
+            raise RuntimeError(f"cuMemAlloc of a tile counter on {device} failed: {err}")
+        self.pointer = pointer  # held: the memory lives as long as this object, and is not freed
+        self.__cuda_array_interface__ = {
+            "shape": (1,),
+            "typestr": "<i4",
+            "data": (int(pointer), False),
+            "version": 3,
+            "strides": None,
+            "stream": None,
+        }
+
+
+def _kept_int32(device):
+    """A (1,) int32 tensor on `device` that the process keeps, from the driver rather than torch's
+    caching allocator. Made during the first call of a kernel, that call may be part of
+    torch.compile's CUDA-graph warm-up, whose allocations come from the graph's pool; a tensor kept
+    there past the recording is one that torch refuses ("not tracked as outputs")."""
+    import torch
+
+    return torch.as_tensor(_DriverWord(device), device=device)
