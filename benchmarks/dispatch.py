@@ -77,7 +77,7 @@ def main() -> int:
     # The floor rows get a launch of their own (fa4tune.attention rewrites its launch's pointers),
     # pointed once at tensors that stay alive.
     floor = PreparedLaunch(
-        launch.problem, launch.config, dispatch._device_target(q.device)[0], q, k, v, None
+        launch.problem, launch.config, dispatch.device_target(q.device)[0], q, k, v, None
     )
     floor.bind(
         compile_forward(launch.config, "bf16", 128, 128, False).function.to(launch.device_index)
@@ -86,6 +86,10 @@ def main() -> int:
         pointer.value = t.data_ptr()
     handle = torch.cuda.current_stream().cuda_stream
     floor.stream.value = handle
+    op = torch.ops.fa4tune.attention.default
+    traced = torch.compile(fa4tune.attention, fullgraph=True)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     direct = "yes" if launch.result is not None else "no: the DSL's run_compiled_program (fallback)"
     rows = {
         "compiled kernel, prepared DSL arguments (the reference)": lambda: compiled.function(*args),
@@ -95,6 +99,11 @@ def main() -> int:
         "fa4tune.attention, causal (also fetches the stream's tile counter)": lambda: (
             fa4tune.attention(q, k, v, causal=True)
         ),
+        "the torch op torch.ops.fa4tune.attention, called eagerly": lambda: op(
+            q, k, v, False, None
+        ),
+        "fa4tune.attention inside torch.compile(fullgraph=True)": lambda: traced(q, k, v),
+        "torch SDPA (F.scaled_dot_product_attention, same shape)": lambda: sdpa(qt, kt, vt),
         "its floor: the host function called with the packed pointer array": floor._run,
         "the DSL's run_compiled_program with the same packed arguments": lambda: (
             floor.executor.run_compiled_program(floor.arguments)

@@ -10,16 +10,16 @@ __version__ = "0.1.0"
 from .problem import Problem  # noqa: E402
 from .runtime.lookup import LookupResult, lookup  # noqa: E402
 
-# `fa4tune.attention` and `fa4tune.explain` live in fa4tune.runtime.dispatch, imported on first use:
-# a call needs torch and the CuTe DSL.
-_DISPATCH = ("attention", "explain")
+# `fa4tune.attention` (fa4tune.runtime.ops, which registers the torch op) and `fa4tune.explain`
+# (fa4tune.runtime.dispatch) are imported on first use: a call needs torch and the CuTe DSL.
+_LAZY = {"attention": "ops", "explain": "dispatch"}
 
 
 def __getattr__(name: str):
-    if name in _DISPATCH:
-        from .runtime import dispatch
+    if name in _LAZY:
+        from importlib import import_module
 
-        value = getattr(dispatch, name)
+        value = getattr(import_module(f".runtime.{_LAZY[name]}", __name__), name)
         globals()[name] = value  # later uses skip this hook
         return value
     raise AttributeError(f"module 'fa4tune' has no attribute {name!r}")

@@ -79,8 +79,11 @@ def kill_processes(pids) -> None:
 POISON_ATTEMPTS = 4  # calls poisoned_attention makes before it gives up on the allocator
 
 
-def poisoned_attention(q, k, v, causal: bool = False, softmax_scale: float | None = None):
-    """fa4tune.attention(q, k, v, causal, softmax_scale) with its outputs on NaN-poisoned memory,
+def poisoned_attention(
+    q, k, v, causal: bool = False, softmax_scale: float | None = None, call=None
+):
+    """fa4tune.attention(q, k, v, causal, softmax_scale) (or `call` with the same arguments: the op,
+    a compiled function around it) with its outputs on NaN-poisoned memory,
     for GPU tests: an element a launch leaves unwritten shows as NaN, not as what an earlier call
     left in that memory. fa4tune.attention allocates O and the LSE itself (torch.empty, on the
     tensors' device and its current stream), so tensors of their sizes are filled with NaN and
@@ -105,7 +108,7 @@ def poisoned_attention(q, k, v, causal: bool = False, softmax_scale: float | Non
         ]
         poisoned = [t.data_ptr() for t in poison]
         del poison  # back to the caching allocator, NaN in them
-        out, lse = fa4tune.attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
+        out, lse = (call or fa4tune.attention)(q, k, v, causal=causal, softmax_scale=softmax_scale)
         if [out.data_ptr(), lse.data_ptr()] == poisoned:
             break
         elsewhere.append((out, lse))

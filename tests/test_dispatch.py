@@ -26,10 +26,16 @@ def qkv(b=2, sq=256, sk=256, hq=4, hkv=2, d=128, dv=None, dtype=torch.bfloat16, 
     )
 
 
-def test_attention_is_the_dispatch_function():
-    from fa4tune.runtime.dispatch import attention
+def test_attention_runs_the_dispatcher_when_nothing_traces(monkeypatch):
+    """fa4tune.attention calls the eager path directly, not through torch's op dispatcher, unless
+    torch.compile or torch.export traces (test_ops.py)."""
+    from fa4tune.runtime import dispatch, ops
 
-    assert fa4tune.attention is attention
+    seen = []
+    monkeypatch.setattr(dispatch, "attention", lambda *args: seen.append(args) or "eager")
+    q, k, v = qkv()
+    assert fa4tune.attention is ops.attention
+    assert fa4tune.attention(q, k, v, True, 0.5) == "eager" and seen == [(q, k, v, True, 0.5)]
 
 
 @pytest.mark.parametrize(
@@ -463,7 +469,7 @@ def cpu_device(monkeypatch):
 
     monkeypatch.setattr(dispatch, "_LAUNCHES", {})
     monkeypatch.setattr(dispatch, "check_device", lambda q, k, v, aligned=True: None)
-    monkeypatch.setattr(dispatch, "_device_target", lambda device: (get_target("H200"), FAMILY))
+    monkeypatch.setattr(dispatch, "device_target", lambda device: (get_target("H200"), FAMILY))
     monkeypatch.setattr(
         dispatch,
         "lookup",

@@ -406,12 +406,14 @@ def test_importing_fa4tune_and_looking_up_a_table_stays_light(workdir):
     assert out.strip() == "[]"
 
 
-def test_attention_is_the_dispatcher_and_loads_on_first_use():
+def test_attention_is_the_op_wrapper_and_loads_on_first_use():
     code = (
         "import sys, fa4tune\n"
         "assert 'fa4tune.runtime.dispatch' not in sys.modules\n"
         "attention, explain = fa4tune.attention, fa4tune.explain\n"
-        "assert attention is sys.modules['fa4tune.runtime.dispatch'].attention\n"
+        "assert attention is sys.modules['fa4tune.runtime.ops'].attention\n"
+        "import torch\n"
+        "assert torch.ops.fa4tune.attention.default is not None\n"
         "assert explain is sys.modules['fa4tune.runtime.dispatch'].explain\n"
     )
     subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

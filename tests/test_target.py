@@ -49,7 +49,7 @@ def test_kernels_for_other_sm_counts_are_compiled_apart():
 def test_dispatch_runs_a_hopper_gpu_it_has_no_description_of_on_default_configs(monkeypatch):
     torch = pytest.importorskip("torch")
     from fa4tune.runtime import dispatch
-    from fa4tune.runtime.dispatch import UnsupportedInput, _device_target
+    from fa4tune.runtime.dispatch import UnsupportedInput, device_target
 
     def props(name, major, minor, sms):
         return lambda device: SimpleNamespace(
@@ -58,7 +58,7 @@ def test_dispatch_runs_a_hopper_gpu_it_has_no_description_of_on_default_configs(
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", props("NVIDIA H20", 9, 0, 78))
     monkeypatch.setattr(dispatch, "_UNDESCRIBED_SEEN", set())
-    h20, _ = _device_target("cuda:0")
+    h20, _ = device_target("cuda:0")
     assert (h20.name, h20.arch, h20.sm_count, h20.smem_per_block) == (
         "NVIDIA H20",
         "sm_90a",
@@ -71,7 +71,7 @@ def test_dispatch_runs_a_hopper_gpu_it_has_no_description_of_on_default_configs(
         dispatch._say_undescribed(h20)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # said once per model, and never for a GPU fa4tune describes
-        dispatch._say_undescribed(_device_target("cuda:1")[0])
+        dispatch._say_undescribed(device_target("cuda:1")[0])
         dispatch._say_undescribed(get_target("H200"))
         dispatch._say_undescribed(target_for_device_name("NVIDIA H200", 66))
     # fa4tune.lookup with no target asks the same question and gets the same answer.
@@ -106,9 +106,9 @@ def test_dispatch_runs_a_hopper_gpu_it_has_no_description_of_on_default_configs(
     with pytest.raises(
         UnsupportedInput, match=r"runs on Hopper GPUs .* \(compute capability 8.0\)"
     ):
-        _device_target("cuda:0")
+        device_target("cuda:0")
     monkeypatch.setattr(torch.cuda, "get_device_properties", props("NVIDIA H100 PCIe", 9, 0, 114))
-    target, family = _device_target("cuda:0")
+    target, family = device_target("cuda:0")
     assert (target.name, target.sm_count, family.name) == ("H100-PCIe", 114, "fa4_fwd_sm90")
 
 

@@ -20,8 +20,6 @@ function. `explain` says which config a call would use, without running anything
 
 from __future__ import annotations
 
-import math
-import numbers
 import threading
 import warnings
 
@@ -31,6 +29,7 @@ from ..kernels.common.inputs import (
     check_device,
     check_inputs,
     check_no_grad,
+    check_scale,
     empty_outputs,
     make_problem,
     problem_of,
@@ -96,7 +95,7 @@ def explain(q, k, v, causal: bool = False, target=None):
     problem = problem_of(q, k, v, causal)
     family = None
     if target is None and getattr(q, "is_cuda", False):
-        target, family = _device_target(q.device)
+        target, family = device_target(q.device)
     return lookup(problem, target, kernel=family.name if family is not None else None)
 
 
@@ -115,7 +114,7 @@ def _serving(target=None) -> list:
     return [f for f in ordered if f.entry == ENTRY and (target is None or f.arch == target.arch)]
 
 
-def _device_target(device):
+def device_target(device):
     """(Target, family) of a CUDA device: its target and the family that serves attention there, or
     UnsupportedInput when none does."""
     import torch
@@ -156,19 +155,9 @@ _UNDESCRIBED_SEEN: set = set()
 # ---- prepared launches --------------------------------------------------------------------------
 def _prepare(key, q, k, v, causal, softmax_scale):
     empty = check_inputs(q, k, v, causal)  # (attention() has checked requires_grad already)
-    # Any real number (a numpy float too), not a bool; a tensor would cost a device sync per call.
-    if softmax_scale is not None and not (
-        isinstance(softmax_scale, numbers.Real)
-        and not isinstance(softmax_scale, bool)
-        and math.isfinite(softmax_scale)
-        and softmax_scale > 0
-    ):
-        raise UnsupportedInput(
-            f"softmax_scale must be a positive finite number or None (a Python or numpy "
-            f"number, not a tensor or bool), got {softmax_scale!r}"
-        )
+    check_scale(softmax_scale)
     check_device(q, k, v, aligned=not empty)  # nothing is read from empty inputs
-    target, family = _device_target(q.device)  # empty inputs too: refusal does not depend on sizes
+    target, family = device_target(q.device)  # empty inputs too: refusal does not depend on sizes
     if empty:
         launch = _Empty()
         with _PREPARE_LOCK:

@@ -6,6 +6,7 @@ device runs on CPU and meta tensors too."""
 from __future__ import annotations
 
 import math
+import numbers
 
 from ...errors import UnsupportedInput
 from ...problem import HEAD_DIMS, Problem
@@ -16,6 +17,7 @@ __all__ = [
     "check_inputs",
     "check_no_grad",
     "check_output",
+    "check_scale",
     "empty_outputs",
     "make_problem",
     "problem_of",
@@ -154,6 +156,21 @@ def empty_outputs(q, v, out=None, lse=None):
         check_output("lse", lse, lse_shape, torch.float32, q.device, align=4)
         lse.fill_(-math.inf)
     return out, lse
+
+
+def check_scale(softmax_scale) -> None:
+    """UnsupportedInput unless softmax_scale is None or a positive finite real number (a numpy
+    float too); not a bool, and not a tensor, which would cost a device sync per call."""
+    if softmax_scale is not None and not (
+        isinstance(softmax_scale, numbers.Real)
+        and not isinstance(softmax_scale, bool)
+        and math.isfinite(softmax_scale)
+        and softmax_scale > 0
+    ):
+        raise UnsupportedInput(
+            f"softmax_scale must be a positive finite number or None (a Python or numpy "
+            f"number, not a tensor or bool), got {softmax_scale!r}"
+        )
 
 
 def check_no_grad(q, k, v) -> None:

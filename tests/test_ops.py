@@ -1,0 +1,147 @@
+"""torch.ops.fa4tune.attention on the CPU: its schema, its fake implementation (shapes, dtypes and
+strides; the same refusals as the eager path) and what torch.export captures, on fake CUDA
+tensors. The op's real runs, torch.compile and opcheck are in test_ops_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+from torch.export import Dim  # noqa: E402
+
+import fa4tune  # noqa: E402
+from fa4tune.errors import UnsupportedInput  # noqa: E402
+from fa4tune.runtime import ops  # noqa: E402
+
+OP = torch.ops.fa4tune.attention.default
+
+
+def fake_inputs(
+    batch=2,
+    seqlen_q=100,
+    seqlen_k=300,
+    nheads_q=8,
+    nheads_kv=2,
+    dim=128,
+    dim_v=128,
+    dtype=torch.bfloat16,
+    device="cuda",
+):
+    """q, k, v as fake tensors (no memory, no GPU), and their mode."""
+    mode = FakeTensorMode()
+    with mode:
+        q = torch.empty(batch, seqlen_q, nheads_q, dim, dtype=dtype, device=device)
+        k = torch.empty(batch, seqlen_k, nheads_kv, dim, dtype=dtype, device=device)
+        v = torch.empty(batch, seqlen_k, nheads_kv, dim_v, dtype=dtype, device=device)
+    return mode, (q, k, v)
+
+
+def test_the_op_has_the_schema_of_fa4tune_attention():
+    assert str(OP._schema) == (
+        "fa4tune::attention(Tensor q, Tensor k, Tensor v, bool causal=False, "
+        "float? softmax_scale=None) -> (Tensor, Tensor)"
+    )
+    assert fa4tune.attention is ops.attention
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(),  # GQA 8/2, seqlen_q < seqlen_k
+        dict(nheads_q=4, nheads_kv=4, dim=64, dim_v=64, dtype=torch.float16),
+        dict(nheads_kv=1, dim=192, dim_v=128),  # MQA, head_dim_v below head_dim
+        dict(batch=0),  # nothing to compute: outputs of the same shapes
+    ],
+)
+def test_the_fake_gives_the_eager_paths_shapes_dtypes_and_strides(shape):
+    mode, (q, k, v) = fake_inputs(**shape)
+    with mode:
+        out, lse = OP(q, k, v, True, None)
+    b, sq, hq, _ = q.shape
+    assert out.shape == (b, sq, hq, v.shape[3]) and out.dtype == q.dtype
+    assert lse.shape == (b, hq, sq) and lse.dtype == torch.float32
+    assert out.is_contiguous() and lse.is_contiguous()  # as torch.empty gives them in eager
+    assert out.device == lse.device == q.device
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (dict(dtype=torch.float32), "bfloat16 or float16"),
+        (dict(dim=80, dim_v=80), "head dims"),
+        (dict(nheads_q=6, nheads_kv=4), "multiple of the heads"),
+        (dict(device="cpu"), "CUDA tensors"),
+    ],
+)
+def test_the_fake_refuses_what_the_eager_path_refuses(change, words):
+    mode, (q, k, v) = fake_inputs(**change)
+    with mode, pytest.raises(UnsupportedInput, match=words):
+        OP(q, k, v, False, None)
+
+
+def test_the_fake_refuses_a_bad_scale_and_tensors_on_two_devices():
+    mode, (q, k, v) = fake_inputs()
+    with mode, pytest.raises(UnsupportedInput, match="softmax_scale"):
+        OP(q, k, v, False, -1.0)
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        return  # a fake tensor on a GPU the host lacks fails in torch (it opens the GPU's context)
+    with mode:
+        k1 = torch.empty(k.shape, dtype=k.dtype, device="cuda:1")
+    with mode, pytest.raises(UnsupportedInput, match="one device"):
+        OP(q, k1, v, False, None)
+
+
+class Attend(torch.nn.Module):
+    def __init__(self, causal=True, softmax_scale=None):
+        super().__init__()
+        self.causal, self.softmax_scale = causal, softmax_scale
+
+    def forward(self, q, k, v):
+        out, lse = fa4tune.attention(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale)
+        return out * 2, lse
+
+
+@pytest.mark.parametrize("strict", [True, False], ids=["dynamo", "non-strict"])
+def test_export_captures_one_op_with_symbolic_batch_and_seqlens(strict):
+    _, (q, k, v) = fake_inputs()
+    batch, seqlen_q, seqlen_k = Dim("batch"), Dim("seqlen_q"), Dim("seqlen_k")
+    kv = {0: batch, 1: seqlen_k}
+    program = torch.export.export(
+        Attend(softmax_scale=0.125),
+        (q, k, v),
+        strict=strict,
+        dynamic_shapes=({0: batch, 1: seqlen_q}, kv, kv),
+    )
+    calls = [n for n in program.graph.nodes if n.op == "call_function"]
+    [attention] = [n for n in calls if n.target is OP]
+    assert attention.args[3:] == (True, 0.125)
+    out, lse = attention.meta["val"]
+    q_val = next(n for n in program.graph.nodes if n.name == "q").meta["val"]
+    b, sq = q_val.shape[0], q_val.shape[1]
+    assert not isinstance(b, int) and not isinstance(sq, int), "the dims were specialised"
+    assert tuple(out.shape) == (b, sq, 8, 128) and tuple(lse.shape) == (b, 8, sq)
+
+
+def test_tracing_refuses_by_name_what_the_schema_and_autograd_cannot_take():
+    _, (q, k, v) = fake_inputs()
+    with pytest.raises(Exception, match="causal must be True or False"):
+        torch.export.export(Attend(causal=1), (q, k, v), strict=False)
+    with pytest.raises(Exception, match="softmax_scale must be"):
+        torch.export.export(Attend(softmax_scale=float("inf")), (q, k, v), strict=False)
+    _, odd = fake_inputs(dim=80, dim_v=80)
+    with pytest.raises(Exception, match="head dims"):
+        torch.export.export(Attend(), odd, strict=False)
+
+
+def test_tracing_refuses_inputs_that_require_grad_by_name():
+    """The op has no backward yet: a traced call that autograd would record says so (a direct call
+    of the op runs, and its backward raises torch's "no autograd formula")."""
+    mode, (q, k, v) = fake_inputs()
+    with mode:
+        q.requires_grad_()
+    with pytest.raises(UnsupportedInput, match="forward only"):
+        torch.export.export(Attend(), (q, k, v), strict=False)
+    with pytest.raises(Exception, match="forward only"):
+        torch.export.export(Attend(), (q, k, v), strict=True)
