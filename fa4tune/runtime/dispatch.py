@@ -1,5 +1,7 @@
 """`fa4tune.attention(q, k, v, causal=False, softmax_scale=None) -> (out, lse)`: the forward pass
-with the tuned config for the caller's shapes.
+with the tuned config for the caller's shapes. This module's `attention` is its eager path:
+`fa4tune.attention` (fa4tune.runtime.ops) calls it directly, or through the torch op while
+torch.compile or torch.export traces.
 
     out, lse = fa4tune.attention(q, k, v, causal=True)
 
