@@ -463,7 +463,7 @@ def cpu_device(monkeypatch):
 
     device = SimpleNamespace(launches=[], compiles=[])
 
-    def compile_forward(config, dtype, head_dim, head_dim_v, causal, target):
+    def compile_forward(config, dtype, head_dim, head_dim_v, causal, target, pack_group=1):
         device.compiles.append((dtype, head_dim, head_dim_v, causal))
         return CpuKernel(dtype, causal, device.launches)
 

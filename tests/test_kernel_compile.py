@@ -166,7 +166,7 @@ def _ptxas_report(text: str) -> list[tuple[int, int, int]]:
 
 
 def _compile_with_report(
-    config, dtype, head_dim, head_dim_v, causal, capfd, tmp_path, target="H200"
+    config, dtype, head_dim, head_dim_v, causal, capfd, tmp_path, target="H200", pack_group=1
 ):
     """A real compile for sm_90a (the cache bypassed: ptxas prints its remarks only then), with PTX
     kept: (the compiled kernel, ptxas's output)."""
@@ -182,6 +182,7 @@ def _compile_with_report(
         target,
         options=f"remarks{{ptx}} --keep-ptx --dump-dir {tmp_path}",
         use_cache=False,
+        pack_group=pack_group,
     )
     return compiled, "".join(capfd.readouterr())
 
@@ -352,6 +353,34 @@ def test_compiles_for_sm90a_without_spills(
         f"{config.short()}: releases before the warp saw the stage full "
         f"(PTX lines: release, wait): {_early_releases(ptx)}"
     )
+
+
+# Decode configs: one consumer warpgroup, packed GQA of 4 and 8 query heads, split-KV (every count
+# above 1 is one kernel), causal and not: (knobs, head_dim, pack group, causal).
+DECODE_SPREAD = [
+    ({"tile_m": 64, "num_stages": 3}, 128, 1, False),
+    ({"tile_m": 64, "num_stages": 3, "pack_gqa": True}, 128, 4, True),
+    ({"tile_m": 64, "num_stages": 3, "pack_gqa": True, "num_splits": 8}, 128, 4, False),
+    ({"tile_m": 64, "num_stages": 5, "pack_gqa": True, "num_splits": 16}, 64, 8, True),
+    ({"tile_m": 64, "tile_n": 176, "pack_gqa": True, "num_splits": 4}, 128, 8, False),
+    ({"tile_m": 128, "pack_gqa": True, "num_splits": 2, "intra_wg_overlap": False}, 128, 8, True),
+    ({"tile_m": 128, "persistent": True, "num_stages": 2, "pack_gqa": True}, 128, 4, True),
+]
+
+
+@pytest.mark.parametrize("knobs,head_dim,pack_group,causal", DECODE_SPREAD)
+def test_decode_configs_compile_without_spills(
+    knobs, head_dim, pack_group, causal, capfd, tmp_path
+):
+    config = FwdConfig.from_dict(
+        {"rescale_threshold": 8.0, "lazy_max": True, **knobs}, base=FwdConfig()
+    )
+    _, text = _compile_with_report(
+        config, "bf16", head_dim, head_dim, causal, capfd, tmp_path, pack_group=pack_group
+    )
+    report = _spill_report(text)
+    assert report and all(r == (0, 0, 0) for r in report), f"{config.short()} spills: {report}"
+    assert not _serialized_wgmma(text), f"{config.short()}: {_serialized_wgmma(text)}"
 
 
 # Spills the shipped table may keep: (problem key, config) -> why. A spill in any other shipped

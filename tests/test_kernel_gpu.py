@@ -15,7 +15,7 @@ pytestmark = [
 
 from conftest import poisoned_attention  # noqa: E402
 
-from fa4tune.kernels.fa4_fwd_sm90.config import KNOBS, FwdConfig  # noqa: E402
+from fa4tune.kernels.fa4_fwd_sm90.config import KNOBS, SPLIT_COUNTS, FwdConfig  # noqa: E402
 from fa4tune.problem import Problem  # noqa: E402
 
 OUT_TOL = 1e-2  # relative Frobenius error of O for bf16/fp16 inputs
@@ -127,6 +127,29 @@ KNOB_CONFIGS = [
     (64, FwdConfig(tile_m=256, tile_n=96, intra_wg_overlap=False, num_stages=3)),
     (128, FwdConfig(tile_n=96, rescale_threshold=2.0, persistent=True, q_stages=2)),
     (64, FwdConfig(tile_m=192, rescale_threshold=8.0, persistent=True, lazy_max=True)),
+    # One consumer warpgroup; packed GQA (2 query heads per K/V head here), single tile and
+    # persistent.
+    (128, FwdConfig(tile_m=64, num_stages=3, rescale_threshold=8.0, lazy_max=True)),
+    (128, FwdConfig(tile_m=64, tile_n=96, intra_wg_overlap=False, pack_gqa=True)),
+    (64, FwdConfig(tile_m=128, rescale_threshold=8.0, persistent=True, pack_gqa=True)),
+    # Every split count: 1029 keys are 9 blocks of 128 (8 of 112), so from 12 splits on some
+    # splits have no key.
+    *(
+        (
+            (64, 128)[i % 2],
+            FwdConfig(
+                tile_m=(64, 128)[i % 2],
+                tile_n=(128, 112)[i % 2],
+                num_stages=2,
+                intra_wg_overlap=i % 3 != 2,
+                rescale_threshold=8.0,
+                lazy_max=i % 3 != 1,
+                pack_gqa=i % 2 == 0,
+                num_splits=splits,
+            ),
+        )
+        for i, splits in enumerate(SPLIT_COUNTS[1:])
+    ),
 ]
 
 # Shapes with more tiles than SMs, so that a persistent CTA walks several tiles (and, causal, tiles

@@ -46,9 +46,13 @@ def test_parse_domain_forms():
 
 
 def test_builtins_cover_the_kernel_knobs_without_overlap():
-    space = compose(KERNEL)
+    builtins = ("tiles", "pipeline", "exp2", "softmax", "decode")
+    space = compose(KERNEL, {name: {} for name in builtins})
     assert sorted(space.param_names) == sorted(KERNEL.knobs)
-    assert {"tiles", "pipeline", "exp2", "softmax"} <= set(available_spaces())
+    assert set(builtins) <= set(available_spaces())
+    # The decode knobs are searched only where a job names the decode space.
+    assert "decode" not in KERNEL.default_spaces
+    assert not {"pack_gqa", "num_splits"} & set(compose(KERNEL).param_names)
 
 
 def test_a_parameter_declared_by_two_plugins_is_an_error():

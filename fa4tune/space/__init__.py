@@ -22,6 +22,7 @@ _BUILTINS = {
     "pipeline": "fa4tune.space.pipeline:PipelineSpace",
     "exp2": "fa4tune.space.exp2:Exp2Space",
     "softmax": "fa4tune.space.softmax:SoftmaxSpace",
+    "decode": "fa4tune.space.decode:DecodeSpace",
 }
 
 _registered: dict[str, type[SearchSpace]] = {}

@@ -13,8 +13,10 @@ import struct
 # A compiled host function takes each tensor of dynamic layout as a memref descriptor: the data
 # pointer, i32 extents and the i64 strides of every mode but the last (which is 1). A tensor of
 # static layout (a (1,) tile counter, say) is the pointer alone.
+DESCRIPTOR_5D = struct.Struct("<Q5i4x4q")
 DESCRIPTOR_4D = struct.Struct("<Q4i3q")
 DESCRIPTOR_3D = struct.Struct("<Q3i4x2q")
+_DESCRIPTORS = {3: DESCRIPTOR_3D, 4: DESCRIPTOR_4D, 5: DESCRIPTOR_5D}
 
 
 def raw_stream_getter():
@@ -83,7 +85,7 @@ def launch_error(code: int) -> RuntimeError:
 
 def pack_descriptor(shape, strides) -> ctypes.Array:
     """A tensor's descriptor as the compiled kernel reads it (data pointer left 0)."""
-    layout = DESCRIPTOR_4D if len(shape) == 4 else DESCRIPTOR_3D
+    layout = _DESCRIPTORS[len(shape)]
     buffer = ctypes.create_string_buffer(layout.size)
     layout.pack_into(buffer, 0, 0, *shape, *strides[:-1])
     return buffer

@@ -94,14 +94,20 @@ class ForwardSm90(KernelFamily):
 
     # ---- compiling and launching --------------------------------------------------------------
     def compile_key(self, problem, config, target) -> tuple:
-        from .compile import compile_key
+        from .compile import compile_key, pack_group_of
 
         return compile_key(
-            config, problem.dtype, problem.head_dim, problem.head_dim_v, problem.causal, target
+            config,
+            problem.dtype,
+            problem.head_dim,
+            problem.head_dim_v,
+            problem.causal,
+            target,
+            pack_group_of(config, problem),
         )
 
     def compile(self, problem, config, target, *, options=None, use_cache=True):
-        from .compile import compile_forward
+        from .compile import compile_forward, pack_group_of
 
         return compile_forward(
             config,
@@ -112,6 +118,7 @@ class ForwardSm90(KernelFamily):
             target,
             options=options,
             use_cache=use_cache,
+            pack_group=pack_group_of(config, problem),
         )
 
     def export(self, compiled, path) -> str:
@@ -120,7 +127,7 @@ class ForwardSm90(KernelFamily):
         return export_compiled(compiled, path)
 
     def load(self, path, problem, config, target):
-        from .compile import load_compiled
+        from .compile import load_compiled, pack_group_of
 
         return load_compiled(
             path,
@@ -130,6 +137,7 @@ class ForwardSm90(KernelFamily):
             problem.head_dim_v,
             problem.causal,
             target,
+            pack_group=pack_group_of(config, problem),
         )
 
     def artifact_name(self, key: tuple) -> str:

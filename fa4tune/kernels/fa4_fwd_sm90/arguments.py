@@ -85,19 +85,25 @@ class TileSchedule:
     # to the consumers through the shared slot; both are None in other kernels.
     counter: cute.Tensor | None
     slot: cute.Tensor | None
+    num_splits: Int32 | None = None  # split-KV: CTAs per tile (None without)
 
 
 @dataclass(frozen=True)
 class TileInfo:
-    """One tile of O: where it lies, the sequence lengths, and the range of its K blocks."""
+    """One tile of O: where it lies, the sequence lengths, and the range of its K blocks (with
+    split-KV, this CTA's share of them)."""
 
     m_block: Int32
     head: Int32
     batch: Int32
     seqlen_q: Int32
     seqlen_k: Int32
-    n_block_max: Int32  # K blocks [0, n_block_max) are visible to the tile
+    n_block_max: Int32  # K blocks [0, n_block_max) are visible to the tile (to this split)
     n_mask_min: Int32  # [n_mask_min, n_block_max) cross the diagonal (causal)
+    rows: Int32  # rows of Q: seqlen_q, or group x seqlen_q with packed GQA
+    # Split-KV (None without): this CTA's first K block, and which split it is.
+    n_block_min: Int32 | None = None
+    split: Int32 | None = None
 
 
 @dataclass(frozen=True)

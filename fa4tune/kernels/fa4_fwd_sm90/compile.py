@@ -13,7 +13,7 @@ import os
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ...problem import Problem, normalize_dtype
@@ -35,11 +35,21 @@ class CompiledForward:
 
 
 def compile_key(
-    config: FwdConfig, dtype: str, head_dim: int, head_dim_v: int, causal: bool, target: Target
+    config: FwdConfig,
+    dtype: str,
+    head_dim: int,
+    head_dim_v: int,
+    causal: bool,
+    target: Target,
+    pack_group: int = 1,
 ) -> tuple:
-    # The SM count too: a persistent kernel's grid is sized by it at compile time.
-    return (
-        config.canonical(),
+    # The SM count too: a persistent kernel's grid is sized by it at compile time. Every split count
+    # above 1 is one kernel (the count is the partials' extent); packed GQA compiles its group in.
+    config = config.canonical()
+    if config.num_splits > 2:
+        config = replace(config, num_splits=2)
+    key = (
+        config,
         normalize_dtype(dtype),
         head_dim,
         head_dim_v,
@@ -47,6 +57,13 @@ def compile_key(
         target.arch,
         target.sm_count,
     )
+    return key + ((pack_group,) if config.pack_gqa else ())
+
+
+def pack_group_of(config: FwdConfig, problem: Problem) -> int:
+    """The group size a config compiles in for a problem: its query heads per K/V head with
+    packed GQA, else 1."""
+    return problem.qheads_per_kvhead if config.pack_gqa else 1
 
 
 def compile_forward(
@@ -58,6 +75,7 @@ def compile_forward(
     target: Target | str | None = None,
     options: str | None = None,
     use_cache: bool = True,
+    pack_group: int = 1,
 ) -> CompiledForward:
     """Build (or fetch from the cache) the kernel for this config. Raises ConfigError, naming the
     knob, for a config that cannot be built, before any compile. `use_cache=False` always compiles
@@ -65,13 +83,20 @@ def compile_forward(
     target = get_target(target)
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     dtype = normalize_dtype(dtype)
-    key = compile_key(config, dtype, head_dim, head_dim_v, causal, target)
+    key = compile_key(config, dtype, head_dim, head_dim_v, causal, target, pack_group)
     with _CACHE_LOCK:
         hit = _CACHE.get(key) if use_cache else None
     if hit is not None:
         return hit
     FAMILY.check(
-        Problem(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal),
+        Problem(
+            dtype=dtype,
+            head_dim=head_dim,
+            head_dim_v=head_dim_v,
+            causal=causal,
+            nheads_q=pack_group,
+            nheads_kv=1,
+        ),
         config,
         target,
     )
@@ -81,7 +106,9 @@ def compile_forward(
 
     from .kernel import DTYPES, FlashForwardSm90
 
-    kernel = FlashForwardSm90(config.canonical(), dtype, head_dim, head_dim_v, causal, target)
+    kernel = FlashForwardSm90(
+        key[0], dtype, head_dim, head_dim_v, causal, target, pack_group=pack_group
+    )
     elem = DTYPES[dtype]
 
     # Fake arguments with exactly the run-time types that attention_forward passes (from_dlpack with
@@ -98,8 +125,13 @@ def compile_forward(
             assumed_align=align,
         )
 
-    bshd = [dynamic_tensor(elem, 4, 16) for _ in range(4)]
-    lse = dynamic_tensor(cutlass.Float32, 3, 4)
+    if config.split:  # O and LSE: the fp32 partials, with a split mode first
+        bshd = [dynamic_tensor(elem, 4, 16) for _ in range(3)]
+        bshd.append(dynamic_tensor(cutlass.Float32, 5, 16))
+        lse = dynamic_tensor(cutlass.Float32, 4, 4)
+    else:
+        bshd = [dynamic_tensor(elem, 4, 16) for _ in range(4)]
+        lse = dynamic_tensor(cutlass.Float32, 3, 4)
     counter = make_fake_tensor(
         cutlass.Int32, (1,), stride=(1,), memspace=AddressSpace.generic, assumed_align=4
     )
@@ -113,6 +145,49 @@ def compile_forward(
         with _CACHE_LOCK:
             compiled = _CACHE.setdefault(key, compiled)
     return compiled
+
+
+_COMBINE_CACHE: dict[tuple, object] = {}
+
+
+def compile_combine(dtype: str, head_dim_v: int, target: Target | str | None = None):
+    """The split-KV combine kernel's compiled host function for O of this dtype and head_dim_v (one
+    per process and key; it takes every split count and shape)."""
+    target = get_target(target)
+    dtype = normalize_dtype(dtype)
+    key = (dtype, head_dim_v, target.arch)
+    with _CACHE_LOCK:
+        hit = _COMBINE_CACHE.get(key)
+    if hit is not None:
+        return hit
+    cute = import_dsl(target)
+    import cutlass
+    from cutlass.cute import AddressSpace
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+    from .combine import SplitCombine
+    from .kernel import DTYPES
+
+    def dynamic_tensor(elem, rank: int, align: int):
+        return make_fake_tensor(
+            elem,
+            tuple(cute.sym_int32() for _ in range(rank)),
+            stride=tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,),
+            memspace=AddressSpace.generic,
+            assumed_align=align,
+        )
+
+    f32 = cutlass.Float32
+    args = (
+        dynamic_tensor(f32, 5, 16),
+        dynamic_tensor(f32, 4, 4),
+        dynamic_tensor(DTYPES[dtype], 4, 16),
+        dynamic_tensor(f32, 3, 4),
+        make_fake_stream(),
+    )
+    function = cute.compile(SplitCombine(dtype, head_dim_v), *args)
+    with _CACHE_LOCK:
+        return _COMBINE_CACHE.setdefault(key, function)
 
 
 def artifact_name(key: tuple) -> str:
@@ -141,13 +216,14 @@ def load_compiled(
     head_dim_v: int | None = None,
     causal: bool = False,
     target: Target | str | None = None,
+    pack_group: int = 1,
 ) -> CompiledForward:
     """Load a kernel that `export_compiled` wrote (in any process) into this process's compile
     cache, so that compile_forward and attention_forward find it. Milliseconds instead of
     seconds."""
     target = get_target(target)
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    key = compile_key(config, dtype, head_dim, head_dim_v, causal, target)
+    key = compile_key(config, dtype, head_dim, head_dim_v, causal, target, pack_group)
     with _CACHE_LOCK:
         hit = _CACHE.get(key)
     if hit is not None:

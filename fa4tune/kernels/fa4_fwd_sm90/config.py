@@ -17,9 +17,13 @@ class ConfigError(ValueError):
     """A config that names unknown knobs, holds illegal values, or cannot be built for a problem."""
 
 
+# Split-KV: how many CTAs share the keys of one tile (1: no split). One compiled kernel serves every
+# count above 1 (the count is the partial outputs' extent, read at run time).
+SPLIT_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+
 # The full domain of every knob. Search spaces pick from these; anything else is refused.
 KNOBS: dict[str, tuple] = {
-    "tile_m": (128, 192, 256),
+    "tile_m": (64, 128, 192, 256),
     "tile_n": (64, 80, 96, 112, 128, 144, 160, 176, 192),
     "num_stages": (1, 2, 3, 4, 5),
     "poly_degree": (1, 2, 3, 4, 5),
@@ -32,6 +36,8 @@ KNOBS: dict[str, tuple] = {
     "wg_epilogue": (False, True),
     "q_stages": (1, 2),
     "lazy_max": (False, True),
+    "pack_gqa": (False, True),
+    "num_splits": SPLIT_COUNTS,
 }
 
 KERNEL_ARCHS = ("sm_90a",)
@@ -63,6 +69,12 @@ class FwdConfig:
     then is the max taken (from P) and O rescaled. A rise too large to rescale by (past 125 in log2
     units, or a P or row sum overflowed) makes the warp recompute its scores from shared memory and
     take the exact step. Needs rescale_threshold 8 and no emulation (lazy_max_reasons).
+    pack_gqa: the query heads that share a K/V head go through one tile as its rows (row r is
+    query r // group of head r % group), so each K/V block is read once per K/V head, not once per
+    query head; the group size is compiled in (it must divide tile_m).
+    num_splits: split-KV. The K blocks of each tile are divided among this many CTAs, which write
+    fp32 partial O and LSE to a workspace; a combine kernel (combine.py) merges them into O and
+    LSE with the unsplit kernel's meaning. Not persistent (the grid is tiles x splits).
     """
 
     tile_m: int = 128
@@ -78,6 +90,8 @@ class FwdConfig:
     wg_epilogue: bool = False
     q_stages: int = 1
     lazy_max: bool = False
+    pack_gqa: bool = False
+    num_splits: int = 1
 
     def __post_init__(self) -> None:
         bad = []
@@ -106,17 +120,21 @@ class FwdConfig:
                 f"unknown knob(s) {', '.join(unknown)}; known knobs: {', '.join(KNOBS)}"
             )
         values = dict(data)
-        for name in ("tile_m", "tile_n", "num_stages", "poly_degree", "q_stages"):
+        for name in ("tile_m", "tile_n", "num_stages", "poly_degree", "q_stages", "num_splits"):
             if name in values and isinstance(values[name], float) and values[name].is_integer():
                 values[name] = int(values[name])  # YAML / JSON round trips may give 128.0
         return replace(base, **values) if base is not None else cls(**values)
 
     def canonical(self) -> FwdConfig:
         """The same kernel with knobs that have no effect set to their defaults, so that two configs
-        that compile to the same code compare equal (poly_degree is unused without emulation)."""
-        if self.emu_share == 0.0 and self.poly_degree != FwdConfig.poly_degree:
-            return replace(self, poly_degree=FwdConfig.poly_degree)
-        return self
+        that compile to the same code compare equal (poly_degree is unused without emulation, the
+        ping-pong order with one consumer warpgroup)."""
+        config = self
+        if config.emu_share == 0.0 and config.poly_degree != FwdConfig.poly_degree:
+            config = replace(config, poly_degree=FwdConfig.poly_degree)
+        if config.tile_m == 64 and config.wg_pingpong != FwdConfig.wg_pingpong:
+            config = replace(config, wg_pingpong=FwdConfig.wg_pingpong)  # one warpgroup: no turns
+        return config
 
     def uses_tile_counter(self, causal: bool) -> bool:
         """Whether the kernel's CTAs take their tiles from the global tile counter: persistent
@@ -131,7 +149,14 @@ class FwdConfig:
             f"{'' if self.rescale_branch else '-rm'}{'-ps' if self.persistent else ''}"
             f"{'-we' if self.wg_epilogue else ''}"
             f"{f'-q{self.q_stages}' if self.q_stages > 1 else ''}{'-lm' if self.lazy_max else ''}"
+            f"{'-pg' if self.pack_gqa else ''}"
+            f"{f'-sp{self.num_splits}' if self.num_splits > 1 else ''}"
         )
+
+    @property
+    def split(self) -> bool:
+        """Whether the kernel writes partials for the combine kernel (num_splits above 1)."""
+        return self.num_splits > 1
 
 
 def unsupported_reasons(problem: Problem, target: Target) -> list[str]:
@@ -156,16 +181,45 @@ MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z extents
 
 
 def grid_reasons(config: FwdConfig, problem: Problem) -> list[str]:
-    """Why the launch grid cannot hold the problem. One CTA per tile without causality launches a
-    (m blocks, heads, batch) grid, whose y and z extents CUDA caps; the other launches are flat."""
-    if config.persistent or problem.causal:
+    """Why the launch grid cannot hold the problem. One CTA per tile without causality, and every
+    split kernel, launches a (m blocks [x splits], heads, batch) grid, whose y and z extents CUDA
+    caps; the other launches are flat. Packed GQA tiles are per K/V head."""
+    if config.persistent or (problem.causal and not config.split):
         return []
+    heads = problem.nheads_kv if config.pack_gqa else problem.nheads_q
     return [
-        f"{name} {value} > {MAX_GRID_YZ} (the grid's {axis} extent with "
-        "one CTA per tile, non-causal)"
-        for name, value, axis in (("heads", problem.nheads_q, "y"), ("batch", problem.batch, "z"))
+        f"{name} {value} > {MAX_GRID_YZ} (the grid's {axis} extent with one CTA per tile)"
+        for name, value, axis in (("heads", heads, "y"), ("batch", problem.batch, "z"))
         if value > MAX_GRID_YZ
     ]
+
+
+def pack_reasons(config: FwdConfig, problem: Problem) -> list[str]:
+    """Why packed GQA cannot take this config: a tile's rows are whole groups of query heads (the
+    TMA box of Q and O is (group, tile_m / group) over (head, query)), so the group must divide
+    tile_m; one query head per K/V head has nothing to pack."""
+    if not config.pack_gqa:
+        return []
+    group = problem.qheads_per_kvhead
+    if group == 1:
+        return ["pack_gqa=True with one query head per K/V head: there is nothing to pack"]
+    if config.tile_m % group:
+        return [
+            f"pack_gqa=True with {group} query heads per K/V head: the group must divide "
+            f"tile_m={config.tile_m}"
+        ]
+    return []
+
+
+def split_reasons(config: FwdConfig) -> list[str]:
+    """Why split-KV cannot take this config: a split CTA has one tile (the grid is tiles x
+    splits)."""
+    if config.split and config.persistent:
+        return [
+            f"num_splits={config.num_splits} needs persistent=False (split CTAs take one tile "
+            "each, from a grid of tiles x splits)"
+        ]
+    return []
 
 
 def lazy_max_reasons(config: FwdConfig) -> list[str]:
@@ -217,4 +271,6 @@ RULES = (
         ),
     ),
     Rule("lazy row max", lambda problem, config, target: lazy_max_reasons(config)),
+    Rule("packed GQA", lambda problem, config, target: pack_reasons(config, problem)),
+    Rule("split-KV", lambda problem, config, target: split_reasons(config)),
 )

@@ -63,6 +63,7 @@ from ..sm90.helpers import (
     acc_as_operand_a,
     acc_rows_cols,
     convert_to_16bit,
+    pack_rows,
     permute_modes,
     smem_tile_layout,
     stages_as_rows,
@@ -118,14 +119,25 @@ class FlashForwardSm90:
         head_dim_v: int,
         causal: bool,
         target: Target | str | None = "H200",
+        pack_group: int = 1,
     ):
         target = get_target(target)
         # The same feasibility rules the search applies: refuse before any compile, naming the knob.
+        # Packed GQA compiles its group size in; the problem stands for any with that group.
         FAMILY.check(
-            Problem(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal),
+            Problem(
+                dtype=dtype,
+                head_dim=head_dim,
+                head_dim_v=head_dim_v,
+                causal=causal,
+                nheads_q=pack_group,
+                nheads_kv=1,
+            ),
             config,
             target,
         )
+        if pack_group > 1 and not config.pack_gqa:
+            raise ValueError("pack_group above 1 needs a config with pack_gqa")
         self.config = config
         self.dtype = DTYPES[Problem(dtype=dtype, head_dim=head_dim).dtype]
         self.head_dim = head_dim
@@ -151,6 +163,10 @@ class FlashForwardSm90:
         # Persistent causal CTAs take their tiles from a global counter (see the module docstring).
         self.tile_counter = config.uses_tile_counter(causal)
         self.num_sms = target.sm_count
+        # Packed GQA: a tile's rows are (query head in the group, query), the head fastest.
+        self.pack_group = pack_group if config.pack_gqa else 1
+        # Split-KV: O and LSE are fp32 partials with a split mode, merged by the combine kernel.
+        self.split = config.split
 
     # --------------------------------------------------------------------------------------------
     # Host side
@@ -161,16 +177,29 @@ class FlashForwardSm90:
         mQ: cute.Tensor,  # (batch, seqlen_q, nheads_q, head_dim)
         mK: cute.Tensor,  # (batch, seqlen_k, nheads_kv, head_dim)
         mV: cute.Tensor,  # (batch, seqlen_k, nheads_kv, head_dim_v)
-        mO: cute.Tensor,  # (batch, seqlen_q, nheads_q, head_dim_v)
-        mLSE: cute.Tensor,  # (batch, nheads_q, seqlen_q), float32
+        # (batch, seqlen_q, nheads_q, head_dim_v); split: fp32 (splits, batch, seqlen_q, ...)
+        mO: cute.Tensor,
+        # (batch, nheads_q, seqlen_q), float32; split: (splits, batch, nheads_q, seqlen_q)
+        mLSE: cute.Tensor,
         mTileCounter: cute.Tensor,  # (1,) int32, zero between launches; for counter-scheduled CTAs
         softmax_scale_log2: Float32,
         heads_per_l2_group: Int32,
         stream: cuda.CUstream,
     ):
-        # Seqlen-major views: (seqlen, dim, head, batch) and (seqlen, head, batch) for LSE.
-        mQ, mK, mV, mO = [permute_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
-        mLSE = permute_modes(mLSE, [2, 1, 0])
+        # Seqlen-major views: (seqlen, dim, head, batch) and (seqlen, head, batch) for LSE; the
+        # split partials keep their split mode last.
+        mQ, mK, mV = [permute_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV)]
+        if const_expr(self.split):
+            mO = permute_modes(mO, [2, 4, 3, 1, 0])
+            mLSE = permute_modes(mLSE, [3, 2, 1, 0])
+        else:
+            mO = permute_modes(mO, [1, 3, 2, 0])
+            mLSE = permute_modes(mLSE, [2, 1, 0])
+        if const_expr(self.pack_group > 1):
+            # Rows (query head in the group, query) of each K/V head: mode 0 becomes (group,
+            # seqlen), and the heads mode counts K/V heads.
+            mQ, mO = pack_rows(mQ, self.pack_group, 2), pack_rows(mO, self.pack_group, 2)
+            mLSE = pack_rows(mLSE, self.pack_group, 1)
 
         tile_m, tile_n, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
         mma_qk = hopper.make_trivial_tiled_mma(
@@ -243,15 +272,27 @@ class FlashForwardSm90:
         tma_v, tma_mV = cpasync.make_tiled_tma_atom(
             load, mV, cute.select(sV_layout, mode=[0, 1]), (tile_n, dv)
         )
-        tma_o, tma_mO = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mO, sO_box, o_box
-        )
+        if const_expr(self.split):
+            # The fp32 partials are stored from registers: no TMA store. Q's atom fills O's slot
+            # of the kernel's parameters (and is not used there).
+            tma_o, tma_mO = tma_q, mO
+        else:
+            tma_o, tma_mO = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mO, sO_box, o_box
+            )
         bytes_q = cute.size_in_bytes(self.dtype, sQ_one)
         bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
         bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
 
         num_m_blocks = cute.ceil_div(cute.size(mQ.shape[0]), tile_m)
-        if const_expr(self.persistent):
+        if const_expr(self.split):
+            # One CTA per (tile, split); the splits of a tile are adjacent.
+            grid = [
+                num_m_blocks * cute.size(mLSE, mode=[3]),
+                cute.size(mQ.shape[2]),
+                cute.size(mQ.shape[3]),
+            ]
+        elif const_expr(self.persistent):
             # One CTA per SM (the register split allows no more), each walking the tiles with stride
             # grid. The SM count is the compile target's: on a GPU with fewer SMs the surplus CTAs
             # run as a second wave, right but slower.
@@ -306,12 +347,20 @@ class FlashForwardSm90:
         longest first (last rows first) and grouped by `heads_per_l2_group` heads whose K/V fit in
         L2 together; inside a group the head index runs fastest."""
         mQ, heads_per_l2_group = sched.mQ, sched.heads_per_l2_group
-        seqlen_q = mQ.shape[0]
+        seqlen_q = self.rows(mQ)
         nheads = mQ.shape[2]
         num_m = (seqlen_q + self.tile_m - 1) // self.tile_m
         m_block = tile
         bh = tile
-        if const_expr(not self.causal):
+        split = None
+        if const_expr(self.split):
+            # (m block, split) fastest, then heads, then batches: the grid's x, y, z.
+            span = num_m * sched.num_splits
+            bh = tile // span
+            within = tile - bh * span
+            split = within // num_m
+            m_block = within - split * num_m
+        elif const_expr(not self.causal):
             bh = tile // num_m
             m_block = tile - bh * num_m
         else:
@@ -325,7 +374,37 @@ class FlashForwardSm90:
             m_block = num_m - 1 - m_idx
         batch = bh // nheads
         head = bh - batch * nheads
-        return m_block, head, batch
+        return m_block, head, batch, split
+
+    def rows(self, mQ: cute.Tensor):
+        """Rows of Q per head and batch: seqlen_q, or with packed GQA group x seqlen_q."""
+        if const_expr(self.pack_group > 1):
+            return cute.size(mQ, mode=[0])
+        return mQ.shape[0]
+
+    def queries(self, mQ: cute.Tensor):
+        """seqlen_q (the causal diagonal's offset is seqlen_k - seqlen_q)."""
+        if const_expr(self.pack_group > 1):
+            return mQ.shape[0][1]
+        return mQ.shape[0]
+
+    def row_query(self, row):
+        """The query of a tile row: the row itself, or with packed GQA row // group."""
+        if const_expr(self.pack_group > 1):
+            return row // self.pack_group
+        return row
+
+    def later_blocks(self, info: TileInfo):
+        """How many K blocks the tile's CTA visits after its first."""
+        if const_expr(self.split):
+            return info.n_block_max - info.n_block_min - 1
+        return info.n_block_max - 1
+
+    def block_count(self, info: TileInfo):
+        """How many K blocks the tile's CTA visits: [n_block_min, n_block_max)."""
+        if const_expr(self.split):
+            return info.n_block_max - info.n_block_min
+        return info.n_block_max
 
     def first_tile(self, sched: TileSchedule):
         """This CTA's first tile number and the number of tiles. A non-persistent CTA has one tile:
@@ -333,9 +412,11 @@ class FlashForwardSm90:
         mQ = sched.mQ
         bx, by, bz = cute.arch.block_idx()
         tile = bx
-        if const_expr(not self.persistent and not self.causal):
+        if const_expr(not self.persistent and (not self.causal or self.split)):
             tile = bx + cute.arch.grid_dim()[0] * (by + mQ.shape[2] * bz)
-        num_m = (mQ.shape[0] + self.tile_m - 1) // self.tile_m
+        num_m = (self.rows(mQ) + self.tile_m - 1) // self.tile_m
+        if const_expr(self.split):
+            num_m = num_m * sched.num_splits
         return tile, num_m * mQ.shape[2] * mQ.shape[3]
 
     def next_tile(self, tile, num_tiles):
@@ -363,21 +444,38 @@ class FlashForwardSm90:
         return cute.arch.shuffle_sync(old, 0) + cute.arch.grid_dim()[0]
 
     @cute.jit
-    def n_block_range(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
-        """(n_block_max, n_mask_min): K blocks [0, n_block_max) are visible to this Q tile; blocks
-        [n_mask_min, n_block_max) need the causal mask."""
+    def n_block_range(
+        self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32, split=None, num_splits=None
+    ):
+        """(n_block_min, n_block_max, n_mask_min): this CTA visits K blocks [n_block_min,
+        n_block_max) of the Q tile (n_block_min None without split-KV: from 0); blocks
+        [n_mask_min, n_block_max) need the causal mask. A split takes the split-th run of
+        ceil(blocks / num_splits) blocks, and may have none."""
         n_block_max = (seqlen_k + self.tile_n - 1) // self.tile_n
         n_mask_min = n_block_max
         if const_expr(self.causal):
-            # Bottom-right alignment: row i sees keys j < i + 1 + seqlen_k - seqlen_q. The tile's
+            # Bottom-right alignment: query i sees keys j < i + 1 + seqlen_k - seqlen_q. The tile's
             # last row bounds the visible blocks; its first row bounds the blocks that need no mask.
-            last_row_end = (m_block + 1) * self.tile_m + seqlen_k - seqlen_q
+            if const_expr(self.pack_group > 1):
+                last_row = self.row_query((m_block + 1) * self.tile_m - 1)
+                last_row_end = last_row + 1 + seqlen_k - seqlen_q
+            else:
+                last_row_end = (m_block + 1) * self.tile_m + seqlen_k - seqlen_q
             n_block_max = cutlass.min(
                 n_block_max, (cutlass.max(last_row_end, 0) + self.tile_n - 1) // self.tile_n
             )
-            first_row_end = m_block * self.tile_m + seqlen_k - seqlen_q + 1
+            if const_expr(self.pack_group > 1):
+                first_row = self.row_query(m_block * self.tile_m)
+                first_row_end = first_row + seqlen_k - seqlen_q + 1
+            else:
+                first_row_end = m_block * self.tile_m + seqlen_k - seqlen_q + 1
             n_mask_min = cutlass.max(first_row_end, 0) // self.tile_n
-        return n_block_max, n_mask_min
+        n_block_min = None
+        if const_expr(self.split):
+            per_split = (n_block_max + num_splits - 1) // num_splits
+            n_block_min = split * per_split
+            n_block_max = cutlass.min(n_block_max, n_block_min + per_split)
+        return n_block_min, n_block_max, n_mask_min
 
     @cute.kernel
     def kernel(
@@ -458,7 +556,10 @@ class FlashForwardSm90:
         # grouped (arguments.py).
         smem = SharedTensors(sQ, sK, sV, sO)
         pipes = Pipelines(pipe_q, pipe_k, pipe_v)
-        sched = TileSchedule(mQ, heads_per_l2_group, mTileCounter, sTile)
+        num_splits = None
+        if const_expr(self.split):
+            num_splits = cute.size(mLSE, mode=[3])
+        sched = TileSchedule(mQ, heads_per_l2_group, mTileCounter, sTile, num_splits)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
@@ -489,12 +590,25 @@ class FlashForwardSm90:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         tile, num_tiles = self.first_tile(sched)
         while tile < num_tiles:
-            m_block, head, batch = self.tile_coords(sched, tile)
+            m_block, head, batch, split = self.tile_coords(sched, tile)
             head_kv = head // (mQ.shape[2] // mK.shape[2])
-            seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
-            n_block_max, n_mask_min = self.n_block_range(m_block, seqlen_q, seqlen_k)
-            if n_block_max > 0:
-                info = TileInfo(m_block, head, batch, seqlen_q, seqlen_k, n_block_max, n_mask_min)
+            seqlen_q, seqlen_k = self.queries(mQ), mK.shape[0]
+            n_block_min, n_block_max, n_mask_min = self.n_block_range(
+                m_block, seqlen_q, seqlen_k, split, sched.num_splits
+            )
+            info = TileInfo(
+                m_block,
+                head,
+                batch,
+                seqlen_q,
+                seqlen_k,
+                n_block_max,
+                n_mask_min,
+                self.rows(mQ),
+                n_block_min,
+                split,
+            )
+            if self.block_count(info) > 0:
                 kv_state, q_state = self.produce_tile(
                     loads, smem, pipes, info, head_kv, kv_state, q_state
                 )
@@ -524,6 +638,9 @@ class FlashForwardSm90:
         """Load one tile's Q and its K/V blocks, last block first; returns the pipeline states for
         the next tile."""
         m_block, head, batch, n_block_max = info.m_block, info.head, info.batch, info.n_block_max
+        n_block_last = 0  # the last block visited
+        if const_expr(self.split):
+            n_block_last = info.n_block_min
         gQ = cute.local_tile(
             loads.mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0)
         )
@@ -553,16 +670,16 @@ class FlashForwardSm90:
         q_state.advance()
         if const_expr(self.intra_wg_overlap):
             # Consumers need K(j+1) before V(j): S GEMMs run one step ahead of PV GEMMs.
-            for i in cutlass.range(n_block_max - 1, unroll=1):
+            for i in cutlass.range(self.later_blocks(info), unroll=1):
                 n_block = n_block_max - 2 - i
                 v_state = kv_state.clone()
                 kv_state.advance()
                 self.load_stage(loads.tma_k, pipes.k, tKgK, tKsK, n_block, kv_state)
                 self.load_stage(loads.tma_v, pipes.v, tVgV, tVsV, n_block + 1, v_state)
-            self.load_stage(loads.tma_v, pipes.v, tVgV, tVsV, 0, kv_state)
+            self.load_stage(loads.tma_v, pipes.v, tVgV, tVsV, n_block_last, kv_state)
         else:
             self.load_stage(loads.tma_v, pipes.v, tVgV, tVsV, n_block_max - 1, kv_state)
-            for i in cutlass.range(n_block_max - 1, unroll=1):
+            for i in cutlass.range(self.later_blocks(info), unroll=1):
                 n_block = n_block_max - 2 - i
                 kv_state.advance()
                 self.load_stage(loads.tma_k, pipes.k, tKgK, tKsK, n_block, kv_state)
@@ -626,7 +743,7 @@ class FlashForwardSm90:
         for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
             limit = col_limit_k
             if const_expr(causal):
-                row = m_block * self.tile_m + coords[r, 0][0]
+                row = self.row_query(m_block * self.tile_m + coords[r, 0][0])
                 limit = cutlass.min(
                     limit, row + 1 + seqlen_k - seqlen_q - n_block * self.tile_n - col_offset
                 )
@@ -677,16 +794,30 @@ class FlashForwardSm90:
 
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
-        seqlen_q = sched.mQ.shape[0]
+        seqlen_q = self.queries(sched.mQ)
+        rows = self.rows(sched.mQ)
         tile, num_tiles = self.first_tile(sched)
         if const_expr(self.tile_counter):  # the number slot starts empty
             cute.arch.barrier_arrive(
                 barrier_id=BARRIER_TILE_EMPTY, number_of_threads=self.tile_handoff_threads
             )
         while tile < num_tiles:
-            m_block, head, batch = self.tile_coords(sched, tile)
-            n_block_max, n_mask_min = self.n_block_range(m_block, seqlen_q, seqlen_k)
-            info = TileInfo(m_block, head, batch, seqlen_q, seqlen_k, n_block_max, n_mask_min)
+            m_block, head, batch, split = self.tile_coords(sched, tile)
+            n_block_min, n_block_max, n_mask_min = self.n_block_range(
+                m_block, seqlen_q, seqlen_k, split, sched.num_splits
+            )
+            info = TileInfo(
+                m_block,
+                head,
+                batch,
+                seqlen_q,
+                seqlen_k,
+                n_block_max,
+                n_mask_min,
+                rows,
+                n_block_min,
+                split,
+            )
             acc_O.fill(0.0)
             softmax.reset()
             # Grouped in the loop, not before it: the DSL carries acc_O through the loop (fill is
@@ -694,17 +825,20 @@ class FlashForwardSm90:
             frags = WgFragments(
                 wg, tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape, row_scale, thr_mma_qk, smem.sQ, smem.sK
             )
-            if n_block_max > 0:
+            if self.block_count(info) > 0:
                 if self.has_no_rows(wg, info):
                     # All of this warpgroup's rows lie past the end of Q (the last m block of a
                     # seqlen that tile_m does not divide): it keeps the pipeline and the turns going
                     # but leaves the tensor cores and the MUFU to the warpgroups with rows.
-                    kv, q_state = self.idle_mainloop(kv, q_state, wg, pipes, n_block_max)
+                    kv, q_state = self.idle_mainloop(kv, q_state, wg, pipes, self.block_count(info))
                 else:
                     kv, q_state = self.mainloop(kv, q_state, frags, mmas, pipes, softmax, info)
             lse = cute.make_rmem_tensor(softmax.num_rows, Float32)
             softmax.finalize(acc_O, lse)
-            self.epilogue(acc_O, lse, stores, smem.sO, mmas.pv, ctid, info)
+            if const_expr(self.split):
+                self.store_partials(acc_O, lse, stores.mO, stores.mLSE, mmas.pv, ctid, info)
+            else:
+                self.epilogue(acc_O, lse, stores, smem.sO, mmas.pv, ctid, info)
             if const_expr(self.tile_counter):
                 cute.arch.barrier(
                     barrier_id=BARRIER_TILE_FULL, number_of_threads=self.tile_handoff_threads
@@ -763,17 +897,24 @@ class FlashForwardSm90:
             convert_to_16bit(acc_as_operand_a(acc_S), frags.tOrP)
             n_masked = 0
             if const_expr(self.causal):
-                n_masked = cutlass.max(n_block_max - 1 - n_mask_min, 0)
+                first_masked = n_mask_min
+                if const_expr(self.split):
+                    first_masked = cutlass.max(n_mask_min, info.n_block_min)
+                n_masked = cutlass.max(n_block_max - 1 - first_masked, 0)
             for i in cutlass.range(n_masked, unroll=1):
                 kv = self.overlapped_step(
                     kv, n_block_max - 2 - i, True, frags, mmas, pipes, softmax, info
                 )
-            n_unmasked = n_block_max - 1
+            # The unmasked blocks: [n_block_min, n_unmasked_end), visited last first.
+            n_unmasked_end = n_block_max - 1
             if const_expr(self.causal):
-                n_unmasked = cutlass.min(n_block_max - 1, n_mask_min)
+                n_unmasked_end = cutlass.min(n_block_max - 1, n_mask_min)
+            n_unmasked = n_unmasked_end
+            if const_expr(self.split):
+                n_unmasked = cutlass.max(n_unmasked_end - info.n_block_min, 0)
             for i in cutlass.range(n_unmasked, unroll=1):
                 kv = self.overlapped_step(
-                    kv, n_unmasked - 1 - i, False, frags, mmas, pipes, softmax, info
+                    kv, n_unmasked_end - 1 - i, False, frags, mmas, pipes, softmax, info
                 )
             # Every S GEMM of the tile is done: Q's buffer may take the next tile's Q (with two
             # buffers, the Q of the tile after next).
@@ -794,8 +935,11 @@ class FlashForwardSm90:
             self.turn_wait(frags.wg)
             n_masked = 1
             if const_expr(self.causal):
-                n_masked = cutlass.max(n_block_max - n_mask_min, 1)
-            for i in cutlass.range(n_block_max, unroll=1):
+                first_masked = n_mask_min
+                if const_expr(self.split):
+                    first_masked = cutlass.max(n_mask_min, info.n_block_min)
+                n_masked = cutlass.max(n_block_max - first_masked, 1)
+            for i in cutlass.range(self.block_count(info), unroll=1):
                 kv = self.serial_step(kv, i, n_masked, frags, mmas, pipes, softmax, info)
             self.turn_pass(frags.wg)
             self.release_q(pipes.q, q_state)
@@ -819,7 +963,7 @@ class FlashForwardSm90:
         if const_expr(self.num_consumer_wg < 3 or (self.persistent and not self.causal)):
             return False
         first_row = cute.arch.make_warp_uniform(info.m_block * self.tile_m + wg * 64)
-        return first_row >= info.seqlen_q
+        return first_row >= info.rows
 
     @cute.jit
     def idle_mainloop(
@@ -828,7 +972,7 @@ class FlashForwardSm90:
         q_state: pipeline.PipelineState,
         wg: Int32,
         pipes: Pipelines,
-        n_block_max: Int32,
+        n_blocks: Int32,
     ):
         """The main loop of a warpgroup without rows in this tile: no GEMM and no softmax, only the
         pipeline's waits and releases (every consumer warp releases every stage, and waits for it
@@ -846,7 +990,7 @@ class FlashForwardSm90:
         pipes.q.consumer_wait(q_state)
         if const_expr(self.intra_wg_overlap):
             self.idle_take(pipes.k, kv)
-            for _ in cutlass.range(n_block_max - 1, unroll=1):
+            for _ in cutlass.range(n_blocks - 1, unroll=1):
                 kv_v = kv.clone()
                 kv.advance()
                 pipes.k.consumer_wait(kv)
@@ -860,7 +1004,7 @@ class FlashForwardSm90:
             kv.advance()
         else:
             self.turn_wait(wg)
-            for _ in cutlass.range(n_block_max, unroll=1):
+            for _ in cutlass.range(n_blocks, unroll=1):
                 pipes.k.consumer_wait(kv)
                 self.turn_pass(wg)
                 cute.arch.sync_warp()
@@ -1057,6 +1201,44 @@ class FlashForwardSm90:
         return ctid < 32
 
     @cute.jit
+    def store_partials(
+        self,
+        acc_O: cute.Tensor,
+        lse: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mma_pv: cute.TiledMma,
+        ctid: Int32,
+        info: TileInfo,
+    ):
+        """Split-KV: this split's normalised O (fp32) and LSE straight from registers into the
+        partials, rows inside Q only. A split without keys writes O 0 and LSE -inf, which the
+        combine weighs by 0."""
+        m_block, head, batch, split, rows = (
+            info.m_block,
+            info.head,
+            info.batch,
+            info.split,
+            info.rows,
+        )
+        thr_mma = mma_pv.get_slice(ctid)
+        gO = cute.local_tile(
+            mO[None, None, head, batch, split], (self.tile_m, self.head_dim_v), (m_block, 0)
+        )
+        tOgO = acc_rows_cols(thr_mma.partition_C(gO))
+        out = acc_rows_cols(acc_O)
+        coords = acc_rows_cols(
+            thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v)))
+        )
+        for r in cutlass.range_constexpr(cute.size(out, mode=[0])):
+            row = m_block * self.tile_m + coords[r, 0][0]
+            if row < rows:
+                for c in cutlass.range_constexpr(cute.size(out, mode=[1])):
+                    tOgO[r, c] = out[r, c]
+                if coords[0, 0][1] == 0:
+                    mLSE[row, head, batch, split] = lse[r]
+
+    @cute.jit
     def epilogue(
         self,
         acc_O: cute.Tensor,
@@ -1071,7 +1253,7 @@ class FlashForwardSm90:
         # Names of their own: the LSE store below writes through mLSE inside a run-time branch, and
         # the DSL carries a name written there through the branch (`stores`: the whole group).
         tma_o, mO, mLSE = stores.tma_o, stores.mO, stores.mLSE
-        m_block, head, batch, seqlen_q = info.m_block, info.head, info.batch, info.seqlen_q
+        m_block, head, batch, seqlen_q = info.m_block, info.head, info.batch, info.rows
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
         if const_expr(self.persistent):

@@ -23,8 +23,18 @@ from ..common.inputs import (
 )
 from ..common.launch import direct_call, launch_error, pack_descriptor, raw_stream_getter
 from ..common.streams import current_device_getter, current_tile_counter, unused_counter
-from .compile import compile_forward
+from .compile import compile_combine, compile_forward, pack_group_of
 from .config import FwdConfig, grid_reasons
+
+
+def partial_shapes(problem: Problem, config: FwdConfig) -> tuple[tuple, tuple]:
+    """The split kernel's fp32 partials: O (splits, batch, seqlen_q, nheads_q, head_dim_v) and LSE
+    (splits, batch, nheads_q, seqlen_q). They are allocated per call from torch's caching allocator,
+    which hands the same block back to the next call of the same shape on the stream: reuse without
+    a buffer kept per stream and per CUDA graph (a buffer kept from torch.compile's CUDA-graph
+    warm-up is one torch refuses, as the tile counters were)."""
+    s, b, q, h = config.num_splits, problem.batch, problem.seqlen_q, problem.nheads_q
+    return (s, b, q, h, problem.head_dim_v), (s, b, h, q)
 
 
 def heads_per_l2_group(problem: Problem, target: Target) -> int:
@@ -87,8 +97,15 @@ def attention_forward(
 
     check_grid(config, problem)
     compiled = compile_forward(
-        config, problem.dtype, problem.head_dim, problem.head_dim_v, causal, target
+        config,
+        problem.dtype,
+        problem.head_dim,
+        problem.head_dim_v,
+        causal,
+        target,
+        pack_group=pack_group_of(config, problem),
     )
+    combine = compile_combine(problem.dtype, problem.head_dim_v, target) if config.split else None
     batch, seqlen_q, nheads_q, _ = q.shape
     out_shape, lse_shape = (
         (batch, seqlen_q, nheads_q, problem.head_dim_v),
@@ -118,14 +135,25 @@ def attention_forward(
         lse_t = from_dlpack(lse, assumed_align=4).mark_layout_dynamic(leading_dim=2)
         stream_handle = torch.cuda.current_stream(q.device).cuda_stream
         counter = from_dlpack(launch_counter(config, causal, q.device), assumed_align=4)
+        outputs = [tensors.pop(), lse_t]
+        if config.split:
+            o_shape, l_shape = partial_shapes(problem, config)
+            o_part = torch.empty(o_shape, dtype=torch.float32, device=q.device)
+            lse_part = torch.empty(l_shape, dtype=torch.float32, device=q.device)
+            partials = [
+                from_dlpack(o_part, assumed_align=16).mark_layout_dynamic(leading_dim=4),
+                from_dlpack(lse_part, assumed_align=4).mark_layout_dynamic(leading_dim=3),
+            ]
         compiled.function(
             *tensors,
-            lse_t,
+            *(partials if config.split else outputs),
             counter,
             Float32(scale * math.log2(math.e)),
             Int32(heads_per_l2_group(problem, target)),
             cuda.CUstream(stream_handle),
         )
+        if config.split:
+            combine(*partials, *outputs, cuda.CUstream(stream_handle))
     return out, lse
 
 
@@ -145,9 +173,24 @@ class PreparedLaunch:
         out_strides = torch.empty(self.out_shape, device="meta").stride()
         lse_strides = torch.empty(self.lse_shape, device="meta").stride()
         self.descriptors = [pack_descriptor(t.shape, t.stride()) for t in (q, k, v)]
-        self.descriptors.append(pack_descriptor(self.out_shape, out_strides))
-        self.descriptors.append(pack_descriptor(self.lse_shape, lse_strides))
+        self.split = config.split
+        self.partial_shapes = partial_shapes(problem, config) if self.split else None
+        # Split-KV: the kernel writes the partials and the combine kernel reads them into O and
+        # LSE; the combine's arguments are packed here too.
+        combine = []
+        if self.split:
+            for shape in self.partial_shapes:
+                strides = torch.empty(shape, device="meta").stride()
+                self.descriptors.append(pack_descriptor(shape, strides))
+                combine.append(pack_descriptor(shape, strides))
+            combine.append(pack_descriptor(self.out_shape, out_strides))
+            combine.append(pack_descriptor(self.lse_shape, lse_strides))
+        else:
+            self.descriptors.append(pack_descriptor(self.out_shape, out_strides))
+            self.descriptors.append(pack_descriptor(self.lse_shape, lse_strides))
         self.descriptors.append(ctypes.create_string_buffer(8))  # the tile counter
+        self.combine_descriptors = combine
+        self.combine_pointers = [ctypes.c_uint64.from_buffer(d) for d in combine]
         # The first 8 bytes of each descriptor are its data pointer: the only part a call changes.
         self.pointers = [ctypes.c_uint64.from_buffer(d) for d in self.descriptors]
         # Kernels that ignore the tile counter get one fixed dummy: no per-call lookup or
@@ -168,18 +211,25 @@ class PreparedLaunch:
             ctypes.addressof(self.l2_group),
             ctypes.addressof(self.stream),
         ]
+        self.combine_arguments = [ctypes.addressof(d) for d in combine] + (
+            [ctypes.addressof(self.stream)] if combine else []
+        )
         self.lock = threading.Lock()
         self._get_device = current_device_getter()
         self._device_guard = torch.cuda.device
         self._raw_stream = raw_stream_getter()
         self._empty = torch.empty
         self._float32 = torch.float32
-        self._run = None
+        self._run = self._run_combine = None
 
-    def bind(self, executor) -> None:
-        """Launch through `executor` (the compiled function bound to this launch's device)."""
+    def bind(self, executor, combine=None) -> None:
+        """Launch through `executor` (the compiled function bound to this launch's device), and
+        with split-KV `combine` after it (the combine kernel's, bound alike)."""
         self.executor = executor
         self._run, self.result = direct_call(executor, self.arguments)
+        if self.split:
+            self.combine_executor = combine
+            self._run_combine, self.combine_result = direct_call(combine, self.combine_arguments)
 
     def __call__(self, q, k, v):
         q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
@@ -200,6 +250,8 @@ class PreparedLaunch:
         lse = self._empty(self.lse_shape, dtype=self._float32, device=self.device)
         counter = self._tile_counter(self.device) if self._tile_counter else self._unused_counter
         stream = self._raw_stream(self.device_index)
+        if self.split:
+            return self._launch_split(q_ptr, k_ptr, v_ptr, out, lse, counter, stream)
         with self.lock:  # the descriptors are shared; the launch copies them before it returns
             p = self.pointers
             p[0].value, p[1].value, p[2].value = q_ptr, k_ptr, v_ptr
@@ -210,6 +262,27 @@ class PreparedLaunch:
             raise launch_error(error)
         return out, lse
 
+    def _launch_split(self, q_ptr, k_ptr, v_ptr, out, lse, counter, stream):
+        o_shape, l_shape = self.partial_shapes
+        o_part = self._empty(o_shape, dtype=self._float32, device=self.device)
+        lse_part = self._empty(l_shape, dtype=self._float32, device=self.device)
+        with self.lock:
+            p, c = self.pointers, self.combine_pointers
+            p[0].value, p[1].value, p[2].value = q_ptr, k_ptr, v_ptr
+            p[3].value = c[0].value = o_part.data_ptr()
+            p[4].value = c[1].value = lse_part.data_ptr()
+            p[5].value = counter.data_ptr()
+            c[2].value, c[3].value = out.data_ptr(), lse.data_ptr()
+            self.stream.value = stream
+            error = self._run() or self._run_combine()
+        if error:
+            raise launch_error(error)
+        return out, lse
+
+
+def problem_device(q) -> int:
+    return q.device.index if q.device.index is not None else 0
+
 
 def prepare_launch(
     problem: Problem, config: FwdConfig, target: Target, q, k, v, softmax_scale
@@ -217,10 +290,19 @@ def prepare_launch(
     """The prepared launch of `config` for calls shaped like q, k, v (checked by the caller)."""
     check_grid(config, problem)  # a default's: the lookup skips borrowed configs that cannot launch
     compiled = compile_forward(
-        config, problem.dtype, problem.head_dim, problem.head_dim_v, problem.causal, target
+        config,
+        problem.dtype,
+        problem.head_dim,
+        problem.head_dim_v,
+        problem.causal,
+        target,
+        pack_group=pack_group_of(config, problem),
     )
+    combine = None
+    if config.split:
+        combine = compile_combine(problem.dtype, problem.head_dim_v, target).to(problem_device(q))
     launch = PreparedLaunch(problem, config, target, q, k, v, softmax_scale)
     # An executor for the tensors' device (the CUDA-dialect one cute.compile gives here loads a
     # context-free library and ignores it; the host function launches on the current device).
-    launch.bind(compiled.function.to(launch.device_index))
+    launch.bind(compiled.function.to(launch.device_index), combine)
     return launch

@@ -26,7 +26,7 @@ SMEM_ALIGN = 1024  # each swizzled buffer is 1024-byte aligned (128B swizzle ato
 # allows (launch_registers); setmaxnreg.inc then takes registers only from what the block's own
 # setmaxnreg.dec gave back, and waits for ever if that is too little: the consumers may gain no more
 # than the producer warpgroup released (four consumer warpgroups launch with 96, so 120 hung).
-REGISTER_SPLIT = {2: (24, 240), 3: (32, 160), 4: (24, 112)}
+REGISTER_SPLIT = {1: (24, 240), 2: (24, 240), 3: (32, 160), 4: (24, 112)}
 # Registers a consumer thread needs beyond the accumulators: addresses, loop state, softmax
 # statistics, masks; measured against ptxas on this kernel (see docs/kernel-notes.md). At the edge
 # the estimate is loose: three warpgroups without intra-warpgroup overlap at exactly 160 spill
@@ -39,7 +39,7 @@ REGISTER_SPLIT = {2: (24, 240), 3: (32, 160), 4: (24, 112)}
 # three spills there; the one config that did is two warpgroups with overlap at exactly 240 (hdim
 # 192, 128x160, one stage): 48 bytes, and ptxas serialized its wgmma (C7512). Admitted like the
 # others: one trial.
-CONSUMER_OVERHEAD_REGS = {2: 24, 3: 32, 4: 32}
+CONSUMER_OVERHEAD_REGS = {1: 24, 2: 24, 3: 32, 4: 32}
 # Four warpgroups without intra-warpgroup overlap, half or more of the exponentials emulated: the
 # polynomial's temporaries need more (ptxas, hdim 64: 256x96 spilled 24 bytes at 112, 256x80 did
 # not).

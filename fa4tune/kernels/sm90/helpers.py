@@ -48,6 +48,18 @@ def permute_modes(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
 
 
+def pack_rows(t: cute.Tensor, group: int, head_mode: int) -> cute.Tensor:
+    """Packed GQA's view of a seqlen-major tensor (mode 0 the queries, `head_mode` the query heads):
+    mode 0 becomes (group, seqlen), the `group` query heads of one K/V head fastest, and the heads
+    mode counts K/V heads. Row r of a head is then query r // group of query head
+    head * group + r % group."""
+    shape, stride = list(t.layout.shape), list(t.layout.stride)
+    shape[0], stride[0] = (group, shape[0]), (stride[head_mode], stride[0])
+    shape[head_mode] = shape[head_mode] // group
+    stride[head_mode] = stride[head_mode] * group
+    return cute.make_tensor(t.iterator, cute.make_layout(tuple(shape), stride=tuple(stride)))
+
+
 def acc_rows_cols(acc: cute.Tensor) -> cute.Tensor:
     """View a wgmma accumulator fragment ((2, 2, V), M, N) as (rows, cols) = ((2, M), (2, V, N)).
 
