@@ -40,6 +40,12 @@ with `persistent`, one after another):
   consumers through shared memory. The counter starts at zero and the last fetch of a launch puts it
   back to zero.
 
+With `pack_gqa` the rows of a tile are the (query head in the group, query) pairs of one K/V head
+(sm90/helpers.pack_rows: a view of Q, O and LSE, loaded and stored through the same TMA), so each
+K/V block is read once per K/V head. With `num_splits` above 1 each tile's K blocks are shared by
+that many CTAs (a grid of tiles x splits), which write fp32 partial O and LSE from registers for the
+combine kernel (combine.py); a split may have no block, and writes O 0 and LSE -inf.
+
 The device methods pass their arguments grouped, in the frozen dataclasses of arguments.py (TMA
 loads, output stores, shared tiles, pipelines, tiled MMAs, tile schedule, tile info, a warpgroup's
 fragments); the pipeline states, which the dynamic loops carry, travel on their own.
