@@ -395,8 +395,11 @@ def test_two_hosts_join_one_run_and_the_survivor_finishes_after_the_other_dies(
     db_url, storage_url = postgres
     path = write_job(workdir, spaces=SPACE, problems=ONE_PROBLEM, budget={"trials": 12})
     args = (path, "--workers", 2, "--db", db_url, "--storage", storage_url, "--resume")
-    # Host A's measurements wait on the hold file: the trial seen running is running when A is
-    # killed.
+    # Each host's measurements wait on its own hold file: the trial seen running is running when A
+    # is killed, and B cannot use up the budget before A has claimed a trial, however slowly A
+    # starts.
+    hold_b = hold.with_name("hold-b")
+    hold_b.touch()
     host_a = start_search(
         workdir,
         slow_env,
@@ -408,7 +411,13 @@ def test_two_hosts_join_one_run_and_the_survivor_finishes_after_the_other_dies(
         FA4TUNE_TEST_HOLD=str(hold),
     )
     host_b = start_search(
-        workdir, slow_env, *args, delay=0.3, FA4TUNE_WORKER_HOST="host-b", FA4TUNE_HEARTBEAT_S="1"
+        workdir,
+        slow_env,
+        *args,
+        delay=0.3,
+        FA4TUNE_WORKER_HOST="host-b",
+        FA4TUNE_HEARTBEAT_S="1",
+        FA4TUNE_TEST_HOLD=str(hold_b),
     )
     deadline = time.monotonic() + 60
     while True:  # wait until a worker of host A measures
@@ -417,8 +426,10 @@ def test_two_hosts_join_one_run_and_the_survivor_finishes_after_the_other_dies(
             break
         assert time.monotonic() < deadline, "host A never claimed a trial"
         time.sleep(0.05)
+    assert host_b.poll() is None, host_b.stdout.read()
     os.killpg(host_a.pid, signal.SIGKILL)
     host_a.wait()
+    hold_b.unlink()
     out = finish(host_b)
     assert "resuming run 1" in out or "starting a new one" in out
     stored, optuna_studies = assert_exactly_once(db_url, storage_url, budget=12, n_studies=1)
