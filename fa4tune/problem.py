@@ -26,6 +26,18 @@ _DTYPE_ALIASES = {
 }
 
 
+# Problems with at most this many queries per sequence are decode: one new token, a speculative
+# draft, a chunked-prefill tail. Their time is the K/V read, not the tensor cores', so their configs
+# (packed GQA, split-KV, 64-row tiles) and prefill's never stand in for each other: the regime is
+# part of a bucket's family.
+DECODE_MAX_SEQLEN_Q = 64
+REGIMES = ("decode", "prefill")
+
+
+def regime_of(seqlen_q: int) -> str:
+    return "decode" if seqlen_q <= DECODE_MAX_SEQLEN_Q else "prefill"
+
+
 class ProblemError(ValueError):
     """A problem description that no attention kernel can take."""
 
@@ -100,6 +112,18 @@ class Problem:
     @property
     def qheads_per_kvhead(self) -> int:
         return self.nheads_q // self.nheads_kv
+
+    @property
+    def regime(self) -> str:
+        """ "decode" (seqlen_q at most DECODE_MAX_SEQLEN_Q) or "prefill"."""
+        return regime_of(self.seqlen_q)
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of K and V: what a decode call reads at the least (its effective rate: these over
+        its time)."""
+        elt = 2
+        return elt * self.batch * self.seqlen_k * self.nheads_kv * (self.head_dim + self.head_dim_v)
 
     @property
     def flops(self) -> float:
@@ -256,9 +280,14 @@ class Bucket:
             f"-bh{self.batch_heads}-g{self.qheads_per_kvhead}"
         )
 
+    @property
+    def regime(self) -> str:
+        return regime_of(self.seqlen_q)  # seqlen_q's power of two: 64 stays decode, 65 is 128
+
     def family(self) -> tuple:
-        """What two problems must share for one's config to be borrowed by the other."""
-        return (self.dtype, self.head_dim, self.head_dim_v, self.causal)
+        """What two problems must share for one's config to be borrowed by the other: dtype, head
+        dims, causality and regime (decode and prefill configs are tuned apart)."""
+        return (self.dtype, self.head_dim, self.head_dim_v, self.causal, self.regime)
 
     def distance(self, other: Bucket) -> float:
         """Distance in log2 seqlen and log2 batch·heads (infinite across families)."""

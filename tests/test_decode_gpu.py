@@ -94,3 +94,79 @@ def test_split_launch_replays_in_a_cuda_graph():
         err = ((out.float() - ref_out).norm() / ref_out.norm()).item()
         assert err <= OUT_TOL, (seed, err)
         assert (lse - ref_lse).abs().max().item() <= LSE_TOL
+
+
+DISPATCH_CASES = [
+    # (batch, seqlen_q, seqlen_k, nheads_q, nheads_kv, head_dim, causal)
+    (1, 1, 32768, 32, 8, 128, False),  # the default splits 16 ways
+    (8, 1, 4096, 32, 8, 128, False),
+    (1, 4, 5000, 32, 8, 128, True),  # a draft of four tokens
+    (2, 1, 3000, 32, 1, 64, False),  # MQA
+    (3, 1, 2000, 32, 32, 128, False),  # MHA: nothing to pack
+    (1, 64, 3000, 16, 8, 128, True),  # 128 packed rows: two consumer warpgroups
+]
+
+
+@pytest.mark.parametrize(
+    "batch,seqlen_q,seqlen_k,nheads_q,nheads_kv,head_dim,causal",
+    DISPATCH_CASES,
+    ids=lambda x: str(x),
+)
+def test_attention_takes_a_decode_config_and_matches_the_reference(
+    batch, seqlen_q, seqlen_k, nheads_q, nheads_kv, head_dim, causal
+):
+    """fa4tune.attention's lookup gives decode shapes a decode config (the shipped decode table's
+    or the decode default): right against the reference with poisoned outputs, and the prepared
+    launch (the split path: kernel, then the combine as its programmatic dependent) gives the same
+    bits as the converting launch."""
+    import fa4tune
+    from fa4tune.kernels.fa4_fwd_sm90.launch import attention_forward
+    from fa4tune.runtime import dispatch
+
+    p = Problem(
+        head_dim=head_dim,
+        causal=causal,
+        seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k,
+        batch=batch,
+        nheads_q=nheads_q,
+        nheads_kv=nheads_kv,
+    )
+    q, k, v = make_inputs(p, seed=5)
+    config = dispatch.explain(q, k, v, causal=causal).config
+    assert config.tile_m <= 128 and not config.persistent, config.short()
+    out_err, lse_err = check_on(config, p, q, k, v)
+    assert out_err <= OUT_TOL, out_err
+    assert lse_err <= LSE_TOL, lse_err
+    out, lse = fa4tune.attention(q, k, v, causal=causal)
+    want_out, want_lse = attention_forward(q, k, v, config, causal=causal)
+    torch.cuda.synchronize()
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+
+
+def test_attention_decode_replays_in_a_cuda_graph():
+    """fa4tune.attention on a split decode shape, captured once, replayed on new inputs."""
+    import fa4tune
+    from fa4tune.kernels.common.reference import attention_reference
+    from fa4tune.runtime import dispatch
+
+    p = Problem(head_dim=128, seqlen_q=1, seqlen_k=20000, batch=2, nheads_q=32, nheads_kv=8)
+    q, k, v = make_inputs(p, seed=1)
+    assert dispatch.explain(q, k, v).config.num_splits > 1
+    fa4tune.attention(q, k, v)  # prepare and warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = fa4tune.attention(q, k, v)
+    for seed in (2, 3):
+        fresh = make_inputs(p, seed=seed)
+        for buffer, value in zip((q, k, v), fresh):
+            buffer.copy_(value)
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_out, ref_lse = attention_reference(*fresh, causal=False)
+        err = ((out.float() - ref_out).norm() / ref_out.norm()).item()
+        assert err <= OUT_TOL, (seed, err)
+        assert (lse - ref_lse).abs().max().item() <= LSE_TOL

@@ -75,3 +75,101 @@ def test_short_names_the_decode_knobs():
     assert config.short().endswith("-pg-sp12")
     assert FwdConfig.from_dict(config.to_dict()) == config
     assert FwdConfig.from_dict({"num_splits": 12.0}).num_splits == 12
+
+
+# ---- the decode default --------------------------------------------------------------------------
+def problem(batch, nheads_q, nheads_kv, seqlen_k, seqlen_q=1, head_dim=128, causal=False):
+    return Problem(
+        head_dim=head_dim,
+        seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k,
+        batch=batch,
+        nheads_q=nheads_q,
+        nheads_kv=nheads_kv,
+        causal=causal,
+    )
+
+
+def test_decode_problems_take_the_decode_default_and_prefill_ones_do_not():
+    one_token = FAMILY.default_config(problem(1, 32, 8, 32768), H200)
+    assert (one_token.tile_m, one_token.pack_gqa, one_token.persistent) == (64, True, False)
+    assert one_token.num_splits == 16  # 8 tiles: 16 splits fill 128 of the 132 SMs
+    at_65 = FAMILY.default_config(problem(1, 32, 8, 32768, seqlen_q=65), H200)
+    assert not at_65.pack_gqa and at_65.num_splits == 1 and at_65.tile_m >= 128
+
+
+def test_split_rule_fills_the_waves():
+    from fa4tune.kernels.fa4_fwd_sm90.config import default_num_splits, tile_count
+
+    packed = FwdConfig.from_dict({"pack_gqa": True}, base=DECODE)
+    # Tiles that fill 80% of the SMs are not split: batch 64 x 8 K/V heads = 512 tiles.
+    assert default_num_splits(packed, problem(64, 32, 8, 4096), H200) == 1
+    assert default_num_splits(packed, problem(14, 32, 8, 4096), H200) == 1  # 112 tiles
+    # 64 tiles: 2 splits give 128 CTAs on 132 SMs (one wave, 97% full).
+    assert default_num_splits(packed, problem(8, 32, 8, 32768), H200) == 2
+    # Unpacked, each query head is a tile: 32 of them, 4 splits.
+    assert tile_count(DECODE, problem(1, 32, 8, 32768)) == 32
+    assert default_num_splits(DECODE, problem(1, 32, 8, 32768), H200) == 4
+    # One tile (MQA, batch 1): 128 splits, each still 8 blocks of 128 keys.
+    assert default_num_splits(packed, problem(1, 32, 1, 131072), H200) == 128
+    # Few keys: no split gets fewer than 4 blocks (1k keys = 8 blocks: at most 2 splits).
+    assert default_num_splits(packed, problem(1, 32, 8, 1024), H200) == 2
+    assert default_num_splits(packed, problem(1, 32, 8, 256), H200) == 1
+
+
+def test_split_rule_is_the_fewest_splits_near_the_fullest_waves():
+    """The rule's definition, checked over a spread of tile counts and key lengths."""
+    import math
+
+    from fa4tune.kernels.fa4_fwd_sm90.config import (
+        MIN_BLOCKS_PER_SPLIT,
+        WAVE_SLACK,
+        default_num_splits,
+        tile_count,
+    )
+
+    packed = FwdConfig.from_dict({"pack_gqa": True}, base=DECODE)
+    sms = H200.sm_count
+    for batch in (1, 2, 3, 5, 7, 9, 13):
+        for seqlen_k in (512, 2048, 8192, 65536, 262144):
+            p = problem(batch, 32, 8, seqlen_k)
+            tiles, blocks = tile_count(packed, p), math.ceil(seqlen_k / 128)
+            chosen = default_num_splits(packed, p, H200)
+            allowed = [
+                s for s in SPLIT_COUNTS if s == 1 or math.ceil(blocks / s) >= MIN_BLOCKS_PER_SPLIT
+            ]
+            assert chosen in allowed
+
+            def fill(s, tiles=tiles):
+                return tiles * s / sms / math.ceil(tiles * s / sms)
+
+            best = max(fill(s) for s in allowed)
+            assert fill(chosen) >= WAVE_SLACK * best
+            assert all(fill(s) < WAVE_SLACK * best for s in allowed if s < chosen)
+
+
+def test_decode_defaults_are_feasible_over_the_decode_spread():
+    """Every head dim, GQA ratio (one that divides no tile too), seqlen_q up to 64, causal or not:
+    the default passes every rule, packs where the group divides its tile, is never persistent."""
+    for head_dim in (64, 96, 128, 192, 256):
+        for nheads_q, nheads_kv in ((32, 8), (64, 8), (32, 32), (32, 1), (24, 8), (128, 1)):
+            for seqlen_q in (1, 4, 16, 64):
+                for causal in (False, True):
+                    p = problem(2, nheads_q, nheads_kv, 8192, seqlen_q, head_dim, causal)
+                    config = FAMILY.default_config(p, H200)
+                    assert reasons(config, p) == [], (p.key(), config.short())
+                    group = nheads_q // nheads_kv
+                    assert config.pack_gqa == (group > 1 and config.tile_m % group == 0)
+                    assert not config.persistent
+
+
+def test_decode_and_prefill_never_lend_configs():
+    from fa4tune.problem import DECODE_MAX_SEQLEN_Q
+
+    decode_p = problem(8, 32, 8, 4096, seqlen_q=DECODE_MAX_SEQLEN_Q)
+    prefill_p = problem(8, 32, 8, 4096, seqlen_q=DECODE_MAX_SEQLEN_Q + 1)
+    assert (decode_p.regime, prefill_p.regime) == ("decode", "prefill")
+    assert decode_p.bucket().regime == "decode" and prefill_p.bucket().regime == "prefill"
+    assert decode_p.distance(prefill_p) == float("inf")
+    assert decode_p.bucket().distance(prefill_p.bucket()) == float("inf")
+    assert problem(1, 32, 8, 4096).distance(decode_p) < float("inf")

@@ -62,6 +62,8 @@ def test_the_fallback_ladder(tuned_db):
     for other_family in (
         Problem(head_dim=128, seqlen_q=4096, batch=2, nheads_q=16, causal=True),
         Problem(head_dim=64, seqlen_q=4096),
+        # Decode: the prefill problems lend it nothing (nor it them), whatever the distance.
+        Problem(head_dim=128, seqlen_q=1, seqlen_k=4096, batch=2, nheads_q=16),
     ):
         hit = lookup(other_family, "H200", source=tuned_db)
         assert hit.source == "default" and hit.config == KERNEL.default_config(other_family, None)

@@ -1,4 +1,4 @@
-"""fa4_fwd_sm90: the dense forward prefill kernel for Hopper, as a kernel family.
+"""fa4_fwd_sm90: the dense forward kernel for Hopper (prefill and decode), as a kernel family.
 
     config.py      the knobs (FwdConfig), their legal values, the feasibility rules, the defaults
     resources.py   shared-memory, register and tiling model (the rules' numbers)
@@ -22,7 +22,7 @@ from ...target import get_target
 from ..common import measure as attention_measure
 from ..family import KernelFamily
 from . import resources
-from .config import KNOBS, RULES, ConfigError, FwdConfig, unsupported_reasons
+from .config import KNOBS, RULES, ConfigError, FwdConfig, decode_default, unsupported_reasons
 
 
 class ForwardSm90(KernelFamily):
@@ -55,7 +55,10 @@ class ForwardSm90(KernelFamily):
 
     # ---- configs and problems -----------------------------------------------------------------
     def default_config(self, problem, target=None) -> FwdConfig:
-        """The hand-picked starting point per head dim (the search measures from here)."""
+        """The hand-picked starting point (the search measures from here): per head dim for
+        prefill; config.decode_default for decode (packed GQA, 64-row tiles, the split rule)."""
+        if problem.regime == "decode":
+            return decode_default(problem, target or get_target(None))
         d, dv = problem.head_dim, problem.head_dim_v
         if max(d, dv) <= 64:
             cfg = FwdConfig(tile_m=192, tile_n=128)

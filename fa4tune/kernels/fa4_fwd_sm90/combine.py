@@ -9,7 +9,10 @@ One warp per row of (batch, query, head): each lane reads a share of the splits'
 reduction gives the max and the sum), then the lanes walk the splits together, each accumulating
 head_dim_v / 32 adjacent columns of O. The partials are small next to K and V (splits x rows x dv
 x 4 bytes, where the splits read blocks x tile_n keys of dv + d elements), so the kernel is
-latency-bound and short; nothing here is a knob."""
+latency-bound and short; nothing here is a knob. It is launched as the split kernel's
+programmatic dependent (PDL): the split kernel lets it launch as soon as its last CTAs have started,
+and it waits for that grid's end before it reads, which hides its launch behind the split kernel's
+tail."""
 
 from __future__ import annotations
 
@@ -60,12 +63,16 @@ class SplitCombine:
             grid=[cute.ceil_div(rows, WARPS_PER_CTA), 1, 1],
             block=[32 * WARPS_PER_CTA, 1, 1],
             stream=stream,
+            use_pdl=True,
         )
 
     @cute.kernel
     def kernel(
         self, mOpart: cute.Tensor, mLSEpart: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor
     ):
+        # Launched early (programmatic dependent launch): nothing of the split kernel's partials
+        # may be read before that grid has ended and its writes are visible.
+        cute.arch.griddepcontrol_wait()
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         lane = tidx % 32

@@ -274,3 +274,78 @@ RULES = (
     Rule("packed GQA", lambda problem, config, target: pack_reasons(config, problem)),
     Rule("split-KV", lambda problem, config, target: split_reasons(config)),
 )
+
+
+# ---- the decode default -------------------------------------------------------------------------
+# Split-KV's default count (the search measures others): a wave-efficiency rule. Without splits a
+# decode launch has one CTA per tile, batch x heads x m blocks of them, and one CTA per SM fits (the
+# block launches with the registers of one block per SM). When those tiles already fill
+# UNSPLIT_FILL of the SMs they are not split: more CTAs would only add the partials' round trip and
+# the combine. Otherwise each count s gives tiles x s CTAs in ceil(tiles x s / SMs) waves, the last
+# one (tiles x s / SMs) mod 1 full; the default is the fewest splits whose waves are at least
+# WAVE_SLACK as full as the fullest count's, among the counts that leave every split at least
+# MIN_BLOCKS_PER_SPLIT K blocks (below that, a CTA's start-up, its Q load and its first K block's
+# latency, is not hidden behind its loads). Measured on the H200 (docs/kernel-notes.md, session 34):
+# batch 8 x 8 K/V heads x 32k keys, 64 tiles: 2 splits 4.17 TB/s against 3.96 unsplit; batch 64 x
+# 8 x 4k, 512 tiles: unsplit 4.13 against 4.08 with 2; batch 1 x 8 x 131k: 16 splits 3.77 against
+# 0.55 unsplit.
+UNSPLIT_FILL = 0.8
+WAVE_SLACK = 0.85
+MIN_BLOCKS_PER_SPLIT = 4
+
+
+def tile_count(config: FwdConfig, problem: Problem) -> int:
+    """CTAs of an unsplit, non-persistent launch: batch x heads x m blocks (packed GQA: K/V heads,
+    each with group x seqlen_q rows)."""
+    group = problem.qheads_per_kvhead if config.pack_gqa else 1
+    heads = problem.nheads_q // group
+    rows = problem.seqlen_q * group
+    return problem.batch * heads * (-(-rows // config.tile_m))
+
+
+def default_num_splits(config: FwdConfig, problem: Problem, target: Target) -> int:
+    """The split count of the wave-efficiency rule above, for `config`'s tiles."""
+    tiles, slots = tile_count(config, problem), target.sm_count
+    if tiles >= UNSPLIT_FILL * slots:
+        return 1
+    blocks = -(-problem.seqlen_k // config.tile_n)
+    candidates = [s for s in SPLIT_COUNTS if s == 1 or -(-blocks // s) >= MIN_BLOCKS_PER_SPLIT]
+    fill = {s: tiles * s / slots / math.ceil(tiles * s / slots) for s in candidates}
+    best = max(fill.values())
+    return min(s for s in candidates if fill[s] >= WAVE_SLACK * best)
+
+
+# Stage counts the decode default tries, deepest first: a decode CTA has little to compute per
+# block, so keeping more K/V loads in flight is what its shared memory is best spent on.
+DECODE_STAGES = (4, 3, 2, 1)
+
+
+def decode_default(problem: Problem, target: Target) -> FwdConfig:
+    """The hand-picked decode config (seqlen_q at most DECODE_MAX_SEQLEN_Q; the search measures
+    from here): the query heads of a K/V head packed into one tile when the group divides it, 64
+    rows (one consumer warpgroup) when the packed rows fit, else 128; 128 keys per block with the
+    deepest pipeline that fits; not persistent (split kernels cannot be); the lazy row max; and
+    the split count of default_num_splits."""
+    group = problem.qheads_per_kvhead
+    pack = group > 1
+    rows = problem.seqlen_q * (group if pack else 1)
+    tile_m = 64 if rows <= 64 else 128
+    if pack and tile_m % group:
+        tile_m = 128 if 128 % group == 0 else tile_m
+        pack = tile_m % group == 0
+    fallback = None
+    for stages in DECODE_STAGES:
+        config = FwdConfig(
+            tile_m=tile_m,
+            tile_n=128 if max(problem.head_dim, problem.head_dim_v) <= 128 else 64,
+            num_stages=stages,
+            rescale_threshold=8.0,
+            lazy_max=True,
+            persistent=False,
+            pack_gqa=pack,
+        )
+        config = replace(config, num_splits=default_num_splits(config, problem, target))
+        fallback = fallback or config
+        if not any(rule.check(problem, config, target) for rule in RULES):
+            return config
+    return fallback  # nothing fits: the caller reports the reasons (infeasible_reasons)

@@ -545,6 +545,11 @@ class FlashForwardSm90:
         )
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
+        if const_expr(self.split):
+            # The combine kernel is launched as this grid's programmatic dependent: once every CTA
+            # has said so here, its CTAs start and wait (griddepcontrol.wait) for this grid to end,
+            # so that its launch does not follow this grid's last CTA (combine.py).
+            cute.arch.griddepcontrol_launch_dependents()
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
