@@ -84,25 +84,16 @@ def search_story(db, problem_key: str, best) -> dict:
 
 
 # ---- measuring side by side ----------------------------------------------------------------------
-def preload(directory, config, problem, target) -> bool:
+def preload(directory, kernel, config, problem, target) -> bool:
     """Load the kernel the search exported for `config`, if it is there; False: it will be
     compiled."""
-    from fa4tune.kernels.fa4_fwd_sm90.compile import load_compiled
     from fa4tune.measure.gpu import artifact_path
 
-    path = artifact_path(directory, config, problem, target)
+    path = artifact_path(directory, kernel, config, problem, target)
     if not path.exists():
         return False
     try:
-        load_compiled(
-            path,
-            config,
-            problem.dtype,
-            problem.head_dim,
-            problem.head_dim_v,
-            problem.causal,
-            target,
-        )
+        kernel.load(path, problem, config, target)
     except Exception as exc:  # noqa: BLE001 - compiling instead is slower, not wrong
         print(
             f"tuning_report: could not load {path.name} ({type(exc).__name__}: {exc}); "
@@ -202,7 +193,7 @@ def verify_and_time(problem, runners: dict, q, k, v, rounds: int) -> dict:
 
     references = reference_slices(q, k, v, problem.causal, None)
     tolerance = TOLERANCES[problem.dtype]
-    cells, timed = {}, {}
+    cells, timed, errors = {}, {}, {}
     for name, runner in runners.items():
         if isinstance(runner, str):
             cells[name] = runner
@@ -215,7 +206,8 @@ def verify_and_time(problem, runners: dict, q, k, v, rounds: int) -> dict:
             result = runner()
             o, lse = result if isinstance(result, tuple) else (result, None)
             torch.cuda.synchronize()
-            wrong = compare(o, lse, references).verdict(tolerance)
+            check = compare(o, lse, references)
+            wrong = check.verdict(tolerance)
         except Exception as exc:  # a column that cannot run this shape: say so in it
             cells[name] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
             continue
@@ -223,7 +215,10 @@ def verify_and_time(problem, runners: dict, q, k, v, rounds: int) -> dict:
             cells[name] = f"wrong ({wrong})"
             continue
         timed[name] = runner
+        errors[name] = check.out_error
     cells.update(time_interleaved(problem, timed, rounds))
+    for name, error in errors.items():
+        cells[name]["out_error"] = error  # O's relative error against the fp32 reference
     return cells
 
 
@@ -474,7 +469,7 @@ def build(args) -> str:
             continue
         tuned = kernel.config(entry.config)
         row["loaded"] = sum(
-            preload(artifacts, config, problem, target) for config in {default, tuned}
+            preload(artifacts, kernel, config, problem, target) for config in {default, tuned}
         )
         row["changed"] = config_text(entry.config, default.to_dict())
         row["story"] = search_story(db, key, entry)
