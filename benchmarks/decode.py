@@ -26,10 +26,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tuning_report import (  # noqa: E402 - the shared measuring helpers
-    fa4tune_runner,
     geomean,
     gqa_native,
     random_inputs,
+    runners_for,
     verify_and_time,
 )
 
@@ -40,21 +40,12 @@ BIG_KV = 256 * 2**20  # the issue's 3.6 TB/s target holds on shapes whose K/V is
 
 
 def measure(problem, target, kernel, rounds: int) -> dict:
-    from fa4tune.kernels import PeerUnavailable
     from fa4tune.runtime.lookup import lookup
 
     found = lookup(problem, target, kernel=kernel.name)
     default = kernel.default_config(problem, target)
     q, k, v = random_inputs(problem, seed=0)
-    runners = {
-        "tuned": fa4tune_runner(problem, found.config, target, q, k, v),
-        "default": fa4tune_runner(problem, default, target, q, k, v),
-    }
-    for peer in kernel.peers():
-        try:
-            runners[peer.name] = peer.prepare(problem, q, k, v)
-        except PeerUnavailable as exc:
-            runners[peer.name] = str(exc)
+    runners = runners_for(problem, default, found.config, target, q, k, v, kernel)
     cells = verify_and_time(problem, runners, q, k, v, rounds)
     for cell in cells.values():
         if isinstance(cell, dict):

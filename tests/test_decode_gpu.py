@@ -19,6 +19,39 @@ from fa4tune.problem import Problem  # noqa: E402
 
 DECODE = dict(tile_m=64, tile_n=128, num_stages=3, rescale_threshold=8.0, lazy_max=True)
 
+
+def decode_problem(batch, seqlen_q, seqlen_k, nheads_q, nheads_kv, head_dim, causal) -> Problem:
+    """The Problem of a case tuple below (its fields in the tuples' order)."""
+    return Problem(
+        head_dim=head_dim,
+        causal=causal,
+        seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k,
+        batch=batch,
+        nheads_q=nheads_q,
+        nheads_kv=nheads_kv,
+    )
+
+
+def replay_on_fresh_inputs(graph, p, inputs, out, lse) -> None:
+    """Copy fresh random inputs into the captured buffers, poison the outputs, replay, and check
+    them against the fp32 reference (twice, with two seeds)."""
+    from fa4tune.kernels.common.reference import attention_reference
+
+    for seed in (2, 3):
+        fresh = make_inputs(p, seed=seed)
+        for buffer, value in zip(inputs, fresh):
+            buffer.copy_(value)
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_out, ref_lse = attention_reference(*fresh, causal=p.causal)
+        err = ((out.float() - ref_out).norm() / ref_out.norm()).item()
+        assert err <= OUT_TOL, (seed, err)
+        assert (lse - ref_lse).abs().max().item() <= LSE_TOL
+
+
 CASES = [
     # (knobs over DECODE, batch, seqlen_q, seqlen_k, nheads_q, nheads_kv, head_dim, causal)
     ({"pack_gqa": True}, 2, 1, 1000, 32, 8, 128, False),
@@ -53,15 +86,7 @@ def test_decode_matches_reference(
     knobs, batch, seqlen_q, seqlen_k, nheads_q, nheads_kv, head_dim, causal
 ):
     config = FwdConfig(**{**DECODE, **knobs})
-    p = Problem(
-        head_dim=head_dim,
-        causal=causal,
-        seqlen_q=seqlen_q,
-        seqlen_k=seqlen_k,
-        batch=batch,
-        nheads_q=nheads_q,
-        nheads_kv=nheads_kv,
-    )
+    p = decode_problem(batch, seqlen_q, seqlen_k, nheads_q, nheads_kv, head_dim, causal)
     out_err, lse_err = check_on(config, p, *make_inputs(p, seed=11))
     assert out_err <= OUT_TOL, out_err
     assert lse_err <= LSE_TOL, lse_err
@@ -70,7 +95,6 @@ def test_decode_matches_reference(
 def test_split_launch_replays_in_a_cuda_graph():
     """A split launch (kernel and combine, partials allocated per call) captured once and replayed
     on new inputs copied into the captured buffers gives the reference's output for each."""
-    from fa4tune.kernels.common.reference import attention_reference
     from fa4tune.kernels.fa4_fwd_sm90.launch import prepare_launch
     from fa4tune.target import get_target
 
@@ -83,17 +107,7 @@ def test_split_launch_replays_in_a_cuda_graph():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out, lse = launch(q, k, v)
-    for seed in (2, 3):
-        fresh = make_inputs(p, seed=seed)
-        for buffer, value in zip((q, k, v), fresh):
-            buffer.copy_(value)
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        ref_out, ref_lse = attention_reference(*fresh, causal=False)
-        err = ((out.float() - ref_out).norm() / ref_out.norm()).item()
-        assert err <= OUT_TOL, (seed, err)
-        assert (lse - ref_lse).abs().max().item() <= LSE_TOL
+    replay_on_fresh_inputs(graph, p, (q, k, v), out, lse)
 
 
 DISPATCH_CASES = [
@@ -123,15 +137,7 @@ def test_attention_takes_a_decode_config_and_matches_the_reference(
     from fa4tune.kernels.fa4_fwd_sm90.launch import attention_forward
     from fa4tune.runtime import dispatch
 
-    p = Problem(
-        head_dim=head_dim,
-        causal=causal,
-        seqlen_q=seqlen_q,
-        seqlen_k=seqlen_k,
-        batch=batch,
-        nheads_q=nheads_q,
-        nheads_kv=nheads_kv,
-    )
+    p = decode_problem(batch, seqlen_q, seqlen_k, nheads_q, nheads_kv, head_dim, causal)
     q, k, v = make_inputs(p, seed=5)
     config = dispatch.explain(q, k, v, causal=causal).config
     assert config.tile_m <= 128 and not config.persistent, config.short()
@@ -147,7 +153,6 @@ def test_attention_takes_a_decode_config_and_matches_the_reference(
 def test_attention_decode_replays_in_a_cuda_graph():
     """fa4tune.attention on a split decode shape, captured once, replayed on new inputs."""
     import fa4tune
-    from fa4tune.kernels.common.reference import attention_reference
     from fa4tune.runtime import dispatch
 
     p = Problem(head_dim=128, seqlen_q=1, seqlen_k=20000, batch=2, nheads_q=32, nheads_kv=8)
@@ -158,15 +163,4 @@ def test_attention_decode_replays_in_a_cuda_graph():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out, lse = fa4tune.attention(q, k, v)
-    for seed in (2, 3):
-        fresh = make_inputs(p, seed=seed)
-        for buffer, value in zip((q, k, v), fresh):
-            buffer.copy_(value)
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        ref_out, ref_lse = attention_reference(*fresh, causal=False)
-        err = ((out.float() - ref_out).norm() / ref_out.norm()).item()
-        assert err <= OUT_TOL, (seed, err)
-        assert (lse - ref_lse).abs().max().item() <= LSE_TOL
+    replay_on_fresh_inputs(graph, p, (q, k, v), out, lse)
