@@ -249,3 +249,70 @@ def test_the_first_step_is_masked_and_neither_votes_nor_rescales():
         assert MODEL.step_clocks(c, even, 1, 32, True, first=True) < MODEL.step_clocks(
             c, even, 1, 32, True
         )
+
+
+DECODE_KNOBS = dict(tile_m=64, tile_n=128, num_stages=3, rescale_threshold=8.0, lazy_max=True)
+
+
+def decode_rate(problem, **knobs):
+    """The model's effective TB/s (K and V bytes over its time) of a decode config."""
+    from fa4tune.kernels.fa4_fwd_sm90.config import FwdConfig
+
+    seconds, _ = MODEL.time_s(FwdConfig(**{**DECODE_KNOBS, **knobs}), problem)
+    return problem.kv_bytes / seconds / 1e12
+
+
+def test_split_blocks_take_runs_of_the_kernels_length_and_may_be_empty():
+    from fa4tune.kernels.fa4_fwd_sm90.cost_model import split_blocks
+
+    assert split_blocks(10, 1) == [(0, 10)]
+    assert split_blocks(10, 4) == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert split_blocks(3, 8)[3:] == [(3, 3)] * 5  # more splits than blocks: five take none
+    for blocks in (0, 1, 7, 256):
+        for splits in (1, 2, 3, 16, 128):
+            ranges = split_blocks(blocks, splits)
+            assert sum(hi - lo for lo, hi in ranges) == blocks and len(ranges) == splits
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_packing_and_splitting_keep_every_k_block_of_every_row(causal):
+    """Packed GQA gives a K/V head's query heads one tile and split-KV shares a tile's blocks among
+    CTAs: over all CTAs the model still walks each row block's K blocks once (packed: once per K/V
+    head instead of once per query head)."""
+    from fa4tune.kernels.fa4_fwd_sm90.config import FwdConfig
+
+    p = Problem(
+        head_dim=128, seqlen_q=4, seqlen_k=5000, batch=3, nheads_q=32, nheads_kv=8, causal=causal
+    )
+    blocks = -(-p.seqlen_k // 128)
+
+    def walked(**knobs):
+        kinds = MODEL.kv_steps(FwdConfig(**{**DECODE_KNOBS, **knobs}), p)
+        assert all(masked >= 1 for steps, masked, _ in kinds if steps)
+        return sum(steps * count for steps, _, count in kinds), sum(n for _, _, n in kinds)
+
+    assert walked() == (3 * 32 * blocks, 3 * 32)
+    assert walked(pack_gqa=True) == (3 * 8 * blocks, 3 * 8)
+    assert walked(pack_gqa=True, num_splits=16) == (3 * 8 * blocks, 3 * 8 * 16)
+
+
+def test_the_model_packs_gqa_and_splits_only_what_does_not_fill_the_gpu():
+    """The decode knobs as the model sees them: packing wins for GQA where the tiles fill the
+    GPU (a K/V head read once, not once per query head); splitting wins where batch x K/V heads
+    leaves SMs idle, and loses (the partials' round trip, the combine) where the tiles already
+    fill them."""
+    one_long = Problem(head_dim=128, seqlen_q=1, seqlen_k=131072, batch=1, nheads_q=32, nheads_kv=8)
+    many = Problem(head_dim=128, seqlen_q=1, seqlen_k=4096, batch=64, nheads_q=32, nheads_kv=8)
+    assert decode_rate(many, pack_gqa=True) > 2 * decode_rate(many)
+    # One sequence: 32 unpacked CTAs stream at the rate of 8 packed ones (each SM's own rate).
+    assert decode_rate(one_long, pack_gqa=True) >= 0.99 * decode_rate(one_long)
+    assert decode_rate(one_long, pack_gqa=True, num_splits=16) > 5 * decode_rate(
+        one_long, pack_gqa=True
+    )
+    assert decode_rate(many, pack_gqa=True, num_splits=8) < decode_rate(many, pack_gqa=True)
+    # Nothing beats HBM: the K/V read at most at the copy rate.
+    assert max(decode_rate(one_long, pack_gqa=True, num_splits=s) for s in (8, 16, 32)) < 4.8
+    _, detail = MODEL.time_s(
+        KERNEL.config({**DECODE_KNOBS, "pack_gqa": True, "num_splits": 16}), one_long
+    )
+    assert detail["combine_ms"] > 0

@@ -13,7 +13,12 @@ and overlaps the GEMMs with the softmax side (intra-warpgroup overlap and warpgr
 better with more consumer warpgroups). A K/V load starts when its stage is released; further stages
 hide its latency. CTAs are scheduled on sm_count × (CTAs per SM) slots (wave quantisation; causal
 CTAs longest first), and the kernel can never beat HBM. A persistent kernel pays the CTA start and
-the first loads once per SM; later tiles load under their predecessor.
+the first loads once per SM; later tiles load under their predecessor. Packed GQA makes one tile of
+a K/V head's query heads; split-KV shares each tile's K blocks among CTAs and adds the fp32
+partials' HBM round trip and the combine kernel's latency. Against session 34's decode measurements
+(H200, hdim 128, one query) the model ranks the split counts right but puts one CTA's streaming
+rate about 30% low (batch 1 x 8 K/V heads x 131k unsplit: 0.37 TB/s, measured 0.55) and misses
+part of a short split's start-up (batch 1 x 32k, 16 splits: 3.5, measured 2.5).
 
 The softmax side's constants come from a microbenchmark (the team's design notes); the others are
 fitted to an H200 search's measurements (`fa4tune.kernels.fa4_fwd_sm90.calibrate`, ModelAssumptions
@@ -66,6 +71,10 @@ class ModelAssumptions:
     step_overhead_clk: float = 455.8
     cta_overhead_clk: float = 2335.0
     launch_overhead_us: float = 4.0  # not fitted
+    # Split-KV's combine kernel beyond its partials' traffic: not fitted; torch.profiler measured
+    # 2.4 µs (4 splits) to 5-6 µs (16 splits) at batch 1 x 32 heads on the H200, launched after
+    # the split kernel (session 34); launched as its programmatic dependent, part of that hides.
+    combine_us: float = 3.0
     # Tensor efficiency when the target has no measured GEMM rate: the H200's measured 750 of its
     # 989 TFLOP/s peak (the same SM as the H100's). Not fitted; with the scale below, any value from
     # 0.76 up gives the peak.
@@ -218,22 +227,34 @@ class CostModel:
     def kv_steps(self, config, problem) -> list[tuple[int, int, int]]:
         """(steps, masked steps, number of CTAs) for each distinct kind of CTA. The kernel masks the
         first block it takes (the last one) whether or not it needs it, so every CTA with a step has
-        a masked one."""
+        a masked one. With packed GQA a tile's rows are (query, head of the group) pairs, row r
+        being query r // group, and there is one row block per K/V head; with split-KV each split
+        takes its share of the tile's blocks (split_blocks), and may take none."""
         tm, tn = config.tile_m, config.tile_n
-        sq, sk = problem.seqlen_q, problem.seqlen_k
-        m_blocks = -(-sq // tm)
-        ctas_per_row_block = problem.batch * problem.nheads_q
+        group = problem.qheads_per_kvhead if config.pack_gqa else 1
+        rows, sk = problem.seqlen_q * group, problem.seqlen_k
+        m_blocks = -(-rows // tm)
+        ctas_per_row_block = problem.batch * (problem.nheads_q // group)
+        offset = sk - problem.seqlen_q  # bottom-right aligned causal mask
+        tiles = []  # (blocks, first block that needs the mask, CTAs)
         if not problem.causal:
-            steps = -(-sk // tn)
-            return [(steps, 1 if steps else 0, m_blocks * ctas_per_row_block)]
-        offset = sk - sq  # bottom-right aligned causal mask
-        kinds = []
-        for i in range(m_blocks):
-            last_visible = min(sk, max(0, min((i + 1) * tm, sq) + offset))
-            steps = -(-last_visible // tn)
-            unmasked = min(steps, max(0, i * tm + offset + 1) // tn)
-            kinds.append((steps, max(steps - unmasked, 1 if steps else 0), ctas_per_row_block))
-        return kinds
+            blocks = -(-sk // tn)
+            tiles.append((blocks, blocks, m_blocks * ctas_per_row_block))
+        else:
+            for i in range(m_blocks):
+                first_query = i * tm // group
+                last_query = (min((i + 1) * tm, rows) - 1) // group
+                blocks = -(-min(sk, max(0, last_query + 1 + offset)) // tn)
+                unmasked = min(blocks, max(0, first_query + offset + 1) // tn)
+                tiles.append((blocks, unmasked, ctas_per_row_block))
+        kinds: dict[tuple[int, int], int] = {}
+        for blocks, unmasked, count in tiles:
+            for lo, hi in split_blocks(blocks, getattr(config, "num_splits", 1)):
+                steps = hi - lo
+                masked = max(0, hi - max(lo, unmasked))
+                kind = (steps, max(masked, 1) if steps else 0)
+                kinds[kind] = kinds.get(kind, 0) + count
+        return [(steps, masked, count) for (steps, masked), count in kinds.items()]
 
     def time_s(self, config, problem) -> tuple[float, dict]:
         t, a = self.target, self.assumptions
@@ -255,13 +276,32 @@ class CostModel:
         compute_s = makespan / (t.clock_mhz * 1e6)
         hbm_s = problem.bytes_min / t.hbm_bytes_per_s
         total = max(compute_s, hbm_s) + a.launch_overhead_us * 1e-6
-        return total, {
+        combine_s = self.combine_s(config, problem)
+        return total + combine_s, {
             "ctas_per_sm": k,
             "waves": waves,
             "compute_ms": compute_s * 1e3,
             "hbm_ms": hbm_s * 1e3,
+            "combine_ms": combine_s * 1e3,
             "bound": "memory" if hbm_s > compute_s else "compute",
         }
+
+    def combine_s(self, config, problem) -> float:
+        """Split-KV's cost beyond its CTAs: the fp32 partials (O and LSE of every split) written
+        and read back through HBM, and the combine kernel's own latency."""
+        splits = getattr(config, "num_splits", 1)
+        if splits <= 1:
+            return 0.0
+        rows = problem.batch * problem.seqlen_q * problem.nheads_q
+        partials = splits * rows * (problem.head_dim_v + 1) * 4
+        return 2 * partials / self.target.hbm_bytes_per_s + self.assumptions.combine_us * 1e-6
+
+
+def split_blocks(blocks: int, splits: int) -> list[tuple[int, int]]:
+    """The K block ranges [lo, hi) of a tile's splits, as the kernel takes them
+    (kernel.n_block_range): the s-th run of ceil(blocks / splits), empty past the end."""
+    per_split = -(-blocks // splits)
+    return [(min(blocks, s * per_split), min(blocks, (s + 1) * per_split)) for s in range(splits)]
 
 
 def _longest_first_makespan(durations: list[tuple[float, int]], slots: int) -> float:
