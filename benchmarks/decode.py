@@ -162,6 +162,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", help="comma-separated problem keys (default: every problem)")
     ap.add_argument("--json", help="write the cells here")
     ap.add_argument("--out", help="write the markdown report here (else print the table)")
+    ap.add_argument("--render", metavar="JSON", help="only render the report of an earlier --json")
     args = ap.parse_args(argv)
     import torch
 
@@ -170,6 +171,9 @@ def main(argv=None) -> int:
     from fa4tune.target import detect_target
     from fa4tune.tune.job import load_job
 
+    if args.render:  # a report from an earlier run's --json, on any machine
+        saved = json.loads(Path(args.render).read_text())
+        return write_report(render(saved["rows"], saved["header"]), args.out)
     if not torch.cuda.is_available():
         print("benchmarks/decode.py needs an NVIDIA GPU", file=sys.stderr)
         return 2
@@ -183,6 +187,15 @@ def main(argv=None) -> int:
     job = load_job(args.job)
     kernel = get_kernel(job.kernel.name)
     only = set(args.only.split(",")) if args.only else None
+    header = {
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "dsl": package_version("nvidia-cutlass-dsl") or "not installed",
+        "fa4": package_version("flash-attn-4") or "not installed",
+        "kernel_hash": kernel.source_hash(),
+        "rounds": args.rounds,
+    }
     rows = []
     for problem in job.problems:
         if only and problem.key() not in only:
@@ -195,23 +208,17 @@ def main(argv=None) -> int:
             file=sys.stderr,
             flush=True,
         )
-    header = {
-        "date": datetime.date.today().isoformat(),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "dsl": package_version("nvidia-cutlass-dsl") or "not installed",
-        "fa4": package_version("flash-attn-4") or "not installed",
-        "kernel_hash": kernel.source_hash(),
-        "rounds": args.rounds,
-    }
-    text = render(rows, header)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"header": header, "rows": rows}, indent=1))
-    if args.out:
+        if args.json:  # after every shape: a run cut short keeps what it measured
+            Path(args.json).write_text(json.dumps({"header": header, "rows": rows}, indent=1))
+    return write_report(render(rows, header), args.out)
+
+
+def write_report(text: str, out) -> int:
+    if out:
         from fa4tune.files import write_atomically
 
-        write_atomically(Path(args.out), text)
-        print(f"decode.py: wrote {args.out}", file=sys.stderr)
+        write_atomically(Path(out), text)
+        print(f"decode.py: wrote {out}", file=sys.stderr)
     else:
         print(text)
     return 0

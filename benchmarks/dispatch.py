@@ -86,10 +86,11 @@ def main() -> int:
         pointer.value = t.data_ptr()
     handle = torch.cuda.current_stream().cuda_stream
     floor.stream.value = handle
-    # A decode call (one query, 32 query heads over 8 K/V heads, 1k keys): its config packs GQA and
-    # splits K/V in two, so a call launches the kernel and the combine.
+    # A decode call (one query, 32 query heads over 8 K/V heads, 8k keys): its config packs GQA and
+    # splits K/V (16 ways by the default rule), so a call allocates the partials and launches the
+    # kernel and the combine.
     qd = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
-    kd, vd = (torch.randn(1, 1024, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    kd, vd = (torch.randn(1, 8192, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     decode_config = dispatch.explain(qd, kd, vd).config
     op = torch.ops.fa4tune.attention.default
     traced = torch.compile(fa4tune.attention, fullgraph=True)
