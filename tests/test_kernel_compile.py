@@ -407,9 +407,18 @@ def _shipped_entries():
 def test_every_shipped_config_compiles_and_spills_only_where_allowed(entry, capfd, tmp_path):
     """What fa4tune.attention runs: each entry of the shipped tables, compiled for sm_90a at its own
     problem's head dims and causality, with ptxas's report read back."""
+    from fa4tune.kernels.fa4_fwd_sm90.compile import pack_group_of
+
     problem, config = Problem.from_dict(entry.problem), FwdConfig.from_dict(entry.config)
     _, text = _compile_with_report(
-        config, problem.dtype, problem.head_dim, problem.head_dim_v, problem.causal, capfd, tmp_path
+        config,
+        problem.dtype,
+        problem.head_dim,
+        problem.head_dim_v,
+        problem.causal,
+        capfd,
+        tmp_path,
+        pack_group=pack_group_of(config, problem),  # packed decode entries: their GQA group
     )
     report = _spill_report(text)
     spills = any(r != (0, 0, 0) for r in report)
