@@ -31,7 +31,6 @@ _DTYPE_ALIASES = {
 # (packed GQA, split-KV, 64-row tiles) and prefill's never stand in for each other: the regime is
 # part of a bucket's family.
 DECODE_MAX_SEQLEN_Q = 64
-REGIMES = ("decode", "prefill")
 
 
 def regime_of(seqlen_q: int) -> str:

@@ -249,7 +249,7 @@ class CostModel:
                 tiles.append((blocks, unmasked, ctas_per_row_block))
         kinds: dict[tuple[int, int], int] = {}
         for blocks, unmasked, count in tiles:
-            for lo, hi in split_blocks(blocks, getattr(config, "num_splits", 1)):
+            for lo, hi in split_blocks(blocks, config.num_splits):
                 steps = hi - lo
                 masked = max(0, hi - max(lo, unmasked))
                 kind = (steps, max(masked, 1) if steps else 0)
@@ -289,7 +289,7 @@ class CostModel:
     def combine_s(self, config, problem) -> float:
         """Split-KV's cost beyond its CTAs: the fp32 partials (O and LSE of every split) written
         and read back through HBM, and the combine kernel's own latency."""
-        splits = getattr(config, "num_splits", 1)
+        splits = config.num_splits
         if splits <= 1:
             return 0.0
         rows = problem.batch * problem.seqlen_q * problem.nheads_q
