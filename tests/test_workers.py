@@ -127,8 +127,9 @@ def studies(storage):
     }
 
 
-def claimed_trial(location, timeout=60, proc=None):
-    """The first trial a worker of this host claimed and is measuring: (study, trial)."""
+def claimed_trial(location, timeout=60, proc=None, host=None):
+    """The first trial a worker claimed and is measuring, (study, trial); with `host`, the first
+    one of a worker on that host."""
     storage = open_storage(location, heartbeat=False)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -136,12 +137,16 @@ def claimed_trial(location, timeout=60, proc=None):
         try:
             for name, trials in studies(storage).items():
                 for t in trials:
-                    if t.state == optuna.trial.TrialState.RUNNING and CLAIM_ATTR in t.user_attrs:
+                    if (
+                        t.state == optuna.trial.TrialState.RUNNING
+                        and CLAIM_ATTR in t.user_attrs
+                        and (host is None or t.user_attrs[WORKER_ATTR].startswith(f"{host}:"))
+                    ):
                         return name, t
         except Exception:
             pass  # not created yet
         time.sleep(0.05)
-    raise AssertionError("no worker claimed a trial")
+    raise AssertionError(f"no worker{f' of {host}' if host else ''} claimed a trial")
 
 
 def claiming_workers(location, count: int, timeout=60, proc=None) -> set[int]:
@@ -419,13 +424,8 @@ def test_two_hosts_join_one_run_and_the_survivor_finishes_after_the_other_dies(
         FA4TUNE_HEARTBEAT_S="1",
         FA4TUNE_TEST_HOLD=str(hold_b),
     )
-    deadline = time.monotonic() + 60
-    while True:  # wait until a worker of host A measures
-        name, victim = claimed_trial(storage_url, proc=host_a)
-        if victim.user_attrs[WORKER_ATTR].startswith("host-a:"):
-            break
-        assert time.monotonic() < deadline, "host A never claimed a trial"
-        time.sleep(0.05)
+    # Host B's held trials stay running, so look for host A's among them.
+    name, victim = claimed_trial(storage_url, proc=host_a, host="host-a")
     assert host_b.poll() is None, host_b.stdout.read()
     os.killpg(host_a.pid, signal.SIGKILL)
     host_a.wait()
