@@ -22,7 +22,15 @@ from ...target import get_target
 from ..common import measure as attention_measure
 from ..family import KernelFamily
 from . import resources
-from .config import KNOBS, RULES, ConfigError, FwdConfig, decode_default, unsupported_reasons
+from .config import (
+    KNOBS,
+    RULES,
+    ConfigError,
+    FwdConfig,
+    decode_default,
+    ragged_default,
+    unsupported_reasons,
+)
 
 
 class ForwardSm90(KernelFamily):
@@ -80,6 +88,8 @@ class ForwardSm90(KernelFamily):
         cfg = replace(cfg, rescale_threshold=8.0, persistent=True, lazy_max=True)
         if cfg.persistent and resources.smem_reasons(cfg, problem, target or get_target(None)):
             cfg = replace(cfg, persistent=False)  # O's own buffer does not fit (hdim 192, 256)
+        if problem.layout.ragged:
+            cfg = ragged_default(cfg, problem)
         if target is not None and self.infeasible_reasons(problem, cfg, target):
             # Fall back to a smaller pipeline before giving up; a problem no config fits is reported
             # by the caller through infeasible_reasons.
@@ -156,10 +166,10 @@ class ForwardSm90(KernelFamily):
             "tile_counter": bool(config.uses_tile_counter(problem.causal)),
         }
 
-    def prepare_launch(self, problem, config, target, q, k, v, softmax_scale=None):
+    def prepare_launch(self, problem, config, target, q, k, v, softmax_scale=None, ragged=None):
         from .launch import prepare_launch
 
-        return prepare_launch(problem, config, target, q, k, v, softmax_scale)
+        return prepare_launch(problem, config, target, q, k, v, softmax_scale, ragged)
 
     # ---- measuring on a GPU -------------------------------------------------------------------
     def measurement_case(self, problem, device):
@@ -207,6 +217,11 @@ class ForwardSm90(KernelFamily):
         from .peers import PEERS
 
         return list(PEERS)
+
+    def ragged_peers(self):
+        from .peers import RAGGED_PEERS
+
+        return list(RAGGED_PEERS)
 
 
 FAMILY = ForwardSm90()

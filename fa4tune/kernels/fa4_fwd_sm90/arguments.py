@@ -35,6 +35,25 @@ class TmaLoads:
     mQ: cute.Tensor
     mK: cute.Tensor
     mV: cute.Tensor
+    page_table: cute.Tensor | None = None  # a paged cache's (batch, max_pages) page ids
+
+
+@dataclass(frozen=True)
+class KvSource:
+    """Where the producer loads K or V blocks from, for one tile: its TMA atom and pipeline, the
+    TMA's share of each stage (`smem`), and the block's coordinates (`gmem`): batch-shaped or
+    packed rows, the tile's blocks (a block mode last); paged, the rows view of the tile's K/V head
+    (rows, d, ends), which each block's page boxes index through the page table."""
+
+    tma: cute.CopyAtom
+    pipe: pipeline.PipelineTmaAsync
+    smem: cute.Tensor  # (TMA, stages), or paged (TMA, boxes, 1, stages)
+    gmem: cute.Tensor
+    # Paged only: one box of a stage (what a box's coordinates are partitioned against), the page
+    # table and the head dim of the rows.
+    box: cute.Tensor | None = None
+    page_table: cute.Tensor | None = None
+    dim: int = 0
 
 
 @dataclass(frozen=True)
@@ -76,6 +95,20 @@ class TiledMmas:
 
 
 @dataclass(frozen=True)
+class Sequences:
+    """Where each batch's queries and keys lie in ragged inputs: each tensor None where that input
+    is batch-shaped (flash-attn-4's arguments, int32 on the device)."""
+
+    cu_seqlens_q: cute.Tensor | None  # (batch + 1,): batch b's queries are rows [cu[b], cu[b+1])
+    cu_seqlens_k: cute.Tensor | None  # (batch + 1,): the same for keys and values
+    seqused_k: cute.Tensor | None  # (batch,): batch b uses only its first seqused_k[b] keys
+    page_table: cute.Tensor | None  # (batch, max_pages): the pages of batch b's keys, in order
+    # Batch-shaped K and V seen as packed rows (with seqused_k): batch b's keys start at row
+    # b * kv_batch_rows.
+    kv_batch_rows: Int32 | None = None
+
+
+@dataclass(frozen=True)
 class TileSchedule:
     """How a CTA finds its tiles: the tile grid, the causal order and the tile counter."""
 
@@ -86,6 +119,9 @@ class TileSchedule:
     counter: cute.Tensor | None
     slot: cute.Tensor | None
     num_splits: Int32 | None = None  # split-KV: CTAs per tile (None without)
+    # Ragged inputs (None: every input batch-shaped). With varlen Q the tiles are numbered over
+    # the sequences' m blocks (FlashForwardSm90.varlen_tile).
+    seqs: Sequences | None = None
 
 
 @dataclass(frozen=True)
@@ -104,6 +140,10 @@ class TileInfo:
     # Split-KV (None without): this CTA's first K block, and which split it is.
     n_block_min: Int32 | None = None
     split: Int32 | None = None
+    # Ragged inputs (None when batch-shaped): the first row of the batch's queries in packed Q, and
+    # of its keys in packed K and V (varlen K, or batch-shaped K seen as rows).
+    offset_q: Int32 | None = None
+    offset_k: Int32 | None = None
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ...problem import Problem, normalize_dtype
+from ...problem import InputLayout, Problem, normalize_dtype
 from ...target import Target, get_target
 from ..common.dsl import import_dsl
 from . import FAMILY
@@ -42,9 +42,11 @@ def compile_key(
     causal: bool,
     target: Target,
     pack_group: int = 1,
+    layout: InputLayout | None = None,
 ) -> tuple:
     # The SM count too: a persistent kernel's grid is sized by it at compile time. Every split count
-    # above 1 is one kernel (the count is the partials' extent); packed GQA compiles its group in.
+    # above 1 is one kernel (the count is the partials' extent); packed GQA compiles its group in,
+    # ragged inputs their layout (batch-shaped ones add nothing, so their keys stay as they were).
     config = config.canonical()
     if config.num_splits > 2:
         config = replace(config, num_splits=2)
@@ -57,7 +59,13 @@ def compile_key(
         target.arch,
         target.sm_count,
     )
-    return key + ((pack_group,) if config.pack_gqa else ())
+    key += (pack_group,) if config.pack_gqa else ()
+    return key + ((layout,) if layout is not None and layout.ragged else ())
+
+
+def layout_of(problem: Problem) -> InputLayout | None:
+    """The input layout a problem compiles in: None for batch-shaped tensors."""
+    return problem.layout if problem.layout.ragged else None
 
 
 def pack_group_of(config: FwdConfig, problem: Problem) -> int:
@@ -76,14 +84,17 @@ def compile_forward(
     options: str | None = None,
     use_cache: bool = True,
     pack_group: int = 1,
+    layout: InputLayout | None = None,
 ) -> CompiledForward:
     """Build (or fetch from the cache) the kernel for this config. Raises ConfigError, naming the
     knob, for a config that cannot be built, before any compile. `use_cache=False` always compiles
-    (to see the compiler's report, say) and leaves the cache as it was."""
+    (to see the compiler's report, say) and leaves the cache as it was. `layout`: ragged inputs
+    (None: batch-shaped)."""
     target = get_target(target)
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     dtype = normalize_dtype(dtype)
-    key = compile_key(config, dtype, head_dim, head_dim_v, causal, target, pack_group)
+    layout = layout or InputLayout()
+    key = compile_key(config, dtype, head_dim, head_dim_v, causal, target, pack_group, layout)
     with _CACHE_LOCK:
         hit = _CACHE.get(key) if use_cache else None
     if hit is not None:
@@ -96,6 +107,7 @@ def compile_forward(
             causal=causal,
             nheads_q=pack_group,
             nheads_kv=1,
+            **layout.stand_in(),
         ),
         config,
         target,
@@ -107,7 +119,7 @@ def compile_forward(
     from .kernel import DTYPES, FlashForwardSm90
 
     kernel = FlashForwardSm90(
-        key[0], dtype, head_dim, head_dim_v, causal, target, pack_group=pack_group
+        key[0], dtype, head_dim, head_dim_v, causal, target, pack_group=pack_group, layout=layout
     )
     elem = DTYPES[dtype]
 
@@ -125,18 +137,31 @@ def compile_forward(
             assumed_align=align,
         )
 
+    # Ragged inputs: varlen q and O are (total, heads, d) and LSE (heads, total); varlen k and v
+    # (total, heads, d); pages (pages, page_size, heads, d). Split partials keep their rank (varlen:
+    # one batch of all rows).
+    q_rank = 3 if layout.varlen_q else 4
+    kv_rank = 3 if layout.varlen_k else 4
+    bshd = [dynamic_tensor(elem, q_rank, 16)] + [dynamic_tensor(elem, kv_rank, 16) for _ in "kv"]
     if config.split:  # O and LSE: the fp32 partials, with a split mode first
-        bshd = [dynamic_tensor(elem, 4, 16) for _ in range(3)]
         bshd.append(dynamic_tensor(cutlass.Float32, 5, 16))
         lse = dynamic_tensor(cutlass.Float32, 4, 4)
     else:
-        bshd = [dynamic_tensor(elem, 4, 16) for _ in range(4)]
-        lse = dynamic_tensor(cutlass.Float32, 3, 4)
+        bshd.append(dynamic_tensor(elem, q_rank, 16))
+        lse = dynamic_tensor(cutlass.Float32, q_rank - 1, 4)
     counter = make_fake_tensor(
         cutlass.Int32, (1,), stride=(1,), memspace=AddressSpace.generic, assumed_align=4
     )
+    index = dict(cu_seqlens_q=layout.varlen_q, cu_seqlens_k=layout.varlen_k)
+    index.update(seqused_k=layout.seqused_k, page_table=layout.paged)
+    ragged = [
+        (dynamic_tensor(cutlass.Int32, 2 if name == "page_table" else 1, 4) if used else None)
+        for name, used in index.items()
+    ]
     start = time.perf_counter()
     args = (*bshd, lse, counter, cutlass.Float32(1.0), cutlass.Int32(1), make_fake_stream())
+    if layout.ragged:
+        args += tuple(ragged)
     function = (
         cute.compile(kernel, *args, options=options) if options else cute.compile(kernel, *args)
     )

@@ -222,6 +222,40 @@ def split_reasons(config: FwdConfig) -> list[str]:
     return []
 
 
+def ragged_reasons(config: FwdConfig, problem: Problem) -> list[str]:
+    """Why ragged inputs (varlen, paged, seqused_k) cannot take this config. Their CTAs take one
+    tile each: a persistent CTA walks a grid of tiles that batch-shaped Q fixes, and its tile
+    counter orders them by a length that every batch shares. A paged K/V block is loaded as whole
+    TMA boxes of one page each, so a page must divide the block or the block the page."""
+    layout = problem.layout
+    reasons = []
+    if layout.ragged and config.persistent:
+        reasons.append(
+            "persistent=True with ragged inputs (varlen, paged or seqused_k): their CTAs take one "
+            "tile each"
+        )
+    if layout.paged and config.tile_n % layout.page_size and layout.page_size % config.tile_n:
+        reasons.append(
+            f"tile_n={config.tile_n} with {layout.page_size}-row pages: a page must divide the K/V "
+            "block or the block the page"
+        )
+    return reasons
+
+
+def ragged_default(config: FwdConfig, problem: Problem) -> FwdConfig:
+    """A prefill default made fit for ragged inputs (ragged_reasons): one tile per CTA, and with
+    pages the widest K/V block, no wider than the config's, that pages divide or that divides a
+    page."""
+    config = replace(config, persistent=False, wg_epilogue=False, q_stages=1)
+    page = problem.layout.page_size
+    if page and config.tile_n % page and page % config.tile_n:
+        fits = [
+            n for n in KNOBS["tile_n"] if n <= config.tile_n and (n % page == 0 or page % n == 0)
+        ]
+        config = replace(config, tile_n=max(fits))
+    return config
+
+
 def lazy_max_reasons(config: FwdConfig) -> list[str]:
     """Why the lazy row max cannot take this config. Each thread sums tile_n / 4 of a row's P, each
     1 where the score equals the max; the fast path holds while every such sum stays within
@@ -273,6 +307,7 @@ RULES = (
     Rule("lazy row max", lambda problem, config, target: lazy_max_reasons(config)),
     Rule("packed GQA", lambda problem, config, target: pack_reasons(config, problem)),
     Rule("split-KV", lambda problem, config, target: split_reasons(config)),
+    Rule("ragged inputs", lambda problem, config, target: ragged_reasons(config, problem)),
 )
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import Counter
 from dataclasses import asdict, dataclass
 
 from . import resources
@@ -232,15 +233,17 @@ class CostModel:
         takes its share of the tile's blocks (split_blocks), and may take none."""
         tm, tn = config.tile_m, config.tile_n
         group = problem.qheads_per_kvhead if config.pack_gqa else 1
-        rows, sk = problem.seqlen_q * group, problem.seqlen_k
-        m_blocks = -(-rows // tm)
-        ctas_per_row_block = problem.batch * (problem.nheads_q // group)
-        offset = sk - problem.seqlen_q  # bottom-right aligned causal mask
         tiles = []  # (blocks, first block that needs the mask, CTAs)
-        if not problem.causal:
-            blocks = -(-sk // tn)
-            tiles.append((blocks, blocks, m_blocks * ctas_per_row_block))
-        else:
+        # Ragged inputs: the sequences of the token mix, each with its own lengths.
+        for (seqlen_q, sk), batch in Counter(problem.lengths()).items():
+            rows = seqlen_q * group
+            m_blocks = -(-rows // tm)
+            ctas_per_row_block = batch * (problem.nheads_q // group)
+            offset = sk - seqlen_q  # bottom-right aligned causal mask
+            if not problem.causal:
+                blocks = -(-sk // tn)
+                tiles.append((blocks, blocks, m_blocks * ctas_per_row_block))
+                continue
             for i in range(m_blocks):
                 first_query = i * tm // group
                 last_query = (min((i + 1) * tm, rows) - 1) // group
@@ -292,7 +295,7 @@ class CostModel:
         splits = config.num_splits
         if splits <= 1:
             return 0.0
-        rows = problem.batch * problem.seqlen_q * problem.nheads_q
+        rows = sum(q for q, _ in problem.lengths()) * problem.nheads_q
         partials = splits * rows * (problem.head_dim_v + 1) * 4
         return 2 * partials / self.target.hbm_bytes_per_s + self.assumptions.combine_us * 1e-6
 

@@ -46,6 +46,14 @@ K/V block is read once per K/V head. With `num_splits` above 1 each tile's K blo
 that many CTAs (a grid of tiles x splits), which write fp32 partial O and LSE from registers for the
 combine kernel (combine.py); a split may have no block, and writes O 0 and LSE -inf.
 
+Ragged inputs (`layout`, flash-attn-4's varlen and paged calls; docs/serving.md) are compile-time:
+packed Q, O, K and V and the pages of a paged cache go through TMA descriptors of a ragged view
+(sm90/ragged.py) that bound every sequence at its own end, so O keeps its TMA store and K/V rows
+past a sequence's keys load as zeros. A paged K/V block is one TMA box per page (or of a page), its
+page ids loaded one per lane of the producer warp. With packed Q the CTAs are numbered over the
+sequences' m blocks and each warp finds its tile's sequence by a prefix sum (varlen_tile). Ragged
+kernels take one tile per CTA; a batch-shaped kernel compiles as it did before them.
+
 The device methods pass their arguments grouped, in the frozen dataclasses of arguments.py (TMA
 loads, output stores, shared tiles, pipelines, tiled MMAs, tile schedule, tile info, a warpgroup's
 fragments); the pipeline states, which the dynamic loops carry, travel on their own.
@@ -63,7 +71,7 @@ import cutlass.utils.hopper_helpers as hopper
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from ...problem import Problem
+from ...problem import InputLayout, Problem
 from ...target import Target, get_target
 from ..sm90.helpers import (
     acc_as_operand_a,
@@ -76,11 +84,14 @@ from ..sm90.helpers import (
     swap_first_modes,
     wgmma,
 )
+from ..sm90.ragged import flatten_rows, ragged_rows, sequence_rows, warp_prefix_sum
 from ..sm90.softmax import OnlineSoftmax
 from . import FAMILY, resources
 from .arguments import (
+    KvSource,
     OutputStores,
     Pipelines,
+    Sequences,
     SharedTensors,
     TiledMmas,
     TileInfo,
@@ -126,10 +137,13 @@ class FlashForwardSm90:
         causal: bool,
         target: Target | str | None = "H200",
         pack_group: int = 1,
+        layout: InputLayout | None = None,
     ):
         target = get_target(target)
+        layout = layout or InputLayout()
         # The same feasibility rules the search applies: refuse before any compile, naming the knob.
-        # Packed GQA compiles its group size in; the problem stands for any with that group.
+        # Packed GQA compiles its group size in, ragged inputs their layout; the problem stands for
+        # any with that group and layout.
         FAMILY.check(
             Problem(
                 dtype=dtype,
@@ -138,6 +152,7 @@ class FlashForwardSm90:
                 causal=causal,
                 nheads_q=pack_group,
                 nheads_kv=1,
+                **layout.stand_in(),
             ),
             config,
             target,
@@ -155,7 +170,7 @@ class FlashForwardSm90:
         self.num_consumer_wg = resources.num_consumer_warpgroups(config)
         self.num_consumer_threads = resources.THREADS_PER_WARPGROUP * self.num_consumer_wg
         self.num_threads = resources.num_threads(config)
-        self.producer_regs, self.consumer_regs = resources.register_split(config)
+        self.producer_regs, self.consumer_regs = resources.register_split(config, layout)
         self.intra_wg_overlap = config.intra_wg_overlap
         self.wg_pingpong = config.wg_pingpong
         self.rescale_threshold = config.rescale_threshold
@@ -173,6 +188,11 @@ class FlashForwardSm90:
         self.pack_group = pack_group if config.pack_gqa else 1
         # Split-KV: O and LSE are fp32 partials with a split mode, merged by the combine kernel.
         self.split = config.split
+        # Ragged inputs (flash-attn-4's varlen and paged calls): how q, k and v hold the batch.
+        self.layout = layout
+        # A paged K/V block is loaded as boxes of kv_box_rows rows, one page (or one tile of a page)
+        # each.
+        self.kv_box_rows = min(layout.page_size, config.tile_n) if layout.paged else config.tile_n
 
     # --------------------------------------------------------------------------------------------
     # Host side
@@ -191,13 +211,39 @@ class FlashForwardSm90:
         softmax_scale_log2: Float32,
         heads_per_l2_group: Int32,
         stream: cuda.CUstream,
+        # Ragged inputs (each None unless the layout has it), int32, as flash-attn-4 takes them:
+        mCuSeqlensQ: cute.Tensor | None = None,  # (batch + 1,); q, O (total_q, heads, d)
+        mCuSeqlensK: cute.Tensor | None = None,  # (batch + 1,); k, v (total_k, heads_kv, d)
+        mSeqUsedK: cute.Tensor | None = None,  # (batch,)
+        mPageTable: cute.Tensor | None = None,  # (batch, max_pages); k, v (pages, page_size, ...)
     ):
         # Seqlen-major views: (seqlen, dim, head, batch) and (seqlen, head, batch) for LSE; the
-        # split partials keep their split mode last.
-        mQ, mK, mV = [permute_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV)]
+        # split partials keep their split mode last. Packed (varlen) Q and O are (rows, dim, head,
+        # ends) instead (sm90/ragged.py), and their LSE (rows, head); so are packed, paged and
+        # seqused K and V. Varlen split partials are one batch of all rows: (splits, 1, total_q,
+        # ...).
+        total_q = num_batch = None
+        if const_expr(self.layout.varlen_q):
+            total_q, num_batch = mQ.shape[0], mCuSeqlensQ.shape[0] - 1
+            mQ = ragged_rows(permute_modes(mQ, [0, 2, 1]))
+        else:
+            mQ = permute_modes(mQ, [1, 3, 2, 0])
+        kv_batch_rows = None
+        if const_expr(self.layout.varlen_k):
+            mK, mV = [ragged_rows(permute_modes(t, [0, 2, 1])) for t in (mK, mV)]
+        elif const_expr(self.layout.kv_rows):
+            # Pages, or batch-shaped K and V with seqused_k: whole pages (batches) of rows.
+            if const_expr(not self.layout.paged):
+                kv_batch_rows = mK.shape[1]
+            mK, mV = [ragged_rows(flatten_rows(t)) for t in (mK, mV)]
+        else:
+            mK, mV = [permute_modes(t, [1, 3, 2, 0]) for t in (mK, mV)]
         if const_expr(self.split):
             mO = permute_modes(mO, [2, 4, 3, 1, 0])
             mLSE = permute_modes(mLSE, [3, 2, 1, 0])
+        elif const_expr(self.layout.varlen_q):
+            mO = ragged_rows(permute_modes(mO, [0, 2, 1]))
+            mLSE = permute_modes(mLSE, [1, 0])
         else:
             mO = permute_modes(mO, [1, 3, 2, 0])
             mLSE = permute_modes(mLSE, [2, 1, 0])
@@ -272,12 +318,16 @@ class FlashForwardSm90:
 
         load = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(load, mQ, sQ_one, (tile_m, d))
-        tma_k, tma_mK = cpasync.make_tiled_tma_atom(
-            load, mK, cute.select(sK_layout, mode=[0, 1]), (tile_n, d)
-        )
-        tma_v, tma_mV = cpasync.make_tiled_tma_atom(
-            load, mV, cute.select(sV_layout, mode=[0, 1]), (tile_n, dv)
-        )
+        # A K/V block is one TMA box, or with pages smaller than the tile one box per page.
+        box = self.kv_box_rows
+        sK_box = cute.select(sK_layout, mode=[0, 1])
+        if const_expr(box < tile_n):
+            sK_box = smem_tile_layout(self.dtype, box, d)
+        tma_k, tma_mK = cpasync.make_tiled_tma_atom(load, mK, sK_box, (box, d))
+        sV_box = cute.select(sV_layout, mode=[0, 1])
+        if const_expr(box < tile_n):
+            sV_box = smem_tile_layout(self.dtype, box, dv)
+        tma_v, tma_mV = cpasync.make_tiled_tma_atom(load, mV, sV_box, (box, dv))
         if const_expr(self.split):
             # The fp32 partials are stored from registers: no TMA store. Q's atom fills O's slot
             # of the kernel's parameters (and is not used there).
@@ -291,7 +341,14 @@ class FlashForwardSm90:
         bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
 
         num_m_blocks = cute.ceil_div(cute.size(mQ.shape[0]), tile_m)
-        if const_expr(self.split):
+        if const_expr(self.layout.varlen_q):
+            # Tiles numbered over the sequences' m blocks (varlen_tile), x heads; the sum of
+            # ceil(rows / tile_m) over the batch is at most this bound, the rest of the grid idles.
+            rows = total_q * self.pack_group
+            bound = (rows + num_batch * (tile_m - 1)) // tile_m
+            splits = cute.size(mLSE, mode=[3]) if const_expr(self.split) else 1
+            grid = [bound * cute.size(mQ.shape[2]), splits, 1]
+        elif const_expr(self.split):
             # One CTA per (tile, split); the splits of a tile are adjacent.
             grid = [
                 num_m_blocks * cute.size(mLSE, mode=[3]),
@@ -333,6 +390,11 @@ class FlashForwardSm90:
             bytes_k,
             bytes_v,
             SharedStorage,
+            mCuSeqlensQ,
+            mCuSeqlensK,
+            mSeqUsedK,
+            mPageTable,
+            kv_batch_rows,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -382,6 +444,110 @@ class FlashForwardSm90:
         head = bh - batch * nheads
         return m_block, head, batch, split
 
+    @cute.jit
+    def varlen_tile(self, sched: TileSchedule, tile: Int32):
+        """(m_block, head, batch, split) of tile number `tile` with varlen Q: the tiles of batch 0
+        (its m blocks x heads, a head's m blocks adjacent so that they share its K/V in L2; causal:
+        the last m block, the longest, first), then those of batch 1, and so on. Each warp finds
+        the batch on its own: its lanes count the m blocks of 32 batches at a time and a prefix sum
+        says whose range holds the tile. A tile past the last batch's (the grid is a bound) gets
+        batch = the batch count, which sequence() gives no rows and no keys."""
+        cu = sched.seqs.cu_seqlens_q
+        num_batch = cu.shape[0] - 1
+        heads = sched.mQ.shape[2]
+        lane = cute.arch.lane_idx()
+        split = None
+        if const_expr(self.split):
+            split = cute.arch.block_idx()[1]
+        first = Int32(0)  # the first batch of the 32 the lanes count
+        before = Int32(0)  # the tiles of the batches before it
+        blocks, ends, total = self.batch_tiles(cu, first + lane, num_batch, heads, lane)
+        more = first + 32 < num_batch
+        while before + total <= tile and more:
+            before = before + total
+            first = first + 32
+            blocks, ends, total = self.batch_tiles(cu, first + lane, num_batch, heads, lane)
+            more = first + 32 < num_batch
+        # The lanes whose batches end at or before the tile: the tile is in the next one's.
+        passed = cute.arch.popc(cute.arch.vote_ballot_sync(before + ends <= tile))
+        owner = cutlass.min(passed, 31)
+        start = before + cute.arch.shuffle_sync(ends - blocks * heads, owner)
+        num_m = cutlass.max(cute.arch.shuffle_sync(blocks, owner), 1)
+        within = tile - start
+        head = within // num_m
+        m_block = within - head * num_m
+        if const_expr(self.causal):
+            m_block = num_m - 1 - m_block
+        batch = first + passed
+        batch = batch if passed < 32 else num_batch
+        return m_block, head, cutlass.min(batch, num_batch), split
+
+    @cute.jit
+    def batch_tiles(self, cu: cute.Tensor, batch: Int32, num_batch: Int32, heads, lane: Int32):
+        """For lane `lane` counting batch `batch`: (its m blocks, the tiles of the lanes up to it
+        inclusive, the tiles of all 32 lanes)."""
+        blocks = Int32(0)
+        if batch < num_batch:
+            rows = (cu[batch + 1] - cu[batch]) * self.pack_group
+            blocks = (rows + self.tile_m - 1) // self.tile_m
+        ends = warp_prefix_sum(blocks * heads, lane)
+        return blocks, ends, cute.arch.shuffle_sync(ends, 31)
+
+    @cute.jit
+    def sequence(self, sched: TileSchedule, batch: Int32, kv_seqlen: Int32):
+        """(offset_q, seqlen_q, offset_k, seqlen_k) of batch `batch` with ragged inputs: offsets
+        are None for batch-shaped tensors; `kv_seqlen` is the keys of batch-shaped or paged K and V
+        without seqused_k. A batch past the last (varlen_tile's) has no queries and no keys."""
+        seqs = sched.seqs
+        offset_q = offset_k = None
+        seqlen_q = self.queries(sched.mQ)
+        seqlen_k = kv_seqlen
+        last = Int32(0)
+        if const_expr(self.layout.varlen_q):
+            last = seqs.cu_seqlens_q.shape[0] - 2
+            b = cutlass.min(batch, last)
+            offset_q = seqs.cu_seqlens_q[b]
+            seqlen_q = seqs.cu_seqlens_q[b + 1] - offset_q
+        if const_expr(self.layout.varlen_k):
+            b = cutlass.min(batch, seqs.cu_seqlens_k.shape[0] - 2)
+            offset_k = seqs.cu_seqlens_k[b]
+            seqlen_k = seqs.cu_seqlens_k[b + 1] - offset_k
+        elif const_expr(self.layout.kv_rows and not self.layout.paged):
+            offset_k = batch * seqs.kv_batch_rows
+        if const_expr(self.layout.seqused_k):
+            seqlen_k = seqs.seqused_k[cutlass.min(batch, seqs.seqused_k.shape[0] - 1)]
+        if const_expr(self.layout.varlen_q):
+            seqlen_q = seqlen_q if batch <= last else 0
+            seqlen_k = seqlen_k if batch <= last else 0
+        return offset_q, seqlen_q, offset_k, seqlen_k
+
+    @cute.jit
+    def ragged_tile_info(self, sched: TileSchedule, tile: Int32, kv_seqlen: Int32) -> TileInfo:
+        """The TileInfo of tile number `tile` with ragged inputs: its coordinates (varlen_tile with
+        varlen Q, else tile_coords), its batch's sequences, and its K blocks."""
+        if const_expr(self.layout.varlen_q):
+            m_block, head, batch, split = self.varlen_tile(sched, tile)
+        else:
+            m_block, head, batch, split = self.tile_coords(sched, tile)
+        offset_q, seqlen_q, offset_k, seqlen_k = self.sequence(sched, batch, kv_seqlen)
+        n_block_min, n_block_max, n_mask_min = self.n_block_range(
+            m_block, seqlen_q, seqlen_k, split, sched.num_splits
+        )
+        return TileInfo(
+            m_block,
+            head,
+            batch,
+            seqlen_q,
+            seqlen_k,
+            n_block_max,
+            n_mask_min,
+            seqlen_q * self.pack_group,
+            n_block_min,
+            split,
+            offset_q,
+            offset_k,
+        )
+
     def rows(self, mQ: cute.Tensor):
         """Rows of Q per head and batch: seqlen_q, or with packed GQA group x seqlen_q."""
         if const_expr(self.pack_group > 1):
@@ -418,6 +584,9 @@ class FlashForwardSm90:
         mQ = sched.mQ
         bx, by, bz = cute.arch.block_idx()
         tile = bx
+        if const_expr(self.layout.varlen_q):
+            # One tile per CTA, numbered over the sequences (varlen_tile); the split is by.
+            return tile, cute.arch.grid_dim()[0]
         if const_expr(not self.persistent and (not self.causal or self.split)):
             tile = bx + cute.arch.grid_dim()[0] * (by + mQ.shape[2] * bz)
         num_m = (self.rows(mQ) + self.tile_m - 1) // self.tile_m
@@ -508,6 +677,11 @@ class FlashForwardSm90:
         bytes_k: cutlass.Constexpr[int],
         bytes_v: cutlass.Constexpr[int],
         SharedStorage: cutlass.Constexpr,
+        mCuSeqlensQ: cute.Tensor | None,
+        mCuSeqlensK: cute.Tensor | None,
+        mSeqUsedK: cute.Tensor | None,
+        mPageTable: cute.Tensor | None,
+        kv_batch_rows: Int32 | None,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -570,11 +744,25 @@ class FlashForwardSm90:
         num_splits = None
         if const_expr(self.split):
             num_splits = cute.size(mLSE, mode=[3])
-        sched = TileSchedule(mQ, heads_per_l2_group, mTileCounter, sTile, num_splits)
+        seqs = kv_seqlen = None
+        if const_expr(self.layout.ragged):
+            seqs = Sequences(mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable, kv_batch_rows)
+            # The keys of every batch where they do not come per batch (sequence): batch-shaped K,
+            # or every page of the table.
+            kv_seqlen = mK.shape[0]
+            if const_expr(self.layout.paged):
+                kv_seqlen = mPageTable.shape[1] * self.layout.page_size
+        sched = TileSchedule(mQ, heads_per_l2_group, mTileCounter, sTile, num_splits, seqs)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self.produce(TmaLoads(tma_q, tma_k, tma_v, mQ, mK, mV), smem, pipes, sched)
+                self.produce(
+                    TmaLoads(tma_q, tma_k, tma_v, mQ, mK, mV, mPageTable),
+                    smem,
+                    pipes,
+                    sched,
+                    kv_seqlen,
+                )
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(
@@ -584,15 +772,23 @@ class FlashForwardSm90:
                 pipes,
                 sched,
                 softmax_scale_log2,
-                mK.shape[0],
+                mK.shape[0] if const_expr(kv_seqlen is None) else kv_seqlen,
                 tidx - 128,
             )
 
     # ---- producer ------------------------------------------------------------------------------
     @cute.jit
-    def produce(self, loads: TmaLoads, smem: SharedTensors, pipes: Pipelines, sched: TileSchedule):
+    def produce(
+        self,
+        loads: TmaLoads,
+        smem: SharedTensors,
+        pipes: Pipelines,
+        sched: TileSchedule,
+        kv_seqlen: Int32,
+    ):
         """Load Q and the visible K/V blocks of each of this CTA's tiles. The stage sequence runs on
-        across tiles: a persistent CTA fills the next tile's stages as soon as they free up."""
+        across tiles: a persistent CTA fills the next tile's stages as soon as they free up.
+        `kv_seqlen`: the keys of a batch when they do not come per batch (ragged_tile_info)."""
         mQ, mK = loads.mQ, loads.mK
         # A name of its own: the tile number is written through it inside the loop, and the DSL
         # carries a name written there through the loop (written through `sched`, the whole group).
@@ -601,24 +797,28 @@ class FlashForwardSm90:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         tile, num_tiles = self.first_tile(sched)
         while tile < num_tiles:
-            m_block, head, batch, split = self.tile_coords(sched, tile)
-            head_kv = head // (mQ.shape[2] // mK.shape[2])
-            seqlen_q, seqlen_k = self.queries(mQ), mK.shape[0]
-            n_block_min, n_block_max, n_mask_min = self.n_block_range(
-                m_block, seqlen_q, seqlen_k, split, sched.num_splits
-            )
-            info = TileInfo(
-                m_block,
-                head,
-                batch,
-                seqlen_q,
-                seqlen_k,
-                n_block_max,
-                n_mask_min,
-                self.rows(mQ),
-                n_block_min,
-                split,
-            )
+            if const_expr(self.layout.ragged):
+                info = self.ragged_tile_info(sched, tile, kv_seqlen)
+                head_kv = info.head // (mQ.shape[2] // mK.shape[2])
+            else:
+                m_block, head, batch, split = self.tile_coords(sched, tile)
+                head_kv = head // (mQ.shape[2] // mK.shape[2])
+                seqlen_q, seqlen_k = self.queries(mQ), mK.shape[0]
+                n_block_min, n_block_max, n_mask_min = self.n_block_range(
+                    m_block, seqlen_q, seqlen_k, split, sched.num_splits
+                )
+                info = TileInfo(
+                    m_block,
+                    head,
+                    batch,
+                    seqlen_q,
+                    seqlen_k,
+                    n_block_max,
+                    n_mask_min,
+                    self.rows(mQ),
+                    n_block_min,
+                    split,
+                )
             if self.block_count(info) > 0:
                 kv_state, q_state = self.produce_tile(
                     loads, smem, pipes, info, head_kv, kv_state, q_state
@@ -652,28 +852,51 @@ class FlashForwardSm90:
         n_block_last = 0  # the last block visited
         if const_expr(self.split):
             n_block_last = info.n_block_min
-        gQ = cute.local_tile(
-            loads.mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0)
-        )
-        gK = cute.local_tile(
-            loads.mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0)
-        )
-        gV = cute.local_tile(
-            loads.mV[None, None, head_kv, batch], (self.tile_n, self.head_dim_v), (None, 0)
-        )
-        one_cta = cute.make_layout(1)
-        tQsQ, tQgQ = cpasync.tma_partition(
-            loads.tma_q, 0, one_cta, cute.group_modes(smem.sQ, 0, 2), cute.group_modes(gQ, 0, 2)
-        )
-        tKsK, tKgK = cpasync.tma_partition(
-            loads.tma_k, 0, one_cta, cute.group_modes(smem.sK, 0, 2), cute.group_modes(gK, 0, 2)
-        )
-        tVsV, tVgV = cpasync.tma_partition(
-            loads.tma_v, 0, one_cta, cute.group_modes(smem.sV, 0, 2), cute.group_modes(gV, 0, 2)
-        )
+        if const_expr(self.layout.ragged):
+            one_cta = cute.make_layout(1)
+            mQ_tile = loads.mQ[None, None, head, batch]
+            if const_expr(self.layout.varlen_q):
+                mQ_tile = sequence_rows(
+                    loads.mQ[None, None, head, None],
+                    info.offset_q,
+                    info.seqlen_q,
+                    self.pack_group > 1,
+                )
+            gQ = cute.local_tile(mQ_tile, (self.tile_m, self.head_dim), (m_block, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(
+                loads.tma_q, 0, one_cta, cute.group_modes(smem.sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+            )
+            k_src = self.kv_source(
+                loads.tma_k, pipes.k, loads.mK, smem.sK, head_kv, info, loads.page_table
+            )
+            v_src = self.kv_source(
+                loads.tma_v, pipes.v, loads.mV, smem.sV, head_kv, info, loads.page_table
+            )
+        else:
+            gQ = cute.local_tile(
+                loads.mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0)
+            )
+            gK = cute.local_tile(
+                loads.mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0)
+            )
+            gV = cute.local_tile(
+                loads.mV[None, None, head_kv, batch], (self.tile_n, self.head_dim_v), (None, 0)
+            )
+            one_cta = cute.make_layout(1)
+            tQsQ, tQgQ = cpasync.tma_partition(
+                loads.tma_q, 0, one_cta, cute.group_modes(smem.sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+            )
+            tKsK, tKgK = cpasync.tma_partition(
+                loads.tma_k, 0, one_cta, cute.group_modes(smem.sK, 0, 2), cute.group_modes(gK, 0, 2)
+            )
+            tVsV, tVgV = cpasync.tma_partition(
+                loads.tma_v, 0, one_cta, cute.group_modes(smem.sV, 0, 2), cute.group_modes(gV, 0, 2)
+            )
+            k_src = KvSource(loads.tma_k, pipes.k, tKsK, tKgK)
+            v_src = KvSource(loads.tma_v, pipes.v, tVsV, tVgV)
 
         # K of the first block goes first: the first S GEMM needs it together with Q.
-        self.load_stage(loads.tma_k, pipes.k, tKgK, tKsK, n_block_max - 1, kv_state)
+        self.load_stage(k_src, n_block_max - 1, kv_state, info)
         pipes.q.producer_acquire(q_state)
         if const_expr(self.q_stages > 1):
             tQsQ = tQsQ[None, q_state.index]
@@ -685,27 +908,101 @@ class FlashForwardSm90:
                 n_block = n_block_max - 2 - i
                 v_state = kv_state.clone()
                 kv_state.advance()
-                self.load_stage(loads.tma_k, pipes.k, tKgK, tKsK, n_block, kv_state)
-                self.load_stage(loads.tma_v, pipes.v, tVgV, tVsV, n_block + 1, v_state)
-            self.load_stage(loads.tma_v, pipes.v, tVgV, tVsV, n_block_last, kv_state)
+                self.load_stage(k_src, n_block, kv_state, info)
+                self.load_stage(v_src, n_block + 1, v_state, info)
+            self.load_stage(v_src, n_block_last, kv_state, info)
         else:
-            self.load_stage(loads.tma_v, pipes.v, tVgV, tVsV, n_block_max - 1, kv_state)
+            self.load_stage(v_src, n_block_max - 1, kv_state, info)
             for i in cutlass.range(self.later_blocks(info), unroll=1):
                 n_block = n_block_max - 2 - i
                 kv_state.advance()
-                self.load_stage(loads.tma_k, pipes.k, tKgK, tKsK, n_block, kv_state)
-                self.load_stage(loads.tma_v, pipes.v, tVgV, tVsV, n_block, kv_state)
+                self.load_stage(k_src, n_block, kv_state, info)
+                self.load_stage(v_src, n_block, kv_state, info)
         kv_state.advance()  # the next tile starts on the next stage
         return kv_state, q_state
 
-    def load_stage(self, tma, pipe, gsrc, sdst, n_block, state):
-        """Wait for the stage to be free, then TMA one K or V block into it."""
-        pipe.producer_acquire(state)
+    def kv_source(self, tma, pipe, mX, sX, head_kv, info: TileInfo, page_table) -> KvSource:
+        """K or V of one tile with ragged inputs: the batch's packed rows (varlen, or batch-shaped
+        with seqused_k), bounded at its keys, in blocks; batch-shaped K and V (under varlen Q) as
+        ever; or, paged, the K/V head's rows view whose pages load_page_box finds through the page
+        table."""
+        dim = cute.size(sX, mode=[1])
+        one_cta = cute.make_layout(1)
+        if const_expr(self.layout.paged):
+            # A stage as boxes of kv_box_rows rows: (box rows, dim, boxes, 1, stages).
+            boxes = cute.flat_divide(sX, (self.kv_box_rows, dim))
+            one_box = cute.local_tile(mX[None, None, head_kv, 0], (self.kv_box_rows, dim), (0, 0))
+            tXsX, _ = cpasync.tma_partition(
+                tma, 0, one_cta, cute.group_modes(boxes, 0, 2), cute.group_modes(one_box, 0, 2)
+            )
+            return KvSource(
+                tma,
+                pipe,
+                tXsX,
+                mX[None, None, head_kv, None],
+                box=cute.group_modes(boxes[None, None, 0, 0, 0], 0, 2),
+                page_table=page_table,
+                dim=dim,
+            )
+        rows = mX[None, None, head_kv, info.batch]  # batch-shaped (with varlen Q)
+        if const_expr(self.layout.kv_rows):
+            rows = sequence_rows(mX[None, None, head_kv, None], info.offset_k, info.seqlen_k)
+        gX = cute.local_tile(rows, (self.tile_n, dim), (None, 0))
+        tXsX, tXgX = cpasync.tma_partition(
+            tma, 0, one_cta, cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2)
+        )
+        return KvSource(tma, pipe, tXsX, tXgX)
+
+    def load_stage(self, src: KvSource, n_block, state, info: TileInfo):
+        """Wait for the stage to be free, then TMA one K or V block into it (paged: a box per page
+        or tile of a page)."""
+        src.pipe.producer_acquire(state)
+        if const_expr(self.layout.paged):
+            page = self.block_pages(src, n_block, info)
+            for box in range(self.tile_n // self.kv_box_rows):  # unrolled at trace time
+                self.load_page_box(src, n_block, box, page, state, info)
+        else:
+            cute.copy(
+                src.tma,
+                src.gmem[None, n_block],
+                src.smem[None, state.index],
+                tma_bar_ptr=src.pipe.producer_get_barrier(state),
+            )
+
+    @cute.jit
+    def block_pages(self, src: KvSource, n_block, info: TileInfo):
+        """The page ids of K/V block `n_block`'s boxes, lane b of the producer warp holding box
+        b's: one load per lane, all in flight together (a box past the table reads its last id,
+        which its box then never follows)."""
+        boxes = self.tile_n // self.kv_box_rows
+        lane = cute.arch.lane_idx()
+        table = src.page_table
+        box = cutlass.min(lane, boxes - 1)
+        page_idx = (n_block * self.tile_n + box * self.kv_box_rows) // self.layout.page_size
+        return table[info.batch, cutlass.min(page_idx, table.shape[1] - 1)]
+
+    @cute.jit
+    def load_page_box(self, src: KvSource, n_block, box: int, page, state, info: TileInfo):
+        """Box `box` of K/V block `n_block` of a paged cache: kv_box_rows keys of one page, whose
+        id lane `box` holds in `page` (block_pages). The box's rows past the batch's keys (past the
+        used part of its page) read as zeros; a box wholly past them reads nothing (all its rows
+        are out of bounds), so a page id past the used pages is never followed."""
+        page_size, rows = self.layout.page_size, self.kv_box_rows
+        key0 = n_block * self.tile_n + box * rows
+        page_idx = key0 // page_size
+        page_start = page_idx * page_size
+        used = cutlass.max(cutlass.min(info.seqlen_k - page_start, page_size), 0)
+        page_id = cute.arch.shuffle_sync(page, box)
+        view = sequence_rows(src.gmem, page_id * page_size, used)
+        g = cute.local_tile(view, (rows, src.dim), ((key0 - page_start) // rows, 0))
+        _, tXgX = cpasync.tma_partition(
+            src.tma, 0, cute.make_layout(1), src.box, cute.group_modes(g, 0, 2)
+        )
         cute.copy(
-            tma,
-            gsrc[None, n_block],
-            sdst[None, state.index],
-            tma_bar_ptr=pipe.producer_get_barrier(state),
+            src.tma,
+            tXgX,
+            src.smem[None, box, 0, state.index],
+            tma_bar_ptr=src.pipe.producer_get_barrier(state),
         )
 
     # ---- consumers -----------------------------------------------------------------------------
@@ -813,22 +1110,26 @@ class FlashForwardSm90:
                 barrier_id=BARRIER_TILE_EMPTY, number_of_threads=self.tile_handoff_threads
             )
         while tile < num_tiles:
-            m_block, head, batch, split = self.tile_coords(sched, tile)
-            n_block_min, n_block_max, n_mask_min = self.n_block_range(
-                m_block, seqlen_q, seqlen_k, split, sched.num_splits
-            )
-            info = TileInfo(
-                m_block,
-                head,
-                batch,
-                seqlen_q,
-                seqlen_k,
-                n_block_max,
-                n_mask_min,
-                rows,
-                n_block_min,
-                split,
-            )
+            if const_expr(self.layout.ragged):
+                # A varlen tile past the last batch has no rows: its O and LSE stores write nothing.
+                info = self.ragged_tile_info(sched, tile, seqlen_k)
+            else:
+                m_block, head, batch, split = self.tile_coords(sched, tile)
+                n_block_min, n_block_max, n_mask_min = self.n_block_range(
+                    m_block, seqlen_q, seqlen_k, split, sched.num_splits
+                )
+                info = TileInfo(
+                    m_block,
+                    head,
+                    batch,
+                    seqlen_q,
+                    seqlen_k,
+                    n_block_max,
+                    n_mask_min,
+                    rows,
+                    n_block_min,
+                    split,
+                )
             acc_O.fill(0.0)
             softmax.reset()
             # Grouped in the loop, not before it: the DSL carries acc_O through the loop (fill is
@@ -1233,9 +1534,15 @@ class FlashForwardSm90:
             info.rows,
         )
         thr_mma = mma_pv.get_slice(ctid)
-        gO = cute.local_tile(
-            mO[None, None, head, batch, split], (self.tile_m, self.head_dim_v), (m_block, 0)
-        )
+        mO_tile = mO[None, None, head, batch, split]
+        lse_row0 = 0  # LSE row of the tile's row 0, beyond m_block * tile_m
+        if const_expr(self.layout.varlen_q):
+            # The partials of varlen Q are one batch of all rows; this batch's start at offset_q.
+            mO_tile = mO[None, None, head, 0, split]
+            start = (0, info.offset_q) if const_expr(self.pack_group > 1) else info.offset_q
+            mO_tile = cute.domain_offset((start, 0), mO_tile)
+            lse_row0 = self.pack_group * info.offset_q
+        gO = cute.local_tile(mO_tile, (self.tile_m, self.head_dim_v), (m_block, 0))
         tOgO = acc_rows_cols(thr_mma.partition_C(gO))
         out = acc_rows_cols(acc_O)
         coords = acc_rows_cols(
@@ -1247,7 +1554,10 @@ class FlashForwardSm90:
                 for c in cutlass.range_constexpr(cute.size(out, mode=[1])):
                     tOgO[r, c] = out[r, c]
                 if coords[0, 0][1] == 0:
-                    mLSE[row, head, batch, split] = lse[r]
+                    if const_expr(self.layout.varlen_q):
+                        mLSE[lse_row0 + row, head, 0, split] = lse[r]
+                    else:
+                        mLSE[row, head, batch, split] = lse[r]
 
     @cute.jit
     def epilogue(
@@ -1301,7 +1611,11 @@ class FlashForwardSm90:
             for r in cutlass.range_constexpr(cute.size(lse)):
                 row = m_block * self.tile_m + coords[r, 0][0]
                 if row < seqlen_q:
-                    mLSE[row, head, batch] = lse[r]
+                    if const_expr(self.layout.varlen_q):
+                        # (rows, head) of all batches; a row of packed GQA is group x query.
+                        mLSE[self.pack_group * info.offset_q + row, head] = lse[r]
+                    else:
+                        mLSE[row, head, batch] = lse[r]
 
         # Make the stmatrix writes visible to the TMA engine; the first consumer warp (of each
         # warpgroup, with `wg_epilogue`) waits for all of them and stores the tile (its warpgroup's
@@ -1336,9 +1650,13 @@ class FlashForwardSm90:
             cute.arch.barrier(
                 barrier_id=BARRIER_O_WRITTEN, number_of_threads=self.num_consumer_threads
             )
-            gO = cute.local_tile(
-                mO[None, None, head, batch], (self.tile_m, self.head_dim_v), (m_block, 0)
-            )
+            mO_tile = mO[None, None, head, batch]
+            if const_expr(self.layout.varlen_q):
+                # The TMA store stops at the batch's last row (sm90/ragged.py).
+                mO_tile = sequence_rows(
+                    mO[None, None, head, None], info.offset_q, info.seqlen_q, self.pack_group > 1
+                )
+            gO = cute.local_tile(mO_tile, (self.tile_m, self.head_dim_v), (m_block, 0))
             tOsO, tOgO = cpasync.tma_partition(
                 tma_o,
                 0,

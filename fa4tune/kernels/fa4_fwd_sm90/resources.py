@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from ...target import Target
 
 if TYPE_CHECKING:  # imported for type names only; config imports this module
-    from ...problem import Problem
+    from ...problem import InputLayout, Problem
     from .config import FwdConfig
 
 THREADS_PER_WARPGROUP = 128
@@ -122,9 +122,25 @@ def consumer_registers_needed(config: FwdConfig, problem: Problem) -> int:
     return regs_o + regs_s + regs_p + regs_emu + CONSUMER_OVERHEAD_REGS.get(wgs, 32)
 
 
-def register_split(config: FwdConfig) -> tuple[int, int]:
-    """(producer, consumer) registers per thread after setmaxnreg."""
-    return REGISTER_SPLIT[num_consumer_warpgroups(config)]
+# With ragged inputs the producer warp also finds its tile's batch (a warp-wide scan of
+# cu_seqlens_q) and, paged, a page id and a box's coordinates per page. One consumer warpgroup
+# launches with 248 registers and keeps 240: there 24 spilled (16-row pages, 64 bytes) and 56
+# leaves the register file half used. Two launch with 168, which 24/240 uses up: with pages the
+# consumers give 8 of theirs for 16 more each in the producer (8-row pages, 16 boxes a block,
+# spilled 4 bytes at 24).
+RAGGED_REGISTER_SPLIT = {1: (56, 240)}
+PAGED_REGISTER_SPLIT = {1: (56, 240), 2: (40, 232)}
+
+
+def register_split(config: FwdConfig, layout: InputLayout | None = None) -> tuple[int, int]:
+    """(producer, consumer) registers per thread after setmaxnreg (`layout`: the inputs')."""
+    wgs = num_consumer_warpgroups(config)
+    split = REGISTER_SPLIT[wgs]
+    if layout is not None and layout.paged:
+        split = PAGED_REGISTER_SPLIT.get(wgs, split)
+    elif layout is not None and layout.ragged:
+        split = RAGGED_REGISTER_SPLIT.get(wgs, split)
+    return split
 
 
 def launch_registers(wgs: int, target: Target) -> int:
@@ -137,11 +153,14 @@ def launch_registers(wgs: int, target: Target) -> int:
     )
 
 
-def register_split_reasons(wgs: int, target: Target) -> list[str]:
-    """Why REGISTER_SPLIT[wgs] cannot work on `target`: the consumers would take more registers than
-    the producer gives back, and their setmaxnreg.inc would never return. A split that passes keeps
-    the block within the register file too: it holds no more than it launched with."""
-    producer, consumer = REGISTER_SPLIT[wgs]
+def register_split_reasons(
+    wgs: int, target: Target, split: tuple[int, int] | None = None
+) -> list[str]:
+    """Why a register split (default REGISTER_SPLIT[wgs]) cannot work on `target`: the consumers
+    would take more registers than the producer gives back, and their setmaxnreg.inc would never
+    return. A split that passes keeps the block within the register file too: it holds no more
+    than it launched with."""
+    producer, consumer = split or REGISTER_SPLIT[wgs]
     launch = launch_registers(wgs, target)
     released, taken = launch - producer, wgs * (consumer - launch)
     if taken > released:
@@ -160,8 +179,10 @@ def register_reasons(config: FwdConfig, problem: Problem, target: Target) -> lis
             f"tile_m={config.tile_m} gives {wgs} consumer warpgroups; supported: "
             f"{', '.join(str(w * WGMMA_M) for w in REGISTER_SPLIT)}"
         ]
-    _, consumer = REGISTER_SPLIT[wgs]
-    reasons = register_split_reasons(wgs, target)  # (a balanced split also fits the register file)
+    split = register_split(config, problem.layout)
+    _, consumer = split
+    # (a balanced split also fits the register file)
+    reasons = register_split_reasons(wgs, target, split)
     need = consumer_registers_needed(config, problem)
     if need > min(consumer, target.max_regs_per_thread):
         reasons.append(
