@@ -10,9 +10,15 @@ __version__ = "0.1.0"
 from .problem import Problem  # noqa: E402
 from .runtime.lookup import LookupResult, lookup  # noqa: E402
 
-# `fa4tune.attention` (fa4tune.runtime.ops, which registers the torch op) and `fa4tune.explain`
-# (fa4tune.runtime.dispatch) are imported on first use: a call needs torch and the CuTe DSL.
-_LAZY = {"attention": "ops", "explain": "dispatch"}
+# `fa4tune.attention` (fa4tune.runtime.ops, which registers the torch op), `fa4tune.explain` and the
+# ragged calls (fa4tune.runtime.dispatch) are imported on first use: a call needs torch and the
+# CuTe DSL.
+_LAZY = {
+    "attention": "ops",
+    "explain": "dispatch",
+    "attention_varlen": "dispatch",
+    "explain_varlen": "dispatch",
+}
 
 
 def __getattr__(name: str):
@@ -25,4 +31,13 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'fa4tune' has no attribute {name!r}")
 
 
-__all__ = ["LookupResult", "Problem", "__version__", "attention", "explain", "lookup"]
+__all__ = [
+    "LookupResult",
+    "Problem",
+    "__version__",
+    "attention",
+    "attention_varlen",
+    "explain",
+    "explain_varlen",
+    "lookup",
+]

@@ -463,11 +463,13 @@ def cpu_device(monkeypatch):
 
     device = SimpleNamespace(launches=[], compiles=[])
 
-    def compile_forward(config, dtype, head_dim, head_dim_v, causal, target, pack_group=1):
+    def compile_forward(
+        config, dtype, head_dim, head_dim_v, causal, target, pack_group=1, layout=None
+    ):
         device.compiles.append((dtype, head_dim, head_dim_v, causal))
         return CpuKernel(dtype, causal, device.launches)
 
-    monkeypatch.setattr(dispatch, "_LAUNCHES", {})
+    monkeypatch.setattr(dispatch, "_LAUNCHES", dispatch.PreparedLaunches())
     monkeypatch.setattr(dispatch, "check_device", lambda q, k, v, aligned=True: None)
     monkeypatch.setattr(dispatch, "device_target", lambda device: (get_target("H200"), FAMILY))
     monkeypatch.setattr(

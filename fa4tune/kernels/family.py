@@ -222,7 +222,9 @@ class KernelFamily:
         return {}
 
     def prepare_launch(self, problem, config, target, *tensors, **options):
-        """The torch entry: a callable that launches `config` for calls shaped like `tensors`."""
+        """The torch entry: a callable that launches `config` for calls shaped like `tensors`
+        (q, k, v, the softmax scale; with `ragged=` the index tensors of a varlen or paged call,
+        common/varlen.Ragged, which the callable then takes after q, k and v)."""
         raise self._missing("a torch entry")
 
     # ---- measuring on a GPU -------------------------------------------------------------------
@@ -260,6 +262,11 @@ class KernelFamily:
 
     def peers(self) -> list[Peer]:
         """Other implementations to benchmark against."""
+        return []
+
+    def ragged_peers(self) -> list[Peer]:
+        """Other implementations to benchmark ragged problems (varlen, paged) against: their
+        `prepare(problem, case)` takes the family's measurement case."""
         return []
 
     def _missing(self, what: str) -> KernelError:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+from collections import OrderedDict
 
 from ..errors import UnsupportedInput
 from ..kernels import families, get_kernel
@@ -36,14 +37,57 @@ from ..kernels.common.inputs import (
     make_problem,
     problem_of,
 )
+from ..kernels.common.varlen import (
+    Ragged,
+    check_varlen_device,
+    check_varlen_inputs,
+)
+from ..kernels.common.varlen import empty_outputs as empty_varlen_outputs
+from ..kernels.common.varlen import make_problem as make_varlen_problem
 from ..target import is_described, target_for_device
 from .lookup import lookup
 
 ENTRY = "attention"  # the families that serve this function's calls (KernelFamily.entry)
-MAX_PREPARED = (
-    4096  # prepared launches kept; beyond it the cache starts over (shapes that never repeat)
-)
-_LAUNCHES: dict = {}
+# Prepared launches kept; beyond it the least recently used ones go (a server's shapes that never
+# repeat, or many more than it uses at once).
+MAX_PREPARED = 4096
+
+
+class PreparedLaunches:
+    """Prepared launches by call signature, the least recently used dropped beyond `capacity`. A
+    hit is a dict lookup and a move to the end (both one step under the GIL, so no lock on the hot
+    path); only inserting takes _PREPARE_LOCK (the caller holds it)."""
+
+    def __init__(self, capacity: int = MAX_PREPARED) -> None:
+        self.capacity = capacity
+        self._items: OrderedDict = OrderedDict()
+
+    def get(self, key):
+        launch = self._items.get(key)
+        if launch is not None:
+            try:
+                self._items.move_to_end(key)
+            except KeyError:  # dropped by another thread in between: still a valid launch
+                pass
+        return launch
+
+    def put(self, key, launch) -> None:
+        self._items[key] = launch
+        self._items.move_to_end(key)
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+    def clear(self) -> None:
+        self._items.clear()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, key) -> bool:
+        return key in self._items
+
+
+_LAUNCHES = PreparedLaunches()
 _PREPARE_LOCK = threading.Lock()
 
 
@@ -89,6 +133,98 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None)
     if launch is None:
         launch = _prepare(key, q, k, v, causal, softmax_scale)
     return launch(q, k, v)
+
+
+def attention_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    *,
+    seqused_k=None,
+    page_table=None,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+):
+    """(out, lse) of attention over ragged inputs, as flash-attn-4's `flash_attn_varlen_func`:
+    packed sequences (cu_seqlens_q, cu_seqlens_k), a paged KV cache (page_table), keys used per
+    sequence (seqused_k); each None where that input is batch-shaped. Layouts, shapes and what is
+    checked: fa4tune.kernels.common.varlen; docs/serving.md. No device sync: max_seqlen_q and
+    max_seqlen_k, if given, only key the lookup."""
+    index = (cu_seqlens_q, cu_seqlens_k, seqused_k, page_table)
+    try:
+        key = (
+            (
+                "varlen",
+                q.shape,
+                k.shape,
+                v.shape,
+                q.stride(),
+                k.stride(),
+                v.stride(),
+                q.dtype,
+                k.dtype,
+                v.dtype,
+                q.get_device(),
+                k.get_device(),
+                v.get_device(),
+                q.is_cuda,
+                k.is_cuda,
+                v.is_cuda,
+                *(
+                    None if t is None else (t.shape, t.stride(), t.dtype, t.get_device(), t.is_cuda)
+                    for t in index
+                ),
+                # The key's seqlens are these rounded up to powers of two (common/varlen.py).
+                None if max_seqlen_q is None else (max_seqlen_q - 1).bit_length(),
+                None if max_seqlen_k is None else (max_seqlen_k - 1).bit_length(),
+                causal,
+                softmax_scale,
+            )
+            if causal is True or causal is False
+            else None
+        )
+        if q.requires_grad or k.requires_grad or v.requires_grad:
+            check_no_grad(q, k, v)
+    except (AttributeError, RuntimeError, TypeError):  # _prepare_varlen says what is wrong
+        key = None
+    try:
+        launch = _LAUNCHES.get(key)
+    except TypeError:
+        key = launch = None
+    if launch is None:
+        ragged = Ragged(*index[:2], seqused_k, page_table, max_seqlen_q, max_seqlen_k)
+        launch = _prepare_varlen(key, q, k, v, ragged, causal, softmax_scale)
+    return launch(q, k, v, *(t for t in index if t is not None))
+
+
+def explain_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    *,
+    seqused_k=None,
+    page_table=None,
+    causal: bool = False,
+    target=None,
+):
+    """The LookupResult that `attention_varlen` would use for these tensors (any device, meta too);
+    nothing runs."""
+    ragged = Ragged(cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, max_seqlen_q, max_seqlen_k)
+    if check_varlen_inputs(q, k, v, ragged, causal):
+        raise UnsupportedInput("empty inputs have nothing to look up or tune")
+    problem = make_varlen_problem(q, k, v, ragged, causal)
+    family = None
+    if target is None and getattr(q, "is_cuda", False):
+        target, family = device_target(q.device)
+    return lookup(problem, target, kernel=family.name if family is not None else None)
 
 
 def explain(q, k, v, causal: bool = False, target=None):
@@ -176,12 +312,47 @@ def _prepare(key, q, k, v, causal, softmax_scale):
     return launch
 
 
+def _prepare_varlen(key, q, k, v, ragged: Ragged, causal, softmax_scale):
+    empty = check_varlen_inputs(q, k, v, ragged, causal)
+    check_scale(softmax_scale)
+    check_varlen_device(q, k, v, ragged, aligned=not empty)
+    target, family = device_target(q.device)
+    if empty:
+        launch = _EmptyVarlen(ragged)
+        with _PREPARE_LOCK:
+            _remember(key, launch)
+        return launch
+    problem = make_varlen_problem(q, k, v, ragged, causal)
+    _say_undescribed(target)
+    config = lookup(problem, target, kernel=family.name).config
+    with _PREPARE_LOCK:
+        launch = _LAUNCHES.get(key) if key is not None else None
+        if launch is None:
+            launch = family.prepare_launch(
+                problem, config, target, q, k, v, softmax_scale, ragged=ragged
+            )
+            _remember(key, launch)
+    return launch
+
+
 def _remember(key, launch) -> None:
     """Keep a prepared launch for its key (the caller holds _PREPARE_LOCK)."""
     if key is not None:
-        if len(_LAUNCHES) >= MAX_PREPARED:
-            _LAUNCHES.clear()
-        _LAUNCHES[key] = launch
+        _LAUNCHES.put(key, launch)
+
+
+class _EmptyVarlen:
+    """A ragged call with nothing to compute: O zero and LSE -inf in flash-attn-4's varlen shapes,
+    without a kernel."""
+
+    def __init__(self, ragged: Ragged) -> None:
+        self.ragged = ragged
+
+    def __call__(self, q, k, v, *index):
+        import torch
+
+        with torch.cuda.device(q.device):
+            return empty_varlen_outputs(q, v, self.ragged)
 
 
 class _Empty:

@@ -16,7 +16,15 @@ import struct
 DESCRIPTOR_5D = struct.Struct("<Q5i4x4q")
 DESCRIPTOR_4D = struct.Struct("<Q4i3q")
 DESCRIPTOR_3D = struct.Struct("<Q3i4x2q")
-_DESCRIPTORS = {3: DESCRIPTOR_3D, 4: DESCRIPTOR_4D, 5: DESCRIPTOR_5D}
+DESCRIPTOR_2D = struct.Struct("<Q2iq")  # a page table
+DESCRIPTOR_1D = struct.Struct("<Qi4x")  # cu_seqlens, seqused_k
+_DESCRIPTORS = {
+    1: DESCRIPTOR_1D,
+    2: DESCRIPTOR_2D,
+    3: DESCRIPTOR_3D,
+    4: DESCRIPTOR_4D,
+    5: DESCRIPTOR_5D,
+}
 
 
 def raw_stream_getter():

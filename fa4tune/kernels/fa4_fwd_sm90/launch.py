@@ -23,7 +23,15 @@ from ..common.inputs import (
 )
 from ..common.launch import direct_call, launch_error, pack_descriptor, raw_stream_getter
 from ..common.streams import current_device_getter, current_tile_counter, unused_counter
-from .compile import compile_combine, compile_forward, pack_group_of
+from ..common.varlen import (
+    Ragged,
+    check_varlen_device,
+    check_varlen_inputs,
+    output_shapes,
+)
+from ..common.varlen import empty_outputs as empty_varlen_outputs
+from ..common.varlen import make_problem as make_varlen_problem
+from .compile import compile_combine, compile_forward, layout_of, pack_group_of
 from .config import FwdConfig, grid_reasons
 
 
@@ -34,7 +42,17 @@ def partial_shapes(problem: Problem, config: FwdConfig) -> tuple[tuple, tuple]:
     a buffer kept per stream and per CUDA graph (a buffer kept from torch.compile's CUDA-graph
     warm-up is one torch refuses, as the tile counters were)."""
     s, b, q, h = config.num_splits, problem.batch, problem.seqlen_q, problem.nheads_q
+    if problem.total_q is not None:  # varlen Q: one batch of all rows
+        b, q = 1, problem.total_q
     return (s, b, q, h, problem.head_dim_v), (s, b, h, q)
+
+
+def combine_views(out, lse, problem: Problem):
+    """O and LSE as the combine kernel writes them, (batch, seqlen_q, heads, dv) and (batch, heads,
+    seqlen_q): varlen O (total_q, heads, dv) and LSE (heads, total_q) are one batch of all rows."""
+    if problem.total_q is not None:
+        return out.unsqueeze(0), lse.unsqueeze(0)
+    return out, lse
 
 
 def heads_per_l2_group(problem: Problem, target: Target) -> int:
@@ -157,11 +175,95 @@ def attention_forward(
     return out, lse
 
 
+def attention_varlen_forward(
+    q,
+    k,
+    v,
+    config: FwdConfig,
+    ragged: Ragged,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    out=None,
+    lse=None,
+    target: Target | str | None = None,
+):
+    """attention_forward for ragged inputs (common/varlen.py: flash-attn-4's varlen and paged
+    layouts): converts its tensors on every call (the measuring worker's and the benchmarks' way
+    in). Returns (out, lse) in flash-attn-4's varlen shapes; `out` and `lse` given are written."""
+    import torch
+
+    target = get_target(target)
+    empty = check_varlen_inputs(q, k, v, ragged, causal)
+    check_no_grad(q, k, v)
+    check_varlen_device(q, k, v, ragged, aligned=not empty)
+    out_shape, lse_shape = output_shapes(q, v, ragged)
+    if out is not None:
+        check_output("out", out, out_shape, q.dtype, q.device)
+    if lse is not None:
+        check_output("lse", lse, lse_shape, torch.float32, q.device, align=4)
+    if empty:
+        if out is None and lse is None:
+            return empty_varlen_outputs(q, v, ragged)
+        out = torch.zeros(out_shape, dtype=q.dtype, device=q.device) if out is None else out.zero_()
+        if lse is None:
+            lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+        return out, lse.fill_(-math.inf)
+    problem = make_varlen_problem(q, k, v, ragged, causal)
+    import_dsl(target)
+    from cuda.bindings import driver as cuda
+    from cutlass import Float32, Int32
+    from cutlass.cute.runtime import from_dlpack
+
+    check_grid(config, problem)
+    compiled = compile_forward(
+        config,
+        problem.dtype,
+        problem.head_dim,
+        problem.head_dim_v,
+        causal,
+        target,
+        pack_group=pack_group_of(config, problem),
+        layout=layout_of(problem),
+    )
+    combine = compile_combine(problem.dtype, problem.head_dim_v, target) if config.split else None
+    out = torch.empty(out_shape, dtype=q.dtype, device=q.device) if out is None else out
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device) if lse is None else lse
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(problem.head_dim)
+
+    def dynamic(t, align):
+        return from_dlpack(t, assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
+
+    with torch.cuda.device(q.device):
+        stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+        counter = from_dlpack(launch_counter(config, causal, q.device), assumed_align=4)
+        outputs = [dynamic(out, 16), dynamic(lse, 4)]
+        if config.split:
+            o_shape, l_shape = partial_shapes(problem, config)
+            o_part = torch.empty(o_shape, dtype=torch.float32, device=q.device)
+            lse_part = torch.empty(l_shape, dtype=torch.float32, device=q.device)
+            outputs = [dynamic(o_part, 16), dynamic(lse_part, 4)]
+        compiled.function(
+            *(dynamic(t, 16) for t in (q, k, v)),
+            *outputs,
+            counter,
+            Float32(scale * math.log2(math.e)),
+            Int32(heads_per_l2_group(problem, target)),
+            stream,
+            *(dynamic(t, 4) for t in ragged.tensors()),
+        )
+        if config.split:
+            o_view, lse_view = combine_views(out, lse, problem)
+            combine(*outputs, dynamic(o_view, 16), dynamic(lse_view, 4), stream)
+    return out, lse
+
+
 class PreparedLaunch:
     """The packed arguments of one (shapes, strides, dtypes, device, causal, scale) and the compiled
     host function. A call rewrites the data pointers and the stream, and launches."""
 
-    def __init__(self, problem: Problem, config, target, q, k, v, softmax_scale) -> None:
+    def __init__(
+        self, problem: Problem, config, target, q, k, v, softmax_scale, ragged: Ragged | None = None
+    ) -> None:
         import torch
 
         self.problem, self.config = problem, config
@@ -170,6 +272,8 @@ class PreparedLaunch:
         self.dtype = q.dtype
         self.out_shape = (problem.batch, problem.seqlen_q, problem.nheads_q, problem.head_dim_v)
         self.lse_shape = (problem.batch, problem.nheads_q, problem.seqlen_q)
+        if ragged is not None:  # flash-attn-4's varlen shapes
+            self.out_shape, self.lse_shape = output_shapes(q, v, ragged)
         out_strides = torch.empty(self.out_shape, device="meta").stride()
         lse_strides = torch.empty(self.lse_shape, device="meta").stride()
         self.descriptors = [pack_descriptor(t.shape, t.stride()) for t in (q, k, v)]
@@ -183,8 +287,13 @@ class PreparedLaunch:
                 strides = torch.empty(shape, device="meta").stride()
                 self.descriptors.append(pack_descriptor(shape, strides))
                 combine.append(pack_descriptor(shape, strides))
-            combine.append(pack_descriptor(self.out_shape, out_strides))
-            combine.append(pack_descriptor(self.lse_shape, lse_strides))
+            o_view, lse_view = combine_views(
+                torch.empty(self.out_shape, device="meta"),
+                torch.empty(self.lse_shape, device="meta"),
+                problem,
+            )
+            combine.append(pack_descriptor(o_view.shape, o_view.stride()))
+            combine.append(pack_descriptor(lse_view.shape, lse_view.stride()))
         else:
             self.descriptors.append(pack_descriptor(self.out_shape, out_strides))
             self.descriptors.append(pack_descriptor(self.lse_shape, lse_strides))
@@ -205,12 +314,22 @@ class PreparedLaunch:
         self.scale_log2 = ctypes.c_float(scale * math.log2(math.e))
         self.l2_group = ctypes.c_int32(heads_per_l2_group(problem, target))
         self.stream = ctypes.c_void_p(0)
-        # The compiled host function's arguments: one pointer per kernel argument, in order.
-        self.arguments = [ctypes.addressof(d) for d in self.descriptors] + [
-            ctypes.addressof(self.scale_log2),
-            ctypes.addressof(self.l2_group),
-            ctypes.addressof(self.stream),
+        # Ragged inputs: the index tensors' descriptors, after the stream (the host function's
+        # argument order); their pointers too are written per call.
+        self.index_descriptors = [
+            pack_descriptor(t.shape, t.stride()) for t in (ragged.tensors() if ragged else ())
         ]
+        self.index_pointers = [ctypes.c_uint64.from_buffer(d) for d in self.index_descriptors]
+        # The compiled host function's arguments: one pointer per kernel argument, in order.
+        self.arguments = (
+            [ctypes.addressof(d) for d in self.descriptors]
+            + [
+                ctypes.addressof(self.scale_log2),
+                ctypes.addressof(self.l2_group),
+                ctypes.addressof(self.stream),
+            ]
+            + [ctypes.addressof(d) for d in self.index_descriptors]
+        )
         self.combine_arguments = [ctypes.addressof(d) for d in combine] + (
             [ctypes.addressof(self.stream)] if combine else []
         )
@@ -231,43 +350,55 @@ class PreparedLaunch:
             self.combine_executor = combine
             self._run_combine, self.combine_result = direct_call(combine, self.combine_arguments)
 
-    def __call__(self, q, k, v):
+    def __call__(self, q, k, v, *index):
+        """Launch on q, k, v (and with ragged inputs the index tensors, in Ragged.tensors' order,
+        checked 4-byte aligned by the caller)."""
         q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
         if (q_ptr | k_ptr | v_ptr) & 15:
             raise UnsupportedInput(
                 "q, k and v must start at 16-byte aligned addresses (for the TMA); "
                 "pass a .clone() of a tensor sliced at an odd offset"
             )
+        for t in index:
+            if t.data_ptr() & 3:
+                raise UnsupportedInput(
+                    "cu_seqlens, seqused_k and page_table must start at 4-byte aligned addresses; "
+                    "pass a .clone()"
+                )
         if self._get_device() == self.device_index:
-            return self._launch(q_ptr, k_ptr, v_ptr)
+            return self._launch(q_ptr, k_ptr, v_ptr, index)
         # The kernel launches in the current device's context, on its current stream, whose tile
         # counter the launch takes: make it the tensors' one.
         with self._device_guard(self.device_index):
-            return self._launch(q_ptr, k_ptr, v_ptr)
+            return self._launch(q_ptr, k_ptr, v_ptr, index)
 
-    def _launch(self, q_ptr: int, k_ptr: int, v_ptr: int):
+    def _launch(self, q_ptr: int, k_ptr: int, v_ptr: int, index=()):
         out = self._empty(self.out_shape, dtype=self.dtype, device=self.device)
         lse = self._empty(self.lse_shape, dtype=self._float32, device=self.device)
         counter = self._tile_counter(self.device) if self._tile_counter else self._unused_counter
         stream = self._raw_stream(self.device_index)
         if self.split:
-            return self._launch_split(q_ptr, k_ptr, v_ptr, out, lse, counter, stream)
+            return self._launch_split(q_ptr, k_ptr, v_ptr, out, lse, counter, stream, index)
         with self.lock:  # the descriptors are shared; the launch copies them before it returns
             p = self.pointers
             p[0].value, p[1].value, p[2].value = q_ptr, k_ptr, v_ptr
             p[3].value, p[4].value, p[5].value = out.data_ptr(), lse.data_ptr(), counter.data_ptr()
+            for pointer, t in zip(self.index_pointers, index):
+                pointer.value = t.data_ptr()
             self.stream.value = stream
             error = self._run()
         if error:
             raise launch_error(error)
         return out, lse
 
-    def _launch_split(self, q_ptr, k_ptr, v_ptr, out, lse, counter, stream):
+    def _launch_split(self, q_ptr, k_ptr, v_ptr, out, lse, counter, stream, index=()):
         o_shape, l_shape = self.partial_shapes
         o_part = self._empty(o_shape, dtype=self._float32, device=self.device)
         lse_part = self._empty(l_shape, dtype=self._float32, device=self.device)
         with self.lock:
             p, c = self.pointers, self.combine_pointers
+            for pointer, t in zip(self.index_pointers, index):
+                pointer.value = t.data_ptr()
             p[0].value, p[1].value, p[2].value = q_ptr, k_ptr, v_ptr
             p[3].value = c[0].value = o_part.data_ptr()
             p[4].value = c[1].value = lse_part.data_ptr()
@@ -285,9 +416,17 @@ def problem_device(q) -> int:
 
 
 def prepare_launch(
-    problem: Problem, config: FwdConfig, target: Target, q, k, v, softmax_scale
+    problem: Problem,
+    config: FwdConfig,
+    target: Target,
+    q,
+    k,
+    v,
+    softmax_scale,
+    ragged: Ragged | None = None,
 ) -> PreparedLaunch:
-    """The prepared launch of `config` for calls shaped like q, k, v (checked by the caller)."""
+    """The prepared launch of `config` for calls shaped like q, k, v (and `ragged`'s index
+    tensors: common/varlen.py), checked by the caller."""
     check_grid(config, problem)  # a default's: the lookup skips borrowed configs that cannot launch
     compiled = compile_forward(
         config,
@@ -297,11 +436,12 @@ def prepare_launch(
         problem.causal,
         target,
         pack_group=pack_group_of(config, problem),
+        layout=layout_of(problem),
     )
     combine = None
     if config.split:
         combine = compile_combine(problem.dtype, problem.head_dim_v, target).to(problem_device(q))
-    launch = PreparedLaunch(problem, config, target, q, k, v, softmax_scale)
+    launch = PreparedLaunch(problem, config, target, q, k, v, softmax_scale, ragged)
     # An executor for the tensors' device (the CUDA-dialect one cute.compile gives here loads a
     # context-free library and ignores it; the host function launches on the current device).
     launch.bind(compiled.function.to(launch.device_index), combine)
