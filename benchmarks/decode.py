@@ -13,7 +13,10 @@ writes the LSE; cuDNN is torch SDPA without gradients (O only; no column for cau
 != seqlen_k, where SDPA's mask is top-left aligned). Every column is first checked against the fp32
 reference (fa4tune's with NaN-poisoned outputs), then timed in interleaved rounds of
 `fa4tune.measure.timing.time_cuda` with the L2 flushed before every run: the median of the rounds'
-medians. O's relative error against the reference is reported per column."""
+medians. O's relative error against the reference is reported per column. Ragged decode problems
+of a job (a paged cache, seqused_k, varlen q: `--job tuning_configs/h200-bf16-serving.yaml`) run on
+their token mix as benchmarks/varlen.py runs them, against flash-attn-4's varlen call with the same
+page table and lengths (no cuDNN column)."""
 
 from __future__ import annotations
 
@@ -41,6 +44,14 @@ BIG_KV = 256 * 2**20  # the issue's 3.6 TB/s target holds on shapes whose K/V is
 
 def measure(problem, target, kernel, rounds: int) -> dict:
     from fa4tune.runtime.lookup import lookup
+
+    if problem.layout.ragged:  # paged or varlen decode: flash-attn-4's varlen call the peer
+        from varlen import measure_problem
+
+        row = measure_problem(problem, target, kernel, rounds)
+        for name, why in ((FA4_O, "n/a (ragged)"), (CUDNN, "n/a (ragged)")):
+            row["cells"].setdefault(name, why)
+        return row
 
     found = lookup(problem, target, kernel=kernel.name)
     default = kernel.default_config(problem, target)
@@ -198,7 +209,7 @@ def main(argv=None) -> int:
     }
     rows = []
     for problem in job.problems:
-        if only and problem.key() not in only:
+        if (only and problem.key() not in only) or problem.regime != "decode":
             continue
         row = measure(problem, target, kernel, args.rounds)
         rows.append(row)
