@@ -44,6 +44,8 @@ def test_export_in_one_process_load_in_another(tmp_path):
             "the compile cache serves it"
         )
         names = list(loaded.function.execution_args.signature.parameters)
-        assert names[:5] == ["mQ", "mK", "mV", "mO", "mLSE"] and names[-1] == "stream"
+        # The ragged inputs' index tensors come after the stream (None for batch-shaped ones).
+        assert names[:5] == ["mQ", "mK", "mV", "mO", "mLSE"] and names[8] == "stream"
+        assert names[9:] == ["mCuSeqlensQ", "mCuSeqlensK", "mSeqUsedK", "mPageTable"]
     finally:
         _CACHE.pop(key, None)

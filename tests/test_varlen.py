@@ -781,3 +781,27 @@ def test_the_varlen_report_renders_rates_ratios_and_errors(tmp_path, capsys, mon
         "| decode-key | 64 / 200000 |" in text and "4.00 | 4.00 | error: RuntimeError: no" in text
     )
     assert "Prefill (TFLOP/s): tuned against flash-attn-4, lowest **1.051x**" in text
+
+
+@pytest.mark.compile
+def test_a_ragged_kernel_is_keyed_exported_and_loaded_with_its_layout(tmp_path):
+    """What the gpu backend's compile workers do: the family compiles a ragged problem's kernel
+    under a key of its own (not the batch-shaped problem's), exports it, and another compile cache
+    loads it under the same key."""
+    from fa4tune.kernels.fa4_fwd_sm90 import compile as fwd_compile
+
+    paged = Problem(seqlen_q=1, seqlen_k=4096, batch=8, nheads_q=32, nheads_kv=8, page_size=16,
+                    seqused_k=True)  # fmt: skip
+    dense = Problem(seqlen_q=1, seqlen_k=4096, batch=8, nheads_q=32, nheads_kv=8)
+    config = FAMILY.default_config(paged, H200)
+    assert FAMILY.compile_key(paged, config, H200) != FAMILY.compile_key(dense, config, H200)
+    compiled = FAMILY.compile(paged, config, H200, use_cache=False)
+    assert compiled.key == FAMILY.compile_key(paged, config, H200)
+    path = FAMILY.export(compiled, tmp_path / "paged.o")
+    fwd_compile._CACHE.pop(compiled.key, None)
+    try:
+        loaded = FAMILY.load(path, paged, config, H200)
+        assert loaded.key == compiled.key and loaded.kernel is None
+        assert FAMILY.compile(paged, config, H200) is loaded  # the cache serves it
+    finally:
+        fwd_compile._CACHE.pop(compiled.key, None)

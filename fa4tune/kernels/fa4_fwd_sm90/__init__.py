@@ -107,7 +107,7 @@ class ForwardSm90(KernelFamily):
 
     # ---- compiling and launching --------------------------------------------------------------
     def compile_key(self, problem, config, target) -> tuple:
-        from .compile import compile_key, pack_group_of
+        from .compile import compile_key, layout_of, pack_group_of
 
         return compile_key(
             config,
@@ -117,10 +117,11 @@ class ForwardSm90(KernelFamily):
             problem.causal,
             target,
             pack_group_of(config, problem),
+            layout_of(problem),
         )
 
     def compile(self, problem, config, target, *, options=None, use_cache=True):
-        from .compile import compile_forward, pack_group_of
+        from .compile import compile_forward, layout_of, pack_group_of
 
         return compile_forward(
             config,
@@ -132,6 +133,7 @@ class ForwardSm90(KernelFamily):
             options=options,
             use_cache=use_cache,
             pack_group=pack_group_of(config, problem),
+            layout=layout_of(problem),
         )
 
     def export(self, compiled, path) -> str:
@@ -140,7 +142,7 @@ class ForwardSm90(KernelFamily):
         return export_compiled(compiled, path)
 
     def load(self, path, problem, config, target):
-        from .compile import load_compiled, pack_group_of
+        from .compile import layout_of, load_compiled, pack_group_of
 
         return load_compiled(
             path,
@@ -151,6 +153,7 @@ class ForwardSm90(KernelFamily):
             problem.causal,
             target,
             pack_group=pack_group_of(config, problem),
+            layout=layout_of(problem),
         )
 
     def artifact_name(self, key: tuple) -> str:
@@ -188,7 +191,24 @@ class ForwardSm90(KernelFamily):
         return attention_measure.check(case, reference)
 
     def launcher(self, case, config, target):
-        from .launch import attention_forward
+        from .launch import attention_forward, attention_varlen_forward
+
+        if case.problem.layout.ragged:  # a RaggedCase: its index tensors and varlen outputs
+
+            def run_ragged():
+                attention_varlen_forward(
+                    case.q,
+                    case.k,
+                    case.v,
+                    config,
+                    case.ragged,
+                    causal=case.problem.causal,
+                    out=case.out,
+                    lse=case.lse,
+                    target=target,
+                )
+
+            return run_ragged
 
         def run():
             attention_forward(

@@ -242,13 +242,14 @@ def load_compiled(
     causal: bool = False,
     target: Target | str | None = None,
     pack_group: int = 1,
+    layout: InputLayout | None = None,
 ) -> CompiledForward:
     """Load a kernel that `export_compiled` wrote (in any process) into this process's compile
     cache, so that compile_forward and attention_forward find it. Milliseconds instead of
     seconds."""
     target = get_target(target)
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    key = compile_key(config, dtype, head_dim, head_dim_v, causal, target, pack_group)
+    key = compile_key(config, dtype, head_dim, head_dim_v, causal, target, pack_group, layout)
     with _CACHE_LOCK:
         hit = _CACHE.get(key)
     if hit is not None:
