@@ -212,7 +212,7 @@ def test_malformed_yaml_names_the_file_and_line(workdir, capsys):
         ({"problems": [{"head_dmi": 128}]}, ["problems[0]", "unknown problem field", "head_dim"]),
         (
             {"kernel": "fa5_fwd"},
-            ["kernel", "unknown kernel 'fa5_fwd'", "known kernels: fa4_fwd_sm90"],
+            ["kernel", "unknown kernel 'fa5_fwd'", "known kernels: fa4_bwd_sm90, fa4_fwd_sm90"],
         ),
         (
             {"spaces": ["tiles", "warp_magic"]},

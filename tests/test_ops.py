@@ -135,13 +135,47 @@ def test_tracing_refuses_by_name_what_the_schema_and_autograd_cannot_take():
         torch.export.export(Attend(), odd, strict=False)
 
 
-def test_tracing_refuses_inputs_that_require_grad_by_name():
-    """The op has no backward yet: a traced call that autograd would record says so (a direct call
-    of the op runs, and its backward raises torch's "no autograd formula")."""
-    mode, (q, k, v) = fake_inputs()
-    with mode:
-        q.requires_grad_()
-    with pytest.raises(UnsupportedInput, match="forward only"):
-        torch.export.export(Attend(), (q, k, v), strict=False)
-    with pytest.raises(Exception, match="forward only"):
-        torch.export.export(Attend(), (q, k, v), strict=True)
+def test_inputs_that_require_grad_record_the_op_and_its_backward(monkeypatch):
+    """With autograd recording, fa4tune.attention goes through the op, whose autograd saves q, k,
+    v, O and LSE and calls fa4tune::attention_backward (with the LSE's gradient when the LSE is
+    used). On the CPU the kernels are played by the fp32 reference, the rest is real. (Tracing it
+    needs CUDA: torch without CUDA aborts on an autograd node of fake CUDA tensors;
+    tests/test_ops_gpu.py compiles forward and backward.)"""
+    from fa4tune.kernels.common.reference import attention_grads_reference, attention_reference
+    from fa4tune.runtime import dispatch
+
+    calls = []
+
+    def forward(q, k, v, causal=False, softmax_scale=None):
+        out, lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale)
+        return out.to(q.dtype), lse
+
+    def backward(dout, q, k, v, out, lse, dlse=None, causal=False, softmax_scale=None):
+        calls.append((causal, softmax_scale, dlse is not None))
+        grads = attention_grads_reference(q, k, v, dout, causal, softmax_scale, dlse)
+        return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
+
+    monkeypatch.setattr(dispatch, "attention", forward)
+    monkeypatch.setattr(dispatch, "attention_backward", backward)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (
+        torch.randn(2, 40, h, 64, generator=g).to(torch.bfloat16).requires_grad_()
+        for h in (4, 2, 2)
+    )
+    dout = torch.randn(2, 40, 4, 64, generator=g).to(torch.bfloat16)
+    out, lse = fa4tune.attention(q, k, v, causal=True, softmax_scale=0.1)
+    assert out.grad_fn is not None
+    out.backward(dout)
+    want = attention_grads_reference(q, k, v, dout, True, 0.1)
+    for t, ref in zip((q, k, v), want):
+        assert ((t.grad.float() - ref).norm() / ref.norm()).item() < 1e-2
+    assert calls == [(True, 0.1, False)]  # the LSE unused: no gradient of it
+    for t in (q, k, v):
+        t.grad = None
+    out, lse = fa4tune.attention(q, k, v)
+    (out.float().sum() + lse.sum()).backward()
+    assert calls[-1] == (False, None, True)
+    with torch.no_grad():  # nothing records: the direct path
+        assert fa4tune.attention(q, k, v)[0].grad_fn is None
+    with pytest.raises(UnsupportedInput, match="causal must be True or False"):
+        fa4tune.attention(q, k, v, causal=1)

@@ -119,7 +119,9 @@ def test_reduce_overhead_captures_a_cuda_graph_that_replays_new_inputs():
         assert_matches_reference(q, k, v, True, None, out.clone(), lse.clone())
 
 
-def test_the_op_called_directly_runs_and_its_backward_is_refused_by_torch():
+def test_the_op_called_directly_runs_and_its_backward_gives_the_reference_gradients():
+    from fa4tune.kernels.common.reference import attention_grads_reference
+
     q, k, v = inputs()
     out, lse = poisoned_attention(
         q,
@@ -129,7 +131,34 @@ def test_the_op_called_directly_runs_and_its_backward_is_refused_by_torch():
         call=lambda q, k, v, causal, softmax_scale: OP(q, k, v, causal, softmax_scale),
     )
     assert_matches_reference(q, k, v, True, None, out, lse)
-    q.requires_grad_()
-    out, _ = OP(q, k, v, False, None)
-    with pytest.raises(RuntimeError, match="autograd"):
-        out.float().sum().backward()
+    for t in (q, k, v):
+        t.requires_grad_()
+    out, _ = OP(q, k, v, True, None)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    for t, want in zip((q, k, v), attention_grads_reference(q, k, v, dout, causal=True)):
+        assert ((t.grad.float() - want).norm() / want.norm()).item() < 2e-2
+
+
+def test_torch_compile_traces_forward_and_backward_in_one_graph():
+    """fullgraph: the forward op and, in the backward graph, fa4tune::attention_backward; the
+    gradients are the reference's."""
+    from fa4tune.kernels.common.reference import attention_grads_reference
+
+    q, k, v = (t.requires_grad_() for t in inputs())
+
+    @torch.compile(fullgraph=True)
+    def step(q, k, v):
+        out, lse = fa4tune.attention(q, k, v, causal=True)
+        return (out.float() * out.float()).sum() + lse.sum()
+
+    step(q, k, v).backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    with torch.no_grad():
+        out, lse = fa4tune.attention(q, k, v, causal=True)
+    dout = (2 * out.float()).to(out.dtype)
+    want = attention_grads_reference(q, k, v, dout, True, None, torch.ones_like(lse))
+    for got, ref in zip(grads, want):
+        assert ((got.float() - ref).norm() / ref.norm()).item() < 2e-2

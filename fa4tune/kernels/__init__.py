@@ -23,6 +23,7 @@ DEFAULT_KERNEL = "fa4_fwd_sm90"
 
 _BUILTINS = {
     "fa4_fwd_sm90": "fa4tune.kernels.fa4_fwd_sm90:FAMILY",
+    "fa4_bwd_sm90": "fa4tune.kernels.fa4_bwd_sm90:FAMILY",
 }
 
 _registered: dict[str, KernelFamily] = {}

@@ -255,6 +255,10 @@ class KernelFamily:
         raise self._missing("GPU measurement")
 
     # ---- estimates and peers ------------------------------------------------------------------
+    def work_flops(self, problem) -> float:
+        """The FLOPs one call does, by the usual convention (what TFLOP/s count): the forward's."""
+        return problem.flops
+
     def cost_model(self, target, assumptions=None):
         """An object with `time_s(config, problem) -> (seconds, details)` and
         `provenance() -> dict`: what the `model` backend times candidates with."""

@@ -40,10 +40,11 @@ class Measurement:
             raise ValueError(f"a {self.status} measurement needs a reason")
 
     @classmethod
-    def ok(cls, problem, time_ms: float, **kwargs) -> Measurement:
-        return cls(
-            status="ok", time_ms=time_ms, tflops=problem.flops / (time_ms * 1e-3) / 1e12, **kwargs
-        )
+    def ok(cls, problem, time_ms: float, flops: float | None = None, **kwargs) -> Measurement:
+        """A timed run; its TFLOP/s count `flops` (the kernel family's work_flops; default the
+        problem's forward FLOPs)."""
+        flops = problem.flops if flops is None else flops
+        return cls(status="ok", time_ms=time_ms, tflops=flops / (time_ms * 1e-3) / 1e12, **kwargs)
 
     @classmethod
     def pruned(cls, reasons: list[str], is_estimate: bool = False) -> Measurement:

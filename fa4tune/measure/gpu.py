@@ -287,6 +287,7 @@ class GpuBackend(Backend):
                 Measurement.ok(
                     problem,
                     median,
+                    flops=self.kernel.work_flops(problem),
                     spread_ms=max(across, within) * median,
                     max_error=max(m.max_error or 0.0 for m in rounds[index]),
                     details={
@@ -520,7 +521,11 @@ class GpuBackend(Backend):
                 **common,
             )
         return Measurement.ok(
-            problem, time_ms, spread_ms=result.get("spread", 0.0) * time_ms, **common
+            problem,
+            time_ms,
+            flops=self.kernel.work_flops(problem),
+            spread_ms=result.get("spread", 0.0) * time_ms,
+            **common,
         )
 
 

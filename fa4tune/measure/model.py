@@ -17,7 +17,12 @@ class CostModelBackend(Backend):
     def measure(self, problem, config) -> Measurement:
         seconds, details = self.model.time_s(config, problem)
         return Measurement.ok(
-            problem, seconds * 1e3, spread_ms=0.0, is_estimate=True, details=details
+            problem,
+            seconds * 1e3,
+            flops=self.kernel.work_flops(problem),
+            spread_ms=0.0,
+            is_estimate=True,
+            details=details,
         )
 
     def provenance(self) -> dict:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import threading
 import warnings
 from collections import OrderedDict
+from dataclasses import replace
 
 from ..errors import UnsupportedInput
 from ..kernels import families, get_kernel
@@ -48,6 +49,7 @@ from ..target import is_described, target_for_device
 from .lookup import lookup
 
 ENTRY = "attention"  # the families that serve this function's calls (KernelFamily.entry)
+BACKWARD_KERNEL = "fa4_bwd_sm90"  # the family autograd's backward runs
 # Prepared launches kept; beyond it the least recently used ones go (a server's shapes that never
 # repeat, or many more than it uses at once).
 MAX_PREPARED = 4096
@@ -199,6 +201,29 @@ def attention_varlen(
         ragged = Ragged(*index[:2], seqused_k, page_table, max_seqlen_q, max_seqlen_k)
         launch = _prepare_varlen(key, q, k, v, ragged, causal, softmax_scale)
     return launch(q, k, v, *(t for t in index if t is not None))
+
+
+def attention_backward(dout, q, k, v, out, lse, dlse=None, causal=False, softmax_scale=None):
+    """(dq, dk, dv) of fa4tune.attention's call on q, k, v given dout (and dlse): the backward
+    family's tuned config (its lookup; dQ's sums made deterministic while
+    torch.use_deterministic_algorithms is on), the backward kernel on the current stream. The
+    eager path of torch.ops.fa4tune.attention_backward, which autograd calls."""
+    import torch
+
+    from ..kernels.fa4_bwd_sm90.launch import attention_backward as run_backward
+
+    check_inputs(q, k, v, causal)
+    check_scale(softmax_scale)
+    check_device(q, k, v, aligned=False)
+    target, _ = device_target(q.device)
+    family = get_kernel(BACKWARD_KERNEL)
+    problem = make_problem(q, k, v, causal)
+    config = lookup(problem, target, kernel=family.name).config
+    if torch.are_deterministic_algorithms_enabled() and not config.deterministic:
+        config = replace(config, deterministic=True)
+    return run_backward(
+        dout, q, k, v, out, lse, config, causal, softmax_scale, dlse=dlse, target=target
+    )
 
 
 def explain_varlen(

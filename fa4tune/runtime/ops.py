@@ -10,9 +10,15 @@ propagated (symbolic ones too). The fake implementation checks what the eager pa
 what only real tensors have (data pointers, the GPU's model), so bad input fails while tracing,
 with the same `UnsupportedInput`.
 
-`fa4tune.attention` (this module's `attention`) runs the eager path directly when nothing traces,
-so that eager calls do not pay for torch's op dispatcher, and calls the op while torch.compile or
-torch.export traces. The backward family registers its autograd on this op.
+`fa4tune.attention` (this module's `attention`) runs the eager path directly when nothing traces
+and nothing records gradients, so that inference calls do not pay for torch's op dispatcher, and
+calls the op while torch.compile or torch.export traces or autograd records.
+
+The op's backward is `torch.ops.fa4tune.attention_backward(dout, q, k, v, out, lse, dlse, causal,
+softmax_scale) -> (dq, dk, dv)`, itself an op with a fake implementation (so that
+torch.compile(fullgraph=True) traces forward and backward), whose eager path runs the backward
+kernel family (fa4_bwd_sm90) with its tuned config (dispatch.attention_backward). The forward
+saves q, k, v, O and LSE for it; a gradient of the returned LSE is honoured.
 
 A program exported with this op needs the op registered where it is loaded: import
 `fa4tune.runtime.ops` (touching `fa4tune.attention` does it too) before `torch.export.load`."""
@@ -22,12 +28,13 @@ from __future__ import annotations
 import torch
 
 from ..errors import UnsupportedInput
-from ..kernels.common.inputs import check_device, check_inputs, check_no_grad, check_scale
+from ..kernels.common.inputs import check_device, check_inputs, check_scale
 from . import dispatch
 
 OP = "fa4tune::attention"
+BACKWARD_OP = "fa4tune::attention_backward"
 
-__all__ = ["OP", "attention"]
+__all__ = ["BACKWARD_OP", "OP", "attention"]
 
 
 def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None):
@@ -35,21 +42,34 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None)
     `flash_attn_func`; the arguments and results are described in fa4tune.runtime.dispatch."""
     if _compiling():
         return _traced(q, k, v, causal, softmax_scale)
+    try:
+        records = (q.requires_grad or k.requires_grad or v.requires_grad) and _grad_enabled()
+    except AttributeError:  # not tensors: the dispatcher says what they are
+        records = False
+    if records:  # through the op, whose autograd saves what the backward needs
+        _check_call(causal, softmax_scale)
+        return torch.ops.fa4tune.attention.default(
+            q, k, v, causal, None if softmax_scale is None else float(softmax_scale)
+        )
     return dispatch.attention(q, k, v, causal, softmax_scale)
 
 
 _compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
 
 
-def _traced(q, k, v, causal, softmax_scale):
-    """The op's call as torch.compile or torch.export records it. What the op's schema would refuse
-    with torch's own words (a causal that is not a bool, a scale that is not a number) and what
-    autograd decides (the op has no backward yet) is checked here, in the traced code; the rest in
-    the fake implementation."""
+def _check_call(causal, softmax_scale) -> None:
+    """What the op's schema would refuse in torch's own words (a causal that is not a bool, a scale
+    that is not a number), refused in fa4tune's."""
     if not isinstance(causal, bool):
         raise UnsupportedInput(f"causal must be True or False, got {causal!r}")
     check_scale(softmax_scale)
-    check_no_grad(q, k, v)
+
+
+def _traced(q, k, v, causal, softmax_scale):
+    """The op's call as torch.compile or torch.export records it: the arguments checked here, in
+    the traced code; the tensors in the fake implementation."""
+    _check_call(causal, softmax_scale)
     return torch.ops.fa4tune.attention.default(
         q, k, v, causal, None if softmax_scale is None else float(softmax_scale)
     )
@@ -77,3 +97,46 @@ def _attention_fake(q, k, v, causal=False, softmax_scale=None):
     out = q.new_empty((batch, seqlen_q, nheads_q, v.shape[3]))
     lse = q.new_empty((batch, nheads_q, seqlen_q), dtype=torch.float32)
     return out, lse
+
+
+@torch.library.custom_op(BACKWARD_OP, mutates_args=())
+def _attention_backward_op(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return dispatch.attention_backward(dout, q, k, v, out, lse, dlse, causal, softmax_scale)
+
+
+@_attention_backward_op.register_fake
+def _attention_backward_fake(dout, q, k, v, out, lse, dlse=None, causal=False, softmax_scale=None):
+    check_inputs(q, k, v, causal)
+    check_device(q, k, v, aligned=False)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, causal, softmax_scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.causal, ctx.softmax_scale = causal, softmax_scale
+    ctx.set_materialize_grads(False)  # an unused LSE needs no zeros
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    if dout is None:  # only the LSE was used
+        dout = torch.zeros_like(out)
+    dq, dk, dv = torch.ops.fa4tune.attention_backward.default(
+        dout, q, k, v, out, lse, dlse, ctx.causal, ctx.softmax_scale
+    )
+    return dq, dk, dv, None, None
+
+
+torch.library.register_autograd(OP, _backward, setup_context=_setup_context)

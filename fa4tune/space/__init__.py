@@ -23,6 +23,7 @@ _BUILTINS = {
     "exp2": "fa4tune.space.exp2:Exp2Space",
     "softmax": "fa4tune.space.softmax:SoftmaxSpace",
     "decode": "fa4tune.space.decode:DecodeSpace",
+    "backward": "fa4tune.space.backward:BackwardSpace",
 }
 
 _registered: dict[str, type[SearchSpace]] = {}

@@ -13,13 +13,17 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.utils import LayoutEnum
 
 
-def smem_tile_layout(dtype, rows: int, cols: int, stages: int | None = None):
+def smem_tile_layout(
+    dtype, rows: int, cols: int, stages: int | None = None, atom_cols: int | None = None
+):
     """Swizzled layout of a (rows, cols[, stages]) tile whose cols are contiguous in memory.
 
     wgmma reads it as a K-major operand (Q, K) and, with its first two modes swapped, as an MN-major
-    one (V as the B operand of O += P V). TMA writes it as is."""
+    one (V as the B operand of O += P V). TMA writes it as is. The swizzle atom is the widest that
+    divides `atom_cols` (default cols): an MN-major read of a slice of the columns needs one that
+    divides the slice."""
     atom = warpgroup.make_smem_layout_atom(
-        hopper.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype
+        hopper.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, atom_cols or cols), dtype
     )
     if stages is None:
         return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))

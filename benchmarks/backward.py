@@ -1,0 +1,282 @@
+"""Training speed: the backward pass alone and forward + backward, of fa4tune (the backward's tuned
+config and its default), flash-attn-4 and cuDNN SDPA, per problem of the training job, in one run.
+
+    python benchmarks/backward.py [--job tuning_configs/h200-bf16-train.yaml] [--rounds 3]
+                                  [--json backward.json] [--out docs/backward-report.md]
+    python benchmarks/backward.py --render backward.json --out docs/backward-report.md
+
+TFLOP/s count the backward as 2.5x the forward's FLOPs (five GEMMs against two; the forward's
+convention halves causal), forward + backward as 3.5x. Each column's gradients are first checked
+against the fp32 reference (fa4tune's with poisoned outputs: the family's measurement case), then
+timed in interleaved rounds of `fa4tune.measure.timing.time_cuda` with the L2 flushed before every
+run: the median of the rounds' medians. The backward alone runs from saved forward outputs
+(autograd.grad with retain_graph for the peers); forward + backward runs both from the inputs
+(fa4tune: its tuned forward, then the column's backward config).
+The gradient error (the largest of dq, dk, dv against fp32, relative) is reported per column."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+FA4, CUDNN = "flash-attn-4", "cuDNN"
+COLUMNS = ("tuned", "default", FA4, CUDNN)
+
+
+def gradient_error(grads, refs) -> float:
+    return max(
+        ((g.float() - r).norm() / r.norm()).item() for g, r in zip(grads, refs) if r.norm() > 0
+    )
+
+
+def fa4tune_columns(problem, config, target, case):
+    """(backward alone, forward + backward) of fa4tune with the backward config `config`."""
+    from fa4tune.kernels.fa4_bwd_sm90.launch import attention_backward
+
+    def backward():
+        return attention_backward(
+            case.dout, case.q, case.k, case.v, case.out, case.lse, config,
+            causal=problem.causal, target=target,
+        )  # fmt: skip
+
+    def both():  # fa4tune.attention's forward (its tuned config), then this backward config
+        from fa4tune.runtime import dispatch
+
+        out, lse = dispatch.attention(case.q, case.k, case.v, problem.causal)
+        return attention_backward(
+            case.dout, case.q, case.k, case.v, out, lse, config, causal=problem.causal,
+            target=target,
+        )  # fmt: skip
+
+    return backward, both
+
+
+def peer_columns(problem, case, name):
+    """(backward alone, forward + backward) of a peer, or a string saying why it cannot run."""
+    from fa4tune.kernels import PeerUnavailable
+    from fa4tune.kernels.fa4_bwd_sm90.peers import cudnn_backward, fa4_backward
+
+    prepare = {FA4: fa4_backward, CUDNN: cudnn_backward}[name]
+    try:
+        backward = prepare(problem, case.q, case.k, case.v, case.dout)
+    except PeerUnavailable as exc:
+        return str(exc), str(exc)
+
+    def both():  # the peer's forward, then its backward
+        return prepare(problem, case.q, case.k, case.v, case.dout)()
+
+    return backward, both
+
+
+def measure(problem, target, rounds: int) -> dict:
+    import torch
+
+    from fa4tune.kernels import get_kernel
+    from fa4tune.measure.timing import L2Flusher, round_order, time_cuda
+    from fa4tune.runtime.lookup import lookup
+
+    family = get_kernel("fa4_bwd_sm90")
+    found = lookup(problem, target, kernel=family.name)
+    default = family.default_config(problem, target)
+    case = family.measurement_case(problem, "cuda")
+    family.randomize(case, 0)
+    refs = family.reference(case)
+    columns = {}
+    for name, config in (("tuned", found.config), ("default", default)):
+        columns[name] = fa4tune_columns(problem, config, target, case)
+    for name in (FA4, CUDNN):
+        columns[name] = peer_columns(problem, case, name)
+    cells = {}
+    timed = {}
+    for name, (backward, both) in columns.items():
+        if isinstance(backward, str):
+            cells[name] = backward
+            continue
+        try:
+            if name in ("tuned", "default"):
+                family.poison(case)
+                family.launcher(case, found.config if name == "tuned" else default, target)()
+                torch.cuda.synchronize()
+                check = family.compare(case, refs)
+                wrong, error = check.verdict(family.tolerance(problem)), check.out_error
+            else:
+                grads = backward()
+                torch.cuda.synchronize()
+                group = problem.qheads_per_kvhead
+                errors = []
+                for (b, h), dq, dk, dv in refs:
+                    got = (
+                        grads[0][b : b + 1, :, h * group : (h + 1) * group],
+                        grads[1][b : b + 1, :, h : h + 1],
+                        grads[2][b : b + 1, :, h : h + 1],
+                    )
+                    errors.append(gradient_error(got, (dq, dk, dv)))
+                error, wrong = max(errors), None
+        except Exception as exc:
+            cells[name] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+            continue
+        if wrong:
+            cells[name] = f"wrong ({wrong})"
+            continue
+        timed[name] = (backward, both)
+        cells[name] = {"grad_error": error}
+    flusher, names = L2Flusher(), list(timed)
+    medians = {(n, part): [] for n in names for part in ("bwd", "fwd_bwd")}
+    for index in range(rounds):
+        for n in (names[i] for i in round_order(len(names), index)):
+            for part, fn in zip(("bwd", "fwd_bwd"), timed[n]):
+                medians[(n, part)].append(time_cuda(fn, flusher=flusher).median_ms)
+    for n in names:
+        bwd = statistics.median(medians[(n, "bwd")])
+        both = statistics.median(medians[(n, "fwd_bwd")])
+        cells[n].update(
+            bwd_ms=bwd,
+            bwd_tflops=2.5 * problem.flops / (bwd * 1e-3) / 1e12,
+            fwd_bwd_ms=both,
+            fwd_bwd_tflops=3.5 * problem.flops / (both * 1e-3) / 1e12,
+        )
+    return {
+        "key": problem.key(),
+        "tuned_config": found.config.short(),
+        "tuned_source": found.source,
+        "default_config": default.short(),
+        "cells": cells,
+    }
+
+
+def rate(cell, part):
+    return cell.get(f"{part}_tflops") if isinstance(cell, dict) else None
+
+
+def geomean(values):
+    values = [v for v in values if v]
+    return statistics.geometric_mean(values) if values else None
+
+
+def render(rows, header) -> str:
+    def ratio(row, part, a, b):
+        x, y = rate(row["cells"].get(a), part), rate(row["cells"].get(b), part)
+        return x / y if x and y else None
+
+    def fmt(x, spec=".3f"):
+        return format(x, spec) if x is not None else "not measured"
+
+    bwd_fa4 = [ratio(r, "bwd", "tuned", FA4) for r in rows]
+    both_fa4 = [ratio(r, "fwd_bwd", "tuned", FA4) for r in rows]
+    errors = []
+    for r in rows:
+        t, f = r["cells"].get("tuned"), r["cells"].get(FA4)
+        if isinstance(t, dict) and isinstance(f, dict) and f.get("grad_error"):
+            errors.append(t["grad_error"] / f["grad_error"])
+    lines = [
+        "# Backward report: fa4_bwd_sm90 on the H200",
+        "",
+        f"Measured {header['date']} on {header['gpu']}; torch {header['torch']}, "
+        f"nvidia-cutlass-dsl {header['dsl']}, flash-attn-4 {header['fa4']}; kernel hash "
+        f"{header['kernel_hash'][:12]}. Written by `benchmarks/backward.py --rounds "
+        f"{header['rounds']}` (its docstring says how each column is run, checked and timed).",
+        "",
+        "## Summary",
+        "",
+        f"- Backward against flash-attn-4: lowest "
+        f"**{fmt(min((x for x in bwd_fa4 if x), default=None))}x**, geometric mean "
+        f"**{fmt(geomean(bwd_fa4))}x** (targets: >= 1.0 on every shape, >= 1.05 geomean)",
+        f"- Forward + backward against flash-attn-4, geometric mean **{fmt(geomean(both_fa4))}x** "
+        "(target >= 1.05)",
+        f"- Gradient error over flash-attn-4's, highest **{fmt(max(errors, default=None))}x** "
+        "(target <= 1.1)",
+        "",
+        "## Per shape",
+        "",
+        "TFLOP/s, backward alone / forward + backward.",
+        "",
+        "| problem | tuned config (rung) | default | " + " | ".join(COLUMNS)
+        + " | bwd tuned / FA4 | fwd+bwd tuned / FA4 | grad error tuned | FA4 |",
+        "|" + "---|" * (len(COLUMNS) + 7),
+    ]  # fmt: skip
+
+    def cell(x):
+        if isinstance(x, dict):
+            return f"{x['bwd_tflops']:.0f} / {x['fwd_bwd_tflops']:.0f}"
+        return str(x or "").replace("|", "/")
+
+    for r in rows:
+        c = r["cells"]
+
+        err = [
+            f"{c[n]['grad_error']:.2e}" if isinstance(c.get(n), dict) else "-"
+            for n in ("tuned", FA4)
+        ]
+        ratios = [ratio(r, "bwd", "tuned", FA4), ratio(r, "fwd_bwd", "tuned", FA4)]
+        lines.append(
+            f"| {r['key']} | {r['tuned_config']} ({r['tuned_source']}) | {r['default_config']} | "
+            + " | ".join(cell(c.get(n)) for n in COLUMNS)
+            + "".join(f" | {x:.3f}" if x else " | -" for x in ratios)
+            + f" | {err[0]} | {err[1]} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--job", default="tuning_configs/h200-bf16-train.yaml")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--only", help="comma-separated problem keys")
+    ap.add_argument("--json")
+    ap.add_argument("--out")
+    ap.add_argument("--render", metavar="JSON")
+    args = ap.parse_args(argv)
+    if args.render:
+        saved = json.loads(Path(args.render).read_text())
+        return write(render(saved["rows"], saved["header"]), args.out)
+    import torch
+
+    from fa4tune.doctor import package_version
+    from fa4tune.kernels import get_kernel
+    from fa4tune.target import detect_target
+    from fa4tune.tune.job import load_job
+
+    if not torch.cuda.is_available():
+        print("benchmarks/backward.py needs an NVIDIA GPU", file=sys.stderr)
+        return 2
+    target = detect_target()
+    job = load_job(args.job)
+    only = set(args.only.split(",")) if args.only else None
+    header = {
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "dsl": package_version("nvidia-cutlass-dsl") or "not installed",
+        "fa4": package_version("flash-attn-4") or "not installed",
+        "kernel_hash": get_kernel("fa4_bwd_sm90").source_hash(),
+        "rounds": args.rounds,
+    }
+    rows = []
+    for problem in job.problems:
+        if only and problem.key() not in only:
+            continue
+        rows.append(measure(problem, target, args.rounds))
+        print(f"{rows[-1]['key']}: {rows[-1]['cells']}", file=sys.stderr, flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"header": header, "rows": rows}, indent=1))
+    return write(render(rows, header), args.out)
+
+
+def write(text, out) -> int:
+    if out:
+        from fa4tune.files import write_atomically
+
+        write_atomically(Path(out), text)
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,126 @@
+"""Compiling the backward kernel, and its compiled kernels as object files: as the forward's
+(../fa4_fwd_sm90/compile.py), cached per (config, dtype, head dim, causal, arch); shapes are
+run-time, GQA's group too."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...problem import normalize_dtype
+from ...target import Target, get_target
+from ..common.dsl import import_dsl
+from .config import BwdConfig
+
+_CACHE: dict[tuple, CompiledBackward] = {}
+_CACHE_LOCK = threading.Lock()
+
+
+@dataclass
+class CompiledBackward:
+    kernel: object  # the FlashBackwardSm90 instance (None when loaded from an object file)
+    function: object  # what cute.compile returned
+    compile_seconds: float
+    key: tuple
+
+
+def compile_key(config: BwdConfig, dtype: str, head_dim: int, causal: bool, target: Target):
+    return (config, normalize_dtype(dtype), head_dim, bool(causal), target.arch)
+
+
+def compile_backward(
+    config: BwdConfig,
+    dtype: str,
+    head_dim: int,
+    causal: bool = False,
+    target: Target | str | None = None,
+    options: str | None = None,
+    use_cache: bool = True,
+) -> CompiledBackward:
+    """Build (or fetch from the cache) the backward kernel for this config; ConfigError, naming the
+    knob, for a config that cannot be built, before any compile."""
+    target = get_target(target)
+    dtype = normalize_dtype(dtype)
+    key = compile_key(config, dtype, head_dim, causal, target)
+    with _CACHE_LOCK:
+        hit = _CACHE.get(key) if use_cache else None
+    if hit is not None:
+        return hit
+    cute = import_dsl(target)
+    import cutlass
+    from cutlass.cute import AddressSpace
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+    from .kernel import DTYPES, FlashBackwardSm90
+
+    kernel = FlashBackwardSm90(config, dtype, head_dim, causal, target)
+    elem = DTYPES[dtype]
+
+    # The run-time types launch.py passes (from_dlpack with mark_layout_dynamic).
+    def dynamic_tensor(dtype, rank: int, align: int):
+        return make_fake_tensor(
+            dtype,
+            tuple(cute.sym_int32() for _ in range(rank)),
+            stride=tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,),
+            memspace=AddressSpace.generic,
+            assumed_align=align,
+        )
+
+    f32 = cutlass.Float32
+    args = (
+        *(dynamic_tensor(elem, 4, 16) for _ in range(4)),  # q, k, v, dO
+        dynamic_tensor(f32, 3, 16),  # LSE2
+        dynamic_tensor(f32, 3, 16),  # D
+        dynamic_tensor(f32, 4, 16),  # dQ accumulator
+        dynamic_tensor(elem, 4, 16),  # dK
+        dynamic_tensor(elem, 4, 16),  # dV
+        dynamic_tensor(cutlass.Int32, 3, 4) if config.deterministic else None,
+        f32(1.0),
+        f32(1.0),
+        make_fake_stream(),
+    )
+    start = time.perf_counter()
+    function = (
+        cute.compile(kernel, *args, options=options) if options else cute.compile(kernel, *args)
+    )
+    compiled = CompiledBackward(kernel, function, time.perf_counter() - start, key)
+    if use_cache:
+        with _CACHE_LOCK:
+            compiled = _CACHE.setdefault(key, compiled)
+    return compiled
+
+
+def artifact_name(key: tuple) -> str:
+    return "fa4bwd_" + hashlib.sha256(repr(key).encode()).hexdigest()[:24]
+
+
+def export_compiled(compiled: CompiledBackward, path) -> str:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    name = artifact_name(compiled.key)
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".export-") as tmp:
+        compiled.function.export_to_c(tmp, name, function_prefix=name)
+        os.replace(os.path.join(tmp, name + ".o"), path)
+    return str(path)
+
+
+def load_compiled(path, config, dtype, head_dim, causal, target) -> CompiledBackward:
+    target = get_target(target)
+    key = compile_key(config, dtype, head_dim, causal, target)
+    with _CACHE_LOCK:
+        hit = _CACHE.get(key)
+    if hit is not None:
+        return hit
+    import_dsl(target)
+    from cutlass.cute.runtime import load_module
+
+    start = time.perf_counter()
+    function = load_module(str(path))[artifact_name(key)]
+    compiled = CompiledBackward(None, function, time.perf_counter() - start, key)
+    with _CACHE_LOCK:
+        return _CACHE.setdefault(key, compiled)

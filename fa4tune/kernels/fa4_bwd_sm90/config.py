@@ -1,0 +1,216 @@
+"""The compile-time knobs of the Hopper backward kernel: one schema, its legal values, the resource
+model and the feasibility rules (shared with the search spaces and the kernel's constructor), and
+the default config.
+
+The kernel (kernel.py) gives each CTA `tile_n` rows of K and V of one K/V head; its consumer
+warpgroups own 64 of those rows each, and walk the query heads of the K/V head's group and their Q
+blocks of `tile_m` rows. Per Q block a warpgroup computes, for its K rows:
+
+    S^T = K Q^T, dP^T = V dO^T            (wgmma, both operands in shared memory)
+    P^T = exp2(S^T * scale_log2 - LSE2), dS^T = P^T * (dP^T - D)   (registers)
+    dV += P^T dO, dK += dS^T Q            (wgmma, P^T and dS^T from registers)
+
+and writes dS^T to shared memory, from which the warpgroups together compute dQ = dS K for the Q
+block (each warpgroup a slice of dQ's columns) and add it into an fp32 dQ accumulator in global
+memory: atomically, or with `deterministic` in the order of the K blocks (a semaphore per Q block),
+so that the result is bitwise repeatable."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+
+from ...problem import Problem
+from ...target import Target
+from ..family import Rule
+
+
+class ConfigError(ValueError):
+    """A config that names unknown knobs, holds illegal values, or cannot be built for a problem."""
+
+
+THREADS_PER_WARPGROUP = 128
+WGMMA_M = 64  # K rows per consumer warpgroup
+ELEMENT_BYTES = 2
+MBARRIER_BYTES = 8
+SMEM_ALIGN = 1024
+# (producer, consumer) registers after setmaxnreg, by consumer warpgroups: the consumers take what
+# the producer warpgroup gives back (one warpgroup launches with 248, two with 168).
+REGISTER_SPLIT = {1: (24, 240), 2: (24, 240)}
+# A consumer thread's registers beyond its accumulators: addresses, loop state, the LSE and D of
+# its columns, masks.
+CONSUMER_OVERHEAD_REGS = 32
+
+KNOBS: dict[str, tuple] = {
+    "tile_m": (64, 128),
+    "tile_n": (64, 128),
+    "num_stages": (1, 2),
+    "deterministic": (False, True),
+}
+
+SUPPORTED_HEAD_DIMS = (64, 96, 128)
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """Compile-time knobs of the backward kernel.
+
+    tile_m: Q rows per step of a CTA's walk.  tile_n: K/V rows per CTA, 64 per consumer warpgroup.
+    num_stages: Q, dO, LSE and D buffers in flight (the producer loads the next block's while the
+    consumers compute this one's).  deterministic: dQ's partial sums are added in the order of the
+    K blocks (a semaphore per Q block), not as their CTAs finish, so that dQ is bitwise the same on
+    every run."""
+
+    tile_m: int = 64
+    tile_n: int = 128
+    num_stages: int = 2
+    deterministic: bool = False
+
+    def __post_init__(self) -> None:
+        bad = []
+        for f in fields(self):
+            value, legal = getattr(self, f.name), KNOBS[f.name]
+            same_kind = isinstance(value, bool) == isinstance(legal[0], bool)
+            if not same_kind or value not in legal:
+                bad.append(f"{f.name}={value!r} (legal: {', '.join(map(repr, legal))})")
+        if bad:
+            raise ConfigError("illegal knob value(s): " + "; ".join(bad))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict, base: BwdConfig | None = None) -> BwdConfig:
+        unknown = sorted(set(data) - set(KNOBS))
+        if unknown:
+            raise ConfigError(
+                f"unknown knob(s) {', '.join(unknown)}; known knobs: {', '.join(KNOBS)}"
+            )
+        values = dict(data)
+        for name in ("tile_m", "tile_n", "num_stages"):
+            if name in values and isinstance(values[name], float) and values[name].is_integer():
+                values[name] = int(values[name])
+        return replace(base, **values) if base is not None else cls(**values)
+
+    def canonical(self) -> BwdConfig:
+        return self
+
+    def short(self) -> str:
+        return (
+            f"{self.tile_m}x{self.tile_n}s{self.num_stages}{'-det' if self.deterministic else ''}"
+        )
+
+    @property
+    def consumer_warpgroups(self) -> int:
+        return self.tile_n // WGMMA_M
+
+
+# ---- the resource model -------------------------------------------------------------------------
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def smem_parts(config: BwdConfig, problem: Problem) -> dict[str, int]:
+    """Bytes of shared memory by buffer: K and V of the CTA; per stage Q, dO, and the LSE and D of
+    its rows; dS^T (tile_n x tile_m) for the dQ GEMM; barriers and the semaphore slot."""
+    d, dv, e = problem.head_dim, problem.head_dim_v, ELEMENT_BYTES
+    stage = _round_up(config.tile_m * d * e, SMEM_ALIGN) + _round_up(
+        config.tile_m * dv * e, SMEM_ALIGN
+    )
+    stats = 2 * config.num_stages * config.tile_m * 4
+    return {
+        "barriers": _round_up((2 + 2 * config.num_stages) * MBARRIER_BYTES + stats, SMEM_ALIGN),
+        "k": _round_up(config.tile_n * d * e, SMEM_ALIGN),
+        "v": _round_up(config.tile_n * dv * e, SMEM_ALIGN),
+        "q_do": config.num_stages * stage,
+        "ds": _round_up(config.tile_n * config.tile_m * e, SMEM_ALIGN),
+    }
+
+
+def smem_reasons(config: BwdConfig, problem: Problem, target: Target) -> list[str]:
+    parts = smem_parts(config, problem)
+    used = sum(parts.values())
+    if used > target.smem_per_block:
+        detail = ", ".join(f"{k} {v // 1024} KB" for k, v in parts.items())
+        return [
+            f"shared memory {used / 1024:.0f} KB exceeds the {target.smem_per_block // 1024} KB "
+            f"per block of {target.name} ({config.short()}, head dims {problem.head_dim}/"
+            f"{problem.head_dim_v}: {detail})"
+        ]
+    return []
+
+
+def consumer_registers_needed(config: BwdConfig, problem: Problem) -> int:
+    """A consumer thread's registers at its peak (64 K rows, 128 threads per warpgroup): dK and
+    dV (d/2 and dv/2 fp32) all along; then either S^T and dP^T of a Q block (tile_m/2 each, both
+    live while dS^T is made) with P^T in bf16 (tile_m/4), or, while the dK and dV GEMMs still read
+    P^T and dS^T in bf16 (tile_m/4 each), the warpgroup's slice of dQ (tile_m x d / 128 /
+    warpgroups); and the overhead. (ptxas serialized the wgmma at 240 registers with one warpgroup
+    at head dim 128: its dQ slice is 64.)"""
+    regs_dkv = (problem.head_dim + problem.head_dim_v) // 2
+    regs_sdp = config.tile_m + config.tile_m // 4
+    regs_dq = config.tile_m * problem.head_dim // 128 // config.consumer_warpgroups
+    regs_dq += config.tile_m // 2
+    return regs_dkv + max(regs_sdp, regs_dq) + CONSUMER_OVERHEAD_REGS
+
+
+def register_reasons(config: BwdConfig, problem: Problem, target: Target) -> list[str]:
+    _, consumer = REGISTER_SPLIT[config.consumer_warpgroups]
+    need = consumer_registers_needed(config, problem)
+    if need > min(consumer, target.max_regs_per_thread):
+        return [
+            f"consumer threads need about {need} registers (dK and dV {problem.head_dim}+"
+            f"{problem.head_dim_v} columns, S and dP or dQ of {config.tile_m} Q rows) but get "
+            f"{consumer}: the kernel would spill or serialize its wgmma"
+        ]
+    return []
+
+
+def tile_reasons(config: BwdConfig, problem: Problem) -> list[str]:
+    """The dQ GEMM splits dQ's columns among the consumer warpgroups, in wgmma N steps of 8."""
+    reasons = []
+    wgs = config.consumer_warpgroups
+    if problem.head_dim % (8 * wgs):
+        reasons.append(
+            f"head_dim={problem.head_dim} does not split into {wgs} column slices of a multiple "
+            "of 8 (the dQ GEMM)"
+        )
+    if problem.head_dim != problem.head_dim_v:
+        reasons.append(
+            f"head_dim_v={problem.head_dim_v} differs from head_dim={problem.head_dim}: the "
+            "backward kernel takes equal head dims"
+        )
+    return reasons
+
+
+def unsupported_reasons(problem: Problem, target: Target) -> list[str]:
+    reasons = []
+    if target.arch != "sm_90a":
+        reasons.append(
+            f"the fa4 backward kernel is built for sm_90a; {target.name} is {target.arch}"
+        )
+    for name in ("head_dim", "head_dim_v"):
+        value = getattr(problem, name)
+        if value not in SUPPORTED_HEAD_DIMS:
+            reasons.append(
+                f"{name}={value} not supported by the backward kernel (supported: "
+                f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))})"
+            )
+    if problem.layout.ragged:
+        reasons.append("the backward kernel takes batch-shaped inputs only (no varlen or paged)")
+    return reasons
+
+
+RULES = (
+    Rule("wgmma shapes", lambda problem, config, target: tile_reasons(config, problem)),
+    Rule("shared memory", lambda problem, config, target: smem_reasons(config, problem, target)),
+    Rule("registers", lambda problem, config, target: register_reasons(config, problem, target)),
+)
+
+
+def default_config(problem: Problem, target: Target) -> BwdConfig:
+    """Two consumer warpgroups over 128 K rows, 64 Q rows a step, two stages; one stage where two
+    do not fit."""
+    config = BwdConfig()
+    if any(rule(problem, config, target) for rule in RULES):
+        config = replace(config, num_stages=1)
+    return config

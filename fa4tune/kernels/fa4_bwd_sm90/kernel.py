@@ -1,0 +1,701 @@
+"""FA4-style backward attention for Hopper (sm_90a) in the CuTe DSL: dK and dV of a block of keys
+per CTA, dQ added into an fp32 accumulator.
+
+A CTA takes `tile_n` rows of K and V of one K/V head and one batch:
+
+* warpgroup 0 is the producer: one warp loads K and V once, then for every query head of the K/V
+  head's group and every block of `tile_m` queries that sees the keys, Q, dO, and the LSE and D of
+  those rows (LSE2 = LSE x log2(e), +inf where a row has no key; D = rowsum(dO * O)) through a
+  `num_stages` TMA + mbarrier pipeline;
+* each consumer warpgroup owns 64 of the K rows. Per block it computes S^T = K Q^T and
+  dP^T = V dO^T (wgmma, operands in shared memory), P^T = exp2(S^T x scale_log2 - LSE2) and
+  dS^T = P^T (dP^T - D) in registers (masking keys past seqlen_k and, causal, above the
+  bottom-right diagonal), then dV += P^T dO and dK += dS^T Q with P^T and dS^T as register A
+  operands, and writes dS^T to shared memory. The warpgroups then compute dQ = dS K for the block
+  together (each a slice of dQ's columns, A and B both MN-major in shared memory) and add it into
+  the fp32 dQ accumulator in global memory: `red.global.add` of column pairs, or with
+  `deterministic` after the CTAs of the earlier K blocks (a semaphore per Q block, taken in the
+  order of the K blocks: the sums come out the same on every run);
+* at the end dK x softmax_scale and dV leave through shared memory (K's and V's buffers) and a TMA
+  store, which clips the rows past seqlen_k; keys that no query sees get zeros.
+
+GQA needs no atomics for dK and dV: a CTA walks every query head of its K/V head's group and sums
+their contributions in its accumulators. The launch (launch.py) prepares LSE2 and D and zeroes the
+dQ accumulator, and turns the accumulator into dQ after the kernel."""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as hopper
+from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from ...problem import Problem
+from ...target import Target, get_target
+from ..sm90.helpers import (
+    acc_as_operand_a,
+    acc_rows_cols,
+    convert_to_16bit,
+    permute_modes,
+    smem_tile_layout,
+    swap_first_modes,
+    wgmma,
+)
+from . import config as cfg
+from .config import BwdConfig
+
+DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
+
+# Named barrier ids (0 is __syncthreads), each of all consumer threads.
+BARRIER_DS_FREE = 1  # every warpgroup's dQ GEMM has read dS^T: it may be written again
+BARRIER_DS_FULL = 2  # every warpgroup's dS^T is in shared memory: the dQ GEMM may read it
+BARRIER_DQ_TURN = 3  # deterministic: this CTA's turn to add to the Q block's dQ has come
+BARRIER_DQ_DONE = 4  # deterministic: every thread's adds of this Q block are done
+BARRIER_EPILOGUE = 5  # the staging of dK and dV in shared memory
+
+
+@dsl_user_op
+def red_add_f32x2(pointer, a: Float32, b: Float32, *, loc=None, ip=None) -> None:
+    """Atomically add (a, b) to the two fp32 values at `pointer` (8-byte aligned), one vector
+    reduction in L2 (sm_90)."""
+    llvm.inline_asm(
+        None,
+        [
+            pointer.toint(loc=loc, ip=ip).ir_value(),
+            Float32(a).ir_value(loc=loc, ip=ip),
+            Float32(b).ir_value(loc=loc, ip=ip),
+        ],
+        "red.global.add.v2.f32 [$0], {$1, $2};",
+        "l,f,f",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
+def load_acquire(pointer, *, loc=None, ip=None) -> Int32:
+    """An int32 read with acquire semantics at GPU scope (a semaphore's value)."""
+    return Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [pointer.toint(loc=loc, ip=ip).ir_value()],
+            "ld.global.acquire.gpu.b32 $0, [$1];",
+            "=r,l",
+            has_side_effects=True,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@dsl_user_op
+def release_add(pointer, value: Int32, *, loc=None, ip=None) -> None:
+    """Add to an int32 with release semantics at GPU scope (a semaphore's turn passed on)."""
+    llvm.inline_asm(
+        None,
+        [pointer.toint(loc=loc, ip=ip).ir_value(), Int32(value).ir_value(loc=loc, ip=ip)],
+        "red.release.gpu.global.add.s32 [$0], $1;",
+        "l,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+class FlashBackwardSm90:
+    """Compile-time config of one backward kernel. Shapes (batch, seqlens, heads) are run-time."""
+
+    def __init__(
+        self,
+        config: BwdConfig,
+        dtype: str,
+        head_dim: int,
+        causal: bool,
+        target: Target | str | None = "H200",
+    ):
+        from . import FAMILY
+
+        target = get_target(target)
+        FAMILY.check(Problem(dtype=dtype, head_dim=head_dim, causal=causal), config, target)
+        self.config = config
+        self.dtype = DTYPES[Problem(dtype=dtype, head_dim=head_dim).dtype]
+        self.head_dim = head_dim
+        self.causal = causal
+        self.tile_m, self.tile_n = config.tile_m, config.tile_n
+        self.num_stages = config.num_stages
+        self.deterministic = config.deterministic
+        self.wgs = config.consumer_warpgroups
+        self.num_consumer_threads = cfg.THREADS_PER_WARPGROUP * self.wgs
+        self.num_threads = cfg.THREADS_PER_WARPGROUP * (self.wgs + 1)
+        self.producer_regs, self.consumer_regs = cfg.REGISTER_SPLIT[self.wgs]
+
+    # --------------------------------------------------------------------------------------------
+    # Host side
+    # --------------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (batch, seqlen_q, nheads_q, d)
+        mK: cute.Tensor,  # (batch, seqlen_k, nheads_kv, d)
+        mV: cute.Tensor,  # (batch, seqlen_k, nheads_kv, d)
+        mdO: cute.Tensor,  # (batch, seqlen_q, nheads_q, d)
+        mLSE2: cute.Tensor,  # (batch, nheads_q, seqlen_q padded to tile_m) fp32: LSE x log2(e)
+        mD: cute.Tensor,  # (batch, nheads_q, seqlen_q padded) fp32: rowsum(dO * O)
+        mdQacc: cute.Tensor,  # (batch, seqlen_q, nheads_q, d) fp32, zero before the launch
+        mdK: cute.Tensor,  # (batch, seqlen_k, nheads_kv, d)
+        mdV: cute.Tensor,  # (batch, seqlen_k, nheads_kv, d)
+        mSemaphore: cute.Tensor | None,  # deterministic: (batch, nheads_q, Q blocks) int32, zero
+        softmax_scale_log2: Float32,
+        softmax_scale: Float32,
+        stream: cuda.CUstream,
+    ):
+        # Seqlen-major views: (seqlen, dim, head, batch); LSE2 and D (seqlen, head, batch).
+        mQ, mK, mV, mdO, mdQacc, mdK, mdV = [
+            permute_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mdO, mdQacc, mdK, mdV)
+        ]
+        mLSE2, mD = [permute_modes(t, [2, 1, 0]) for t in (mLSE2, mD)]
+        if const_expr(self.deterministic):
+            mSemaphore = permute_modes(mSemaphore, [2, 1, 0])  # (Q blocks, head, batch)
+        tile_m, tile_n, d = self.tile_m, self.tile_n, self.head_dim
+        k_major, mn_major = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+        # S^T = K Q^T and dP^T = V dO^T: each warpgroup 64 K rows, all tile_m queries.
+        mma_sdp = hopper.make_trivial_tiled_mma(
+            self.dtype,
+            self.dtype,
+            k_major,
+            k_major,
+            Float32,
+            atom_layout_mnk=(self.wgs, 1, 1),
+            tiler_mn=(64, tile_m),
+        )
+        # dV += P^T dO and dK += dS^T Q: P^T and dS^T from registers, dO and Q read transposed.
+        mma_dkv = hopper.make_trivial_tiled_mma(
+            self.dtype,
+            self.dtype,
+            k_major,
+            mn_major,
+            Float32,
+            atom_layout_mnk=(self.wgs, 1, 1),
+            tiler_mn=(64, d),
+            a_source=warpgroup.OperandSource.RMEM,
+        )
+        # dQ = dS K: dS^T and K in shared memory, both read transposed; each warpgroup a slice of
+        # dQ's columns.
+        mma_dq = hopper.make_trivial_tiled_mma(
+            self.dtype,
+            self.dtype,
+            mn_major,
+            mn_major,
+            Float32,
+            atom_layout_mnk=(1, self.wgs, 1),
+            tiler_mn=(64, d // self.wgs),
+        )
+        sQ_layout = smem_tile_layout(self.dtype, tile_m, d, self.num_stages)
+        sdO_layout = smem_tile_layout(self.dtype, tile_m, d, self.num_stages)
+        # The dQ GEMM reads K transposed, a slice of d columns per warpgroup: a swizzle atom that
+        # divides the slice (head dim 96 over two warpgroups: 48 columns, 32-byte swizzle).
+        sK_layout = smem_tile_layout(self.dtype, tile_n, d, atom_cols=d // self.wgs)
+        sV_layout = smem_tile_layout(self.dtype, tile_n, d)
+        sdS_layout = smem_tile_layout(self.dtype, tile_n, tile_m)
+        sStat_layout = cute.make_layout((tile_m, self.num_stages))
+
+        @cute.struct
+        class SharedStorage:
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            sLSE: cute.struct.Align[
+                cute.struct.MemRange[Float32, tile_m * self.num_stages], cfg.SMEM_ALIGN
+            ]
+            sD: cute.struct.Align[
+                cute.struct.MemRange[Float32, tile_m * self.num_stages], cfg.SMEM_ALIGN
+            ]
+            sQ: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], cfg.SMEM_ALIGN
+            ]
+            sdO: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], cfg.SMEM_ALIGN
+            ]
+            sK: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], cfg.SMEM_ALIGN
+            ]
+            sV: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], cfg.SMEM_ALIGN
+            ]
+            sdS: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], cfg.SMEM_ALIGN
+            ]
+
+        load = cpasync.CopyBulkTensorTileG2SOp()
+        store = cpasync.CopyBulkTensorTileS2GOp()
+        one_stage = cute.select(sQ_layout, mode=[0, 1])
+        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(load, mQ, one_stage, (tile_m, d))
+        tma_do, tma_mdO = cpasync.make_tiled_tma_atom(
+            load, mdO, cute.select(sdO_layout, mode=[0, 1]), (tile_m, d)
+        )
+        tma_k, tma_mK = cpasync.make_tiled_tma_atom(load, mK, sK_layout, (tile_n, d))
+        tma_v, tma_mV = cpasync.make_tiled_tma_atom(load, mV, sV_layout, (tile_n, d))
+        stat_one = cute.make_layout(tile_m)
+        tma_lse, tma_mLSE = cpasync.make_tiled_tma_atom(load, mLSE2, stat_one, (tile_m,))
+        tma_d, tma_mD = cpasync.make_tiled_tma_atom(load, mD, stat_one, (tile_m,))
+        tma_dk, tma_mdK = cpasync.make_tiled_tma_atom(store, mdK, sK_layout, (tile_n, d))
+        tma_dv, tma_mdV = cpasync.make_tiled_tma_atom(store, mdV, sV_layout, (tile_n, d))
+        bytes_kv = cute.size_in_bytes(self.dtype, sK_layout) + cute.size_in_bytes(
+            self.dtype, sV_layout
+        )
+        bytes_q = 2 * cute.size_in_bytes(self.dtype, one_stage) + 2 * cute.size_in_bytes(
+            Float32, stat_one
+        )
+        grid = [
+            cute.ceil_div(cute.size(mK.shape[0]), tile_n),
+            cute.size(mK.shape[2]),
+            cute.size(mK.shape[3]),
+        ]
+        self.kernel(
+            tma_mQ,
+            tma_mK,
+            tma_mV,
+            tma_mdO,
+            tma_mLSE,
+            tma_mD,
+            mdQacc,
+            tma_mdK,
+            tma_mdV,
+            mSemaphore,
+            tma_q,
+            tma_k,
+            tma_v,
+            tma_do,
+            tma_lse,
+            tma_d,
+            tma_dk,
+            tma_dv,
+            sQ_layout,
+            sdO_layout,
+            sK_layout,
+            sV_layout,
+            sdS_layout,
+            sStat_layout,
+            mma_sdp,
+            mma_dkv,
+            mma_dq,
+            softmax_scale_log2,
+            softmax_scale,
+            bytes_kv,
+            bytes_q,
+            SharedStorage,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    # --------------------------------------------------------------------------------------------
+    # Device side
+    # --------------------------------------------------------------------------------------------
+    def m_block_range(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
+        """[m_block_min, m_block_max): the Q blocks whose queries see some key of K block n_block
+        (bottom-right causal: query i sees key j when j <= i + seqlen_k - seqlen_q)."""
+        m_block_max = (seqlen_q + self.tile_m - 1) // self.tile_m
+        m_block_min = Int32(0)
+        if const_expr(self.causal):
+            first_query = n_block * self.tile_n - (seqlen_k - seqlen_q)
+            m_block_min = cutlass.max(first_query, 0) // self.tile_m
+        return m_block_min, m_block_max
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE2: cute.Tensor,
+        mD: cute.Tensor,
+        mdQacc: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mSemaphore: cute.Tensor | None,
+        tma_q: cute.CopyAtom,
+        tma_k: cute.CopyAtom,
+        tma_v: cute.CopyAtom,
+        tma_do: cute.CopyAtom,
+        tma_lse: cute.CopyAtom,
+        tma_d: cute.CopyAtom,
+        tma_dk: cute.CopyAtom,
+        tma_dv: cute.CopyAtom,
+        sQ_layout: cute.ComposedLayout,
+        sdO_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sdS_layout: cute.ComposedLayout,
+        sStat_layout: cute.Layout,
+        mma_sdp: cute.TiledMma,
+        mma_dkv: cute.TiledMma,
+        mma_dq: cute.TiledMma,
+        softmax_scale_log2: Float32,
+        softmax_scale: Float32,
+        bytes_kv: cutlass.Constexpr[int],
+        bytes_q: cutlass.Constexpr[int],
+        SharedStorage: cutlass.Constexpr,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        if warp_idx == 0:
+            for atom in (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d, tma_dk, tma_dv):
+                cpasync.prefetch_descriptor(atom)
+        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.wgs * 4)
+        pipe_kv = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_kv.data_ptr(),
+            num_stages=1,
+            producer_group=one_thread,
+            consumer_group=consumer_warps,
+            tx_count=bytes_kv,
+            defer_sync=True,
+        )
+        pipe_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(),
+            num_stages=self.num_stages,
+            producer_group=one_thread,
+            consumer_group=consumer_warps,
+            tx_count=bytes_q,
+            defer_sync=True,
+        )
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        sLSE = storage.sLSE.get_tensor(sStat_layout)
+        sD = storage.sD.get_tensor(sStat_layout)
+
+        n_block, head_kv, batch = cute.arch.block_idx()
+        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        group = mQ.shape[2] // mK.shape[2]
+        m_block_min, m_block_max = self.m_block_range(n_block, seqlen_q, seqlen_k)
+        blocks_per_head = m_block_max - m_block_min
+        steps = cutlass.max(blocks_per_head, 0) * group
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                self.produce(
+                    (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d),
+                    (mQ, mK, mV, mdO, mLSE2, mD),
+                    (sQ, sK, sV, sdO, sLSE, sD),
+                    pipe_kv,
+                    pipe_q,
+                    (n_block, head_kv, batch, group, m_block_min, blocks_per_head, steps),
+                )
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            self.consume(
+                (sQ, sK, sV, sdO, sLSE, sD, sdS),
+                (mma_sdp, mma_dkv, mma_dq),
+                pipe_kv,
+                pipe_q,
+                (n_block, head_kv, batch, group, m_block_min, blocks_per_head, steps),
+                (seqlen_q, seqlen_k),
+                mdQacc,
+                mSemaphore,
+                (tma_dk, tma_dv, mdK, mdV),
+                softmax_scale_log2,
+                softmax_scale,
+                tidx - cfg.THREADS_PER_WARPGROUP,
+            )
+
+    # ---- producer ------------------------------------------------------------------------------
+    @cute.jit
+    def produce(self, atoms, tensors, smem, pipe_kv, pipe_q, walk):
+        """K and V once, then Q, dO, LSE2 and D of each step (query head g of the group, Q block
+        m), in the consumers' order."""
+        tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d = atoms
+        mQ, mK, mV, mdO, mLSE2, mD = tensors
+        sQ, sK, sV, sdO, sLSE, sD = smem
+        n_block, head_kv, batch, group, m_block_min, blocks_per_head, steps = walk
+        one_cta = cute.make_layout(1)
+        d = self.head_dim
+
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, d), (n_block, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, d), (n_block, 0))
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_k, 0, one_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+        )
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_v, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+        )
+        pipe_kv.producer_acquire(kv_state)
+        barrier = pipe_kv.producer_get_barrier(kv_state)
+        cute.copy(tma_k, tKgK, tKsK, tma_bar_ptr=barrier)
+        cute.copy(tma_v, tVgV, tVsV, tma_bar_ptr=barrier)
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        for step in cutlass.range(steps, unroll=1):
+            g = step // blocks_per_head
+            m_block = m_block_min + (step - g * blocks_per_head)
+            head = head_kv * group + g
+            gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, d), (m_block, 0))
+            gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, d), (m_block, 0))
+            gLSE = cute.local_tile(mLSE2[None, head, batch], (self.tile_m,), (m_block,))
+            gD = cute.local_tile(mD[None, head, batch], (self.tile_m,), (m_block,))
+            tQsQ, tQgQ = cpasync.tma_partition(
+                tma_q, 0, one_cta, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+            )
+            tdOsdO, tdOgdO = cpasync.tma_partition(
+                tma_do, 0, one_cta, cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2)
+            )
+            tLsL, tLgL = cpasync.tma_partition(tma_lse, 0, one_cta, sLSE, gLSE)
+            tDsD, tDgD = cpasync.tma_partition(tma_d, 0, one_cta, sD, gD)
+            pipe_q.producer_acquire(q_state)
+            barrier = pipe_q.producer_get_barrier(q_state)
+            stage = q_state.index
+            cute.copy(tma_q, tQgQ, tQsQ[None, stage], tma_bar_ptr=barrier)
+            cute.copy(tma_lse, tLgL, tLsL[None, stage], tma_bar_ptr=barrier)
+            cute.copy(tma_do, tdOgdO, tdOsdO[None, stage], tma_bar_ptr=barrier)
+            cute.copy(tma_d, tDgD, tDsD[None, stage], tma_bar_ptr=barrier)
+            q_state.advance()
+
+    # ---- consumers -----------------------------------------------------------------------------
+    @cute.jit
+    def consume(
+        self,
+        smem,
+        mmas,
+        pipe_kv,
+        pipe_q,
+        walk,
+        seqlens,
+        mdQacc: cute.Tensor,
+        mSemaphore: cute.Tensor | None,
+        stores,
+        softmax_scale_log2: Float32,
+        softmax_scale: Float32,
+        ctid: Int32,
+    ):
+        """Every step's five GEMMs and the softmax gradient, then dK and dV out."""
+        sQ, sK, sV, sdO, sLSE, sD, sdS = smem
+        mma_sdp, mma_dkv, mma_dq = mmas
+        n_block, head_kv, batch, group, m_block_min, blocks_per_head, steps = walk
+        seqlen_q, seqlen_k = seqlens
+        tile_m, tile_n, d = self.tile_m, self.tile_n, self.head_dim
+        wg = cute.arch.make_warp_uniform(ctid // cfg.THREADS_PER_WARPGROUP)
+
+        wg_sdp = mma_sdp.get_slice(wg * cfg.THREADS_PER_WARPGROUP)
+        thr_sdp = mma_sdp.get_slice(ctid)
+        tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
+        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
+        tdPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
+        tdPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
+        s_shape = wg_sdp.partition_shape_C((tile_n, tile_m))
+
+        wg_dkv = mma_dkv.get_slice(wg * cfg.THREADS_PER_WARPGROUP)
+        tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(swap_first_modes(sdO)))
+        tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(swap_first_modes(sQ)))
+        tdVrP = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tile_n, tile_m)))
+        tdKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tile_n, tile_m)))
+        acc_dV = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tile_n, d)), Float32)
+        acc_dK = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tile_n, d)), Float32)
+
+        wg_dq = mma_dq.get_slice(wg * cfg.THREADS_PER_WARPGROUP)
+        thr_dq = mma_dq.get_slice(ctid)
+        tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(swap_first_modes(sdS)))
+        tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(swap_first_modes(sK)))
+        dq_shape = wg_dq.partition_shape_C((tile_m, d))
+        dq_coords = acc_rows_cols(thr_dq.partition_C(cute.make_identity_tensor((tile_m, d))))
+
+        # dS^T from registers into shared memory (rows: keys, columns: queries).
+        ds_store = cute.make_tiled_copy_C(
+            cute.make_copy_atom(
+                cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
+            ),
+            mma_sdp,
+        ).get_slice(ctid)
+        tdSsdS = ds_store.partition_D(sdS)
+        # Where this thread's S^T values lie in the (tile_n, tile_m) block: key row, query column.
+        s_coords = acc_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((tile_n, tile_m))))
+
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        acc_dK.fill(0.0)
+        acc_dV.fill(0.0)
+        pipe_kv.consumer_wait(kv_state)
+        for step in cutlass.range(steps, unroll=1):
+            g = step // blocks_per_head
+            m_block = m_block_min + (step - g * blocks_per_head)
+            head = head_kv * group + g
+            stage = q_state.index
+            pipe_q.consumer_wait(q_state)
+            acc_S = cute.make_rmem_tensor(s_shape, Float32)
+            wgmma(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], accumulate=False, wait=-1)
+            acc_dP = cute.make_rmem_tensor(s_shape, Float32)
+            wgmma(mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], accumulate=False, wait=1)
+            self.softmax_grad(
+                acc_S, acc_dP, s_coords, sLSE, sD, stage, n_block, m_block, seqlen_q, seqlen_k,
+                softmax_scale_log2,
+            )  # fmt: skip
+            convert_to_16bit(acc_as_operand_a(acc_S), tdVrP)
+            convert_to_16bit(acc_as_operand_a(acc_dP), tdKrdS)
+            rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
+            rdS.store(acc_dP.load().to(self.dtype))
+            # dS^T's buffer is free once every warpgroup's last dQ GEMM has read it.
+            cute.arch.barrier(
+                barrier_id=BARRIER_DS_FREE, number_of_threads=self.num_consumer_threads
+            )
+            cute.copy(ds_store, ds_store.retile(rdS), tdSsdS)
+            cute.arch.fence_view_async_shared()
+            wgmma(
+                mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], accumulate=True, wait=-1
+            )
+            wgmma(
+                mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], accumulate=True, wait=-1
+            )
+            cute.arch.barrier(
+                barrier_id=BARRIER_DS_FULL, number_of_threads=self.num_consumer_threads
+            )
+            acc_dQ = cute.make_rmem_tensor(dq_shape, Float32)
+            wgmma(mma_dq, acc_dQ, tdQrdS, tdQrKt, accumulate=False, wait=0)
+            pipe_q.consumer_release(q_state)
+            q_state.advance()
+            self.add_dq(
+                acc_dQ, dq_coords, mdQacc, mSemaphore, n_block, m_block, head, batch, seqlen_q,
+                ctid,
+            )  # fmt: skip
+        self.epilogue(acc_dK, acc_dV, smem, mma_dkv, stores, n_block, head_kv, batch, ctid,
+                      softmax_scale)  # fmt: skip
+
+    @cute.jit
+    def softmax_grad(
+        self,
+        acc_S: cute.Tensor,
+        acc_dP: cute.Tensor,
+        coords: cute.Tensor,
+        sLSE: cute.Tensor,
+        sD: cute.Tensor,
+        stage: Int32,
+        n_block: Int32,
+        m_block: Int32,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+        softmax_scale_log2: Float32,
+    ):
+        """P^T = exp2(S^T x scale_log2 - LSE2) into acc_S (0 for keys past seqlen_k and, causal,
+        above the diagonal), then dS^T = P^T (dP^T - D) into acc_dP, once dP^T's wgmma is done."""
+        scores = acc_rows_cols(acc_S)
+        grads = acc_rows_cols(acc_dP)
+        rows, cols = cute.size(scores, mode=[0]), cute.size(scores, mode=[1])
+        key0 = n_block * self.tile_n
+        query0 = m_block * self.tile_m
+        diagonal = seqlen_k - seqlen_q
+        for c in cutlass.range_constexpr(cols):
+            col = coords[0, c][1]
+            lse = sLSE[col, stage]
+            for r in cutlass.range_constexpr(rows):
+                key = key0 + coords[r, c][0]
+                limit = seqlen_k
+                if const_expr(self.causal):
+                    limit = cutlass.min(limit, query0 + col + diagonal + 1)
+                s = -Float32.inf if key >= limit else scores[r, c]
+                scores[r, c] = cute.math.exp2(s * softmax_scale_log2 - lse, fastmath=True)
+        warpgroup.wait_group(0)
+        for c in cutlass.range_constexpr(cols):
+            dsum = sD[coords[0, c][1], stage]
+            for r in cutlass.range_constexpr(rows):
+                grads[r, c] = scores[r, c] * (grads[r, c] - dsum)
+
+    @cute.jit
+    def add_dq(
+        self,
+        acc_dQ: cute.Tensor,
+        coords: cute.Tensor,
+        mdQacc: cute.Tensor,
+        mSemaphore: cute.Tensor | None,
+        n_block: Int32,
+        m_block: Int32,
+        head: Int32,
+        batch: Int32,
+        seqlen_q: Int32,
+        ctid: Int32,
+    ):
+        """This thread's share of the Q block's dQ into the fp32 accumulator, a pair of adjacent
+        columns per reduction; deterministic: after the CTAs of the earlier K blocks did theirs."""
+        if const_expr(self.deterministic):
+            # The Q block's visitors are K blocks 0, 1, ... (causal too: a later K block sees fewer
+            # Q blocks, from a later first one): this CTA's turn is when the count reaches its own.
+            if ctid == 0:
+                pointer = mSemaphore[None, head, batch].iterator + m_block
+                seen = load_acquire(pointer)
+                while seen != n_block:
+                    seen = load_acquire(pointer)
+            cute.arch.barrier(
+                barrier_id=BARRIER_DQ_TURN, number_of_threads=self.num_consumer_threads
+            )
+        values = acc_rows_cols(acc_dQ)
+        gdQ = mdQacc[None, None, head, batch]
+        query0 = m_block * self.tile_m
+        for r in cutlass.range_constexpr(cute.size(values, mode=[0])):
+            query = query0 + coords[r, 0][0]
+            if query < seqlen_q:
+                for c in cutlass.range_constexpr(0, cute.size(values, mode=[1]), 2):
+                    col = coords[r, c][1]
+                    pointer = gdQ.iterator + cute.crd2idx((query, col), gdQ.layout)
+                    red_add_f32x2(pointer, values[r, c], values[r, c + 1])
+        if const_expr(self.deterministic):
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.barrier(
+                barrier_id=BARRIER_DQ_DONE, number_of_threads=self.num_consumer_threads
+            )
+            if ctid == 0:
+                release_add(mSemaphore[None, head, batch].iterator + m_block, Int32(1))
+
+    @cute.jit
+    def epilogue(
+        self,
+        acc_dK: cute.Tensor,
+        acc_dV: cute.Tensor,
+        smem,
+        mma_dkv: cute.TiledMma,
+        stores,
+        n_block: Int32,
+        head_kv: Int32,
+        batch: Int32,
+        ctid: Int32,
+        softmax_scale: Float32,
+    ):
+        """dK x softmax_scale and dV through K's and V's buffers (free once every warpgroup's last
+        GEMM has read them) and a TMA store each, which clips the rows past seqlen_k."""
+        sQ, sK, sV, sdO, sLSE, sD, sdS = smem
+        tma_dk, tma_dv, mdK, mdV = stores
+        d = self.head_dim
+        rdK = cute.make_rmem_tensor_like(acc_dK, self.dtype)
+        rdK.store((acc_dK.load() * softmax_scale).to(self.dtype))
+        rdV = cute.make_rmem_tensor_like(acc_dV, self.dtype)
+        rdV.store(acc_dV.load().to(self.dtype))
+        cute.arch.barrier(barrier_id=BARRIER_EPILOGUE, number_of_threads=self.num_consumer_threads)
+        store_atom = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
+        )
+        thr_store = cute.make_tiled_copy_C(store_atom, mma_dkv).get_slice(ctid)
+        cute.copy(thr_store, thr_store.retile(rdK), thr_store.partition_D(sK))
+        cute.copy(thr_store, thr_store.retile(rdV), thr_store.partition_D(sV))
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=BARRIER_EPILOGUE, number_of_threads=self.num_consumer_threads)
+        if ctid < 32:
+            one_cta = cute.make_layout(1)
+            gdK = cute.local_tile(mdK[None, None, head_kv, batch], (self.tile_n, d), (n_block, 0))
+            gdV = cute.local_tile(mdV[None, None, head_kv, batch], (self.tile_n, d), (n_block, 0))
+            tKsK, tKgK = cpasync.tma_partition(
+                tma_dk, 0, one_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gdK, 0, 2)
+            )
+            tVsV, tVgV = cpasync.tma_partition(
+                tma_dv, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gdV, 0, 2)
+            )
+            cute.copy(tma_dk, tKsK, tKgK)
+            cute.copy(tma_dv, tVsV, tVgV)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)

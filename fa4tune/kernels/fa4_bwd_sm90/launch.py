@@ -1,0 +1,153 @@
+"""Running the backward kernel on torch tensors: `attention_backward(dout, q, k, v, out, lse,
+config)` -> (dq, dk, dv).
+
+Around the kernel, in torch: LSE2 = LSE x log2(e) (+inf where a row saw no key, so that its P is 0)
+and D = rowsum(dO * O) in fp32, both padded to whole Q blocks (their TMA rows must start 16-byte
+aligned); the fp32 dQ accumulator zeroed; and after the kernel dQ = accumulator x softmax_scale in
+q's dtype. dK and dV are written by the kernel (dK already scaled). With a gradient of the LSE
+(`dlse`, fa4tune.attention returns the LSE), dS gains P x dlse: it enters as D - dlse."""
+
+from __future__ import annotations
+
+import math
+
+from ...errors import UnsupportedInput
+from ...target import Target, get_target
+from ..common.dsl import import_dsl
+from ..common.inputs import check_device, check_inputs, make_problem
+from .compile import compile_backward
+from .config import BwdConfig
+
+LOG2_E = math.log2(math.e)
+
+
+def check_gradient_inputs(dout, q, k, v, out, lse, dlse=None) -> None:
+    """What the backward takes beyond q, k, v (check_inputs): dout and out like q with head_dim_v,
+    in q's dtype and on q's device, 16-byte aligned with strides of multiples of 8 elements; lse
+    (batch, nheads_q, seqlen_q) fp32; dlse None or like lse."""
+    import torch
+
+    batch, seqlen_q, nheads_q, _ = q.shape
+    o_shape = (batch, seqlen_q, nheads_q, v.shape[3])
+    for name, t in (("dout", dout), ("out", out)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != o_shape or t.dtype != q.dtype:
+            raise UnsupportedInput(
+                f"{name} must be {o_shape} {q.dtype}; it is "
+                f"{tuple(getattr(t, 'shape', ()))} {getattr(t, 'dtype', type(t).__name__)}"
+            )
+    for name, t in (("lse", lse), ("dlse", dlse)):
+        if t is None and name == "dlse":
+            continue
+        shape = (batch, nheads_q, seqlen_q)
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != torch.float32:
+            raise UnsupportedInput(
+                f"{name} must be {shape} float32; it is {tuple(getattr(t, 'shape', ()))} "
+                f"{getattr(t, 'dtype', type(t).__name__)}"
+            )
+        if t.device != q.device:
+            raise UnsupportedInput(f"{name} must be on {q.device}, not {t.device}")
+
+
+def _kernel_ready(t):
+    """t itself if the TMA can read it (last dim contiguous, strides multiples of 8 elements, a
+    16-byte aligned start), else a contiguous copy (a gradient autograd made by expanding, say)."""
+    ok = (
+        t.stride(-1) == 1
+        and 0 not in t.stride()
+        and all(s % 8 == 0 for s in t.stride()[:-1])
+        and t.data_ptr() % 16 == 0
+    )
+    if ok:
+        return t
+    return t.clone() if t.is_contiguous() else t.contiguous()
+
+
+def attention_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    config: BwdConfig,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    dlse=None,
+    target: Target | str | None = None,
+    grads=None,
+):
+    """(dq, dk, dv) of attention(q, k, v) given dout (and dlse), from the forward's out and lse, on
+    the current stream. q is (batch, seqlen_q, nheads_q, d), k and v (batch, seqlen_k, nheads_kv,
+    d); the gradients are like them, written into `grads` (dq, dk, dv) when given."""
+    import torch
+
+    target = get_target(target)
+    empty = check_inputs(q, k, v, causal)
+    check_gradient_inputs(dout, q, k, v, out, lse, dlse)
+    check_device(q, k, v, aligned=not empty)
+    if grads is not None:
+        for name, t, like in zip(("dq", "dk", "dv"), grads, (q, k, v)):
+            if (
+                tuple(t.shape) != tuple(like.shape)
+                or t.dtype != like.dtype
+                or not t.is_contiguous()
+            ):
+                raise UnsupportedInput(
+                    f"{name} must be a contiguous {tuple(like.shape)} {like.dtype} tensor"
+                )
+    if empty:
+        zeros = (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
+        if grads is None:
+            return zeros
+        for t, zero in zip(grads, zeros):
+            t.copy_(zero)
+        return tuple(grads)
+    problem = make_problem(q, k, v, causal)
+    import_dsl(target)
+    compiled = compile_backward(config, problem.dtype, problem.head_dim, causal, target)
+    batch, seqlen_q, nheads_q, d = q.shape
+    tile_m = config.tile_m
+    padded = -(-seqlen_q // tile_m) * tile_m
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
+    dout, out = _kernel_ready(dout), _kernel_ready(out)
+    with torch.cuda.device(q.device):
+        lse2 = torch.full((batch, nheads_q, padded), math.inf, device=q.device)
+        lse2[..., :seqlen_q] = torch.where(lse == -math.inf, math.inf, lse * LOG2_E)
+        dsum = torch.zeros((batch, nheads_q, padded), device=q.device)
+        dsum[..., :seqlen_q] = (dout.float() * out.float()).sum(-1).transpose(1, 2)
+        if dlse is not None:
+            dsum[..., :seqlen_q] -= dlse
+        dq_acc = torch.zeros((batch, seqlen_q, nheads_q, d), dtype=torch.float32, device=q.device)
+        dk, dv = (torch.empty_like(k), torch.empty_like(v)) if grads is None else grads[1:]
+        semaphore = None
+        if config.deterministic:
+            blocks = padded // tile_m
+            semaphore = torch.zeros((batch, nheads_q, blocks), dtype=torch.int32, device=q.device)
+
+        run_kernel(compiled, (q, k, v, dout, lse2, dsum, dq_acc, dk, dv), semaphore, scale)
+        dq = (dq_acc * scale).to(q.dtype)
+        if grads is not None:
+            dq = grads[0].copy_(dq)
+    return dq, dk, dv
+
+
+def run_kernel(compiled, tensors, semaphore, scale: float) -> None:
+    """Launch the compiled kernel on the current stream of the tensors' device: q, k, v, dO, LSE2,
+    D, the dQ accumulator, dK, dV (in that order), the semaphores or None."""
+    import torch
+    from cuda.bindings import driver as cuda
+    from cutlass import Float32
+    from cutlass.cute.runtime import from_dlpack
+
+    def dynamic(t, align):
+        return from_dlpack(t, assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
+
+    device = tensors[0].device
+    stream = cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
+    compiled.function(
+        *(dynamic(t, 16) for t in tensors),
+        dynamic(semaphore, 4) if semaphore is not None else None,
+        Float32(scale * LOG2_E),
+        Float32(scale),
+        stream,
+    )

@@ -1,0 +1,20 @@
+"""Backward: the tiles and pipeline depth of the backward kernel family (fa4_bwd_sm90), its
+default space. The dQ accumulation's determinism is not searched: the caller chooses it
+(torch.use_deterministic_algorithms), and the tuned tiles serve both modes."""
+
+from __future__ import annotations
+
+from .base import Choice, SearchSpace
+
+
+class BackwardSpace(SearchSpace):
+    name = "backward"
+    knobs = ("tile_m", "tile_n", "num_stages")
+    description = "backward: Q rows per step, K/V rows per CTA, Q/dO pipeline depth"
+
+    def params(self):
+        return {
+            "tile_m": Choice([64, 128]),
+            "tile_n": Choice([64, 128]),
+            "num_stages": Choice([1, 2]),
+        }

@@ -1,0 +1,283 @@
+"""The backward family (fa4_bwd_sm90) on the CPU: its knobs and rules, the launch's preparation
+(LSE2, D, the dQ accumulator, dlse) and finish (dQ from the accumulator) around a kernel played by
+the CPU block by block as the CUDA kernel walks them (its masks, its Q-block range, GQA summed in
+the CTA), against autograd through the fp32 reference; and (marked `compile`) the kernels built for
+sm_90a without spills or serialized wgmma."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+
+from fa4tune.kernels.common.reference import attention_grads_reference, attention_reference
+from fa4tune.kernels.fa4_bwd_sm90 import FAMILY
+from fa4tune.kernels.fa4_bwd_sm90.config import BwdConfig, ConfigError, default_config
+from fa4tune.problem import Problem
+from fa4tune.target import get_target
+
+H200 = get_target("H200")
+BF16 = torch.bfloat16
+
+
+# ---- knobs and rules ----------------------------------------------------------------------------
+def test_the_config_schema_refuses_unknown_and_illegal_knobs():
+    assert BwdConfig.from_dict({"tile_m": 64.0}).tile_m == 64
+    with pytest.raises(ConfigError, match="unknown knob"):
+        BwdConfig.from_dict({"tile_k": 64})
+    with pytest.raises(ConfigError, match="tile_n=96"):
+        BwdConfig(tile_n=96)
+    assert BwdConfig(deterministic=True).short() == "64x128s2-det"
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_every_default_is_feasible(head_dim, causal):
+    p = Problem(head_dim=head_dim, causal=causal, seqlen_q=4096, batch=4, nheads_q=16)
+    assert not FAMILY.infeasible_reasons(p, default_config(p, H200), H200)
+
+
+def test_configs_that_would_spill_or_serialize_are_refused_and_head_dims_named():
+    p = Problem(head_dim=128)
+    reasons = FAMILY.infeasible_reasons(p, BwdConfig(tile_n=64), H200)
+    assert any("would spill or serialize" in r for r in reasons)  # one warpgroup: dQ is 64 regs
+    assert FAMILY.infeasible_reasons(p, BwdConfig(tile_m=128), H200)
+    assert any(
+        "head_dim=256 not supported by the backward" in r
+        for r in FAMILY.infeasible_reasons(Problem(head_dim=256), BwdConfig(), H200)
+    )
+    reasons = FAMILY.infeasible_reasons(Problem(head_dim=128, head_dim_v=64), BwdConfig(), H200)
+    assert any("equal head dims" in r for r in reasons)
+
+
+# ---- the launch around a kernel played by the CPU ------------------------------------------------
+def play_kernel(config: BwdConfig, causal: bool):
+    """The CUDA kernel's walk in torch: a CTA per (K block, K/V head, batch), its Q blocks from
+    m_block_range, every query head of the group, the masks and formulas of kernel.py, bf16 operands
+    for the last three GEMMs as the kernel rounds them."""
+    from fa4tune.kernels.common.dsl import import_dsl
+
+    import_dsl(H200)  # the DSL's first import fixes the arch it builds for: sm_90a
+    from fa4tune.kernels.fa4_bwd_sm90.kernel import FlashBackwardSm90
+
+    walk = FlashBackwardSm90.__new__(FlashBackwardSm90)
+    walk.tile_m, walk.tile_n, walk.causal = config.tile_m, config.tile_n, causal
+
+    def run(compiled, tensors, semaphore, scale):
+        q, k, v, dout, lse2, dsum, dq_acc, dk, dv = tensors
+        batch, seqlen_q, nheads_q, d = q.shape
+        seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+        group, tm, tn = nheads_q // nheads_kv, config.tile_m, config.tile_n
+        scale_log2 = scale * math.log2(math.e)
+        for b in range(batch):
+            for hk in range(nheads_kv):
+                for n in range(-(-seqlen_k // tn)):
+                    keys = torch.arange(n * tn, n * tn + tn)
+                    kt, vt = (pad(t[b, n * tn : n * tn + tn, hk], tn) for t in (k, v))
+                    acc_dk = torch.zeros(tn, d)
+                    acc_dv = torch.zeros(tn, d)
+                    lo, hi = walk.m_block_range(n, seqlen_q, seqlen_k)
+                    lo = int(lo) if not isinstance(lo, int) else lo
+                    for g in range(group):
+                        h = hk * group + g
+                        for m in range(lo, hi):
+                            rows = slice(m * tm, m * tm + tm)
+                            qt, dot = (pad(t[b, rows, h], tm) for t in (q, dout))
+                            lse = lse2[b, h, rows]
+                            dd = dsum[b, h, rows]
+                            queries = torch.arange(m * tm, m * tm + tm)
+                            s = kt.float() @ qt.float().T  # S^T: (keys, queries)
+                            limit = torch.full((tn, tm), seqlen_k)
+                            if causal:
+                                limit = torch.minimum(
+                                    limit, (queries + seqlen_k - seqlen_q + 1)[None, :]
+                                )
+                            s = torch.where(keys[:, None] >= limit, -math.inf, s)
+                            p = torch.exp2(s * scale_log2 - lse[None, :])
+                            dp = vt.float() @ dot.float().T
+                            ds = p * (dp - dd[None, :])
+                            acc_dv += p.to(BF16).float() @ dot.float()
+                            acc_dk += ds.to(BF16).float() @ qt.float()
+                            dq = ds.to(BF16).float().T @ kt.float()
+                            valid = min(tm, seqlen_q - m * tm)
+                            dq_acc[b, m * tm : m * tm + valid, h] += dq[:valid]
+                    valid = min(tn, seqlen_k - n * tn)
+                    dk[b, n * tn : n * tn + valid, hk] = (acc_dk * scale)[:valid].to(dk.dtype)
+                    dv[b, n * tn : n * tn + valid, hk] = acc_dv[:valid].to(dv.dtype)
+
+    return run
+
+
+def pad(t, rows: int):
+    return torch.nn.functional.pad(t, (0, 0, 0, rows - t.shape[0]))
+
+
+@pytest.fixture
+def cpu_backward(monkeypatch):
+    """attention_backward on CPU tensors: all of it real but the device checks, the compile and
+    the kernel (play_kernel)."""
+    from fa4tune.kernels.fa4_bwd_sm90 import launch
+
+    monkeypatch.setattr(launch, "check_device", lambda *a, **k: None)
+    monkeypatch.setattr(launch, "import_dsl", lambda target: None)
+    monkeypatch.setattr(launch, "compile_backward", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+
+    def backward(config, causal, *tensors, dlse=None, scale=None):
+        monkeypatch.setattr(launch, "run_kernel", play_kernel(config, causal))
+        return launch.attention_backward(
+            *tensors, config, causal=causal, softmax_scale=scale, dlse=dlse
+        )
+
+    return backward
+
+
+CASES = [
+    # (batch, seqlen_q, seqlen_k, nheads_q, nheads_kv, head_dim, causal)
+    (2, 100, 100, 4, 4, 64, False),
+    (2, 100, 100, 4, 4, 64, True),
+    (1, 130, 200, 4, 2, 64, True),  # GQA, more keys than queries, off the tiles
+    (1, 200, 70, 6, 2, 64, True),  # fewer keys than queries: the top rows see none (LSE -inf)
+    (2, 64, 300, 4, 1, 128, False),  # MQA
+]
+
+
+@pytest.mark.parametrize("batch,sq,sk,hq,hkv,d,causal", CASES)
+@pytest.mark.parametrize("config", [BwdConfig(), BwdConfig(tile_n=64, num_stages=1)])
+def test_the_launch_and_the_kernels_walk_give_autograds_gradients(
+    cpu_backward, config, batch, sq, sk, hq, hkv, d, causal
+):
+    g = torch.Generator().manual_seed(sq * 31 + sk)
+    q = torch.randn(batch, sq, hq, d, generator=g).to(BF16)
+    k = torch.randn(batch, sk, hkv, d, generator=g).to(BF16)
+    v = torch.randn(batch, sk, hkv, d, generator=g).to(BF16)
+    dout = torch.randn(batch, sq, hq, d, generator=g).to(BF16)
+    out, lse = attention_reference(q, k, v, causal=causal)
+    dq, dk, dv = cpu_backward(config, causal, dout, q, k, v, out.to(BF16), lse)
+    ref = attention_grads_reference(q, k, v, dout, causal=causal)
+    for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), ref):
+        assert got.dtype == BF16 and got.shape == want.shape
+        error = ((got.float() - want).norm() / want.norm()).item()
+        assert error < 2e-2, (name, error)
+
+
+def test_a_gradient_of_the_lse_enters_as_d_minus_dlse(cpu_backward):
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(1, 80, 2, 64, generator=g).to(BF16) for _ in range(4))
+    dlse = torch.randn(1, 2, 80, generator=g)
+    out, lse = attention_reference(q, k, v, causal=True, softmax_scale=0.2)
+    got = cpu_backward(BwdConfig(), True, dout, q, k, v, out.to(BF16), lse, dlse=dlse, scale=0.2)
+    ref = attention_grads_reference(q, k, v, dout, causal=True, softmax_scale=0.2, dlse=dlse)
+    for got_t, want in zip(got, ref):
+        assert ((got_t.float() - want).norm() / want.norm()).item() < 2e-2
+
+
+# ---- compiled for sm_90a (slow) -----------------------------------------------------------------
+SPREAD = [
+    (BwdConfig(), 128, True),
+    (BwdConfig(), 128, False),
+    (BwdConfig(deterministic=True), 128, True),
+    (BwdConfig(), 96, True),
+    (BwdConfig(), 64, False),
+    (BwdConfig(tile_n=64, num_stages=1, deterministic=True), 64, True),
+]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("config,head_dim,causal", SPREAD, ids=str)
+def test_backward_kernels_compile_without_spills(config, head_dim, causal, capfd, tmp_path):
+    import os
+
+    from test_kernel_compile import _serialized_wgmma, _spill_report
+
+    from fa4tune.kernels.fa4_bwd_sm90.compile import compile_backward
+
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    compiled = compile_backward(
+        config,
+        "bf16",
+        head_dim,
+        causal,
+        H200,
+        options=f"remarks{{ptx}} --keep-ptx --dump-dir {tmp_path}",
+        use_cache=False,
+    )
+    text = "".join(capfd.readouterr())
+    report = _spill_report(text)
+    assert all(r == (0, 0, 0) for r in report), f"{config.short()} spills: {report}"
+    assert not _serialized_wgmma(text), f"{config.short()}: {_serialized_wgmma(text)}"
+    ptx = compiled.function.__ptx__
+    # The five GEMMs of a step: S^T and dP^T (d/16 each), dV and dK (tile_m/16 each), dQ
+    # (tile_n/16).
+    per_step = 2 * head_dim // 16 + 2 * config.tile_m // 16 + config.tile_n // 16
+    assert ptx.count("wgmma.mma_async") == per_step
+    assert ("ld.global.acquire.gpu" in ptx) == config.deterministic
+
+
+@pytest.mark.parametrize("causal,sq,sk,hq,hkv", [(True, 50, 30, 4, 2), (False, 40, 70, 4, 1)])
+def test_the_gradient_reference_is_autograds(causal, sq, sk, hq, hkv):
+    """attention_grads_reference's formulas (no autograd: it runs inside ops) against autograd
+    through the fp32 forward reference, a gradient of the LSE included."""
+    g = torch.Generator().manual_seed(sq)
+    q = torch.randn(2, sq, hq, 64, generator=g).to(BF16)
+    k, v = (torch.randn(2, sk, hkv, 64, generator=g).to(BF16) for _ in "kv")
+    dout = torch.randn(2, sq, hq, 64, generator=g)
+    dlse = torch.randn(2, hq, sq, generator=g)
+    qf, kf, vf = (t.float().requires_grad_() for t in (q, k, v))
+    out, lse = attention_reference(qf, kf, vf, causal=causal, softmax_scale=0.3)
+    loss = (out * dout).sum() + (torch.where(torch.isfinite(lse), lse, 0.0) * dlse).sum()
+    auto = torch.autograd.grad(loss, (qf, kf, vf))
+    for want, got in zip(auto, attention_grads_reference(q, k, v, dout, causal, 0.3, dlse)):
+        assert ((want - got).norm() / want.norm()).item() < 1e-5
+
+
+# ---- the training job and the benchmark's report, without a GPU --------------------------------
+def test_the_training_job_searches_the_backward_family_on_the_grid():
+    from pathlib import Path
+
+    from fa4tune.tune.job import load_job
+
+    job = load_job(Path(__file__).resolve().parent.parent / "tuning_configs/h200-bf16-train.yaml")
+    assert job.kernel.name == "fa4_bwd_sm90" and len(job.problems) == 15
+    for p in job.problems:
+        assert not FAMILY.infeasible_reasons(p, FAMILY.default_config(p, H200), H200), p.key()
+    assert FAMILY.work_flops(job.problems[0]) == 2.5 * job.problems[0].flops
+
+
+def test_the_backward_report_renders_both_rates_and_the_error_ratio(tmp_path, capsys):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "backward.py"
+    spec = importlib.util.spec_from_file_location("backward_report", path)
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+
+    def cell(bwd, both, error):
+        return {"bwd_tflops": bwd, "fwd_bwd_tflops": both, "grad_error": error}
+
+    rows = [
+        {
+            "key": "k1",
+            "tuned_config": "64x128s2",
+            "tuned_source": "exact",
+            "default_config": "64x128s2",
+            "cells": {
+                "tuned": cell(550.0, 600.0, 3e-3),
+                "default": cell(500.0, 570.0, 3e-3),
+                "flash-attn-4": cell(500.0, 560.0, 3e-3),
+                "cuDNN": "n/a (SDPA's causal mask is top-left aligned)",
+            },
+        }
+    ]
+    header = {"date": "d", "gpu": "H200", "torch": "2.11", "dsl": "4.8.1", "fa4": "b36",
+              "kernel_hash": "0123456789ab", "rounds": 3}  # fmt: skip
+    saved = tmp_path / "b.json"
+    saved.write_text(json.dumps({"header": header, "rows": rows}))
+    assert report.main(["--render", str(saved)]) == 0
+    text = capsys.readouterr().out
+    assert "| k1 | 64x128s2 (exact) | 64x128s2 | 550 / 600 | 500 / 570 | 500 / 560 |" in text
+    assert "lowest **1.100x**" in text and "| 1.100 | 1.071 |" in text

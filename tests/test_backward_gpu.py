@@ -1,0 +1,85 @@
+"""The backward kernel on the GPU: dq, dk and dv against the fp32 gradient reference with poisoned
+outputs (the family's own measurement case and check, as the search runs them), the deterministic
+mode bitwise repeatable, and autograd through fa4tune.attention."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
+]
+
+from fa4tune.kernels.fa4_bwd_sm90 import FAMILY  # noqa: E402
+from fa4tune.kernels.fa4_bwd_sm90.config import BwdConfig  # noqa: E402
+from fa4tune.problem import Problem  # noqa: E402
+from fa4tune.target import get_target  # noqa: E402
+
+H200 = get_target("H200")
+
+CASES = [
+    # (problem fields, config or None for the default)
+    (dict(head_dim=128, seqlen_q=1024, batch=2, nheads_q=8), None),
+    (dict(head_dim=128, seqlen_q=1024, batch=2, nheads_q=8, causal=True), None),
+    (dict(head_dim=64, seqlen_q=2048, batch=2, nheads_q=8, causal=True), None),
+    (dict(head_dim=96, seqlen_q=1000, batch=2, nheads_q=6, causal=True), None),  # off the tiles
+    (dict(head_dim=128, seqlen_q=777, seqlen_k=1029, batch=1, nheads_q=8, nheads_kv=2,
+          causal=True), None),  # GQA, more keys than queries
+    (dict(head_dim=128, seqlen_q=1029, seqlen_k=500, batch=1, nheads_q=4, causal=True),
+     None),  # fewer keys than queries: the top rows see none
+    (dict(head_dim=64, seqlen_q=512, seqlen_k=3000, batch=2, nheads_q=8, nheads_kv=1), None),  # MQA
+    (dict(head_dim=128, seqlen_q=1024, batch=2, nheads_q=8, causal=True),
+     BwdConfig(deterministic=True)),
+    (dict(head_dim=64, seqlen_q=1500, batch=2, nheads_q=4), BwdConfig(tile_n=64, num_stages=1)),
+]  # fmt: skip
+
+
+def run_case(problem, config, seed=3):
+    case = FAMILY.measurement_case(problem, "cuda")
+    FAMILY.randomize(case, seed)
+    refs = FAMILY.reference(case)
+    FAMILY.poison(case)
+    FAMILY.launcher(case, config or FAMILY.default_config(problem, H200), H200)()
+    torch.cuda.synchronize()
+    return case, FAMILY.compare(case, refs)
+
+
+@pytest.mark.parametrize("fields,config", CASES, ids=lambda v: str(v))
+def test_gradients_match_the_reference(fields, config):
+    problem = Problem(**fields)
+    _, result = run_case(problem, config)
+    assert result.verdict(FAMILY.tolerance(problem)) is None, result
+
+
+def test_the_deterministic_mode_is_bitwise_repeatable():
+    problem = Problem(head_dim=128, seqlen_q=2048, batch=2, nheads_q=8, nheads_kv=2, causal=True)
+    case, _ = run_case(problem, BwdConfig(deterministic=True))
+    first = [t.clone() for t in (case.dq, case.dk, case.dv)]
+    run = FAMILY.launcher(case, BwdConfig(deterministic=True), H200)
+    for _ in range(10):
+        FAMILY.poison(case)
+        run()
+        torch.cuda.synchronize()
+        for a, b in zip(first, (case.dq, case.dk, case.dv)):
+            assert torch.equal(a, b)
+
+
+def test_autograd_through_fa4tune_attention_gives_the_reference_gradients():
+    import fa4tune
+    from fa4tune.kernels.common.reference import attention_grads_reference
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (
+        torch.randn(2, 1000, h, 128, generator=g, device="cuda").to(torch.bfloat16)
+        for h in (16, 4, 4)
+    )
+    for t in (q, k, v):
+        t.requires_grad_()
+    out, lse = fa4tune.attention(q, k, v, causal=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    for t, want in zip((q, k, v), attention_grads_reference(q, k, v, dout, causal=True)):
+        assert ((t.grad.float() - want).norm() / want.norm()).item() < 2e-2
