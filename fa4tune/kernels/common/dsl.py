@@ -5,6 +5,8 @@ machine, GPU or not)."""
 from __future__ import annotations
 
 import os
+import tempfile
+from pathlib import Path
 
 
 def import_dsl(target):
@@ -14,3 +16,22 @@ def import_dsl(target):
     import cutlass.cute as cute
 
     return cute
+
+
+def export_object(function, path, name: str) -> str:
+    """Write a compiled host function as an object file (the DSL's AOT export, its symbols prefixed
+    with `name`) that `load_object` reads in another process. Written under a temporary name and
+    renamed: a reader never sees half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".export-") as tmp:
+        function.export_to_c(tmp, name, function_prefix=name)
+        os.replace(os.path.join(tmp, name + ".o"), path)
+    return str(path)
+
+
+def load_object(path, name: str):
+    """The compiled host function `export_object` wrote under `name`."""
+    from cutlass.cute.runtime import load_module
+
+    return load_module(str(path))[name]

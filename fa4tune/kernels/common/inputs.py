@@ -18,6 +18,7 @@ __all__ = [
     "check_no_grad",
     "check_output",
     "check_scale",
+    "check_strides",
     "empty_outputs",
     "make_problem",
     "problem_of",
@@ -112,29 +113,35 @@ def check_inputs(q, k, v, causal) -> bool:
     if 0 in (q.shape[0], q.shape[1], k.shape[1]):
         return True  # nothing is read, so neither strides nor alignment matter
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if 0 in t.stride():
-            # An expanded view (k[:, :, :1].expand(...), say), or a size-1 dim given stride 0 (which
-            # torch calls contiguous): the DSL's DLPack import takes a zero stride for a constant
-            # and misreads the descriptor. (GQA needs no expansion: pass k and v with their own
-            # heads.)
-            raise UnsupportedInput(
-                f"{name} has a zero stride {t.stride()} (an expanded view?); pass "
-                f"{name}.clone(memory_format=torch.contiguous_format), or k and v with fewer "
-                "heads than q (GQA)"
-            )
-        if t.stride(-1) != 1:
-            raise UnsupportedInput(
-                f"{name} must be contiguous in its last dimension (head_dim); its strides are "
-                f"{t.stride()} (use {name}.contiguous())"
-            )
-        if any(s % 8 for s in t.stride()[:-1]):
-            # .contiguous() returns a tensor whose only odd strides are of size-1 dims unchanged.
-            raise UnsupportedInput(
-                f"{name}'s strides {t.stride()} must be multiples of 8 elements (16 bytes, "
-                f"for the TMA), those of size-1 dims too; use "
-                f"{name}.clone(memory_format=torch.contiguous_format)"
-            )
+        check_strides(name, t)
     return False
+
+
+def check_strides(name: str, t) -> None:
+    """UnsupportedInput unless the TMA can read `t` as it is: no zero stride, the last dimension
+    contiguous, the other strides multiples of 8 elements (16 bytes)."""
+    if 0 in t.stride():
+        # An expanded view (k[:, :, :1].expand(...), say), or a size-1 dim given stride 0 (which
+        # torch calls contiguous): the DSL's DLPack import takes a zero stride for a constant
+        # and misreads the descriptor. (GQA needs no expansion: pass k and v with their own
+        # heads.)
+        raise UnsupportedInput(
+            f"{name} has a zero stride {t.stride()} (an expanded view?); pass "
+            f"{name}.clone(memory_format=torch.contiguous_format), or k and v with fewer "
+            "heads than q (GQA)"
+        )
+    if t.stride(-1) != 1:
+        raise UnsupportedInput(
+            f"{name} must be contiguous in its last dimension (head_dim); its strides are "
+            f"{t.stride()} (use {name}.contiguous())"
+        )
+    if any(s % 8 for s in t.stride()[:-1]):
+        # .contiguous() returns a tensor whose only odd strides are of size-1 dims unchanged.
+        raise UnsupportedInput(
+            f"{name}'s strides {t.stride()} must be multiples of 8 elements (16 bytes, "
+            f"for the TMA), those of size-1 dims too; use "
+            f"{name}.clone(memory_format=torch.contiguous_format)"
+        )
 
 
 def empty_outputs(q, v, out=None, lse=None):

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from ...errors import UnsupportedInput
 from ...problem import HEAD_DIMS, PAGE_SIZES, Problem, ProblemError
+from .inputs import check_strides
 
 _INDEX_NAMES = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "page_table")
 
@@ -99,24 +100,6 @@ def _check_max(name: str, value) -> None:
         raise UnsupportedInput(
             f"{name} must be a non-negative Python int or None (not a tensor: reading one costs a "
             f"device sync), got {value!r}"
-        )
-
-
-def _check_strides(name: str, t) -> None:
-    if 0 in t.stride():
-        raise UnsupportedInput(
-            f"{name} has a zero stride {t.stride()} (an expanded view?); pass "
-            f"{name}.clone(memory_format=torch.contiguous_format)"
-        )
-    if t.stride(-1) != 1:
-        raise UnsupportedInput(
-            f"{name} must be contiguous in its last dimension (head_dim); its strides are "
-            f"{t.stride()} (use {name}.contiguous())"
-        )
-    if any(s % 8 for s in t.stride()[:-1]):
-        raise UnsupportedInput(
-            f"{name}'s strides {t.stride()} must be multiples of 8 elements (16 bytes, for the "
-            f"TMA); use {name}.clone(memory_format=torch.contiguous_format)"
         )
 
 
@@ -233,7 +216,7 @@ def check_varlen_inputs(q, k, v, ragged: Ragged, causal) -> bool:
     if empty:
         return True
     for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_strides(name, t)
+        check_strides(name, t)
     if ragged.paged or (ragged.seqused_k is not None and not ragged.varlen_k):
         # Pages (batches) are read as packed rows: one must follow the other.
         what = "pages" if ragged.paged else "batches"

@@ -31,14 +31,19 @@ class BackwardSm90(KernelFamily):
     default_spaces = ("backward",)
     rules = RULES
     entry = "attention_backward"
-    # What compiles or launches: this folder's kernel, config, compile and launch code and the
-    # shared Hopper device code; not the spec, the measurement, the cost model or the peers.
-    source_globs = ("fa4_bwd_sm90/*.py", "sm90/*.py")
+    # What compiles or launches: this folder's kernel, config, compile and launch code, the shared
+    # Hopper device code and the shared host launch code; not the spec, the measurement, the cost
+    # model or the peers, nor the fp32 references and checks.
+    source_globs = ("fa4_bwd_sm90/*.py", "sm90/*.py", "common/*.py")
     source_excludes = (
         "fa4_bwd_sm90/__init__.py",
         "fa4_bwd_sm90/measure.py",
         "fa4_bwd_sm90/cost_model.py",
         "fa4_bwd_sm90/peers.py",
+        "common/__init__.py",
+        "common/reference.py",
+        "common/verify.py",
+        "common/measure.py",
     )
 
     def default_config(self, problem, target=None) -> BwdConfig:

@@ -5,16 +5,13 @@ run-time, GQA's group too."""
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from ...problem import normalize_dtype
 from ...target import Target, get_target
-from ..common.dsl import import_dsl
+from ..common.dsl import export_object, import_dsl, load_object
 from .config import BwdConfig
 
 _CACHE: dict[tuple, CompiledBackward] = {}
@@ -100,13 +97,9 @@ def artifact_name(key: tuple) -> str:
 
 
 def export_compiled(compiled: CompiledBackward, path) -> str:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    name = artifact_name(compiled.key)
-    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".export-") as tmp:
-        compiled.function.export_to_c(tmp, name, function_prefix=name)
-        os.replace(os.path.join(tmp, name + ".o"), path)
-    return str(path)
+    """Write a compiled kernel as an object file that `load_compiled` loads in another process
+    (common/dsl.export_object)."""
+    return export_object(compiled.function, path, artifact_name(compiled.key))
 
 
 def load_compiled(path, config, dtype, head_dim, causal, target) -> CompiledBackward:
@@ -117,10 +110,8 @@ def load_compiled(path, config, dtype, head_dim, causal, target) -> CompiledBack
     if hit is not None:
         return hit
     import_dsl(target)
-    from cutlass.cute.runtime import load_module
-
     start = time.perf_counter()
-    function = load_module(str(path))[artifact_name(key)]
+    function = load_object(path, artifact_name(key))
     compiled = CompiledBackward(None, function, time.perf_counter() - start, key)
     with _CACHE_LOCK:
         return _CACHE.setdefault(key, compiled)
