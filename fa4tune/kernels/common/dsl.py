@@ -35,3 +35,21 @@ def load_object(path, name: str):
     from cutlass.cute.runtime import load_module
 
     return load_module(str(path))[name]
+
+
+def dynamic_tensor(dtype, rank: int, align: int):
+    """A fake tensor for cute.compile with exactly the run-time types a launch passes
+    (from_dlpack(...).mark_layout_dynamic()): every extent a dynamic i32, every stride but the last
+    a dynamic i64, the last 1. The compiled function trusts its callers' argument layout, so the
+    two must match."""
+    import cutlass.cute as cute
+    from cutlass.cute import AddressSpace
+    from cutlass.cute.runtime import make_fake_tensor
+
+    return make_fake_tensor(
+        dtype,
+        tuple(cute.sym_int32() for _ in range(rank)),
+        stride=tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,),
+        memspace=AddressSpace.generic,
+        assumed_align=align,
+    )

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from ...problem import normalize_dtype
 from ...target import Target, get_target
-from ..common.dsl import export_object, import_dsl, load_object
+from ..common.dsl import dynamic_tensor, export_object, import_dsl, load_object
 from .config import BwdConfig
 
 _CACHE: dict[tuple, CompiledBackward] = {}
@@ -50,23 +50,14 @@ def compile_backward(
         return hit
     cute = import_dsl(target)
     import cutlass
-    from cutlass.cute import AddressSpace
-    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+    from cutlass.cute.runtime import make_fake_stream
 
     from .kernel import DTYPES, FlashBackwardSm90
 
     kernel = FlashBackwardSm90(config, dtype, head_dim, causal, target)
     elem = DTYPES[dtype]
 
-    # The run-time types launch.py passes (from_dlpack with mark_layout_dynamic).
-    def dynamic_tensor(dtype, rank: int, align: int):
-        return make_fake_tensor(
-            dtype,
-            tuple(cute.sym_int32() for _ in range(rank)),
-            stride=tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,),
-            memspace=AddressSpace.generic,
-            assumed_align=align,
-        )
+    # The run-time types launch.py passes (common/dsl.py's dynamic_tensor).
 
     f32 = cutlass.Float32
     args = (

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 from ...problem import InputLayout, Problem, normalize_dtype
 from ...target import Target, get_target
-from ..common.dsl import export_object, import_dsl, load_object
+from ..common.dsl import dynamic_tensor, export_object, import_dsl, load_object
 from . import FAMILY
 from .config import FwdConfig
 
@@ -120,19 +120,9 @@ def compile_forward(
     )
     elem = DTYPES[dtype]
 
-    # Fake arguments with exactly the run-time types that attention_forward passes (from_dlpack with
-    # mark_layout_dynamic): every extent a dynamic i32, every stride but the last a dynamic i64. The
-    # compiled function trusts its callers' argument layout, so the two must match.
+    # Fake arguments with exactly the run-time types that attention_forward passes (common/dsl.py's
+    # dynamic_tensor); the tile counter, a (1,) tensor of static layout.
     from cutlass.cute import AddressSpace
-
-    def dynamic_tensor(dtype, rank: int, align: int):
-        return make_fake_tensor(
-            dtype,
-            tuple(cute.sym_int32() for _ in range(rank)),
-            stride=tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,),
-            memspace=AddressSpace.generic,
-            assumed_align=align,
-        )
 
     # Ragged inputs: varlen q and O are (total, heads, d) and LSE (heads, total); varlen k and v
     # (total, heads, d); pages (pages, page_size, heads, d). Split partials keep their rank (varlen:
@@ -184,20 +174,10 @@ def compile_combine(dtype: str, head_dim_v: int, target: Target | str | None = N
         return hit
     cute = import_dsl(target)
     import cutlass
-    from cutlass.cute import AddressSpace
-    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+    from cutlass.cute.runtime import make_fake_stream
 
     from .combine import SplitCombine
     from .kernel import DTYPES
-
-    def dynamic_tensor(elem, rank: int, align: int):
-        return make_fake_tensor(
-            elem,
-            tuple(cute.sym_int32() for _ in range(rank)),
-            stride=tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,),
-            memspace=AddressSpace.generic,
-            assumed_align=align,
-        )
 
     f32 = cutlass.Float32
     args = (
