@@ -10,13 +10,13 @@ __version__ = "0.1.0"
 from .problem import Problem  # noqa: E402
 from .runtime.lookup import LookupResult, lookup  # noqa: E402
 
-# `fa4tune.attention` (fa4tune.runtime.ops, which registers the torch op), `fa4tune.explain` and the
-# ragged calls (fa4tune.runtime.dispatch) are imported on first use: a call needs torch and the
-# CuTe DSL.
+# `fa4tune.attention` and `fa4tune.attention_varlen` (fa4tune.runtime.ops, which registers the torch
+# ops), `fa4tune.explain` and `fa4tune.explain_varlen` (fa4tune.runtime.dispatch) are imported on
+# first use: a call needs torch and the CuTe DSL.
 _LAZY = {
     "attention": "ops",
     "explain": "dispatch",
-    "attention_varlen": "dispatch",
+    "attention_varlen": "ops",
     "explain_varlen": "dispatch",
 }
 

@@ -179,3 +179,138 @@ def test_inputs_that_require_grad_record_the_op_and_its_backward(monkeypatch):
         assert fa4tune.attention(q, k, v)[0].grad_fn is None
     with pytest.raises(UnsupportedInput, match="causal must be True or False"):
         fa4tune.attention(q, k, v, causal=1)
+
+
+# ---- fa4tune::attention_varlen -----------------------------------------------------------------
+VARLEN_OP = torch.ops.fa4tune.attention_varlen.default
+
+
+def fake_ragged(paged=False, total_q=300, batch=3, dim=128, dim_v=128, device="cuda", index=None):
+    """q packed (total_q, 8, dim); k and v packed (1000, 2, ·) with cu_seqlens_k, or pages of 16
+    rows with a (batch, 20) page_table; fake tensors, and their mode."""
+    mode = FakeTensorMode()
+    with mode:
+        q = torch.empty(total_q, 8, dim, dtype=torch.bfloat16, device=device)
+        kv_rows = (64, 16) if paged else (1000,)
+        k = torch.empty(*kv_rows, 2, dim, dtype=torch.bfloat16, device=device)
+        v = torch.empty(*kv_rows, 2, dim_v, dtype=torch.bfloat16, device=device)
+        idx = index or torch.int32
+        cu_q = torch.empty(batch + 1, dtype=idx, device=device)
+        cu_k = None if paged else torch.empty(batch + 1, dtype=idx, device=device)
+        table = torch.empty(batch, 20, dtype=idx, device=device) if paged else None
+        used = torch.empty(batch, dtype=idx, device=device) if paged else None
+    return mode, (q, k, v, cu_q, cu_k, used, table)
+
+
+def test_the_varlen_op_has_flash_attn_4s_argument_names():
+    assert str(VARLEN_OP._schema) == (
+        "fa4tune::attention_varlen(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, "
+        "Tensor? cu_seqlens_k, SymInt? max_seqlen_q, SymInt? max_seqlen_k, Tensor? seqused_k, "
+        "Tensor? page_table, bool causal=False, float? softmax_scale=None) -> (Tensor, Tensor)"
+    )
+    assert fa4tune.attention_varlen is ops.attention_varlen
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["packed", "paged"])
+@pytest.mark.parametrize("total_q", [300, 0], ids=["rows", "empty"])
+def test_the_varlen_fake_gives_flash_attn_4s_output_shapes(paged, total_q):
+    mode, (q, k, v, cu_q, cu_k, used, table) = fake_ragged(paged, total_q, dim_v=64)
+    with mode:
+        out, lse = VARLEN_OP(q, k, v, cu_q, cu_k, 128, None, used, table, True, None)
+    assert out.shape == (total_q, 8, 64) and out.dtype == torch.bfloat16
+    assert lse.shape == (8, total_q) and lse.dtype == torch.float32
+    assert out.is_contiguous() and lse.is_contiguous() and out.device == q.device
+
+
+def test_the_varlen_fake_gives_batch_shaped_decode_its_shapes():
+    mode = FakeTensorMode()
+    with mode:
+        q = torch.empty(4, 1, 8, 128, dtype=torch.bfloat16, device="cuda")
+        cache = torch.empty(64, 128, 2, 128, dtype=torch.bfloat16, device="cuda")
+        table = torch.empty(4, 16, dtype=torch.int32, device="cuda")
+        used = torch.empty(4, dtype=torch.int32, device="cuda")
+        out, lse = VARLEN_OP(q, cache, cache, None, None, None, 2048, used, table, False, 0.1)
+    assert out.shape == (4, 1, 8, 128) and lse.shape == (4, 8, 1)
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (dict(index=torch.int64), "must be torch.int32"),
+        (dict(dim=80, dim_v=80), "head dims"),
+        (dict(device="cpu"), "CUDA tensors"),
+    ],
+)
+def test_the_varlen_fake_refuses_what_the_eager_path_refuses(change, words):
+    mode, args = fake_ragged(**change)
+    q, k, v, cu_q, cu_k, used, table = args
+    with mode, pytest.raises(UnsupportedInput, match=words):
+        VARLEN_OP(q, k, v, cu_q, cu_k, None, None, used, table, False, None)
+    mode, (q, k, v, cu_q, cu_k, used, table) = fake_ragged(paged=True)
+    with mode:
+        odd_pages = torch.empty(64, 12, 2, 128, dtype=torch.bfloat16, device="cuda")
+        with pytest.raises(UnsupportedInput, match="page size 12"):
+            VARLEN_OP(q, odd_pages, odd_pages, cu_q, None, None, None, used, table, False, None)
+        with pytest.raises(UnsupportedInput, match="not both"):
+            VARLEN_OP(q, k, v, cu_q, cu_q, None, None, used, table, False, None)
+
+
+class AttendVarlen(torch.nn.Module):
+    def __init__(self, max_seqlen_q=None, causal=True):
+        super().__init__()
+        self.max_seqlen_q, self.causal = max_seqlen_q, causal
+
+    def forward(self, q, k, v, cu_q, cu_k):
+        out, lse = fa4tune.attention_varlen(
+            q, k, v, cu_q, cu_k, self.max_seqlen_q, 512, causal=self.causal, softmax_scale=0.125
+        )
+        return out + 1, lse
+
+
+@pytest.mark.parametrize("strict", [True, False], ids=["dynamo", "non-strict"])
+def test_export_captures_one_varlen_op_with_symbolic_totals(strict):
+    _, (q, k, v, cu_q, cu_k, _, _) = fake_ragged()
+    total_q, total_k, batch1 = Dim("total_q", min=2), Dim("total_k", min=2), Dim("batch1", min=2)
+    program = torch.export.export(
+        AttendVarlen(max_seqlen_q=256),
+        (q, k, v, cu_q, cu_k),
+        strict=strict,
+        dynamic_shapes=({0: total_q}, {0: total_k}, {0: total_k}, {0: batch1}, {0: batch1}),
+    )
+    calls = [n for n in program.graph.nodes if n.op == "call_function"]
+    [attention] = [n for n in calls if n.target is VARLEN_OP]
+    assert attention.args[5:7] == (256, 512) and attention.args[9:] == (True, 0.125)
+    out, lse = attention.meta["val"]
+    tq = next(n for n in program.graph.nodes if n.name == "q").meta["val"].shape[0]
+    assert not isinstance(tq, int), "total_q was specialised"
+    assert tuple(out.shape) == (tq, 8, 128) and tuple(lse.shape) == (8, tq)
+
+
+def test_tracing_refuses_bad_varlen_arguments_by_name():
+    _, (q, k, v, cu_q, cu_k, _, _) = fake_ragged()
+    args = (q, k, v, cu_q, cu_k)
+    with pytest.raises(Exception, match="max_seqlen_q must be a non-negative Python int"):
+        torch.export.export(AttendVarlen(max_seqlen_q=-3), args, strict=False)
+    with pytest.raises(Exception, match="causal must be True or False"):
+        torch.export.export(AttendVarlen(causal="yes"), args, strict=False)
+
+
+def test_attention_varlen_outside_tracing_takes_the_eager_path(monkeypatch):
+    """Outside tracing fa4tune.attention_varlen calls the dispatcher directly (no op dispatch on
+    the serving path), with every argument where the dispatcher takes it."""
+    from fa4tune.runtime import dispatch
+
+    seen = []
+    monkeypatch.setattr(dispatch, "attention_varlen", lambda *a, **kw: seen.append((a, kw)))
+    fa4tune.attention_varlen(1, 2, 3, 4, 5, 6, 7, seqused_k=8, page_table=9, causal=True)
+    assert seen == [
+        (
+            (1, 2, 3, 4, 5, 6, 7),
+            dict(seqused_k=8, page_table=9, causal=True, softmax_scale=None),
+        )
+    ]
+    q = torch.zeros(10, 2, 64, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 10], dtype=torch.int32)
+    monkeypatch.undo()
+    with pytest.raises(UnsupportedInput, match="CUDA tensors"):
+        fa4tune.attention_varlen(q, q, q, cu, cu, 10, 10)

@@ -162,3 +162,60 @@ def test_torch_compile_traces_forward_and_backward_in_one_graph():
     want = attention_grads_reference(q, k, v, dout, True, None, torch.ones_like(lse))
     for got, ref in zip(grads, want):
         assert ((got.float() - ref).norm() / ref.norm()).item() < 2e-2
+
+
+def varlen_inputs(lengths=(100, 0, 517, 64), seed=0):
+    """Packed q, k, v (16 query / 4 KV heads) of sequences of `lengths`, and their cu_seqlens."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    total = sum(lengths)
+    q, k, v = (
+        torch.randn(total, h, 128, generator=gen, device="cuda").to(torch.bfloat16)
+        for h in (16, 4, 4)
+    )
+    ends = [0]
+    for n in lengths:
+        ends.append(ends[-1] + n)
+    return q, k, v, torch.tensor(ends, dtype=torch.int32, device="cuda")
+
+
+def assert_varlen_matches_reference(q, k, v, cu, out, lse, causal=True):
+    torch.cuda.synchronize()
+    for b in range(cu.numel() - 1):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        if rows.start == rows.stop:
+            continue
+        ref_o, ref_lse = attention_reference(
+            q[rows][None], k[rows][None], v[rows][None], causal=causal
+        )
+        err = ((out[rows][None].float() - ref_o).norm() / ref_o.norm()).item()
+        assert err < OUT_TOL, (b, err)
+        assert (lse[:, rows] - ref_lse[0]).abs().max().item() < LSE_TOL
+
+
+def test_varlen_opcheck():
+    q, k, v, cu = varlen_inputs()
+    torch.library.opcheck(
+        torch.ops.fa4tune.attention_varlen.default,
+        (q, k, v, cu, cu, 517, 517, None, None, True, None),
+    )
+
+
+def test_fullgraph_compile_runs_the_varlen_op_on_new_mixes_without_recompiling():
+    """A varlen call inside torch.compile(fullgraph=True, dynamic=True): one graph for mixes of new
+    totals, batches and maximums, each checked per sequence against the fp32 reference (the
+    kernel's runs on poisoned outputs are test_varlen_gpu.py's)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def block(q, k, v, cu, longest):
+        out, lse = fa4tune.attention_varlen(q, k, v, cu, cu, longest, longest, causal=True)
+        return out * 1, lse
+
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(block, fullgraph=True, dynamic=True, backend=counter)
+    for seed, lengths in enumerate(((100, 0, 517, 64), (300, 40, 9), (1000, 3, 250, 77, 12))):
+        q, k, v, cu = varlen_inputs(lengths, seed)
+        torch.cuda.synchronize()
+        out, lse = compiled(q, k, v, cu, max(lengths))
+        assert out.shape == q.shape and lse.shape == (16, q.shape[0])
+        assert_varlen_matches_reference(q, k, v, cu, out, lse)
+    assert counter.frame_count == 1, f"recompiled: {counter.frame_count} frames"

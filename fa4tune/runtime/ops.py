@@ -20,7 +20,16 @@ torch.compile(fullgraph=True) traces forward and backward), whose eager path run
 kernel family (fa4_bwd_sm90) with its tuned config (dispatch.attention_backward). The forward
 saves q, k, v, O and LSE for it; a gradient of the returned LSE is honoured.
 
-A program exported with this op needs the op registered where it is loaded: import
+`torch.ops.fa4tune.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+max_seqlen_k, seqused_k, page_table, causal, softmax_scale) -> (out, lse)` is the ragged call
+(flash-attn-4's varlen and paged layouts) as an op, forward only: its eager path is
+`fa4tune.runtime.dispatch.attention_varlen`, its fake implementation checks what the eager path
+checks without reading a tensor and gives the outputs' shapes. `fa4tune.attention_varlen` (this
+module's) calls it while torch.compile or torch.export traces, and the eager path directly
+otherwise. The maximums may be symbolic while tracing: they only key the lookup, which runs on
+the concrete values when the compiled program calls the op.
+
+A program exported with these ops needs the op registered where it is loaded: import
 `fa4tune.runtime.ops` (touching `fa4tune.attention` does it too) before `torch.export.load`."""
 
 from __future__ import annotations
@@ -28,13 +37,21 @@ from __future__ import annotations
 import torch
 
 from ..errors import UnsupportedInput
-from ..kernels.common.inputs import check_device, check_inputs, check_scale
+from ..kernels.common.inputs import check_device, check_inputs, check_no_grad, check_scale
+from ..kernels.common.varlen import (
+    Ragged,
+    check_max_seqlen,
+    check_varlen_device,
+    check_varlen_inputs,
+    output_shapes,
+)
 from . import dispatch
 
 OP = "fa4tune::attention"
 BACKWARD_OP = "fa4tune::attention_backward"
+VARLEN_OP = "fa4tune::attention_varlen"
 
-__all__ = ["BACKWARD_OP", "OP", "attention"]
+__all__ = ["BACKWARD_OP", "OP", "VARLEN_OP", "attention", "attention_varlen"]
 
 
 def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None):
@@ -64,6 +81,65 @@ def _check_call(causal, softmax_scale) -> None:
     if not isinstance(causal, bool):
         raise UnsupportedInput(f"causal must be True or False, got {causal!r}")
     check_scale(softmax_scale)
+
+
+def attention_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    *,
+    seqused_k=None,
+    page_table=None,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+):
+    """(out, lse) of attention over ragged inputs, as flash-attn-4's `flash_attn_varlen_func`;
+    the arguments and results are described in fa4tune.runtime.dispatch.attention_varlen and
+    docs/serving.md. Forward only."""
+    if not _compiling():
+        return dispatch.attention_varlen(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            seqused_k=seqused_k,
+            page_table=page_table,
+            causal=causal,
+            softmax_scale=softmax_scale,
+        )
+    _check_call(causal, softmax_scale)
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        _check_max_traced(name, value)
+    # The op has no autograd: refused here, in the traced code, as the eager path refuses it.
+    check_no_grad(q, k, v)
+    return torch.ops.fa4tune.attention_varlen.default(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        seqused_k,
+        page_table,
+        causal,
+        None if softmax_scale is None else float(softmax_scale),
+    )
+
+
+def _check_max_traced(name: str, value) -> None:
+    """A maximum the op's schema takes: None, a Python int, or a symbolic one (torch.compile makes
+    an int that changes between calls symbolic); the eager path checks the concrete value."""
+    if value is None or isinstance(value, torch.SymInt):
+        return
+    check_max_seqlen(name, value)  # the eager path's words for a tensor, a bool, a negative int
 
 
 def _traced(q, k, v, causal, softmax_scale):
@@ -119,6 +195,60 @@ def _attention_backward_fake(dout, q, k, v, out, lse, dlse=None, causal=False, s
     check_inputs(q, k, v, causal)
     check_device(q, k, v, aligned=False)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+@torch.library.custom_op(VARLEN_OP, mutates_args=())
+def _attention_varlen_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int | None,
+    max_seqlen_k: int | None,
+    seqused_k: torch.Tensor | None,
+    page_table: torch.Tensor | None,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return dispatch.attention_varlen(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        seqused_k=seqused_k,
+        page_table=page_table,
+        causal=causal,
+        softmax_scale=softmax_scale,
+    )
+
+
+@_attention_varlen_op.register_fake
+def _attention_varlen_fake(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    seqused_k,
+    page_table,
+    causal=False,
+    softmax_scale=None,
+):
+    # The maximums may be symbolic here; they key the lookup only, and are checked by the eager
+    # path on their concrete values.
+    ragged = Ragged(cu_seqlens_q, cu_seqlens_k, seqused_k, page_table)
+    check_scale(softmax_scale)
+    # An empty call (check_varlen_inputs True) returns zeros and -inf of the same shapes.
+    check_varlen_inputs(q, k, v, ragged, causal)
+    check_varlen_device(q, k, v, ragged, aligned=False)  # fake tensors have no data to align
+    out_shape, lse_shape = output_shapes(q, v, ragged)
+    return q.new_empty(out_shape), q.new_empty(lse_shape, dtype=torch.float32)
 
 
 def _setup_context(ctx, inputs, output) -> None:

@@ -93,7 +93,7 @@ def _check_index(name: str, t, shape: tuple) -> None:
         )
 
 
-def _check_max(name: str, value) -> None:
+def check_max_seqlen(name: str, value) -> None:
     if value is not None and (
         isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0
     ):
@@ -169,8 +169,8 @@ def check_varlen_inputs(q, k, v, ragged: Ragged, causal) -> bool:
         )
     if not isinstance(causal, bool):
         raise UnsupportedInput(f"causal must be True or False, got {causal!r}")
-    _check_max("max_seqlen_q", ragged.max_seqlen_q)
-    _check_max("max_seqlen_k", ragged.max_seqlen_k)
+    check_max_seqlen("max_seqlen_q", ragged.max_seqlen_q)
+    check_max_seqlen("max_seqlen_k", ragged.max_seqlen_k)
 
     # The batch: cu_seqlens_q's, else q's; every other index tensor and k must agree.
     if ragged.varlen_q:
