@@ -16,10 +16,10 @@ anything else it returns sdpa's boolean mask, and the attention function gives t
 The attention function runs `fa4tune.attention` with the tuned config for the call's shapes. Where
 the kernel cannot serve a call it runs transformers' sdpa instead, and says why with one
 `FallbackWarning` per cause: a mask (padding, a static cache, a sliding window, packed sequences or
-a custom mask), dropout, gradients (the kernel has no backward yet), a dtype or head dim the kernel
-lacks, a device that is not a Hopper GPU. It never runs the kernel on a call whose result would
-differ. A call that sdpa cannot serve either (a soft cap, attention sinks) raises UnsupportedInput,
-which names attn_implementation="eager"."""
+a custom mask), dropout, gradients (until the backward kernel has run on a GPU), a dtype or head
+dim the kernel lacks, a device that is not a Hopper GPU. It never runs the kernel on a call whose
+result would differ. A call that sdpa cannot serve either (a soft cap, attention sinks) raises
+UnsupportedInput, which names attn_implementation="eager"."""
 
 from __future__ import annotations
 
@@ -162,8 +162,9 @@ def _cause_to_fall_back(query, key, value, mask, dropout, causal, kwargs):
         query.requires_grad or key.requires_grad or value.requires_grad
     ):
         return "grad", (
-            "the call records gradients (training), and fa4tune's kernel has no backward yet; "
-            "run inference under torch.no_grad() or torch.inference_mode()"
+            "the call records gradients (training), and fa4tune's backward kernel has not yet "
+            "been verified on a GPU (docs/backward.md); run inference under torch.no_grad() or "
+            "torch.inference_mode()"
         )
     if not isinstance(causal, bool):
         return "causal", f"is_causal is {causal!r}, not a bool"
