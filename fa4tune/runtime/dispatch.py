@@ -42,8 +42,8 @@ from ..kernels.common.varlen import (
     Ragged,
     check_varlen_device,
     check_varlen_inputs,
+    output_shapes,
 )
-from ..kernels.common.varlen import empty_outputs as empty_varlen_outputs
 from ..kernels.common.varlen import make_problem as make_varlen_problem
 from ..target import is_described, target_for_device
 from .lookup import lookup
@@ -343,7 +343,7 @@ def _prepare_varlen(key, q, k, v, ragged: Ragged, causal, softmax_scale):
     check_varlen_device(q, k, v, ragged, aligned=not empty)
     target, family = device_target(q.device)
     if empty:
-        launch = _EmptyVarlen(ragged)
+        launch = _EmptyVarlen(output_shapes(q, v, ragged))
         with _PREPARE_LOCK:
             _remember(key, launch)
         return launch
@@ -367,17 +367,18 @@ def _remember(key, launch) -> None:
 
 
 class _EmptyVarlen:
-    """A ragged call with nothing to compute: O zero and LSE -inf in flash-attn-4's varlen shapes,
+    """A ragged call with nothing to compute: O zero and LSE -inf in flash-attn-4's varlen shapes
+    (those of the call signature it was prepared for; it keeps none of that call's tensors),
     without a kernel."""
 
-    def __init__(self, ragged: Ragged) -> None:
-        self.ragged = ragged
+    def __init__(self, shapes: tuple[tuple, tuple]) -> None:
+        self.shapes = shapes
 
     def __call__(self, q, k, v, *index):
         import torch
 
         with torch.cuda.device(q.device):
-            return empty_varlen_outputs(q, v, self.ragged)
+            return empty_outputs(q, v, shapes=self.shapes)
 
 
 class _Empty:

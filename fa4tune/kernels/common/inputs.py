@@ -13,10 +13,14 @@ from ...problem import HEAD_DIMS, Problem
 
 __all__ = [
     "UnsupportedInput",
+    "check_dense",
     "check_device",
+    "check_elements",
+    "check_heads",
     "check_inputs",
     "check_no_grad",
     "check_output",
+    "check_outputs",
     "check_scale",
     "check_strides",
     "empty_outputs",
@@ -57,20 +61,52 @@ def check_inputs(q, k, v, causal) -> bool:
     inputs here). True when there is nothing to compute: no batch, no query rows or no keys. The
     callers then return O zero and LSE -inf, as flash-attn-4 does (and this kernel for rows without
     keys), without a launch."""
-    import torch
 
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise UnsupportedInput(f"attention takes torch tensors; {name} is a {type(t).__name__}")
-        if t.layout is not torch.strided or t.is_nested:
-            raise UnsupportedInput(
-                f"attention takes dense tensors; {name} is {'nested' if t.is_nested else t.layout}"
-            )
+        check_dense(name, t)
         if t.dim() != 4:
             raise UnsupportedInput(
                 f"attention takes 4-D tensors (batch, seqlen, heads, head_dim); "
                 f"{name} has shape {tuple(t.shape)}"
             )
+    check_elements(q, k, v)
+    if k.shape[:3] != v.shape[:3]:
+        raise UnsupportedInput(
+            f"k and v must agree in batch, seqlen and heads; k is {tuple(k.shape)}, "
+            f"v is {tuple(v.shape)}"
+        )
+    if k.shape[0] != q.shape[0]:
+        raise UnsupportedInput(
+            f"q and k must have the same batch size; q is {tuple(q.shape)}, k is {tuple(k.shape)}"
+        )
+    check_heads(q, k)
+    if not isinstance(causal, bool):
+        raise UnsupportedInput(f"causal must be True or False, got {causal!r}")
+    if 0 in (q.shape[0], q.shape[1], k.shape[1]):
+        return True  # nothing is read, so neither strides nor alignment matter
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_strides(name, t)
+    return False
+
+
+def check_dense(name: str, t, caller: str = "attention") -> None:
+    """UnsupportedInput unless `t` is a dense (strided, not nested) torch tensor; `caller` names the
+    function in the message."""
+    import torch
+
+    if not isinstance(t, torch.Tensor):
+        raise UnsupportedInput(f"{caller} takes torch tensors; {name} is a {type(t).__name__}")
+    if t.layout is not torch.strided or t.is_nested:
+        raise UnsupportedInput(
+            f"{caller} takes dense tensors; {name} is {'nested' if t.is_nested else t.layout}"
+        )
+
+
+def check_elements(q, k, v) -> None:
+    """UnsupportedInput unless q, k and v have one dtype the kernels take (bf16 or fp16) and head
+    dims they take (the last dimension in every layout), q's and k's the same."""
+    import torch
+
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise UnsupportedInput(
             f"attention takes bfloat16 or float16 tensors; q is {q.dtype} "
@@ -81,40 +117,30 @@ def check_inputs(q, k, v, causal) -> bool:
             raise UnsupportedInput(
                 f"q, k and v must have one dtype; q is {q.dtype}, {name} is {t.dtype}"
             )
-    for name, dim in (("head_dim of q and k", q.shape[3]), ("head_dim of v", v.shape[3])):
+    for name, dim in (("head_dim of q and k", q.shape[-1]), ("head_dim of v", v.shape[-1])):
         if dim not in HEAD_DIMS:
             raise UnsupportedInput(
                 f"{name} is {dim}; the kernel supports head dims {', '.join(map(str, HEAD_DIMS))}"
             )
-    if k.shape[3] != q.shape[3]:
+    if k.shape[-1] != q.shape[-1]:
         raise UnsupportedInput(
             f"q and k must have the same head_dim; q is {tuple(q.shape)}, k is {tuple(k.shape)}"
         )
-    if k.shape[:3] != v.shape[:3]:
-        raise UnsupportedInput(
-            f"k and v must agree in batch, seqlen and heads; k is {tuple(k.shape)}, "
-            f"v is {tuple(v.shape)}"
-        )
-    if k.shape[0] != q.shape[0]:
-        raise UnsupportedInput(
-            f"q and k must have the same batch size; q is {tuple(q.shape)}, k is {tuple(k.shape)}"
-        )
-    if q.shape[2] == 0 or k.shape[2] == 0:
+
+
+def check_heads(q, k) -> None:
+    """UnsupportedInput unless q and k have heads (the second-last dimension in every layout) and
+    q's are a multiple of k's (grouped-query attention)."""
+    nheads_q, nheads_kv = q.shape[-2], k.shape[-2]
+    if nheads_q == 0 or nheads_kv == 0:
         raise UnsupportedInput(
             f"q, k and v need at least one head; q is {tuple(q.shape)}, k is {tuple(k.shape)}"
         )
-    if q.shape[2] % k.shape[2]:
+    if nheads_q % nheads_kv:
         raise UnsupportedInput(
-            f"the heads of q ({q.shape[2]}) must be a multiple of the heads of k and v "
-            f"({k.shape[2]}) (grouped-query attention)"
+            f"the heads of q ({nheads_q}) must be a multiple of the heads of k and v "
+            f"({nheads_kv}) (grouped-query attention)"
         )
-    if not isinstance(causal, bool):
-        raise UnsupportedInput(f"causal must be True or False, got {causal!r}")
-    if 0 in (q.shape[0], q.shape[1], k.shape[1]):
-        return True  # nothing is read, so neither strides nor alignment matter
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_strides(name, t)
-    return False
 
 
 def check_strides(name: str, t) -> None:
@@ -144,14 +170,17 @@ def check_strides(name: str, t) -> None:
         )
 
 
-def empty_outputs(q, v, out=None, lse=None):
-    """(out, lse) of attention with nothing to compute (check_inputs said so): O zero (a row without
-    keys sums nothing) and LSE -inf (log of that empty sum; flash-attn-4's convention, where FA2/FA3
-    write +inf), into `out` and `lse` when given."""
+def empty_outputs(q, v, out=None, lse=None, shapes=None):
+    """(out, lse) of attention with nothing to compute (check_inputs or check_varlen_inputs said
+    so): O zero (a row without keys sums nothing) and LSE -inf (log of that empty sum;
+    flash-attn-4's convention, where FA2/FA3 write +inf), into `out` and `lse` when given.
+    `shapes`: (out's, lse's), by default those of batch-shaped q and v."""
     import torch
 
-    batch, seqlen_q, nheads_q, _ = q.shape
-    out_shape, lse_shape = (batch, seqlen_q, nheads_q, v.shape[3]), (batch, nheads_q, seqlen_q)
+    if shapes is None:
+        batch, seqlen_q, nheads_q, _ = q.shape
+        shapes = (batch, seqlen_q, nheads_q, v.shape[3]), (batch, nheads_q, seqlen_q)
+    out_shape, lse_shape = shapes
     if out is None:
         out = torch.zeros(out_shape, dtype=q.dtype, device=q.device)
     else:
@@ -206,6 +235,23 @@ def check_device(q, k, v, aligned: bool = True) -> None:
             raise UnsupportedInput(
                 f"{name} must start at a 16-byte aligned address (for the TMA); pass {name}.clone()"
             )
+
+
+def check_outputs(q, out, lse, shapes) -> None:
+    """The outputs a caller passed to a launch (None: the launch allocates it), against `shapes`
+    (out's, lse's): check_output's checks, and out's strides multiples of 8 elements for its TMA
+    store."""
+    import torch
+
+    out_shape, lse_shape = shapes
+    if out is not None:
+        check_output("out", out, out_shape, q.dtype, q.device)
+        if any(s % 8 for s in out.stride()[:-1]):
+            raise UnsupportedInput(
+                f"out's strides {out.stride()} must be multiples of 8 elements (TMA store)"
+            )
+    if lse is not None:
+        check_output("lse", lse, lse_shape, torch.float32, q.device, align=4)
 
 
 def check_output(name: str, t, shape: tuple, dtype, device, align: int = 16) -> None:

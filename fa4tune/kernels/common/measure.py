@@ -72,7 +72,7 @@ def ragged_case(problem, device, lengths=None) -> RaggedCase:
     import torch
 
     from ...mixes import sequence_lengths
-    from .varlen import Ragged
+    from .varlen import Ragged, output_shapes
 
     dtype = torch.bfloat16 if problem.dtype == "bf16" else torch.float16
     p, layout = problem, problem.layout
@@ -138,8 +138,6 @@ def ragged_case(problem, device, lengths=None) -> RaggedCase:
     if layout.seqused_k:
         seqused = int32(k_lens)
     ragged = Ragged(cu_q, cu_k, seqused, table, p.seqlen_q, p.seqlen_k)
-    from .varlen import output_shapes
-
     out_shape, lse_shape = output_shapes(q, v, ragged)
     return RaggedCase(
         problem,

@@ -23,8 +23,8 @@ import numbers
 from dataclasses import dataclass
 
 from ...errors import UnsupportedInput
-from ...problem import HEAD_DIMS, PAGE_SIZES, Problem, ProblemError
-from .inputs import check_strides
+from ...problem import PAGE_SIZES, Problem, ProblemError
+from .inputs import check_dense, check_elements, check_heads, check_strides
 
 _INDEX_NAMES = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "page_table")
 
@@ -59,25 +59,11 @@ class Ragged:
         return self.page_table is not None
 
 
-def _tensor(name: str, t) -> None:
-    import torch
-
-    if not isinstance(t, torch.Tensor):
-        raise UnsupportedInput(
-            f"attention_varlen takes torch tensors; {name} is a {type(t).__name__}"
-        )
-    if t.layout is not torch.strided or t.is_nested:
-        raise UnsupportedInput(
-            f"attention_varlen takes dense tensors; {name} is "
-            f"{'nested' if t.is_nested else t.layout}"
-        )
-
-
 def _check_index(name: str, t, shape: tuple) -> None:
     """An int32 index tensor of `shape` (None entries: any extent), contiguous in its last dim."""
     import torch
 
-    _tensor(name, t)
+    check_dense(name, t, "attention_varlen")
     if t.dtype != torch.int32:
         raise UnsupportedInput(
             f"{name} must be torch.int32 (as flash-attn-4 takes it); it is {t.dtype} "
@@ -107,10 +93,9 @@ def check_varlen_inputs(q, k, v, ragged: Ragged, causal) -> bool:
     """UnsupportedInput naming what is not supported, for every check but the device; True when
     there is nothing to compute (no sequence, no query row, or no key in any sequence): the caller
     returns O zero and LSE -inf without a launch."""
-    import torch
 
     for name, t in (("q", q), ("k", k), ("v", v)):
-        _tensor(name, t)
+        check_dense(name, t, "attention_varlen")
     if ragged.varlen_k and ragged.paged:
         raise UnsupportedInput(
             "give cu_seqlens_k (packed k and v) or page_table (paged k and v), not both"
@@ -133,40 +118,12 @@ def check_varlen_inputs(q, k, v, ragged: Ragged, causal) -> bool:
     for name, t in (("k", k), ("v", v)):
         if t.dim() != kv_rank:
             raise UnsupportedInput(f"{name} must be {kv_form}; it has shape {tuple(t.shape)}")
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        raise UnsupportedInput(
-            f"attention takes bfloat16 or float16 tensors; q is {q.dtype} "
-            "(convert with q.to(torch.bfloat16))"
-        )
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise UnsupportedInput(
-                f"q, k and v must have one dtype; q is {q.dtype}, {name} is {t.dtype}"
-            )
-    d, dv = q.shape[-1], v.shape[-1]
-    for name, dim in (("head_dim of q and k", d), ("head_dim of v", dv)):
-        if dim not in HEAD_DIMS:
-            raise UnsupportedInput(
-                f"{name} is {dim}; the kernel supports head dims {', '.join(map(str, HEAD_DIMS))}"
-            )
-    if k.shape[-1] != d:
-        raise UnsupportedInput(
-            f"q and k must have the same head_dim; q is {tuple(q.shape)}, k is {tuple(k.shape)}"
-        )
+    check_elements(q, k, v)
     if k.shape[:-1] != v.shape[:-1]:
         raise UnsupportedInput(
             f"k and v must agree in all but head_dim; k is {tuple(k.shape)}, v is {tuple(v.shape)}"
         )
-    nheads_q, nheads_kv = q.shape[-2], k.shape[-2]
-    if nheads_q == 0 or nheads_kv == 0:
-        raise UnsupportedInput(
-            f"q, k and v need at least one head; q is {tuple(q.shape)}, k is {tuple(k.shape)}"
-        )
-    if nheads_q % nheads_kv:
-        raise UnsupportedInput(
-            f"the heads of q ({nheads_q}) must be a multiple of the heads of k and v "
-            f"({nheads_kv}) (grouped-query attention)"
-        )
+    check_heads(q, k)
     if not isinstance(causal, bool):
         raise UnsupportedInput(f"causal must be True or False, got {causal!r}")
     check_max_seqlen("max_seqlen_q", ragged.max_seqlen_q)
@@ -174,7 +131,7 @@ def check_varlen_inputs(q, k, v, ragged: Ragged, causal) -> bool:
 
     # The batch: cu_seqlens_q's, else q's; every other index tensor and k must agree.
     if ragged.varlen_q:
-        _tensor("cu_seqlens_q", ragged.cu_seqlens_q)
+        check_dense("cu_seqlens_q", ragged.cu_seqlens_q, "attention_varlen")
         if ragged.cu_seqlens_q.dim() != 1 or ragged.cu_seqlens_q.shape[0] < 1:
             raise UnsupportedInput(
                 f"cu_seqlens_q must have shape (batch + 1,); it has "
@@ -289,19 +246,6 @@ def output_shapes(q, v, ragged: Ragged) -> tuple[tuple, tuple]:
         return (total_q, nheads_q, v.shape[-1]), (nheads_q, total_q)
     batch, seqlen_q, nheads_q = q.shape[:3]
     return (batch, seqlen_q, nheads_q, v.shape[-1]), (batch, nheads_q, seqlen_q)
-
-
-def empty_outputs(q, v, ragged: Ragged):
-    """O zero and LSE -inf of a call with nothing to compute, without a kernel."""
-    import math
-
-    import torch
-
-    out_shape, lse_shape = output_shapes(q, v, ragged)
-    return (
-        torch.zeros(out_shape, dtype=q.dtype, device=q.device),
-        torch.full(lse_shape, -math.inf, dtype=torch.float32, device=q.device),
-    )
 
 
 def check_varlen_device(q, k, v, ragged: Ragged, aligned: bool = True) -> None:

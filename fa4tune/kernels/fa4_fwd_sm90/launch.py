@@ -17,7 +17,7 @@ from ..common.inputs import (
     check_device,
     check_inputs,
     check_no_grad,
-    check_output,
+    check_outputs,
     empty_outputs,
     make_problem,
 )
@@ -29,7 +29,6 @@ from ..common.varlen import (
     check_varlen_inputs,
     output_shapes,
 )
-from ..common.varlen import empty_outputs as empty_varlen_outputs
 from ..common.varlen import make_problem as make_varlen_problem
 from .compile import compile_combine, compile_forward, layout_of, pack_group_of
 from .config import FwdConfig, grid_reasons
@@ -129,18 +128,9 @@ def attention_forward(
         (batch, seqlen_q, nheads_q, problem.head_dim_v),
         (batch, nheads_q, seqlen_q),
     )
-    if out is None:
-        out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
-    else:
-        check_output("out", out, out_shape, q.dtype, q.device)
-        if any(s % 8 for s in out.stride()[:-1]):
-            raise UnsupportedInput(
-                f"out's strides {out.stride()} must be multiples of 8 elements (TMA store)"
-            )
-    if lse is None:
-        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-    else:
-        check_output("lse", lse, lse_shape, torch.float32, q.device, align=4)
+    check_outputs(q, out, lse, (out_shape, lse_shape))
+    out = torch.empty(out_shape, dtype=q.dtype, device=q.device) if out is None else out
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device) if lse is None else lse
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(problem.head_dim)
     # The host function launches on the current device, and the counter is that device's current
     # stream's: both must be the tensors' device. So must the current device be when torch exports a
@@ -196,18 +186,10 @@ def attention_varlen_forward(
     empty = check_varlen_inputs(q, k, v, ragged, causal)
     check_no_grad(q, k, v)
     check_varlen_device(q, k, v, ragged, aligned=not empty)
-    out_shape, lse_shape = output_shapes(q, v, ragged)
-    if out is not None:
-        check_output("out", out, out_shape, q.dtype, q.device)
-    if lse is not None:
-        check_output("lse", lse, lse_shape, torch.float32, q.device, align=4)
+    out_shape, lse_shape = shapes = output_shapes(q, v, ragged)
     if empty:
-        if out is None and lse is None:
-            return empty_varlen_outputs(q, v, ragged)
-        out = torch.zeros(out_shape, dtype=q.dtype, device=q.device) if out is None else out.zero_()
-        if lse is None:
-            lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-        return out, lse.fill_(-math.inf)
+        return empty_outputs(q, v, out, lse, shapes)
+    check_outputs(q, out, lse, shapes)
     problem = make_varlen_problem(q, k, v, ragged, causal)
     import_dsl(target)
     from cuda.bindings import driver as cuda
