@@ -17,7 +17,6 @@ The gradient error (the largest of dq, dk, dv against fp32, relative) is reporte
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
 import sys
@@ -25,7 +24,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-FA4, CUDNN = "flash-attn-4", "cuDNN"
+from tuning_report import geomean, gpu_target, run_header, write_report  # noqa: E402
+
+from fa4tune.kernels.fa4_bwd_sm90.peers import CUDNN, FA4  # noqa: E402
+
+PROG = "benchmarks/backward.py"
 COLUMNS = ("tuned", "default", FA4, CUDNN)
 
 
@@ -154,11 +157,6 @@ def rate(cell, part):
     return cell.get(f"{part}_tflops") if isinstance(cell, dict) else None
 
 
-def geomean(values):
-    values = [v for v in values if v]
-    return statistics.geometric_mean(values) if values else None
-
-
 def render(rows, header) -> str:
     def ratio(row, part, a, b):
         x, y = rate(row["cells"].get(a), part), rate(row["cells"].get(b), part)
@@ -234,29 +232,19 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.render:
         saved = json.loads(Path(args.render).read_text())
-        return write(render(saved["rows"], saved["header"]), args.out)
-    import torch
-
-    from fa4tune.doctor import package_version
+        return write_report(render(saved["rows"], saved["header"]), args.out, PROG)
+    if args.rounds < 1:
+        print(f"{PROG}: --rounds must be at least 1", file=sys.stderr)
+        return 2
     from fa4tune.kernels import get_kernel
-    from fa4tune.target import detect_target
     from fa4tune.tune.job import load_job
 
-    if not torch.cuda.is_available():
-        print("benchmarks/backward.py needs an NVIDIA GPU", file=sys.stderr)
+    target = gpu_target(PROG)
+    if target is None:
         return 2
-    target = detect_target()
     job = load_job(args.job)
     only = set(args.only.split(",")) if args.only else None
-    header = {
-        "date": datetime.date.today().isoformat(),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "dsl": package_version("nvidia-cutlass-dsl") or "not installed",
-        "fa4": package_version("flash-attn-4") or "not installed",
-        "kernel_hash": get_kernel("fa4_bwd_sm90").source_hash(),
-        "rounds": args.rounds,
-    }
+    header = run_header(get_kernel("fa4_bwd_sm90"), args.rounds)
     rows = []
     for problem in job.problems:
         if only and problem.key() not in only:
@@ -265,17 +253,7 @@ def main(argv=None) -> int:
         print(f"{rows[-1]['key']}: {rows[-1]['cells']}", file=sys.stderr, flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps({"header": header, "rows": rows}, indent=1))
-    return write(render(rows, header), args.out)
-
-
-def write(text, out) -> int:
-    if out:
-        from fa4tune.files import write_atomically
-
-        write_atomically(Path(out), text)
-    else:
-        print(text)
-    return 0
+    return write_report(render(rows, header), args.out, PROG)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ page table and lengths (no cuDNN column)."""
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 from pathlib import Path
@@ -30,14 +29,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tuning_report import (  # noqa: E402 - the shared measuring helpers
     geomean,
+    gpu_target,
     gqa_native,
     random_inputs,
+    run_header,
     runners_for,
     verify_and_time,
+    write_report,
 )
 
 from fa4tune.kernels.fa4_fwd_sm90.peers import CUDNN, FA4, FA4_O  # noqa: E402
 
+PROG = "benchmarks/decode.py"
 COLUMNS = ("tuned", "default", FA4, FA4_O, CUDNN)
 BIG_KV = 256 * 2**20  # the issue's 3.6 TB/s target holds on shapes whose K/V is at least this
 
@@ -175,38 +178,22 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="write the markdown report here (else print the table)")
     ap.add_argument("--render", metavar="JSON", help="only render the report of an earlier --json")
     args = ap.parse_args(argv)
-    import torch
-
-    from fa4tune.doctor import package_version
-    from fa4tune.kernels import get_kernel
-    from fa4tune.target import detect_target
-    from fa4tune.tune.job import load_job
-
     if args.render:  # a report from an earlier run's --json, on any machine
         saved = json.loads(Path(args.render).read_text())
-        return write_report(render(saved["rows"], saved["header"]), args.out)
-    if not torch.cuda.is_available():
-        print("benchmarks/decode.py needs an NVIDIA GPU", file=sys.stderr)
-        return 2
-    target = detect_target()
+        return write_report(render(saved["rows"], saved["header"]), args.out, PROG)
+    from fa4tune.kernels import get_kernel
+    from fa4tune.tune.job import load_job
+
+    target = gpu_target(PROG)
     if target is None:
-        print(f"decode.py: no fa4tune target for {torch.cuda.get_device_name()}", file=sys.stderr)
         return 2
     if args.rounds < 1:
-        print("decode.py: --rounds must be at least 1", file=sys.stderr)
+        print(f"{PROG}: --rounds must be at least 1", file=sys.stderr)
         return 2
     job = load_job(args.job)
     kernel = get_kernel(job.kernel.name)
     only = set(args.only.split(",")) if args.only else None
-    header = {
-        "date": datetime.date.today().isoformat(),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "dsl": package_version("nvidia-cutlass-dsl") or "not installed",
-        "fa4": package_version("flash-attn-4") or "not installed",
-        "kernel_hash": kernel.source_hash(),
-        "rounds": args.rounds,
-    }
+    header = run_header(kernel, args.rounds)
     rows = []
     for problem in job.problems:
         if (only and problem.key() not in only) or problem.regime != "decode":
@@ -221,18 +208,7 @@ def main(argv=None) -> int:
         )
         if args.json:  # after every shape: a run cut short keeps what it measured
             Path(args.json).write_text(json.dumps({"header": header, "rows": rows}, indent=1))
-    return write_report(render(rows, header), args.out)
-
-
-def write_report(text: str, out) -> int:
-    if out:
-        from fa4tune.files import write_atomically
-
-        write_atomically(Path(out), text)
-        print(f"decode.py: wrote {out}", file=sys.stderr)
-    else:
-        print(text)
-    return 0
+    return write_report(render(rows, header), args.out, PROG)
 
 
 if __name__ == "__main__":

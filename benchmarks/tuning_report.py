@@ -259,6 +259,37 @@ def gpu_target(prog: str):
     return target
 
 
+def run_header(kernel, rounds: int, **more) -> dict:
+    """What a benchmark's report says it ran: the date, the GPU, torch, the CuTe DSL, flash-attn-4,
+    the kernel family's source hash and the rounds, then `more`."""
+    import torch
+
+    from fa4tune.doctor import package_version
+
+    return {
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "dsl": package_version("nvidia-cutlass-dsl") or "not installed",
+        "fa4": package_version("flash-attn-4") or "not installed",
+        "kernel_hash": kernel.source_hash(),
+        "rounds": rounds,
+        **more,
+    }
+
+
+def write_report(text: str, out, prog: str) -> int:
+    """A benchmark's markdown report, written to `out` whole or printed; exit code 0."""
+    if out:
+        from fa4tune.files import write_atomically
+
+        write_atomically(Path(out), text)
+        print(f"{prog}: wrote {out}", file=sys.stderr)
+    else:
+        print(text)
+    return 0
+
+
 def gqa_native(runners) -> bool:
     """Whether the cuDNN column ran grouped-query attention itself (else with K/V heads repeated,
     more memory traffic than the problem has)."""

@@ -21,7 +21,6 @@ problems with its columns too."""
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 from dataclasses import replace
@@ -29,10 +28,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tuning_report import geomean, time_interleaved  # noqa: E402
+from tuning_report import (  # noqa: E402 - the shared measuring helpers
+    geomean,
+    gpu_target,
+    run_header,
+    time_interleaved,
+    write_report,
+)
 
 from fa4tune.kernels.fa4_fwd_sm90.peers import FA4  # noqa: E402
 
+PROG = "benchmarks/varlen.py"
 COLUMNS = ("tuned", "default", FA4)
 
 
@@ -232,17 +238,6 @@ def render(rows, header: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(text: str, out) -> int:
-    if out:
-        from fa4tune.files import write_atomically
-
-        write_atomically(Path(out), text)
-        print(f"varlen.py: wrote {out}", file=sys.stderr)
-    else:
-        print(text)
-    return 0
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--job", default="tuning_configs/h200-bf16-serving.yaml")
@@ -254,37 +249,20 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.render:  # a report from an earlier run's --json, on any machine
         saved = json.loads(Path(args.render).read_text())
-        return write_report(render(saved["rows"], saved["header"]), args.out)
+        return write_report(render(saved["rows"], saved["header"]), args.out, PROG)
     if args.rounds < 1:
-        print("varlen.py: --rounds must be at least 1", file=sys.stderr)
+        print(f"{PROG}: --rounds must be at least 1", file=sys.stderr)
         return 2
-    import torch
-
-    from fa4tune.doctor import package_version
     from fa4tune.kernels import get_kernel
-    from fa4tune.target import detect_target
     from fa4tune.tune.job import load_job
 
-    if not torch.cuda.is_available():
-        print("benchmarks/varlen.py needs an NVIDIA GPU", file=sys.stderr)
-        return 2
-    target = detect_target()
+    target = gpu_target(PROG)
     if target is None:
-        print(f"varlen.py: no fa4tune target for {torch.cuda.get_device_name()}", file=sys.stderr)
         return 2
     job = load_job(args.job)
     kernel = get_kernel(job.kernel.name)
     only = set(args.only.split(",")) if args.only else None
-    header = {
-        "date": datetime.date.today().isoformat(),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "dsl": package_version("nvidia-cutlass-dsl") or "not installed",
-        "fa4": package_version("flash-attn-4") or "not installed",
-        "kernel_hash": kernel.source_hash(),
-        "rounds": args.rounds,
-        "job": args.job,
-    }
+    header = run_header(kernel, args.rounds, job=args.job)
     rows = []
     for problem in job.problems:
         if not problem.layout.ragged or (only and problem.key() not in only):
@@ -299,7 +277,7 @@ def main(argv=None) -> int:
         )
         if args.json:  # after every problem: a run cut short keeps what it measured
             Path(args.json).write_text(json.dumps({"header": header, "rows": rows}, indent=1))
-    return write_report(render(rows, header), args.out)
+    return write_report(render(rows, header), args.out, PROG)
 
 
 if __name__ == "__main__":

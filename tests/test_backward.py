@@ -246,12 +246,14 @@ def test_the_training_job_searches_the_backward_family_on_the_grid():
     assert FAMILY.work_flops(job.problems[0]) == 2.5 * job.problems[0].flops
 
 
-def test_the_backward_report_renders_both_rates_and_the_error_ratio(tmp_path, capsys):
+def test_the_backward_report_renders_both_rates_and_the_error_ratio(tmp_path, capsys, monkeypatch):
     import importlib.util
     import json
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "backward.py"
+    benchmarks = Path(__file__).resolve().parent.parent / "benchmarks"
+    monkeypatch.syspath_prepend(str(benchmarks))  # its shared helpers, as a script sees them
+    path = benchmarks / "backward.py"
     spec = importlib.util.spec_from_file_location("backward_report", path)
     report = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(report)

@@ -4,9 +4,8 @@ backward once and returns (dq, dk, dv), its forward run before (outside the timi
 
 from __future__ import annotations
 
+from ..fa4_fwd_sm90.peers import CUDNN, FA4  # the same peers' names in both families
 from ..family import Peer, PeerUnavailable
-
-FA4, CUDNN = "flash-attn-4", "cuDNN"
 
 
 def fa4_backward(problem, q, k, v, dout):
