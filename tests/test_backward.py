@@ -283,3 +283,26 @@ def test_the_backward_report_renders_both_rates_and_the_error_ratio(tmp_path, ca
     text = capsys.readouterr().out
     assert "| k1 | 64x128s2 (exact) | 64x128s2 | 550 / 600 | 500 / 570 | 500 / 560 |" in text
     assert "lowest **1.100x**" in text and "| 1.100 | 1.071 |" in text
+
+
+def test_bad_gradient_inputs_are_named():
+    """check_gradient_inputs: dout and out like q with head_dim_v in q's dtype on q's device, lse
+    and dlse (batch, heads, seqlen_q) float32 on it."""
+    from fa4tune.errors import UnsupportedInput
+    from fa4tune.kernels.fa4_bwd_sm90.launch import check_gradient_inputs
+
+    q = torch.zeros(2, 16, 4, 64, dtype=torch.bfloat16)
+    k = v = torch.zeros(2, 32, 2, 64, dtype=torch.bfloat16)
+    out, lse = torch.zeros_like(q), torch.zeros(2, 4, 16)
+    check_gradient_inputs(out, q, k, v, out, lse, lse)
+    cases = [
+        ((out[:, :8], q, k, v, out, lse), r"dout must be \(2, 16, 4, 64\)"),
+        ((out, q, k, v, out.float(), lse), "out must be"),
+        ((out, q, k, v, out, lse.double()), r"lse must be \(2, 4, 16\) float32"),
+        ((out, q, k, v, out, lse, lse[:1]), "dlse must be"),
+        ((out.to("meta"), q, k, v, out, lse), "dout must be on cpu"),
+        ((out, q, k, v, out, lse.to("meta")), "lse must be on cpu"),
+    ]
+    for args, words in cases:
+        with pytest.raises(UnsupportedInput, match=words):
+            check_gradient_inputs(*args)

@@ -35,6 +35,8 @@ def check_gradient_inputs(dout, q, k, v, out, lse, dlse=None) -> None:
                 f"{name} must be {o_shape} {q.dtype}; it is "
                 f"{tuple(getattr(t, 'shape', ()))} {getattr(t, 'dtype', type(t).__name__)}"
             )
+        if t.device != q.device:
+            raise UnsupportedInput(f"{name} must be on {q.device}, not {t.device}")
     for name, t in (("lse", lse), ("dlse", dlse)):
         if t is None and name == "dlse":
             continue
