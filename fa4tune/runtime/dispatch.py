@@ -88,6 +88,10 @@ class PreparedLaunches:
     def __contains__(self, key) -> bool:
         return key in self._items
 
+    def values(self) -> list:
+        """The kept launches, least recently used first (a copy)."""
+        return list(self._items.values())
+
 
 _LAUNCHES = PreparedLaunches()
 _PREPARE_LOCK = threading.Lock()

@@ -141,8 +141,10 @@ def run_kernel(compiled, tensors, semaphore, scale: float) -> None:
     from cutlass import Float32
     from cutlass.cute.runtime import from_dlpack
 
-    def dynamic(t, align):
-        return from_dlpack(t, assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
+    def dynamic(t, align):  # detached: DLPack refuses tensors that require grad
+        return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(
+            leading_dim=t.dim() - 1
+        )
 
     device = tensors[0].device
     stream = cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)

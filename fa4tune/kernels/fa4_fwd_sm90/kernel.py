@@ -985,14 +985,19 @@ class FlashForwardSm90:
     def load_page_box(self, src: KvSource, n_block, box: int, page, state, info: TileInfo):
         """Box `box` of K/V block `n_block` of a paged cache: kv_box_rows keys of one page, whose
         id lane `box` holds in `page` (block_pages). The box's rows past the batch's keys (past the
-        used part of its page) read as zeros; a box wholly past them reads nothing (all its rows
-        are out of bounds), so a page id past the used pages is never followed."""
+        used part of its page) read as zeros. A box wholly past them loads the block's last box
+        with keys again instead: a TMA box out of bounds in every row faulted on the H200
+        (docs/kernel-notes.md, session 36), and the copy is finite and masked like any key past
+        the end, so a page id past the used pages is never followed."""
         page_size, rows = self.layout.page_size, self.kv_box_rows
-        key0 = n_block * self.tile_n + box * rows
+        from_box = box
+        if const_expr(self.tile_n > rows):  # boxes past the keys exist only with several
+            from_box = cutlass.min(box, (info.seqlen_k - 1 - n_block * self.tile_n) // rows)
+        key0 = n_block * self.tile_n + from_box * rows
         page_idx = key0 // page_size
         page_start = page_idx * page_size
         used = cutlass.max(cutlass.min(info.seqlen_k - page_start, page_size), 0)
-        page_id = cute.arch.shuffle_sync(page, box)
+        page_id = cute.arch.shuffle_sync(page, from_box)
         view = sequence_rows(src.gmem, page_id * page_size, used)
         g = cute.local_tile(view, (rows, src.dim), ((key0 - page_start) // rows, 0))
         _, tXgX = cpasync.tma_partition(
