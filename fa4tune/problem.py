@@ -444,12 +444,17 @@ class Bucket:
 
 
 # A config tuned for another layout runs, where the rules let it, but its tuning saw other loads (a
-# page's TMA boxes, a sequence's bounds) and another schedule: it lends only where no problem of the
-# same layout is as near (the weight of doubling both seqlens).
+# sequence's bounds) and another schedule: it lends only where no problem of the same layout is as
+# near (the weight of doubling both seqlens). A paged cache and contiguous K/V never lend to each
+# other: a page's TMA boxes and the page table change the loads, and the tiles a page size allows
+# rule out the nearest dense configs, so the loan fell to a far one (on the H200, paged decode at
+# batch 1 / 131k took 0.77x the default's speed from a dense table; docs/kernel-notes.md).
 LAYOUT_DISTANCE = 2.0
 
 
 def _layout_distance(a: InputLayout, b: InputLayout) -> float:
+    if a.paged != b.paged:
+        return math.inf
     return 0.0 if a == b else LAYOUT_DISTANCE
 
 

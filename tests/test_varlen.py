@@ -10,6 +10,7 @@ import contextlib
 import ctypes
 import math
 import os
+from dataclasses import replace
 from itertools import accumulate
 from pathlib import Path
 from types import SimpleNamespace
@@ -71,9 +72,26 @@ def test_ragged_problems_key_their_layout_and_round_trip():
     assert p.bucket().key().endswith("-tq8192-vq-pg16-su")
     assert Problem.from_dict(p.to_dict()) == p
     dense = Problem(seqlen_q=1024, seqlen_k=4096, batch=8, nheads_q=32, nheads_kv=8, causal=True)
-    # Same family (a dense config may lend where the rules let it), farther than the same layout.
+    varlen = replace(p, page_size=None, seqused_k=False, total_k=5000)
+    # Same family; another layout lends, farther than the same layout, but a paged cache and
+    # contiguous K/V never lend to each other.
     assert p.bucket().family() == dense.bucket().family()
-    assert p.distance(dense) > p.distance(p)
+    assert math.isinf(p.distance(dense)) and math.isinf(p.bucket().distance(dense.bucket()))
+    assert p.distance(p) < varlen.distance(dense) < math.inf
+
+
+def test_a_paged_problem_takes_its_default_over_dense_tables():
+    """The shipped tables hold dense decode only: a paged decode problem gets the family's default
+    (pages tile its blocks), not a config some farther dense problem was tuned with."""
+    from fa4tune.runtime.lookup import PACKAGE_TABLES, Lookup
+
+    paged = Problem(seqlen_q=1, seqlen_k=131072, nheads_q=32, nheads_kv=8, page_size=128,
+                    seqused_k=True)  # fmt: skip
+    found = Lookup(PACKAGE_TABLES)(paged, "H200")
+    assert found.source == "default"
+    assert found.config == FAMILY.default_config(paged, get_target("H200"))
+    dense = replace(paged, page_size=None, seqused_k=False)
+    assert Lookup(PACKAGE_TABLES)(dense, "H200").source == "exact"
 
 
 @pytest.mark.parametrize(
