@@ -14,6 +14,7 @@ import torch
 
 from fa4tune.kernels.common.reference import attention_grads_reference, attention_reference
 from fa4tune.kernels.fa4_bwd_sm90 import FAMILY
+from fa4tune.kernels.fa4_bwd_sm90 import config as cfg
 from fa4tune.kernels.fa4_bwd_sm90.config import BwdConfig, ConfigError, default_config
 from fa4tune.problem import Problem
 from fa4tune.target import get_target
@@ -30,6 +31,20 @@ def test_the_config_schema_refuses_unknown_and_illegal_knobs():
     with pytest.raises(ConfigError, match="tile_n=96"):
         BwdConfig(tile_n=96)
     assert BwdConfig(deterministic=True).short() == "64x128s2-det"
+    assert BwdConfig(dq_tma=True).short() == "64x128s2-tma"
+
+
+def test_dq_through_tma_takes_shared_memory_and_leaves_determinism_to_registers():
+    p = Problem(head_dim=128, causal=True)
+    tma = BwdConfig(dq_tma=True)
+    assert not FAMILY.infeasible_reasons(p, tma, H200)
+    parts = cfg.smem_parts(tma, p)
+    assert parts["dq"] == 64 * 128 * 4 and cfg.smem_parts(BwdConfig(), p)["dq"] == 0
+    reasons = FAMILY.infeasible_reasons(p, BwdConfig(dq_tma=True, deterministic=True), H200)
+    assert any("no fixed order" in r for r in reasons)
+    assert tma.as_deterministic() == BwdConfig(deterministic=True)
+    # Under torch.use_deterministic_algorithms a tuned dq_tma config runs with register adds.
+    assert not FAMILY.infeasible_reasons(p, tma.as_deterministic(), H200)
 
 
 @pytest.mark.parametrize("head_dim", [64, 96, 128])
@@ -182,6 +197,9 @@ SPREAD = [
     (BwdConfig(), 96, True),
     (BwdConfig(), 64, False),
     (BwdConfig(tile_n=64, num_stages=1, deterministic=True), 64, True),
+    (BwdConfig(dq_tma=True), 128, True),
+    (BwdConfig(dq_tma=True), 96, False),
+    (BwdConfig(tile_n=64, num_stages=1, dq_tma=True), 64, True),
 ]
 
 
@@ -214,6 +232,9 @@ def test_backward_kernels_compile_without_spills(config, head_dim, causal, capfd
     per_step = 2 * head_dim // 16 + 2 * config.tile_m // 16 + config.tile_n // 16
     assert ptx.count("wgmma.mma_async") == per_step
     assert ("ld.global.acquire.gpu" in ptx) == config.deterministic
+    # dQ: one TMA reduction per Q block, or red.global from every consumer thread.
+    assert ("cp.reduce.async.bulk.tensor" in ptx) == config.dq_tma
+    assert ("red.global.add.v2.f32" in ptx) == (not config.dq_tma)
 
 
 @pytest.mark.parametrize("causal,sq,sk,hq,hkv", [(True, 50, 30, 4, 2), (False, 40, 70, 4, 1)])

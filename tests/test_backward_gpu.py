@@ -34,6 +34,13 @@ CASES = [
     (dict(head_dim=128, seqlen_q=1024, batch=2, nheads_q=8, causal=True),
      BwdConfig(deterministic=True)),
     (dict(head_dim=64, seqlen_q=1500, batch=2, nheads_q=4), BwdConfig(tile_n=64, num_stages=1)),
+    # dQ through shared memory and TMA reductions: rows past seqlen_q clipped, GQA, one warpgroup.
+    (dict(head_dim=128, seqlen_q=1024, batch=2, nheads_q=8, causal=True), BwdConfig(dq_tma=True)),
+    (dict(head_dim=96, seqlen_q=1000, batch=2, nheads_q=6, causal=True), BwdConfig(dq_tma=True)),
+    (dict(head_dim=128, seqlen_q=777, seqlen_k=1029, batch=1, nheads_q=8, nheads_kv=2,
+          causal=True), BwdConfig(dq_tma=True)),
+    (dict(head_dim=64, seqlen_q=1500, batch=2, nheads_q=4),
+     BwdConfig(tile_n=64, num_stages=1, dq_tma=True)),
 ]  # fmt: skip
 
 

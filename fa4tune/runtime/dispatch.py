@@ -25,7 +25,6 @@ from __future__ import annotations
 import threading
 import warnings
 from collections import OrderedDict
-from dataclasses import replace
 
 from ..errors import UnsupportedInput
 from ..kernels import families, get_kernel
@@ -224,7 +223,7 @@ def attention_backward(dout, q, k, v, out, lse, dlse=None, causal=False, softmax
     problem = make_problem(q, k, v, causal)
     config = lookup(problem, target, kernel=family.name).config
     if torch.are_deterministic_algorithms_enabled() and not config.deterministic:
-        config = replace(config, deterministic=True)
+        config = config.as_deterministic()
     return run_backward(
         dout, q, k, v, out, lse, config, causal, softmax_scale, dlse=dlse, target=target
     )

@@ -1,6 +1,8 @@
-"""Backward: the tiles and pipeline depth of the backward kernel family (fa4_bwd_sm90), its
+"""Backward: the tiles, the pipeline depth and the way dQ is added (red.global from registers, or
+one TMA reduction per Q block from shared memory) of the backward kernel family (fa4_bwd_sm90), its
 default space. The dQ accumulation's determinism is not searched: the caller chooses it
-(torch.use_deterministic_algorithms), and the tuned tiles serve both modes."""
+(torch.use_deterministic_algorithms), and the tuned tiles serve both modes (deterministic adds
+come from registers: BwdConfig.as_deterministic)."""
 
 from __future__ import annotations
 
@@ -9,12 +11,13 @@ from .base import Choice, SearchSpace
 
 class BackwardSpace(SearchSpace):
     name = "backward"
-    knobs = ("tile_m", "tile_n", "num_stages")
-    description = "backward: Q rows per step, K/V rows per CTA, Q/dO pipeline depth"
+    knobs = ("tile_m", "tile_n", "num_stages", "dq_tma")
+    description = "backward: Q rows per step, K/V rows per CTA, Q/dO pipeline depth, dQ adds"
 
     def params(self):
         return {
             "tile_m": Choice([64, 128]),
             "tile_n": Choice([64, 128]),
             "num_stages": Choice([1, 2]),
+            "dq_tma": Choice([False, True]),
         }

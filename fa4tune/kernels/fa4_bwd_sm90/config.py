@@ -13,7 +13,9 @@ blocks of `tile_m` rows. Per Q block a warpgroup computes, for its K rows:
 and writes dS^T to shared memory, from which the warpgroups together compute dQ = dS K for the Q
 block (each warpgroup a slice of dQ's columns) and add it into an fp32 dQ accumulator in global
 memory: atomically, or with `deterministic` in the order of the K blocks (a semaphore per Q block),
-so that the result is bitwise repeatable."""
+so that the result is bitwise repeatable. With `dq_tma` the warpgroups stage the block's dQ in
+shared memory instead, and one thread adds it with a single TMA reduction (cp.reduce.async.bulk)
+while the next block is computed."""
 
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ KNOBS: dict[str, tuple] = {
     "tile_n": (64, 128),
     "num_stages": (1, 2),
     "deterministic": (False, True),
+    "dq_tma": (False, True),
 }
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128)
@@ -58,12 +61,14 @@ class BwdConfig:
     num_stages: Q, dO, LSE and D buffers in flight (the producer loads the next block's while the
     consumers compute this one's).  deterministic: dQ's partial sums are added in the order of the
     K blocks (a semaphore per Q block), not as their CTAs finish, so that dQ is bitwise the same on
-    every run."""
+    every run.  dq_tma: each Q block's dQ goes through shared memory (fp32) and one TMA reduction
+    into the accumulator, instead of the consumer threads' red.global adds from registers."""
 
     tile_m: int = 64
     tile_n: int = 128
     num_stages: int = 2
     deterministic: bool = False
+    dq_tma: bool = False
 
     def __post_init__(self) -> None:
         bad = []
@@ -94,9 +99,15 @@ class BwdConfig:
     def canonical(self) -> BwdConfig:
         return self
 
+    def as_deterministic(self) -> BwdConfig:
+        """The same tiles with dQ added in the order of the K blocks (from registers: a TMA
+        reduction's adds have no fixed order); it fits wherever this config does."""
+        return replace(self, deterministic=True, dq_tma=False)
+
     def short(self) -> str:
         return (
             f"{self.tile_m}x{self.tile_n}s{self.num_stages}{'-det' if self.deterministic else ''}"
+            f"{'-tma' if self.dq_tma else ''}"
         )
 
     @property
@@ -111,7 +122,8 @@ def _round_up(n: int, m: int) -> int:
 
 def smem_parts(config: BwdConfig, problem: Problem) -> dict[str, int]:
     """Bytes of shared memory by buffer: K and V of the CTA; per stage Q, dO, and the LSE and D of
-    its rows; dS^T (tile_n x tile_m) for the dQ GEMM; barriers and the semaphore slot."""
+    its rows; dS^T (tile_n x tile_m) for the dQ GEMM; with dq_tma the Q block's dQ (fp32); barriers
+    and the semaphore slot."""
     d, dv, e = problem.head_dim, problem.head_dim_v, ELEMENT_BYTES
     stage = _round_up(config.tile_m * d * e, SMEM_ALIGN) + _round_up(
         config.tile_m * dv * e, SMEM_ALIGN
@@ -123,6 +135,7 @@ def smem_parts(config: BwdConfig, problem: Problem) -> dict[str, int]:
         "v": _round_up(config.tile_n * dv * e, SMEM_ALIGN),
         "q_do": config.num_stages * stage,
         "ds": _round_up(config.tile_n * config.tile_m * e, SMEM_ALIGN),
+        "dq": _round_up(config.tile_m * d * 4, SMEM_ALIGN) if config.dq_tma else 0,
     }
 
 
@@ -182,6 +195,15 @@ def tile_reasons(config: BwdConfig, problem: Problem) -> list[str]:
     return reasons
 
 
+def dq_reasons(config: BwdConfig) -> list[str]:
+    if config.dq_tma and config.deterministic:
+        return [
+            "dq_tma with deterministic: a TMA reduction's adds have no fixed order; the "
+            "deterministic mode adds from registers in the order of the K blocks"
+        ]
+    return []
+
+
 def unsupported_reasons(problem: Problem, target: Target) -> list[str]:
     reasons = []
     if target.arch != "sm_90a":
@@ -204,6 +226,7 @@ RULES = (
     Rule("wgmma shapes", lambda problem, config, target: tile_reasons(config, problem)),
     Rule("shared memory", lambda problem, config, target: smem_reasons(config, problem, target)),
     Rule("registers", lambda problem, config, target: register_reasons(config, problem, target)),
+    Rule("dQ adds", lambda problem, config, target: dq_reasons(config)),
 )
 
 

@@ -15,7 +15,9 @@ A CTA takes `tile_n` rows of K and V of one K/V head and one batch:
   together (each a slice of dQ's columns, A and B both MN-major in shared memory) and add it into
   the fp32 dQ accumulator in global memory: `red.global.add` of column pairs, or with
   `deterministic` after the CTAs of the earlier K blocks (a semaphore per Q block, taken in the
-  order of the K blocks: the sums come out the same on every run);
+  order of the K blocks: the sums come out the same on every run), or with `dq_tma` staged in
+  shared memory (fp32) and added by one thread's TMA reduction, which runs on while the next Q
+  block is computed;
 * at the end dK x softmax_scale and dV leave through shared memory (K's and V's buffers) and a TMA
   store, which clips the rows past seqlen_k; keys that no query sees get zeros.
 
@@ -57,6 +59,8 @@ BARRIER_DS_FULL = 2  # every warpgroup's dS^T is in shared memory: the dQ GEMM m
 BARRIER_DQ_TURN = 3  # deterministic: this CTA's turn to add to the Q block's dQ has come
 BARRIER_DQ_DONE = 4  # deterministic: every thread's adds of this Q block are done
 BARRIER_EPILOGUE = 5  # the staging of dK and dV in shared memory
+BARRIER_DQ_FREE = 6  # dq_tma: the last TMA reduction has read sdQ: it may be written again
+BARRIER_DQ_FULL = 7  # dq_tma: the Q block's dQ is in sdQ: the TMA reduction may read it
 
 
 @dsl_user_op
@@ -130,6 +134,7 @@ class FlashBackwardSm90:
         self.tile_m, self.tile_n = config.tile_m, config.tile_n
         self.num_stages = config.num_stages
         self.deterministic = config.deterministic
+        self.dq_tma = config.dq_tma
         self.wgs = config.consumer_warpgroups
         self.num_consumer_threads = cfg.THREADS_PER_WARPGROUP * self.wgs
         self.num_threads = cfg.THREADS_PER_WARPGROUP * (self.wgs + 1)
@@ -204,6 +209,12 @@ class FlashBackwardSm90:
         sV_layout = smem_tile_layout(self.dtype, tile_n, d)
         sdS_layout = smem_tile_layout(self.dtype, tile_n, tile_m)
         sStat_layout = cute.make_layout((tile_m, self.num_stages))
+        # dq_tma: the Q block's dQ in fp32, row-major and unswizzled (a swizzled one took the
+        # consumers past their registers: its addresses spilled).
+        sdQ_layout = (
+            cute.make_layout((tile_m, d), stride=(d, 1)) if const_expr(self.dq_tma) else None
+        )
+        dq_words = cute.cosize(sdQ_layout) if const_expr(self.dq_tma) else 1
 
         @cute.struct
         class SharedStorage:
@@ -230,6 +241,7 @@ class FlashBackwardSm90:
             sdS: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], cfg.SMEM_ALIGN
             ]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, dq_words], cfg.SMEM_ALIGN]
 
         load = cpasync.CopyBulkTensorTileG2SOp()
         store = cpasync.CopyBulkTensorTileS2GOp()
@@ -245,6 +257,11 @@ class FlashBackwardSm90:
         tma_d, tma_mD = cpasync.make_tiled_tma_atom(load, mD, stat_one, (tile_m,))
         tma_dk, tma_mdK = cpasync.make_tiled_tma_atom(store, mdK, sK_layout, (tile_n, d))
         tma_dv, tma_mdV = cpasync.make_tiled_tma_atom(store, mdV, sV_layout, (tile_n, d))
+        tma_dq, tma_mdQ = None, None
+        if const_expr(self.dq_tma):
+            tma_dq, tma_mdQ = cpasync.make_tiled_tma_atom(
+                cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, sdQ_layout, (tile_m, d)
+            )
         bytes_kv = cute.size_in_bytes(self.dtype, sK_layout) + cute.size_in_bytes(
             self.dtype, sV_layout
         )
@@ -264,6 +281,7 @@ class FlashBackwardSm90:
             tma_mLSE,
             tma_mD,
             mdQacc,
+            tma_mdQ,
             tma_mdK,
             tma_mdV,
             mSemaphore,
@@ -275,12 +293,14 @@ class FlashBackwardSm90:
             tma_d,
             tma_dk,
             tma_dv,
+            tma_dq,
             sQ_layout,
             sdO_layout,
             sK_layout,
             sV_layout,
             sdS_layout,
             sStat_layout,
+            sdQ_layout,
             mma_sdp,
             mma_dkv,
             mma_dq,
@@ -314,6 +334,7 @@ class FlashBackwardSm90:
         mLSE2: cute.Tensor,
         mD: cute.Tensor,
         mdQacc: cute.Tensor,
+        mdQ: cute.Tensor | None,
         mdK: cute.Tensor,
         mdV: cute.Tensor,
         mSemaphore: cute.Tensor | None,
@@ -325,12 +346,14 @@ class FlashBackwardSm90:
         tma_d: cute.CopyAtom,
         tma_dk: cute.CopyAtom,
         tma_dv: cute.CopyAtom,
+        tma_dq: cute.CopyAtom | None,
         sQ_layout: cute.ComposedLayout,
         sdO_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
         sdS_layout: cute.ComposedLayout,
         sStat_layout: cute.Layout,
+        sdQ_layout: cute.Layout | None,
         mma_sdp: cute.TiledMma,
         mma_dkv: cute.TiledMma,
         mma_dq: cute.TiledMma,
@@ -345,6 +368,8 @@ class FlashBackwardSm90:
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d, tma_dk, tma_dv):
                 cpasync.prefetch_descriptor(atom)
+            if const_expr(self.dq_tma):
+                cpasync.prefetch_descriptor(tma_dq)
         storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
         one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.wgs * 4)
@@ -374,6 +399,9 @@ class FlashBackwardSm90:
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sLSE = storage.sLSE.get_tensor(sStat_layout)
         sD = storage.sD.get_tensor(sStat_layout)
+        sdQ = None
+        if const_expr(self.dq_tma):
+            sdQ = storage.sdQ.get_tensor(sdQ_layout)
 
         n_block, head_kv, batch = cute.arch.block_idx()
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
@@ -401,7 +429,7 @@ class FlashBackwardSm90:
                 pipe_q,
                 (n_block, head_kv, batch, group, m_block_min, blocks_per_head, steps),
                 (seqlen_q, seqlen_k),
-                mdQacc,
+                (mdQacc, mdQ, tma_dq, sdQ),
                 mSemaphore,
                 (tma_dk, tma_dv, mdK, mdV),
                 softmax_scale_log2,
@@ -471,7 +499,7 @@ class FlashBackwardSm90:
         pipe_q,
         walk,
         seqlens,
-        mdQacc: cute.Tensor,
+        dq_out,
         mSemaphore: cute.Tensor | None,
         stores,
         softmax_scale_log2: Float32,
@@ -483,6 +511,7 @@ class FlashBackwardSm90:
         mma_sdp, mma_dkv, mma_dq = mmas
         n_block, head_kv, batch, group, m_block_min, blocks_per_head, steps = walk
         seqlen_q, seqlen_k = seqlens
+        mdQacc, mdQ, tma_dq, sdQ = dq_out
         tile_m, tile_n, d = self.tile_m, self.tile_n, self.head_dim
         wg = cute.arch.make_warp_uniform(ctid // cfg.THREADS_PER_WARPGROUP)
 
@@ -562,10 +591,16 @@ class FlashBackwardSm90:
             wgmma(mma_dq, acc_dQ, tdQrdS, tdQrKt, accumulate=False, wait=0)
             pipe_q.consumer_release(q_state)
             q_state.advance()
-            self.add_dq(
-                acc_dQ, dq_coords, mdQacc, mSemaphore, n_block, m_block, head, batch, seqlen_q,
-                ctid,
-            )  # fmt: skip
+            if const_expr(self.dq_tma):
+                self.reduce_dq(acc_dQ, thr_dq, sdQ, tma_dq, mdQ, m_block, head, batch, ctid)
+            else:
+                self.add_dq(
+                    acc_dQ, dq_coords, mdQacc, mSemaphore, n_block, m_block, head, batch,
+                    seqlen_q, ctid,
+                )  # fmt: skip
+        if const_expr(self.dq_tma):
+            if ctid < 32:  # sdQ stays allocated until the last reduction has read it
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
         self.epilogue(acc_dK, acc_dV, smem, mma_dkv, stores, n_block, head_kv, batch, ctid,
                       softmax_scale)  # fmt: skip
 
@@ -652,6 +687,43 @@ class FlashBackwardSm90:
             )
             if ctid == 0:
                 release_add(mSemaphore[None, head, batch].iterator + m_block, Int32(1))
+
+    @cute.jit
+    def reduce_dq(
+        self,
+        acc_dQ: cute.Tensor,
+        thr_dq,
+        sdQ: cute.Tensor,
+        tma_dq: cute.CopyAtom,
+        mdQ: cute.Tensor,
+        m_block: Int32,
+        head: Int32,
+        batch: Int32,
+        ctid: Int32,
+    ):
+        """dq_tma: the Q block's dQ into sdQ (each thread its accumulator's values), then one
+        thread adds the whole block into the fp32 accumulator with a TMA reduction, which clips the
+        rows past seqlen_q and runs on while the next block is computed. sdQ is written again only
+        once that thread has seen the previous reduction read it. The first consumer warp issues
+        it: the DSL elects one of its threads (elect.sync over the whole warp, which one thread
+        alone must not execute)."""
+        if ctid < 32:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.barrier(barrier_id=BARRIER_DQ_FREE, number_of_threads=self.num_consumer_threads)
+        tdQsdQ = thr_dq.partition_C(sdQ)
+        tdQsdQ.store(acc_dQ.load())
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=BARRIER_DQ_FULL, number_of_threads=self.num_consumer_threads)
+        if ctid < 32:
+            gdQ = cute.local_tile(
+                mdQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0)
+            )
+            tsdQ, tgdQ = cpasync.tma_partition(
+                tma_dq, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2),
+                cute.group_modes(gdQ, 0, 2),
+            )  # fmt: skip
+            cute.copy(tma_dq, tsdQ, tgdQ)
+            cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
     def epilogue(
