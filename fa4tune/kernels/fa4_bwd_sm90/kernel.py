@@ -214,7 +214,14 @@ class FlashBackwardSm90:
         sdQ_layout = (
             cute.make_layout((tile_m, d), stride=(d, 1)) if const_expr(self.dq_tma) else None
         )
-        dq_words = cute.cosize(sdQ_layout) if const_expr(self.dq_tma) else 1
+        # Only dq_tma kernels get the buffer: the others' shared memory stays as it was.
+        dq_field = (
+            cute.struct.Align[
+                cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], cfg.SMEM_ALIGN
+            ]
+            if const_expr(self.dq_tma)
+            else cute.struct.MemRange[Float32, 0]
+        )
 
         @cute.struct
         class SharedStorage:
@@ -241,7 +248,7 @@ class FlashBackwardSm90:
             sdS: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], cfg.SMEM_ALIGN
             ]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, dq_words], cfg.SMEM_ALIGN]
+            sdQ: dq_field
 
         load = cpasync.CopyBulkTensorTileG2SOp()
         store = cpasync.CopyBulkTensorTileS2GOp()
