@@ -209,10 +209,13 @@ class FlashBackwardSm90:
         sV_layout = smem_tile_layout(self.dtype, tile_n, d)
         sdS_layout = smem_tile_layout(self.dtype, tile_n, tile_m)
         sStat_layout = cute.make_layout((tile_m, self.num_stages))
-        # dq_tma: the Q block's dQ in fp32, row-major and unswizzled (a swizzled one took the
-        # consumers past their registers: its addresses spilled).
+        # dq_tma: the Q block's dQ in fp32, swizzled for the TMA reduction (and against bank
+        # conflicts: row-major, the 8 rows of a warp's stores share 8 banks); each warpgroup writes
+        # a slice of the columns, so the atom divides the slice (head dim 96: 48, 64-byte swizzle).
         sdQ_layout = (
-            cute.make_layout((tile_m, d), stride=(d, 1)) if const_expr(self.dq_tma) else None
+            smem_tile_layout(Float32, tile_m, d, atom_cols=d // self.wgs)
+            if const_expr(self.dq_tma)
+            else None
         )
         # Only dq_tma kernels get the buffer: the others' shared memory stays as it was.
         dq_field = (
@@ -360,7 +363,7 @@ class FlashBackwardSm90:
         sV_layout: cute.ComposedLayout,
         sdS_layout: cute.ComposedLayout,
         sStat_layout: cute.Layout,
-        sdQ_layout: cute.Layout | None,
+        sdQ_layout: cute.ComposedLayout | None,
         mma_sdp: cute.TiledMma,
         mma_dkv: cute.TiledMma,
         mma_dq: cute.TiledMma,
@@ -408,7 +411,7 @@ class FlashBackwardSm90:
         sD = storage.sD.get_tensor(sStat_layout)
         sdQ = None
         if const_expr(self.dq_tma):
-            sdQ = storage.sdQ.get_tensor(sdQ_layout)
+            sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
 
         n_block, head_kv, batch = cute.arch.block_idx()
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
@@ -599,7 +602,7 @@ class FlashBackwardSm90:
             pipe_q.consumer_release(q_state)
             q_state.advance()
             if const_expr(self.dq_tma):
-                self.reduce_dq(acc_dQ, thr_dq, sdQ, tma_dq, mdQ, m_block, head, batch, ctid)
+                self.reduce_dq(acc_dQ, mma_dq, sdQ, tma_dq, mdQ, m_block, head, batch, ctid)
             else:
                 self.add_dq(
                     acc_dQ, dq_coords, mdQacc, mSemaphore, n_block, m_block, head, batch,
@@ -699,7 +702,7 @@ class FlashBackwardSm90:
     def reduce_dq(
         self,
         acc_dQ: cute.Tensor,
-        thr_dq,
+        mma_dq: cute.TiledMma,
         sdQ: cute.Tensor,
         tma_dq: cute.CopyAtom,
         mdQ: cute.Tensor,
@@ -717,8 +720,11 @@ class FlashBackwardSm90:
         if ctid < 32:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         cute.arch.barrier(barrier_id=BARRIER_DQ_FREE, number_of_threads=self.num_consumer_threads)
-        tdQsdQ = thr_dq.partition_C(sdQ)
-        tdQsdQ.store(acc_dQ.load())
+        dq_store = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64),
+            mma_dq,
+        ).get_slice(ctid)
+        cute.copy(dq_store, dq_store.retile(acc_dQ), dq_store.partition_D(sdQ))
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=BARRIER_DQ_FULL, number_of_threads=self.num_consumer_threads)
         if ctid < 32:
