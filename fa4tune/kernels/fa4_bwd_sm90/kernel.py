@@ -591,19 +591,30 @@ class FlashBackwardSm90:
             wgmma(
                 mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], accumulate=True, wait=-1
             )
-            wgmma(
-                mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], accumulate=True, wait=-1
-            )
+            if const_expr(not self.dq_tma):
+                wgmma(
+                    mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], accumulate=True,
+                    wait=-1,
+                )  # fmt: skip
             cute.arch.barrier(
                 barrier_id=BARRIER_DS_FULL, number_of_threads=self.num_consumer_threads
             )
             acc_dQ = cute.make_rmem_tensor(dq_shape, Float32)
-            wgmma(mma_dq, acc_dQ, tdQrdS, tdQrKt, accumulate=False, wait=0)
-            pipe_q.consumer_release(q_state)
-            q_state.advance()
             if const_expr(self.dq_tma):
+                # dQ before dK, so that dQ is staged and reduced while the dK GEMM runs.
+                wgmma(mma_dq, acc_dQ, tdQrdS, tdQrKt, accumulate=False, wait=-1)
+                wgmma(
+                    mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], accumulate=True,
+                    wait=1,
+                )  # fmt: skip
                 self.reduce_dq(acc_dQ, mma_dq, sdQ, tma_dq, mdQ, m_block, head, batch, ctid)
+                warpgroup.wait_group(0)
+                pipe_q.consumer_release(q_state)
+                q_state.advance()
             else:
+                wgmma(mma_dq, acc_dQ, tdQrdS, tdQrKt, accumulate=False, wait=0)
+                pipe_q.consumer_release(q_state)
+                q_state.advance()
                 self.add_dq(
                     acc_dQ, dq_coords, mdQacc, mSemaphore, n_block, m_block, head, batch,
                     seqlen_q, ctid,
