@@ -16,15 +16,13 @@ The gradient error (the largest of dq, dk, dv against fp32, relative) is reporte
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tuning_report import geomean, gpu_target, run_header, write_report  # noqa: E402
+from tuning_report import geomean, run_benchmark  # noqa: E402
 
 from fa4tune.kernels.fa4_bwd_sm90.peers import CUDNN, FA4  # noqa: E402
 
@@ -222,38 +220,17 @@ def render(rows, header) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--job", default="tuning_configs/h200-bf16-train.yaml")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--only", help="comma-separated problem keys")
-    ap.add_argument("--json")
-    ap.add_argument("--out")
-    ap.add_argument("--render", metavar="JSON")
-    args = ap.parse_args(argv)
-    if args.render:
-        saved = json.loads(Path(args.render).read_text())
-        return write_report(render(saved["rows"], saved["header"]), args.out, PROG)
-    if args.rounds < 1:
-        print(f"{PROG}: --rounds must be at least 1", file=sys.stderr)
-        return 2
-    from fa4tune.kernels import get_kernel
-    from fa4tune.tune.job import load_job
-
-    target = gpu_target(PROG)
-    if target is None:
-        return 2
-    job = load_job(args.job)
-    only = set(args.only.split(",")) if args.only else None
-    header = run_header(get_kernel("fa4_bwd_sm90"), args.rounds)
-    rows = []
-    for problem in job.problems:
-        if only and problem.key() not in only:
-            continue
-        rows.append(measure(problem, target, args.rounds))
-        print(f"{rows[-1]['key']}: {rows[-1]['cells']}", file=sys.stderr, flush=True)
-        if args.json:
-            Path(args.json).write_text(json.dumps({"header": header, "rows": rows}, indent=1))
-    return write_report(render(rows, header), args.out, PROG)
+    return run_benchmark(
+        argv,
+        doc=__doc__,
+        prog=PROG,
+        default_job="tuning_configs/h200-bf16-train.yaml",
+        only_help="comma-separated problem keys",
+        takes=lambda problem: True,
+        measure=lambda problem, target, kernel, rounds: measure(problem, target, rounds),
+        describe=lambda row: row["cells"],
+        render=render,
+    )
 
 
 if __name__ == "__main__":

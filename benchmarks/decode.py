@@ -20,8 +20,6 @@ page table and lengths (no cuDNN column)."""
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -29,13 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tuning_report import (  # noqa: E402 - the shared measuring helpers
     geomean,
-    gpu_target,
     gqa_native,
     random_inputs,
-    run_header,
+    run_benchmark,
     runners_for,
     verify_and_time,
-    write_report,
 )
 
 from fa4tune.kernels.fa4_fwd_sm90.peers import CUDNN, FA4, FA4_O  # noqa: E402
@@ -170,45 +166,17 @@ def render(rows, header: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--job", default="tuning_configs/h200-bf16-decode.yaml")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--only", help="comma-separated problem keys (default: every problem)")
-    ap.add_argument("--json", help="write the cells here")
-    ap.add_argument("--out", help="write the markdown report here (else print the table)")
-    ap.add_argument("--render", metavar="JSON", help="only render the report of an earlier --json")
-    args = ap.parse_args(argv)
-    if args.render:  # a report from an earlier run's --json, on any machine
-        saved = json.loads(Path(args.render).read_text())
-        return write_report(render(saved["rows"], saved["header"]), args.out, PROG)
-    from fa4tune.kernels import get_kernel
-    from fa4tune.tune.job import load_job
-
-    target = gpu_target(PROG)
-    if target is None:
-        return 2
-    if args.rounds < 1:
-        print(f"{PROG}: --rounds must be at least 1", file=sys.stderr)
-        return 2
-    job = load_job(args.job)
-    kernel = get_kernel(job.kernel.name)
-    only = set(args.only.split(",")) if args.only else None
-    header = run_header(kernel, args.rounds)
-    rows = []
-    for problem in job.problems:
-        if (only and problem.key() not in only) or problem.regime != "decode":
-            continue
-        row = measure(problem, target, kernel, args.rounds)
-        rows.append(row)
-        print(
-            f"{row['key']}: "
-            + ", ".join(f"{n} {fmt_cell(row['cells'].get(n, ''))}" for n in COLUMNS),
-            file=sys.stderr,
-            flush=True,
-        )
-        if args.json:  # after every shape: a run cut short keeps what it measured
-            Path(args.json).write_text(json.dumps({"header": header, "rows": rows}, indent=1))
-    return write_report(render(rows, header), args.out, PROG)
+    return run_benchmark(
+        argv,
+        doc=__doc__,
+        prog=PROG,
+        default_job="tuning_configs/h200-bf16-decode.yaml",
+        only_help="comma-separated problem keys (default: every problem)",
+        takes=lambda problem: problem.regime == "decode",
+        measure=measure,
+        describe=lambda row: ", ".join(f"{n} {fmt_cell(row['cells'].get(n, ''))}" for n in COLUMNS),
+        render=render,
+    )
 
 
 if __name__ == "__main__":

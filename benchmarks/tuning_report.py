@@ -290,6 +290,62 @@ def write_report(text: str, out, prog: str) -> int:
     return 0
 
 
+def run_benchmark(
+    argv,
+    *,
+    doc: str,
+    prog: str,
+    default_job: str,
+    only_help: str,
+    takes,
+    measure,
+    describe,
+    render,
+    record_job: bool = False,
+) -> int:
+    """The command line a job benchmark shares: --job, --rounds, --only, --json, --out, and
+    --render (the report of an earlier --json, on any machine). Each problem of the job that
+    `takes(problem)` accepts (and --only names) is measured by `measure(problem, target, kernel,
+    rounds)`, one line of it (`describe(row)`) goes to stderr, and the JSON is rewritten after every
+    problem, so that a run cut short keeps what it measured; then `render(rows, header)` is the
+    report. Exit code 2 without a GPU target or with --rounds below 1."""
+    import json
+
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--job", default=default_job)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--only", help=only_help)
+    ap.add_argument("--json", help="write the cells here")
+    ap.add_argument("--out", help="write the markdown report here (else print the table)")
+    ap.add_argument("--render", metavar="JSON", help="only render the report of an earlier --json")
+    args = ap.parse_args(argv)
+    if args.render:
+        saved = json.loads(Path(args.render).read_text())
+        return write_report(render(saved["rows"], saved["header"]), args.out, prog)
+    if args.rounds < 1:
+        print(f"{prog}: --rounds must be at least 1", file=sys.stderr)
+        return 2
+    from fa4tune.kernels import get_kernel
+    from fa4tune.tune.job import load_job
+
+    target = gpu_target(prog)
+    if target is None:
+        return 2
+    job = load_job(args.job)
+    kernel = get_kernel(job.kernel.name)
+    only = set(args.only.split(",")) if args.only else None
+    header = run_header(kernel, args.rounds, **({"job": args.job} if record_job else {}))
+    rows = []
+    for problem in job.problems:
+        if not takes(problem) or (only and problem.key() not in only):
+            continue
+        rows.append(measure(problem, target, kernel, args.rounds))
+        print(f"{rows[-1]['key']}: {describe(rows[-1])}", file=sys.stderr, flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"header": header, "rows": rows}, indent=1))
+    return write_report(render(rows, header), args.out, prog)
+
+
 def gqa_native(runners) -> bool:
     """Whether the cuDNN column ran grouped-query attention itself (else with K/V heads repeated,
     more memory traffic than the problem has)."""

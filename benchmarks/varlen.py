@@ -20,8 +20,6 @@ problems with its columns too."""
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -30,10 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tuning_report import (  # noqa: E402 - the shared measuring helpers
     geomean,
-    gpu_target,
-    run_header,
+    run_benchmark,
     time_interleaved,
-    write_report,
 )
 
 from fa4tune.kernels.fa4_fwd_sm90.peers import FA4  # noqa: E402
@@ -239,45 +235,20 @@ def render(rows, header: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--job", default="tuning_configs/h200-bf16-serving.yaml")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--only", help="comma-separated problem keys (default: every ragged problem)")
-    ap.add_argument("--json", help="write the cells here")
-    ap.add_argument("--out", help="write the markdown report here (else print the table)")
-    ap.add_argument("--render", metavar="JSON", help="only render the report of an earlier --json")
-    args = ap.parse_args(argv)
-    if args.render:  # a report from an earlier run's --json, on any machine
-        saved = json.loads(Path(args.render).read_text())
-        return write_report(render(saved["rows"], saved["header"]), args.out, PROG)
-    if args.rounds < 1:
-        print(f"{PROG}: --rounds must be at least 1", file=sys.stderr)
-        return 2
-    from fa4tune.kernels import get_kernel
-    from fa4tune.tune.job import load_job
-
-    target = gpu_target(PROG)
-    if target is None:
-        return 2
-    job = load_job(args.job)
-    kernel = get_kernel(job.kernel.name)
-    only = set(args.only.split(",")) if args.only else None
-    header = run_header(kernel, args.rounds, job=args.job)
-    rows = []
-    for problem in job.problems:
-        if not problem.layout.ragged or (only and problem.key() not in only):
-            continue
-        row = measure_problem(problem, target, kernel, args.rounds)
-        rows.append(row)
-        print(
-            f"{row['key']}: "
-            + ", ".join(f"{n} {fmt_cell(row['cells'].get(n), row['regime'])}" for n in COLUMNS),
-            file=sys.stderr,
-            flush=True,
-        )
-        if args.json:  # after every problem: a run cut short keeps what it measured
-            Path(args.json).write_text(json.dumps({"header": header, "rows": rows}, indent=1))
-    return write_report(render(rows, header), args.out, PROG)
+    return run_benchmark(
+        argv,
+        doc=__doc__,
+        prog=PROG,
+        default_job="tuning_configs/h200-bf16-serving.yaml",
+        only_help="comma-separated problem keys (default: every ragged problem)",
+        takes=lambda problem: problem.layout.ragged,
+        measure=measure_problem,
+        describe=lambda row: ", ".join(
+            f"{n} {fmt_cell(row['cells'].get(n), row['regime'])}" for n in COLUMNS
+        ),
+        render=render,
+        record_job=True,
+    )
 
 
 if __name__ == "__main__":
