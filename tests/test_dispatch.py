@@ -159,22 +159,26 @@ def test_inputs_with_nothing_to_compute_are_told_apart_and_answered_without_a_ke
 
 
 def test_outputs_a_caller_passes_are_checked_for_the_tma_store():
-    """check_outputs, which the batch-shaped and the ragged launches both run on a caller's out and
-    lse: shapes, dtypes, and out's strides multiples of 8 elements (its TMA store)."""
-    from fa4tune.kernels.common.inputs import check_outputs
+    """launch_outputs, which the batch-shaped and the ragged launches both run on a caller's out and
+    lse: shapes, dtypes, and out's strides multiples of 8 elements (its TMA store); it keeps what
+    was passed and allocates what was not."""
+    from fa4tune.kernels.common.inputs import launch_outputs
 
     q = torch.zeros(2, 16, 4, 64, dtype=torch.bfloat16)
     shapes = ((2, 16, 4, 64), (2, 4, 16))
     out, lse = torch.empty(shapes[0], dtype=q.dtype), torch.empty(shapes[1])
-    check_outputs(q, out, lse, shapes)
-    check_outputs(q, None, None, shapes)  # the launch allocates them
+    got = launch_outputs(q, out, lse, shapes)
+    assert got[0] is out and got[1] is lse
+    new_out, new_lse = launch_outputs(q, None, None, shapes)  # the launch allocates them
+    assert (new_out.shape, new_out.dtype) == (shapes[0], q.dtype)
+    assert (new_lse.shape, new_lse.dtype) == (shapes[1], torch.float32)
     odd = torch.empty(2, 16, 4, 68, dtype=q.dtype)[..., :64]  # rows of 68 elements
     with pytest.raises(UnsupportedInput, match=r"multiples of 8 elements \(TMA store\)"):
-        check_outputs(q, odd, None, shapes)
+        launch_outputs(q, odd, None, shapes)
     with pytest.raises(UnsupportedInput, match=r"lse must be \(2, 4, 16\)"):
-        check_outputs(q, None, torch.empty(2, 16, 4), shapes)
+        launch_outputs(q, None, torch.empty(2, 16, 4), shapes)
     with pytest.raises(UnsupportedInput, match="out must be"):
-        check_outputs(q, out.float(), None, shapes)
+        launch_outputs(q, out.float(), None, shapes)
 
 
 def test_bad_causal_and_scale():

@@ -37,7 +37,13 @@ from __future__ import annotations
 import torch
 
 from ..errors import UnsupportedInput
-from ..kernels.common.inputs import check_device, check_inputs, check_no_grad, check_scale
+from ..kernels.common.inputs import (
+    batch_output_shapes,
+    check_device,
+    check_inputs,
+    check_no_grad,
+    check_scale,
+)
 from ..kernels.common.varlen import (
     Ragged,
     check_max_seqlen,
@@ -168,11 +174,9 @@ def _attention_fake(q, k, v, causal=False, softmax_scale=None):
     check_inputs(q, k, v, causal)
     check_scale(softmax_scale)
     check_device(q, k, v, aligned=False)  # fake tensors have no data to align
-    batch, seqlen_q, nheads_q, _ = q.shape
     # As the eager path allocates them: contiguous, on q's device.
-    out = q.new_empty((batch, seqlen_q, nheads_q, v.shape[3]))
-    lse = q.new_empty((batch, nheads_q, seqlen_q), dtype=torch.float32)
-    return out, lse
+    out_shape, lse_shape = batch_output_shapes(q, v)
+    return q.new_empty(out_shape), q.new_empty(lse_shape, dtype=torch.float32)
 
 
 @torch.library.custom_op(BACKWARD_OP, mutates_args=())

@@ -13,6 +13,7 @@ from ...problem import HEAD_DIMS, Problem
 
 __all__ = [
     "UnsupportedInput",
+    "batch_output_shapes",
     "check_dense",
     "check_device",
     "check_elements",
@@ -20,10 +21,10 @@ __all__ = [
     "check_inputs",
     "check_no_grad",
     "check_output",
-    "check_outputs",
     "check_scale",
     "check_strides",
     "empty_outputs",
+    "launch_outputs",
     "make_problem",
     "problem_of",
 ]
@@ -177,10 +178,7 @@ def empty_outputs(q, v, out=None, lse=None, shapes=None):
     `shapes`: (out's, lse's), by default those of batch-shaped q and v."""
     import torch
 
-    if shapes is None:
-        batch, seqlen_q, nheads_q, _ = q.shape
-        shapes = (batch, seqlen_q, nheads_q, v.shape[3]), (batch, nheads_q, seqlen_q)
-    out_shape, lse_shape = shapes
+    out_shape, lse_shape = shapes or batch_output_shapes(q, v)
     if out is None:
         out = torch.zeros(out_shape, dtype=q.dtype, device=q.device)
     else:
@@ -237,21 +235,33 @@ def check_device(q, k, v, aligned: bool = True) -> None:
             )
 
 
-def check_outputs(q, out, lse, shapes) -> None:
-    """The outputs a caller passed to a launch (None: the launch allocates it), against `shapes`
-    (out's, lse's): check_output's checks, and out's strides multiples of 8 elements for its TMA
-    store."""
+def batch_output_shapes(q, v) -> tuple[tuple, tuple]:
+    """(out, lse) shapes of batch-shaped q and v: (batch, seqlen_q, nheads_q, head_dim_v) and
+    (batch, nheads_q, seqlen_q)."""
+    batch, seqlen_q, nheads_q = q.shape[:3]
+    return (batch, seqlen_q, nheads_q, v.shape[-1]), (batch, nheads_q, seqlen_q)
+
+
+def launch_outputs(q, out, lse, shapes):
+    """(out, lse) for a launch: those the caller passed, checked against `shapes` (out's, lse's:
+    check_output's checks, and out's strides multiples of 8 elements for its TMA store), and new
+    ones (uninitialised, the kernel writes them whole) for those not passed."""
     import torch
 
     out_shape, lse_shape = shapes
-    if out is not None:
+    if out is None:
+        out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+    else:
         check_output("out", out, out_shape, q.dtype, q.device)
         if any(s % 8 for s in out.stride()[:-1]):
             raise UnsupportedInput(
                 f"out's strides {out.stride()} must be multiples of 8 elements (TMA store)"
             )
-    if lse is not None:
+    if lse is None:
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    else:
         check_output("lse", lse, lse_shape, torch.float32, q.device, align=4)
+    return out, lse
 
 
 def check_output(name: str, t, shape: tuple, dtype, device, align: int = 16) -> None:

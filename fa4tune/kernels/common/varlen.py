@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from ...errors import UnsupportedInput
 from ...problem import PAGE_SIZES, Problem, ProblemError
-from .inputs import check_dense, check_elements, check_heads, check_strides
+from .inputs import batch_output_shapes, check_dense, check_elements, check_heads, check_strides
 
 _INDEX_NAMES = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "page_table")
 
@@ -244,8 +244,7 @@ def output_shapes(q, v, ragged: Ragged) -> tuple[tuple, tuple]:
     if ragged.varlen_q:
         total_q, nheads_q = q.shape[0], q.shape[1]
         return (total_q, nheads_q, v.shape[-1]), (nheads_q, total_q)
-    batch, seqlen_q, nheads_q = q.shape[:3]
-    return (batch, seqlen_q, nheads_q, v.shape[-1]), (batch, nheads_q, seqlen_q)
+    return batch_output_shapes(q, v)
 
 
 def check_varlen_device(q, k, v, ragged: Ragged, aligned: bool = True) -> None:

@@ -14,11 +14,12 @@ from ...problem import Problem
 from ...target import Target, get_target
 from ..common.dsl import import_dsl
 from ..common.inputs import (
+    batch_output_shapes,
     check_device,
     check_inputs,
     check_no_grad,
-    check_outputs,
     empty_outputs,
+    launch_outputs,
     make_problem,
 )
 from ..common.launch import direct_call, launch_error, pack_descriptor, raw_stream_getter
@@ -123,14 +124,7 @@ def attention_forward(
         pack_group=pack_group_of(config, problem),
     )
     combine = compile_combine(problem.dtype, problem.head_dim_v, target) if config.split else None
-    batch, seqlen_q, nheads_q, _ = q.shape
-    out_shape, lse_shape = (
-        (batch, seqlen_q, nheads_q, problem.head_dim_v),
-        (batch, nheads_q, seqlen_q),
-    )
-    check_outputs(q, out, lse, (out_shape, lse_shape))
-    out = torch.empty(out_shape, dtype=q.dtype, device=q.device) if out is None else out
-    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device) if lse is None else lse
+    out, lse = launch_outputs(q, out, lse, batch_output_shapes(q, v))
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(problem.head_dim)
     # The host function launches on the current device, and the counter is that device's current
     # stream's: both must be the tensors' device. So must the current device be when torch exports a
@@ -186,10 +180,10 @@ def attention_varlen_forward(
     empty = check_varlen_inputs(q, k, v, ragged, causal)
     check_no_grad(q, k, v)
     check_varlen_device(q, k, v, ragged, aligned=not empty)
-    out_shape, lse_shape = shapes = output_shapes(q, v, ragged)
+    shapes = output_shapes(q, v, ragged)
     if empty:
         return empty_outputs(q, v, out, lse, shapes)
-    check_outputs(q, out, lse, shapes)
+    out, lse = launch_outputs(q, out, lse, shapes)
     problem = make_varlen_problem(q, k, v, ragged, causal)
     import_dsl(target)
     from cuda.bindings import driver as cuda
@@ -208,8 +202,6 @@ def attention_varlen_forward(
         layout=layout_of(problem),
     )
     combine = compile_combine(problem.dtype, problem.head_dim_v, target) if config.split else None
-    out = torch.empty(out_shape, dtype=q.dtype, device=q.device) if out is None else out
-    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device) if lse is None else lse
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(problem.head_dim)
 
     def dynamic(t, align):
@@ -252,10 +244,9 @@ class PreparedLaunch:
         self.device = q.device
         self.device_index = q.device.index if q.device.index is not None else 0
         self.dtype = q.dtype
-        self.out_shape = (problem.batch, problem.seqlen_q, problem.nheads_q, problem.head_dim_v)
-        self.lse_shape = (problem.batch, problem.nheads_q, problem.seqlen_q)
-        if ragged is not None:  # flash-attn-4's varlen shapes
-            self.out_shape, self.lse_shape = output_shapes(q, v, ragged)
+        self.out_shape, self.lse_shape = (
+            batch_output_shapes(q, v) if ragged is None else output_shapes(q, v, ragged)
+        )
         out_strides = torch.empty(self.out_shape, device="meta").stride()
         lse_strides = torch.empty(self.lse_shape, device="meta").stride()
         self.descriptors = [pack_descriptor(t.shape, t.stride()) for t in (q, k, v)]
