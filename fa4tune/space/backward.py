@@ -1,5 +1,5 @@
 """Backward: the tiles, the pipeline depth and the way dQ is added (red.global from registers, or
-one TMA reduction per Q block from shared memory) of the backward kernel family (fa4_bwd_sm90), its
+TMA reductions per Q block from shared memory) of the backward kernel family (fa4_bwd_sm90), its
 default space. The dQ accumulation's determinism is not searched: the caller chooses it
 (torch.use_deterministic_algorithms), and the tuned tiles serve both modes (deterministic adds
 come from registers: BwdConfig.as_deterministic)."""

@@ -14,8 +14,8 @@ and writes dS^T to shared memory, from which the warpgroups together compute dQ 
 block (each warpgroup a slice of dQ's columns) and add it into an fp32 dQ accumulator in global
 memory: atomically, or with `deterministic` in the order of the K blocks (a semaphore per Q block),
 so that the result is bitwise repeatable. With `dq_tma` the warpgroups stage the block's dQ in
-shared memory instead, and one thread adds it with a single TMA reduction (cp.reduce.async.bulk)
-while the next block is computed."""
+shared memory instead, and one thread adds it with TMA reductions (cp.reduce.async.bulk.tensor,
+one per swizzle atom of columns) while the next block is computed."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ class BwdConfig:
     num_stages: Q, dO, LSE and D buffers in flight (the producer loads the next block's while the
     consumers compute this one's).  deterministic: dQ's partial sums are added in the order of the
     K blocks (a semaphore per Q block), not as their CTAs finish, so that dQ is bitwise the same on
-    every run.  dq_tma: each Q block's dQ goes through shared memory (fp32) and one TMA reduction
+    every run.  dq_tma: each Q block's dQ goes through shared memory (fp32) and TMA reductions
     into the accumulator, instead of the consumer threads' red.global adds from registers."""
 
     tile_m: int = 64

@@ -16,7 +16,7 @@ A CTA takes `tile_n` rows of K and V of one K/V head and one batch:
   the fp32 dQ accumulator in global memory: `red.global.add` of column pairs, or with
   `deterministic` after the CTAs of the earlier K blocks (a semaphore per Q block, taken in the
   order of the K blocks: the sums come out the same on every run), or with `dq_tma` staged in
-  shared memory (fp32) and added by one thread's TMA reduction, which runs on while the next Q
+  shared memory (fp32) and added by one thread's TMA reductions, which run on while the next Q
   block is computed;
 * at the end dK x softmax_scale and dV leave through shared memory (K's and V's buffers) and a TMA
   store, which clips the rows past seqlen_k; keys that no query sees get zeros.
