@@ -81,17 +81,20 @@ def test_ragged_problems_key_their_layout_and_round_trip():
 
 
 def test_a_paged_problem_takes_its_default_over_dense_tables():
-    """The shipped tables hold dense decode only: a paged decode problem gets the family's default
-    (pages tile its blocks), not a config some farther dense problem was tuned with."""
+    """A table of dense decode entries only: a paged decode problem gets the family's default (pages
+    tile its blocks), not a config some farther dense problem was tuned with. The shipped serving
+    table holds the paged problem itself."""
     from fa4tune.runtime.lookup import PACKAGE_TABLES, Lookup
 
     paged = Problem(seqlen_q=1, seqlen_k=131072, nheads_q=32, nheads_kv=8, page_size=128,
                     seqused_k=True)  # fmt: skip
-    found = Lookup(PACKAGE_TABLES)(paged, "H200")
+    dense_table = Lookup(Path(PACKAGE_TABLES) / "h200-bf16-decode.yaml")
+    found = dense_table(paged, "H200")
     assert found.source == "default"
     assert found.config == FAMILY.default_config(paged, get_target("H200"))
     dense = replace(paged, page_size=None, seqused_k=False)
-    assert Lookup(PACKAGE_TABLES)(dense, "H200").source == "exact"
+    assert dense_table(dense, "H200").source == "exact"
+    assert Lookup(PACKAGE_TABLES)(paged, "H200").source == "exact"
 
 
 @pytest.mark.parametrize(
