@@ -231,9 +231,11 @@ RULES = (
 
 
 def default_config(problem: Problem, target: Target) -> BwdConfig:
-    """Two consumer warpgroups over 128 K rows, 64 Q rows a step, two stages; one stage where two
-    do not fit."""
-    config = BwdConfig()
-    if any(rule(problem, config, target) for rule in RULES):
-        config = replace(config, num_stages=1)
+    """Two consumer warpgroups over 128 K rows, 64 Q rows a step, two stages, dQ added by TMA
+    reductions from shared memory (on the H200 1.08-1.25x the register adds at head dims 64 and
+    128: docs/kernel-notes.md, session 37); the register adds where the dQ buffer does not fit,
+    then one stage."""
+    for config in (BwdConfig(dq_tma=True), BwdConfig(), BwdConfig(num_stages=1)):
+        if not any(rule(problem, config, target) for rule in RULES):
+            return config
     return config
