@@ -12,14 +12,18 @@ or 8k in the paged cache. Head dim 128, 32 query heads over 8 K/V heads, bf16. T
 cache is allocated once per page size; q, the index tensors and the outputs per call, as a serving
 engine makes them.
 
-The first pass over the trace's first 2,000 calls is the warm-up (every kernel the trace needs is
-compiled then); the soak is the whole trace after it. Reported: host RSS and GPU memory (allocated
-and reserved) at the start and the end, the prepared launches kept (fa4tune keeps the most recently
-used, up to MAX_PREPARED), the kernels compiled after the warm-up (must be none), and the p50 and
-p99 host time of a call (from the call to its return, the launch enqueued; the GPU is synchronised
-every 200 calls, outside the timed calls), for decode and prefill calls apart. Bounds (exit status 1
-if one fails): no compile after the warm-up; prepared launches at most MAX_PREPARED; GPU memory
-allocated at the end within 64 MiB of the start; host RSS within 256 MiB of the start."""
+The warm-up, as a server's start-up runs its batch sizes once, makes the first call of every shape
+class of the trace: a decode batch size, page size and context; a prefill's or chunked prefill's
+sequence count with its token total and longest sequence rounded up to powers of two (the rounding
+fa4tune keys prepared launches and lookups by). The soak is then the whole trace. Reported: host
+RSS and GPU memory (allocated and reserved) at the start and the end, the prepared launches kept
+(fa4tune keeps the most recently used, up to MAX_PREPARED) and those prepared during the soak, the
+kernels compiled after the warm-up (must be none), and the p50 and p99 host time of a call (from
+the call to its return, the launch enqueued; the GPU is synchronised every 200 calls, outside the
+timed calls), for decode and prefill calls apart. Bounds (exit status 1 if one fails): no compile
+and no launch prepared after the warm-up (none dropped and prepared again); prepared launches at
+most MAX_PREPARED; GPU memory allocated at the end within 64 MiB of the start; host RSS within
+256 MiB of the start."""
 
 from __future__ import annotations
 
@@ -38,7 +42,6 @@ HEADS_Q, HEADS_KV, DIM = 32, 8, 128
 MAX_CONTEXT = 32768
 PAGE_SIZES = (16, 128)
 CACHE_TOKENS = 2**21  # per page size: 2M tokens of K and V (8 GiB), 16 GiB in all
-WARMUP_CALLS = 2000
 SYNC_EVERY = 200
 
 
@@ -129,6 +132,20 @@ def make_call(kind: str, params: dict, caches: dict, torch):
     }
 
 
+def shape_class(kind: str, params: dict) -> tuple:
+    """What of a call's shapes selects its kernel and prepared launch (the warm-up makes one call
+    of each): sizes, with token totals and the longest sequence as powers of two."""
+    from fa4tune.runtime.dispatch import rows_class
+
+    if kind == "decode":
+        return kind, params["batch"], params["page"], params["max_context"]
+    lengths = params["lengths"] if kind == "prefill" else params["chunks"]
+    sizes = (len(lengths), rows_class(sum(lengths)), rows_class(max(lengths)))
+    if kind == "prefill":
+        return (kind, *sizes)
+    return (kind, *sizes, params["page"], params["max_context"])
+
+
 def _cumsum(values):
     total, out = 0, []
     for v in values:
@@ -151,6 +168,7 @@ def snapshot(torch, dispatch, compile_module) -> dict:
         "gpu_allocated_mib": torch.cuda.memory_allocated() / 2**20,
         "gpu_reserved_mib": torch.cuda.memory_reserved() / 2**20,
         "prepared_launches": len(dispatch._LAUNCHES),
+        "launches_prepared_so_far": dispatch._LAUNCHES.prepared,
         "compiled_kernels": len(compile_module._CACHE),
     }
 
@@ -184,8 +202,11 @@ def main(argv=None) -> int:
 
     caches = {page: Cache(page, torch) for page in PAGE_SIZES}
     calls = list(trace(random.Random(args.seed), args.calls))
-    # Warm-up: the trace's first calls compile what the trace needs.
-    run(calls[:WARMUP_CALLS], caches, torch, fa4tune.attention_varlen)
+    # Warm-up: the first call of each shape class compiles and prepares what the trace needs.
+    firsts = {}
+    for call in calls:
+        firsts.setdefault(shape_class(*call), call)
+    run(list(firsts.values()), caches, torch, fa4tune.attention_varlen)
     start = snapshot(torch, dispatch, compile_module)
     timings = {"decode": [], "prefill": []}
     began = time.perf_counter()
@@ -200,15 +221,19 @@ def main(argv=None) -> int:
             for kind, v in timings.items()}  # fmt: skip
     bounds = {
         "no compile after the warm-up": end["compiled_kernels"] == start["compiled_kernels"],
+        "no launch prepared after the warm-up": (
+            end["launches_prepared_so_far"] == start["launches_prepared_so_far"]
+        ),
         "prepared launches <= MAX_PREPARED": end["prepared_launches"] <= dispatch.MAX_PREPARED,
         "GPU allocated within 64 MiB": end["gpu_allocated_mib"] - start["gpu_allocated_mib"] <= 64,
         "host RSS within 256 MiB": end["rss_mib"] - start["rss_mib"] <= 256,
     }
-    result = {"calls": args.calls, "wall_s": wall, "start": start, "end": end, "cost": cost,
-              "bounds": bounds, "max_prepared": dispatch.MAX_PREPARED}  # fmt: skip
+    result = {"calls": args.calls, "warmup_calls": len(firsts), "wall_s": wall, "start": start,
+              "end": end, "cost": cost, "bounds": bounds,
+              "max_prepared": dispatch.MAX_PREPARED}  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
-    print(f"{args.calls} calls in {wall:.1f} s")
+    print(f"{args.calls} calls in {wall:.1f} s, after a warm-up of {len(firsts)} calls")
     print("| | start | end |\n|---|---|---|")
     for name in start:
         print(f"| {name} | {start[name]:.1f} | {end[name]:.1f} |")

@@ -511,6 +511,66 @@ def test_an_empty_varlen_call_returns_zeros_and_minus_inf_without_a_launch(cpu_d
     assert torch.equal(out, torch.zeros_like(out)) and bool((lse == -math.inf).all())
 
 
+def test_packed_calls_whose_totals_share_a_power_of_two_share_a_launch(cpu_device):
+    """A prefill server's calls rarely repeat their token totals: the launch prepared for one
+    total serves the others of its power of two (each call's extents repacked, its result right);
+    a total past it prepares another."""
+    g = torch.Generator().manual_seed(3)
+    for q_lens, k_lens in ([[40, 30], [40, 30]], [[9, 60], [33, 40]], [[1, 70], [8, 60]]):
+        cu_q, cu_k = int32([0, *accumulate(q_lens)]), int32([0, *accumulate(k_lens)])
+        q = torch.randn(sum(q_lens), 8, 64, generator=g).to(BF16)
+        k, v = (torch.randn(sum(k_lens), 2, 64, generator=g).to(BF16) for _ in "kv")
+        out, lse = fa4tune.attention_varlen(q, k, v, cu_q, cu_k, 128, 64, causal=True)
+        assert out.shape == (sum(q_lens), 8, 64) and lse.shape == (8, sum(q_lens))
+        k_rows = [k[int(cu_k[b]) : int(cu_k[b + 1])] for b in range(2)]
+        v_rows = [v[int(cu_k[b]) : int(cu_k[b + 1])] for b in range(2)]
+        ref_o, ref_lse = varlen_reference(q, cu_q, k_rows, v_rows, cu_k, True)
+        assert (out.float() - ref_o).norm() / ref_o.norm() < 1e-2
+        finite = torch.isfinite(ref_lse)  # causal rows above a shorter sequence's keys: -inf
+        assert torch.equal(finite, torch.isfinite(lse))
+        assert (lse - ref_lse)[finite].abs().max() < 1e-3
+    # totals q 70, 69, 71 and k 70, 73, 68: one power of two (128 rows) each
+    assert len(cpu_device.problems) == 1 and len(cpu_device.launches) == 3
+    q = torch.randn(130, 8, 64).to(BF16)  # 130 query rows: the next power of two
+    fa4tune.attention_varlen(q, k, v, int32([0, 65, 130]), cu_k, 128, 64, causal=True)
+    assert len(cpu_device.problems) == 2
+    # an empty call keeps each call's shapes too
+    empty_k = torch.empty(0, 2, 64, dtype=BF16)
+    for rows in (5, 7):
+        out, lse = fa4tune.attention_varlen(
+            torch.ones(rows, 8, 64, dtype=BF16), empty_k, empty_k, int32([0, rows]), int32([0, 0])
+        )
+        assert out.shape == (rows, 8, 64) and lse.shape == (8, rows)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_a_launch_refitted_to_other_totals_packs_what_a_new_one_would(monkeypatch, splits):
+    from fa4tune.kernels.fa4_fwd_sm90 import launch as fwd_launch
+
+    monkeypatch.setattr(fwd_launch, "unused_counter", lambda d: torch.zeros(1, dtype=torch.int32))
+    config = FwdConfig(tile_m=64, num_splits=splits, pack_gqa=False)
+
+    def prepared(total_q, total_k):
+        q = torch.empty(total_q, 8, 64, dtype=BF16)
+        k = v = torch.empty(total_k, 2, 64, dtype=BF16)
+        ragged = Ragged(int32([0, 2, total_q]), int32([0, 3, total_k]), None, None, 64, 256)
+        problem = make_problem(q, k, v, ragged, False)
+        return fwd_launch.PreparedLaunch(problem, config, H200, q, k, v, None, ragged)
+
+    def packed(launch):
+        return (
+            [bytes(d) for d in launch.descriptors + launch.combine_descriptors],
+            launch.out_shape,
+            launch.lse_shape,
+            launch.partial_shapes,
+        )
+
+    refitted = prepared(100, 300)
+    assert len(refitted.combine_descriptors) == (4 if splits > 1 else 0)
+    refitted._fit((120, 290))
+    assert packed(refitted) == packed(prepared(120, 290))
+
+
 def test_explain_varlen_names_the_problem_and_its_config():
     call = varlen_call()
     result = fa4tune.explain_varlen(

@@ -221,3 +221,63 @@ def test_paged_decode_replays_in_a_cuda_graph_with_new_pages_and_lengths(knobs):
         err = ((out.float() - ref_o).norm() / ref_o.norm()).item()
         assert err < 1e-2, (seed, err)
         assert (lse - ref_lse).abs().max().item() < 1e-3, seed
+
+
+@pytest.mark.parametrize(
+    "knobs,q_lens,k_lens",
+    [
+        # prefill: totals 881, 831, 1023 (one power of two), zero- and one-token sequences
+        (PREFILL, [[300, 0, 517, 64], [100, 650, 80, 1], [513, 200, 160, 150]], None),
+        # decode-like packed queries over packed keys, split-KV: totals 10, 12 and 8700, 8600
+        ({**DECODE, "num_splits": 3}, [[1, 4, 2, 3], [4, 4, 3, 1]],
+         [[3000, 1500, 4000, 200], [2500, 3000, 3000, 100]]),
+    ],
+)  # fmt: skip
+def test_one_prepared_launch_serves_other_packed_totals_of_its_power_of_two(knobs, q_lens, k_lens):
+    """What fa4tune.attention_varlen does with calls whose token totals share a power of two: one
+    prepared launch, each call's extents repacked (split-KV partials too), each call right, on
+    output memory the allocator last held as NaN."""
+    from itertools import accumulate
+
+    from fa4tune.kernels.common.reference import attention_reference
+    from fa4tune.kernels.common.varlen import Ragged
+    from fa4tune.kernels.common.varlen import make_problem as make_varlen_problem
+    from fa4tune.kernels.fa4_fwd_sm90.launch import prepare_launch
+
+    def tensors(seed, qs, ks):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        cu_q, cu_k = (
+            torch.tensor([0, *accumulate(n)], dtype=torch.int32, device="cuda") for n in (qs, ks)
+        )
+        q, k, v = (
+            torch.randn(sum(n), h, 128, generator=gen, device="cuda").to(torch.bfloat16)
+            for n, h in ((qs, 16), (ks, 4), (ks, 4))
+        )
+        return q, k, v, cu_q, cu_k
+
+    launch = None
+    for step, qs in enumerate(q_lens):
+        ks = k_lens[step] if k_lens else qs
+        q, k, v, cu_q, cu_k = tensors(step, qs, ks)
+        if launch is None:
+            ragged = Ragged(cu_q, cu_k, None, None, 1024, 4096)
+            problem = make_varlen_problem(q, k, v, ragged, True)
+            launch = prepare_launch(problem, FwdConfig(**knobs), H200, q, k, v, None, ragged)
+        for shape in (launch.out_shape, (16, sum(qs)), (sum(qs), 16, 128)):
+            torch.full(shape, float("nan"), device="cuda")  # freed: the next outputs reuse it
+        out, lse = launch(q, k, v, cu_q, cu_k)
+        torch.cuda.synchronize()
+        assert out.shape == (sum(qs), 16, 128) and lse.shape == (16, sum(qs))
+        for b, (nq, nk) in enumerate(zip(qs, ks)):
+            if not nq:
+                continue
+            rows, keys = (
+                slice(int(cu_q[b]), int(cu_q[b]) + nq),
+                slice(int(cu_k[b]), int(cu_k[b]) + nk),
+            )
+            ref_o, ref_lse = attention_reference(
+                q[rows][None], k[keys][None], v[keys][None], causal=True
+            )
+            err = ((out[rows][None].float() - ref_o).norm() / ref_o.norm()).item()
+            assert err < 1e-2, (step, b, err)
+            assert (lse[:, rows] - ref_lse[0]).abs().max().item() < 1e-3, (step, b)

@@ -41,7 +41,7 @@ from ..kernels.common.varlen import (
     Ragged,
     check_varlen_device,
     check_varlen_inputs,
-    output_shapes,
+    packed_output_shapes,
 )
 from ..kernels.common.varlen import make_problem as make_varlen_problem
 from ..target import is_described, target_for_device
@@ -61,6 +61,7 @@ class PreparedLaunches:
 
     def __init__(self, capacity: int = MAX_PREPARED) -> None:
         self.capacity = capacity
+        self.prepared = 0  # launches put in so far (a soak's count of prepares)
         self._items: OrderedDict = OrderedDict()
 
     def get(self, key):
@@ -73,6 +74,7 @@ class PreparedLaunches:
         return launch
 
     def put(self, key, launch) -> None:
+        self.prepared += 1
         self._items[key] = launch
         self._items.move_to_end(key)
         while len(self._items) > self.capacity:
@@ -161,12 +163,14 @@ def attention_varlen(
     max_seqlen_k, if given, only key the lookup."""
     index = (cu_seqlens_q, cu_seqlens_k, seqused_k, page_table)
     try:
+        # Packed rows are keyed by their power of two (rows_class): one launch serves the calls
+        # whose totals share it (their problems share a bucket; PreparedLaunch repacks the rows).
         key = (
             (
                 "varlen",
-                q.shape,
-                k.shape,
-                v.shape,
+                q.shape if cu_seqlens_q is None else (rows_class(q.shape[0]), q.shape[1:]),
+                k.shape if cu_seqlens_k is None else (rows_class(k.shape[0]), k.shape[1:]),
+                v.shape if cu_seqlens_k is None else (rows_class(v.shape[0]), v.shape[1:]),
                 q.stride(),
                 k.stride(),
                 v.stride(),
@@ -204,6 +208,12 @@ def attention_varlen(
         ragged = Ragged(*index[:2], seqused_k, page_table, max_seqlen_q, max_seqlen_k)
         launch = _prepare_varlen(key, q, k, v, ragged, causal, softmax_scale)
     return launch(q, k, v, *(t for t in index if t is not None))
+
+
+def rows_class(rows: int) -> int:
+    """The power of two that `rows` packed rows round up to, as an exponent (0 and 1 rows each a
+    class of their own: an empty call, and one row, whose strides torch need not keep)."""
+    return rows if rows < 2 else (rows - 1).bit_length() + 1
 
 
 def attention_backward(dout, q, k, v, out, lse, dlse=None, causal=False, softmax_scale=None):
@@ -346,7 +356,7 @@ def _prepare_varlen(key, q, k, v, ragged: Ragged, causal, softmax_scale):
     check_varlen_device(q, k, v, ragged, aligned=not empty)
     target, family = device_target(q.device)
     if empty:
-        launch = _EmptyVarlen(output_shapes(q, v, ragged))
+        launch = _EmptyVarlen(ragged.varlen_q)
         with _PREPARE_LOCK:
             _remember(key, launch)
         return launch
@@ -371,17 +381,20 @@ def _remember(key, launch) -> None:
 
 class _EmptyVarlen:
     """A ragged call with nothing to compute: O zero and LSE -inf in flash-attn-4's varlen shapes
-    (those of the call signature it was prepared for; it keeps none of that call's tensors),
-    without a kernel."""
+    (those of each call: the calls of one signature may differ in their packed rows), without a
+    kernel."""
 
-    def __init__(self, shapes: tuple[tuple, tuple]) -> None:
-        self.shapes = shapes
+    def __init__(self, varlen_q: bool) -> None:
+        self.varlen_q = varlen_q
 
     def __call__(self, q, k, v, *index):
         import torch
 
+        shapes = None
+        if self.varlen_q:
+            shapes = packed_output_shapes(q.shape[0], q.shape[1], v.shape[-1])
         with torch.cuda.device(q.device):
-            return empty_outputs(q, v, shapes=self.shapes)
+            return empty_outputs(q, v, shapes=shapes)
 
 
 class _Empty:

@@ -93,7 +93,21 @@ def launch_error(code: int) -> RuntimeError:
 
 def pack_descriptor(shape, strides) -> ctypes.Array:
     """A tensor's descriptor as the compiled kernel reads it (data pointer left 0)."""
-    layout = _DESCRIPTORS[len(shape)]
-    buffer = ctypes.create_string_buffer(layout.size)
-    layout.pack_into(buffer, 0, 0, *shape, *strides[:-1])
+    buffer = ctypes.create_string_buffer(_DESCRIPTORS[len(shape)].size)
+    repack_descriptor(buffer, shape, strides)
     return buffer
+
+
+def repack_descriptor(buffer: ctypes.Array, shape, strides) -> None:
+    """Write another shape and strides of the same rank into a packed descriptor (its data pointer
+    left 0: a launch writes it)."""
+    _DESCRIPTORS[len(shape)].pack_into(buffer, 0, 0, *shape, *strides[:-1])
+
+
+def contiguous_strides(shape) -> tuple:
+    """The strides of a contiguous tensor of `shape` (as torch gives them)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))

@@ -242,9 +242,13 @@ def output_shapes(q, v, ragged: Ragged) -> tuple[tuple, tuple]:
     """(out, lse) shapes: like q with head_dim_v, and (nheads_q, total_q) or (batch, nheads_q,
     seqlen_q), as flash-attn-4's varlen call returns them."""
     if ragged.varlen_q:
-        total_q, nheads_q = q.shape[0], q.shape[1]
-        return (total_q, nheads_q, v.shape[-1]), (nheads_q, total_q)
+        return packed_output_shapes(q.shape[0], q.shape[1], v.shape[-1])
     return batch_output_shapes(q, v)
+
+
+def packed_output_shapes(total_q: int, nheads_q: int, head_dim_v: int) -> tuple[tuple, tuple]:
+    """(out, lse) shapes of packed queries: (total_q, nheads_q, head_dim_v), (nheads_q, total_q)."""
+    return (total_q, nheads_q, head_dim_v), (nheads_q, total_q)
 
 
 def check_varlen_device(q, k, v, ragged: Ragged, aligned: bool = True) -> None:

@@ -22,13 +22,21 @@ from ..common.inputs import (
     launch_outputs,
     make_problem,
 )
-from ..common.launch import direct_call, launch_error, pack_descriptor, raw_stream_getter
+from ..common.launch import (
+    contiguous_strides,
+    direct_call,
+    launch_error,
+    pack_descriptor,
+    raw_stream_getter,
+    repack_descriptor,
+)
 from ..common.streams import current_device_getter, current_tile_counter, unused_counter
 from ..common.varlen import (
     Ragged,
     check_varlen_device,
     check_varlen_inputs,
     output_shapes,
+    packed_output_shapes,
 )
 from ..common.varlen import make_problem as make_varlen_problem
 from .compile import compile_combine, compile_forward, layout_of, pack_group_of
@@ -44,15 +52,26 @@ def partial_shapes(problem: Problem, config: FwdConfig) -> tuple[tuple, tuple]:
     s, b, q, h = config.num_splits, problem.batch, problem.seqlen_q, problem.nheads_q
     if problem.total_q is not None:  # varlen Q: one batch of all rows
         b, q = 1, problem.total_q
-    return (s, b, q, h, problem.head_dim_v), (s, b, h, q)
+    return _partials(s, b, q, h, problem.head_dim_v)
+
+
+def _partials(splits: int, batch: int, seqlen_q: int, heads: int, head_dim_v: int):
+    return (splits, batch, seqlen_q, heads, head_dim_v), (splits, batch, heads, seqlen_q)
 
 
 def combine_views(out, lse, problem: Problem):
-    """O and LSE as the combine kernel writes them, (batch, seqlen_q, heads, dv) and (batch, heads,
-    seqlen_q): varlen O (total_q, heads, dv) and LSE (heads, total_q) are one batch of all rows."""
+    """O and LSE as the combine kernel writes them (combine_view_shapes)."""
+    o_shape, l_shape = combine_view_shapes(out.shape, lse.shape, problem)
+    return out.view(o_shape), lse.view(l_shape)
+
+
+def combine_view_shapes(out_shape, lse_shape, problem: Problem) -> tuple[tuple, tuple]:
+    """O's and LSE's shapes as the combine kernel writes them, (batch, seqlen_q, heads, dv) and
+    (batch, heads, seqlen_q): varlen O (total_q, heads, dv) and LSE (heads, total_q) are one batch
+    of all rows."""
     if problem.total_q is not None:
-        return out.unsqueeze(0), lse.unsqueeze(0)
-    return out, lse
+        return (1, *out_shape), (1, *lse_shape)
+    return tuple(out_shape), tuple(lse_shape)
 
 
 def heads_per_l2_group(problem: Problem, target: Target) -> int:
@@ -244,32 +263,24 @@ class PreparedLaunch:
         self.device = q.device
         self.device_index = q.device.index if q.device.index is not None else 0
         self.dtype = q.dtype
+        self.split = config.split
+        # Packed rows (varlen q or k): the launch serves every call of its signature, whose row
+        # totals may differ (the dispatcher keys them by power of two); a call with other totals
+        # repacks the extents that follow them (_fit).
+        self.varlen_q = ragged is not None and ragged.varlen_q
+        self.varlen_k = ragged is not None and ragged.varlen_k
+        self.rows = (q.shape[0], k.shape[0])
+        self.tensor_shapes = [tuple(t.shape) for t in (q, k, v)]
+        self.tensor_strides = [tuple(t.stride()) for t in (q, k, v)]
         self.out_shape, self.lse_shape = (
             batch_output_shapes(q, v) if ragged is None else output_shapes(q, v, ragged)
         )
-        out_strides = torch.empty(self.out_shape, device="meta").stride()
-        lse_strides = torch.empty(self.lse_shape, device="meta").stride()
-        self.descriptors = [pack_descriptor(t.shape, t.stride()) for t in (q, k, v)]
-        self.split = config.split
         self.partial_shapes = partial_shapes(problem, config) if self.split else None
         # Split-KV: the kernel writes the partials and the combine kernel reads them into O and
         # LSE; the combine's arguments are packed here too.
-        combine = []
-        if self.split:
-            for shape in self.partial_shapes:
-                strides = torch.empty(shape, device="meta").stride()
-                self.descriptors.append(pack_descriptor(shape, strides))
-                combine.append(pack_descriptor(shape, strides))
-            o_view, lse_view = combine_views(
-                torch.empty(self.out_shape, device="meta"),
-                torch.empty(self.lse_shape, device="meta"),
-                problem,
-            )
-            combine.append(pack_descriptor(o_view.shape, o_view.stride()))
-            combine.append(pack_descriptor(lse_view.shape, lse_view.stride()))
-        else:
-            self.descriptors.append(pack_descriptor(self.out_shape, out_strides))
-            self.descriptors.append(pack_descriptor(self.lse_shape, lse_strides))
+        kernel_shapes, combine_shapes = self._descriptor_shapes()
+        self.descriptors = [pack_descriptor(*shape) for shape in kernel_shapes]
+        combine = [pack_descriptor(*shape) for shape in combine_shapes]
         self.descriptors.append(ctypes.create_string_buffer(8))  # the tile counter
         self.combine_descriptors = combine
         self.combine_pointers = [ctypes.c_uint64.from_buffer(d) for d in combine]
@@ -314,6 +325,46 @@ class PreparedLaunch:
         self._float32 = torch.float32
         self._run = self._run_combine = None
 
+    def _descriptor_shapes(self) -> tuple[list, list]:
+        """(shape, strides) of the kernel's tensor arguments before its tile counter (q, k, v, then
+        O and LSE or the partials) and of the combine kernel's (the partials, O and LSE as it views
+        them: varlen O and LSE as one batch of all rows)."""
+        kernel = list(zip(self.tensor_shapes, self.tensor_strides))
+        combine = []
+        if self.split:
+            for shape in self.partial_shapes:
+                kernel.append((shape, contiguous_strides(shape)))
+                combine.append((shape, contiguous_strides(shape)))
+            views = combine_view_shapes(self.out_shape, self.lse_shape, self.problem)
+            combine += [(shape, contiguous_strides(shape)) for shape in views]
+        else:
+            outputs = (self.out_shape, self.lse_shape)
+            kernel += [(shape, contiguous_strides(shape)) for shape in outputs]
+        return kernel, combine
+
+    def _fit(self, rows: tuple[int, int]) -> None:
+        """Repack the extents that follow the packed rows of q (total_q) or of k and v (total_k)
+        for a call with other totals (the caller holds the lock)."""
+        total_q, total_k = rows
+        if self.varlen_q:
+            self.tensor_shapes[0] = (total_q, *self.tensor_shapes[0][1:])
+            nheads_q = self.tensor_shapes[0][1]
+            self.out_shape, self.lse_shape = packed_output_shapes(
+                total_q, nheads_q, self.out_shape[-1]
+            )
+            if self.split:
+                splits, _, _, _, dv = self.partial_shapes[0]
+                self.partial_shapes = _partials(splits, 1, total_q, nheads_q, dv)
+        if self.varlen_k:
+            for i in (1, 2):
+                self.tensor_shapes[i] = (total_k, *self.tensor_shapes[i][1:])
+        kernel_shapes, combine_shapes = self._descriptor_shapes()
+        for buffer, shape in zip(self.descriptors, kernel_shapes):
+            repack_descriptor(buffer, *shape)
+        for buffer, shape in zip(self.combine_descriptors, combine_shapes):
+            repack_descriptor(buffer, *shape)
+        self.rows = rows
+
     def bind(self, executor, combine=None) -> None:
         """Launch through `executor` (the compiled function bound to this launch's device), and
         with split-KV `combine` after it (the combine kernel's, bound alike)."""
@@ -338,47 +389,42 @@ class PreparedLaunch:
                     "cu_seqlens, seqused_k and page_table must start at 4-byte aligned addresses; "
                     "pass a .clone()"
                 )
+        rows = (q.shape[0], k.shape[0])
         if self._get_device() == self.device_index:
-            return self._launch(q_ptr, k_ptr, v_ptr, index)
+            return self._launch(q_ptr, k_ptr, v_ptr, rows, index)
         # The kernel launches in the current device's context, on its current stream, whose tile
         # counter the launch takes: make it the tensors' one.
         with self._device_guard(self.device_index):
-            return self._launch(q_ptr, k_ptr, v_ptr, index)
+            return self._launch(q_ptr, k_ptr, v_ptr, rows, index)
 
-    def _launch(self, q_ptr: int, k_ptr: int, v_ptr: int, index=()):
-        out = self._empty(self.out_shape, dtype=self.dtype, device=self.device)
-        lse = self._empty(self.lse_shape, dtype=self._float32, device=self.device)
+    def _launch(self, q_ptr: int, k_ptr: int, v_ptr: int, rows, index=()):
         counter = self._tile_counter(self.device) if self._tile_counter else self._unused_counter
         stream = self._raw_stream(self.device_index)
-        if self.split:
-            return self._launch_split(q_ptr, k_ptr, v_ptr, out, lse, counter, stream, index)
-        with self.lock:  # the descriptors are shared; the launch copies them before it returns
-            p = self.pointers
-            p[0].value, p[1].value, p[2].value = q_ptr, k_ptr, v_ptr
-            p[3].value, p[4].value, p[5].value = out.data_ptr(), lse.data_ptr(), counter.data_ptr()
-            for pointer, t in zip(self.index_pointers, index):
-                pointer.value = t.data_ptr()
-            self.stream.value = stream
-            error = self._run()
-        if error:
-            raise launch_error(error)
-        return out, lse
-
-    def _launch_split(self, q_ptr, k_ptr, v_ptr, out, lse, counter, stream, index=()):
-        o_shape, l_shape = self.partial_shapes
-        o_part = self._empty(o_shape, dtype=self._float32, device=self.device)
-        lse_part = self._empty(l_shape, dtype=self._float32, device=self.device)
+        # The descriptors and shapes are shared; the launch copies them before it returns.
         with self.lock:
-            p, c = self.pointers, self.combine_pointers
+            if rows != self.rows:
+                self._fit(rows)
+            out = self._empty(self.out_shape, dtype=self.dtype, device=self.device)
+            lse = self._empty(self.lse_shape, dtype=self._float32, device=self.device)
+            p = self.pointers
             for pointer, t in zip(self.index_pointers, index):
                 pointer.value = t.data_ptr()
             p[0].value, p[1].value, p[2].value = q_ptr, k_ptr, v_ptr
-            p[3].value = c[0].value = o_part.data_ptr()
-            p[4].value = c[1].value = lse_part.data_ptr()
-            p[5].value = counter.data_ptr()
-            c[2].value, c[3].value = out.data_ptr(), lse.data_ptr()
             self.stream.value = stream
-            error = self._run() or self._run_combine()
+            if self.split:
+                o_shape, l_shape = self.partial_shapes
+                o_part = self._empty(o_shape, dtype=self._float32, device=self.device)
+                lse_part = self._empty(l_shape, dtype=self._float32, device=self.device)
+                c = self.combine_pointers
+                p[3].value = c[0].value = o_part.data_ptr()
+                p[4].value = c[1].value = lse_part.data_ptr()
+                p[5].value = counter.data_ptr()
+                c[2].value, c[3].value = out.data_ptr(), lse.data_ptr()
+                error = self._run() or self._run_combine()
+            else:
+                p[3].value, p[4].value = out.data_ptr(), lse.data_ptr()
+                p[5].value = counter.data_ptr()
+                error = self._run()
         if error:
             raise launch_error(error)
         return out, lse
