@@ -117,7 +117,7 @@ def play_kernel(config: BwdConfig, causal: bool):
                             acc_dk += ds.to(BF16).float() @ qt.float()
                             dq = ds.to(BF16).float().T @ kt.float()
                             valid = min(tm, seqlen_q - m * tm)
-                            dq_acc[b, m * tm : m * tm + valid, h] += dq[:valid]
+                            dq_acc[b, m * tm : m * tm + valid, h] += dq[:valid] * scale
                     valid = min(tn, seqlen_k - n * tn)
                     dk[b, n * tn : n * tn + valid, hk] = (acc_dk * scale)[:valid].to(dk.dtype)
                     dv[b, n * tn : n * tn + valid, hk] = acc_dv[:valid].to(dv.dtype)

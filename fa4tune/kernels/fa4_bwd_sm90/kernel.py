@@ -12,18 +12,18 @@ A CTA takes `tile_n` rows of K and V of one K/V head and one batch:
   dS^T = P^T (dP^T - D) in registers (masking keys past seqlen_k and, causal, above the
   bottom-right diagonal), then dV += P^T dO and dK += dS^T Q with P^T and dS^T as register A
   operands, and writes dS^T to shared memory. The warpgroups then compute dQ = dS K for the block
-  together (each a slice of dQ's columns, A and B both MN-major in shared memory) and add it into
-  the fp32 dQ accumulator in global memory: `red.global.add` of column pairs, or with
-  `deterministic` after the CTAs of the earlier K blocks (a semaphore per Q block, taken in the
-  order of the K blocks: the sums come out the same on every run), or with `dq_tma` staged in
-  shared memory (fp32) and added by one thread's TMA reductions, which run on while the next Q
-  block is computed;
+  together (each a slice of dQ's columns, A and B both MN-major in shared memory) and add it,
+  times softmax_scale, into the fp32 dQ accumulator in global memory: `red.global.add` of column
+  pairs, or with `deterministic` after the CTAs of the earlier K blocks (a semaphore per Q block,
+  taken in the order of the K blocks: the sums come out the same on every run), or with `dq_tma`
+  staged in shared memory (fp32) and added by one thread's TMA reductions, which run on while the
+  next Q block is computed;
 * at the end dK x softmax_scale and dV leave through shared memory (K's and V's buffers) and a TMA
   store, which clips the rows past seqlen_k; keys that no query sees get zeros.
 
 GQA needs no atomics for dK and dV: a CTA walks every query head of its K/V head's group and sums
 their contributions in its accumulators. The launch (launch.py) prepares LSE2 and D and zeroes the
-dQ accumulator, and turns the accumulator into dQ after the kernel."""
+dQ accumulator, and casts the accumulator to dQ after the kernel."""
 
 from __future__ import annotations
 
@@ -607,6 +607,7 @@ class FlashBackwardSm90:
                     mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], accumulate=True,
                     wait=1,
                 )  # fmt: skip
+                acc_dQ.store(acc_dQ.load() * softmax_scale)
                 self.reduce_dq(acc_dQ, mma_dq, sdQ, tma_dq, mdQ, m_block, head, batch, ctid)
                 warpgroup.wait_group(0)
                 pipe_q.consumer_release(q_state)
@@ -615,6 +616,7 @@ class FlashBackwardSm90:
                 wgmma(mma_dq, acc_dQ, tdQrdS, tdQrKt, accumulate=False, wait=0)
                 pipe_q.consumer_release(q_state)
                 q_state.advance()
+                acc_dQ.store(acc_dQ.load() * softmax_scale)
                 self.add_dq(
                     acc_dQ, dq_coords, mdQacc, mSemaphore, n_block, m_block, head, batch,
                     seqlen_q, ctid,
