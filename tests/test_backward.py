@@ -67,6 +67,33 @@ def test_configs_that_would_spill_or_serialize_are_refused_and_head_dims_named()
     assert any("equal head dims" in r for r in reasons)
 
 
+def test_128_row_q_blocks_fit_at_head_dim_64_without_mask_or_turn():
+    """The register model at its calibrated edge (compiled for sm_90a: the four fitting configs
+    build without spills, the refused ones spill or serialize)."""
+    full, causal = Problem(head_dim=64), Problem(head_dim=64, causal=True)
+    for stages in (1, 2):
+        for tma in (False, True):
+            config = BwdConfig(tile_m=128, num_stages=stages, dq_tma=tma)
+            assert not FAMILY.infeasible_reasons(full, config, H200), config.short()
+            reasons = FAMILY.infeasible_reasons(causal, config, H200)
+            assert any("the causal mask" in r for r in reasons), config.short()
+    assert FAMILY.infeasible_reasons(full, BwdConfig(tile_m=128, deterministic=True), H200)
+    assert FAMILY.infeasible_reasons(full, BwdConfig(tile_m=128, tile_n=64), H200)
+    assert FAMILY.infeasible_reasons(Problem(head_dim=96), BwdConfig(tile_m=128), H200)
+
+
+def test_the_deterministic_mode_keeps_the_tuned_tiles_where_the_turn_fits():
+    full = Problem(head_dim=64)
+    det = cfg.deterministic_config(BwdConfig(dq_tma=True), full, H200)
+    assert det == BwdConfig(deterministic=True)
+    # 128-row blocks leave no room for the turn: the default's tiles, deterministic
+    det = cfg.deterministic_config(BwdConfig(tile_m=128, dq_tma=True), full, H200)
+    assert det == default_config(full, H200).as_deterministic()
+    assert not FAMILY.infeasible_reasons(full, det, H200)
+    already = BwdConfig(tile_n=64, deterministic=True)
+    assert cfg.deterministic_config(already, full, H200) is already
+
+
 # ---- the launch around a kernel played by the CPU ------------------------------------------------
 def play_kernel(config: BwdConfig, causal: bool):
     """The CUDA kernel's walk in torch: a CTA per (K block, K/V head, batch), its Q blocks from
@@ -200,6 +227,8 @@ SPREAD = [
     (BwdConfig(dq_tma=True), 128, True),
     (BwdConfig(dq_tma=True), 96, False),
     (BwdConfig(tile_n=64, num_stages=1, dq_tma=True), 64, True),
+    (BwdConfig(tile_m=128), 64, False),
+    (BwdConfig(tile_m=128, num_stages=1, dq_tma=True), 64, False),
 ]
 
 
@@ -228,8 +257,10 @@ def test_backward_kernels_compile_without_spills(config, head_dim, causal, capfd
     assert not _serialized_wgmma(text), f"{config.short()}: {_serialized_wgmma(text)}"
     ptx = compiled.function.__ptx__
     # The five GEMMs of a step: S^T and dP^T (d/16 each), dV and dK (tile_m/16 each), dQ
-    # (tile_n/16).
-    per_step = 2 * head_dim // 16 + 2 * config.tile_m // 16 + config.tile_n // 16
+    # (tile_n/16 for each 64 of its tile_m rows).
+    per_step = (
+        2 * head_dim // 16 + 2 * config.tile_m // 16 + config.tile_m // 64 * config.tile_n // 16
+    )
     assert ptx.count("wgmma.mma_async") == per_step
     assert ("ld.global.acquire.gpu" in ptx) == config.deterministic
     # dQ: one TMA reduction per Q block, or red.global from every consumer thread.

@@ -41,6 +41,10 @@ CASES = [
           causal=True), BwdConfig(dq_tma=True)),
     (dict(head_dim=64, seqlen_q=1500, batch=2, nheads_q=4),
      BwdConfig(tile_n=64, num_stages=1, dq_tma=True)),
+    # 128-row Q blocks (head dim 64, no mask): rows past seqlen_q, GQA, both dQ adds.
+    (dict(head_dim=64, seqlen_q=1500, batch=2, nheads_q=8, nheads_kv=2), BwdConfig(tile_m=128)),
+    (dict(head_dim=64, seqlen_q=700, seqlen_k=1300, batch=2, nheads_q=4),
+     BwdConfig(tile_m=128, num_stages=1, dq_tma=True)),
 ]  # fmt: skip
 
 

@@ -223,6 +223,7 @@ def attention_backward(dout, q, k, v, out, lse, dlse=None, causal=False, softmax
     eager path of torch.ops.fa4tune.attention_backward, which autograd calls."""
     import torch
 
+    from ..kernels.fa4_bwd_sm90.config import deterministic_config
     from ..kernels.fa4_bwd_sm90.launch import attention_backward as run_backward
 
     check_inputs(q, k, v, causal)
@@ -232,8 +233,8 @@ def attention_backward(dout, q, k, v, out, lse, dlse=None, causal=False, softmax
     family = get_kernel(BACKWARD_KERNEL)
     problem = make_problem(q, k, v, causal)
     config = lookup(problem, target, kernel=family.name).config
-    if torch.are_deterministic_algorithms_enabled() and not config.deterministic:
-        config = config.as_deterministic()
+    if torch.are_deterministic_algorithms_enabled():
+        config = deterministic_config(config, problem, target)
     return run_backward(
         dout, q, k, v, out, lse, config, causal, softmax_scale, dlse=dlse, target=target
     )

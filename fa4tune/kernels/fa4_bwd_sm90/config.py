@@ -39,8 +39,13 @@ SMEM_ALIGN = 1024
 # the producer warpgroup gives back (one warpgroup launches with 248, two with 168).
 REGISTER_SPLIT = {1: (24, 240), 2: (24, 240)}
 # A consumer thread's registers beyond its accumulators: addresses, loop state, the LSE and D of
-# its columns, masks.
-CONSUMER_OVERHEAD_REGS = 32
+# its columns; more (EXTRA_STATE_REGS) with the causal mask's coordinates, the deterministic
+# turn's semaphore, or one warpgroup carrying the CTA's loop alone. Calibrated on ptxas for sm_90a
+# at the edge, head dim 64 with 128 Q rows (compile tests; docs/kernel-notes.md, session 37): two
+# warpgroups, unmasked, atomic: no spill at 1 or 2 stages, dq_tma or not; causal: 24-48 bytes
+# spilled, deterministic 8-12, one warpgroup with dq_tma and one stage 4.
+CONSUMER_OVERHEAD_REGS = 16
+EXTRA_STATE_REGS = 16
 
 KNOBS: dict[str, tuple] = {
     "tile_m": (64, 128),
@@ -101,7 +106,8 @@ class BwdConfig:
 
     def as_deterministic(self) -> BwdConfig:
         """The same tiles with dQ added in the order of the K blocks (from registers: a TMA
-        reduction's adds have no fixed order); it fits wherever this config does."""
+        reduction's adds have no fixed order). It may not fit where this config does (the turn
+        takes registers): deterministic_config falls back."""
         return replace(self, deterministic=True, dq_tma=False)
 
     def short(self) -> str:
@@ -157,23 +163,37 @@ def consumer_registers_needed(config: BwdConfig, problem: Problem) -> int:
     dV (d/2 and dv/2 fp32) all along; then either S^T and dP^T of a Q block (tile_m/2 each, both
     live while dS^T is made) with P^T in bf16 (tile_m/4), or, while the dK and dV GEMMs still read
     P^T and dS^T in bf16 (tile_m/4 each), the warpgroup's slice of dQ (tile_m x d / 128 /
-    warpgroups); and the overhead. (ptxas serialized the wgmma at 240 registers with one warpgroup
-    at head dim 128: its dQ slice is 64.)"""
+    warpgroups); and the overhead, more for the causal mask, the deterministic turn or a lone
+    warpgroup. (ptxas serialized the wgmma at 240 registers with one warpgroup at head dim 128:
+    its dQ slice is 64.)"""
     regs_dkv = (problem.head_dim + problem.head_dim_v) // 2
     regs_sdp = config.tile_m + config.tile_m // 4
     regs_dq = config.tile_m * problem.head_dim // 128 // config.consumer_warpgroups
     regs_dq += config.tile_m // 2
-    return regs_dkv + max(regs_sdp, regs_dq) + CONSUMER_OVERHEAD_REGS
+    overhead = CONSUMER_OVERHEAD_REGS
+    if problem.causal or config.deterministic or config.consumer_warpgroups == 1:
+        overhead += EXTRA_STATE_REGS
+    return regs_dkv + max(regs_sdp, regs_dq) + overhead
 
 
 def register_reasons(config: BwdConfig, problem: Problem, target: Target) -> list[str]:
     _, consumer = REGISTER_SPLIT[config.consumer_warpgroups]
     need = consumer_registers_needed(config, problem)
     if need > min(consumer, target.max_regs_per_thread):
+        extra = [
+            what
+            for what, applies in (
+                ("the causal mask", problem.causal),
+                ("the deterministic turn", config.deterministic),
+                ("one warpgroup's loop", config.consumer_warpgroups == 1),
+            )
+            if applies
+        ]
         return [
             f"consumer threads need about {need} registers (dK and dV {problem.head_dim}+"
-            f"{problem.head_dim_v} columns, S and dP or dQ of {config.tile_m} Q rows) but get "
-            f"{consumer}: the kernel would spill or serialize its wgmma"
+            f"{problem.head_dim_v} columns, S and dP or dQ of {config.tile_m} Q rows"
+            f"{''.join(', ' + e for e in extra)}) but get {consumer}: the kernel would spill or "
+            "serialize its wgmma"
         ]
     return []
 
@@ -239,3 +259,15 @@ def default_config(problem: Problem, target: Target) -> BwdConfig:
         if not any(rule(problem, config, target) for rule in RULES):
             return config
     return config
+
+
+def deterministic_config(config: BwdConfig, problem: Problem, target: Target) -> BwdConfig:
+    """What runs `config`'s problem with dQ's sums in a fixed order: its own tiles where the
+    deterministic turn fits beside them, else the default's (which always fits)."""
+    if config.deterministic:
+        return config
+    for candidate in (config, default_config(problem, target)):
+        candidate = candidate.as_deterministic()
+        if not any(rule(problem, candidate, target) for rule in RULES):
+            return candidate
+    return candidate
