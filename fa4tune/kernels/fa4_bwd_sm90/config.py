@@ -42,8 +42,8 @@ REGISTER_SPLIT = {1: (24, 240), 2: (24, 240)}
 # its columns; more (EXTRA_STATE_REGS) with the causal mask's coordinates, the deterministic
 # turn's semaphore, or one warpgroup carrying the CTA's loop alone. Calibrated on ptxas for sm_90a
 # at the edge, head dim 64 with 128 Q rows (compile tests; docs/kernel-notes.md, session 37): two
-# warpgroups, unmasked, atomic: no spill at 1 or 2 stages, dq_tma or not; causal: 24-48 bytes
-# spilled, deterministic 8-12, one warpgroup with dq_tma and one stage 4.
+# warpgroups, unmasked, atomic: no spill at 1 or 2 stages, dq_tma or not; causal: 24-44 bytes of
+# spill stores, deterministic 4, one warpgroup with dq_tma and one stage 4.
 CONSUMER_OVERHEAD_REGS = 16
 EXTRA_STATE_REGS = 16
 
