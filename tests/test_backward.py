@@ -82,6 +82,17 @@ def test_128_row_q_blocks_fit_at_head_dim_64_without_mask_or_turn():
     assert FAMILY.infeasible_reasons(Problem(head_dim=96), BwdConfig(tile_m=128), H200)
 
 
+def test_two_ds_buffers_take_their_shared_memory_and_keep_the_deterministic_mode():
+    p = Problem(head_dim=128, causal=True)
+    two = BwdConfig(dq_tma=True, ds_stages=2)
+    assert two.short() == "64x128s2-tma-ds2"
+    assert cfg.smem_parts(two, p)["ds"] == 2 * cfg.smem_parts(BwdConfig(), p)["ds"] == 32768
+    assert not FAMILY.infeasible_reasons(p, two, H200)  # 193 KB
+    assert cfg.deterministic_config(two, p, H200) == BwdConfig(deterministic=True, ds_stages=2)
+    with pytest.raises(ConfigError, match="ds_stages=3"):
+        BwdConfig(ds_stages=3)
+
+
 def test_the_deterministic_mode_keeps_the_tuned_tiles_where_the_turn_fits():
     full = Problem(head_dim=64)
     det = cfg.deterministic_config(BwdConfig(dq_tma=True), full, H200)
@@ -229,6 +240,9 @@ SPREAD = [
     (BwdConfig(tile_n=64, num_stages=1, dq_tma=True), 64, True),
     (BwdConfig(tile_m=128), 64, False),
     (BwdConfig(tile_m=128, num_stages=1, dq_tma=True), 64, False),
+    (BwdConfig(dq_tma=True, ds_stages=2), 128, True),
+    (BwdConfig(deterministic=True, ds_stages=2), 64, True),
+    (BwdConfig(tile_m=128, ds_stages=2), 64, False),
 ]
 
 

@@ -45,6 +45,13 @@ CASES = [
     (dict(head_dim=64, seqlen_q=1500, batch=2, nheads_q=8, nheads_kv=2), BwdConfig(tile_m=128)),
     (dict(head_dim=64, seqlen_q=700, seqlen_k=1300, batch=2, nheads_q=4),
      BwdConfig(tile_m=128, num_stages=1, dq_tma=True)),
+    # Two dS^T buffers, no barrier before writing one: GQA, deterministic, 128-row blocks.
+    (dict(head_dim=128, seqlen_q=777, seqlen_k=1029, batch=1, nheads_q=8, nheads_kv=2,
+          causal=True), BwdConfig(dq_tma=True, ds_stages=2)),
+    (dict(head_dim=128, seqlen_q=1024, batch=2, nheads_q=8, causal=True),
+     BwdConfig(deterministic=True, ds_stages=2)),
+    (dict(head_dim=64, seqlen_q=1500, batch=2, nheads_q=8, nheads_kv=2),
+     BwdConfig(tile_m=128, ds_stages=2)),
 ]  # fmt: skip
 
 

@@ -1,8 +1,8 @@
-"""Backward: the tiles, the pipeline depth and the way dQ is added (red.global from registers, or
-TMA reductions per Q block from shared memory) of the backward kernel family (fa4_bwd_sm90), its
-default space. The dQ accumulation's determinism is not searched: the caller chooses it
-(torch.use_deterministic_algorithms), and the tuned tiles serve both modes (deterministic adds
-come from registers: BwdConfig.as_deterministic)."""
+"""Backward: the tiles, the pipeline depth, the way dQ is added (red.global from registers, or
+TMA reductions per Q block from shared memory) and the dS^T buffers of the backward kernel family
+(fa4_bwd_sm90), its default space. The dQ accumulation's determinism is not searched: the caller
+chooses it (torch.use_deterministic_algorithms), and the tuned tiles serve both modes
+(config.deterministic_config: register adds in order, the tuned tiles where the turn fits)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ from .base import Choice, SearchSpace
 
 class BackwardSpace(SearchSpace):
     name = "backward"
-    knobs = ("tile_m", "tile_n", "num_stages", "dq_tma")
-    description = "backward: Q rows per step, K/V rows per CTA, Q/dO pipeline depth, dQ adds"
+    knobs = ("tile_m", "tile_n", "num_stages", "dq_tma", "ds_stages")
+    description = (
+        "backward: Q rows per step, K/V rows per CTA, Q/dO pipeline depth, dQ adds, dS^T buffers"
+    )
 
     def params(self):
         return {
@@ -20,4 +22,5 @@ class BackwardSpace(SearchSpace):
             "tile_n": Choice([64, 128]),
             "num_stages": Choice([1, 2]),
             "dq_tma": Choice([False, True]),
+            "ds_stages": Choice([1, 2]),
         }

@@ -53,6 +53,7 @@ KNOBS: dict[str, tuple] = {
     "num_stages": (1, 2),
     "deterministic": (False, True),
     "dq_tma": (False, True),
+    "ds_stages": (1, 2),
 }
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128)
@@ -67,13 +68,17 @@ class BwdConfig:
     consumers compute this one's).  deterministic: dQ's partial sums are added in the order of the
     K blocks (a semaphore per Q block), not as their CTAs finish, so that dQ is bitwise the same on
     every run.  dq_tma: each Q block's dQ goes through shared memory (fp32) and TMA reductions
-    into the accumulator, instead of the consumer threads' red.global adds from registers."""
+    into the accumulator, instead of the consumer threads' red.global adds from registers.
+    ds_stages: dS^T buffers in shared memory; with two, a Q block's dS^T goes into the other
+    buffer from the last block's, so that no barrier waits for every warpgroup's dQ GEMM to have
+    read it (the step's one barrier before the dQ GEMM orders both)."""
 
     tile_m: int = 64
     tile_n: int = 128
     num_stages: int = 2
     deterministic: bool = False
     dq_tma: bool = False
+    ds_stages: int = 1
 
     def __post_init__(self) -> None:
         bad = []
@@ -96,7 +101,7 @@ class BwdConfig:
                 f"unknown knob(s) {', '.join(unknown)}; known knobs: {', '.join(KNOBS)}"
             )
         values = dict(data)
-        for name in ("tile_m", "tile_n", "num_stages"):
+        for name in ("tile_m", "tile_n", "num_stages", "ds_stages"):
             if name in values and isinstance(values[name], float) and values[name].is_integer():
                 values[name] = int(values[name])
         return replace(base, **values) if base is not None else cls(**values)
@@ -113,7 +118,7 @@ class BwdConfig:
     def short(self) -> str:
         return (
             f"{self.tile_m}x{self.tile_n}s{self.num_stages}{'-det' if self.deterministic else ''}"
-            f"{'-tma' if self.dq_tma else ''}"
+            f"{'-tma' if self.dq_tma else ''}{'-ds2' if self.ds_stages == 2 else ''}"
         )
 
     @property
@@ -128,8 +133,8 @@ def _round_up(n: int, m: int) -> int:
 
 def smem_parts(config: BwdConfig, problem: Problem) -> dict[str, int]:
     """Bytes of shared memory by buffer: K and V of the CTA; per stage Q, dO, and the LSE and D of
-    its rows; dS^T (tile_n x tile_m) for the dQ GEMM; with dq_tma the Q block's dQ (fp32); barriers
-    and the semaphore slot."""
+    its rows; dS^T (tile_n x tile_m, ds_stages of them) for the dQ GEMM; with dq_tma the Q block's
+    dQ (fp32); barriers and the semaphore slot."""
     d, dv, e = problem.head_dim, problem.head_dim_v, ELEMENT_BYTES
     stage = _round_up(config.tile_m * d * e, SMEM_ALIGN) + _round_up(
         config.tile_m * dv * e, SMEM_ALIGN
@@ -140,7 +145,7 @@ def smem_parts(config: BwdConfig, problem: Problem) -> dict[str, int]:
         "k": _round_up(config.tile_n * d * e, SMEM_ALIGN),
         "v": _round_up(config.tile_n * dv * e, SMEM_ALIGN),
         "q_do": config.num_stages * stage,
-        "ds": _round_up(config.tile_n * config.tile_m * e, SMEM_ALIGN),
+        "ds": config.ds_stages * _round_up(config.tile_n * config.tile_m * e, SMEM_ALIGN),
         "dq": _round_up(config.tile_m * d * 4, SMEM_ALIGN) if config.dq_tma else 0,
     }
 

@@ -54,7 +54,7 @@ from .config import BwdConfig
 DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 
 # Named barrier ids (0 is __syncthreads), each of all consumer threads.
-BARRIER_DS_FREE = 1  # every warpgroup's dQ GEMM has read dS^T: it may be written again
+BARRIER_DS_FREE = 1  # every warpgroup's dQ GEMM has read dS^T: it may be written (ds_stages 1)
 BARRIER_DS_FULL = 2  # every warpgroup's dS^T is in shared memory: the dQ GEMM may read it
 BARRIER_DQ_TURN = 3  # deterministic: this CTA's turn to add to the Q block's dQ has come
 BARRIER_DQ_DONE = 4  # deterministic: every thread's adds of this Q block are done
@@ -135,6 +135,7 @@ class FlashBackwardSm90:
         self.num_stages = config.num_stages
         self.deterministic = config.deterministic
         self.dq_tma = config.dq_tma
+        self.ds_stages = config.ds_stages
         self.wgs = config.consumer_warpgroups
         self.num_consumer_threads = cfg.THREADS_PER_WARPGROUP * self.wgs
         self.num_threads = cfg.THREADS_PER_WARPGROUP * (self.wgs + 1)
@@ -207,7 +208,10 @@ class FlashBackwardSm90:
         # divides the slice (head dim 96 over two warpgroups: 48 columns, 32-byte swizzle).
         sK_layout = smem_tile_layout(self.dtype, tile_n, d, atom_cols=d // self.wgs)
         sV_layout = smem_tile_layout(self.dtype, tile_n, d)
-        sdS_layout = smem_tile_layout(self.dtype, tile_n, tile_m)
+        # One dS^T buffer unstaged (as before the knob), else a stage mode.
+        sdS_layout = smem_tile_layout(
+            self.dtype, tile_n, tile_m, self.ds_stages if const_expr(self.ds_stages > 1) else None
+        )
         sStat_layout = cute.make_layout((tile_m, self.num_stages))
         # dq_tma: the Q block's dQ in fp32, swizzled for the TMA reduction (and against bank
         # conflicts: row-major, the 8 rows of a warp's stores share 8 banks); each warpgroup writes
@@ -582,11 +586,19 @@ class FlashBackwardSm90:
             convert_to_16bit(acc_as_operand_a(acc_dP), tdKrdS)
             rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
             rdS.store(acc_dP.load().to(self.dtype))
-            # dS^T's buffer is free once every warpgroup's last dQ GEMM has read it.
-            cute.arch.barrier(
-                barrier_id=BARRIER_DS_FREE, number_of_threads=self.num_consumer_threads
-            )
-            cute.copy(ds_store, ds_store.retile(rdS), tdSsdS)
+            # dS^T's buffer is free once every warpgroup's last dQ GEMM has read it. With two
+            # buffers this one was last read two steps ago, before every warpgroup reached the last
+            # step's DS_FULL barrier.
+            tdSsdS_step, tdQrdS_step = tdSsdS, tdQrdS
+            if const_expr(self.ds_stages == 1):
+                cute.arch.barrier(
+                    barrier_id=BARRIER_DS_FREE, number_of_threads=self.num_consumer_threads
+                )
+            else:
+                ds = step % self.ds_stages
+                tdSsdS_step = tdSsdS[None, None, None, ds]
+                tdQrdS_step = tdQrdS[None, None, None, ds]
+            cute.copy(ds_store, ds_store.retile(rdS), tdSsdS_step)
             cute.arch.fence_view_async_shared()
             wgmma(
                 mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], accumulate=True, wait=-1
@@ -602,7 +614,7 @@ class FlashBackwardSm90:
             acc_dQ = cute.make_rmem_tensor(dq_shape, Float32)
             if const_expr(self.dq_tma):
                 # dQ before dK, so that dQ is staged and reduced while the dK GEMM runs.
-                wgmma(mma_dq, acc_dQ, tdQrdS, tdQrKt, accumulate=False, wait=-1)
+                wgmma(mma_dq, acc_dQ, tdQrdS_step, tdQrKt, accumulate=False, wait=-1)
                 wgmma(
                     mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], accumulate=True,
                     wait=1,
@@ -613,7 +625,7 @@ class FlashBackwardSm90:
                 pipe_q.consumer_release(q_state)
                 q_state.advance()
             else:
-                wgmma(mma_dq, acc_dQ, tdQrdS, tdQrKt, accumulate=False, wait=0)
+                wgmma(mma_dq, acc_dQ, tdQrdS_step, tdQrKt, accumulate=False, wait=0)
                 pipe_q.consumer_release(q_state)
                 q_state.advance()
                 acc_dQ.store(acc_dQ.load() * softmax_scale)
