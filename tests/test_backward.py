@@ -67,6 +67,19 @@ def test_configs_that_would_spill_or_serialize_are_refused_and_head_dims_named()
     assert any("equal head dims" in r for r in reasons)
 
 
+def edge_configs():
+    """(config, causal) of every 128-row config the rules admit at head dim 64."""
+    return [
+        (config, causal)
+        for config in (
+            BwdConfig(tile_m=128, tile_n=n, num_stages=st, dq_tma=tma, ds_stages=ds)
+            for n in (64, 128) for st in (1, 2) for tma in (False, True) for ds in (1, 2)
+        )
+        for causal in (False, True)
+        if not FAMILY.infeasible_reasons(Problem(head_dim=64, causal=causal), config, H200)
+    ]  # fmt: skip
+
+
 def test_128_row_q_blocks_fit_at_head_dim_64_without_mask_or_turn():
     """The register model at its calibrated edge (compiled for sm_90a: the four fitting configs
     build without spills, the refused ones spill or serialize)."""
@@ -77,6 +90,7 @@ def test_128_row_q_blocks_fit_at_head_dim_64_without_mask_or_turn():
             assert not FAMILY.infeasible_reasons(full, config, H200), config.short()
             reasons = FAMILY.infeasible_reasons(causal, config, H200)
             assert any("the causal mask" in r for r in reasons), config.short()
+    assert len(edge_configs()) == 8  # two warpgroups, 1 or 2 stages and dS^T buffers, dq_tma
     assert FAMILY.infeasible_reasons(full, BwdConfig(tile_m=128, deterministic=True), H200)
     assert FAMILY.infeasible_reasons(full, BwdConfig(tile_m=128, tile_n=64), H200)
     assert FAMILY.infeasible_reasons(Problem(head_dim=96), BwdConfig(tile_m=128), H200)
@@ -280,6 +294,29 @@ def test_backward_kernels_compile_without_spills(config, head_dim, causal, capfd
     # dQ: one TMA reduction per Q block, or red.global from every consumer thread.
     assert ("cp.reduce.async.bulk.tensor" in ptx) == config.dq_tma
     assert ("red.global.add.v2.f32" in ptx) == (not config.dq_tma)
+
+
+@pytest.mark.compile
+def test_every_admitted_128_row_config_at_head_dim_64_compiles_without_spills(capfd, tmp_path):
+    """What keeps the register model's calibration honest: every config at the edge the rules
+    admit, built for sm_90a."""
+    import os
+
+    from test_kernel_compile import _serialized_wgmma, _spill_report
+
+    from fa4tune.kernels.fa4_bwd_sm90.compile import compile_backward
+
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    bad = []
+    for config, causal in edge_configs():
+        compile_backward(
+            config, "bf16", 64, causal, H200, options=f"remarks{{ptx}} --dump-dir {tmp_path}",
+            use_cache=False,
+        )  # fmt: skip
+        text = "".join(capfd.readouterr())
+        if any(r != (0, 0, 0) for r in _spill_report(text)) or _serialized_wgmma(text):
+            bad.append((config.short(), causal, _spill_report(text)))
+    assert not bad, bad
 
 
 @pytest.mark.parametrize("causal,sq,sk,hq,hkv", [(True, 50, 30, 4, 2), (False, 40, 70, 4, 1)])
