@@ -176,24 +176,29 @@ def consumer_registers_needed(config: BwdConfig, problem: Problem) -> int:
     regs_dq = config.tile_m * problem.head_dim // 128 // config.consumer_warpgroups
     regs_dq += config.tile_m // 2
     overhead = CONSUMER_OVERHEAD_REGS
-    if problem.causal or config.deterministic or config.consumer_warpgroups == 1:
+    if _extra_state(config, problem):
         overhead += EXTRA_STATE_REGS
     return regs_dkv + max(regs_sdp, regs_dq) + overhead
+
+
+def _extra_state(config: BwdConfig, problem: Problem) -> list[str]:
+    """What takes EXTRA_STATE_REGS beyond the overhead, by name (empty: nothing)."""
+    return [
+        what
+        for what, applies in (
+            ("the causal mask", problem.causal),
+            ("the deterministic turn", config.deterministic),
+            ("one warpgroup's loop", config.consumer_warpgroups == 1),
+        )
+        if applies
+    ]
 
 
 def register_reasons(config: BwdConfig, problem: Problem, target: Target) -> list[str]:
     _, consumer = REGISTER_SPLIT[config.consumer_warpgroups]
     need = consumer_registers_needed(config, problem)
     if need > min(consumer, target.max_regs_per_thread):
-        extra = [
-            what
-            for what, applies in (
-                ("the causal mask", problem.causal),
-                ("the deterministic turn", config.deterministic),
-                ("one warpgroup's loop", config.consumer_warpgroups == 1),
-            )
-            if applies
-        ]
+        extra = _extra_state(config, problem)
         return [
             f"consumer threads need about {need} registers (dK and dV {problem.head_dim}+"
             f"{problem.head_dim_v} columns, S and dP or dQ of {config.tile_m} Q rows"
