@@ -389,7 +389,8 @@ class PreparedLaunch:
                     "cu_seqlens, seqused_k and page_table must start at 4-byte aligned addresses; "
                     "pass a .clone()"
                 )
-        rows = (q.shape[0], k.shape[0])
+        # Only packed rows may differ between the calls of a signature (the dispatcher's key).
+        rows = (q.shape[0], k.shape[0]) if self.varlen_q or self.varlen_k else self.rows
         if self._get_device() == self.device_index:
             return self._launch(q_ptr, k_ptr, v_ptr, rows, index)
         # The kernel launches in the current device's context, on its current stream, whose tile
