@@ -659,18 +659,22 @@ class FlashBackwardSm90:
         scores = acc_rows_cols(acc_S)
         grads = acc_rows_cols(acc_dP)
         rows, cols = cute.size(scores, mode=[0]), cute.size(scores, mode=[1])
-        key0 = n_block * self.tile_n
-        query0 = m_block * self.tile_m
+        # A key is seen while key0 + key row < limit (seqlen_k; causal, also the column's query +
+        # diagonal + 1). This thread's key rows are its first one, row0, plus compile-time offsets:
+        # compared as offset < limit - key0 - row0 (one bound per column, then one compare with an
+        # immediate per score, no key held per score).
+        row0 = coords[0, 0][0]
         diagonal = seqlen_k - seqlen_q
+        bound_k = seqlen_k - n_block * self.tile_n - row0
+        causal_base = m_block * self.tile_m + diagonal + 1 - n_block * self.tile_n - row0
         for c in cutlass.range_constexpr(cols):
             col = coords[0, c][1]
             lse = sLSE[col, stage]
+            bound = bound_k
+            if const_expr(self.causal):
+                bound = cutlass.min(bound, causal_base + col)
             for r in cutlass.range_constexpr(rows):
-                key = key0 + coords[r, c][0]
-                limit = seqlen_k
-                if const_expr(self.causal):
-                    limit = cutlass.min(limit, query0 + col + diagonal + 1)
-                s = -Float32.inf if key >= limit else scores[r, c]
+                s = -Float32.inf if coords[r, 0][0] - row0 >= bound else scores[r, c]
                 scores[r, c] = cute.math.exp2(s * softmax_scale_log2 - lse, fastmath=True)
         warpgroup.wait_group(0)
         for c in cutlass.range_constexpr(cols):
