@@ -182,15 +182,28 @@ def pad(t, rows: int):
     return torch.nn.functional.pad(t, (0, 0, 0, rows - t.shape[0]))
 
 
+def play_preprocess(function, dout, out, lse, dlse, lse2, dsum):
+    """The preprocessing kernel as the CPU plays it (preprocess.py): D and LSE2 of every query
+    row, the padding rows 0 and +inf."""
+    seqlen_q = dout.shape[1]
+    lse2.fill_(math.inf)
+    dsum.zero_()
+    d = (dout.float() * out.float()).sum(-1).transpose(1, 2)
+    dsum[..., :seqlen_q] = d - dlse if dlse is not None else d
+    lse2[..., :seqlen_q] = torch.where(lse == -math.inf, math.inf, lse * math.log2(math.e))
+
+
 @pytest.fixture
 def cpu_backward(monkeypatch):
-    """attention_backward on CPU tensors: all of it real but the device checks, the compile and
-    the kernel (play_kernel)."""
+    """attention_backward on CPU tensors: all of it real but the device checks, the compiles and
+    the kernels (play_preprocess, play_kernel)."""
     from fa4tune.kernels.fa4_bwd_sm90 import launch
 
     monkeypatch.setattr(launch, "check_device", lambda *a, **k: None)
     monkeypatch.setattr(launch, "import_dsl", lambda target: None)
     monkeypatch.setattr(launch, "compile_backward", lambda *a, **k: None)
+    monkeypatch.setattr(launch, "compile_preprocess", lambda *a, **k: None)
+    monkeypatch.setattr(launch, "run_preprocess", play_preprocess)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
 
     def backward(config, causal, *tensors, dlse=None, scale=None):
@@ -318,6 +331,41 @@ def test_every_admitted_128_row_config_at_head_dim_64_compiles_without_spills(ca
         if any(r != (0, 0, 0) for r in _spill_report(text)) or _serialized_wgmma(text):
             bad.append((config.short(), causal, _spill_report(text)))
     assert not bad, bad
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("has_dlse", [False, True])
+def test_the_preprocessing_kernel_compiles_without_spills(head_dim, has_dlse, capfd, tmp_path):
+    import os
+
+    from test_kernel_compile import _spill_report
+
+    from fa4tune.kernels.common.dsl import dynamic_tensor, import_dsl
+    from fa4tune.kernels.fa4_bwd_sm90.compile import compile_preprocess
+
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    cute = import_dsl(H200)
+    import cutlass
+    from cutlass.cute.runtime import make_fake_stream
+
+    from fa4tune.kernels.fa4_bwd_sm90.kernel import DTYPES
+    from fa4tune.kernels.fa4_bwd_sm90.preprocess import BackwardPreprocess
+
+    assert compile_preprocess("bf16", head_dim, has_dlse, H200) is not None  # the launch's
+    f32, elem = cutlass.Float32, DTYPES["bf16"]
+    args = (dynamic_tensor(elem, 4, 16), dynamic_tensor(elem, 4, 16), dynamic_tensor(f32, 3, 4),
+            dynamic_tensor(f32, 3, 4) if has_dlse else None, dynamic_tensor(f32, 3, 16),
+            dynamic_tensor(f32, 3, 16), make_fake_stream())  # fmt: skip
+    compiled = cute.compile(
+        BackwardPreprocess("bf16", head_dim, has_dlse), *args,
+        options=f"remarks{{ptx}} --keep-ptx --dump-dir {tmp_path}",
+    )  # fmt: skip
+    report = _spill_report("".join(capfd.readouterr()))
+    assert all(r == (0, 0, 0) for r in report), report
+    ptx = compiled.__ptx__
+    # every lane's columns of dO and O, one warp reduction, D and LSE2 (and the padding's)
+    assert ptx.count("ld.global.b16") == 2 * head_dim // 32
+    assert ptx.count("shfl.sync.bfly") == 5 and ptx.count("st.global.b32") == 4
 
 
 @pytest.mark.parametrize("causal,sq,sk,hq,hkv", [(True, 50, 30, 4, 2), (False, 40, 70, 4, 1)])

@@ -101,3 +101,25 @@ def test_autograd_through_fa4tune_attention_gives_the_reference_gradients():
     out.backward(dout)
     for t, want in zip((q, k, v), attention_grads_reference(q, k, v, dout, causal=True)):
         assert ((t.grad.float() - want).norm() / want.norm()).item() < 2e-2
+
+
+def test_a_loss_on_the_lse_too_reaches_the_gradients():
+    """dLSE enters the preprocessing kernel's D (D = rowsum(dO * O) - dLSE): a loss on both
+    outputs, rows past a 64-row tile (1000), GQA, head dim 64."""
+    import fa4tune
+    from fa4tune.kernels.common.reference import attention_grads_reference
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (
+        torch.randn(1, 1000, h, 64, generator=g, device="cuda").to(torch.bfloat16)
+        for h in (8, 2, 2)
+    )
+    for t in (q, k, v):
+        t.requires_grad_()
+    out, lse = fa4tune.attention(q, k, v, causal=True)
+    dout = torch.randn(out.shape, generator=g, device="cuda").to(out.dtype)
+    dlse = torch.randn(lse.shape, generator=g, device="cuda")
+    torch.autograd.backward((out, lse), (dout, dlse))
+    wants = attention_grads_reference(q, k, v, dout, causal=True, dlse=dlse)
+    for t, want in zip((q, k, v), wants):
+        assert ((t.grad.float() - want).norm() / want.norm()).item() < 2e-2

@@ -83,6 +83,43 @@ def compile_backward(
     return compiled
 
 
+_PREPROCESS_CACHE: dict[tuple, object] = {}
+
+
+def compile_preprocess(
+    dtype: str, head_dim_v: int, has_dlse: bool, target: Target | str | None = None
+):
+    """The preprocessing kernel's compiled host function (preprocess.py) for dO and O of this dtype
+    and head_dim_v, with or without a dLSE (one per process and key; shapes are run-time)."""
+    target = get_target(target)
+    dtype = normalize_dtype(dtype)
+    key = (dtype, head_dim_v, bool(has_dlse), target.arch)
+    with _CACHE_LOCK:
+        hit = _PREPROCESS_CACHE.get(key)
+    if hit is not None:
+        return hit
+    cute = import_dsl(target)
+    import cutlass
+    from cutlass.cute.runtime import make_fake_stream
+
+    from .kernel import DTYPES
+    from .preprocess import BackwardPreprocess
+
+    f32 = cutlass.Float32
+    args = (
+        dynamic_tensor(DTYPES[dtype], 4, 16),  # dO
+        dynamic_tensor(DTYPES[dtype], 4, 16),  # O
+        dynamic_tensor(f32, 3, 4),  # LSE
+        dynamic_tensor(f32, 3, 4) if has_dlse else None,  # dLSE
+        dynamic_tensor(f32, 3, 16),  # LSE2
+        dynamic_tensor(f32, 3, 16),  # D
+        make_fake_stream(),
+    )
+    function = cute.compile(BackwardPreprocess(dtype, head_dim_v, has_dlse), *args)
+    with _CACHE_LOCK:
+        return _PREPROCESS_CACHE.setdefault(key, function)
+
+
 def artifact_name(key: tuple) -> str:
     return "fa4bwd_" + hashlib.sha256(repr(key).encode()).hexdigest()[:24]
 

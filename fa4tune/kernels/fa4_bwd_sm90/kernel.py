@@ -22,8 +22,8 @@ A CTA takes `tile_n` rows of K and V of one K/V head and one batch:
   store, which clips the rows past seqlen_k; keys that no query sees get zeros.
 
 GQA needs no atomics for dK and dV: a CTA walks every query head of its K/V head's group and sums
-their contributions in its accumulators. The launch (launch.py) prepares LSE2 and D and zeroes the
-dQ accumulator, and casts the accumulator to dQ after the kernel."""
+their contributions in its accumulators. Before it the preprocessing kernel (preprocess.py) writes
+LSE2 and D; the launch (launch.py) zeroes the dQ accumulator, and casts it to dQ after."""
 
 from __future__ import annotations
 
