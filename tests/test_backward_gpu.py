@@ -52,6 +52,14 @@ CASES = [
      BwdConfig(deterministic=True, ds_stages=2)),
     (dict(head_dim=64, seqlen_q=1500, batch=2, nheads_q=8, nheads_kv=2),
      BwdConfig(tile_m=128, ds_stages=2)),
+    # 128-row Q blocks with the causal mask as one bound per column: the diagonal, more and fewer
+    # keys than queries, rows past a tile.
+    (dict(head_dim=64, seqlen_q=1500, batch=2, nheads_q=8, nheads_kv=2, causal=True),
+     BwdConfig(tile_m=128)),
+    (dict(head_dim=64, seqlen_q=777, seqlen_k=1029, batch=1, nheads_q=4, causal=True),
+     BwdConfig(tile_m=128, num_stages=1, dq_tma=True)),
+    (dict(head_dim=64, seqlen_q=1029, seqlen_k=500, batch=1, nheads_q=4, causal=True),
+     BwdConfig(tile_m=128, dq_tma=True, ds_stages=2)),
 ]  # fmt: skip
 
 
