@@ -1,5 +1,6 @@
 """Training speed: the backward pass alone and forward + backward, of fa4tune (the backward's tuned
-config and its default), flash-attn-4 and cuDNN SDPA, per problem of the training job, in one run.
+config, the tuned config made deterministic, and its default), flash-attn-4 and cuDNN SDPA, per
+problem of the training job, in one run.
 
     python benchmarks/backward.py [--job tuning_configs/h200-bf16-train.yaml] [--rounds 3]
                                   [--json backward.json] [--out docs/backward-report.md]
@@ -11,7 +12,9 @@ against the fp32 reference (fa4tune's with poisoned outputs: the family's measur
 timed in interleaved rounds of `fa4tune.measure.timing.time_cuda` with the L2 flushed before every
 run: the median of the rounds' medians. The backward alone runs from saved forward outputs
 (autograd.grad with retain_graph for the peers); forward + backward runs both from the inputs
-(fa4tune: its tuned forward, then the column's backward config).
+(fa4tune: its tuned forward, then the column's backward config). The deterministic column runs
+what `torch.use_deterministic_algorithms` gets (`config.deterministic_config` of the tuned config:
+dQ's sums in the order of the K blocks), so its ratio to the tuned column is that mode's cost.
 The gradient error (the largest of dq, dk, dv against fp32, relative) is reported per column."""
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from tuning_report import geomean, run_benchmark  # noqa: E402
 from fa4tune.kernels.fa4_bwd_sm90.peers import CUDNN, FA4  # noqa: E402
 
 PROG = "benchmarks/backward.py"
-COLUMNS = ("tuned", "default", FA4, CUDNN)
+COLUMNS = ("tuned", "deterministic", "default", FA4, CUDNN)
+OURS = ("tuned", "deterministic", "default")
 
 
 def gradient_error(grads, refs) -> float:
@@ -79,17 +83,23 @@ def measure(problem, target, rounds: int) -> dict:
     import torch
 
     from fa4tune.kernels import get_kernel
+    from fa4tune.kernels.fa4_bwd_sm90.config import deterministic_config
     from fa4tune.measure.timing import L2Flusher, round_order, time_cuda
     from fa4tune.runtime.lookup import lookup
 
     family = get_kernel("fa4_bwd_sm90")
     found = lookup(problem, target, kernel=family.name)
     default = family.default_config(problem, target)
+    configs = {
+        "tuned": found.config,
+        "deterministic": deterministic_config(found.config, problem, target),
+        "default": default,
+    }
     case = family.measurement_case(problem, "cuda")
     family.randomize(case, 0)
     refs = family.reference(case)
     columns = {}
-    for name, config in (("tuned", found.config), ("default", default)):
+    for name, config in configs.items():
         columns[name] = fa4tune_columns(problem, config, target, case)
     for name in (FA4, CUDNN):
         columns[name] = peer_columns(problem, case, name)
@@ -100,9 +110,9 @@ def measure(problem, target, rounds: int) -> dict:
             cells[name] = backward
             continue
         try:
-            if name in ("tuned", "default"):
+            if name in OURS:
                 family.poison(case)
-                family.launcher(case, found.config if name == "tuned" else default, target)()
+                family.launcher(case, configs[name], target)()
                 torch.cuda.synchronize()
                 check = family.compare(case, refs)
                 wrong, error = check.verdict(family.tolerance(problem)), check.out_error
@@ -147,6 +157,7 @@ def measure(problem, target, rounds: int) -> dict:
         "tuned_config": found.config.short(),
         "tuned_source": found.source,
         "default_config": default.short(),
+        "deterministic_config": configs["deterministic"].short(),
         "cells": cells,
     }
 
@@ -164,6 +175,7 @@ def render(rows, header) -> str:
         return format(x, spec) if x is not None else "not measured"
 
     bwd_fa4 = [ratio(r, "bwd", "tuned", FA4) for r in rows]
+    det_cost = [ratio(r, "bwd", "deterministic", "tuned") for r in rows]
     both_fa4 = [ratio(r, "fwd_bwd", "tuned", FA4) for r in rows]
     errors = []
     for r in rows:
@@ -187,14 +199,17 @@ def render(rows, header) -> str:
         "(target >= 1.05)",
         f"- Gradient error over flash-attn-4's, highest **{fmt(max(errors, default=None))}x** "
         "(target <= 1.1)",
+        f"- Deterministic mode against the tuned (atomic) backward: geometric mean "
+        f"**{fmt(geomean(det_cost))}x**, lowest {fmt(min((x for x in det_cost if x), default=None))}x "
+        "(its speed; bitwise repeatability is a GPU test)",
         "",
         "## Per shape",
         "",
         "TFLOP/s, backward alone / forward + backward.",
         "",
-        "| problem | tuned config (rung) | default | " + " | ".join(COLUMNS)
+        "| problem | tuned config (rung) | deterministic | default | " + " | ".join(COLUMNS)
         + " | bwd tuned / FA4 | fwd+bwd tuned / FA4 | grad error tuned | FA4 |",
-        "|" + "---|" * (len(COLUMNS) + 7),
+        "|" + "---|" * (len(COLUMNS) + 8),
     ]  # fmt: skip
 
     def cell(x):
@@ -211,7 +226,8 @@ def render(rows, header) -> str:
         ]
         ratios = [ratio(r, "bwd", "tuned", FA4), ratio(r, "fwd_bwd", "tuned", FA4)]
         lines.append(
-            f"| {r['key']} | {r['tuned_config']} ({r['tuned_source']}) | {r['default_config']} | "
+            f"| {r['key']} | {r['tuned_config']} ({r['tuned_source']}) | "
+            f"{r.get('deterministic_config', '-')} | {r['default_config']} | "
             + " | ".join(cell(c.get(n)) for n in COLUMNS)
             + "".join(f" | {x:.3f}" if x else " | -" for x in ratios)
             + f" | {err[0]} | {err[1]} |"

@@ -51,7 +51,12 @@ def test_dq_through_tma_takes_shared_memory_and_leaves_determinism_to_registers(
 @pytest.mark.parametrize("causal", [False, True])
 def test_every_default_is_feasible(head_dim, causal):
     p = Problem(head_dim=head_dim, causal=causal, seqlen_q=4096, batch=4, nheads_q=16)
-    assert not FAMILY.infeasible_reasons(p, default_config(p, H200), H200)
+    config = default_config(p, H200)
+    assert not FAMILY.infeasible_reasons(p, config, H200)
+    # 128 Q rows a step where they fit (head dim 64), else 64; dQ by TMA, two dS^T buffers
+    assert config == BwdConfig(tile_m=128 if head_dim == 64 else 64, dq_tma=True, ds_stages=2)
+    det = cfg.deterministic_config(config, p, H200)
+    assert det.deterministic and not FAMILY.infeasible_reasons(p, det, H200)
 
 
 def test_configs_that_would_spill_or_serialize_are_refused_and_head_dims_named():
@@ -112,9 +117,9 @@ def test_the_deterministic_mode_keeps_the_tuned_tiles_where_the_turn_fits():
     full = Problem(head_dim=64)
     det = cfg.deterministic_config(BwdConfig(dq_tma=True), full, H200)
     assert det == BwdConfig(deterministic=True)
-    # 128-row blocks leave no room for the turn: the default's tiles, deterministic
+    # 128-row blocks leave no room for the turn: the first of the default's ladder that has it
     det = cfg.deterministic_config(BwdConfig(tile_m=128, dq_tma=True), full, H200)
-    assert det == default_config(full, H200).as_deterministic()
+    assert det == BwdConfig(deterministic=True, ds_stages=2)
     assert not FAMILY.infeasible_reasons(full, det, H200)
     already = BwdConfig(tile_n=64, deterministic=True)
     assert cfg.deterministic_config(already, full, H200) is already
@@ -419,8 +424,10 @@ def test_the_backward_report_renders_both_rates_and_the_error_ratio(tmp_path, ca
             "tuned_config": "64x128s2",
             "tuned_source": "exact",
             "default_config": "64x128s2",
+            "deterministic_config": "64x128s2-det",
             "cells": {
                 "tuned": cell(550.0, 600.0, 3e-3),
+                "deterministic": cell(275.0, 400.0, 3e-3),
                 "default": cell(500.0, 570.0, 3e-3),
                 "flash-attn-4": cell(500.0, 560.0, 3e-3),
                 "cuDNN": "n/a (SDPA's causal mask is top-left aligned)",
@@ -433,8 +440,12 @@ def test_the_backward_report_renders_both_rates_and_the_error_ratio(tmp_path, ca
     saved.write_text(json.dumps({"header": header, "rows": rows}))
     assert report.main(["--render", str(saved)]) == 0
     text = capsys.readouterr().out
-    assert "| k1 | 64x128s2 (exact) | 64x128s2 | 550 / 600 | 500 / 570 | 500 / 560 |" in text
+    assert (
+        "| k1 | 64x128s2 (exact) | 64x128s2-det | 64x128s2 | 550 / 600 | 275 / 400 | 500 / 570 | "
+        "500 / 560 |" in text
+    )
     assert "lowest **1.100x**" in text and "| 1.100 | 1.071 |" in text
+    assert "tuned (atomic) backward: geometric mean **0.500x**" in text
 
 
 def test_bad_gradient_inputs_are_named():

@@ -272,24 +272,40 @@ RULES = (
 )
 
 
+# The default's candidates, first that fits: 128 Q rows a step with dQ by TMA and two dS^T buffers
+# (fits at head dim 64 only; there 1.17-1.22x the 64-row default on the H200), then 64 rows with
+# the same (two dS^T buffers +0.5-1.8% at head dim 128), then dQ by TMA alone (the TMA reductions
+# 1.08-1.25x the register adds at head dims 64 and 128), the register adds, and one stage
+# (docs/kernel-notes.md, sessions 37 and 38).
+DEFAULT_LADDER = (
+    BwdConfig(tile_m=128, dq_tma=True, ds_stages=2),
+    BwdConfig(dq_tma=True, ds_stages=2),
+    BwdConfig(dq_tma=True),
+    BwdConfig(),
+    BwdConfig(num_stages=1),
+)
+
+
+def _fits(config: BwdConfig, problem: Problem, target: Target) -> bool:
+    return not any(rule(problem, config, target) for rule in RULES)
+
+
 def default_config(problem: Problem, target: Target) -> BwdConfig:
-    """Two consumer warpgroups over 128 K rows, 64 Q rows a step, two stages, dQ added by TMA
-    reductions from shared memory (on the H200 1.08-1.25x the register adds at head dims 64 and
-    128: docs/kernel-notes.md, session 37); the register adds where the dQ buffer does not fit,
-    then one stage."""
-    for config in (BwdConfig(dq_tma=True), BwdConfig(), BwdConfig(num_stages=1)):
-        if not any(rule(problem, config, target) for rule in RULES):
+    """The first of DEFAULT_LADDER that fits the problem (the last one if none does: the caller
+    reports its reasons)."""
+    for config in DEFAULT_LADDER:
+        if _fits(config, problem, target):
             return config
     return config
 
 
 def deterministic_config(config: BwdConfig, problem: Problem, target: Target) -> BwdConfig:
     """What runs `config`'s problem with dQ's sums in a fixed order: its own tiles where the
-    deterministic turn fits beside them, else the default's (which always fits)."""
+    deterministic turn fits beside them, else the first of the default's ladder that fits so."""
     if config.deterministic:
         return config
-    for candidate in (config, default_config(problem, target)):
+    for candidate in (config, *DEFAULT_LADDER):
         candidate = candidate.as_deterministic()
-        if not any(rule(problem, candidate, target) for rule in RULES):
+        if _fits(candidate, problem, target):
             return candidate
     return candidate

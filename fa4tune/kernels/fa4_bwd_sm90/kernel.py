@@ -536,6 +536,9 @@ class FlashBackwardSm90:
         tdPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
         tdPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
         s_shape = wg_sdp.partition_shape_C((tile_n, tile_m))
+        # One m64 x tile_m wgmma per warpgroup: the 16-bit operand view of S^T's and dP^T's
+        # accumulators (acc_as_operand_a) keeps the accumulator's register order (dS^T below).
+        assert cute.size(s_shape[1]) == 1 and cute.size(s_shape[2]) == 1, s_shape
 
         wg_dkv = mma_dkv.get_slice(wg * cfg.THREADS_PER_WARPGROUP)
         tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(swap_first_modes(sdO)))
@@ -584,8 +587,10 @@ class FlashBackwardSm90:
             )  # fmt: skip
             convert_to_16bit(acc_as_operand_a(acc_S), tdVrP)
             convert_to_16bit(acc_as_operand_a(acc_dP), tdKrdS)
-            rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
-            rdS.store(acc_dP.load().to(self.dtype))
+            # The stmatrix copy of dS^T reads the dK GEMM's operand registers in the accumulator's
+            # order (the same registers: one m64 wgmma per warpgroup, so the operand view of the
+            # accumulator keeps its order), not a second conversion of dP^T.
+            rdS = cute.make_tensor(tdKrdS.iterator, acc_dP.layout)
             # dS^T's buffer is free once every warpgroup's last dQ GEMM has read it. With two
             # buffers this one was last read two steps ago, before every warpgroup reached the last
             # step's DS_FULL barrier.
