@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from fa4tune.kernels import get_kernel
-from fa4tune.kernels.fa4_fwd_sm90 import FAMILY
 from fa4tune.problem import Problem
 from fa4tune.runtime.lookup import PACKAGE_TABLES, Lookup
 from fa4tune.runtime.tables import read_table
@@ -38,7 +37,7 @@ def test_every_shipped_entry_is_measured_feasible_and_found(path):
             f"{entry['problem_key']}: a cost-model estimate in a shipped table"
         )
         assert entry["provenance"].get("backend") == "gpu" and entry["provenance"].get("confirmed")
-        assert FAMILY.infeasible_reasons(problem, config, target) == []
+        assert kernel.infeasible_reasons(problem, config, target) == []
         found = lookup(problem, target, kernel.name)
         assert (found.source, found.config) == ("exact", config)
 
