@@ -125,6 +125,42 @@ def test_the_deterministic_mode_keeps_the_tuned_tiles_where_the_turn_fits():
     assert cfg.deterministic_config(already, full, H200) is already
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("tiles", [(64, 128), (128, 128), (128, 64)])
+@pytest.mark.parametrize("seqlens", [(4096, 4096), (1000, 3000), (3000, 1000), (777, 777)])
+def test_the_deterministic_order_never_waits_on_a_later_cta(causal, tiles, seqlens):
+    """Each Q block's adds are numbered 0, 1, ... over the K blocks that see it; the one before a
+    CTA's turn was launched before it (no CTA waits on one that may not be resident yet), and,
+    causal, reaches the Q block no later in its own walk (CTAs running side by side do not wait:
+    in ascending order every CTA's first add waited for K block 0's walk to its diagonal)."""
+    from fa4tune.kernels.fa4_bwd_sm90.kernel import dq_turn, launch_order
+
+    (tile_m, tile_n), (seqlen_q, seqlen_k) = tiles, seqlens
+    n_blocks, m_blocks = -(-seqlen_k // tile_n), -(-seqlen_q // tile_m)
+    offset = seqlen_k - seqlen_q
+
+    def first_visit(j):  # the first Q block with a query that sees a key of K block j
+        if not causal:
+            return 0
+        return next((i for i in range(m_blocks)
+                     if j * tile_n <= min((i + 1) * tile_m, seqlen_q) - 1 + offset), m_blocks)  # fmt: skip
+
+    cta_of = {launch_order(x, seqlen_k, tile_n, True, causal): x for x in range(n_blocks)}
+    assert sorted(cta_of) == list(range(n_blocks))
+    for i in range(m_blocks):
+        visitors = [j for j in range(n_blocks) if first_visit(j) <= i]
+        turns = {dq_turn(j, i, seqlen_q, seqlen_k, tile_m, tile_n, causal): j for j in visitors}
+        assert sorted(turns) == list(range(len(visitors))), (i, turns)
+        for t in range(1, len(visitors)):
+            before, this = turns[t - 1], turns[t]
+            assert cta_of[before] < cta_of[this]
+            if causal:
+                assert i - first_visit(before) <= i - first_visit(this)
+    # Without the deterministic mode, or the mask, the grid is in K block order.
+    assert launch_order(0, seqlen_k, tile_n, False, True) == 0
+    assert launch_order(0, seqlen_k, tile_n, True, False) == 0
+
+
 # ---- the launch around a kernel played by the CPU ------------------------------------------------
 def play_kernel(config: BwdConfig, causal: bool):
     """The CUDA kernel's walk in torch: a CTA per (K block, K/V head, batch), its Q blocks from
@@ -265,6 +301,7 @@ SPREAD = [
     (BwdConfig(), 128, True),
     (BwdConfig(), 128, False),
     (BwdConfig(deterministic=True), 128, True),
+    (BwdConfig(deterministic=True, ds_stages=2), 64, True),
     (BwdConfig(), 96, True),
     (BwdConfig(), 64, False),
     (BwdConfig(tile_n=64, num_stages=1, deterministic=True), 64, True),
