@@ -60,6 +60,14 @@ CASES = [
      BwdConfig(tile_m=128, num_stages=1, dq_tma=True)),
     (dict(head_dim=64, seqlen_q=1029, seqlen_k=500, batch=1, nheads_q=4, causal=True),
      BwdConfig(tile_m=128, dq_tma=True, ds_stages=2)),
+    # The causal deterministic order (the last K block that sees a Q block adds first, launched
+    # first): more and fewer keys than queries, GQA, one warpgroup.
+    (dict(head_dim=128, seqlen_q=777, seqlen_k=1029, batch=1, nheads_q=8, nheads_kv=2,
+          causal=True), BwdConfig(deterministic=True, ds_stages=2)),
+    (dict(head_dim=128, seqlen_q=1029, seqlen_k=500, batch=1, nheads_q=4, causal=True),
+     BwdConfig(deterministic=True)),
+    (dict(head_dim=64, seqlen_q=1500, batch=2, nheads_q=4, causal=True),
+     BwdConfig(tile_n=64, num_stages=1, deterministic=True)),
 ]  # fmt: skip
 
 
