@@ -200,8 +200,8 @@ def render(rows, header) -> str:
         f"- Gradient error over flash-attn-4's, highest **{fmt(max(errors, default=None))}x** "
         "(target <= 1.1)",
         f"- Deterministic mode against the tuned (atomic) backward: geometric mean "
-        f"**{fmt(geomean(det_cost))}x**, lowest {fmt(min((x for x in det_cost if x), default=None))}x "
-        "(its speed; bitwise repeatability is a GPU test)",
+        f"**{fmt(geomean(det_cost))}x**, lowest {fmt(min(filter(None, det_cost), default=None))}x"
+        " (its speed; bitwise repeatability is a GPU test)",
         "",
         "## Per shape",
         "",

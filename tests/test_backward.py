@@ -142,8 +142,8 @@ def test_the_deterministic_order_never_waits_on_a_later_cta(causal, tiles, seqle
     def first_visit(j):  # the first Q block with a query that sees a key of K block j
         if not causal:
             return 0
-        return next((i for i in range(m_blocks)
-                     if j * tile_n <= min((i + 1) * tile_m, seqlen_q) - 1 + offset), m_blocks)  # fmt: skip
+        last_query = [min((i + 1) * tile_m, seqlen_q) - 1 for i in range(m_blocks)]
+        return next((i for i, q in enumerate(last_query) if j * tile_n <= q + offset), m_blocks)
 
     cta_of = {launch_order(x, seqlen_k, tile_n, True, causal): x for x in range(n_blocks)}
     assert sorted(cta_of) == list(range(n_blocks))
