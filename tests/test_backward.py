@@ -133,6 +133,9 @@ def test_the_deterministic_order_never_waits_on_a_later_cta(causal, tiles, seqle
     CTA's turn was launched before it (no CTA waits on one that may not be resident yet), and,
     causal, reaches the Q block no later in its own walk (CTAs running side by side do not wait:
     in ascending order every CTA's first add waited for K block 0's walk to its diagonal)."""
+    import os
+
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before cutlass is first imported
     from fa4tune.kernels.fa4_bwd_sm90.kernel import dq_turn, launch_order
 
     (tile_m, tile_n), (seqlen_q, seqlen_k) = tiles, seqlens
@@ -372,6 +375,43 @@ def test_every_admitted_128_row_config_at_head_dim_64_compiles_without_spills(ca
         text = "".join(capfd.readouterr())
         if any(r != (0, 0, 0) for r in _spill_report(text)) or _serialized_wgmma(text):
             bad.append((config.short(), causal, _spill_report(text)))
+    assert not bad, bad
+
+
+def shipped_backward_configs():
+    """(config, head_dim, causal) of every entry of the shipped backward tables, once each."""
+    from fa4tune.runtime.lookup import PACKAGE_TABLES
+    from fa4tune.runtime.tables import read_table
+
+    tables = [read_table(path) for path in sorted(PACKAGE_TABLES.glob("*.yaml"))]
+    found = {
+        (BwdConfig.from_dict(e["config"]), e["problem"]["head_dim"], e["problem"]["causal"])
+        for t in tables if t["kernel"] == FAMILY.name for e in t["entries"]
+    }  # fmt: skip
+    return sorted(found, key=str)
+
+
+@pytest.mark.compile
+def test_every_shipped_backward_config_compiles_without_spills(capfd, tmp_path):
+    """What autograd's backward runs from the shipped tables, built for sm_90a."""
+    import os
+
+    from test_kernel_compile import _serialized_wgmma, _spill_report
+
+    from fa4tune.kernels.fa4_bwd_sm90.compile import compile_backward
+
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    shipped = shipped_backward_configs()
+    assert shipped
+    bad = []
+    for config, head_dim, causal in shipped:
+        compile_backward(
+            config, "bf16", head_dim, causal, H200,
+            options=f"remarks{{ptx}} --dump-dir {tmp_path}", use_cache=False,
+        )  # fmt: skip
+        text = "".join(capfd.readouterr())
+        if any(r != (0, 0, 0) for r in _spill_report(text)) or _serialized_wgmma(text):
+            bad.append((config.short(), head_dim, causal, _spill_report(text)))
     assert not bad, bad
 
 
