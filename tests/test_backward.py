@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import math
 
+import re
+
 import pytest
 import torch
 
@@ -32,6 +34,7 @@ def test_the_config_schema_refuses_unknown_and_illegal_knobs():
         BwdConfig(tile_n=96)
     assert BwdConfig(deterministic=True).short() == "64x128s2-det"
     assert BwdConfig(dq_tma=True).short() == "64x128s2-tma"
+    assert BwdConfig(dq_tma=True, dq_warp=True, ds_stages=2).short() == "64x128s2-tma-w-ds2"
 
 
 def test_dq_through_tma_takes_shared_memory_and_leaves_determinism_to_registers():
@@ -43,6 +46,14 @@ def test_dq_through_tma_takes_shared_memory_and_leaves_determinism_to_registers(
     reasons = FAMILY.infeasible_reasons(p, BwdConfig(dq_tma=True, deterministic=True), H200)
     assert any("no fixed order" in r for r in reasons)
     assert tma.as_deterministic() == BwdConfig(deterministic=True)
+    # The dQ warp issues TMA reductions: it needs dq_tma, and the deterministic mode drops both.
+    assert any(
+        "dq_warp without dq_tma" in r
+        for r in FAMILY.infeasible_reasons(p, BwdConfig(dq_warp=True), H200)
+    )
+    warp = BwdConfig(dq_tma=True, dq_warp=True)
+    assert not FAMILY.infeasible_reasons(p, warp, H200)
+    assert warp.as_deterministic() == BwdConfig(deterministic=True)
     # Under torch.use_deterministic_algorithms a tuned dq_tma config runs with register adds.
     assert not FAMILY.infeasible_reasons(p, tma.as_deterministic(), H200)
 
@@ -305,6 +316,11 @@ SPREAD = [
     (BwdConfig(), 128, False),
     (BwdConfig(deterministic=True), 128, True),
     (BwdConfig(deterministic=True, ds_stages=2), 64, True),
+    # dQ reductions per warpgroup slice from a producer warp: 2 slices of 64, 32 and 48 columns, one
+    (BwdConfig(dq_tma=True, dq_warp=True, ds_stages=2), 128, True),
+    (BwdConfig(tile_m=128, dq_tma=True, dq_warp=True, ds_stages=2), 64, True),
+    (BwdConfig(dq_tma=True, dq_warp=True), 96, True),
+    (BwdConfig(tile_n=64, num_stages=1, dq_tma=True, dq_warp=True), 64, False),
     (BwdConfig(), 96, True),
     (BwdConfig(), 64, False),
     (BwdConfig(tile_n=64, num_stages=1, deterministic=True), 64, True),
@@ -353,6 +369,8 @@ def test_backward_kernels_compile_without_spills(config, head_dim, causal, capfd
     # dQ: one TMA reduction per Q block, or red.global from every consumer thread.
     assert ("cp.reduce.async.bulk.tensor" in ptx) == config.dq_tma
     assert ("red.global.add.v2.f32" in ptx) == (not config.dq_tma)
+    # dq_warp: a warpgroup hands its dQ slice over with a named-barrier arrive (not mbarrier's).
+    assert bool(re.search(r"(?<!m)bar(?:rier)?\.arrive", ptx)) == config.dq_warp
 
 
 @pytest.mark.compile

@@ -68,6 +68,16 @@ CASES = [
      BwdConfig(deterministic=True)),
     (dict(head_dim=64, seqlen_q=1500, batch=2, nheads_q=4, causal=True),
      BwdConfig(tile_n=64, num_stages=1, deterministic=True)),
+    # dQ reductions per warpgroup slice from a producer warp: rows past seqlen_q clipped, GQA,
+    # 128-row blocks, head dim 96 (48-column slices), one warpgroup.
+    (dict(head_dim=128, seqlen_q=777, seqlen_k=1029, batch=1, nheads_q=8, nheads_kv=2,
+          causal=True), BwdConfig(dq_tma=True, dq_warp=True, ds_stages=2)),
+    (dict(head_dim=64, seqlen_q=1029, seqlen_k=500, batch=1, nheads_q=4, causal=True),
+     BwdConfig(tile_m=128, dq_tma=True, dq_warp=True, ds_stages=2)),
+    (dict(head_dim=96, seqlen_q=1000, batch=2, nheads_q=6, causal=True),
+     BwdConfig(dq_tma=True, dq_warp=True)),
+    (dict(head_dim=64, seqlen_q=1500, batch=2, nheads_q=4),
+     BwdConfig(tile_n=64, num_stages=1, dq_tma=True, dq_warp=True)),
 ]  # fmt: skip
 
 

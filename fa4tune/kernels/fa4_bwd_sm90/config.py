@@ -59,6 +59,7 @@ KNOBS: dict[str, tuple] = {
     "deterministic": (False, True),
     "dq_tma": (False, True),
     "ds_stages": (1, 2),
+    "dq_warp": (False, True),
 }
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128)
@@ -76,7 +77,11 @@ class BwdConfig:
     into the accumulator, instead of the consumer threads' red.global adds from registers.
     ds_stages: dS^T buffers in shared memory; with two, a Q block's dS^T goes into the other
     buffer from the last block's, so that no barrier waits for every warpgroup's dQ GEMM to have
-    read it (the step's one barrier before the dQ GEMM orders both)."""
+    read it (the step's one barrier before the dQ GEMM orders both).  dq_warp (with dq_tma): each
+    consumer warpgroup stages its slice of dQ's columns and hands it to a warp of the producer
+    warpgroup, which issues that slice's TMA reduction; the warpgroup meets only that warp, not
+    the other warpgroup (without it both meet twice a step around the one staging of the block's
+    dQ, whose reduction the first consumer warp issues)."""
 
     tile_m: int = 64
     tile_n: int = 128
@@ -84,6 +89,7 @@ class BwdConfig:
     deterministic: bool = False
     dq_tma: bool = False
     ds_stages: int = 1
+    dq_warp: bool = False
 
     def __post_init__(self) -> None:
         bad = []
@@ -118,12 +124,13 @@ class BwdConfig:
         """The same tiles with dQ added in the order of the K blocks (from registers: a TMA
         reduction's adds have no fixed order). It may not fit where this config does (the turn
         takes registers): deterministic_config falls back."""
-        return replace(self, deterministic=True, dq_tma=False)
+        return replace(self, deterministic=True, dq_tma=False, dq_warp=False)
 
     def short(self) -> str:
         return (
             f"{self.tile_m}x{self.tile_n}s{self.num_stages}{'-det' if self.deterministic else ''}"
-            f"{'-tma' if self.dq_tma else ''}{'-ds2' if self.ds_stages == 2 else ''}"
+            f"{'-tma' if self.dq_tma else ''}{'-w' if self.dq_warp else ''}"
+            f"{'-ds2' if self.ds_stages == 2 else ''}"
         )
 
     @property
@@ -238,12 +245,15 @@ def tile_reasons(config: BwdConfig, problem: Problem) -> list[str]:
 
 
 def dq_reasons(config: BwdConfig) -> list[str]:
+    reasons = []
     if config.dq_tma and config.deterministic:
-        return [
+        reasons.append(
             "dq_tma with deterministic: a TMA reduction's adds have no fixed order; the "
             "deterministic mode adds from registers in the order of the K blocks"
-        ]
-    return []
+        )
+    if config.dq_warp and not config.dq_tma:
+        reasons.append("dq_warp without dq_tma: the dQ warp issues TMA reductions")
+    return reasons
 
 
 def unsupported_reasons(problem: Problem, target: Target) -> list[str]:

@@ -61,6 +61,10 @@ BARRIER_DQ_DONE = 4  # deterministic: every thread's adds of this Q block are do
 BARRIER_EPILOGUE = 5  # the staging of dK and dV in shared memory
 BARRIER_DQ_FREE = 6  # dq_tma: the last TMA reduction has read sdQ: it may be written again
 BARRIER_DQ_FULL = 7  # dq_tma: the Q block's dQ is in sdQ: the TMA reduction may read it
+# dq_warp: per consumer warpgroup w (ids + w), each of its threads and the producer's dQ warp.
+BARRIER_DQ_SLICE_FULL = 8  # the warpgroup's dQ slice is in sdQ: the dQ warp may reduce it
+BARRIER_DQ_SLICE_EMPTY = 10  # the dQ warp's reduction has read the slice: it may be written
+DQ_WARP = 1  # the producer warpgroup's warp that issues the dQ reductions (dq_warp)
 
 
 @dsl_user_op
@@ -155,6 +159,7 @@ class FlashBackwardSm90:
         self.num_stages = config.num_stages
         self.deterministic = config.deterministic
         self.dq_tma = config.dq_tma
+        self.dq_warp = config.dq_warp
         self.ds_stages = config.ds_stages
         self.wgs = config.consumer_warpgroups
         self.num_consumer_threads = cfg.THREADS_PER_WARPGROUP * self.wgs
@@ -293,8 +298,14 @@ class FlashBackwardSm90:
         tma_dv, tma_mdV = cpasync.make_tiled_tma_atom(store, mdV, sV_layout, (tile_n, d))
         tma_dq, tma_mdQ = None, None
         if const_expr(self.dq_tma):
+            # dq_warp: one reduction per warpgroup's slice of the columns (the slice is one column
+            # of swizzle atoms of sdQ, contiguous, laid out as a tile of its own).
+            dq_box = (tile_m, d // self.wgs) if const_expr(self.dq_warp) else (tile_m, d)
             tma_dq, tma_mdQ = cpasync.make_tiled_tma_atom(
-                cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, sdQ_layout, (tile_m, d)
+                cpasync.CopyReduceBulkTensorTileS2GOp(),
+                mdQacc,
+                smem_tile_layout(Float32, *dq_box) if const_expr(self.dq_warp) else sdQ_layout,
+                dq_box,
             )
         bytes_kv = cute.size_in_bytes(self.dtype, sK_layout) + cute.size_in_bytes(
             self.dtype, sV_layout
@@ -455,6 +466,12 @@ class FlashBackwardSm90:
                     pipe_q,
                     (n_block, head_kv, batch, group, m_block_min, blocks_per_head, steps),
                 )
+            if const_expr(self.dq_warp):
+                if warp_idx == DQ_WARP:
+                    self.reduce_dq_slices(
+                        tma_dq, mdQ, sdQ,
+                        (n_block, head_kv, batch, group, m_block_min, blocks_per_head, steps),
+                    )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(
@@ -646,7 +663,10 @@ class FlashBackwardSm90:
                     wait=1,
                 )  # fmt: skip
                 acc_dQ.store(acc_dQ.load() * softmax_scale)
-                self.reduce_dq(acc_dQ, mma_dq, sdQ, tma_dq, mdQ, m_block, head, batch, ctid)
+                if const_expr(self.dq_warp):
+                    self.stage_dq_slice(acc_dQ, mma_dq, sdQ, step, wg, ctid)
+                else:
+                    self.reduce_dq(acc_dQ, mma_dq, sdQ, tma_dq, mdQ, m_block, head, batch, ctid)
                 warpgroup.wait_group(0)
                 pipe_q.consumer_release(q_state)
                 q_state.advance()
@@ -659,7 +679,7 @@ class FlashBackwardSm90:
                     acc_dQ, dq_coords, mdQacc, mSemaphore, n_block, m_block, head, batch,
                     seqlen_q, seqlen_k, ctid,
                 )  # fmt: skip
-        if const_expr(self.dq_tma):
+        if const_expr(self.dq_tma and not self.dq_warp):
             if ctid < 32:  # sdQ stays allocated until the last reduction has read it
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
         self.epilogue(acc_dK, acc_dV, smem, mma_dkv, stores, n_block, head_kv, batch, ctid,
@@ -803,6 +823,69 @@ class FlashBackwardSm90:
             )  # fmt: skip
             cute.copy(tma_dq, tsdQ, tgdQ)
             cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def stage_dq_slice(
+        self,
+        acc_dQ: cute.Tensor,
+        mma_dq: cute.TiledMma,
+        sdQ: cute.Tensor,
+        step: Int32,
+        wg: Int32,
+        ctid: Int32,
+    ):
+        """dq_warp: this warpgroup's slice of the Q block's dQ (its columns) into sdQ once the dQ
+        warp has read the last one out (not before the first step), then handed to the dQ warp.
+        Only the warpgroup and the dQ warp meet: the other warpgroup runs on."""
+        slice_threads = cfg.THREADS_PER_WARPGROUP + 32
+        if step > 0:
+            cute.arch.barrier(
+                barrier_id=BARRIER_DQ_SLICE_EMPTY + wg, number_of_threads=slice_threads
+            )
+        dq_store = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64),
+            mma_dq,
+        ).get_slice(ctid)
+        cute.copy(dq_store, dq_store.retile(acc_dQ), dq_store.partition_D(sdQ))
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier_arrive(
+            barrier_id=BARRIER_DQ_SLICE_FULL + wg, number_of_threads=slice_threads
+        )
+
+    @cute.jit
+    def reduce_dq_slices(self, tma_dq: cute.CopyAtom, mdQ: cute.Tensor, sdQ: cute.Tensor, walk):
+        """dq_warp, the producer warpgroup's warp DQ_WARP: per step, each consumer warpgroup's
+        slice of dQ into the fp32 accumulator with a TMA reduction (which clips the rows past
+        seqlen_q) as soon as that warpgroup has staged it; a slice is handed back once its
+        reduction has read it (the reductions themselves run on). The whole warp executes the
+        copies (the DSL elects the issuing thread)."""
+        n_block, head_kv, batch, group, m_block_min, blocks_per_head, steps = walk
+        slice_threads = cfg.THREADS_PER_WARPGROUP + 32
+        cols = self.head_dim // self.wgs
+        for step in cutlass.range(steps, unroll=1):
+            g = step // blocks_per_head
+            m_block = m_block_min + (step - g * blocks_per_head)
+            gdQ = mdQ[None, None, head_kv * group + g, batch]
+            for w in cutlass.range_constexpr(self.wgs):
+                cute.arch.barrier(
+                    barrier_id=BARRIER_DQ_SLICE_FULL + w, number_of_threads=slice_threads
+                )
+                tsdQ, tgdQ = cpasync.tma_partition(
+                    tma_dq,
+                    0,
+                    cute.make_layout(1),
+                    cute.group_modes(cute.local_tile(sdQ, (self.tile_m, cols), (0, w)), 0, 2),
+                    cute.group_modes(cute.local_tile(gdQ, (self.tile_m, cols), (m_block, w)), 0, 2),
+                )
+                cute.copy(tma_dq, tsdQ, tgdQ)
+                cute.arch.cp_async_bulk_commit_group()
+            if step < steps - 1:  # the consumers wait for a slice only before their next step
+                for w in cutlass.range_constexpr(self.wgs):
+                    cute.arch.cp_async_bulk_wait_group(self.wgs - 1 - w, read=True)
+                    cute.arch.barrier_arrive(
+                        barrier_id=BARRIER_DQ_SLICE_EMPTY + w, number_of_threads=slice_threads
+                    )
+        cute.arch.cp_async_bulk_wait_group(0, read=True)  # sdQ stays until read
 
     @cute.jit
     def epilogue(
