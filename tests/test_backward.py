@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-
 import re
 
 import pytest
