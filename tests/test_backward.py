@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -43,16 +44,22 @@ def test_dq_through_tma_takes_shared_memory_and_leaves_determinism_to_registers(
     parts = cfg.smem_parts(tma, p)
     assert parts["dq"] == 64 * 128 * 4 and cfg.smem_parts(BwdConfig(), p)["dq"] == 0
     reasons = FAMILY.infeasible_reasons(p, BwdConfig(dq_tma=True, deterministic=True), H200)
-    assert any("no fixed order" in r for r in reasons)
+    assert any("not at the CTA's turn" in r for r in reasons)
     assert tma.as_deterministic() == BwdConfig(deterministic=True)
-    # The dQ warp issues TMA reductions: it needs dq_tma, and the deterministic mode drops both.
+    # The dQ warp issues TMA reductions (it needs dq_tma), at the CTA's turn when deterministic:
+    # the turn then takes no consumer registers, so 128-row blocks keep it at head dim 64.
     assert any(
         "dq_warp without dq_tma" in r
         for r in FAMILY.infeasible_reasons(p, BwdConfig(dq_warp=True), H200)
     )
     warp = BwdConfig(dq_tma=True, dq_warp=True)
     assert not FAMILY.infeasible_reasons(p, warp, H200)
-    assert warp.as_deterministic() == BwdConfig(deterministic=True)
+    assert warp.as_deterministic() == replace(warp, deterministic=True)
+    assert not FAMILY.infeasible_reasons(p, warp.as_deterministic(), H200)
+    wide = BwdConfig(tile_m=128, dq_tma=True, dq_warp=True, ds_stages=2)
+    assert cfg.deterministic_config(wide, Problem(head_dim=64), H200) == replace(
+        wide, deterministic=True
+    )
     # Under torch.use_deterministic_algorithms a tuned dq_tma config runs with register adds.
     assert not FAMILY.infeasible_reasons(p, tma.as_deterministic(), H200)
 
@@ -82,13 +89,18 @@ def test_configs_that_would_spill_or_serialize_are_refused_and_head_dims_named()
     assert any("equal head dims" in r for r in reasons)
 
 
-def edge_configs():
-    """(config, causal) of every 128-row config the rules admit at head dim 64."""
+def edge_configs(dq_warp: bool = False):
+    """(config, causal) of every 128-row config the rules admit at head dim 64 (with dq_warp: the
+    dQ warp's, deterministic or not)."""
+    knobs = (
+        [dict(dq_tma=True, dq_warp=True, deterministic=det) for det in (False, True)]
+        if dq_warp else [dict(dq_tma=tma) for tma in (False, True)]
+    )  # fmt: skip
     return [
         (config, causal)
         for config in (
-            BwdConfig(tile_m=128, tile_n=n, num_stages=st, dq_tma=tma, ds_stages=ds)
-            for n in (64, 128) for st in (1, 2) for tma in (False, True) for ds in (1, 2)
+            BwdConfig(tile_m=128, tile_n=n, num_stages=st, ds_stages=ds, **k)
+            for n in (64, 128) for st in (1, 2) for k in knobs for ds in (1, 2)
         )
         for causal in (False, True)
         if not FAMILY.infeasible_reasons(Problem(head_dim=64, causal=causal), config, H200)
@@ -107,6 +119,8 @@ def test_128_row_q_blocks_fit_at_head_dim_64_but_for_the_turn_and_known_spills()
     [known] = FAMILY.infeasible_reasons(causal, BwdConfig(tile_m=128, dq_tma=True), H200)
     assert "ptxas spills 12 bytes" in known
     assert len(edge_configs()) == 15
+    # The dQ warp's: deterministic too (the turn is the dQ warp's), and no known spill.
+    assert len(edge_configs(dq_warp=True)) == 16
     assert FAMILY.infeasible_reasons(full, BwdConfig(tile_m=128, deterministic=True), H200)
     assert FAMILY.infeasible_reasons(full, BwdConfig(tile_m=128, tile_n=64), H200)
     assert FAMILY.infeasible_reasons(Problem(head_dim=96), BwdConfig(tile_m=128), H200)
@@ -320,6 +334,8 @@ SPREAD = [
     (BwdConfig(tile_m=128, dq_tma=True, dq_warp=True, ds_stages=2), 64, True),
     (BwdConfig(dq_tma=True, dq_warp=True), 96, True),
     (BwdConfig(tile_n=64, num_stages=1, dq_tma=True, dq_warp=True), 64, False),
+    (BwdConfig(deterministic=True, dq_tma=True, dq_warp=True, ds_stages=2), 128, True),
+    (BwdConfig(tile_m=128, deterministic=True, dq_tma=True, dq_warp=True, ds_stages=2), 64, True),
     (BwdConfig(), 96, True),
     (BwdConfig(), 64, False),
     (BwdConfig(tile_n=64, num_stages=1, deterministic=True), 64, True),
@@ -373,9 +389,12 @@ def test_backward_kernels_compile_without_spills(config, head_dim, causal, capfd
 
 
 @pytest.mark.compile
-def test_every_admitted_128_row_config_at_head_dim_64_compiles_without_spills(capfd, tmp_path):
+@pytest.mark.parametrize("dq_warp", [False, True])
+def test_every_admitted_128_row_config_at_head_dim_64_compiles_without_spills(
+    dq_warp, capfd, tmp_path
+):
     """What keeps config.KNOWN_SPILLS and the register model's calibration honest: every config at
-    the edge the rules admit, built for sm_90a."""
+    the edge the rules admit, built for sm_90a (the dQ warp's apart: they hold no turn)."""
     import os
 
     from test_kernel_compile import _serialized_wgmma, _spill_report
@@ -384,7 +403,7 @@ def test_every_admitted_128_row_config_at_head_dim_64_compiles_without_spills(ca
 
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     bad = []
-    for config, causal in edge_configs():
+    for config, causal in edge_configs(dq_warp):
         compile_backward(
             config, "bf16", 64, causal, H200, options=f"remarks{{ptx}} --dump-dir {tmp_path}",
             use_cache=False,

@@ -48,9 +48,9 @@ REGISTER_SPLIT = {1: (24, 240), 2: (24, 240)}
 CONSUMER_OVERHEAD_REGS = 16
 EXTRA_STATE_REGS = 16
 # Configs the model admits that ptxas (nvidia-cutlass-dsl 4.8.1) spills anyway, as (head_dim,
-# tile_m, tile_n, num_stages, dq_tma, ds_stages, causal): bytes of spill stores. A compile test
-# builds every admitted config at the edge, so that this list cannot go stale unseen.
-KNOWN_SPILLS = {(64, 128, 128, 2, True, 1, True): 12}
+# tile_m, tile_n, num_stages, dq_tma, ds_stages, causal, dq_warp): bytes of spill stores. A
+# compile test builds every admitted config at the edge, so that this list cannot go stale unseen.
+KNOWN_SPILLS = {(64, 128, 128, 2, True, 1, True, False): 12}
 
 KNOBS: dict[str, tuple] = {
     "tile_m": (64, 128),
@@ -121,10 +121,13 @@ class BwdConfig:
         return self
 
     def as_deterministic(self) -> BwdConfig:
-        """The same tiles with dQ added in the order of the K blocks (from registers: a TMA
-        reduction's adds have no fixed order). It may not fit where this config does (the turn
-        takes registers): deterministic_config falls back."""
-        return replace(self, deterministic=True, dq_tma=False, dq_warp=False)
+        """The same tiles with dQ added in the order of the K blocks: by the dQ warp at the CTA's
+        turn with dq_warp, else from registers (a reduction the first consumer warp issues as soon
+        as the block is staged has no fixed order). From registers it may not fit where this
+        config does (the turn takes registers): deterministic_config falls back."""
+        if self.dq_warp:  # the dQ warp issues the reductions at the CTA's turn
+            return replace(self, deterministic=True)
+        return replace(self, deterministic=True, dq_tma=False)
 
     def short(self) -> str:
         return (
@@ -198,7 +201,7 @@ def _extra_state(config: BwdConfig) -> list[str]:
     return [
         what
         for what, applies in (
-            ("the deterministic turn", config.deterministic),
+            ("the deterministic turn", config.deterministic and not config.dq_warp),
             ("one warpgroup's loop", config.consumer_warpgroups == 1),
         )
         if applies
@@ -217,7 +220,7 @@ def register_reasons(config: BwdConfig, problem: Problem, target: Target) -> lis
             "serialize its wgmma"
         ]
     key = (problem.head_dim, config.tile_m, config.tile_n, config.num_stages, config.dq_tma,
-           config.ds_stages, problem.causal)  # fmt: skip
+           config.ds_stages, problem.causal, config.dq_warp)  # fmt: skip
     if not config.deterministic and key in KNOWN_SPILLS:
         return [
             f"ptxas spills {KNOWN_SPILLS[key]} bytes for {config.short()} at head dim "
@@ -246,10 +249,11 @@ def tile_reasons(config: BwdConfig, problem: Problem) -> list[str]:
 
 def dq_reasons(config: BwdConfig) -> list[str]:
     reasons = []
-    if config.dq_tma and config.deterministic:
+    if config.dq_tma and config.deterministic and not config.dq_warp:
         reasons.append(
-            "dq_tma with deterministic: a TMA reduction's adds have no fixed order; the "
-            "deterministic mode adds from registers in the order of the K blocks"
+            "dq_tma with deterministic but without dq_warp: the first consumer warp issues a "
+            "block's reductions as soon as it is staged, not at the CTA's turn (the dQ warp "
+            "waits for it)"
         )
     if config.dq_warp and not config.dq_tma:
         reasons.append("dq_warp without dq_tma: the dQ warp issues TMA reductions")

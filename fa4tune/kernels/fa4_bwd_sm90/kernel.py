@@ -469,7 +469,7 @@ class FlashBackwardSm90:
             if const_expr(self.dq_warp):
                 if warp_idx == DQ_WARP:
                     self.reduce_dq_slices(
-                        tma_dq, mdQ, sdQ,
+                        tma_dq, mdQ, sdQ, mSemaphore, (seqlen_q, seqlen_k),
                         (n_block, head_kv, batch, group, m_block_min, blocks_per_head, steps),
                     )  # fmt: skip
         else:
@@ -853,19 +853,42 @@ class FlashBackwardSm90:
         )
 
     @cute.jit
-    def reduce_dq_slices(self, tma_dq: cute.CopyAtom, mdQ: cute.Tensor, sdQ: cute.Tensor, walk):
+    def reduce_dq_slices(
+        self,
+        tma_dq: cute.CopyAtom,
+        mdQ: cute.Tensor,
+        sdQ: cute.Tensor,
+        mSemaphore: cute.Tensor | None,
+        seqlens,
+        walk,
+    ):
         """dq_warp, the producer warpgroup's warp DQ_WARP: per step, each consumer warpgroup's
         slice of dQ into the fp32 accumulator with a TMA reduction (which clips the rows past
         seqlen_q) as soon as that warpgroup has staged it; a slice is handed back once its
         reduction has read it (the reductions themselves run on). The whole warp executes the
-        copies (the DSL elects the issuing thread)."""
+        copies (the DSL elects the issuing thread).
+
+        Deterministic: the warp issues a Q block's reductions at this CTA's turn (dq_turn, as
+        add_dq) and passes the turn on once they have completed (their adds performed, not only
+        their reads of sdQ); the consumers wait for it only when they next need the slice."""
         n_block, head_kv, batch, group, m_block_min, blocks_per_head, steps = walk
+        seqlen_q, seqlen_k = seqlens
         slice_threads = cfg.THREADS_PER_WARPGROUP + 32
         cols = self.head_dim // self.wgs
+        lane = cute.arch.lane_idx()
         for step in cutlass.range(steps, unroll=1):
             g = step // blocks_per_head
             m_block = m_block_min + (step - g * blocks_per_head)
             gdQ = mdQ[None, None, head_kv * group + g, batch]
+            if const_expr(self.deterministic):
+                turn = dq_turn(n_block, m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n,
+                               self.causal)  # fmt: skip
+                pointer = mSemaphore[None, head_kv * group + g, batch].iterator + m_block
+                if lane == 0:
+                    seen = load_acquire(pointer)
+                    while seen != turn:
+                        seen = load_acquire(pointer)
+                cute.arch.sync_warp()
             for w in cutlass.range_constexpr(self.wgs):
                 cute.arch.barrier(
                     barrier_id=BARRIER_DQ_SLICE_FULL + w, number_of_threads=slice_threads
@@ -879,6 +902,12 @@ class FlashBackwardSm90:
                 )
                 cute.copy(tma_dq, tsdQ, tgdQ)
                 cute.arch.cp_async_bulk_commit_group()
+            if const_expr(self.deterministic):
+                cute.arch.cp_async_bulk_wait_group(0, read=False)  # the adds performed
+                cute.arch.fence_acq_rel_gpu()
+                if lane == 0:
+                    release_add(pointer, Int32(1))
+                cute.arch.sync_warp()
             if step < steps - 1:  # the consumers wait for a slice only before their next step
                 for w in cutlass.range_constexpr(self.wgs):
                     cute.arch.cp_async_bulk_wait_group(self.wgs - 1 - w, read=True)
