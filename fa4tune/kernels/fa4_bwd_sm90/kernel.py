@@ -806,12 +806,7 @@ class FlashBackwardSm90:
         if ctid < 32:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         cute.arch.barrier(barrier_id=BARRIER_DQ_FREE, number_of_threads=self.num_consumer_threads)
-        dq_store = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64),
-            mma_dq,
-        ).get_slice(ctid)
-        cute.copy(dq_store, dq_store.retile(acc_dQ), dq_store.partition_D(sdQ))
-        cute.arch.fence_view_async_shared()
+        self.stage_dq(acc_dQ, mma_dq, sdQ, ctid)
         cute.arch.barrier(barrier_id=BARRIER_DQ_FULL, number_of_threads=self.num_consumer_threads)
         if ctid < 32:
             gdQ = cute.local_tile(
@@ -823,6 +818,16 @@ class FlashBackwardSm90:
             )  # fmt: skip
             cute.copy(tma_dq, tsdQ, tgdQ)
             cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def stage_dq(self, acc_dQ: cute.Tensor, mma_dq: cute.TiledMma, sdQ: cute.Tensor, ctid: Int32):
+        """This thread's dQ values into sdQ (its warpgroup's columns), visible to TMA after."""
+        dq_store = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64),
+            mma_dq,
+        ).get_slice(ctid)
+        cute.copy(dq_store, dq_store.retile(acc_dQ), dq_store.partition_D(sdQ))
+        cute.arch.fence_view_async_shared()
 
     @cute.jit
     def stage_dq_slice(
@@ -842,12 +847,7 @@ class FlashBackwardSm90:
             cute.arch.barrier(
                 barrier_id=BARRIER_DQ_SLICE_EMPTY + wg, number_of_threads=slice_threads
             )
-        dq_store = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64),
-            mma_dq,
-        ).get_slice(ctid)
-        cute.copy(dq_store, dq_store.retile(acc_dQ), dq_store.partition_D(sdQ))
-        cute.arch.fence_view_async_shared()
+        self.stage_dq(acc_dQ, mma_dq, sdQ, ctid)
         cute.arch.barrier_arrive(
             barrier_id=BARRIER_DQ_SLICE_FULL + wg, number_of_threads=slice_threads
         )
