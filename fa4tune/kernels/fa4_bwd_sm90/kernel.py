@@ -711,17 +711,32 @@ class FlashBackwardSm90:
         # immediate per score, no key held per score).
         row0 = coords[0, 0][0]
         diagonal = seqlen_k - seqlen_q
-        bound_k = seqlen_k - n_block * self.tile_n - row0
-        causal_base = m_block * self.tile_m + diagonal + 1 - n_block * self.tile_n - row0
-        for c in cutlass.range_constexpr(cols):
-            col = coords[0, c][1]
-            lse = sLSE[col, stage]
-            bound = bound_k
-            if const_expr(self.causal):
-                bound = cutlass.min(bound, causal_base + col)
-            for r in cutlass.range_constexpr(rows):
-                s = -Float32.inf if coords[r, 0][0] - row0 >= bound else scores[r, c]
-                scores[r, c] = cute.math.exp2(s * softmax_scale_log2 - lse, fastmath=True)
+        # Only the K block that ends past seqlen_k and, causal, the blocks that reach above the
+        # Q block's first query's diagonal need the mask (the rows past seqlen_q have LSE2 = +inf,
+        # so their P is 0 anyway): the others skip its compare and select per score.
+        key_end = (n_block + 1) * self.tile_n
+        masked = key_end > seqlen_k
+        if const_expr(self.causal):
+            masked = masked | (key_end - 1 > m_block * self.tile_m + diagonal)
+        if masked:
+            bound_k = seqlen_k - n_block * self.tile_n - row0
+            causal_base = m_block * self.tile_m + diagonal + 1 - n_block * self.tile_n - row0
+            for c in cutlass.range_constexpr(cols):
+                col = coords[0, c][1]
+                lse = sLSE[col, stage]
+                bound = bound_k
+                if const_expr(self.causal):
+                    bound = cutlass.min(bound, causal_base + col)
+                for r in cutlass.range_constexpr(rows):
+                    s = -Float32.inf if coords[r, 0][0] - row0 >= bound else scores[r, c]
+                    scores[r, c] = cute.math.exp2(s * softmax_scale_log2 - lse, fastmath=True)
+        else:
+            for c in cutlass.range_constexpr(cols):
+                lse = sLSE[coords[0, c][1], stage]
+                for r in cutlass.range_constexpr(rows):
+                    scores[r, c] = cute.math.exp2(
+                        scores[r, c] * softmax_scale_log2 - lse, fastmath=True
+                    )
         warpgroup.wait_group(0)
         for c in cutlass.range_constexpr(cols):
             dsum = sD[coords[0, c][1], stage]
