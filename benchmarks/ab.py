@@ -44,17 +44,18 @@ GRID_SHAPES = ",".join(
 )
 
 
-def parse_changes(items: list[str]) -> dict:
+def parse_changes(items: list[str], kernel: str = "fa4_fwd_sm90") -> dict:
     """{knob: value} from ["knob=value", ...]; a ValueError naming the item for anything the
-    kernel's config schema would not take."""
-    from fa4tune.kernels.fa4_fwd_sm90.config import KNOBS, ConfigError, FwdConfig
+    kernel family's config schema would not take."""
+    from fa4tune.kernels import get_kernel
 
+    family = get_kernel(kernel)
     changes = {}
     for item in items:
         knob, _, text = item.partition("=")
-        if knob not in KNOBS or not text:
+        if knob not in family.knobs or not text:
             raise ValueError(
-                f"--set wants knob=value with a knob of {', '.join(KNOBS)} (got {item!r})"
+                f"--set wants knob=value with a knob of {', '.join(family.knobs)} (got {item!r})"
             )
         try:
             value = parse_value(text)
@@ -63,8 +64,8 @@ def parse_changes(items: list[str]) -> dict:
                 f"--set {item!r}: {text!r} is neither a number nor true/false"
             ) from None
         try:
-            changes[knob] = FwdConfig.from_dict({knob: value}).to_dict()[knob]  # 2.0 -> 2, legality
-        except ConfigError as exc:
+            changes[knob] = family.config({knob: value}).to_dict()[knob]  # 2.0 -> 2, legality
+        except family.config_error as exc:
             raise ValueError(f"--set {item!r}: {exc}") from None
     return changes
 

@@ -2,7 +2,7 @@
 a shape's default config and of that config with a knob change, side by side.
 
     python benchmarks/ncu_profile.py [--shape 64:16384] [--set emu_share=0.125 ...] [--source]
-                                     [--ncu PATH] [--csv out.csv] [--json out.json]
+                                     [--backward] [--ncu PATH] [--csv out.csv] [--json out.json]
 
 A shape is 'head_dim:seqlen[:causal]' at 16k tokens and hidden 2048 (benchmarks/attention.py). The
 script runs itself under ncu (`--profile-from-start off`, `--clock-control none`: the clocks are
@@ -14,10 +14,12 @@ issue slots, pipe utilisation (XU is the MUFU), eligible warps, the largest stal
 instructions. With --source it also collects the source counters (warp-state samples per SASS
 instruction) and prints a second table: the opcodes the warps were sampled on most, each with its
 share of all samples and its largest stall reasons (where in the code the stalls of the first table
-are). ncu replays the launch once per pass of counters, so a kernel's outputs are written several
-times; nothing is checked against the reference here (the other benchmarks do that). ncu needs a
-machine whose GPU counters are readable (on a gVisor host they are not: ncu says so and this script
-stops)."""
+are). With --backward the kernel is the backward's main kernel (fa4_bwd_sm90, its knobs for --set;
+the preprocessing kernel and the dQ cast around it are not profiled), run on the family's
+measurement case. ncu replays the launch once per pass of counters, so a kernel's outputs are
+written several times; nothing is checked against the reference here (the other benchmarks do
+that). ncu needs a machine whose GPU counters are readable (on a gVisor host they are not: ncu says
+so and this script stops)."""
 
 from __future__ import annotations
 
@@ -34,6 +36,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+BACKWARD = "fa4_bwd_sm90"
+# The backward's main kernel in ncu's kernel names (the DSL names a kernel after its class).
+BACKWARD_KERNEL = "FlashBackwardSm90"
 SECTIONS = ("SchedulerStats", "WarpStateStats", "ComputeWorkloadAnalysis", "InstructionStats")
 # (row label, ncu section, ncu body item label or None for any, metric name)
 ROWS = (
@@ -212,6 +217,8 @@ def _child(args) -> int:
     if target is None:
         return 2
     problem = parse_shape(args.shape)
+    if args.backward:
+        return _child_backward(args, problem, target)
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (
         torch.randn(
@@ -240,20 +247,47 @@ def _child(args) -> int:
     return 0
 
 
+def _child_backward(args, problem, target) -> int:
+    """The backward's launches: each config once unprofiled (compile, warm), then once in the
+    profiled range (ncu keeps only the main kernel's launch: BACKWARD_KERNEL)."""
+    import torch
+
+    from fa4tune.kernels import get_kernel
+
+    family = get_kernel(BACKWARD)
+    try:
+        configs = _configs(args, target)
+    except ValueError as exc:
+        print(f"ncu_profile: {exc}", file=sys.stderr)
+        return 2
+    case = family.measurement_case(problem, "cuda")
+    family.randomize(case, 0)
+    for config in configs:
+        run = family.launcher(case, config, target)
+        run()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStart()
+        run()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+    return 0
+
+
 def _configs(args, target) -> list:
     from dataclasses import replace
 
     from benchmarks.ab import parse_changes
     from benchmarks.attention import parse_shape
-    from fa4tune.kernels.fa4_fwd_sm90 import FAMILY
+    from fa4tune.kernels import get_kernel
 
+    family = get_kernel(BACKWARD if args.backward else "fa4_fwd_sm90")
     problem = parse_shape(args.shape)
-    default = FAMILY.default_config(problem, target)
+    default = family.default_config(problem, target)
     configs = [default]
-    changes = parse_changes(args.set)
+    changes = parse_changes(args.set, family.name)
     if changes:
         variant = replace(default, **changes)
-        reasons = FAMILY.infeasible_reasons(problem, variant, target)
+        reasons = family.infeasible_reasons(problem, variant, target)
         if reasons:
             raise ValueError(
                 f"{variant.short()} is infeasible for {problem.key()}: {'; '.join(reasons)}"
@@ -290,6 +324,11 @@ def main(argv=None) -> int:
         action="store_true",
         help="also the source counters: which SASS opcodes the warps wait on",
     )
+    ap.add_argument(
+        "--backward",
+        action="store_true",
+        help="profile the backward's main kernel (fa4_bwd_sm90: --set takes its knobs)",
+    )
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -297,7 +336,7 @@ def main(argv=None) -> int:
         from benchmarks.ab import parse_changes
         from benchmarks.attention import parse_shape
 
-        parse_changes(args.set)
+        parse_changes(args.set, BACKWARD if args.backward else "fa4_fwd_sm90")
     except ValueError as exc:
         print(f"ncu_profile: {exc}", file=sys.stderr)
         return 2
@@ -347,6 +386,7 @@ def main(argv=None) -> int:
                     "none",
                     "--target-processes",
                     "all",
+                    *(["--kernel-name", f"regex:{BACKWARD_KERNEL}"] if args.backward else []),
                     *[part for section in sections for part in ("--section", section)],
                     "-o",
                     str(report),
@@ -355,6 +395,7 @@ def main(argv=None) -> int:
                     "--child",
                     "--shape",
                     args.shape,
+                    *(["--backward"] if args.backward else []),
                     *[part for item in args.set for part in ("--set", item)],
                 ]
             )

@@ -120,6 +120,9 @@ def test_output_without_a_csv_is_an_error():
     [
         (["--shape", "64"], "--shape wants head_dim:seqlen"),
         (["--set", "nope=1"], "--set wants knob=value"),
+        # --backward takes the backward's knobs, and only them
+        (["--backward", "--set", "wg_pingpong=false"], "a knob of tile_m, tile_n, num_stages"),
+        (["--backward", "--set", "ds_stages=3"], "ds_stages=3"),
         (["--ncu", "/nonexistent/ncu"], "no Nsight Compute at /nonexistent/ncu"),
     ],
 )
@@ -291,3 +294,13 @@ def test_a_missing_launch_is_named_before_the_source_counters_are_read(fake_ncu,
     assert main(["--ncu", str(fake_ncu), "--set", "wg_pingpong=false", "--source"]) == 1
     assert "1 profiled launches, expected 2" in capsys.readouterr().err
     assert len((tmp_path / "calls.txt").read_text().splitlines()) == 2
+
+
+def test_backward_profiles_only_the_main_kernel_with_its_knobs(fake_ncu, tmp_path, capsys):
+    """--backward: ncu keeps the backward's main kernel (not the preprocessing kernel or the dQ
+    cast around it), and the child is told to run the backward with the backward's knob."""
+    assert main(["--ncu", str(fake_ncu), "--backward", "--set", "dq_tma=false"]) == 0
+    assert "| XU (MUFU) pipe, % of peak | 66.48 | 69.30 |" in capsys.readouterr().out
+    profile = (tmp_path / "calls.txt").read_text().splitlines()[0]
+    assert "--kernel-name regex:FlashBackwardSm90" in profile
+    assert "--child" in profile and "--backward" in profile and "--set dq_tma=false" in profile
