@@ -395,6 +395,14 @@ def test_every_admitted_128_row_config_at_head_dim_64_compiles_without_spills(
 ):
     """What keeps config.KNOWN_SPILLS and the register model's calibration honest: every config at
     the edge the rules admit, built for sm_90a (the dQ warp's apart: they hold no turn)."""
+    bad = compile_failures([(config, 64, causal) for config, causal in edge_configs(dq_warp)],
+                           capfd, tmp_path)  # fmt: skip
+    assert not bad, bad
+
+
+def compile_failures(cases, capfd, tmp_path) -> list:
+    """(config, head_dim, causal, spill report) of each case of (config, head_dim, causal) that,
+    built for sm_90a, spills or has ptxas serialize its wgmma."""
     import os
 
     from test_kernel_compile import _serialized_wgmma, _spill_report
@@ -403,15 +411,15 @@ def test_every_admitted_128_row_config_at_head_dim_64_compiles_without_spills(
 
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     bad = []
-    for config, causal in edge_configs(dq_warp):
+    for config, head_dim, causal in cases:
         compile_backward(
-            config, "bf16", 64, causal, H200, options=f"remarks{{ptx}} --dump-dir {tmp_path}",
-            use_cache=False,
+            config, "bf16", head_dim, causal, H200,
+            options=f"remarks{{ptx}} --dump-dir {tmp_path}", use_cache=False,
         )  # fmt: skip
         text = "".join(capfd.readouterr())
         if any(r != (0, 0, 0) for r in _spill_report(text)) or _serialized_wgmma(text):
-            bad.append((config.short(), causal, _spill_report(text)))
-    assert not bad, bad
+            bad.append((config.short(), head_dim, causal, _spill_report(text)))
+    return bad
 
 
 def shipped_backward_configs():
@@ -430,24 +438,9 @@ def shipped_backward_configs():
 @pytest.mark.compile
 def test_every_shipped_backward_config_compiles_without_spills(capfd, tmp_path):
     """What autograd's backward runs from the shipped tables, built for sm_90a."""
-    import os
-
-    from test_kernel_compile import _serialized_wgmma, _spill_report
-
-    from fa4tune.kernels.fa4_bwd_sm90.compile import compile_backward
-
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     shipped = shipped_backward_configs()
     assert shipped
-    bad = []
-    for config, head_dim, causal in shipped:
-        compile_backward(
-            config, "bf16", head_dim, causal, H200,
-            options=f"remarks{{ptx}} --dump-dir {tmp_path}", use_cache=False,
-        )  # fmt: skip
-        text = "".join(capfd.readouterr())
-        if any(r != (0, 0, 0) for r in _spill_report(text)) or _serialized_wgmma(text):
-            bad.append((config.short(), head_dim, causal, _spill_report(text)))
+    bad = compile_failures(shipped, capfd, tmp_path)
     assert not bad, bad
 
 
