@@ -80,15 +80,11 @@ def test_every_default_is_feasible(head_dim, causal):
     assert not FAMILY.infeasible_reasons(p, det, H200)
 
 
-def test_configs_that_would_spill_or_serialize_are_refused_and_head_dims_named():
+def test_configs_that_would_spill_or_serialize_are_refused_and_unequal_head_dims_named():
     p = Problem(head_dim=128)
     reasons = FAMILY.infeasible_reasons(p, BwdConfig(tile_n=64), H200)
     assert any("would spill or serialize" in r for r in reasons)  # one warpgroup: dQ is 64 regs
     assert FAMILY.infeasible_reasons(p, BwdConfig(tile_m=128), H200)
-    assert any(
-        "head_dim=256 not supported by the backward" in r
-        for r in FAMILY.infeasible_reasons(Problem(head_dim=256), BwdConfig(), H200)
-    )
     reasons = FAMILY.infeasible_reasons(Problem(head_dim=128, head_dim_v=64), BwdConfig(), H200)
     assert any("equal head dims" in r for r in reasons)
 
@@ -352,6 +348,14 @@ SPREAD = [
     (BwdConfig(dq_tma=True, ds_stages=2), 128, True),
     (BwdConfig(deterministic=True, ds_stages=2), 64, True),
     (BwdConfig(tile_m=128, ds_stages=2), 64, False),
+    # head dims 192 and 256 in chunks of 96 and 128 columns: the defaults, deterministic, the dQ
+    # warp over 48-column slices, one warpgroup.
+    (BwdConfig(), 192, True),
+    (BwdConfig(deterministic=True), 192, False),
+    (BwdConfig(num_stages=1, dq_tma=True, dq_warp=True), 192, False),
+    (BwdConfig(tile_n=64, dq_tma=True, dq_warp=True, ds_stages=2), 192, True),
+    (BwdConfig(num_stages=1), 256, False),
+    (BwdConfig(num_stages=1, deterministic=True), 256, True),
 ]
 
 
@@ -449,7 +453,7 @@ def test_every_shipped_backward_config_compiles_without_spills(capfd, tmp_path):
     assert not bad, bad
 
 
-@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("has_dlse", [False, True])
 def test_the_preprocessing_kernel_compiles_without_spills(head_dim, has_dlse, capfd, tmp_path):
     import os
@@ -643,3 +647,29 @@ def test_the_cost_model_ranks_the_measured_configs_and_is_within_its_stated_erro
         errors.append(math.log(FAMILY.work_flops(problem) / seconds / 1e12 / tflops))
     assert math.sqrt(sum(e * e for e in errors) / len(errors)) < 0.06
     assert max(map(abs, errors)) < 0.11
+
+
+def test_head_dims_192_and_256_go_in_chunks_of_columns_that_fit():
+    """Above 128 a CTA computes dK, dV and dQ for one chunk of the head dim (S^T and dP^T over
+    all of it): the registers of head dim 96 or 128, the shared memory of the whole head dim."""
+    assert [cfg.head_dim_chunk(d) for d in (64, 96, 128, 192, 256)] == [64, 96, 128, 96, 128]
+    for d, default in ((192, BwdConfig()), (256, BwdConfig(num_stages=1))):
+        for causal in (False, True):
+            p = Problem(head_dim=d, causal=causal, seqlen_q=4096, batch=4, nheads_q=8)
+            assert default_config(p, H200) == default
+            det = cfg.deterministic_config(default, p, H200)
+            assert det == replace(default, deterministic=True)
+            assert not FAMILY.infeasible_reasons(p, det, H200)
+    # Q, dO, K and V whole: at 256, 128 keys and two stages do not fit, nor dQ's staging beside one
+    p = Problem(head_dim=256)
+    for config, words in [
+        (BwdConfig(), "shared memory"),
+        (BwdConfig(num_stages=1, dq_tma=True), "shared memory"),
+        (BwdConfig(tile_n=64, num_stages=1), "registers"),  # one warpgroup's loop on top
+    ]:
+        reasons = FAMILY.infeasible_reasons(p, config, H200)
+        assert any(words in r for r in reasons), (config.short(), reasons)
+    # The chunk's columns, not the head dim's, in the register model: as head dim 128's.
+    assert cfg.consumer_registers_needed(BwdConfig(), p) == cfg.consumer_registers_needed(
+        BwdConfig(), Problem(head_dim=128)
+    )

@@ -83,6 +83,18 @@ CASES = [
           causal=True), BwdConfig(deterministic=True, dq_tma=True, dq_warp=True, ds_stages=2)),
     (dict(head_dim=64, seqlen_q=1500, batch=2, nheads_q=8, nheads_kv=2),
      BwdConfig(tile_m=128, deterministic=True, dq_tma=True, dq_warp=True, ds_stages=2)),
+    # Head dims 192 and 256 in chunks of 96 and 128 columns (a CTA per chunk): rows and keys past
+    # a tile, GQA, causal both ways, the dQ warp's slices, one warpgroup, deterministic.
+    (dict(head_dim=192, seqlen_q=777, seqlen_k=1029, batch=1, nheads_q=8, nheads_kv=2,
+          causal=True), BwdConfig()),
+    (dict(head_dim=256, seqlen_q=1029, seqlen_k=500, batch=2, nheads_q=4),
+     BwdConfig(num_stages=1)),
+    (dict(head_dim=192, seqlen_q=1000, batch=2, nheads_q=6),
+     BwdConfig(num_stages=1, dq_tma=True, dq_warp=True)),
+    (dict(head_dim=192, seqlen_q=1029, seqlen_k=700, batch=1, nheads_q=4, causal=True),
+     BwdConfig(tile_n=64, dq_tma=True, dq_warp=True, ds_stages=2)),
+    (dict(head_dim=256, seqlen_q=1500, batch=1, nheads_q=4, nheads_kv=2, causal=True),
+     BwdConfig(num_stages=1, deterministic=True)),
 ]  # fmt: skip
 
 
@@ -104,12 +116,18 @@ def test_gradients_match_the_reference(fields, config):
 
 
 @pytest.mark.parametrize(
-    "config",
-    [BwdConfig(deterministic=True), BwdConfig(deterministic=True, dq_tma=True, dq_warp=True)],
-    ids=lambda c: c.short(),
+    "config,head_dim",
+    [
+        (BwdConfig(deterministic=True), 128),
+        (BwdConfig(deterministic=True, dq_tma=True, dq_warp=True), 128),
+        (BwdConfig(num_stages=1, deterministic=True), 256),  # a semaphore per Q block and chunk
+    ],
+    ids=lambda c: c.short() if isinstance(c, BwdConfig) else str(c),
 )
-def test_the_deterministic_mode_is_bitwise_repeatable(config):
-    problem = Problem(head_dim=128, seqlen_q=2048, batch=2, nheads_q=8, nheads_kv=2, causal=True)
+def test_the_deterministic_mode_is_bitwise_repeatable(config, head_dim):
+    problem = Problem(
+        head_dim=head_dim, seqlen_q=2048, batch=2, nheads_q=8, nheads_kv=2, causal=True
+    )
     case, _ = run_case(problem, config)
     first = [t.clone() for t in (case.dq, case.dk, case.dv)]
     run = FAMILY.launcher(case, config, H200)
@@ -121,13 +139,14 @@ def test_the_deterministic_mode_is_bitwise_repeatable(config):
             assert torch.equal(a, b)
 
 
-def test_autograd_through_fa4tune_attention_gives_the_reference_gradients():
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_autograd_through_fa4tune_attention_gives_the_reference_gradients(head_dim):
     import fa4tune
     from fa4tune.kernels.common.reference import attention_grads_reference
 
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (
-        torch.randn(2, 1000, h, 128, generator=g, device="cuda").to(torch.bfloat16)
+        torch.randn(2, 1000, h, head_dim, generator=g, device="cuda").to(torch.bfloat16)
         for h in (16, 4, 4)
     )
     for t in (q, k, v):

@@ -62,7 +62,16 @@ KNOBS: dict[str, tuple] = {
     "dq_warp": (False, True),
 }
 
-SUPPORTED_HEAD_DIMS = (64, 96, 128)
+SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
+# A CTA accumulates dK, dV and dQ for at most this many columns of the head dim: above it, the
+# head dim is split into equal chunks, each its own CTA (S^T and dP^T, over the whole head dim,
+# computed again for each chunk): head dims 192 and 256 are correct that way, not fast.
+MAX_CHUNK = 128
+
+
+def head_dim_chunk(head_dim: int) -> int:
+    """Columns of dK, dV and dQ a CTA computes (head_dim itself up to MAX_CHUNK)."""
+    return head_dim // -(-head_dim // MAX_CHUNK)
 
 
 @dataclass(frozen=True)
@@ -161,7 +170,7 @@ def smem_parts(config: BwdConfig, problem: Problem) -> dict[str, int]:
         "v": _round_up(config.tile_n * dv * e, SMEM_ALIGN),
         "q_do": config.num_stages * stage,
         "ds": config.ds_stages * _round_up(config.tile_n * config.tile_m * e, SMEM_ALIGN),
-        "dq": _round_up(config.tile_m * d * 4, SMEM_ALIGN) if config.dq_tma else 0,
+        "dq": _round_up(config.tile_m * head_dim_chunk(d) * 4, SMEM_ALIGN) if config.dq_tma else 0,
     }
 
 
@@ -180,15 +189,16 @@ def smem_reasons(config: BwdConfig, problem: Problem, target: Target) -> list[st
 
 def consumer_registers_needed(config: BwdConfig, problem: Problem) -> int:
     """A consumer thread's registers at its peak (64 K rows, 128 threads per warpgroup): dK and
-    dV (d/2 and dv/2 fp32) all along; then either S^T and dP^T of a Q block (tile_m/2 each, both
-    live while dS^T is made) with P^T in bf16 (tile_m/4), or, while the dK and dV GEMMs still read
-    P^T and dS^T in bf16 (tile_m/4 each), the warpgroup's slice of dQ (tile_m x d / 128 /
-    warpgroups); and the overhead, more for the deterministic turn or a lone warpgroup. (ptxas
-    serialized the wgmma at 240 registers with one warpgroup at head dim 128: its dQ slice is
-    64.)"""
-    regs_dkv = (problem.head_dim + problem.head_dim_v) // 2
+    dV of the CTA's chunk of the head dim (chunk/2 fp32 each) all along; then either S^T and dP^T
+    of a Q block (tile_m/2 each, both live while dS^T is made) with P^T in bf16 (tile_m/4), or,
+    while the dK and dV GEMMs still read P^T and dS^T in bf16 (tile_m/4 each), the warpgroup's
+    slice of dQ (tile_m x chunk / 128 / warpgroups); and the overhead, more for the
+    deterministic turn or a lone warpgroup. (ptxas serialized the wgmma at 240 registers with one
+    warpgroup at head dim 128: its dQ slice is 64.)"""
+    chunk = head_dim_chunk(problem.head_dim)
+    regs_dkv = chunk  # dK's and dV's chunk of columns, half a row each
     regs_sdp = config.tile_m + config.tile_m // 4
-    regs_dq = config.tile_m * problem.head_dim // 128 // config.consumer_warpgroups
+    regs_dq = config.tile_m * chunk // 128 // config.consumer_warpgroups
     regs_dq += config.tile_m // 2
     overhead = CONSUMER_OVERHEAD_REGS
     if _extra_state(config):
@@ -231,13 +241,15 @@ def register_reasons(config: BwdConfig, problem: Problem, target: Target) -> lis
 
 
 def tile_reasons(config: BwdConfig, problem: Problem) -> list[str]:
-    """The dQ GEMM splits dQ's columns among the consumer warpgroups, in wgmma N steps of 8."""
+    """The dQ GEMM splits the chunk of dQ's columns among the consumer warpgroups, in wgmma N
+    steps of 8."""
     reasons = []
     wgs = config.consumer_warpgroups
-    if problem.head_dim % (8 * wgs):
+    chunk = head_dim_chunk(problem.head_dim)
+    if chunk % (8 * wgs):
         reasons.append(
-            f"head_dim={problem.head_dim} does not split into {wgs} column slices of a multiple "
-            "of 8 (the dQ GEMM)"
+            f"head_dim={problem.head_dim} (chunks of {chunk}) does not split into {wgs} column "
+            "slices of a multiple of 8 (the dQ GEMM)"
         )
     if problem.head_dim != problem.head_dim_v:
         reasons.append(

@@ -22,8 +22,11 @@ A CTA takes `tile_n` rows of K and V of one K/V head and one batch:
   store, which clips the rows past seqlen_k; keys that no query sees get zeros.
 
 GQA needs no atomics for dK and dV: a CTA walks every query head of its K/V head's group and sums
-their contributions in its accumulators. Before it the preprocessing kernel (preprocess.py) writes
-LSE2 and D; the launch (launch.py) zeroes the dQ accumulator, and casts it to dQ after."""
+their contributions in its accumulators. Head dims above 128 go in chunks (config.head_dim_chunk):
+a CTA per K block and chunk of the head dim, S^T and dP^T over all of it, dK, dV and dQ of its
+chunk (produce_chunks puts that chunk first in the shared buffers). Before it the preprocessing
+kernel (preprocess.py) writes LSE2 and D; the launch (launch.py) zeroes the dQ accumulator, and
+casts it to dQ after."""
 
 from __future__ import annotations
 
@@ -154,6 +157,10 @@ class FlashBackwardSm90:
         self.config = config
         self.dtype = DTYPES[Problem(dtype=dtype, head_dim=head_dim).dtype]
         self.head_dim = head_dim
+        # The columns of dK, dV and dQ this kernel's CTAs compute: all of the head dim up to 128,
+        # else one of its equal chunks per CTA (config.head_dim_chunk).
+        self.dc = cfg.head_dim_chunk(head_dim)
+        self.chunks = head_dim // self.dc
         self.causal = causal
         self.tile_m, self.tile_n = config.tile_m, config.tile_n
         self.num_stages = config.num_stages
@@ -193,7 +200,7 @@ class FlashBackwardSm90:
         mLSE2, mD = [permute_modes(t, [2, 1, 0]) for t in (mLSE2, mD)]
         if const_expr(self.deterministic):
             mSemaphore = permute_modes(mSemaphore, [2, 1, 0])  # (Q blocks, head, batch)
-        tile_m, tile_n, d = self.tile_m, self.tile_n, self.head_dim
+        tile_m, tile_n, d, dc = self.tile_m, self.tile_n, self.head_dim, self.dc
         k_major, mn_major = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
         # S^T = K Q^T and dP^T = V dO^T: each warpgroup 64 K rows, all tile_m queries.
         mma_sdp = hopper.make_trivial_tiled_mma(
@@ -213,7 +220,7 @@ class FlashBackwardSm90:
             mn_major,
             Float32,
             atom_layout_mnk=(self.wgs, 1, 1),
-            tiler_mn=(64, d),
+            tiler_mn=(64, dc),
             a_source=warpgroup.OperandSource.RMEM,
         )
         # dQ = dS K: dS^T and K in shared memory, both read transposed; each warpgroup a slice of
@@ -225,14 +232,17 @@ class FlashBackwardSm90:
             mn_major,
             Float32,
             atom_layout_mnk=(1, self.wgs, 1),
-            tiler_mn=(64, d // self.wgs),
+            tiler_mn=(64, dc // self.wgs),
         )
-        sQ_layout = smem_tile_layout(self.dtype, tile_m, d, self.num_stages)
-        sdO_layout = smem_tile_layout(self.dtype, tile_m, d, self.num_stages)
+        # Q, dO, K and V whole (S^T and dP^T run over the head dim); the dK, dV and dQ GEMMs read
+        # their first chunk of columns (where the producer puts the CTA's chunk: produce), so that
+        # a swizzle atom divides the chunk.
+        sQ_layout = smem_tile_layout(self.dtype, tile_m, d, self.num_stages, atom_cols=dc)
+        sdO_layout = smem_tile_layout(self.dtype, tile_m, d, self.num_stages, atom_cols=dc)
         # The dQ GEMM reads K transposed, a slice of d columns per warpgroup: a swizzle atom that
         # divides the slice (head dim 96 over two warpgroups: 48 columns, 32-byte swizzle).
-        sK_layout = smem_tile_layout(self.dtype, tile_n, d, atom_cols=d // self.wgs)
-        sV_layout = smem_tile_layout(self.dtype, tile_n, d)
+        sK_layout = smem_tile_layout(self.dtype, tile_n, d, atom_cols=dc // self.wgs)
+        sV_layout = smem_tile_layout(self.dtype, tile_n, d, atom_cols=dc)
         # One dS^T buffer unstaged (as before the knob), else a stage mode.
         sdS_layout = smem_tile_layout(
             self.dtype, tile_n, tile_m, self.ds_stages if const_expr(self.ds_stages > 1) else None
@@ -242,7 +252,7 @@ class FlashBackwardSm90:
         # conflicts: row-major, the 8 rows of a warp's stores share 8 banks); each warpgroup writes
         # a slice of the columns, so the atom divides the slice (head dim 96: 48, 64-byte swizzle).
         sdQ_layout = (
-            smem_tile_layout(Float32, tile_m, d, atom_cols=d // self.wgs)
+            smem_tile_layout(Float32, tile_m, dc, atom_cols=dc // self.wgs)
             if const_expr(self.dq_tma)
             else None
         )
@@ -285,22 +295,35 @@ class FlashBackwardSm90:
         load = cpasync.CopyBulkTensorTileG2SOp()
         store = cpasync.CopyBulkTensorTileS2GOp()
         one_stage = cute.select(sQ_layout, mode=[0, 1])
-        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(load, mQ, one_stage, (tile_m, d))
-        tma_do, tma_mdO = cpasync.make_tiled_tma_atom(
-            load, mdO, cute.select(sdO_layout, mode=[0, 1]), (tile_m, d)
-        )
-        tma_k, tma_mK = cpasync.make_tiled_tma_atom(load, mK, sK_layout, (tile_n, d))
-        tma_v, tma_mV = cpasync.make_tiled_tma_atom(load, mV, sV_layout, (tile_n, d))
+        if const_expr(self.chunks == 1):
+            tma_q, tma_mQ = cpasync.make_tiled_tma_atom(load, mQ, one_stage, (tile_m, d))
+            tma_do, tma_mdO = cpasync.make_tiled_tma_atom(
+                load, mdO, cute.select(sdO_layout, mode=[0, 1]), (tile_m, d)
+            )
+            tma_k, tma_mK = cpasync.make_tiled_tma_atom(load, mK, sK_layout, (tile_n, d))
+            tma_v, tma_mV = cpasync.make_tiled_tma_atom(load, mV, sV_layout, (tile_n, d))
+        else:  # a box per chunk of columns (produce)
+            q_chunk = smem_tile_layout(self.dtype, tile_m, dc)
+            tma_q, tma_mQ = cpasync.make_tiled_tma_atom(load, mQ, q_chunk, (tile_m, dc))
+            tma_do, tma_mdO = cpasync.make_tiled_tma_atom(load, mdO, q_chunk, (tile_m, dc))
+            k_chunk = smem_tile_layout(self.dtype, tile_n, dc, atom_cols=dc // self.wgs)
+            v_chunk = smem_tile_layout(self.dtype, tile_n, dc)
+            tma_k, tma_mK = cpasync.make_tiled_tma_atom(load, mK, k_chunk, (tile_n, dc))
+            tma_v, tma_mV = cpasync.make_tiled_tma_atom(load, mV, v_chunk, (tile_n, dc))
         stat_one = cute.make_layout(tile_m)
         tma_lse, tma_mLSE = cpasync.make_tiled_tma_atom(load, mLSE2, stat_one, (tile_m,))
         tma_d, tma_mD = cpasync.make_tiled_tma_atom(load, mD, stat_one, (tile_m,))
-        tma_dk, tma_mdK = cpasync.make_tiled_tma_atom(store, mdK, sK_layout, (tile_n, d))
-        tma_dv, tma_mdV = cpasync.make_tiled_tma_atom(store, mdV, sV_layout, (tile_n, d))
+        if const_expr(self.chunks == 1):
+            tma_dk, tma_mdK = cpasync.make_tiled_tma_atom(store, mdK, sK_layout, (tile_n, d))
+            tma_dv, tma_mdV = cpasync.make_tiled_tma_atom(store, mdV, sV_layout, (tile_n, d))
+        else:  # the CTA's chunk, staged in the first chunk of K's and V's buffers
+            tma_dk, tma_mdK = cpasync.make_tiled_tma_atom(store, mdK, k_chunk, (tile_n, dc))
+            tma_dv, tma_mdV = cpasync.make_tiled_tma_atom(store, mdV, v_chunk, (tile_n, dc))
         tma_dq, tma_mdQ = None, None
         if const_expr(self.dq_tma):
             # dq_warp: one reduction per warpgroup's slice of the columns (the slice is one column
             # of swizzle atoms of sdQ, contiguous, laid out as a tile of its own).
-            dq_box = (tile_m, d // self.wgs) if const_expr(self.dq_warp) else (tile_m, d)
+            dq_box = (tile_m, dc // self.wgs) if const_expr(self.dq_warp) else (tile_m, dc)
             tma_dq, tma_mdQ = cpasync.make_tiled_tma_atom(
                 cpasync.CopyReduceBulkTensorTileS2GOp(),
                 mdQacc,
@@ -318,6 +341,8 @@ class FlashBackwardSm90:
             cute.size(mK.shape[2]),
             cute.size(mK.shape[3]),
         ]
+        if const_expr(self.chunks > 1):  # a CTA per K block and chunk, a K block's adjacent
+            grid[0] = grid[0] * self.chunks
         self.kernel(
             tma_mQ,
             tma_mK,
@@ -449,6 +474,10 @@ class FlashBackwardSm90:
             sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
 
         n_block, head_kv, batch = cute.arch.block_idx()
+        chunk = 0  # of the head dim's columns, of dK, dV and dQ
+        if const_expr(self.chunks > 1):
+            chunk = n_block % self.chunks
+            n_block = n_block // self.chunks
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         n_block = launch_order(n_block, seqlen_k, self.tile_n, self.deterministic, self.causal)
         group = mQ.shape[2] // mK.shape[2]
@@ -458,19 +487,31 @@ class FlashBackwardSm90:
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self.produce(
-                    (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d),
-                    (mQ, mK, mV, mdO, mLSE2, mD),
-                    (sQ, sK, sV, sdO, sLSE, sD),
-                    pipe_kv,
-                    pipe_q,
-                    (n_block, head_kv, batch, group, m_block_min, blocks_per_head, steps),
-                )
+                if const_expr(self.chunks == 1):
+                    self.produce(
+                        (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d),
+                        (mQ, mK, mV, mdO, mLSE2, mD),
+                        (sQ, sK, sV, sdO, sLSE, sD),
+                        pipe_kv,
+                        pipe_q,
+                        (n_block, head_kv, batch, group, m_block_min, blocks_per_head, steps),
+                    )
+                else:
+                    self.produce_chunks(
+                        (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d),
+                        (mQ, mK, mV, mdO, mLSE2, mD),
+                        (sQ, sK, sV, sdO, sLSE, sD),
+                        pipe_kv,
+                        pipe_q,
+                        (n_block, head_kv, batch, group, m_block_min, blocks_per_head, steps),
+                        chunk,
+                    )
             if const_expr(self.dq_warp):
                 if warp_idx == DQ_WARP:
                     self.reduce_dq_slices(
                         tma_dq, mdQ, sdQ, mSemaphore, (seqlen_q, seqlen_k),
                         (n_block, head_kv, batch, group, m_block_min, blocks_per_head, steps),
+                        chunk,
                     )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -487,6 +528,7 @@ class FlashBackwardSm90:
                 softmax_scale_log2,
                 softmax_scale,
                 tidx - cfg.THREADS_PER_WARPGROUP,
+                chunk,
             )
 
     # ---- producer ------------------------------------------------------------------------------
@@ -541,6 +583,80 @@ class FlashBackwardSm90:
             cute.copy(tma_d, tDgD, tDsD[None, stage], tma_bar_ptr=barrier)
             q_state.advance()
 
+    def chunk_boxes(self, atom, s, g, rows: int, block, chunk) -> list:
+        """(shared, global) TMA partitions of each chunk i of the columns of s (with a stage mode
+        when it has one): chunk (chunk + i) % chunks of g's block of rows."""
+        out = []
+        for i in range(self.chunks):  # traced inline (a plain method: its loop is Python's)
+            if cute.rank(s) == 3:
+                shared = cute.local_tile(s, (rows, self.dc, self.num_stages), (0, i, 0))
+            else:
+                shared = cute.local_tile(s, (rows, self.dc), (0, i))
+            glob = cute.local_tile(g, (rows, self.dc), (block, (chunk + i) % self.chunks))
+            out.append(
+                cpasync.tma_partition(
+                    atom,
+                    0,
+                    cute.make_layout(1),
+                    cute.group_modes(shared, 0, 2),
+                    cute.group_modes(glob, 0, 2),
+                )  # fmt: skip
+            )
+        return out
+
+    @cute.jit
+    def produce_chunks(self, atoms, tensors, smem, pipe_kv, pipe_q, walk, chunk: Int32):
+        """produce, for a head dim in chunks: a box per chunk of columns, the CTA's chunk first.
+        Shared chunk i holds the columns of chunk (chunk + i) % chunks, in the same order in Q,
+        dO, K and V (S^T and dP^T sum over all of them, in any order), so that the dK, dV and dQ
+        GEMMs read the CTA's chunk at the start of each buffer."""
+        tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d = atoms
+        mQ, mK, mV, mdO, mLSE2, mD = tensors
+        sQ, sK, sV, sdO, sLSE, sD = smem
+        n_block, head_kv, batch, group, m_block_min, blocks_per_head, steps = walk
+        one_cta = cute.make_layout(1)
+        chunks, stages = self.chunks, self.num_stages
+        tile_m, tile_n = self.tile_m, self.tile_n
+
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        k_boxes = self.chunk_boxes(
+            tma_k, sK, mK[None, None, head_kv, batch], tile_n, n_block, chunk
+        )
+        v_boxes = self.chunk_boxes(
+            tma_v, sV, mV[None, None, head_kv, batch], tile_n, n_block, chunk
+        )
+        pipe_kv.producer_acquire(kv_state)
+        barrier = pipe_kv.producer_get_barrier(kv_state)
+        for i in cutlass.range_constexpr(chunks):
+            cute.copy(tma_k, k_boxes[i][1], k_boxes[i][0], tma_bar_ptr=barrier)
+            cute.copy(tma_v, v_boxes[i][1], v_boxes[i][0], tma_bar_ptr=barrier)
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+        for step in cutlass.range(steps, unroll=1):
+            g = step // blocks_per_head
+            m_block = m_block_min + (step - g * blocks_per_head)
+            head = head_kv * group + g
+            q_boxes = self.chunk_boxes(
+                tma_q, sQ, mQ[None, None, head, batch], tile_m, m_block, chunk
+            )
+            do_boxes = self.chunk_boxes(
+                tma_do, sdO, mdO[None, None, head, batch], tile_m, m_block, chunk
+            )
+            gLSE = cute.local_tile(mLSE2[None, head, batch], (tile_m,), (m_block,))
+            gD = cute.local_tile(mD[None, head, batch], (tile_m,), (m_block,))
+            tLsL, tLgL = cpasync.tma_partition(tma_lse, 0, one_cta, sLSE, gLSE)
+            tDsD, tDgD = cpasync.tma_partition(tma_d, 0, one_cta, sD, gD)
+            pipe_q.producer_acquire(q_state)
+            barrier = pipe_q.producer_get_barrier(q_state)
+            stage = q_state.index
+            for i in cutlass.range_constexpr(chunks):
+                cute.copy(tma_q, q_boxes[i][1], q_boxes[i][0][None, stage], tma_bar_ptr=barrier)
+            cute.copy(tma_lse, tLgL, tLsL[None, stage], tma_bar_ptr=barrier)
+            for i in cutlass.range_constexpr(chunks):
+                cute.copy(tma_do, do_boxes[i][1], do_boxes[i][0][None, stage], tma_bar_ptr=barrier)
+            cute.copy(tma_d, tDgD, tDsD[None, stage], tma_bar_ptr=barrier)
+            q_state.advance()
+
     # ---- consumers -----------------------------------------------------------------------------
     @cute.jit
     def consume(
@@ -557,15 +673,22 @@ class FlashBackwardSm90:
         softmax_scale_log2: Float32,
         softmax_scale: Float32,
         ctid: Int32,
+        chunk,
     ):
-        """Every step's five GEMMs and the softmax gradient, then dK and dV out."""
+        """Every step's five GEMMs and the softmax gradient, then dK and dV out (of the CTA's
+        chunk of the head dim: the first chunk of Q's, dO's and K's buffers, produce_chunks)."""
         sQ, sK, sV, sdO, sLSE, sD, sdS = smem
         mma_sdp, mma_dkv, mma_dq = mmas
         n_block, head_kv, batch, group, m_block_min, blocks_per_head, steps = walk
         seqlen_q, seqlen_k = seqlens
         mdQacc, mdQ, tma_dq, sdQ = dq_out
-        tile_m, tile_n, d = self.tile_m, self.tile_n, self.head_dim
+        tile_m, tile_n, dc = self.tile_m, self.tile_n, self.dc
         wg = cute.arch.make_warp_uniform(ctid // cfg.THREADS_PER_WARPGROUP)
+        sQc, sdOc, sKc = sQ, sdO, sK  # the CTA's chunk of their columns
+        if const_expr(self.chunks > 1):
+            sQc = cute.local_tile(sQ, (tile_m, dc, self.num_stages), (0, 0, 0))
+            sdOc = cute.local_tile(sdO, (tile_m, dc, self.num_stages), (0, 0, 0))
+            sKc = cute.local_tile(sK, (tile_n, dc), (0, 0))
 
         wg_sdp = mma_sdp.get_slice(wg * cfg.THREADS_PER_WARPGROUP)
         thr_sdp = mma_sdp.get_slice(ctid)
@@ -579,19 +702,19 @@ class FlashBackwardSm90:
         assert cute.size(s_shape[1]) == 1 and cute.size(s_shape[2]) == 1, s_shape
 
         wg_dkv = mma_dkv.get_slice(wg * cfg.THREADS_PER_WARPGROUP)
-        tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(swap_first_modes(sdO)))
-        tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(swap_first_modes(sQ)))
+        tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(swap_first_modes(sdOc)))
+        tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(swap_first_modes(sQc)))
         tdVrP = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tile_n, tile_m)))
         tdKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tile_n, tile_m)))
-        acc_dV = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tile_n, d)), Float32)
-        acc_dK = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tile_n, d)), Float32)
+        acc_dV = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tile_n, dc)), Float32)
+        acc_dK = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tile_n, dc)), Float32)
 
         wg_dq = mma_dq.get_slice(wg * cfg.THREADS_PER_WARPGROUP)
         thr_dq = mma_dq.get_slice(ctid)
         tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(swap_first_modes(sdS)))
-        tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(swap_first_modes(sK)))
-        dq_shape = wg_dq.partition_shape_C((tile_m, d))
-        dq_coords = acc_rows_cols(thr_dq.partition_C(cute.make_identity_tensor((tile_m, d))))
+        tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(swap_first_modes(sKc)))
+        dq_shape = wg_dq.partition_shape_C((tile_m, dc))
+        dq_coords = acc_rows_cols(thr_dq.partition_C(cute.make_identity_tensor((tile_m, dc))))
 
         # dS^T from registers into shared memory (rows: keys, columns: queries).
         ds_store = cute.make_tiled_copy_C(
@@ -666,7 +789,9 @@ class FlashBackwardSm90:
                 if const_expr(self.dq_warp):
                     self.stage_dq_slice(acc_dQ, mma_dq, sdQ, step, wg, ctid)
                 else:
-                    self.reduce_dq(acc_dQ, mma_dq, sdQ, tma_dq, mdQ, m_block, head, batch, ctid)
+                    self.reduce_dq(
+                        acc_dQ, mma_dq, sdQ, tma_dq, mdQ, m_block, head, batch, ctid, chunk
+                    )
                 warpgroup.wait_group(0)
                 pipe_q.consumer_release(q_state)
                 q_state.advance()
@@ -677,13 +802,13 @@ class FlashBackwardSm90:
                 acc_dQ.store(acc_dQ.load() * softmax_scale)
                 self.add_dq(
                     acc_dQ, dq_coords, mdQacc, mSemaphore, n_block, m_block, head, batch,
-                    seqlen_q, seqlen_k, ctid,
+                    seqlen_q, seqlen_k, ctid, chunk,
                 )  # fmt: skip
         if const_expr(self.dq_tma and not self.dq_warp):
             if ctid < 32:  # sdQ stays allocated until the last reduction has read it
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
         self.epilogue(acc_dK, acc_dV, smem, mma_dkv, stores, n_block, head_kv, batch, ctid,
-                      softmax_scale)  # fmt: skip
+                      softmax_scale, chunk)  # fmt: skip
 
     @cute.jit
     def softmax_grad(
@@ -757,6 +882,7 @@ class FlashBackwardSm90:
         seqlen_q: Int32,
         seqlen_k: Int32,
         ctid: Int32,
+        chunk,
     ):
         """This thread's share of the Q block's dQ into the fp32 accumulator, a pair of adjacent
         columns per reduction; deterministic: in a fixed order of the K blocks, this CTA's turn
@@ -774,7 +900,7 @@ class FlashBackwardSm90:
             turn = dq_turn(n_block, m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n,
                            self.causal)  # fmt: skip
             if ctid == 0:
-                pointer = mSemaphore[None, head, batch].iterator + m_block
+                pointer = mSemaphore[None, head, batch].iterator + self.turn_slot(m_block, chunk)
                 seen = load_acquire(pointer)
                 while seen != turn:
                     seen = load_acquire(pointer)
@@ -789,6 +915,8 @@ class FlashBackwardSm90:
             if query < seqlen_q:
                 for c in cutlass.range_constexpr(0, cute.size(values, mode=[1]), 2):
                     col = coords[r, c][1]
+                    if const_expr(self.chunks > 1):
+                        col = col + chunk * self.dc
                     pointer = gdQ.iterator + cute.crd2idx((query, col), gdQ.layout)
                     red_add_f32x2(pointer, values[r, c], values[r, c + 1])
         if const_expr(self.deterministic):
@@ -797,7 +925,8 @@ class FlashBackwardSm90:
                 barrier_id=BARRIER_DQ_DONE, number_of_threads=self.num_consumer_threads
             )
             if ctid == 0:
-                release_add(mSemaphore[None, head, batch].iterator + m_block, Int32(1))
+                slot = self.turn_slot(m_block, chunk)
+                release_add(mSemaphore[None, head, batch].iterator + slot, Int32(1))
 
     @cute.jit
     def reduce_dq(
@@ -811,6 +940,7 @@ class FlashBackwardSm90:
         head: Int32,
         batch: Int32,
         ctid: Int32,
+        chunk,
     ):
         """dq_tma: the Q block's dQ into sdQ (each thread its accumulator's values), then one
         thread adds the whole block into the fp32 accumulator with a TMA reduction, which clips the
@@ -824,9 +954,14 @@ class FlashBackwardSm90:
         self.stage_dq(acc_dQ, mma_dq, sdQ, ctid)
         cute.arch.barrier(barrier_id=BARRIER_DQ_FULL, number_of_threads=self.num_consumer_threads)
         if ctid < 32:
-            gdQ = cute.local_tile(
-                mdQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0)
-            )
+            if const_expr(self.chunks == 1):
+                gdQ = cute.local_tile(
+                    mdQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0)
+                )
+            else:
+                gdQ = cute.local_tile(
+                    mdQ[None, None, head, batch], (self.tile_m, self.dc), (m_block, chunk)
+                )
             tsdQ, tgdQ = cpasync.tma_partition(
                 tma_dq, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2),
                 cute.group_modes(gdQ, 0, 2),
@@ -867,6 +1002,20 @@ class FlashBackwardSm90:
             barrier_id=BARRIER_DQ_SLICE_FULL + wg, number_of_threads=slice_threads
         )
 
+    def turn_slot(self, m_block, chunk):
+        """The deterministic mode's semaphore of Q block m_block's dQ (with the head dim in
+        chunks, one per chunk of its columns: their adds are independent)."""
+        if const_expr(self.chunks == 1):
+            return m_block
+        return m_block * self.chunks + chunk
+
+    def dq_column(self, w: int, chunk):
+        """The column tile of warpgroup w's slice of dQ in the accumulator (slices of dc /
+        warpgroups columns)."""
+        if const_expr(self.chunks == 1):
+            return w
+        return chunk * self.wgs + w
+
     @cute.jit
     def reduce_dq_slices(
         self,
@@ -876,6 +1025,7 @@ class FlashBackwardSm90:
         mSemaphore: cute.Tensor | None,
         seqlens,
         walk,
+        chunk,
     ):
         """dq_warp, the producer warpgroup's warp DQ_WARP: per step, each consumer warpgroup's
         slice of dQ into the fp32 accumulator with a TMA reduction (which clips the rows past
@@ -889,7 +1039,7 @@ class FlashBackwardSm90:
         n_block, head_kv, batch, group, m_block_min, blocks_per_head, steps = walk
         seqlen_q, seqlen_k = seqlens
         slice_threads = cfg.THREADS_PER_WARPGROUP + 32
-        cols = self.head_dim // self.wgs
+        cols = self.dc // self.wgs
         lane = cute.arch.lane_idx()
         for step in cutlass.range(steps, unroll=1):
             g = step // blocks_per_head
@@ -898,7 +1048,8 @@ class FlashBackwardSm90:
             if const_expr(self.deterministic):
                 turn = dq_turn(n_block, m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n,
                                self.causal)  # fmt: skip
-                pointer = mSemaphore[None, head_kv * group + g, batch].iterator + m_block
+                slot = self.turn_slot(m_block, chunk)
+                pointer = mSemaphore[None, head_kv * group + g, batch].iterator + slot
                 if lane == 0:
                     seen = load_acquire(pointer)
                     while seen != turn:
@@ -908,12 +1059,15 @@ class FlashBackwardSm90:
                 cute.arch.barrier(
                     barrier_id=BARRIER_DQ_SLICE_FULL + w, number_of_threads=slice_threads
                 )
+                column = self.dq_column(w, chunk)
                 tsdQ, tgdQ = cpasync.tma_partition(
                     tma_dq,
                     0,
                     cute.make_layout(1),
                     cute.group_modes(cute.local_tile(sdQ, (self.tile_m, cols), (0, w)), 0, 2),
-                    cute.group_modes(cute.local_tile(gdQ, (self.tile_m, cols), (m_block, w)), 0, 2),
+                    cute.group_modes(
+                        cute.local_tile(gdQ, (self.tile_m, cols), (m_block, column)), 0, 2
+                    ),
                 )
                 cute.copy(tma_dq, tsdQ, tgdQ)
                 cute.arch.cp_async_bulk_commit_group()
@@ -944,12 +1098,18 @@ class FlashBackwardSm90:
         batch: Int32,
         ctid: Int32,
         softmax_scale: Float32,
+        chunk,
     ):
         """dK x softmax_scale and dV through K's and V's buffers (free once every warpgroup's last
-        GEMM has read them) and a TMA store each, which clips the rows past seqlen_k."""
+        GEMM has read them) and a TMA store each, which clips the rows past seqlen_k. With the
+        head dim in chunks: the CTA's chunk, through the buffers' first chunk."""
         sQ, sK, sV, sdO, sLSE, sD, sdS = smem
         tma_dk, tma_dv, mdK, mdV = stores
-        d = self.head_dim
+        d, column = self.head_dim, 0
+        if const_expr(self.chunks > 1):
+            d, column = self.dc, chunk
+            sK = cute.local_tile(sK, (self.tile_n, d), (0, 0))
+            sV = cute.local_tile(sV, (self.tile_n, d), (0, 0))
         rdK = cute.make_rmem_tensor_like(acc_dK, self.dtype)
         rdK.store((acc_dK.load() * softmax_scale).to(self.dtype))
         rdV = cute.make_rmem_tensor_like(acc_dV, self.dtype)
@@ -965,8 +1125,12 @@ class FlashBackwardSm90:
         cute.arch.barrier(barrier_id=BARRIER_EPILOGUE, number_of_threads=self.num_consumer_threads)
         if ctid < 32:
             one_cta = cute.make_layout(1)
-            gdK = cute.local_tile(mdK[None, None, head_kv, batch], (self.tile_n, d), (n_block, 0))
-            gdV = cute.local_tile(mdV[None, None, head_kv, batch], (self.tile_n, d), (n_block, 0))
+            gdK = cute.local_tile(
+                mdK[None, None, head_kv, batch], (self.tile_n, d), (n_block, column)
+            )
+            gdV = cute.local_tile(
+                mdV[None, None, head_kv, batch], (self.tile_n, d), (n_block, column)
+            )
             tKsK, tKgK = cpasync.tma_partition(
                 tma_dk, 0, one_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gdK, 0, 2)
             )

@@ -16,7 +16,7 @@ from ...target import Target, get_target
 from ..common.dsl import import_dsl
 from ..common.inputs import check_device, check_inputs, make_problem
 from .compile import compile_backward, compile_preprocess
-from .config import BwdConfig
+from .config import BwdConfig, head_dim_chunk
 
 LOG2_E = math.log2(math.e)
 
@@ -123,8 +123,8 @@ def attention_backward(
         dq_acc = torch.zeros((batch, seqlen_q, nheads_q, d), dtype=torch.float32, device=q.device)
         dk, dv = (torch.empty_like(k), torch.empty_like(v)) if grads is None else grads[1:]
         semaphore = None
-        if config.deterministic:
-            blocks = padded // tile_m
+        if config.deterministic:  # a turn count per Q block and chunk of the head dim
+            blocks = padded // tile_m * (d // head_dim_chunk(d))
             semaphore = torch.zeros((batch, nheads_q, blocks), dtype=torch.int32, device=q.device)
 
         run_kernel(compiled, (q, k, v, dout, lse2, dsum, dq_acc, dk, dv), semaphore, scale)
