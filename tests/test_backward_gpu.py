@@ -83,6 +83,15 @@ CASES = [
           causal=True), BwdConfig(deterministic=True, dq_tma=True, dq_warp=True, ds_stages=2)),
     (dict(head_dim=64, seqlen_q=1500, batch=2, nheads_q=8, nheads_kv=2),
      BwdConfig(tile_m=128, deterministic=True, dq_tma=True, dq_warp=True, ds_stages=2)),
+    # ... dQ split by rows (each warpgroup 64 Q rows, its own TMA reduction): rows past seqlen_q
+    # in the second warpgroup's half and in both, GQA, one stage, deterministic.
+    (dict(head_dim=64, seqlen_q=1029, seqlen_k=500, batch=1, nheads_q=4, causal=True),
+     BwdConfig(tile_m=128, dq_tma=True, dq_warp=True, ds_stages=2, dq_rows=True)),
+    (dict(head_dim=64, seqlen_q=777, seqlen_k=1029, batch=2, nheads_q=8, nheads_kv=2),
+     BwdConfig(tile_m=128, num_stages=1, dq_tma=True, dq_warp=True, dq_rows=True)),
+    (dict(head_dim=64, seqlen_q=1500, batch=2, nheads_q=8, nheads_kv=2, causal=True),
+     BwdConfig(tile_m=128, deterministic=True, dq_tma=True, dq_warp=True, ds_stages=2,
+               dq_rows=True)),
 ]  # fmt: skip
 
 
@@ -105,11 +114,18 @@ def test_gradients_match_the_reference(fields, config):
 
 @pytest.mark.parametrize(
     "config",
-    [BwdConfig(deterministic=True), BwdConfig(deterministic=True, dq_tma=True, dq_warp=True)],
+    [
+        BwdConfig(deterministic=True),
+        BwdConfig(deterministic=True, dq_tma=True, dq_warp=True),
+        BwdConfig(tile_m=128, deterministic=True, dq_tma=True, dq_warp=True, dq_rows=True),
+    ],
     ids=lambda c: c.short(),
 )
 def test_the_deterministic_mode_is_bitwise_repeatable(config):
-    problem = Problem(head_dim=128, seqlen_q=2048, batch=2, nheads_q=8, nheads_kv=2, causal=True)
+    head_dim = 64 if config.tile_m == 128 else 128  # 128-row blocks fit at head dim 64
+    problem = Problem(
+        head_dim=head_dim, seqlen_q=2048, batch=2, nheads_q=8, nheads_kv=2, causal=True
+    )
     case, _ = run_case(problem, config)
     first = [t.clone() for t in (case.dq, case.dk, case.dv)]
     run = FAMILY.launcher(case, config, H200)
