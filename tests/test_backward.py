@@ -91,9 +91,10 @@ def test_configs_that_would_spill_or_serialize_are_refused_and_unequal_head_dims
 
 def edge_configs(dq_warp: bool = False):
     """(config, causal) of every 128-row config the rules admit at head dim 64 (with dq_warp: the
-    dQ warp's, deterministic or not)."""
+    dQ warp's, deterministic or not, dQ split by columns or rows)."""
     knobs = (
-        [dict(dq_tma=True, dq_warp=True, deterministic=det) for det in (False, True)]
+        [dict(dq_tma=True, dq_warp=True, deterministic=det, dq_rows=rows)
+         for det in (False, True) for rows in (False, True)]
         if dq_warp else [dict(dq_tma=tma) for tma in (False, True)]
     )  # fmt: skip
     return [
@@ -120,7 +121,7 @@ def test_128_row_q_blocks_fit_at_head_dim_64_but_for_the_turn_and_known_spills()
     assert "ptxas spills 12 bytes" in known
     assert len(edge_configs()) == 15
     # The dQ warp's: deterministic too (the turn is the dQ warp's), and no known spill.
-    assert len(edge_configs(dq_warp=True)) == 16
+    assert len(edge_configs(dq_warp=True)) == 32  # each 128 x 128: dQ by columns or rows
     assert FAMILY.infeasible_reasons(full, BwdConfig(tile_m=128, deterministic=True), H200)
     assert FAMILY.infeasible_reasons(full, BwdConfig(tile_m=128, tile_n=64), H200)
     assert FAMILY.infeasible_reasons(Problem(head_dim=96), BwdConfig(tile_m=128), H200)
@@ -584,6 +585,26 @@ def test_bad_gradient_inputs_are_named():
     for args, words in cases:
         with pytest.raises(UnsupportedInput, match=words):
             check_gradient_inputs(*args)
+
+
+def test_dq_rows_takes_the_dq_warp_and_64_rows_per_warpgroup():
+    """dq_rows splits the dQ GEMM by Q rows, 64 a warpgroup; the dQ warp reduces each warpgroup's
+    rows."""
+    p = Problem(head_dim=64, causal=True)
+    rows = BwdConfig(tile_m=128, dq_tma=True, dq_warp=True, ds_stages=2, dq_rows=True)
+    assert rows.short() == "128x128s2-tma-w-r-ds2"
+    assert not FAMILY.infeasible_reasons(p, rows, H200)
+    assert rows.as_deterministic() == replace(rows, deterministic=True)
+    assert not FAMILY.infeasible_reasons(p, rows.as_deterministic(), H200)
+    assert BwdConfig.from_dict(rows.to_dict()) == rows
+    assert BwdConfig.from_dict({"tile_m": 128}).dq_rows is False  # tables written before it
+    for config, words in [
+        (replace(rows, dq_warp=False), "dq_rows without dq_warp"),
+        (replace(rows, tile_m=64), "dq_rows with tile_m=64"),
+        (replace(rows, tile_n=64), "tile_m 64"),  # one warpgroup: 64 rows
+    ]:
+        reasons = FAMILY.infeasible_reasons(p, config, H200)
+        assert any(words in r for r in reasons), (config.short(), reasons)
 
 
 # Measured on the H200 (session 39, TFLOP/s of the backward alone; docs/kernel-notes.md): the

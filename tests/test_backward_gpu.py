@@ -95,6 +95,15 @@ CASES = [
      BwdConfig(tile_n=64, dq_tma=True, dq_warp=True, ds_stages=2)),
     (dict(head_dim=256, seqlen_q=1500, batch=1, nheads_q=4, nheads_kv=2, causal=True),
      BwdConfig(num_stages=1, deterministic=True)),
+    # ... dQ split by rows (each warpgroup 64 Q rows, its own TMA reduction): rows past seqlen_q
+    # in the second warpgroup's half and in both, GQA, one stage, deterministic.
+    (dict(head_dim=64, seqlen_q=1029, seqlen_k=500, batch=1, nheads_q=4, causal=True),
+     BwdConfig(tile_m=128, dq_tma=True, dq_warp=True, ds_stages=2, dq_rows=True)),
+    (dict(head_dim=64, seqlen_q=777, seqlen_k=1029, batch=2, nheads_q=8, nheads_kv=2),
+     BwdConfig(tile_m=128, num_stages=1, dq_tma=True, dq_warp=True, dq_rows=True)),
+    (dict(head_dim=64, seqlen_q=1500, batch=2, nheads_q=8, nheads_kv=2, causal=True),
+     BwdConfig(tile_m=128, deterministic=True, dq_tma=True, dq_warp=True, ds_stages=2,
+               dq_rows=True)),
 ]  # fmt: skip
 
 
@@ -120,6 +129,7 @@ def test_gradients_match_the_reference(fields, config):
     [
         (BwdConfig(deterministic=True), 128),
         (BwdConfig(deterministic=True, dq_tma=True, dq_warp=True), 128),
+        (BwdConfig(tile_m=128, deterministic=True, dq_tma=True, dq_warp=True, dq_rows=True), 64),
         (BwdConfig(num_stages=1, deterministic=True), 256),  # a semaphore per Q block and chunk
     ],
     ids=lambda c: c.short() if isinstance(c, BwdConfig) else str(c),

@@ -60,6 +60,7 @@ KNOBS: dict[str, tuple] = {
     "dq_tma": (False, True),
     "ds_stages": (1, 2),
     "dq_warp": (False, True),
+    "dq_rows": (False, True),
 }
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
@@ -90,7 +91,11 @@ class BwdConfig:
     consumer warpgroup stages its slice of dQ's columns and hands it to a warp of the producer
     warpgroup, which issues that slice's TMA reduction; the warpgroup meets only that warp, not
     the other warpgroup (without it both meet twice a step around the one staging of the block's
-    dQ, whose reduction the first consumer warp issues)."""
+    dQ, whose reduction the first consumer warp issues).  dq_rows (with dq_warp, tile_m 64 per
+    consumer warpgroup): the warpgroups split dQ's GEMM by Q rows, each 64 rows and every column,
+    not by columns, each all rows and d / warpgroups columns: wgmma N is the head dim, not half
+    of it, each warpgroup reads half of dS instead of all of it, and its slice for the dQ warp is
+    its rows."""
 
     tile_m: int = 64
     tile_n: int = 128
@@ -99,6 +104,7 @@ class BwdConfig:
     dq_tma: bool = False
     ds_stages: int = 1
     dq_warp: bool = False
+    dq_rows: bool = False
 
     def __post_init__(self) -> None:
         bad = []
@@ -142,6 +148,7 @@ class BwdConfig:
         return (
             f"{self.tile_m}x{self.tile_n}s{self.num_stages}{'-det' if self.deterministic else ''}"
             f"{'-tma' if self.dq_tma else ''}{'-w' if self.dq_warp else ''}"
+            f"{'-r' if self.dq_rows else ''}"
             f"{'-ds2' if self.ds_stages == 2 else ''}"
         )
 
@@ -269,6 +276,14 @@ def dq_reasons(config: BwdConfig) -> list[str]:
         )
     if config.dq_warp and not config.dq_tma:
         reasons.append("dq_warp without dq_tma: the dQ warp issues TMA reductions")
+    if config.dq_rows and not config.dq_warp:
+        reasons.append("dq_rows without dq_warp: the dQ warp reduces each warpgroup's rows")
+    if config.dq_rows and config.tile_m != 64 * config.consumer_warpgroups:
+        reasons.append(
+            f"dq_rows with tile_m={config.tile_m}: each of the {config.consumer_warpgroups} "
+            "consumer warpgroups takes 64 Q rows of the dQ GEMM (tile_m "
+            f"{64 * config.consumer_warpgroups})"
+        )
     return reasons
 
 

@@ -48,6 +48,7 @@ from ..sm90.helpers import (
     convert_to_16bit,
     permute_modes,
     smem_tile_layout,
+    stages_as_rows,
     swap_first_modes,
     wgmma,
 )
@@ -167,6 +168,7 @@ class FlashBackwardSm90:
         self.deterministic = config.deterministic
         self.dq_tma = config.dq_tma
         self.dq_warp = config.dq_warp
+        self.dq_rows = config.dq_rows
         self.ds_stages = config.ds_stages
         self.wgs = config.consumer_warpgroups
         self.num_consumer_threads = cfg.THREADS_PER_WARPGROUP * self.wgs
@@ -224,16 +226,17 @@ class FlashBackwardSm90:
             a_source=warpgroup.OperandSource.RMEM,
         )
         # dQ = dS K: dS^T and K in shared memory, both read transposed; each warpgroup a slice of
-        # dQ's columns.
+        # dQ's columns, or with dq_rows its 64 rows (tile_m is 64 per warpgroup).
         mma_dq = hopper.make_trivial_tiled_mma(
             self.dtype,
             self.dtype,
             mn_major,
             mn_major,
             Float32,
-            atom_layout_mnk=(1, self.wgs, 1),
-            tiler_mn=(64, dc // self.wgs),
+            atom_layout_mnk=(self.wgs, 1, 1) if const_expr(self.dq_rows) else (1, self.wgs, 1),
+            tiler_mn=(64, dc) if const_expr(self.dq_rows) else (64, dc // self.wgs),
         )
+        dq_cols = dc if const_expr(self.dq_rows) else dc // self.wgs  # of a warpgroup's dQ
         # Q, dO, K and V whole (S^T and dP^T run over the head dim); the dK, dV and dQ GEMMs read
         # their first chunk of columns (where the producer puts the CTA's chunk: produce), so that
         # a swizzle atom divides the chunk.
@@ -241,7 +244,7 @@ class FlashBackwardSm90:
         sdO_layout = smem_tile_layout(self.dtype, tile_m, d, self.num_stages, atom_cols=dc)
         # The dQ GEMM reads K transposed, a slice of d columns per warpgroup: a swizzle atom that
         # divides the slice (head dim 96 over two warpgroups: 48 columns, 32-byte swizzle).
-        sK_layout = smem_tile_layout(self.dtype, tile_n, d, atom_cols=dc // self.wgs)
+        sK_layout = smem_tile_layout(self.dtype, tile_n, d, atom_cols=dq_cols)
         sV_layout = smem_tile_layout(self.dtype, tile_n, d, atom_cols=dc)
         # One dS^T buffer unstaged (as before the knob), else a stage mode.
         sdS_layout = smem_tile_layout(
@@ -251,11 +254,12 @@ class FlashBackwardSm90:
         # dq_tma: the Q block's dQ in fp32, swizzled for the TMA reduction (and against bank
         # conflicts: row-major, the 8 rows of a warp's stores share 8 banks); each warpgroup writes
         # a slice of the columns, so the atom divides the slice (head dim 96: 48, 64-byte swizzle).
-        sdQ_layout = (
-            smem_tile_layout(Float32, tile_m, dc, atom_cols=dc // self.wgs)
-            if const_expr(self.dq_tma)
-            else None
-        )
+        # With dq_rows a tile of 64 rows per warpgroup (a stage each: its slice is contiguous).
+        sdQ_layout = None
+        if const_expr(self.dq_rows):
+            sdQ_layout = smem_tile_layout(Float32, 64, dc, self.wgs)
+        elif const_expr(self.dq_tma):
+            sdQ_layout = smem_tile_layout(Float32, tile_m, dc, atom_cols=dc // self.wgs)
         # Only dq_tma kernels get the buffer: the others' shared memory stays as it was.
         dq_field = (
             cute.struct.Align[
@@ -322,8 +326,12 @@ class FlashBackwardSm90:
         tma_dq, tma_mdQ = None, None
         if const_expr(self.dq_tma):
             # dq_warp: one reduction per warpgroup's slice of the columns (the slice is one column
-            # of swizzle atoms of sdQ, contiguous, laid out as a tile of its own).
-            dq_box = (tile_m, dc // self.wgs) if const_expr(self.dq_warp) else (tile_m, dc)
+            # of swizzle atoms of sdQ, contiguous, laid out as a tile of its own), or of the rows.
+            dq_box = (tile_m, dc)
+            if const_expr(self.dq_rows):
+                dq_box = (64, dc)
+            elif const_expr(self.dq_warp):
+                dq_box = (tile_m, dc // self.wgs)
             tma_dq, tma_mdQ = cpasync.make_tiled_tma_atom(
                 cpasync.CopyReduceBulkTensorTileS2GOp(),
                 mdQacc,
@@ -682,6 +690,8 @@ class FlashBackwardSm90:
         n_block, head_kv, batch, group, m_block_min, blocks_per_head, steps = walk
         seqlen_q, seqlen_k = seqlens
         mdQacc, mdQ, tma_dq, sdQ = dq_out
+        if const_expr(self.dq_rows):  # the warpgroups' tiles of 64 rows, seen as the Q block's
+            sdQ = stages_as_rows(sdQ)
         tile_m, tile_n, dc = self.tile_m, self.tile_n, self.dc
         wg = cute.arch.make_warp_uniform(ctid // cfg.THREADS_PER_WARPGROUP)
         sQc, sdOc, sKc = sQ, sdO, sK  # the CTA's chunk of their columns
@@ -989,9 +999,10 @@ class FlashBackwardSm90:
         wg: Int32,
         ctid: Int32,
     ):
-        """dq_warp: this warpgroup's slice of the Q block's dQ (its columns) into sdQ once the dQ
-        warp has read the last one out (not before the first step), then handed to the dQ warp.
-        Only the warpgroup and the dQ warp meet: the other warpgroup runs on."""
+        """dq_warp: this warpgroup's slice of the Q block's dQ (its columns, with dq_rows its rows)
+        into sdQ once the dQ warp has read the last one out (not before the first step), then
+        handed to the dQ warp. Only the warpgroup and the dQ warp meet: the other warpgroup runs
+        on."""
         slice_threads = cfg.THREADS_PER_WARPGROUP + 32
         if step > 0:
             cute.arch.barrier(
@@ -1016,6 +1027,17 @@ class FlashBackwardSm90:
             return w
         return chunk * self.wgs + w
 
+    def dq_slice(self, t: cute.Tensor, m_block, w: int, chunk=0) -> cute.Tensor:
+        """Warpgroup w's slice of Q block m_block's dQ in t: in sdQ (m_block 0, chunk 0) or in
+        the accumulator (at the CTA's chunk of the columns): its columns, or with dq_rows its 64
+        rows (in sdQ a tile of their own; dq_rows takes head dim 64, one chunk)."""
+        if const_expr(not self.dq_rows):
+            cols = self.dc // self.wgs
+            return cute.local_tile(t, (self.tile_m, cols), (m_block, self.dq_column(w, chunk)))
+        if const_expr(cute.rank(t) == 3):  # sdQ: a stage per warpgroup
+            return t[None, None, w]
+        return cute.local_tile(t, (64, self.dc), (m_block * self.wgs + w, 0))
+
     @cute.jit
     def reduce_dq_slices(
         self,
@@ -1039,7 +1061,6 @@ class FlashBackwardSm90:
         n_block, head_kv, batch, group, m_block_min, blocks_per_head, steps = walk
         seqlen_q, seqlen_k = seqlens
         slice_threads = cfg.THREADS_PER_WARPGROUP + 32
-        cols = self.dc // self.wgs
         lane = cute.arch.lane_idx()
         for step in cutlass.range(steps, unroll=1):
             g = step // blocks_per_head
@@ -1059,15 +1080,12 @@ class FlashBackwardSm90:
                 cute.arch.barrier(
                     barrier_id=BARRIER_DQ_SLICE_FULL + w, number_of_threads=slice_threads
                 )
-                column = self.dq_column(w, chunk)
                 tsdQ, tgdQ = cpasync.tma_partition(
                     tma_dq,
                     0,
                     cute.make_layout(1),
-                    cute.group_modes(cute.local_tile(sdQ, (self.tile_m, cols), (0, w)), 0, 2),
-                    cute.group_modes(
-                        cute.local_tile(gdQ, (self.tile_m, cols), (m_block, column)), 0, 2
-                    ),
+                    cute.group_modes(self.dq_slice(sdQ, 0, w), 0, 2),
+                    cute.group_modes(self.dq_slice(gdQ, m_block, w, chunk), 0, 2),
                 )
                 cute.copy(tma_dq, tsdQ, tgdQ)
                 cute.arch.cp_async_bulk_commit_group()
