@@ -7,6 +7,7 @@ sm_90a without spills or serialized wgmma."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import re
 from dataclasses import replace
@@ -192,9 +193,11 @@ def test_the_deterministic_order_never_waits_on_a_later_cta(causal, tiles, seqle
 
 # ---- the launch around a kernel played by the CPU ------------------------------------------------
 def play_kernel(config: BwdConfig, causal: bool):
-    """The CUDA kernel's walk in torch: a CTA per (K block, K/V head, batch), its Q blocks from
-    m_block_range, every query head of the group, the masks and formulas of kernel.py, bf16 operands
-    for the last three GEMMs as the kernel rounds them."""
+    """The CUDA kernel's walk in torch: a CTA per (K block, chunk of the head dim, K/V head,
+    batch), its Q blocks from m_block_range, every query head of the group, the masks and formulas
+    of kernel.py, bf16 operands for the last three GEMMs as the kernel rounds them. A chunked CTA
+    sees Q, dO, K and V with their columns in produce_chunks' order (its chunk first) and computes
+    dK, dV and dQ of its chunk from the first chunk of them."""
     from fa4tune.kernels.common.dsl import import_dsl
 
     import_dsl(H200)  # the DSL's first import fixes the arch it builds for: sm_90a
@@ -209,41 +212,48 @@ def play_kernel(config: BwdConfig, causal: bool):
         seqlen_k, nheads_kv = k.shape[1], k.shape[2]
         group, tm, tn = nheads_q // nheads_kv, config.tile_m, config.tile_n
         scale_log2 = scale * math.log2(math.e)
-        for b in range(batch):
-            for hk in range(nheads_kv):
-                for n in range(-(-seqlen_k // tn)):
-                    keys = torch.arange(n * tn, n * tn + tn)
-                    kt, vt = (pad(t[b, n * tn : n * tn + tn, hk], tn) for t in (k, v))
-                    acc_dk = torch.zeros(tn, d)
-                    acc_dv = torch.zeros(tn, d)
-                    lo, hi = walk.m_block_range(n, seqlen_q, seqlen_k)
-                    lo = int(lo) if not isinstance(lo, int) else lo
-                    for g in range(group):
-                        h = hk * group + g
-                        for m in range(lo, hi):
-                            rows = slice(m * tm, m * tm + tm)
-                            qt, dot = (pad(t[b, rows, h], tm) for t in (q, dout))
-                            lse = lse2[b, h, rows]
-                            dd = dsum[b, h, rows]
-                            queries = torch.arange(m * tm, m * tm + tm)
-                            s = kt.float() @ qt.float().T  # S^T: (keys, queries)
-                            limit = torch.full((tn, tm), seqlen_k)
-                            if causal:
-                                limit = torch.minimum(
-                                    limit, (queries + seqlen_k - seqlen_q + 1)[None, :]
-                                )
-                            s = torch.where(keys[:, None] >= limit, -math.inf, s)
-                            p = torch.exp2(s * scale_log2 - lse[None, :])
-                            dp = vt.float() @ dot.float().T
-                            ds = p * (dp - dd[None, :])
-                            acc_dv += p.to(BF16).float() @ dot.float()
-                            acc_dk += ds.to(BF16).float() @ qt.float()
-                            dq = ds.to(BF16).float().T @ kt.float()
-                            valid = min(tm, seqlen_q - m * tm)
-                            dq_acc[b, m * tm : m * tm + valid, h] += dq[:valid] * scale
-                    valid = min(tn, seqlen_k - n * tn)
-                    dk[b, n * tn : n * tn + valid, hk] = (acc_dk * scale)[:valid].to(dk.dtype)
-                    dv[b, n * tn : n * tn + valid, hk] = acc_dv[:valid].to(dv.dtype)
+        dc = cfg.head_dim_chunk(d)
+        chunks = d // dc
+        if semaphore is not None:  # a turn count per Q block and chunk
+            assert semaphore.shape[-1] == -(-seqlen_q // tm) * chunks
+        ctas = itertools.product(
+            range(batch), range(nheads_kv), range(-(-seqlen_k // tn)), range(chunks)
+        )
+        for b, hk, n, c in ctas:
+            # The columns as they lie in shared memory: chunk i holds chunk (c + i) % chunks.
+            first = [(c + i) % chunks for i in range(chunks)]
+            order = torch.cat([torch.arange(j * dc, j * dc + dc) for j in first])
+            mine = slice(c * dc, c * dc + dc)
+            keys = torch.arange(n * tn, n * tn + tn)
+            kt, vt = (pad(t[b, n * tn : n * tn + tn, hk][:, order], tn) for t in (k, v))
+            acc_dk = torch.zeros(tn, dc)
+            acc_dv = torch.zeros(tn, dc)
+            lo, hi = walk.m_block_range(n, seqlen_q, seqlen_k)
+            lo = int(lo) if not isinstance(lo, int) else lo
+            for g in range(group):
+                h = hk * group + g
+                for m in range(lo, hi):
+                    rows = slice(m * tm, m * tm + tm)
+                    qt, dot = (pad(t[b, rows, h][:, order], tm) for t in (q, dout))
+                    lse = lse2[b, h, rows]
+                    dd = dsum[b, h, rows]
+                    queries = torch.arange(m * tm, m * tm + tm)
+                    s = kt.float() @ qt.float().T  # S^T: (keys, queries)
+                    limit = torch.full((tn, tm), seqlen_k)
+                    if causal:
+                        limit = torch.minimum(limit, (queries + seqlen_k - seqlen_q + 1)[None, :])
+                    s = torch.where(keys[:, None] >= limit, -math.inf, s)
+                    p = torch.exp2(s * scale_log2 - lse[None, :])
+                    dp = vt.float() @ dot.float().T
+                    ds = p * (dp - dd[None, :])
+                    acc_dv += p.to(BF16).float() @ dot[:, :dc].float()
+                    acc_dk += ds.to(BF16).float() @ qt[:, :dc].float()
+                    dq = ds.to(BF16).float().T @ kt[:, :dc].float()
+                    valid = min(tm, seqlen_q - m * tm)
+                    dq_acc[b, m * tm : m * tm + valid, h, mine] += dq[:valid] * scale
+            valid = min(tn, seqlen_k - n * tn)
+            dk[b, n * tn : n * tn + valid, hk, mine] = (acc_dk * scale)[:valid].to(dk.dtype)
+            dv[b, n * tn : n * tn + valid, hk, mine] = acc_dv[:valid].to(dv.dtype)
 
     return run
 
@@ -292,6 +302,8 @@ CASES = [
     (1, 130, 200, 4, 2, 64, True),  # GQA, more keys than queries, off the tiles
     (1, 200, 70, 6, 2, 64, True),  # fewer keys than queries: the top rows see none (LSE -inf)
     (2, 64, 300, 4, 1, 128, False),  # MQA
+    (1, 130, 200, 4, 2, 192, True),  # head dims in chunks: 2 of 96 columns, GQA
+    (1, 100, 70, 2, 2, 256, False),  # 2 of 128
 ]
 
 
