@@ -2,7 +2,8 @@
 a shape's default config and of that config with a knob change, side by side.
 
     python benchmarks/ncu_profile.py [--shape 64:16384] [--set emu_share=0.125 ...] [--source]
-                                     [--backward] [--ncu PATH] [--csv out.csv] [--json out.json]
+                                     [--backward [--peer]] [--ncu PATH] [--csv out.csv]
+                                     [--json out.json]
 
 A shape is 'head_dim:seqlen[:causal]' at 16k tokens and hidden 2048 (benchmarks/attention.py). The
 script runs itself under ncu (`--profile-from-start off`, `--clock-control none`: the clocks are
@@ -16,7 +17,8 @@ instruction) and prints a second table: the opcodes the warps were sampled on mo
 share of all samples and its largest stall reasons (where in the code the stalls of the first table
 are). With --backward the kernel is the backward's main kernel (fa4_bwd_sm90, its knobs for --set;
 the preprocessing kernel and the dQ cast around it are not profiled), run on the family's
-measurement case. ncu replays the launch once per pass of counters, so a kernel's outputs are
+measurement case; --peer adds flash-attn-4's backward main kernel on the same tensors, as a last
+column. ncu replays the launch once per pass of counters, so a kernel's outputs are
 written several times; nothing is checked against the reference here (the other benchmarks do
 that). ncu needs a machine whose GPU counters are readable (on a gVisor host they are not: ncu says
 so and this script stops)."""
@@ -40,6 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 BACKWARD = "fa4_bwd_sm90"
 # The backward's main kernel in ncu's kernel names (the DSL names a kernel after its class).
 BACKWARD_KERNEL = "FlashBackwardSm90"
+# flash-attn-4's SM90 backward main kernel (--peer), named after its class the same way.
+PEER_BACKWARD_KERNEL = "FlashAttentionBackwardSm90"
 SECTIONS = ("SchedulerStats", "WarpStateStats", "ComputeWorkloadAnalysis", "InstructionStats")
 # (row label, ncu section, ncu body item label or None for any, metric name)
 ROWS = (
@@ -230,6 +234,12 @@ def _child(args) -> int:
         case = family.measurement_case(problem, "cuda")
         family.randomize(case, 0)
         runs = [family.launcher(case, config, target) for config in configs]
+        if (
+            args.peer
+        ):  # its forward runs here, outside the profiled range; ncu keeps its main kernel
+            from fa4tune.kernels.fa4_bwd_sm90.peers import fa4_backward
+
+            runs.append(fa4_backward(problem, case.q, case.k, case.v, case.dout))
     else:
         gen = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (
@@ -317,6 +327,11 @@ def main(argv=None) -> int:
         action="store_true",
         help="profile the backward's main kernel (fa4_bwd_sm90: --set takes its knobs)",
     )
+    ap.add_argument(
+        "--peer",
+        action="store_true",
+        help="with --backward: also flash-attn-4's backward main kernel, in a column of its own",
+    )
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -336,6 +351,12 @@ def main(argv=None) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.peer and not args.backward:
+        print(
+            "ncu_profile: --peer profiles flash-attn-4's backward: give --backward too",
+            file=sys.stderr,
+        )
+        return 2
     if args.child:
         return _child(args)
 
@@ -345,6 +366,8 @@ def main(argv=None) -> int:
         return 2
     sections = SECTIONS + (("SourceCounters",) if args.source else ())
     labels = ["default"] + (["default + " + " ".join(args.set)] if args.set else [])
+    labels += ["flash-attn-4"] if args.peer else []
+    kernels = BACKWARD_KERNEL + (f"|{PEER_BACKWARD_KERNEL}" if args.peer else "")
     deadline = time.monotonic() + args.timeout
 
     def ncu_run(arguments):
@@ -374,7 +397,7 @@ def main(argv=None) -> int:
                     "none",
                     "--target-processes",
                     "all",
-                    *(["--kernel-name", f"regex:{BACKWARD_KERNEL}"] if args.backward else []),
+                    *(["--kernel-name", f"regex:{kernels}"] if args.backward else []),
                     *[part for section in sections for part in ("--section", section)],
                     "-o",
                     str(report),
@@ -384,6 +407,7 @@ def main(argv=None) -> int:
                     "--shape",
                     args.shape,
                     *(["--backward"] if args.backward else []),
+                    *(["--peer"] if args.peer else []),
                     *[part for item in args.set for part in ("--set", item)],
                 ]
             )

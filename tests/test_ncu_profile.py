@@ -124,6 +124,7 @@ def test_output_without_a_csv_is_an_error():
         (["--backward", "--set", "wg_pingpong=false"], "a knob of tile_m, tile_n, num_stages"),
         (["--backward", "--set", "ds_stages=3"], "ds_stages=3"),
         (["--ncu", "/nonexistent/ncu"], "no Nsight Compute at /nonexistent/ncu"),
+        (["--peer"], "give --backward too"),
     ],
 )
 def test_bad_input_says_what_is_wrong(argv, message, capsys):
@@ -304,3 +305,16 @@ def test_backward_profiles_only_the_main_kernel_with_its_knobs(fake_ncu, tmp_pat
     profile = (tmp_path / "calls.txt").read_text().splitlines()[0]
     assert "--kernel-name regex:FlashBackwardSm90" in profile
     assert "--child" in profile and "--backward" in profile and "--set dq_tma=false" in profile
+
+
+def test_peer_adds_flash_attn_4s_backward_main_kernel_as_a_column(fake_ncu, tmp_path, capsys):
+    """--backward --peer: ncu keeps both main kernels (ours and flash-attn-4's), and the table has
+    a column per launch, flash-attn-4's last."""
+    (tmp_path / "details.csv").write_text(
+        ncu_output([launch("66.48", "2.35", "1,411,537,912"), launch("70.10", "2.00", "1,200")])
+    )
+    assert main(["--ncu", str(fake_ncu), "--backward", "--peer"]) == 0
+    assert "| metric | default | flash-attn-4 |" in capsys.readouterr().out
+    profile = (tmp_path / "calls.txt").read_text().splitlines()[0]
+    assert "--kernel-name regex:FlashBackwardSm90|FlashAttentionBackwardSm90" in profile
+    assert "--backward --peer" in profile
