@@ -254,7 +254,7 @@ def play_kernel(config: BwdConfig, causal: bool):
                     acc_dk += ds.to(BF16).float() @ qt[:, :dc].float()
                     dq = ds.to(BF16).float().T @ kt[:, :dc].float()
                     valid = min(tm, seqlen_q - m * tm)
-                    dq_acc[b, m * tm : m * tm + valid, h, mine] += dq[:valid] * scale
+                    dq_acc[b, m * tm : m * tm + valid, h, mine] += dq[:valid]  # unscaled
             valid = min(tn, seqlen_k - n * tn)
             dk[b, n * tn : n * tn + valid, hk, mine] = (acc_dk * scale)[:valid].to(dk.dtype)
             dv[b, n * tn : n * tn + valid, hk, mine] = acc_dv[:valid].to(dv.dtype)

@@ -13,7 +13,7 @@ A CTA takes `tile_n` rows of K and V of one K/V head and one batch:
   bottom-right diagonal), then dV += P^T dO and dK += dS^T Q with P^T and dS^T as register A
   operands, and writes dS^T to shared memory. The warpgroups then compute dQ = dS K for the block
   together (each a slice of dQ's columns, A and B both MN-major in shared memory) and add it,
-  times softmax_scale, into the fp32 dQ accumulator in global memory: `red.global.add` of column
+  unscaled, into the fp32 dQ accumulator in global memory: `red.global.add` of column
   pairs, or with `deterministic` after the CTAs of the earlier K blocks (a semaphore per Q block,
   taken in the order of the K blocks: the sums come out the same on every run), or with `dq_tma`
   staged in shared memory (fp32) and added by one thread's TMA reductions, which run on while the
@@ -26,7 +26,8 @@ their contributions in its accumulators. Head dims above 128 go in chunks (confi
 a CTA per K block and chunk of the head dim, S^T and dP^T over all of it, dK, dV and dQ of its
 chunk (produce_chunks puts that chunk first in the shared buffers). Before it the preprocessing
 kernel (preprocess.py) writes LSE2 and D; the launch (launch.py) zeroes the dQ accumulator, and
-casts it to dQ after."""
+scales it by softmax_scale as it casts it to dQ after (one pass, which has to read it anyway, not a
+multiply per value in every CTA that adds to it)."""
 
 from __future__ import annotations
 
@@ -187,7 +188,7 @@ class FlashBackwardSm90:
         mdO: cute.Tensor,  # (batch, seqlen_q, nheads_q, d)
         mLSE2: cute.Tensor,  # (batch, nheads_q, seqlen_q padded to tile_m) fp32: LSE x log2(e)
         mD: cute.Tensor,  # (batch, nheads_q, seqlen_q padded) fp32: rowsum(dO * O)
-        mdQacc: cute.Tensor,  # (batch, seqlen_q, nheads_q, d) fp32, zero before the launch
+        mdQacc: cute.Tensor,  # (batch, seqlen_q, nheads_q, d) fp32, zero: gets dQ / scale
         mdK: cute.Tensor,  # (batch, seqlen_k, nheads_kv, d)
         mdV: cute.Tensor,  # (batch, seqlen_k, nheads_kv, d)
         mSemaphore: cute.Tensor | None,  # deterministic: (batch, nheads_q, Q blocks) int32, zero
@@ -795,7 +796,6 @@ class FlashBackwardSm90:
                     mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], accumulate=True,
                     wait=1,
                 )  # fmt: skip
-                acc_dQ.store(acc_dQ.load() * softmax_scale)
                 if const_expr(self.dq_warp):
                     self.stage_dq_slice(acc_dQ, mma_dq, sdQ, step, wg, ctid)
                 else:
@@ -809,7 +809,6 @@ class FlashBackwardSm90:
                 wgmma(mma_dq, acc_dQ, tdQrdS_step, tdQrKt, accumulate=False, wait=0)
                 pipe_q.consumer_release(q_state)
                 q_state.advance()
-                acc_dQ.store(acc_dQ.load() * softmax_scale)
                 self.add_dq(
                     acc_dQ, dq_coords, mdQacc, mSemaphore, n_block, m_block, head, batch,
                     seqlen_q, seqlen_k, ctid, chunk,
