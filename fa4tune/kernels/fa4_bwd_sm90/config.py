@@ -213,6 +213,19 @@ def consumer_registers_needed(config: BwdConfig, problem: Problem) -> int:
     return regs_dkv + max(regs_sdp, regs_dq) + overhead
 
 
+def stats_in_registers(config: BwdConfig, problem: Problem) -> tuple[bool, bool]:
+    """Whether a consumer thread reads the LSE2 and the D of its tile_m / 4 query columns into
+    registers early: LSE2 before the step's S^T and dP^T GEMMs, D before the exp2 (each read from
+    shared memory just before its use stalls the FFMAs and FADDs that take it). Each costs tile_m
+    / 4 registers while S^T and dP^T are live: taken where the register model leaves that much
+    room (head dim 128 with 64 rows: LSE2 alone; 128 rows at head dim 64: neither, ptxas spilled
+    20 bytes for LSE2 alone there, and 16 for D beside LSE2 at head dim 128 causal)."""
+    _, consumer = REGISTER_SPLIT[config.consumer_warpgroups]
+    room = consumer - consumer_registers_needed(config, problem)
+    stats = config.tile_m // 4
+    return room >= stats, room >= 2 * stats
+
+
 def _extra_state(config: BwdConfig) -> list[str]:
     """What takes EXTRA_STATE_REGS beyond the overhead, by name (empty: nothing)."""
     return [

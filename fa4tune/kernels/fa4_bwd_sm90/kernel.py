@@ -175,6 +175,9 @@ class FlashBackwardSm90:
         self.num_consumer_threads = cfg.THREADS_PER_WARPGROUP * self.wgs
         self.num_threads = cfg.THREADS_PER_WARPGROUP * (self.wgs + 1)
         self.producer_regs, self.consumer_regs = cfg.REGISTER_SPLIT[self.wgs]
+        self.early_lse, self.early_d = cfg.stats_in_registers(
+            config, Problem(dtype=dtype, head_dim=head_dim, causal=causal)
+        )
 
     # --------------------------------------------------------------------------------------------
     # Host side
@@ -737,6 +740,7 @@ class FlashBackwardSm90:
         tdSsdS = ds_store.partition_D(sdS)
         # Where this thread's S^T values lie in the (tile_n, tile_m) block: key row, query column.
         s_coords = acc_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((tile_n, tile_m))))
+        s_cols = cute.size(s_coords, mode=[1])
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
@@ -749,13 +753,21 @@ class FlashBackwardSm90:
             head = head_kv * group + g
             stage = q_state.index
             pipe_q.consumer_wait(q_state)
+            # The LSE2 of this thread's query columns into registers before the GEMMs, where they
+            # fit (config.stats_in_registers): read after the wait for S^T, its loads stall the
+            # exp2's FFMAs.
+            lse = None
+            if const_expr(self.early_lse):
+                lse = cute.make_rmem_tensor(s_cols, Float32)
+                for c in cutlass.range_constexpr(s_cols):
+                    lse[c] = sLSE[s_coords[0, c][1], stage]
             acc_S = cute.make_rmem_tensor(s_shape, Float32)
             wgmma(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], accumulate=False, wait=-1)
             acc_dP = cute.make_rmem_tensor(s_shape, Float32)
             wgmma(mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], accumulate=False, wait=1)
             self.softmax_grad(
-                acc_S, acc_dP, s_coords, sLSE, sD, stage, n_block, m_block, seqlen_q, seqlen_k,
-                softmax_scale_log2,
+                acc_S, acc_dP, s_coords, sLSE, sD, stage, lse, n_block, m_block, seqlen_q,
+                seqlen_k, softmax_scale_log2,
             )  # fmt: skip
             convert_to_16bit(acc_as_operand_a(acc_S), tdVrP)
             convert_to_16bit(acc_as_operand_a(acc_dP), tdKrdS)
@@ -828,6 +840,7 @@ class FlashBackwardSm90:
         sLSE: cute.Tensor,
         sD: cute.Tensor,
         stage: Int32,
+        lse: cute.Tensor | None,
         n_block: Int32,
         m_block: Int32,
         seqlen_q: Int32,
@@ -835,10 +848,19 @@ class FlashBackwardSm90:
         softmax_scale_log2: Float32,
     ):
         """P^T = exp2(S^T x scale_log2 - LSE2) into acc_S (0 for keys past seqlen_k and, causal,
-        above the diagonal), then dS^T = P^T (dP^T - D) into acc_dP, once dP^T's wgmma is done."""
+        above the diagonal), then dS^T = P^T (dP^T - D) into acc_dP, once dP^T's wgmma is done.
+        lse: None, or (early_lse) the LSE2 of this thread's columns (coords' mode 1) already in
+        registers."""
         scores = acc_rows_cols(acc_S)
         grads = acc_rows_cols(acc_dP)
         rows, cols = cute.size(scores, mode=[0]), cute.size(scores, mode=[1])
+        # early_d: D of the columns read before the exp2, so that its loads land while they run
+        # (read after the wait for dP^T, they stall dS^T's FADDs); else there, one at a time.
+        dsum = None
+        if const_expr(self.early_d):
+            dsum = cute.make_rmem_tensor(cols, Float32)
+            for c in cutlass.range_constexpr(cols):
+                dsum[c] = sD[coords[0, c][1], stage]
         # A key is seen while key0 + key row < limit (seqlen_k; causal, also the column's query +
         # diagonal + 1). This thread's key rows are its first one, row0, plus compile-time offsets:
         # compared as offset < limit - key0 - row0 (one bound per column, then one compare with an
@@ -857,25 +879,25 @@ class FlashBackwardSm90:
             causal_base = m_block * self.tile_m + diagonal + 1 - n_block * self.tile_n - row0
             for c in cutlass.range_constexpr(cols):
                 col = coords[0, c][1]
-                lse = sLSE[col, stage]
+                lse_c = lse[c] if const_expr(self.early_lse) else sLSE[col, stage]
                 bound = bound_k
                 if const_expr(self.causal):
                     bound = cutlass.min(bound, causal_base + col)
                 for r in cutlass.range_constexpr(rows):
                     s = -Float32.inf if coords[r, 0][0] - row0 >= bound else scores[r, c]
-                    scores[r, c] = cute.math.exp2(s * softmax_scale_log2 - lse, fastmath=True)
+                    scores[r, c] = cute.math.exp2(s * softmax_scale_log2 - lse_c, fastmath=True)
         else:
             for c in cutlass.range_constexpr(cols):
-                lse = sLSE[coords[0, c][1], stage]
+                lse_c = lse[c] if const_expr(self.early_lse) else sLSE[coords[0, c][1], stage]
                 for r in cutlass.range_constexpr(rows):
                     scores[r, c] = cute.math.exp2(
-                        scores[r, c] * softmax_scale_log2 - lse, fastmath=True
+                        scores[r, c] * softmax_scale_log2 - lse_c, fastmath=True
                     )
         warpgroup.wait_group(0)
         for c in cutlass.range_constexpr(cols):
-            dsum = sD[coords[0, c][1], stage]
+            d_col = dsum[c] if const_expr(self.early_d) else sD[coords[0, c][1], stage]
             for r in cutlass.range_constexpr(rows):
-                grads[r, c] = scores[r, c] * (grads[r, c] - dsum)
+                grads[r, c] = scores[r, c] * (grads[r, c] - d_col)
 
     @cute.jit
     def add_dq(
