@@ -741,6 +741,18 @@ class FlashBackwardSm90:
         # Where this thread's S^T values lie in the (tile_n, tile_m) block: key row, query column.
         s_coords = acc_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((tile_n, tile_m))))
         s_cols = cute.size(s_coords, mode=[1])
+        # Only the K block that ends past seqlen_k and, causal, the blocks that reach above the
+        # Q block's first query's diagonal (key_end - 1 > m_block x tile_m + seqlen_k - seqlen_q)
+        # need the mask (the rows past seqlen_q have LSE2 = +inf, so their P is 0 anyway): the
+        # Q blocks below mask_end, decided once per CTA, so that a step's test is one compare
+        # (ptxas recomputed the K block's own test from the block index at every step).
+        key_end = (n_block + 1) * tile_n
+        mask_end = Int32(0)
+        if const_expr(self.causal):
+            reach = key_end - 1 - (seqlen_k - seqlen_q)  # the Q blocks that start below it
+            mask_end = cutlass.max(reach + tile_m - 1, 0) // tile_m
+        if key_end > seqlen_k:
+            mask_end = m_block_min + blocks_per_head
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
@@ -766,8 +778,8 @@ class FlashBackwardSm90:
             acc_dP = cute.make_rmem_tensor(s_shape, Float32)
             wgmma(mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], accumulate=False, wait=1)
             self.softmax_grad(
-                acc_S, acc_dP, s_coords, sLSE, sD, stage, lse, n_block, m_block, seqlen_q,
-                seqlen_k, softmax_scale_log2,
+                acc_S, acc_dP, s_coords, sLSE, sD, stage, lse, m_block < mask_end, n_block,
+                m_block, seqlen_q, seqlen_k, softmax_scale_log2,
             )  # fmt: skip
             convert_to_16bit(acc_as_operand_a(acc_S), tdVrP)
             convert_to_16bit(acc_as_operand_a(acc_dP), tdKrdS)
@@ -841,6 +853,7 @@ class FlashBackwardSm90:
         sD: cute.Tensor,
         stage: Int32,
         lse: cute.Tensor | None,
+        masked,
         n_block: Int32,
         m_block: Int32,
         seqlen_q: Int32,
@@ -850,7 +863,7 @@ class FlashBackwardSm90:
         """P^T = exp2(S^T x scale_log2 - LSE2) into acc_S (0 for keys past seqlen_k and, causal,
         above the diagonal), then dS^T = P^T (dP^T - D) into acc_dP, once dP^T's wgmma is done.
         lse: None, or (early_lse) the LSE2 of this thread's columns (coords' mode 1) already in
-        registers."""
+        registers. masked: the step's keys need the mask (consume's mask_end)."""
         scores = acc_rows_cols(acc_S)
         grads = acc_rows_cols(acc_dP)
         rows, cols = cute.size(scores, mode=[0]), cute.size(scores, mode=[1])
@@ -867,13 +880,7 @@ class FlashBackwardSm90:
         # immediate per score, no key held per score).
         row0 = coords[0, 0][0]
         diagonal = seqlen_k - seqlen_q
-        # Only the K block that ends past seqlen_k and, causal, the blocks that reach above the
-        # Q block's first query's diagonal need the mask (the rows past seqlen_q have LSE2 = +inf,
-        # so their P is 0 anyway): the others skip its compare and select per score.
-        key_end = (n_block + 1) * self.tile_n
-        masked = key_end > seqlen_k
-        if const_expr(self.causal):
-            masked = masked | (key_end - 1 > m_block * self.tile_m + diagonal)
+        # Unmasked steps skip the compare and select per score.
         if masked:
             bound_k = seqlen_k - n_block * self.tile_n - row0
             causal_base = m_block * self.tile_m + diagonal + 1 - n_block * self.tile_n - row0
