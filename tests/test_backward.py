@@ -130,6 +130,26 @@ def test_128_row_q_blocks_fit_at_head_dim_64_but_for_the_turn_and_known_spills()
     assert FAMILY.infeasible_reasons(Problem(head_dim=96), BwdConfig(tile_m=128), H200)
 
 
+def test_the_lse_and_d_go_into_registers_early_where_the_model_leaves_room():
+    """(LSE2 before the GEMMs, D before the exp2): tile_m / 4 registers each beyond the model's
+    need; the compile tests check that no admitted config spills with them."""
+    early = {
+        (d, config.short()): cfg.stats_in_registers(config, Problem(head_dim=d))
+        for d in (64, 96, 128)
+        for config in (BwdConfig(dq_tma=True, ds_stages=2, dq_warp=True), *cfg.DEFAULT_LADDER[:1])
+        if not FAMILY.infeasible_reasons(Problem(head_dim=d), config, H200)
+    }
+    assert early == {
+        (64, "64x128s2-tma-w-ds2"): (True, True),
+        (64, "128x128s2-tma-w-r-ds2"): (False, False),  # at the model's edge
+        (96, "64x128s2-tma-w-ds2"): (True, True),
+        (128, "64x128s2-tma-w-ds2"): (True, False),
+    }
+    # The consumers' deterministic turn takes the room at head dim 128.
+    det = BwdConfig(deterministic=True)
+    assert cfg.stats_in_registers(det, Problem(head_dim=128)) == (False, False)
+
+
 def test_two_ds_buffers_take_their_shared_memory_and_keep_the_deterministic_mode():
     p = Problem(head_dim=128, causal=True)
     two = BwdConfig(dq_tma=True, ds_stages=2)
