@@ -1,7 +1,8 @@
 """Backward: the tiles, the pipeline depth, the way dQ is added (red.global from registers, or
 TMA reductions per Q block from shared memory, issued by a consumer warp or by a producer warp per
-warpgroup's slice of columns or rows) and the dS^T buffers of the backward kernel family
-(fa4_bwd_sm90), its default space. The dQ accumulation's determinism is not searched: the caller
+warpgroup's slice of columns or rows), the dS^T buffers and the dQ GEMM's orientation (dQ^T = K^T
+dS^T, which admits 80-row Q blocks) of the backward kernel family (fa4_bwd_sm90), its default
+space. The dQ accumulation's determinism is not searched: the caller
 chooses it (torch.use_deterministic_algorithms), and the tuned tiles serve both modes
 (config.deterministic_config: register adds in order, the tuned tiles where the turn fits)."""
 
@@ -12,19 +13,29 @@ from .base import Choice, SearchSpace
 
 class BackwardSpace(SearchSpace):
     name = "backward"
-    knobs = ("tile_m", "tile_n", "num_stages", "dq_tma", "ds_stages", "dq_warp", "dq_rows")
+    knobs = (
+        "tile_m",
+        "tile_n",
+        "num_stages",
+        "dq_tma",
+        "ds_stages",
+        "dq_warp",
+        "dq_rows",
+        "dq_swap",
+    )
     description = (
         "backward: Q rows per step, K/V rows per CTA, Q/dO pipeline depth, dQ adds, dS^T "
-        "buffers, who issues the dQ reductions, dQ's GEMM split by rows or columns"
+        "buffers, who issues the dQ reductions, dQ's GEMM split by rows or columns or swapped"
     )
 
     def params(self):
         return {
-            "tile_m": Choice([64, 128]),
+            "tile_m": Choice([64, 80, 128]),
             "tile_n": Choice([64, 128]),
             "num_stages": Choice([1, 2]),
             "dq_tma": Choice([False, True]),
             "ds_stages": Choice([1, 2]),
             "dq_warp": Choice([False, True]),
             "dq_rows": Choice([False, True]),
+            "dq_swap": Choice([False, True]),
         }

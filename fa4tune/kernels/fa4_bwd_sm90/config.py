@@ -12,8 +12,9 @@ blocks of `tile_m` rows. Per Q block a warpgroup computes, for its K rows:
 
 and writes dS^T to shared memory, from which the warpgroups together compute dQ = dS K for the Q
 block (each warpgroup a slice of dQ's columns) and add it into an fp32 dQ accumulator in global
-memory: atomically, or with `deterministic` in the order of the K blocks (a semaphore per Q block),
-so that the result is bitwise repeatable. With `dq_tma` the warpgroups stage the block's dQ in
+memory (with `dq_swap` as dQ^T = K^T dS^T, whose N is the Q rows: 80-row blocks): atomically, or
+with `deterministic` in the order of the K blocks (a semaphore per Q block), so that the result is
+bitwise repeatable. With `dq_tma` the warpgroups stage the block's dQ in
 shared memory instead, and one thread adds it with TMA reductions (cp.reduce.async.bulk.tensor,
 one per swizzle atom of columns) while the next block is computed."""
 
@@ -47,13 +48,17 @@ REGISTER_SPLIT = {1: (24, 240), 2: (24, 240)}
 # warpgroup with dq_tma and one stage 4.
 CONSUMER_OVERHEAD_REGS = 16
 EXTRA_STATE_REGS = 16
+# The overhead with dQ^T's GEMM (dq_swap), calibrated at its own edge, head dim 128 with 80 Q rows
+# (the model's 128 + 80 + 20 + 16 = 244 there): ptxas builds every config of it the rules admit
+# with this overhead without spills (a compile test builds them all).
+SWAP_OVERHEAD_REGS = 12
 # Configs the model admits that ptxas (nvidia-cutlass-dsl 4.8.1) spills anyway, as (head_dim,
 # tile_m, tile_n, num_stages, dq_tma, ds_stages, causal, dq_warp): bytes of spill stores. A
 # compile test builds every admitted config at the edge, so that this list cannot go stale unseen.
 KNOWN_SPILLS = {(64, 128, 128, 2, True, 1, True, False): 12}
 
 KNOBS: dict[str, tuple] = {
-    "tile_m": (64, 128),
+    "tile_m": (64, 80, 128),
     "tile_n": (64, 128),
     "num_stages": (1, 2),
     "deterministic": (False, True),
@@ -61,6 +66,7 @@ KNOBS: dict[str, tuple] = {
     "ds_stages": (1, 2),
     "dq_warp": (False, True),
     "dq_rows": (False, True),
+    "dq_swap": (False, True),
 }
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
@@ -95,7 +101,10 @@ class BwdConfig:
     consumer warpgroup): the warpgroups split dQ's GEMM by Q rows, each 64 rows and every column,
     not by columns, each all rows and d / warpgroups columns: wgmma N is the head dim, not half
     of it, each warpgroup reads half of dS instead of all of it, and its slice for the dQ warp is
-    its rows."""
+    its rows.  dq_swap: the dQ GEMM computes dQ^T = K^T dS^T (M the head dim, 64 columns of dQ per
+    consumer warpgroup; N the Q block's rows; K-dim tile_n), not dQ = dS K (M the Q rows, so tile_m
+    a multiple of 64): what admits 80-row Q blocks (80 is a wgmma N, and 5 k-steps of the dK and dV
+    GEMMs); each thread's dQ values reach sdQ or the accumulator transposed, one at a time."""
 
     tile_m: int = 64
     tile_n: int = 128
@@ -105,6 +114,7 @@ class BwdConfig:
     ds_stages: int = 1
     dq_warp: bool = False
     dq_rows: bool = False
+    dq_swap: bool = False
 
     def __post_init__(self) -> None:
         bad = []
@@ -148,7 +158,7 @@ class BwdConfig:
         return (
             f"{self.tile_m}x{self.tile_n}s{self.num_stages}{'-det' if self.deterministic else ''}"
             f"{'-tma' if self.dq_tma else ''}{'-w' if self.dq_warp else ''}"
-            f"{'-r' if self.dq_rows else ''}"
+            f"{'-r' if self.dq_rows else ''}{'-sw' if self.dq_swap else ''}"
             f"{'-ds2' if self.ds_stages == 2 else ''}"
         )
 
@@ -207,7 +217,7 @@ def consumer_registers_needed(config: BwdConfig, problem: Problem) -> int:
     regs_sdp = config.tile_m + config.tile_m // 4
     regs_dq = config.tile_m * chunk // 128 // config.consumer_warpgroups
     regs_dq += config.tile_m // 2
-    overhead = CONSUMER_OVERHEAD_REGS
+    overhead = SWAP_OVERHEAD_REGS if config.dq_swap else CONSUMER_OVERHEAD_REGS
     if _extra_state(config):
         overhead += EXTRA_STATE_REGS
     return regs_dkv + max(regs_sdp, regs_dq) + overhead
@@ -262,11 +272,30 @@ def register_reasons(config: BwdConfig, problem: Problem, target: Target) -> lis
 
 def tile_reasons(config: BwdConfig, problem: Problem) -> list[str]:
     """The dQ GEMM splits the chunk of dQ's columns among the consumer warpgroups, in wgmma N
-    steps of 8."""
+    steps of 8; its M (the Q rows) is a multiple of 64. Swapped (dq_swap), its M is dQ's columns,
+    64 per warpgroup, and its N the Q rows (64 or 80): head dim 128 with two warpgroups. (Head dim
+    64 with one, tile_n 64, compiles without spills too, but one warpgroup is the slow tile there
+    and its 24 configs would overrun the train job's grid; 96 splits into 48-row Ms, no wgmma.)"""
     reasons = []
     wgs = config.consumer_warpgroups
     chunk = head_dim_chunk(problem.head_dim)
-    if chunk % (8 * wgs):
+    if config.dq_swap:
+        if problem.head_dim != 128 or wgs != 2:
+            reasons.append(
+                f"dq_swap at head_dim={problem.head_dim} with {wgs} consumer warpgroup(s): dQ^T's "
+                "GEMM takes 64 of dQ's columns per warpgroup, head dim 128 with two (tile_n 128)"
+            )
+        if config.tile_m not in (64, 80):
+            reasons.append(
+                f"dq_swap with tile_m={config.tile_m}: its dQ^T accumulator of 64 x tile_m takes "
+                "64 or 80 rows (the register model's S^T and dP^T of 128 rows do not fit beside it)"
+            )
+    elif config.tile_m % 64:
+        reasons.append(
+            f"tile_m={config.tile_m} without dq_swap: the dQ GEMM's M (the Q rows) is a multiple "
+            "of 64"
+        )
+    if not config.dq_swap and chunk % (8 * wgs):
         reasons.append(
             f"head_dim={problem.head_dim} (chunks of {chunk}) does not split into {wgs} column "
             "slices of a multiple of 8 (the dQ GEMM)"
@@ -291,6 +320,8 @@ def dq_reasons(config: BwdConfig) -> list[str]:
         reasons.append("dq_warp without dq_tma: the dQ warp issues TMA reductions")
     if config.dq_rows and not config.dq_warp:
         reasons.append("dq_rows without dq_warp: the dQ warp reduces each warpgroup's rows")
+    if config.dq_rows and config.dq_swap:
+        reasons.append("dq_rows with dq_swap: dQ^T's GEMM splits the columns, not the rows")
     if config.dq_rows and config.tile_m != 64 * config.consumer_warpgroups:
         reasons.append(
             f"dq_rows with tile_m={config.tile_m}: each of the {config.consumer_warpgroups} "

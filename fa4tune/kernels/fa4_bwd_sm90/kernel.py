@@ -12,7 +12,8 @@ A CTA takes `tile_n` rows of K and V of one K/V head and one batch:
   dS^T = P^T (dP^T - D) in registers (masking keys past seqlen_k and, causal, above the
   bottom-right diagonal), then dV += P^T dO and dK += dS^T Q with P^T and dS^T as register A
   operands, and writes dS^T to shared memory. The warpgroups then compute dQ = dS K for the block
-  together (each a slice of dQ's columns, A and B both MN-major in shared memory) and add it,
+  together (each a slice of dQ's columns, A and B both MN-major in shared memory; with `dq_swap`
+  as dQ^T = K^T dS^T, which takes 80-row Q blocks, each warpgroup 64 of dQ's columns) and add it,
   unscaled, into the fp32 dQ accumulator in global memory: `red.global.add` of column
   pairs, or with `deterministic` after the CTAs of the earlier K blocks (a semaphore per Q block,
   taken in the order of the K blocks: the sums come out the same on every run), or with `dq_tma`
@@ -85,6 +86,20 @@ def red_add_f32x2(pointer, a: Float32, b: Float32, *, loc=None, ip=None) -> None
         ],
         "red.global.add.v2.f32 [$0], {$1, $2};",
         "l,f,f",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
+def red_add_f32(pointer, a: Float32, *, loc=None, ip=None) -> None:
+    """Atomically add a to the fp32 value at `pointer`, a reduction in L2."""
+    llvm.inline_asm(
+        None,
+        [pointer.toint(loc=loc, ip=ip).ir_value(), Float32(a).ir_value(loc=loc, ip=ip)],
+        "red.global.add.f32 [$0], $1;",
+        "l,f",
         has_side_effects=True,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
@@ -170,6 +185,7 @@ class FlashBackwardSm90:
         self.dq_tma = config.dq_tma
         self.dq_warp = config.dq_warp
         self.dq_rows = config.dq_rows
+        self.dq_swap = config.dq_swap
         self.ds_stages = config.ds_stages
         self.wgs = config.consumer_warpgroups
         self.num_consumer_threads = cfg.THREADS_PER_WARPGROUP * self.wgs
@@ -230,15 +246,21 @@ class FlashBackwardSm90:
             a_source=warpgroup.OperandSource.RMEM,
         )
         # dQ = dS K: dS^T and K in shared memory, both read transposed; each warpgroup a slice of
-        # dQ's columns, or with dq_rows its 64 rows (tile_m is 64 per warpgroup).
+        # dQ's columns, or with dq_rows its 64 rows (tile_m is 64 per warpgroup). dq_swap: dQ^T =
+        # K^T dS^T, K^T (M: 64 columns of dQ per warpgroup, the same slice) and dS (N: the Q
+        # block's rows, 64 or 80) read from K's and dS^T's buffers, both MN-major as well.
         mma_dq = hopper.make_trivial_tiled_mma(
             self.dtype,
             self.dtype,
             mn_major,
             mn_major,
             Float32,
-            atom_layout_mnk=(self.wgs, 1, 1) if const_expr(self.dq_rows) else (1, self.wgs, 1),
-            tiler_mn=(64, dc) if const_expr(self.dq_rows) else (64, dc // self.wgs),
+            atom_layout_mnk=(self.wgs, 1, 1)
+            if const_expr(self.dq_rows or self.dq_swap)
+            else (1, self.wgs, 1),
+            tiler_mn=(64, dc)
+            if const_expr(self.dq_rows)
+            else ((64, tile_m) if const_expr(self.dq_swap) else (64, dc // self.wgs)),
         )
         dq_cols = dc if const_expr(self.dq_rows) else dc // self.wgs  # of a warpgroup's dQ
         # Q, dO, K and V whole (S^T and dP^T run over the head dim); the dK, dV and dQ GEMMs read
@@ -725,10 +747,17 @@ class FlashBackwardSm90:
 
         wg_dq = mma_dq.get_slice(wg * cfg.THREADS_PER_WARPGROUP)
         thr_dq = mma_dq.get_slice(ctid)
-        tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(swap_first_modes(sdS)))
-        tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(swap_first_modes(sKc)))
-        dq_shape = wg_dq.partition_shape_C((tile_m, dc))
-        dq_coords = acc_rows_cols(thr_dq.partition_C(cute.make_identity_tensor((tile_m, dc))))
+        # dQ's tile (rows, columns) as the GEMM computes it: (queries, columns of dQ), or
+        # swapped (columns of dQ, queries); the coordinates this thread's values have in it.
+        dq_tile = (dc, tile_m) if const_expr(self.dq_swap) else (tile_m, dc)
+        if const_expr(self.dq_swap):
+            tdQrKt = wg_dq.make_fragment_A(wg_dq.partition_A(swap_first_modes(sKc)))
+            tdQrdS = wg_dq.make_fragment_B(wg_dq.partition_B(swap_first_modes(sdS)))
+        else:
+            tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(swap_first_modes(sdS)))
+            tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(swap_first_modes(sKc)))
+        dq_shape = wg_dq.partition_shape_C(dq_tile)
+        dq_coords = acc_rows_cols(thr_dq.partition_C(cute.make_identity_tensor(dq_tile)))
 
         # dS^T from registers into shared memory (rows: keys, columns: queries).
         ds_store = cute.make_tiled_copy_C(
@@ -813,9 +842,12 @@ class FlashBackwardSm90:
                 barrier_id=BARRIER_DS_FULL, number_of_threads=self.num_consumer_threads
             )
             acc_dQ = cute.make_rmem_tensor(dq_shape, Float32)
+            dq_a, dq_b = tdQrdS_step, tdQrKt
+            if const_expr(self.dq_swap):
+                dq_a, dq_b = tdQrKt, tdQrdS_step
             if const_expr(self.dq_tma):
                 # dQ before dK, so that dQ is staged and reduced while the dK GEMM runs.
-                wgmma(mma_dq, acc_dQ, tdQrdS_step, tdQrKt, accumulate=False, wait=-1)
+                wgmma(mma_dq, acc_dQ, dq_a, dq_b, accumulate=False, wait=-1)
                 wgmma(
                     mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], accumulate=True,
                     wait=1,
@@ -830,7 +862,7 @@ class FlashBackwardSm90:
                 pipe_q.consumer_release(q_state)
                 q_state.advance()
             else:
-                wgmma(mma_dq, acc_dQ, tdQrdS_step, tdQrKt, accumulate=False, wait=0)
+                wgmma(mma_dq, acc_dQ, dq_a, dq_b, accumulate=False, wait=0)
                 pipe_q.consumer_release(q_state)
                 q_state.advance()
                 self.add_dq(
@@ -948,15 +980,28 @@ class FlashBackwardSm90:
         values = acc_rows_cols(acc_dQ)
         gdQ = mdQacc[None, None, head, batch]
         query0 = m_block * self.tile_m
-        for r in cutlass.range_constexpr(cute.size(values, mode=[0])):
-            query = query0 + coords[r, 0][0]
-            if query < seqlen_q:
-                for c in cutlass.range_constexpr(0, cute.size(values, mode=[1]), 2):
-                    col = coords[r, c][1]
-                    if const_expr(self.chunks > 1):
-                        col = col + chunk * self.dc
-                    pointer = gdQ.iterator + cute.crd2idx((query, col), gdQ.layout)
-                    red_add_f32x2(pointer, values[r, c], values[r, c + 1])
+        if const_expr(self.dq_swap):
+            # dQ^T: a thread's value pairs are adjacent queries, a row of the accumulator apart,
+            # so one add per value; its columns are the queries (the same for every row).
+            for c in cutlass.range_constexpr(cute.size(values, mode=[1])):
+                query = query0 + coords[0, c][1]
+                if query < seqlen_q:
+                    for r in cutlass.range_constexpr(cute.size(values, mode=[0])):
+                        col = coords[r, c][0]
+                        if const_expr(self.chunks > 1):
+                            col = col + chunk * self.dc
+                        pointer = gdQ.iterator + cute.crd2idx((query, col), gdQ.layout)
+                        red_add_f32(pointer, values[r, c])
+        else:
+            for r in cutlass.range_constexpr(cute.size(values, mode=[0])):
+                query = query0 + coords[r, 0][0]
+                if query < seqlen_q:
+                    for c in cutlass.range_constexpr(0, cute.size(values, mode=[1]), 2):
+                        col = coords[r, c][1]
+                        if const_expr(self.chunks > 1):
+                            col = col + chunk * self.dc
+                        pointer = gdQ.iterator + cute.crd2idx((query, col), gdQ.layout)
+                        red_add_f32x2(pointer, values[r, c], values[r, c + 1])
         if const_expr(self.deterministic):
             cute.arch.fence_acq_rel_gpu()
             cute.arch.barrier(
@@ -1009,12 +1054,17 @@ class FlashBackwardSm90:
 
     @cute.jit
     def stage_dq(self, acc_dQ: cute.Tensor, mma_dq: cute.TiledMma, sdQ: cute.Tensor, ctid: Int32):
-        """This thread's dQ values into sdQ (its warpgroup's columns), visible to TMA after."""
+        """This thread's dQ values into sdQ (its warpgroup's columns), visible to TMA after.
+        dq_swap: dQ^T's values into sdQ seen transposed, one at a time (a thread's pairs are
+        adjacent queries, a row of sdQ apart; sdQ stays row-major for the TMA reduction)."""
+        bits, sdQ_mma = 64, sdQ
+        if const_expr(self.dq_swap):
+            bits, sdQ_mma = 32, swap_first_modes(sdQ)
         dq_store = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64),
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=bits),
             mma_dq,
         ).get_slice(ctid)
-        cute.copy(dq_store, dq_store.retile(acc_dQ), dq_store.partition_D(sdQ))
+        cute.copy(dq_store, dq_store.retile(acc_dQ), dq_store.partition_D(sdQ_mma))
         cute.arch.fence_view_async_shared()
 
     @cute.jit
