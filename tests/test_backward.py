@@ -177,7 +177,7 @@ def test_the_deterministic_mode_keeps_the_tuned_tiles_where_the_turn_fits():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("tiles", [(64, 128), (128, 128), (128, 64)])
+@pytest.mark.parametrize("tiles", [(64, 128), (128, 128), (128, 64), (80, 128)])
 @pytest.mark.parametrize("seqlens", [(4096, 4096), (1000, 3000), (3000, 1000), (777, 777)])
 def test_the_deterministic_order_never_waits_on_a_later_cta(causal, tiles, seqlens):
     """Each Q block's adds are numbered 0, 1, ... over the K blocks that see it; the one before a
@@ -350,6 +350,33 @@ def test_the_launch_and_the_kernels_walk_give_autograds_gradients(
         assert error < 2e-2, (name, error)
 
 
+SWAP_CASES = [
+    (2, 100, 100, 2, 2, 128, False),  # one Q block of 80 and a part one
+    (1, 170, 300, 4, 2, 128, True),  # GQA, more keys than queries, off the tiles
+    (1, 200, 70, 2, 1, 128, True),  # fewer keys than queries: the top rows see none
+]
+
+
+@pytest.mark.parametrize("batch,sq,sk,hq,hkv,d,causal", SWAP_CASES)
+@pytest.mark.parametrize(
+    "config",
+    [
+        BwdConfig(tile_m=80, dq_swap=True, dq_tma=True, dq_warp=True, ds_stages=2),
+        BwdConfig(tile_m=80, dq_swap=True, deterministic=True, dq_tma=True, dq_warp=True),
+    ],
+    ids=lambda c: c.short(),
+)
+def test_the_walk_of_80_row_q_blocks_gives_autograds_gradients(
+    cpu_backward, config, batch, sq, sk, hq, hkv, d, causal
+):
+    """The launch and the walk at 80 rows a Q block (dq_swap): LSE2 and D padded to 80-row
+    blocks, the Q-block ranges and masks, a semaphore per 80-row block. (dQ^T's GEMM gives the
+    walk's dQ transposed: the walk computes dQ itself, which is what reaches the accumulator.)"""
+    test_the_launch_and_the_kernels_walk_give_autograds_gradients(
+        cpu_backward, config, batch, sq, sk, hq, hkv, d, causal
+    )
+
+
 def test_a_gradient_of_the_lse_enters_as_d_minus_dlse(cpu_backward):
     g = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(1, 80, 2, 64, generator=g).to(BF16) for _ in range(4))
@@ -393,6 +420,14 @@ SPREAD = [
     (BwdConfig(tile_n=64, dq_tma=True, dq_warp=True, ds_stages=2), 192, True),
     (BwdConfig(num_stages=1), 256, False),
     (BwdConfig(num_stages=1, deterministic=True), 256, True),
+    # dQ^T = K^T dS^T (dq_swap): 80-row Q blocks by the dQ warp, consumer-issued TMA reductions,
+    # the register adds, the dQ warp's deterministic turn; 64 rows swapped.
+    (BwdConfig(tile_m=80, dq_swap=True, dq_tma=True, dq_warp=True, ds_stages=2), 128, False),
+    (BwdConfig(tile_m=80, dq_swap=True, dq_tma=True, dq_warp=True, ds_stages=2), 128, True),
+    (BwdConfig(tile_m=80, num_stages=1, dq_swap=True, dq_tma=True), 128, False),
+    (BwdConfig(tile_m=80, dq_swap=True), 128, True),
+    (BwdConfig(tile_m=80, dq_swap=True, deterministic=True, dq_tma=True, dq_warp=True), 128, True),
+    (BwdConfig(dq_swap=True, dq_tma=True, dq_warp=True, ds_stages=2), 128, False),
 ]
 
 
@@ -421,15 +456,16 @@ def test_backward_kernels_compile_without_spills(config, head_dim, causal, capfd
     assert not _serialized_wgmma(text), f"{config.short()}: {_serialized_wgmma(text)}"
     ptx = compiled.function.__ptx__
     # The five GEMMs of a step: S^T and dP^T (d/16 each), dV and dK (tile_m/16 each), dQ
-    # (tile_n/16 for each 64 of its tile_m rows).
-    per_step = (
-        2 * head_dim // 16 + 2 * config.tile_m // 16 + config.tile_m // 64 * config.tile_n // 16
-    )
+    # (tile_n/16 for each 64 of its tile_m rows; swapped, each warpgroup's 64 columns: tile_n/16).
+    dq_gemm = config.tile_n // 16 * (1 if config.dq_swap else config.tile_m // 64)
+    per_step = 2 * head_dim // 16 + 2 * config.tile_m // 16 + dq_gemm
     assert ptx.count("wgmma.mma_async") == per_step
     assert ("ld.global.acquire.gpu" in ptx) == config.deterministic
     # dQ: one TMA reduction per Q block, or red.global from every consumer thread.
     assert ("cp.reduce.async.bulk.tensor" in ptx) == config.dq_tma
-    assert ("red.global.add.v2.f32" in ptx) == (not config.dq_tma)
+    # From registers: column pairs, or swapped one value at a time (transposed: rows of dQ apart).
+    assert ("red.global.add.v2.f32" in ptx) == (not config.dq_tma and not config.dq_swap)
+    assert ("red.global.add.f32" in ptx) == (not config.dq_tma and config.dq_swap)
     # dq_warp: a warpgroup hands its dQ slice over with a named-barrier arrive (not mbarrier's).
     assert bool(re.search(r"(?<!m)bar(?:rier)?\.arrive", ptx)) == config.dq_warp
 
@@ -443,6 +479,14 @@ def test_every_admitted_128_row_config_at_head_dim_64_compiles_without_spills(
     the edge the rules admit, built for sm_90a (the dQ warp's apart: they hold no turn)."""
     bad = compile_failures([(config, 64, causal) for config, causal in edge_configs(dq_warp)],
                            capfd, tmp_path)  # fmt: skip
+    assert not bad, bad
+
+
+@pytest.mark.compile
+def test_every_admitted_80_row_config_compiles_without_spills(capfd, tmp_path):
+    """What keeps config.SWAP_OVERHEAD_REGS honest: every dq_swap config at 80 rows the rules
+    admit (head dim 128), built for sm_90a."""
+    bad = compile_failures([(c, 128, causal) for c, causal in swap_edge_configs()], capfd, tmp_path)
     assert not bad, bad
 
 
@@ -641,6 +685,71 @@ def test_dq_rows_takes_the_dq_warp_and_64_rows_per_warpgroup():
     ]:
         reasons = FAMILY.infeasible_reasons(p, config, H200)
         assert any(words in r for r in reasons), (config.short(), reasons)
+
+
+def swap_edge_configs():
+    """(config, causal) of every 80-row config the rules admit at head dim 128 (dq_swap)."""
+    return [
+        (config, causal)
+        for config in (
+            BwdConfig(tile_m=80, num_stages=st, deterministic=det, dq_tma=tma, dq_warp=w,
+                      ds_stages=ds, dq_swap=True)
+            for st in (1, 2) for det in (False, True) for tma in (False, True)
+            for w in (False, True) for ds in (1, 2)
+        )
+        for causal in (False, True)
+        if not FAMILY.infeasible_reasons(Problem(head_dim=128, causal=causal), config, H200)
+    ]  # fmt: skip
+
+
+def test_80_row_q_blocks_take_the_swapped_dq_gemm_at_head_dim_128():
+    """dq_swap (dQ^T = K^T dS^T) puts the Q rows in wgmma's N: 64 or 80 of them, 64 of dQ's
+    columns per warpgroup (head dim 128, two warpgroups); 80 rows only so."""
+    p = Problem(head_dim=128)
+    m80 = BwdConfig(tile_m=80, dq_swap=True, dq_tma=True, dq_warp=True, ds_stages=2)
+    assert m80.short() == "80x128s2-tma-w-sw-ds2"
+    assert BwdConfig.from_dict(m80.to_dict()) == m80
+    assert BwdConfig.from_dict({"tile_m": 64}).dq_swap is False  # tables written before it
+    for config in (
+        m80,
+        replace(m80, tile_m=64),
+        BwdConfig(tile_m=80, dq_swap=True),
+        replace(m80, deterministic=True),
+        replace(m80, num_stages=1, dq_warp=False),
+    ):
+        assert not FAMILY.infeasible_reasons(p, config, H200), config.short()
+        assert not FAMILY.infeasible_reasons(replace(p, causal=True), config, H200)
+    # The register model at the swap's edge: 128 + 80 + 20 + 12, no room for early stats; the
+    # consumers' deterministic turn does not fit (the dQ warp's does: above).
+    assert cfg.consumer_registers_needed(m80, p) == 240
+    assert cfg.stats_in_registers(m80, p) == (False, False)
+    assert cfg.stats_in_registers(replace(m80, tile_m=64), p) == (True, False)
+    assert cfg.deterministic_config(m80, p, H200) == replace(m80, deterministic=True)
+    det = cfg.deterministic_config(BwdConfig(tile_m=80, dq_swap=True), p, H200)
+    # the ladder's first that fits: the dQ warp's turn at 64 rows
+    assert det == BwdConfig(deterministic=True, dq_tma=True, ds_stages=2, dq_warp=True)
+    # LSE2 and D stages 128-byte aligned for their TMA copies: 96 values a stage of 80 rows.
+    assert cfg.stat_stage_rows(80) == 96 and cfg.stat_stage_rows(64) == 64
+    assert sum(cfg.smem_parts(m80, p).values()) == 226 * 1024  # Q/dO 2 x 40, dS^T 2 x 20, dQ 40
+    for problem, config, words in [
+        (p, BwdConfig(tile_m=80), "tile_m=80 without dq_swap"),
+        (p, BwdConfig(tile_m=128, dq_swap=True), "dq_swap with tile_m=128"),
+        (Problem(head_dim=64), BwdConfig(dq_swap=True), "dq_swap at head_dim=64"),
+        (Problem(head_dim=96), BwdConfig(dq_swap=True), "dq_swap at head_dim=96"),
+        (Problem(head_dim=256), BwdConfig(dq_swap=True, num_stages=1), "dq_swap at head_dim=256"),
+        (p, BwdConfig(tile_n=64, dq_swap=True), "1 consumer warpgroup"),
+        (p, replace(m80, tile_m=64, dq_rows=True), "dq_rows with dq_swap"),
+        (p, BwdConfig(tile_m=80, dq_swap=True, deterministic=True), "deterministic turn"),
+    ]:
+        reasons = FAMILY.infeasible_reasons(problem, config, H200)
+        assert any(words in r for r in reasons), (config.short(), reasons)
+    assert len(swap_edge_configs()) == 32  # 2 stages x 4 dQ paths x 2 dS^T buffers x causal
+    # The search space offers both; the rules keep them to head dim 128.
+    from fa4tune.space.backward import BackwardSpace
+
+    params = BackwardSpace.params(None)
+    assert params["tile_m"].choices == (64, 80, 128)
+    assert params["dq_swap"].choices == (False, True)
 
 
 # Measured on the H200 (session 39, TFLOP/s of the backward alone; docs/kernel-notes.md): the

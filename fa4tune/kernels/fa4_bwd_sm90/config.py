@@ -172,6 +172,12 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+def stat_stage_rows(tile_m: int) -> int:
+    """Values of a stage of the LSE2 or D buffer: tile_m, rounded up so that every stage starts
+    128-byte aligned (a TMA copy's shared address): 96 for 80 rows."""
+    return _round_up(tile_m, 32)
+
+
 def smem_parts(config: BwdConfig, problem: Problem) -> dict[str, int]:
     """Bytes of shared memory by buffer: K and V of the CTA; per stage Q, dO, and the LSE and D of
     its rows; dS^T (tile_n x tile_m, ds_stages of them) for the dQ GEMM; with dq_tma the Q block's
@@ -180,7 +186,7 @@ def smem_parts(config: BwdConfig, problem: Problem) -> dict[str, int]:
     stage = _round_up(config.tile_m * d * e, SMEM_ALIGN) + _round_up(
         config.tile_m * dv * e, SMEM_ALIGN
     )
-    stats = 2 * config.num_stages * config.tile_m * 4
+    stats = 2 * config.num_stages * stat_stage_rows(config.tile_m) * 4
     return {
         "barriers": _round_up((2 + 2 * config.num_stages) * MBARRIER_BYTES + stats, SMEM_ALIGN),
         "k": _round_up(config.tile_n * d * e, SMEM_ALIGN),

@@ -276,7 +276,10 @@ class FlashBackwardSm90:
         sdS_layout = smem_tile_layout(
             self.dtype, tile_n, tile_m, self.ds_stages if const_expr(self.ds_stages > 1) else None
         )
-        sStat_layout = cute.make_layout((tile_m, self.num_stages))
+        # A stage of LSE2 or D starts 128-byte aligned, as a TMA copy's shared address must (80
+        # rows: 320 bytes, a stage of 96 values).
+        stat_stage = cfg.stat_stage_rows(tile_m)
+        sStat_layout = cute.make_layout((tile_m, self.num_stages), stride=(1, stat_stage))
         # dq_tma: the Q block's dQ in fp32, swizzled for the TMA reduction (and against bank
         # conflicts: row-major, the 8 rows of a warp's stores share 8 banks); each warpgroup writes
         # a slice of the columns, so the atom divides the slice (head dim 96: 48, 64-byte swizzle).
@@ -300,10 +303,10 @@ class FlashBackwardSm90:
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             sLSE: cute.struct.Align[
-                cute.struct.MemRange[Float32, tile_m * self.num_stages], cfg.SMEM_ALIGN
+                cute.struct.MemRange[Float32, stat_stage * self.num_stages], cfg.SMEM_ALIGN
             ]
             sD: cute.struct.Align[
-                cute.struct.MemRange[Float32, tile_m * self.num_stages], cfg.SMEM_ALIGN
+                cute.struct.MemRange[Float32, stat_stage * self.num_stages], cfg.SMEM_ALIGN
             ]
             sQ: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], cfg.SMEM_ALIGN
