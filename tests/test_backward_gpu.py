@@ -104,6 +104,31 @@ CASES = [
     (dict(head_dim=64, seqlen_q=1500, batch=2, nheads_q=8, nheads_kv=2, causal=True),
      BwdConfig(tile_m=128, deterministic=True, dq_tma=True, dq_warp=True, ds_stages=2,
                dq_rows=True)),
+    # dQ^T = K^T dS^T (dq_swap) with 80-row Q blocks (head dim 128): rows past seqlen_q (LSE2
+    # +inf, TMA clipping) where 80 divides no seqlen here, the causal mask's diagonal across 80-row
+    # blocks, GQA, more and fewer keys than queries; each dQ path: the dQ warp, the consumer
+    # warp's TMA reduction, the register adds (one value at a time), deterministic by the dQ
+    # warp's turn; one stage; the swap at 64 rows.
+    (dict(head_dim=128, seqlen_q=1000, seqlen_k=3000, batch=1, nheads_q=8, nheads_kv=2),
+     BwdConfig(tile_m=80, dq_swap=True, dq_tma=True, dq_warp=True, ds_stages=2)),
+    (dict(head_dim=128, seqlen_q=777, seqlen_k=1029, batch=1, nheads_q=8, nheads_kv=2,
+          causal=True), BwdConfig(tile_m=80, dq_swap=True, dq_tma=True, dq_warp=True,
+                                  ds_stages=2)),
+    (dict(head_dim=128, seqlen_q=1029, seqlen_k=500, batch=1, nheads_q=4, causal=True),
+     BwdConfig(tile_m=80, dq_swap=True, dq_tma=True, dq_warp=True, ds_stages=2)),
+    (dict(head_dim=128, seqlen_q=777, batch=2, nheads_q=8, causal=True),
+     BwdConfig(tile_m=80, dq_swap=True, dq_tma=True)),
+    (dict(head_dim=128, seqlen_q=1000, seqlen_k=3000, batch=1, nheads_q=8, nheads_kv=2,
+          causal=True), BwdConfig(tile_m=80, dq_swap=True)),
+    (dict(head_dim=128, seqlen_q=777, batch=2, nheads_q=8),
+     BwdConfig(tile_m=80, num_stages=1, dq_swap=True, ds_stages=2)),
+    (dict(head_dim=128, seqlen_q=777, seqlen_k=1029, batch=1, nheads_q=8, nheads_kv=2,
+          causal=True), BwdConfig(tile_m=80, dq_swap=True, deterministic=True, dq_tma=True,
+                                  dq_warp=True, ds_stages=2)),
+    (dict(head_dim=128, seqlen_q=1000, batch=2, nheads_q=8, causal=True),
+     BwdConfig(dq_swap=True, dq_tma=True, dq_warp=True, ds_stages=2)),
+    (dict(head_dim=128, seqlen_q=4096, batch=1, nheads_q=4),
+     BwdConfig(tile_m=80, dq_swap=True, dq_tma=True, dq_warp=True, ds_stages=2)),
 ]  # fmt: skip
 
 
@@ -131,6 +156,7 @@ def test_gradients_match_the_reference(fields, config):
         (BwdConfig(deterministic=True, dq_tma=True, dq_warp=True), 128),
         (BwdConfig(tile_m=128, deterministic=True, dq_tma=True, dq_warp=True, dq_rows=True), 64),
         (BwdConfig(num_stages=1, deterministic=True), 256),  # a semaphore per Q block and chunk
+        (BwdConfig(tile_m=80, dq_swap=True, deterministic=True, dq_tma=True, dq_warp=True), 128),
     ],
     ids=lambda c: c.short() if isinstance(c, BwdConfig) else str(c),
 )
