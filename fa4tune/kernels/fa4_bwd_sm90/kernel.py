@@ -985,16 +985,13 @@ class FlashBackwardSm90:
         query0 = m_block * self.tile_m
         if const_expr(self.dq_swap):
             # dQ^T: a thread's value pairs are adjacent queries, a row of the accumulator apart,
-            # so one add per value; its columns are the queries (the same for every row).
-            for c in cutlass.range_constexpr(cute.size(values, mode=[1])):
-                query = query0 + coords[0, c][1]
-                if query < seqlen_q:
-                    for r in cutlass.range_constexpr(cute.size(values, mode=[0])):
-                        col = coords[r, c][0]
-                        if const_expr(self.chunks > 1):
-                            col = col + chunk * self.dc
-                        pointer = gdQ.iterator + cute.crd2idx((query, col), gdQ.layout)
-                        red_add_f32(pointer, values[r, c])
+            # so one add per value; its columns are the queries (the same for every row), each
+            # its own test of seqlen_q, taken only in a Q block that ends past it (a branch per
+            # query in every block otherwise).
+            if query0 + self.tile_m <= seqlen_q:
+                self.add_dq_swapped(values, coords, gdQ, query0, None, chunk)
+            else:
+                self.add_dq_swapped(values, coords, gdQ, query0, seqlen_q, chunk)
         else:
             for r in cutlass.range_constexpr(cute.size(values, mode=[0])):
                 query = query0 + coords[r, 0][0]
@@ -1013,6 +1010,26 @@ class FlashBackwardSm90:
             if ctid == 0:
                 slot = self.turn_slot(m_block, chunk)
                 release_add(mSemaphore[None, head, batch].iterator + slot, Int32(1))
+
+    @cute.jit
+    def add_dq_swapped(self, values, coords, gdQ, query0, seqlen_q, chunk):
+        """add_dq's adds of dQ^T's values (coords: (column of dQ, query)), one at a time; with
+        seqlen_q (not None) only those of queries before it."""
+        for c in cutlass.range_constexpr(cute.size(values, mode=[1])):
+            query = query0 + coords[0, c][1]
+            if const_expr(seqlen_q is None):
+                self.add_dq_column(values, coords, gdQ, query, c, chunk)
+            elif query < seqlen_q:
+                self.add_dq_column(values, coords, gdQ, query, c, chunk)
+
+    @cute.jit
+    def add_dq_column(self, values, coords, gdQ, query, c: int, chunk):
+        for r in cutlass.range_constexpr(cute.size(values, mode=[0])):
+            col = coords[r, c][0]
+            if const_expr(self.chunks > 1):
+                col = col + chunk * self.dc
+            pointer = gdQ.iterator + cute.crd2idx((query, col), gdQ.layout)
+            red_add_f32(pointer, values[r, c])
 
     @cute.jit
     def reduce_dq(
