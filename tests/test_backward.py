@@ -730,7 +730,8 @@ def test_80_row_q_blocks_take_the_swapped_dq_gemm_at_head_dim_128():
     assert det == BwdConfig(deterministic=True, dq_tma=True, ds_stages=2, dq_warp=True)
     # LSE2 and D stages 128-byte aligned for their TMA copies: 96 values a stage of 80 rows.
     assert cfg.stat_stage_rows(80) == 96 and cfg.stat_stage_rows(64) == 64
-    assert sum(cfg.smem_parts(m80, p).values()) == 226 * 1024  # Q/dO 2 x 40, dS^T 2 x 20, dQ 40
+    # Q/dO 2 x 40 KB, dS^T 2 x 20, dQ 40, K and V 64, barriers and stats 3: the H200's 227 KB.
+    assert sum(cfg.smem_parts(m80, p).values()) == 227 * 1024 == H200.smem_per_block
     for problem, config, words in [
         (p, BwdConfig(tile_m=80), "tile_m=80 without dq_swap"),
         (p, BwdConfig(tile_m=128, dq_swap=True), "dq_swap with tile_m=128"),

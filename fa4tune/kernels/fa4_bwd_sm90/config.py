@@ -186,9 +186,12 @@ def smem_parts(config: BwdConfig, problem: Problem) -> dict[str, int]:
     stage = _round_up(config.tile_m * d * e, SMEM_ALIGN) + _round_up(
         config.tile_m * dv * e, SMEM_ALIGN
     )
-    stats = 2 * config.num_stages * stat_stage_rows(config.tile_m) * 4
+    # The LSE2 and D buffers each start a 1024-byte block of their own (kernel.py's
+    # SharedStorage), after the mbarriers': counted so, not packed (1 KB less than the kernel
+    # takes, which mattered first at 80 rows: 227 KB, all of the H200's).
+    stats = _round_up(config.num_stages * stat_stage_rows(config.tile_m) * 4, SMEM_ALIGN)
     return {
-        "barriers": _round_up((2 + 2 * config.num_stages) * MBARRIER_BYTES + stats, SMEM_ALIGN),
+        "barriers": _round_up((2 + 2 * config.num_stages) * MBARRIER_BYTES, SMEM_ALIGN) + 2 * stats,
         "k": _round_up(config.tile_n * d * e, SMEM_ALIGN),
         "v": _round_up(config.tile_n * dv * e, SMEM_ALIGN),
         "q_do": config.num_stages * stage,
