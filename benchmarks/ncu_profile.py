@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -217,60 +218,47 @@ def _child(args) -> int:
     if target is None:
         return 2
     problem = parse_shape(args.shape)
-    if args.backward:
-        return _child_backward(args, problem, target)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (
-        torch.randn(
-            problem.batch,
-            problem.seqlen_q,
-            problem.nheads_q,
-            problem.head_dim,
-            device="cuda",
-            dtype=torch.bfloat16,
-            generator=gen,
-        )
-        for _ in range(3)
-    )
     try:
         configs = _configs(args, target)
     except ValueError as exc:  # an infeasible variant: said before anything runs
         print(f"ncu_profile: {exc}", file=sys.stderr)
         return 2
-    for config in configs:
-        attention_forward(q, k, v, config, causal=problem.causal)  # compile and warm, not profiled
+    if args.backward:  # the family's measurement case (ncu keeps the main kernel: BACKWARD_KERNEL)
+        from fa4tune.kernels import get_kernel
+
+        family = get_kernel(BACKWARD)
+        case = family.measurement_case(problem, "cuda")
+        family.randomize(case, 0)
+        runs = [family.launcher(case, config, target) for config in configs]
+    else:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (
+            torch.randn(
+                problem.batch,
+                problem.seqlen_q,
+                problem.nheads_q,
+                problem.head_dim,
+                device="cuda",
+                dtype=torch.bfloat16,
+                generator=gen,
+            )
+            for _ in range(3)
+        )
+        runs = [
+            partial(attention_forward, q, k, v, config, causal=problem.causal) for config in configs
+        ]
+    for run in runs:
+        run()  # compile and warm, not profiled
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStart()
-        attention_forward(q, k, v, config, causal=problem.causal)
+        run()
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStop()
     return 0
 
 
-def _child_backward(args, problem, target) -> int:
-    """The backward's launches: each config once unprofiled (compile, warm), then once in the
-    profiled range (ncu keeps only the main kernel's launch: BACKWARD_KERNEL)."""
-    import torch
-
-    from fa4tune.kernels import get_kernel
-
-    family = get_kernel(BACKWARD)
-    try:
-        configs = _configs(args, target)
-    except ValueError as exc:
-        print(f"ncu_profile: {exc}", file=sys.stderr)
-        return 2
-    case = family.measurement_case(problem, "cuda")
-    family.randomize(case, 0)
-    for config in configs:
-        run = family.launcher(case, config, target)
-        run()
-        torch.cuda.synchronize()
-        torch.cuda.cudart().cudaProfilerStart()
-        run()
-        torch.cuda.synchronize()
-        torch.cuda.cudart().cudaProfilerStop()
-    return 0
+def _family_name(args) -> str:
+    return BACKWARD if args.backward else "fa4_fwd_sm90"
 
 
 def _configs(args, target) -> list:
@@ -280,7 +268,7 @@ def _configs(args, target) -> list:
     from benchmarks.attention import parse_shape
     from fa4tune.kernels import get_kernel
 
-    family = get_kernel(BACKWARD if args.backward else "fa4_fwd_sm90")
+    family = get_kernel(_family_name(args))
     problem = parse_shape(args.shape)
     default = family.default_config(problem, target)
     configs = [default]
@@ -336,7 +324,7 @@ def main(argv=None) -> int:
         from benchmarks.ab import parse_changes
         from benchmarks.attention import parse_shape
 
-        parse_changes(args.set, BACKWARD if args.backward else "fa4_fwd_sm90")
+        parse_changes(args.set, _family_name(args))
     except ValueError as exc:
         print(f"ncu_profile: {exc}", file=sys.stderr)
         return 2

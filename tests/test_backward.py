@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -32,6 +34,7 @@ def test_the_config_schema_refuses_unknown_and_illegal_knobs():
         BwdConfig(tile_n=96)
     assert BwdConfig(deterministic=True).short() == "64x128s2-det"
     assert BwdConfig(dq_tma=True).short() == "64x128s2-tma"
+    assert BwdConfig(dq_tma=True, dq_warp=True, ds_stages=2).short() == "64x128s2-tma-w-ds2"
 
 
 def test_dq_through_tma_takes_shared_memory_and_leaves_determinism_to_registers():
@@ -41,8 +44,22 @@ def test_dq_through_tma_takes_shared_memory_and_leaves_determinism_to_registers(
     parts = cfg.smem_parts(tma, p)
     assert parts["dq"] == 64 * 128 * 4 and cfg.smem_parts(BwdConfig(), p)["dq"] == 0
     reasons = FAMILY.infeasible_reasons(p, BwdConfig(dq_tma=True, deterministic=True), H200)
-    assert any("no fixed order" in r for r in reasons)
+    assert any("not at the CTA's turn" in r for r in reasons)
     assert tma.as_deterministic() == BwdConfig(deterministic=True)
+    # The dQ warp issues TMA reductions (it needs dq_tma), at the CTA's turn when deterministic:
+    # the turn then takes no consumer registers, so 128-row blocks keep it at head dim 64.
+    assert any(
+        "dq_warp without dq_tma" in r
+        for r in FAMILY.infeasible_reasons(p, BwdConfig(dq_warp=True), H200)
+    )
+    warp = BwdConfig(dq_tma=True, dq_warp=True)
+    assert not FAMILY.infeasible_reasons(p, warp, H200)
+    assert warp.as_deterministic() == replace(warp, deterministic=True)
+    assert not FAMILY.infeasible_reasons(p, warp.as_deterministic(), H200)
+    wide = BwdConfig(tile_m=128, dq_tma=True, dq_warp=True, ds_stages=2)
+    assert cfg.deterministic_config(wide, Problem(head_dim=64), H200) == replace(
+        wide, deterministic=True
+    )
     # Under torch.use_deterministic_algorithms a tuned dq_tma config runs with register adds.
     assert not FAMILY.infeasible_reasons(p, tma.as_deterministic(), H200)
 
@@ -53,10 +70,14 @@ def test_every_default_is_feasible(head_dim, causal):
     p = Problem(head_dim=head_dim, causal=causal, seqlen_q=4096, batch=4, nheads_q=16)
     config = default_config(p, H200)
     assert not FAMILY.infeasible_reasons(p, config, H200)
-    # 128 Q rows a step where they fit (head dim 64), else 64; dQ by TMA, two dS^T buffers
-    assert config == BwdConfig(tile_m=128 if head_dim == 64 else 64, dq_tma=True, ds_stages=2)
+    # 128 Q rows a step where they fit (head dim 64), else 64; dQ by TMA from the dQ warp, two
+    # dS^T buffers
+    tile_m = 128 if head_dim == 64 else 64
+    assert config == BwdConfig(tile_m=tile_m, dq_tma=True, ds_stages=2, dq_warp=True)
+    # the deterministic mode keeps the tiles and the dQ warp: it issues the reductions in turn
     det = cfg.deterministic_config(config, p, H200)
-    assert det.deterministic and not FAMILY.infeasible_reasons(p, det, H200)
+    assert det == replace(config, deterministic=True)
+    assert not FAMILY.infeasible_reasons(p, det, H200)
 
 
 def test_configs_that_would_spill_or_serialize_are_refused_and_head_dims_named():
@@ -72,13 +93,18 @@ def test_configs_that_would_spill_or_serialize_are_refused_and_head_dims_named()
     assert any("equal head dims" in r for r in reasons)
 
 
-def edge_configs():
-    """(config, causal) of every 128-row config the rules admit at head dim 64."""
+def edge_configs(dq_warp: bool = False):
+    """(config, causal) of every 128-row config the rules admit at head dim 64 (with dq_warp: the
+    dQ warp's, deterministic or not)."""
+    knobs = (
+        [dict(dq_tma=True, dq_warp=True, deterministic=det) for det in (False, True)]
+        if dq_warp else [dict(dq_tma=tma) for tma in (False, True)]
+    )  # fmt: skip
     return [
         (config, causal)
         for config in (
-            BwdConfig(tile_m=128, tile_n=n, num_stages=st, dq_tma=tma, ds_stages=ds)
-            for n in (64, 128) for st in (1, 2) for tma in (False, True) for ds in (1, 2)
+            BwdConfig(tile_m=128, tile_n=n, num_stages=st, ds_stages=ds, **k)
+            for n in (64, 128) for st in (1, 2) for k in knobs for ds in (1, 2)
         )
         for causal in (False, True)
         if not FAMILY.infeasible_reasons(Problem(head_dim=64, causal=causal), config, H200)
@@ -97,6 +123,8 @@ def test_128_row_q_blocks_fit_at_head_dim_64_but_for_the_turn_and_known_spills()
     [known] = FAMILY.infeasible_reasons(causal, BwdConfig(tile_m=128, dq_tma=True), H200)
     assert "ptxas spills 12 bytes" in known
     assert len(edge_configs()) == 15
+    # The dQ warp's: deterministic too (the turn is the dQ warp's), and no known spill.
+    assert len(edge_configs(dq_warp=True)) == 16
     assert FAMILY.infeasible_reasons(full, BwdConfig(tile_m=128, deterministic=True), H200)
     assert FAMILY.infeasible_reasons(full, BwdConfig(tile_m=128, tile_n=64), H200)
     assert FAMILY.infeasible_reasons(Problem(head_dim=96), BwdConfig(tile_m=128), H200)
@@ -117,9 +145,10 @@ def test_the_deterministic_mode_keeps_the_tuned_tiles_where_the_turn_fits():
     full = Problem(head_dim=64)
     det = cfg.deterministic_config(BwdConfig(dq_tma=True), full, H200)
     assert det == BwdConfig(deterministic=True)
-    # 128-row blocks leave no room for the turn: the first of the default's ladder that has it
+    # 128-row blocks leave no room for the consumers' turn: the first of the default's ladder
+    # that has room, there the dQ warp's turn at 128 rows
     det = cfg.deterministic_config(BwdConfig(tile_m=128, dq_tma=True), full, H200)
-    assert det == BwdConfig(deterministic=True, ds_stages=2)
+    assert det == BwdConfig(tile_m=128, deterministic=True, dq_tma=True, ds_stages=2, dq_warp=True)
     assert not FAMILY.infeasible_reasons(full, det, H200)
     already = BwdConfig(tile_n=64, deterministic=True)
     assert cfg.deterministic_config(already, full, H200) is already
@@ -305,6 +334,13 @@ SPREAD = [
     (BwdConfig(), 128, False),
     (BwdConfig(deterministic=True), 128, True),
     (BwdConfig(deterministic=True, ds_stages=2), 64, True),
+    # dQ reductions per warpgroup slice from a producer warp: 2 slices of 64, 32 and 48 columns, one
+    (BwdConfig(dq_tma=True, dq_warp=True, ds_stages=2), 128, True),
+    (BwdConfig(tile_m=128, dq_tma=True, dq_warp=True, ds_stages=2), 64, True),
+    (BwdConfig(dq_tma=True, dq_warp=True), 96, True),
+    (BwdConfig(tile_n=64, num_stages=1, dq_tma=True, dq_warp=True), 64, False),
+    (BwdConfig(deterministic=True, dq_tma=True, dq_warp=True, ds_stages=2), 128, True),
+    (BwdConfig(tile_m=128, deterministic=True, dq_tma=True, dq_warp=True, ds_stages=2), 64, True),
     (BwdConfig(), 96, True),
     (BwdConfig(), 64, False),
     (BwdConfig(tile_n=64, num_stages=1, deterministic=True), 64, True),
@@ -353,12 +389,25 @@ def test_backward_kernels_compile_without_spills(config, head_dim, causal, capfd
     # dQ: one TMA reduction per Q block, or red.global from every consumer thread.
     assert ("cp.reduce.async.bulk.tensor" in ptx) == config.dq_tma
     assert ("red.global.add.v2.f32" in ptx) == (not config.dq_tma)
+    # dq_warp: a warpgroup hands its dQ slice over with a named-barrier arrive (not mbarrier's).
+    assert bool(re.search(r"(?<!m)bar(?:rier)?\.arrive", ptx)) == config.dq_warp
 
 
 @pytest.mark.compile
-def test_every_admitted_128_row_config_at_head_dim_64_compiles_without_spills(capfd, tmp_path):
+@pytest.mark.parametrize("dq_warp", [False, True])
+def test_every_admitted_128_row_config_at_head_dim_64_compiles_without_spills(
+    dq_warp, capfd, tmp_path
+):
     """What keeps config.KNOWN_SPILLS and the register model's calibration honest: every config at
-    the edge the rules admit, built for sm_90a."""
+    the edge the rules admit, built for sm_90a (the dQ warp's apart: they hold no turn)."""
+    bad = compile_failures([(config, 64, causal) for config, causal in edge_configs(dq_warp)],
+                           capfd, tmp_path)  # fmt: skip
+    assert not bad, bad
+
+
+def compile_failures(cases, capfd, tmp_path) -> list:
+    """(config, head_dim, causal, spill report) of each case of (config, head_dim, causal) that,
+    built for sm_90a, spills or has ptxas serialize its wgmma."""
     import os
 
     from test_kernel_compile import _serialized_wgmma, _spill_report
@@ -367,15 +416,15 @@ def test_every_admitted_128_row_config_at_head_dim_64_compiles_without_spills(ca
 
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     bad = []
-    for config, causal in edge_configs():
+    for config, head_dim, causal in cases:
         compile_backward(
-            config, "bf16", 64, causal, H200, options=f"remarks{{ptx}} --dump-dir {tmp_path}",
-            use_cache=False,
+            config, "bf16", head_dim, causal, H200,
+            options=f"remarks{{ptx}} --dump-dir {tmp_path}", use_cache=False,
         )  # fmt: skip
         text = "".join(capfd.readouterr())
         if any(r != (0, 0, 0) for r in _spill_report(text)) or _serialized_wgmma(text):
-            bad.append((config.short(), causal, _spill_report(text)))
-    assert not bad, bad
+            bad.append((config.short(), head_dim, causal, _spill_report(text)))
+    return bad
 
 
 def shipped_backward_configs():
@@ -394,24 +443,9 @@ def shipped_backward_configs():
 @pytest.mark.compile
 def test_every_shipped_backward_config_compiles_without_spills(capfd, tmp_path):
     """What autograd's backward runs from the shipped tables, built for sm_90a."""
-    import os
-
-    from test_kernel_compile import _serialized_wgmma, _spill_report
-
-    from fa4tune.kernels.fa4_bwd_sm90.compile import compile_backward
-
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     shipped = shipped_backward_configs()
     assert shipped
-    bad = []
-    for config, head_dim, causal in shipped:
-        compile_backward(
-            config, "bf16", head_dim, causal, H200,
-            options=f"remarks{{ptx}} --dump-dir {tmp_path}", use_cache=False,
-        )  # fmt: skip
-        text = "".join(capfd.readouterr())
-        if any(r != (0, 0, 0) for r in _spill_report(text)) or _serialized_wgmma(text):
-            bad.append((config.short(), head_dim, causal, _spill_report(text)))
+    bad = compile_failures(shipped, capfd, tmp_path)
     assert not bad, bad
 
 

@@ -68,6 +68,21 @@ CASES = [
      BwdConfig(deterministic=True)),
     (dict(head_dim=64, seqlen_q=1500, batch=2, nheads_q=4, causal=True),
      BwdConfig(tile_n=64, num_stages=1, deterministic=True)),
+    # dQ reductions per warpgroup slice from a producer warp: rows past seqlen_q clipped, GQA,
+    # 128-row blocks, head dim 96 (48-column slices), one warpgroup.
+    (dict(head_dim=128, seqlen_q=777, seqlen_k=1029, batch=1, nheads_q=8, nheads_kv=2,
+          causal=True), BwdConfig(dq_tma=True, dq_warp=True, ds_stages=2)),
+    (dict(head_dim=64, seqlen_q=1029, seqlen_k=500, batch=1, nheads_q=4, causal=True),
+     BwdConfig(tile_m=128, dq_tma=True, dq_warp=True, ds_stages=2)),
+    (dict(head_dim=96, seqlen_q=1000, batch=2, nheads_q=6, causal=True),
+     BwdConfig(dq_tma=True, dq_warp=True)),
+    (dict(head_dim=64, seqlen_q=1500, batch=2, nheads_q=4),
+     BwdConfig(tile_n=64, num_stages=1, dq_tma=True, dq_warp=True)),
+    # ... deterministic: the dQ warp issues a block's reductions at the CTA's turn.
+    (dict(head_dim=128, seqlen_q=777, seqlen_k=1029, batch=1, nheads_q=8, nheads_kv=2,
+          causal=True), BwdConfig(deterministic=True, dq_tma=True, dq_warp=True, ds_stages=2)),
+    (dict(head_dim=64, seqlen_q=1500, batch=2, nheads_q=8, nheads_kv=2),
+     BwdConfig(tile_m=128, deterministic=True, dq_tma=True, dq_warp=True, ds_stages=2)),
 ]  # fmt: skip
 
 
@@ -88,11 +103,16 @@ def test_gradients_match_the_reference(fields, config):
     assert result.verdict(FAMILY.tolerance(problem)) is None, result
 
 
-def test_the_deterministic_mode_is_bitwise_repeatable():
+@pytest.mark.parametrize(
+    "config",
+    [BwdConfig(deterministic=True), BwdConfig(deterministic=True, dq_tma=True, dq_warp=True)],
+    ids=lambda c: c.short(),
+)
+def test_the_deterministic_mode_is_bitwise_repeatable(config):
     problem = Problem(head_dim=128, seqlen_q=2048, batch=2, nheads_q=8, nheads_kv=2, causal=True)
-    case, _ = run_case(problem, BwdConfig(deterministic=True))
+    case, _ = run_case(problem, config)
     first = [t.clone() for t in (case.dq, case.dk, case.dv)]
-    run = FAMILY.launcher(case, BwdConfig(deterministic=True), H200)
+    run = FAMILY.launcher(case, config, H200)
     for _ in range(10):
         FAMILY.poison(case)
         run()

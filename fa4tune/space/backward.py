@@ -1,5 +1,6 @@
 """Backward: the tiles, the pipeline depth, the way dQ is added (red.global from registers, or
-TMA reductions per Q block from shared memory) and the dS^T buffers of the backward kernel family
+TMA reductions per Q block from shared memory, issued by a consumer warp or by a producer warp per
+warpgroup's slice) and the dS^T buffers of the backward kernel family
 (fa4_bwd_sm90), its default space. The dQ accumulation's determinism is not searched: the caller
 chooses it (torch.use_deterministic_algorithms), and the tuned tiles serve both modes
 (config.deterministic_config: register adds in order, the tuned tiles where the turn fits)."""
@@ -11,9 +12,10 @@ from .base import Choice, SearchSpace
 
 class BackwardSpace(SearchSpace):
     name = "backward"
-    knobs = ("tile_m", "tile_n", "num_stages", "dq_tma", "ds_stages")
+    knobs = ("tile_m", "tile_n", "num_stages", "dq_tma", "ds_stages", "dq_warp")
     description = (
-        "backward: Q rows per step, K/V rows per CTA, Q/dO pipeline depth, dQ adds, dS^T buffers"
+        "backward: Q rows per step, K/V rows per CTA, Q/dO pipeline depth, dQ adds, dS^T "
+        "buffers, who issues the dQ reductions"
     )
 
     def params(self):
@@ -23,4 +25,5 @@ class BackwardSpace(SearchSpace):
             "num_stages": Choice([1, 2]),
             "dq_tma": Choice([False, True]),
             "ds_stages": Choice([1, 2]),
+            "dq_warp": Choice([False, True]),
         }

@@ -48,9 +48,9 @@ REGISTER_SPLIT = {1: (24, 240), 2: (24, 240)}
 CONSUMER_OVERHEAD_REGS = 16
 EXTRA_STATE_REGS = 16
 # Configs the model admits that ptxas (nvidia-cutlass-dsl 4.8.1) spills anyway, as (head_dim,
-# tile_m, tile_n, num_stages, dq_tma, ds_stages, causal): bytes of spill stores. A compile test
-# builds every admitted config at the edge, so that this list cannot go stale unseen.
-KNOWN_SPILLS = {(64, 128, 128, 2, True, 1, True): 12}
+# tile_m, tile_n, num_stages, dq_tma, ds_stages, causal, dq_warp): bytes of spill stores. A
+# compile test builds every admitted config at the edge, so that this list cannot go stale unseen.
+KNOWN_SPILLS = {(64, 128, 128, 2, True, 1, True, False): 12}
 
 KNOBS: dict[str, tuple] = {
     "tile_m": (64, 128),
@@ -59,6 +59,7 @@ KNOBS: dict[str, tuple] = {
     "deterministic": (False, True),
     "dq_tma": (False, True),
     "ds_stages": (1, 2),
+    "dq_warp": (False, True),
 }
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128)
@@ -76,7 +77,11 @@ class BwdConfig:
     into the accumulator, instead of the consumer threads' red.global adds from registers.
     ds_stages: dS^T buffers in shared memory; with two, a Q block's dS^T goes into the other
     buffer from the last block's, so that no barrier waits for every warpgroup's dQ GEMM to have
-    read it (the step's one barrier before the dQ GEMM orders both)."""
+    read it (the step's one barrier before the dQ GEMM orders both).  dq_warp (with dq_tma): each
+    consumer warpgroup stages its slice of dQ's columns and hands it to a warp of the producer
+    warpgroup, which issues that slice's TMA reduction; the warpgroup meets only that warp, not
+    the other warpgroup (without it both meet twice a step around the one staging of the block's
+    dQ, whose reduction the first consumer warp issues)."""
 
     tile_m: int = 64
     tile_n: int = 128
@@ -84,6 +89,7 @@ class BwdConfig:
     deterministic: bool = False
     dq_tma: bool = False
     ds_stages: int = 1
+    dq_warp: bool = False
 
     def __post_init__(self) -> None:
         bad = []
@@ -115,15 +121,19 @@ class BwdConfig:
         return self
 
     def as_deterministic(self) -> BwdConfig:
-        """The same tiles with dQ added in the order of the K blocks (from registers: a TMA
-        reduction's adds have no fixed order). It may not fit where this config does (the turn
-        takes registers): deterministic_config falls back."""
+        """The same tiles with dQ added in the order of the K blocks: by the dQ warp at the CTA's
+        turn with dq_warp, else from registers (a reduction the first consumer warp issues as soon
+        as the block is staged has no fixed order). From registers it may not fit where this
+        config does (the turn takes registers): deterministic_config falls back."""
+        if self.dq_warp:  # the dQ warp issues the reductions at the CTA's turn
+            return replace(self, deterministic=True)
         return replace(self, deterministic=True, dq_tma=False)
 
     def short(self) -> str:
         return (
             f"{self.tile_m}x{self.tile_n}s{self.num_stages}{'-det' if self.deterministic else ''}"
-            f"{'-tma' if self.dq_tma else ''}{'-ds2' if self.ds_stages == 2 else ''}"
+            f"{'-tma' if self.dq_tma else ''}{'-w' if self.dq_warp else ''}"
+            f"{'-ds2' if self.ds_stages == 2 else ''}"
         )
 
     @property
@@ -191,7 +201,7 @@ def _extra_state(config: BwdConfig) -> list[str]:
     return [
         what
         for what, applies in (
-            ("the deterministic turn", config.deterministic),
+            ("the deterministic turn", config.deterministic and not config.dq_warp),
             ("one warpgroup's loop", config.consumer_warpgroups == 1),
         )
         if applies
@@ -210,7 +220,7 @@ def register_reasons(config: BwdConfig, problem: Problem, target: Target) -> lis
             "serialize its wgmma"
         ]
     key = (problem.head_dim, config.tile_m, config.tile_n, config.num_stages, config.dq_tma,
-           config.ds_stages, problem.causal)  # fmt: skip
+           config.ds_stages, problem.causal, config.dq_warp)  # fmt: skip
     if not config.deterministic and key in KNOWN_SPILLS:
         return [
             f"ptxas spills {KNOWN_SPILLS[key]} bytes for {config.short()} at head dim "
@@ -238,12 +248,16 @@ def tile_reasons(config: BwdConfig, problem: Problem) -> list[str]:
 
 
 def dq_reasons(config: BwdConfig) -> list[str]:
-    if config.dq_tma and config.deterministic:
-        return [
-            "dq_tma with deterministic: a TMA reduction's adds have no fixed order; the "
-            "deterministic mode adds from registers in the order of the K blocks"
-        ]
-    return []
+    reasons = []
+    if config.dq_tma and config.deterministic and not config.dq_warp:
+        reasons.append(
+            "dq_tma with deterministic but without dq_warp: the first consumer warp issues a "
+            "block's reductions as soon as it is staged, not at the CTA's turn (the dQ warp "
+            "waits for it)"
+        )
+    if config.dq_warp and not config.dq_tma:
+        reasons.append("dq_warp without dq_tma: the dQ warp issues TMA reductions")
+    return reasons
 
 
 def unsupported_reasons(problem: Problem, target: Target) -> list[str]:
@@ -272,12 +286,15 @@ RULES = (
 )
 
 
-# The default's candidates, first that fits: 128 Q rows a step with dQ by TMA and two dS^T buffers
-# (fits at head dim 64 only; there 1.17-1.22x the 64-row default on the H200), then 64 rows with
-# the same (two dS^T buffers +0.5-1.8% at head dim 128), then dQ by TMA alone (the TMA reductions
-# 1.08-1.25x the register adds at head dims 64 and 128), the register adds, and one stage
-# (docs/kernel-notes.md, sessions 37 and 38).
+# The default's candidates, first that fits: 128 Q rows a step with dQ's TMA reductions issued by
+# the dQ warp and two dS^T buffers (fits at head dim 64 only; there 1.17-1.22x the 64-row default
+# on the H200), then 64 rows with the same (the dQ warp 1.06-1.14x the consumer-issued reductions
+# at head dim 128, 1.08-1.11x at 64; two dS^T buffers +0.5-1.8% at 128), then the consumer warp
+# issuing the reductions, dQ by TMA alone (the TMA reductions 1.08-1.25x the register adds at head
+# dims 64 and 128), the register adds, and one stage (docs/kernel-notes.md, sessions 37 to 39).
 DEFAULT_LADDER = (
+    BwdConfig(tile_m=128, dq_tma=True, ds_stages=2, dq_warp=True),
+    BwdConfig(dq_tma=True, ds_stages=2, dq_warp=True),
     BwdConfig(tile_m=128, dq_tma=True, ds_stages=2),
     BwdConfig(dq_tma=True, ds_stages=2),
     BwdConfig(dq_tma=True),

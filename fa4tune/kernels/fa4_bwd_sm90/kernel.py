@@ -61,6 +61,10 @@ BARRIER_DQ_DONE = 4  # deterministic: every thread's adds of this Q block are do
 BARRIER_EPILOGUE = 5  # the staging of dK and dV in shared memory
 BARRIER_DQ_FREE = 6  # dq_tma: the last TMA reduction has read sdQ: it may be written again
 BARRIER_DQ_FULL = 7  # dq_tma: the Q block's dQ is in sdQ: the TMA reduction may read it
+# dq_warp: per consumer warpgroup w (ids + w), each of its threads and the producer's dQ warp.
+BARRIER_DQ_SLICE_FULL = 8  # the warpgroup's dQ slice is in sdQ: the dQ warp may reduce it
+BARRIER_DQ_SLICE_EMPTY = 10  # the dQ warp's reduction has read the slice: it may be written
+DQ_WARP = 1  # the producer warpgroup's warp that issues the dQ reductions (dq_warp)
 
 
 @dsl_user_op
@@ -155,6 +159,7 @@ class FlashBackwardSm90:
         self.num_stages = config.num_stages
         self.deterministic = config.deterministic
         self.dq_tma = config.dq_tma
+        self.dq_warp = config.dq_warp
         self.ds_stages = config.ds_stages
         self.wgs = config.consumer_warpgroups
         self.num_consumer_threads = cfg.THREADS_PER_WARPGROUP * self.wgs
@@ -293,8 +298,14 @@ class FlashBackwardSm90:
         tma_dv, tma_mdV = cpasync.make_tiled_tma_atom(store, mdV, sV_layout, (tile_n, d))
         tma_dq, tma_mdQ = None, None
         if const_expr(self.dq_tma):
+            # dq_warp: one reduction per warpgroup's slice of the columns (the slice is one column
+            # of swizzle atoms of sdQ, contiguous, laid out as a tile of its own).
+            dq_box = (tile_m, d // self.wgs) if const_expr(self.dq_warp) else (tile_m, d)
             tma_dq, tma_mdQ = cpasync.make_tiled_tma_atom(
-                cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, sdQ_layout, (tile_m, d)
+                cpasync.CopyReduceBulkTensorTileS2GOp(),
+                mdQacc,
+                smem_tile_layout(Float32, *dq_box) if const_expr(self.dq_warp) else sdQ_layout,
+                dq_box,
             )
         bytes_kv = cute.size_in_bytes(self.dtype, sK_layout) + cute.size_in_bytes(
             self.dtype, sV_layout
@@ -455,6 +466,12 @@ class FlashBackwardSm90:
                     pipe_q,
                     (n_block, head_kv, batch, group, m_block_min, blocks_per_head, steps),
                 )
+            if const_expr(self.dq_warp):
+                if warp_idx == DQ_WARP:
+                    self.reduce_dq_slices(
+                        tma_dq, mdQ, sdQ, mSemaphore, (seqlen_q, seqlen_k),
+                        (n_block, head_kv, batch, group, m_block_min, blocks_per_head, steps),
+                    )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(
@@ -646,7 +663,10 @@ class FlashBackwardSm90:
                     wait=1,
                 )  # fmt: skip
                 acc_dQ.store(acc_dQ.load() * softmax_scale)
-                self.reduce_dq(acc_dQ, mma_dq, sdQ, tma_dq, mdQ, m_block, head, batch, ctid)
+                if const_expr(self.dq_warp):
+                    self.stage_dq_slice(acc_dQ, mma_dq, sdQ, step, wg, ctid)
+                else:
+                    self.reduce_dq(acc_dQ, mma_dq, sdQ, tma_dq, mdQ, m_block, head, batch, ctid)
                 warpgroup.wait_group(0)
                 pipe_q.consumer_release(q_state)
                 q_state.advance()
@@ -659,7 +679,7 @@ class FlashBackwardSm90:
                     acc_dQ, dq_coords, mdQacc, mSemaphore, n_block, m_block, head, batch,
                     seqlen_q, seqlen_k, ctid,
                 )  # fmt: skip
-        if const_expr(self.dq_tma):
+        if const_expr(self.dq_tma and not self.dq_warp):
             if ctid < 32:  # sdQ stays allocated until the last reduction has read it
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
         self.epilogue(acc_dK, acc_dV, smem, mma_dkv, stores, n_block, head_kv, batch, ctid,
@@ -691,17 +711,32 @@ class FlashBackwardSm90:
         # immediate per score, no key held per score).
         row0 = coords[0, 0][0]
         diagonal = seqlen_k - seqlen_q
-        bound_k = seqlen_k - n_block * self.tile_n - row0
-        causal_base = m_block * self.tile_m + diagonal + 1 - n_block * self.tile_n - row0
-        for c in cutlass.range_constexpr(cols):
-            col = coords[0, c][1]
-            lse = sLSE[col, stage]
-            bound = bound_k
-            if const_expr(self.causal):
-                bound = cutlass.min(bound, causal_base + col)
-            for r in cutlass.range_constexpr(rows):
-                s = -Float32.inf if coords[r, 0][0] - row0 >= bound else scores[r, c]
-                scores[r, c] = cute.math.exp2(s * softmax_scale_log2 - lse, fastmath=True)
+        # Only the K block that ends past seqlen_k and, causal, the blocks that reach above the
+        # Q block's first query's diagonal need the mask (the rows past seqlen_q have LSE2 = +inf,
+        # so their P is 0 anyway): the others skip its compare and select per score.
+        key_end = (n_block + 1) * self.tile_n
+        masked = key_end > seqlen_k
+        if const_expr(self.causal):
+            masked = masked | (key_end - 1 > m_block * self.tile_m + diagonal)
+        if masked:
+            bound_k = seqlen_k - n_block * self.tile_n - row0
+            causal_base = m_block * self.tile_m + diagonal + 1 - n_block * self.tile_n - row0
+            for c in cutlass.range_constexpr(cols):
+                col = coords[0, c][1]
+                lse = sLSE[col, stage]
+                bound = bound_k
+                if const_expr(self.causal):
+                    bound = cutlass.min(bound, causal_base + col)
+                for r in cutlass.range_constexpr(rows):
+                    s = -Float32.inf if coords[r, 0][0] - row0 >= bound else scores[r, c]
+                    scores[r, c] = cute.math.exp2(s * softmax_scale_log2 - lse, fastmath=True)
+        else:
+            for c in cutlass.range_constexpr(cols):
+                lse = sLSE[coords[0, c][1], stage]
+                for r in cutlass.range_constexpr(rows):
+                    scores[r, c] = cute.math.exp2(
+                        scores[r, c] * softmax_scale_log2 - lse, fastmath=True
+                    )
         warpgroup.wait_group(0)
         for c in cutlass.range_constexpr(cols):
             dsum = sD[coords[0, c][1], stage]
@@ -786,12 +821,7 @@ class FlashBackwardSm90:
         if ctid < 32:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         cute.arch.barrier(barrier_id=BARRIER_DQ_FREE, number_of_threads=self.num_consumer_threads)
-        dq_store = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64),
-            mma_dq,
-        ).get_slice(ctid)
-        cute.copy(dq_store, dq_store.retile(acc_dQ), dq_store.partition_D(sdQ))
-        cute.arch.fence_view_async_shared()
+        self.stage_dq(acc_dQ, mma_dq, sdQ, ctid)
         cute.arch.barrier(barrier_id=BARRIER_DQ_FULL, number_of_threads=self.num_consumer_threads)
         if ctid < 32:
             gdQ = cute.local_tile(
@@ -803,6 +833,103 @@ class FlashBackwardSm90:
             )  # fmt: skip
             cute.copy(tma_dq, tsdQ, tgdQ)
             cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def stage_dq(self, acc_dQ: cute.Tensor, mma_dq: cute.TiledMma, sdQ: cute.Tensor, ctid: Int32):
+        """This thread's dQ values into sdQ (its warpgroup's columns), visible to TMA after."""
+        dq_store = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64),
+            mma_dq,
+        ).get_slice(ctid)
+        cute.copy(dq_store, dq_store.retile(acc_dQ), dq_store.partition_D(sdQ))
+        cute.arch.fence_view_async_shared()
+
+    @cute.jit
+    def stage_dq_slice(
+        self,
+        acc_dQ: cute.Tensor,
+        mma_dq: cute.TiledMma,
+        sdQ: cute.Tensor,
+        step: Int32,
+        wg: Int32,
+        ctid: Int32,
+    ):
+        """dq_warp: this warpgroup's slice of the Q block's dQ (its columns) into sdQ once the dQ
+        warp has read the last one out (not before the first step), then handed to the dQ warp.
+        Only the warpgroup and the dQ warp meet: the other warpgroup runs on."""
+        slice_threads = cfg.THREADS_PER_WARPGROUP + 32
+        if step > 0:
+            cute.arch.barrier(
+                barrier_id=BARRIER_DQ_SLICE_EMPTY + wg, number_of_threads=slice_threads
+            )
+        self.stage_dq(acc_dQ, mma_dq, sdQ, ctid)
+        cute.arch.barrier_arrive(
+            barrier_id=BARRIER_DQ_SLICE_FULL + wg, number_of_threads=slice_threads
+        )
+
+    @cute.jit
+    def reduce_dq_slices(
+        self,
+        tma_dq: cute.CopyAtom,
+        mdQ: cute.Tensor,
+        sdQ: cute.Tensor,
+        mSemaphore: cute.Tensor | None,
+        seqlens,
+        walk,
+    ):
+        """dq_warp, the producer warpgroup's warp DQ_WARP: per step, each consumer warpgroup's
+        slice of dQ into the fp32 accumulator with a TMA reduction (which clips the rows past
+        seqlen_q) as soon as that warpgroup has staged it; a slice is handed back once its
+        reduction has read it (the reductions themselves run on). The whole warp executes the
+        copies (the DSL elects the issuing thread).
+
+        Deterministic: the warp issues a Q block's reductions at this CTA's turn (dq_turn, as
+        add_dq) and passes the turn on once they have completed (their adds performed, not only
+        their reads of sdQ); the consumers wait for it only when they next need the slice."""
+        n_block, head_kv, batch, group, m_block_min, blocks_per_head, steps = walk
+        seqlen_q, seqlen_k = seqlens
+        slice_threads = cfg.THREADS_PER_WARPGROUP + 32
+        cols = self.head_dim // self.wgs
+        lane = cute.arch.lane_idx()
+        for step in cutlass.range(steps, unroll=1):
+            g = step // blocks_per_head
+            m_block = m_block_min + (step - g * blocks_per_head)
+            gdQ = mdQ[None, None, head_kv * group + g, batch]
+            if const_expr(self.deterministic):
+                turn = dq_turn(n_block, m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n,
+                               self.causal)  # fmt: skip
+                pointer = mSemaphore[None, head_kv * group + g, batch].iterator + m_block
+                if lane == 0:
+                    seen = load_acquire(pointer)
+                    while seen != turn:
+                        seen = load_acquire(pointer)
+                cute.arch.sync_warp()
+            for w in cutlass.range_constexpr(self.wgs):
+                cute.arch.barrier(
+                    barrier_id=BARRIER_DQ_SLICE_FULL + w, number_of_threads=slice_threads
+                )
+                tsdQ, tgdQ = cpasync.tma_partition(
+                    tma_dq,
+                    0,
+                    cute.make_layout(1),
+                    cute.group_modes(cute.local_tile(sdQ, (self.tile_m, cols), (0, w)), 0, 2),
+                    cute.group_modes(cute.local_tile(gdQ, (self.tile_m, cols), (m_block, w)), 0, 2),
+                )
+                cute.copy(tma_dq, tsdQ, tgdQ)
+                cute.arch.cp_async_bulk_commit_group()
+            if const_expr(self.deterministic):
+                cute.arch.cp_async_bulk_wait_group(0, read=False)  # the adds performed
+                cute.arch.fence_acq_rel_gpu()
+                if lane == 0:
+                    release_add(pointer, Int32(1))
+                cute.arch.sync_warp()
+            if step < steps - 1:  # the consumers wait for a slice only before their next step
+                for w in cutlass.range_constexpr(self.wgs):
+                    cute.arch.cp_async_bulk_wait_group(self.wgs - 1 - w, read=True)
+                    cute.arch.barrier_arrive(
+                        barrier_id=BARRIER_DQ_SLICE_EMPTY + w, number_of_threads=slice_threads
+                    )
+        cute.arch.cp_async_bulk_wait_group(0, read=True)  # sdQ stays until read
 
     @cute.jit
     def epilogue(
