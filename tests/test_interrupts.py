@@ -152,3 +152,62 @@ def test_a_signal_that_stopped_one_search_does_not_stop_the_next(workdir, monkey
     with ResultsDB.open("fa4tune-results/results.db", create=False) as db:
         assert db.runs()[0]["status"] == "finished"
         assert sum(t["status"] != "pruned" for t in db.trials()) == 6
+
+
+def _running_trials() -> list[int]:
+    import optuna
+
+    storage = optuna.storages.JournalStorage(
+        optuna.storages.journal.JournalFileBackend("fa4tune-results/results.optuna.journal")
+    )
+    (summary,) = optuna.get_all_study_summaries(storage)
+    study = optuna.load_study(study_name=summary.study_name, storage=storage)
+    running = optuna.trial.TrialState.RUNNING
+    return [t.number for t in study.get_trials(deepcopy=False) if t.state == running]
+
+
+def _interrupt_at_call(monkeypatch, owner, name: str, number: int) -> None:
+    """KeyboardInterrupt, as the signal handler raises it, at the `number`-th call of
+    owner.name, before the call does anything."""
+    original, calls = getattr(owner, name), []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == number:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, interrupted)
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        "Candidate",  # asked, heartbeat and name given, checked: the candidate is being made
+        "attempt",  # taken off the queue, not yet claimed
+    ],
+)
+def test_an_interrupt_between_asking_and_measuring_leaves_no_trial_running(
+    workdir, monkeypatch, where
+):
+    """What made test_sigterm_is_an_interrupt_too fail now and then: a signal that landed after
+    the trial was asked for (outside ask's critical section) and before the candidate was queued or
+    claimed left its Optuna trial RUNNING, with nobody left to settle it."""
+    from fa4tune.tune import problem_search
+
+    owner = problem_search if where == "Candidate" else problem_search.ProblemSearch
+    _interrupt_at_call(monkeypatch, owner, where, 5)
+    job = load_job(
+        write_job(
+            workdir,
+            spaces={"tiles": {}, "pipeline": {}},
+            budget={"trials": 40},
+            sampler="random",
+        )
+    )
+    with interrupts.installed():
+        with pytest.raises(SearchInterrupted):
+            run_search(job, say=lambda *a: None)
+    assert _running_trials() == []
+    with ResultsDB.open("fa4tune-results/results.db", create=False) as db:
+        assert db.runs()[0]["status"] == "interrupted"

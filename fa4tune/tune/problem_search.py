@@ -78,6 +78,11 @@ class ProblemSearch:
         self.shared = SharedStudy(
             self.run, self.db, self.name, study, loop.worker, grid, self.recorder
         )
+        # Trials this pass asked Optuna for and has not yet handed on (told, or given back by
+        # the claim), with their heartbeats: whatever stops `search`, it settles those still
+        # RUNNING as this worker's (settle_in_hand). A signal can land between any two of the
+        # steps from asking to claiming, and a trial it catches there has nobody else to finish it.
+        self.in_hand: dict[int, Heartbeat | None] = {}
 
     def tune(self, wait: bool) -> ProblemResult | None:
         """Search the problem until a stop reason, then confirm and summarise it; None when other
@@ -192,9 +197,10 @@ class ProblemSearch:
             try:
                 for candidate in queue:  # asked but never measured: nothing to learn from them
                     self.shared.fail_unmeasured(candidate.trial.number)
-                    candidate.heartbeat.join()
+                    self.hand_on(candidate.trial.number)
                     if not candidate.reasons and self.backend.lookahead:
                         self.backend.discard(self.problem, candidate.config)
+                self.settle_in_hand()
                 if bar is not None:
                     bar.close()
             finally:
@@ -236,41 +242,35 @@ class ProblemSearch:
 
         study, problem = self.study, self.problem
         while True:
-            heartbeat = trial = None
+            trial = None
             try:
-                # Ctrl-C waits until the trial has its heartbeat and its worker's name: from there
-                # on the except below settles it; before, nothing could (it would stay RUNNING).
+                # Ctrl-C waits until the trial is in hand with its heartbeat and its worker's name:
+                # from there on search's way out settles it; before, nothing could (it would stay
+                # RUNNING). Any other exception goes the same way.
                 with interrupts.critical():
                     with warnings.catch_warnings():
                         # "Heartbeat of storage is supposed to be used with Study.optimize."
                         warnings.simplefilter("ignore")
                         trial = study.ask()
+                    self.in_hand[trial.number] = None
                     # The heartbeat first: a trial with a worker's name always has one, so that if
                     # the worker dies now, the trial either goes stale or, unnamed, is handed back
                     # at once.
-                    heartbeat = Heartbeat(self.loop.storage, self.study_id, trial.number).start()
+                    self.in_hand[trial.number] = Heartbeat(
+                        self.loop.storage, self.study_id, trial.number
+                    ).start()
                     trial.set_user_attr(WORKER_ATTR, self.loop.worker)
                 params = self.space.suggest(trial, problem, self.target)
             except optuna.exceptions.UpdateFinishedTrialError:
                 # Unnamed, it was taken for a dead search's and handed back
-                # (studies.trial_orphaned): ask again.
-                if heartbeat is not None:
-                    heartbeat.join()
-                continue
-            except BaseException:
-                if heartbeat is not None:
-                    heartbeat.join()
+                # (studies.trial_orphaned): not ours to settle; ask again.
                 if trial is not None:
-                    self.shared.settle(trial.number)
-                raise
+                    self.hand_on(trial.number)
+                continue
             break
-        try:
-            config = self.space.full_config(problem, self.target, params)
-            reasons = self.space.check(problem, config, self.target)
-        except BaseException:
-            heartbeat.join()
-            self.shared.settle(trial.number)
-            raise
+        config = self.space.full_config(problem, self.target, params)
+        reasons = self.space.check(problem, config, self.target)
+        heartbeat = self.in_hand[trial.number]
         candidate = Candidate(
             trial, config, trial.user_attrs.get(SOURCE_ATTR, "sampler"), reasons, heartbeat
         )
@@ -311,9 +311,34 @@ class ProblemSearch:
             told = True
             return Outcome.STOPPED if measurement.status == "stopped" else Outcome.MEASURED
         finally:
-            candidate.heartbeat.join()
             if not told:  # interrupted or crashed before Optuna heard of the trial
+                candidate.heartbeat.join()
                 self.shared.settle(trial.number)
+            self.hand_on(trial.number)
+
+    def hand_on(self, number: int) -> None:
+        """Trial `number` is no longer this pass's to settle: told, given back, or taken away."""
+        heartbeat = self.in_hand.pop(number, None)
+        if heartbeat is not None:
+            heartbeat.join()
+
+    def settle_in_hand(self) -> None:
+        """Settle the trials still in hand (see __init__) that are RUNNING as this worker's, or
+        unnamed (asked, and the name not yet given); not those given back or taken since."""
+        import optuna
+
+        storage = self.loop.storage
+        for number in list(self.in_hand):
+            self.hand_on(number)
+            frozen = storage.get_trial(
+                storage.get_trial_id_from_study_id_trial_number(self.study_id, number)
+            )
+            owner = frozen.user_attrs.get(WORKER_ATTR)
+            if frozen.state == optuna.trial.TrialState.RUNNING and owner in (
+                None,
+                self.loop.worker,
+            ):
+                self.shared.settle(number)
 
     def measure(self, trial, config: dict) -> Measurement:
         options = {}
