@@ -333,11 +333,8 @@ class ProblemSearch:
             frozen = storage.get_trial(
                 storage.get_trial_id_from_study_id_trial_number(self.study_id, number)
             )
-            owner = frozen.user_attrs.get(WORKER_ATTR)
-            if frozen.state == optuna.trial.TrialState.RUNNING and owner in (
-                None,
-                self.loop.worker,
-            ):
+            running = frozen.state == optuna.trial.TrialState.RUNNING
+            if running and frozen.user_attrs.get(WORKER_ATTR) in (None, self.loop.worker):
                 self.shared.settle(number)
 
     def measure(self, trial, config: dict) -> Measurement:
