@@ -1,7 +1,7 @@
 """A/B of a knob change: the default and the table's config of each shape, each as is and with the
 change, timed side by side.
 
-    python benchmarks/ab.py --set q_stages=2 [--set wg_epilogue=true]
+    python benchmarks/ab.py --set q_stages=2 [--set wg_epilogue=true] [--kernel fa4_fwd_sm90]
                             [--shapes 64:1024,128:4096:causal] [--table PATH] [--rounds 3]
                             [--jobs 8] [--json out.json]
 
@@ -13,9 +13,12 @@ it is stale or an estimate. A variant the feasibility rules refuse, one that is 
 base already has the change) and one that fails to compile are listed as such, not timed, and left
 out of the geometric means. The kernels compile first, in a pool of --jobs processes (CPU work);
 then every column is checked against the fp32 reference on random inputs (outputs poisoned with NaN
-first) and timed in interleaved rounds with the L2 flushed (fa4tune.measure.timing). Prints a
-markdown table last: TFLOP/s, the ratio of each variant to its base (above 1: the change is faster),
-and the largest spread between rounds of the shape's columns."""
+first) and timed in interleaved rounds with the L2 flushed (fa4tune.measure.timing), each column
+through the kernel family's measurement case (`--kernel`, the forward's by default;
+`fa4_bwd_sm90` A/Bs a knob of the backward: its TFLOP/s count 2.5x the forward's FLOPs), as the
+search measures candidates. Prints a markdown table last: TFLOP/s, the ratio of each variant to its
+base (above 1: the change is faster), and the largest spread between rounds of the shape's
+columns."""
 
 from __future__ import annotations
 
@@ -31,13 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.attention import parse_shape  # noqa: E402
 from benchmarks.sweep import parse_value  # noqa: E402
-from benchmarks.tuning_report import (  # noqa: E402
-    fa4tune_runner,
-    geomean,
-    gpu_target,
-    random_inputs,
-    verify_and_time,
-)
+from benchmarks.tuning_report import geomean, gpu_target, time_interleaved  # noqa: E402
 
 GRID_SHAPES = ",".join(
     f"{d}:{s}{c}" for d in (64, 128) for s in (1024, 4096, 16384) for c in ("", ":causal")
@@ -47,9 +44,13 @@ GRID_SHAPES = ",".join(
 def parse_changes(items: list[str], kernel: str = "fa4_fwd_sm90") -> dict:
     """{knob: value} from ["knob=value", ...]; a ValueError naming the item for anything the
     kernel family's config schema would not take."""
+    from fa4tune.errors import Fa4tuneError
     from fa4tune.kernels import get_kernel
 
-    family = get_kernel(kernel)
+    try:
+        family = get_kernel(kernel)
+    except Fa4tuneError as exc:
+        raise ValueError(f"--kernel: {exc}") from None
     changes = {}
     for item in items:
         knob, _, text = item.partition("=")
@@ -70,16 +71,16 @@ def parse_changes(items: list[str], kernel: str = "fa4_fwd_sm90") -> dict:
     return changes
 
 
-def columns_for(problem, default, tuned, changes: dict, target) -> dict:
-    """column name -> FwdConfig, or a string saying why the column is empty."""
-    from fa4tune.kernels.fa4_fwd_sm90 import FAMILY
-    from fa4tune.kernels.fa4_fwd_sm90.config import FwdConfig
+def columns_for(problem, default, tuned, changes: dict, target, kernel: str = "fa4_fwd_sm90"):
+    """column name -> the family's config, or a string saying why the column is empty."""
+    from fa4tune.kernels import get_kernel
 
+    family = get_kernel(kernel)
     columns = {}
     for name, base in (("default", default), ("tuned", tuned)):
         columns[name] = base
-        variant = FwdConfig.from_dict(changes, base=base)
-        reasons = FAMILY.infeasible_reasons(problem, variant, target)
+        variant = type(base).from_dict(changes, base=base)
+        reasons = family.infeasible_reasons(problem, variant, target)
         if reasons:
             columns[f"{name}+"] = "refused: " + "; ".join(reasons)
         elif variant.canonical() == base.canonical():
@@ -89,10 +90,9 @@ def columns_for(problem, default, tuned, changes: dict, target) -> dict:
     return columns
 
 
-def compile_all(jobs: list, target, directory: Path, workers: int) -> dict:
+def compile_all(jobs: list, family, target, directory: Path, workers: int) -> dict:
     """Compile every (problem, config) in a spawned process pool and load the results here. Returns
     {(problem, config): why} for those that failed (compiling or loading)."""
-    from fa4tune.kernels.fa4_fwd_sm90.compile import load_compiled
     from fa4tune.measure.gpu import artifact_path
     from fa4tune.measure.gpu_worker import compile as compile_op  # the search's compile workers' op
 
@@ -105,7 +105,8 @@ def compile_all(jobs: list, target, directory: Path, workers: int) -> dict:
                 pool.submit(
                     compile_op,
                     {
-                        "artifact": str(artifact_path(directory, config, problem, target)),
+                        "kernel": family.name,
+                        "artifact": str(artifact_path(directory, family, config, problem, target)),
                         "problem": problem.to_dict(),
                         "config": config.to_dict(),
                         "target": target.name,
@@ -118,15 +119,7 @@ def compile_all(jobs: list, target, directory: Path, workers: int) -> dict:
         ]
         for problem, config, future in futures:
             try:
-                load_compiled(
-                    future.result()["artifact"],
-                    config,
-                    problem.dtype,
-                    problem.head_dim,
-                    problem.head_dim_v,
-                    problem.causal,
-                    target,
-                )
+                family.load(future.result()["artifact"], problem, config, target)
             except Exception as exc:  # noqa: BLE001 - one cell says so; the other columns still run
                 failed[(problem, config)] = (
                     f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
@@ -136,16 +129,40 @@ def compile_all(jobs: list, target, directory: Path, workers: int) -> dict:
     return failed
 
 
-def measure(problem, columns: dict, target, rounds: int) -> dict:
-    """Each column's cell: its reason where it has no config, else verified, then timed."""
-    q, k, v = random_inputs(problem, seed=problem.seqlen_q + problem.head_dim)
-    runners = {
-        name: config
-        if isinstance(config, str)
-        else fa4tune_runner(problem, config, target, q, k, v)
-        for name, config in columns.items()
-    }
-    return verify_and_time(problem, runners, q, k, v, rounds)
+def measure(problem, columns: dict, family, target, rounds: int) -> dict:
+    """Each column's cell: its reason where it has no config, else checked against the fp32
+    reference (outputs poisoned first), then timed. Each column runs on a measurement case of its
+    own (the same random inputs: one seed), so that none passes on what another wrote."""
+    import torch
+
+    seed = problem.seqlen_q + problem.head_dim
+    cells, runners, errors, references = {}, {}, {}, None
+    for name, config in columns.items():
+        if isinstance(config, str):
+            cells[name] = config
+            continue
+        try:
+            case = family.measurement_case(problem, torch.device("cuda"))
+            family.randomize(case, seed)
+            run = family.launcher(case, config, target)
+            if references is None:
+                references = family.reference(case)
+            family.poison(case)
+            run()
+            torch.cuda.synchronize()
+            check = family.compare(case, references)
+            wrong = check.verdict(family.tolerance(problem))
+        except Exception as exc:  # a column that cannot run this shape: say so in it
+            cells[name] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+            continue
+        if wrong:
+            cells[name] = f"wrong ({wrong})"
+            continue
+        runners[name], errors[name] = run, check.out_error
+    cells.update(time_interleaved(problem, runners, rounds, flops=family.work_flops(problem)))
+    for name, error in errors.items():
+        cells[name]["out_error"] = error  # against the fp32 reference (the family's measure)
+    return cells
 
 
 def gain(cells: dict, base: str) -> float | None:
@@ -174,13 +191,14 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--shapes", default=GRID_SHAPES, help="comma-separated head_dim:seqlen[:causal]"
     )
+    ap.add_argument("--kernel", default="fa4_fwd_sm90", help="the kernel family whose knob changes")
     ap.add_argument("--table", default=None, help="table file/dir or results DB for `tuned`")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--jobs", type=int, default=8, help="compile processes")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     try:
-        changes = parse_changes(args.set)
+        changes = parse_changes(args.set, args.kernel)
     except ValueError as exc:
         print(f"ab: {exc}", file=sys.stderr)
         return 2
@@ -214,7 +232,7 @@ def main(argv=None) -> int:
     target = gpu_target("benchmarks/ab.py")
     if target is None:
         return 2
-    kernel = get_kernel("fa4_fwd_sm90")
+    kernel = get_kernel(args.kernel)
     plans = []
     for problem in problems:
         default = kernel.default_config(problem, target)
@@ -224,19 +242,20 @@ def main(argv=None) -> int:
             + (", stale" if found.stale else "")
             + (", estimate" if found.estimate else "")
         )
-        plans.append((problem, how, columns_for(problem, default, found.config, changes, target)))
+        columns = columns_for(problem, default, found.config, changes, target, kernel.name)
+        plans.append((problem, how, columns))
     jobs = list(
         {(p, c) for p, _, columns in plans for c in columns.values() if not isinstance(c, str)}
     )
     with tempfile.TemporaryDirectory() as directory:
-        failed = compile_all(jobs, target, Path(directory), args.jobs)
+        failed = compile_all(jobs, kernel, target, Path(directory), args.jobs)
     rows = []
     for problem, how, columns in plans:
         columns = {
             n: f"compile failed: {failed[(problem, c)]}" if (problem, c) in failed else c
             for n, c in columns.items()
         }
-        cells = measure(problem, columns, target, args.rounds)
+        cells = measure(problem, columns, kernel, target, args.rounds)
         rows.append(
             {
                 "key": problem.key(),

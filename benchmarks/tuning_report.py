@@ -222,10 +222,11 @@ def verify_and_time(problem, runners: dict, q, k, v, rounds: int) -> dict:
     return cells
 
 
-def time_interleaved(problem, runners: dict, rounds: int) -> dict:
+def time_interleaved(problem, runners: dict, rounds: int, flops: float | None = None) -> dict:
     """name -> {ms, tflops, round_spread}: each runner timed in `rounds` interleaved rounds (a slow
     spell of the GPU hits one round of every column, not all rounds of one), the L2 flushed before
-    every run; the median of the rounds' medians."""
+    every run; the median of the rounds' medians. TFLOP/s count `flops` (the forward's FLOPs of
+    the problem unless given)."""
     from fa4tune.measure.timing import L2Flusher, round_order, time_cuda
 
     flusher, names = L2Flusher(), list(runners)
@@ -238,7 +239,7 @@ def time_interleaved(problem, runners: dict, rounds: int) -> dict:
         ms = statistics.median(values)
         cells[name] = {
             "ms": ms,
-            "tflops": problem.flops / (ms * 1e-3) / 1e12,
+            "tflops": (flops or problem.flops) / (ms * 1e-3) / 1e12,
             "round_spread": (max(values) - min(values)) / ms,
         }
     return cells

@@ -98,3 +98,107 @@ def test_without_a_gpu_it_says_so(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert ab.main(["--set", "q_stages=2", "--shapes", "128:1024"]) == 2
     assert "needs an NVIDIA GPU" in capsys.readouterr().err
+
+
+def test_backward_knobs_get_the_backward_families_columns():
+    from fa4tune.kernels.fa4_bwd_sm90.config import BwdConfig
+
+    assert ab.parse_changes(["dq_warp=true"], "fa4_bwd_sm90") == {"dq_warp": True}
+    with pytest.raises(ValueError, match="--kernel: unknown kernel 'fa4_nope'"):
+        ab.parse_changes(["dq_warp=true"], "fa4_nope")
+    with pytest.raises(ValueError, match="a knob of tile_m"):
+        ab.parse_changes(["q_stages=2"], "fa4_bwd_sm90")  # the forward's knob
+    default = BwdConfig(dq_tma=True, ds_stages=2, dq_warp=True)
+    columns = ab.columns_for(HDIM128, default, BwdConfig(), {"dq_warp": True}, H200, "fa4_bwd_sm90")
+    assert columns["default+"] == "= default (it has the change)"
+    assert columns["tuned+"].startswith("refused: dq_warp without dq_tma")
+    columns = ab.columns_for(HDIM128, default, default, {"tile_m": 128}, H200, "fa4_bwd_sm90")
+    assert "consumer threads need" in columns["default+"]  # 128 rows fit at hd64 only
+
+
+class FakeFamily:
+    """A family whose 'kernel' copies its input (column 'good'), writes nothing ('lazy') or
+    raises ('broken'); measured on the CPU."""
+
+    def __init__(self):
+        import torch
+
+        self.torch, self.seeds, self.references = torch, [], 0
+
+    def measurement_case(self, problem, device):
+        return {"x": self.torch.empty(4), "out": self.torch.empty(4)}
+
+    def randomize(self, case, seed):
+        self.seeds.append(seed)
+        case["x"].copy_(self.torch.arange(4.0) + seed)
+
+    def launcher(self, case, config, target):
+        def run():
+            if config == ("broken",):
+                raise RuntimeError("no kernel\nsecond line")
+            if config != ("lazy",):
+                case["out"].copy_(case["x"])
+
+        return run
+
+    def reference(self, case):
+        self.references += 1
+        return case["x"].clone()
+
+    def poison(self, case):
+        case["out"].fill_(float("nan"))
+
+    def compare(self, case, reference):
+        from fa4tune.kernels.family import Check
+
+        bad = bool(self.torch.isnan(case["out"]).any())
+        return Check(out_error=0.0, lse_error=0.0, problem="NaN left" if bad else None)
+
+    def tolerance(self, problem):
+        from fa4tune.kernels.family import Tolerance
+
+        return Tolerance(out=1e-2, lse=1e-2)
+
+    def work_flops(self, problem):
+        return 123.0
+
+
+def test_each_column_is_checked_on_its_own_case_before_it_is_timed(monkeypatch):
+    import torch
+
+    timed = {}
+
+    def time_interleaved(problem, runners, rounds, flops=None):
+        timed.update(runners=sorted(runners), rounds=rounds, flops=flops)
+        return {name: {"ms": 1.0, "tflops": 1.0, "round_spread": 0.0} for name in runners}
+
+    monkeypatch.setattr(ab, "time_interleaved", time_interleaved)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    family = FakeFamily()
+    columns = {
+        "default": ("good",),  # configs: anything but a string (a string is the reason)
+        "default+": ("lazy",),
+        "tuned": ("broken",),
+        "tuned+": "refused: shared memory",
+    }
+    cells = ab.measure(HDIM128, columns, family, H200, rounds=2)
+    assert cells["default"]["out_error"] == 0.0
+    assert cells["default+"] == "wrong (NaN left)"  # poisoned first: the unwritten output shows
+    assert cells["tuned"] == "error: RuntimeError: no kernel"
+    assert cells["tuned+"] == "refused: shared memory"
+    assert timed == {"runners": ["default"], "rounds": 2, "flops": 123.0}
+    # Every column its own case with the same inputs (one seed); one reference.
+    assert len(family.seeds) == 3 and len(set(family.seeds)) == 1 and family.references == 1
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("kernel", ["fa4_fwd_sm90", "fa4_bwd_sm90"])
+def test_compile_all_builds_and_loads_each_family_for_sm90a(kernel, tmp_path, monkeypatch):
+    from fa4tune.kernels import get_kernel
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")  # the spawned compile processes inherit it
+    family = get_kernel(kernel)
+    problem = Problem(head_dim=64, seqlen_q=1024, batch=2, nheads_q=4)
+    config = family.default_config(problem, H200)
+    assert ab.compile_all([(problem, config)], family, H200, tmp_path, 1) == {}
+    assert list(tmp_path.glob("*.o"))

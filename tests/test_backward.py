@@ -580,3 +580,66 @@ def test_bad_gradient_inputs_are_named():
     for args, words in cases:
         with pytest.raises(UnsupportedInput, match=words):
             check_gradient_inputs(*args)
+
+
+# Measured on the H200 (session 39, TFLOP/s of the backward alone; docs/kernel-notes.md): the
+# probe's configs at 4k (and 1k at head dim 128), per (head_dim, seqlen, causal) at 16k tokens.
+PROBE = {
+    (128, 4096, False): {"64x128s2-tma-ds2": 499.9, "64x128s2-tma-w-ds2": 567.8,
+                         "64x128s2-det-ds2": 299.2, "64x128s2-det-tma-w-ds2": 483.0},
+    (128, 4096, True): {"64x128s2-tma-ds2": 444.5, "64x128s2-tma-w-ds2": 469.1,
+                        "64x128s2-det-ds2": 277.0, "64x128s2-det-tma-w-ds2": 452.8},
+    (128, 1024, False): {"64x128s2-tma-ds2": 396.9, "64x128s2-tma-w-ds2": 438.5,
+                         "64x128s2-det-ds2": 246.3, "64x128s2-det-tma-w-ds2": 364.6},
+    (64, 4096, True): {"64x128s2-tma-ds2": 332.3, "64x128s2-tma-w-ds2": 358.5,
+                       "128x128s2-tma-ds2": 371.9, "128x128s2-tma-w-ds2": 404.4,
+                       "64x128s2-det-ds2": 213.5, "64x128s2-det-tma-w-ds2": 318.2,
+                       "128x128s2-det-tma-w-ds2": 392.4},
+    (64, 4096, False): {"64x128s2-tma-ds2": 365.0, "64x128s2-tma-w-ds2": 405.4,
+                        "128x128s2-tma-ds2": 426.3, "128x128s2-tma-w-ds2": 461.0,
+                        "64x128s2-det-ds2": 226.0, "64x128s2-det-tma-w-ds2": 337.8,
+                        "128x128s2-det-tma-w-ds2": 381.9},
+}  # fmt: skip
+# docs/backward-report.md (session 39): the default of each grid problem.
+DEFAULTS = {(64, 1024, False): 346.3, (64, 16384, False): 486.6, (64, 1024, True): 247.8,
+            (64, 16384, True): 487.0, (128, 16384, False): 567.1, (128, 1024, True): 305.4,
+            (128, 16384, True): 556.0}  # fmt: skip
+
+
+def _config(short: str) -> BwdConfig:
+    tile_m, tile_n = map(int, short.split("s")[0].split("x"))
+    return BwdConfig(
+        tile_m=tile_m, tile_n=tile_n, deterministic="-det" in short, dq_tma="-tma" in short,
+        ds_stages=2 if short.endswith("-ds2") else 1, dq_warp="-w" in short,
+    )  # fmt: skip
+
+
+def _grid_problem(head_dim, seqlen, causal):
+    return Problem(head_dim=head_dim, seqlen_q=seqlen, batch=16384 // seqlen,
+                   nheads_q=2048 // head_dim, causal=causal)  # fmt: skip
+
+
+def test_the_cost_model_ranks_the_measured_configs_and_is_within_its_stated_error():
+    """The model backend's backward times against the H200's (what its docstring states)."""
+    import math
+
+    model = FAMILY.cost_model(H200)
+    errors = []
+    for (d, s, causal), measured in PROBE.items():
+        problem = _grid_problem(d, s, causal)
+        predicted = {}
+        for short, tflops in measured.items():
+            config = _config(short)
+            assert config.short() == short
+            seconds, _ = model.time_s(config, problem)
+            predicted[short] = FAMILY.work_flops(problem) / seconds / 1e12
+            errors.append(math.log(predicted[short] / tflops))
+        # What a search ranks (the deterministic mode is the caller's, not searched): in order.
+        searched = [s for s in measured if "-det" not in s]
+        assert sorted(searched, key=measured.get) == sorted(searched, key=predicted.get), (d, s)
+    for (d, s, causal), tflops in DEFAULTS.items():
+        problem = _grid_problem(d, s, causal)
+        seconds, _ = model.time_s(FAMILY.default_config(problem, H200), problem)
+        errors.append(math.log(FAMILY.work_flops(problem) / seconds / 1e12 / tflops))
+    assert math.sqrt(sum(e * e for e in errors) / len(errors)) < 0.06
+    assert max(map(abs, errors)) < 0.11
