@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.attention import parse_shape  # noqa: E402
 from benchmarks.sweep import parse_value  # noqa: E402
-from benchmarks.tuning_report import geomean, gpu_target, time_interleaved  # noqa: E402
+from benchmarks.tuning_report import check_then_time, geomean, gpu_target  # noqa: E402
 
 GRID_SHAPES = ",".join(
     f"{d}:{s}{c}" for d in (64, 128) for s in (1024, 4096, 16384) for c in ("", ":causal")
@@ -136,33 +136,21 @@ def measure(problem, columns: dict, family, target, rounds: int) -> dict:
     import torch
 
     seed = problem.seqlen_q + problem.head_dim
-    cells, runners, errors, references = {}, {}, {}, None
-    for name, config in columns.items():
-        if isinstance(config, str):
-            cells[name] = config
-            continue
-        try:
-            case = family.measurement_case(problem, torch.device("cuda"))
-            family.randomize(case, seed)
-            run = family.launcher(case, config, target)
-            if references is None:
-                references = family.reference(case)
-            family.poison(case)
-            run()
-            torch.cuda.synchronize()
-            check = family.compare(case, references)
-            wrong = check.verdict(family.tolerance(problem))
-        except Exception as exc:  # a column that cannot run this shape: say so in it
-            cells[name] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
-            continue
-        if wrong:
-            cells[name] = f"wrong ({wrong})"
-            continue
-        runners[name], errors[name] = run, check.out_error
-    cells.update(time_interleaved(problem, runners, rounds, flops=family.work_flops(problem)))
-    for name, error in errors.items():
-        cells[name]["out_error"] = error  # against the fp32 reference (the family's measure)
-    return cells
+    references = []  # the first column's, the same inputs for all
+
+    def check(config):
+        case = family.measurement_case(problem, torch.device("cuda"))
+        family.randomize(case, seed)
+        run = family.launcher(case, config, target)
+        if not references:
+            references.append(family.reference(case))
+        family.poison(case)
+        run()
+        torch.cuda.synchronize()
+        return run, family.compare(case, references[0])
+
+    tolerance, flops = family.tolerance(problem), family.work_flops(problem)
+    return check_then_time(problem, columns, check, tolerance, rounds, flops=flops)
 
 
 def gain(cells: dict, base: str) -> float | None:

@@ -192,33 +192,42 @@ def verify_and_time(problem, runners: dict, q, k, v, rounds: int) -> dict:
     from fa4tune.kernels.common.verify import TOLERANCES, compare, reference_slices
 
     references = reference_slices(q, k, v, problem.causal, None)
-    tolerance = TOLERANCES[problem.dtype]
+
+    def check(runner):
+        if hasattr(runner, "poison"):  # fa4tune's columns: NaN first, so an unwritten element shows
+            runner.poison()
+        result = runner()
+        o, lse = result if isinstance(result, tuple) else (result, None)
+        torch.cuda.synchronize()
+        return runner, compare(o, lse, references)
+
+    return check_then_time(problem, runners, check, TOLERANCES[problem.dtype], rounds)
+
+
+def check_then_time(problem, columns: dict, check, tolerance, rounds: int, flops=None) -> dict:
+    """name -> cell. A column that is a string is its own cell (why it is empty); each other is
+    checked first (`check(column)` -> (the callable to time, its family.Check)): one that raises or
+    is wrong beyond `tolerance` gets its reason as the cell and is not timed; the others are timed
+    (time_interleaved, TFLOP/s of `flops`) and their cells carry `out_error`, O's relative error
+    against the fp32 reference."""
     cells, timed, errors = {}, {}, {}
-    for name, runner in runners.items():
-        if isinstance(runner, str):
-            cells[name] = runner
+    for name, column in columns.items():
+        if isinstance(column, str):
+            cells[name] = column
             continue
         try:
-            if hasattr(
-                runner, "poison"
-            ):  # fa4tune's columns: NaN first, so an unwritten element shows
-                runner.poison()
-            result = runner()
-            o, lse = result if isinstance(result, tuple) else (result, None)
-            torch.cuda.synchronize()
-            check = compare(o, lse, references)
-            wrong = check.verdict(tolerance)
+            run, result = check(column)
+            wrong = result.verdict(tolerance)
         except Exception as exc:  # a column that cannot run this shape: say so in it
             cells[name] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
             continue
         if wrong:
             cells[name] = f"wrong ({wrong})"
             continue
-        timed[name] = runner
-        errors[name] = check.out_error
-    cells.update(time_interleaved(problem, timed, rounds))
+        timed[name], errors[name] = run, result.out_error
+    cells.update(time_interleaved(problem, timed, rounds, flops=flops))
     for name, error in errors.items():
-        cells[name]["out_error"] = error  # O's relative error against the fp32 reference
+        cells[name]["out_error"] = error
     return cells
 
 

@@ -27,9 +27,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tuning_report import (  # noqa: E402 - the shared measuring helpers
+    check_then_time,
     geomean,
     run_benchmark,
-    time_interleaved,
 )
 
 from fa4tune.kernels.fa4_fwd_sm90.peers import FA4  # noqa: E402
@@ -104,29 +104,18 @@ def verify_and_time(problem, case, runners: dict, rounds: int) -> dict:
     from fa4tune.kernels.common.verify import TOLERANCES
 
     references = measure.reference(case)
-    cells, timed, errors = {}, {}, {}
-    for name, runner in runners.items():
-        if isinstance(runner, str):
-            cells[name] = runner
-            continue
-        try:
-            if hasattr(runner, "poison"):
-                runner.poison()
-            out, lse = runner()
-            torch.cuda.synchronize()
-            check = measure.check(replace(case, out=out, lse=lse), references)
-            wrong = check.verdict(TOLERANCES[problem.dtype])
-        except Exception as exc:  # a column that cannot run this problem: say so in it
-            cells[name] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
-            continue
-        if wrong:
-            cells[name] = f"wrong ({wrong})"
-            continue
-        timed[name], errors[name] = runner, check.out_error
-    cells.update(time_interleaved(problem, timed, rounds))
-    for name, error in errors.items():
-        cells[name]["out_error"] = error
-        cells[name]["tbs"] = problem.kv_bytes / (cells[name]["ms"] * 1e-3) / 1e12
+
+    def check(runner):
+        if hasattr(runner, "poison"):
+            runner.poison()
+        out, lse = runner()
+        torch.cuda.synchronize()
+        return runner, measure.check(replace(case, out=out, lse=lse), references)
+
+    cells = check_then_time(problem, runners, check, TOLERANCES[problem.dtype], rounds)
+    for cell in cells.values():
+        if isinstance(cell, dict):
+            cell["tbs"] = problem.kv_bytes / (cell["ms"] * 1e-3) / 1e12
     return cells
 
 

@@ -211,3 +211,16 @@ def postgres(postgres_server, request):
         postgres_server.create_database(f"r_{base}_{stamp}"),
         postgres_server.create_database(f"o_{base}_{stamp}"),
     )
+
+
+def study_states(job):
+    """(name, trial states) of the one study in the working directory's default journal."""
+    import optuna
+
+    storage = optuna.storages.JournalStorage(
+        optuna.storages.journal.JournalFileBackend("fa4tune-results/results.optuna.journal")
+    )
+    summaries = optuna.get_all_study_summaries(storage)
+    assert len(summaries) == 1
+    study = optuna.load_study(study_name=summaries[0].study_name, storage=storage)
+    return summaries[0].study_name, [t.state for t in study.get_trials(deepcopy=False)]

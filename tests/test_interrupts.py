@@ -5,7 +5,7 @@ import signal
 from datetime import datetime
 
 import pytest
-from conftest import write_job
+from conftest import study_states, write_job
 
 from fa4tune import interrupts
 from fa4tune.db import ResultsDB
@@ -154,18 +154,6 @@ def test_a_signal_that_stopped_one_search_does_not_stop_the_next(workdir, monkey
         assert sum(t["status"] != "pruned" for t in db.trials()) == 6
 
 
-def _running_trials() -> list[int]:
-    import optuna
-
-    storage = optuna.storages.JournalStorage(
-        optuna.storages.journal.JournalFileBackend("fa4tune-results/results.optuna.journal")
-    )
-    (summary,) = optuna.get_all_study_summaries(storage)
-    study = optuna.load_study(study_name=summary.study_name, storage=storage)
-    running = optuna.trial.TrialState.RUNNING
-    return [t.number for t in study.get_trials(deepcopy=False) if t.state == running]
-
-
 def _interrupt_at_call(monkeypatch, owner, name: str, number: int) -> None:
     """KeyboardInterrupt, as the signal handler raises it, at the `number`-th call of
     owner.name, before the call does anything."""
@@ -208,6 +196,9 @@ def test_an_interrupt_between_asking_and_measuring_leaves_no_trial_running(
     with interrupts.installed():
         with pytest.raises(SearchInterrupted):
             run_search(job, say=lambda *a: None)
-    assert _running_trials() == []
+    import optuna
+
+    _, states = study_states(job)
+    assert optuna.trial.TrialState.RUNNING not in states
     with ResultsDB.open("fa4tune-results/results.db", create=False) as db:
         assert db.runs()[0]["status"] == "interrupted"

@@ -11,7 +11,7 @@ import time
 
 import optuna
 import pytest
-from conftest import COLLAPSED_GRID, sigint_default, write_job
+from conftest import COLLAPSED_GRID, sigint_default, study_states, write_job
 
 from fa4tune.db import ResultsDB
 from fa4tune.measure.model import CostModelBackend
@@ -60,16 +60,6 @@ def wait_for_trials(workdir, count, proc, timeout=60):
                 pass  # the schema is being created
         time.sleep(0.05)
     raise AssertionError("the search did not get going")
-
-
-def study_states(job):
-    storage = optuna.storages.JournalStorage(
-        optuna.storages.journal.JournalFileBackend("fa4tune-results/results.optuna.journal")
-    )
-    summaries = optuna.get_all_study_summaries(storage)
-    assert len(summaries) == 1
-    study = optuna.load_study(study_name=summaries[0].study_name, storage=storage)
-    return summaries[0].study_name, [t.state for t in study.get_trials(deepcopy=False)]
 
 
 def test_kill_and_resume_loses_no_finished_trial(workdir):

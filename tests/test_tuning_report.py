@@ -237,9 +237,10 @@ def test_only_columns_that_pass_the_reference_are_timed(monkeypatch):
     monkeypatch.setattr(
         report,
         "time_interleaved",
-        lambda p, runners, rounds: (timed.extend(runners), {name: {"ms": 1.0} for name in runners})[
-            1
-        ],
+        lambda p, runners, rounds, flops=None: (
+            timed.extend(runners),
+            {name: {"ms": 1.0} for name in runners},
+        )[1],
     )
 
     def unwritten():
