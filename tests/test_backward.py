@@ -71,7 +71,7 @@ def test_every_default_is_feasible(head_dim, causal):
     p = Problem(head_dim=head_dim, causal=causal, seqlen_q=4096, batch=4, nheads_q=16)
     config = default_config(p, H200)
     assert not FAMILY.infeasible_reasons(p, config, H200)
-    # 128 Q rows a step where they fit (head dim 64), there with dQ's GEMM split by rows, else 64;
+    # 128 Q rows a step where they fit (head dim 64), with dQ's GEMM split by rows there, else 64;
     # dQ by TMA from the dQ warp, two dS^T buffers
     wide = head_dim == 64
     assert config == BwdConfig(

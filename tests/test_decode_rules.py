@@ -9,7 +9,7 @@ from fa4tune.problem import Problem
 from fa4tune.target import get_target
 
 H200 = get_target("H200")
-DECODE = FwdConfig(tile_m=64, num_stages=3, rescale_threshold=8.0, lazy_max=True)
+DECODE = FwdConfig(tile_m=64, num_stages=3)  # exact rescaling: decode_rescale_reasons
 
 
 def decode(nheads_q=32, nheads_kv=8, **fields):
@@ -35,6 +35,27 @@ def test_pack_needs_a_group_that_divides_the_tile():
     # 96 query heads per K/V head do not divide 64 rows.
     assert any("must divide tile_m=64" in r for r in reasons(packed, decode(96, 1)))
     assert reasons(packed, decode(64, 1)) == []
+
+
+def test_decode_takes_exact_rescaling_and_prefill_the_lazy_one():
+    """The lazy rescale (and so the lazy max) raised decode's O error to 1.04-1.17x
+    flash-attn-4's on the H200; exact rescaling gave its output bit for bit. The kernel still
+    runs it (a GPU test does); the search and the default pass over it."""
+    from fa4tune.space import compose
+
+    lazy = FwdConfig.from_dict({"rescale_threshold": 8.0, "lazy_max": True}, base=DECODE)
+    speculative = Problem(seqlen_q=64, seqlen_k=4096, batch=4, nheads_q=32, nheads_kv=8)
+    prefill = Problem(seqlen_q=65, seqlen_k=4096, batch=4, nheads_q=32, nheads_kv=8)
+    for problem in (decode(), speculative):
+        assert reasons(lazy, problem) == []  # the kernel takes it
+        [why] = FAMILY.avoid_reasons(problem, lazy, H200)
+        assert "decode takes rescale_threshold 0" in why
+        space = compose(FAMILY, {"tiles": {}, "pipeline": {}, "decode": {}, "softmax": {}})
+        assert why in space.check(problem, lazy, H200)
+    assert FAMILY.avoid_reasons(prefill, lazy, H200) == []
+    default = FAMILY.default_config(decode(), H200)
+    assert default.rescale_threshold == 0.0 and not default.lazy_max
+    assert reasons(default, decode()) == [] and FAMILY.avoid_reasons(decode(), default, H200) == []
 
 
 def test_split_needs_one_tile_per_cta():

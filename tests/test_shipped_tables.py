@@ -38,6 +38,7 @@ def test_every_shipped_entry_is_measured_feasible_and_found(path):
         )
         assert entry["provenance"].get("backend") == "gpu" and entry["provenance"].get("confirmed")
         assert kernel.infeasible_reasons(problem, config, target) == []
+        assert kernel.avoid_reasons(problem, config, target) == [], entry["problem_key"]
         found = lookup(problem, target, kernel.name)
         assert (found.source, found.config) == ("exact", config)
 

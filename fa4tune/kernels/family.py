@@ -157,6 +157,12 @@ class KernelFamily:
         """Every reason the config cannot be built or be right for the problem on the target."""
         return all_reasons(self.unsupported_reasons, self.rules, problem, config, target)
 
+    def avoid_reasons(self, problem, config, target) -> list[str]:
+        """Why the search and the default pass over a config the kernel builds and runs right
+        (within tolerance) for the problem: a policy, such as an accuracy the family holds a regime
+        to. Empty when there is none; the kernel's constructor does not ask."""
+        return []
+
     def check(self, problem, config, target) -> None:
         """Raise `config_error` naming every violated rule (a kernel's constructor calls this)."""
         reasons = self.infeasible_reasons(problem, config, target)

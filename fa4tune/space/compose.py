@@ -201,8 +201,10 @@ class ComposedSpace:
         return None, None
 
     def check(self, problem, config, target) -> list[str]:
-        """Every reason the config is infeasible: the family's rules, then the plugins' own."""
+        """Every reason the search passes over the config: the family's rules and what it avoids
+        (KernelFamily.avoid_reasons), then the plugins' own."""
         reasons = self.kernel.infeasible_reasons(problem, config, target)
+        reasons += self.kernel.avoid_reasons(problem, config, target)
         for space in self.spaces:
             if type(space).check is SearchSpace.check:
                 continue

@@ -28,6 +28,7 @@ from .config import (
     ConfigError,
     FwdConfig,
     decode_default,
+    decode_rescale_reasons,
     ragged_default,
     unsupported_reasons,
 )
@@ -101,6 +102,9 @@ class ForwardSm90(KernelFamily):
 
     def unsupported_reasons(self, problem, target) -> list[str]:
         return unsupported_reasons(problem, target)
+
+    def avoid_reasons(self, problem, config, target) -> list[str]:
+        return decode_rescale_reasons(config, problem)
 
     def problem_from_job(self, fields) -> Problem:
         return Problem.from_job_fields(fields)

@@ -281,6 +281,23 @@ def lazy_max_reasons(config: FwdConfig) -> list[str]:
     return reasons
 
 
+def decode_rescale_reasons(config: FwdConfig, problem: Problem) -> list[str]:
+    """Why the search and the decode default pass over the lazy rescale on a decode problem (the
+    family's avoid_reasons; the kernel runs it right). With the running max stale by up to
+    2^rescale_threshold the heaviest probabilities no longer sit just under 1.0, at the top of a
+    bf16 binade where P's rounding is relatively finest: on the H200 decode's O error rose to
+    1.04-1.17x flash-attn-4's, against its output bit for bit with threshold 0
+    (docs/kernel-notes.md, session 38). Decode is memory-bound: the skipped rescales buy it
+    nothing."""
+    if problem.regime == "decode" and config.rescale_threshold > 0:
+        return [
+            f"rescale_threshold {config.rescale_threshold:g} on a decode problem (seqlen_q "
+            f"{problem.seqlen_q}): the lazy rescale raises its output error (up to 1.17x exact "
+            "rescaling's) for no speed; decode takes rescale_threshold 0"
+        ]
+    return []
+
+
 # The kernel's feasibility rules: the search spaces refuse a config by them before anything
 # compiles, and the kernel's constructor refuses the same configs with the same reasons.
 RULES = (
@@ -359,8 +376,9 @@ def decode_default(problem: Problem, target: Target) -> FwdConfig:
     """The hand-picked decode config (seqlen_q at most DECODE_MAX_SEQLEN_Q; the search measures
     from here): the query heads of a K/V head packed into one tile when the group divides it, 64
     rows (one consumer warpgroup) when the packed rows fit, else 128; 128 keys per block with the
-    deepest pipeline that fits; not persistent (split kernels cannot be); the lazy row max; and
-    the split count of default_num_splits."""
+    deepest pipeline that fits; not persistent (split kernels cannot be); exact rescaling (so
+    no lazy max, which needs a threshold: decode_rescale_reasons); and the split count of
+    default_num_splits."""
     group = problem.qheads_per_kvhead
     pack = group > 1
     rows = problem.seqlen_q * (group if pack else 1)
@@ -374,8 +392,7 @@ def decode_default(problem: Problem, target: Target) -> FwdConfig:
             tile_m=tile_m,
             tile_n=128 if max(problem.head_dim, problem.head_dim_v) <= 128 else 64,
             num_stages=stages,
-            rescale_threshold=8.0,
-            lazy_max=True,
+            rescale_threshold=0.0,  # exact rescaling: decode_rescale_reasons
             persistent=False,
             pack_gqa=pack,
         )
