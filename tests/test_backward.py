@@ -269,14 +269,14 @@ def play_kernel(config: BwdConfig, causal: bool):
                     s = torch.where(keys[:, None] >= limit, -math.inf, s)
                     p = torch.exp2(s * scale_log2 - lse[None, :])
                     dp = vt.float() @ dot.float().T
-                    ds = p * (dp - dd[None, :])
+                    ds = p * (dp * scale - dd[None, :])
                     acc_dv += p.to(BF16).float() @ dot[:, :dc].float()
                     acc_dk += ds.to(BF16).float() @ qt[:, :dc].float()
                     dq = ds.to(BF16).float().T @ kt[:, :dc].float()
                     valid = min(tm, seqlen_q - m * tm)
-                    dq_acc[b, m * tm : m * tm + valid, h, mine] += dq[:valid]  # unscaled
+                    dq_acc[b, m * tm : m * tm + valid, h, mine] += dq[:valid]
             valid = min(tn, seqlen_k - n * tn)
-            dk[b, n * tn : n * tn + valid, hk, mine] = (acc_dk * scale)[:valid].to(dk.dtype)
+            dk[b, n * tn : n * tn + valid, hk, mine] = acc_dk[:valid].to(dk.dtype)
             dv[b, n * tn : n * tn + valid, hk, mine] = acc_dv[:valid].to(dv.dtype)
 
     return run
@@ -286,14 +286,14 @@ def pad(t, rows: int):
     return torch.nn.functional.pad(t, (0, 0, 0, rows - t.shape[0]))
 
 
-def play_preprocess(function, dout, out, lse, dlse, lse2, dsum):
-    """The preprocessing kernel as the CPU plays it (preprocess.py): D and LSE2 of every query
-    row, the padding rows 0 and +inf."""
+def play_preprocess(function, dout, out, lse, dlse, lse2, dsum, scale):
+    """The preprocessing kernel as the CPU plays it (preprocess.py): D (scaled) and LSE2 of every
+    query row, the padding rows 0 and +inf."""
     seqlen_q = dout.shape[1]
     lse2.fill_(math.inf)
     dsum.zero_()
     d = (dout.float() * out.float()).sum(-1).transpose(1, 2)
-    dsum[..., :seqlen_q] = d - dlse if dlse is not None else d
+    dsum[..., :seqlen_q] = scale * (d - dlse if dlse is not None else d)
     lse2[..., :seqlen_q] = torch.where(lse == -math.inf, math.inf, lse * math.log2(math.e))
 
 
@@ -556,7 +556,7 @@ def test_the_preprocessing_kernel_compiles_without_spills(head_dim, has_dlse, ca
     f32, elem = cutlass.Float32, DTYPES["bf16"]
     args = (dynamic_tensor(elem, 4, 16), dynamic_tensor(elem, 4, 16), dynamic_tensor(f32, 3, 4),
             dynamic_tensor(f32, 3, 4) if has_dlse else None, dynamic_tensor(f32, 3, 16),
-            dynamic_tensor(f32, 3, 16), make_fake_stream())  # fmt: skip
+            dynamic_tensor(f32, 3, 16), f32(1.0), make_fake_stream())  # fmt: skip
     compiled = cute.compile(
         BackwardPreprocess("bf16", head_dim, has_dlse), *args,
         options=f"remarks{{ptx}} --keep-ptx --dump-dir {tmp_path}",

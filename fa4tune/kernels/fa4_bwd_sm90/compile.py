@@ -113,6 +113,7 @@ def compile_preprocess(
         dynamic_tensor(f32, 3, 4) if has_dlse else None,  # dLSE
         dynamic_tensor(f32, 3, 16),  # LSE2
         dynamic_tensor(f32, 3, 16),  # D
+        f32(1.0),  # the softmax scale (run-time)
         make_fake_stream(),
     )
     function = cute.compile(BackwardPreprocess(dtype, head_dim_v, has_dlse), *args)

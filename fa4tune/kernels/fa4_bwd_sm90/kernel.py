@@ -5,30 +5,31 @@ A CTA takes `tile_n` rows of K and V of one K/V head and one batch:
 
 * warpgroup 0 is the producer: one warp loads K and V once, then for every query head of the K/V
   head's group and every block of `tile_m` queries that sees the keys, Q, dO, and the LSE and D of
-  those rows (LSE2 = LSE x log2(e), +inf where a row has no key; D = rowsum(dO * O)) through a
-  `num_stages` TMA + mbarrier pipeline;
+  those rows (LSE2 = LSE x log2(e), +inf where a row has no key; D = softmax_scale x rowsum(dO *
+  O)) through a `num_stages` TMA + mbarrier pipeline;
 * each consumer warpgroup owns 64 of the K rows. Per block it computes S^T = K Q^T and
   dP^T = V dO^T (wgmma, operands in shared memory), P^T = exp2(S^T x scale_log2 - LSE2) and
-  dS^T = P^T (dP^T - D) in registers (masking keys past seqlen_k and, causal, above the
-  bottom-right diagonal), then dV += P^T dO and dK += dS^T Q with P^T and dS^T as register A
+  dS^T = P^T (dP^T x softmax_scale - D) in registers, the softmax scale of both dQ and dK taken
+  in the FFMA that subtracts D (masking keys past seqlen_k and, causal, above the bottom-right
+  diagonal), then dV += P^T dO and dK += dS^T Q with P^T and dS^T as register A
   operands, and writes dS^T to shared memory. The warpgroups then compute dQ = dS K for the block
   together (each a slice of dQ's columns, A and B both MN-major in shared memory; with `dq_swap`
-  as dQ^T = K^T dS^T, which takes 80-row Q blocks, each warpgroup 64 of dQ's columns) and add it,
-  unscaled, into the fp32 dQ accumulator in global memory: `red.global.add` of column
+  as dQ^T = K^T dS^T, which takes 80-row Q blocks, each warpgroup 64 of dQ's columns) and add it
+  into the fp32 dQ accumulator in global memory: `red.global.add` of column
   pairs, or with `deterministic` after the CTAs of the earlier K blocks (a semaphore per Q block,
   taken in the order of the K blocks: the sums come out the same on every run), or with `dq_tma`
   staged in shared memory (fp32) and added by one thread's TMA reductions, which run on while the
   next Q block is computed;
-* at the end dK x softmax_scale and dV leave through shared memory (K's and V's buffers) and a TMA
+* at the end dK and dV leave through shared memory (K's and V's buffers) and a TMA
   store, which clips the rows past seqlen_k; keys that no query sees get zeros.
 
 GQA needs no atomics for dK and dV: a CTA walks every query head of its K/V head's group and sums
 their contributions in its accumulators. Head dims above 128 go in chunks (config.head_dim_chunk):
 a CTA per K block and chunk of the head dim, S^T and dP^T over all of it, dK, dV and dQ of its
 chunk (produce_chunks puts that chunk first in the shared buffers). Before it the preprocessing
-kernel (preprocess.py) writes LSE2 and D; the launch (launch.py) zeroes the dQ accumulator, and
-scales it by softmax_scale as it casts it to dQ after (one pass, which has to read it anyway, not a
-multiply per value in every CTA that adds to it)."""
+kernel (preprocess.py) writes LSE2 and D; the launch (launch.py) zeroes the dQ accumulator and
+casts it to dQ after. The softmax scale costs no instruction of its own: not per dQ value in every
+CTA that adds to it, nor in the cast, nor in dK's epilogue."""
 
 from __future__ import annotations
 
@@ -207,7 +208,7 @@ class FlashBackwardSm90:
         mdO: cute.Tensor,  # (batch, seqlen_q, nheads_q, d)
         mLSE2: cute.Tensor,  # (batch, nheads_q, seqlen_q padded to tile_m) fp32: LSE x log2(e)
         mD: cute.Tensor,  # (batch, nheads_q, seqlen_q padded) fp32: rowsum(dO * O)
-        mdQacc: cute.Tensor,  # (batch, seqlen_q, nheads_q, d) fp32, zero: gets dQ / scale
+        mdQacc: cute.Tensor,  # (batch, seqlen_q, nheads_q, d) fp32, zero: gets dQ
         mdK: cute.Tensor,  # (batch, seqlen_k, nheads_kv, d)
         mdV: cute.Tensor,  # (batch, seqlen_k, nheads_kv, d)
         mSemaphore: cute.Tensor | None,  # deterministic: (batch, nheads_q, Q blocks) int32, zero
@@ -804,7 +805,7 @@ class FlashBackwardSm90:
             wgmma(mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], accumulate=False, wait=1)
             self.softmax_grad(
                 acc_S, acc_dP, s_coords, sLSE, sD, stage, lse, m_block < mask_end, n_block,
-                m_block, seqlen_q, seqlen_k, softmax_scale_log2,
+                m_block, seqlen_q, seqlen_k, softmax_scale_log2, softmax_scale,
             )  # fmt: skip
             convert_to_16bit(acc_as_operand_a(acc_S), tdVrP)
             convert_to_16bit(acc_as_operand_a(acc_dP), tdKrdS)
@@ -869,7 +870,7 @@ class FlashBackwardSm90:
             if ctid < 32:  # sdQ stays allocated until the last reduction has read it
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
         self.epilogue(acc_dK, acc_dV, smem, mma_dkv, stores, n_block, head_kv, batch, ctid,
-                      softmax_scale, chunk)  # fmt: skip
+                      chunk)  # fmt: skip
 
     @cute.jit
     def softmax_grad(
@@ -887,9 +888,11 @@ class FlashBackwardSm90:
         seqlen_q: Int32,
         seqlen_k: Int32,
         softmax_scale_log2: Float32,
+        softmax_scale: Float32,
     ):
         """P^T = exp2(S^T x scale_log2 - LSE2) into acc_S (0 for keys past seqlen_k and, causal,
-        above the diagonal), then dS^T = P^T (dP^T - D) into acc_dP, once dP^T's wgmma is done.
+        above the diagonal), then dS^T = P^T (dP^T x softmax_scale - D) into acc_dP (D comes
+        scaled: one FFMA and one FMUL per value), once dP^T's wgmma is done.
         lse: None, or (early_lse) the LSE2 of this thread's columns (coords' mode 1) already in
         registers. masked: the step's keys need the mask (consume's mask_end)."""
         scores = acc_rows_cols(acc_S)
@@ -932,7 +935,7 @@ class FlashBackwardSm90:
         for c in cutlass.range_constexpr(cols):
             d_col = dsum[c] if const_expr(self.early_d) else sD[coords[0, c][1], stage]
             for r in cutlass.range_constexpr(rows):
-                grads[r, c] = scores[r, c] * (grads[r, c] - d_col)
+                grads[r, c] = scores[r, c] * (grads[r, c] * softmax_scale - d_col)
 
     @cute.jit
     def add_dq(
@@ -1206,12 +1209,12 @@ class FlashBackwardSm90:
         head_kv: Int32,
         batch: Int32,
         ctid: Int32,
-        softmax_scale: Float32,
         chunk,
     ):
-        """dK x softmax_scale and dV through K's and V's buffers (free once every warpgroup's last
-        GEMM has read them) and a TMA store each, which clips the rows past seqlen_k. With the
-        head dim in chunks: the CTA's chunk, through the buffers' first chunk."""
+        """dK and dV (complete: dS^T carries the softmax scale) through K's and V's buffers (free
+        once every warpgroup's last GEMM has read them) and a TMA store each, which clips the rows
+        past seqlen_k. With the head dim in chunks: the CTA's chunk, through the buffers' first
+        chunk."""
         sQ, sK, sV, sdO, sLSE, sD, sdS = smem
         tma_dk, tma_dv, mdK, mdV = stores
         d, column = self.head_dim, 0
@@ -1220,7 +1223,7 @@ class FlashBackwardSm90:
             sK = cute.local_tile(sK, (self.tile_n, d), (0, 0))
             sV = cute.local_tile(sV, (self.tile_n, d), (0, 0))
         rdK = cute.make_rmem_tensor_like(acc_dK, self.dtype)
-        rdK.store((acc_dK.load() * softmax_scale).to(self.dtype))
+        rdK.store(acc_dK.load().to(self.dtype))
         rdV = cute.make_rmem_tensor_like(acc_dV, self.dtype)
         rdV.store(acc_dV.load().to(self.dtype))
         cute.arch.barrier(barrier_id=BARRIER_EPILOGUE, number_of_threads=self.num_consumer_threads)

@@ -1,11 +1,11 @@
 """Running the backward kernel on torch tensors: `attention_backward(dout, q, k, v, out, lse,
 config)` -> (dq, dk, dv).
 
-Around the kernel, in torch: LSE2 = LSE x log2(e) (+inf where a row saw no key, so that its P is 0)
-and D = rowsum(dO * O) in fp32, both padded to whole Q blocks (their TMA rows must start 16-byte
-aligned); the fp32 dQ accumulator zeroed; and after the kernel dQ = accumulator x softmax_scale in
-q's dtype. dK and dV are written by the kernel (dK already scaled). With a gradient of the LSE
-(`dlse`, fa4tune.attention returns the LSE), dS gains P x dlse: it enters as D - dlse."""
+Around the kernel: the preprocessing kernel writes LSE2 = LSE x log2(e) (+inf where a row saw no
+key, so that its P is 0) and D = softmax_scale x rowsum(dO * O) in fp32, both padded to whole Q
+blocks (their TMA rows must start 16-byte aligned); torch zeroes the fp32 dQ accumulator and after
+the kernel casts it to dQ in q's dtype. dK and dV are written by the kernel. With a gradient of the
+LSE (`dlse`, fa4tune.attention returns the LSE), dS gains P x dlse: it enters as D - dlse."""
 
 from __future__ import annotations
 
@@ -116,10 +116,10 @@ def attention_backward(
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
     dout, out = _kernel_ready(dout), _kernel_ready(out)
     with torch.cuda.device(q.device):
-        # LSE2 and D = rowsum(dO * O) - dLSE, rows padded to the Q tile (preprocess.py).
+        # LSE2 and D = scale x (rowsum(dO * O) - dLSE), rows padded to the Q tile (preprocess.py).
         lse2 = torch.empty((batch, nheads_q, padded), device=q.device)
         dsum = torch.empty((batch, nheads_q, padded), device=q.device)
-        run_preprocess(preprocess, dout, out, lse.contiguous(), dlse, lse2, dsum)
+        run_preprocess(preprocess, dout, out, lse.contiguous(), dlse, lse2, dsum, scale)
         dq_acc = torch.zeros((batch, seqlen_q, nheads_q, d), dtype=torch.float32, device=q.device)
         dk, dv = (torch.empty_like(k), torch.empty_like(v)) if grads is None else grads[1:]
         semaphore = None
@@ -128,10 +128,9 @@ def attention_backward(
             semaphore = torch.zeros((batch, nheads_q, blocks), dtype=torch.int32, device=q.device)
 
         run_kernel(compiled, (q, k, v, dout, lse2, dsum, dq_acc, dk, dv), semaphore, scale)
-        # The kernel adds dQ / softmax_scale (no multiply per value in every CTA): scaled here as
-        # it is cast, one pass that writes q's dtype straight from the fp32 accumulator.
+        # dS carries the softmax scale, so the accumulator holds dQ itself: a plain cast.
         dq = torch.empty_like(dq_acc, dtype=q.dtype) if grads is None else grads[0]
-        torch.mul(dq_acc, scale, out=dq)
+        dq.copy_(dq_acc)
     return dq, dk, dv
 
 
@@ -143,10 +142,11 @@ def _dynamic(t, align: int):
     return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
 
 
-def run_preprocess(function, dout, out, lse, dlse, lse2, dsum) -> None:
+def run_preprocess(function, dout, out, lse, dlse, lse2, dsum, scale: float) -> None:
     """Launch the preprocessing kernel on the current stream of the tensors' device."""
     import torch
     from cuda.bindings import driver as cuda
+    from cutlass import Float32
 
     stream = cuda.CUstream(torch.cuda.current_stream(dout.device).cuda_stream)
     function(
@@ -156,6 +156,7 @@ def run_preprocess(function, dout, out, lse, dlse, lse2, dsum) -> None:
         _dynamic(dlse, 4) if dlse is not None else None,
         _dynamic(lse2, 16),
         _dynamic(dsum, 16),
+        Float32(scale),
         stream,
     )
 

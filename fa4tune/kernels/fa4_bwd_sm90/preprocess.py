@@ -2,7 +2,8 @@
 O once and writes what the main kernel reads per Q block, into buffers of rows padded to the Q
 tile:
 
-    D = rowsum(dO * O) - dLSE     (fp32 products of the 16-bit inputs, summed in fp32)
+    D = softmax_scale x (rowsum(dO * O) - dLSE)   (fp32 products of the 16-bit inputs, summed
+                                                   in fp32; the main kernel's dS takes the scale)
     LSE2 = LSE x log2(e)          (+inf where the row saw no key: its P is 0, as exp2(-inf))
 
 and, for the padding rows past seqlen_q, D = 0 and LSE2 = +inf. One warp per row, heads fastest
@@ -53,10 +54,11 @@ class BackwardPreprocess:
         mdLSE: cute.Tensor | None,  # (batch, nheads_q, seqlen_q) float32, or None
         mLSE2: cute.Tensor,  # (batch, nheads_q, padded) float32
         mD: cute.Tensor,  # (batch, nheads_q, padded) float32
+        softmax_scale: Float32,
         stream: cuda.CUstream,
     ):
         rows = cute.size(mD.shape[0]) * cute.size(mD.shape[1]) * cute.size(mD.shape[2])
-        self.kernel(mdO, mO, mLSE, mdLSE, mLSE2, mD).launch(
+        self.kernel(mdO, mO, mLSE, mdLSE, mLSE2, mD, softmax_scale).launch(
             grid=[cute.ceil_div(rows, WARPS_PER_CTA), 1, 1],
             block=[32 * WARPS_PER_CTA, 1, 1],
             stream=stream,
@@ -71,6 +73,7 @@ class BackwardPreprocess:
         mdLSE: cute.Tensor | None,
         mLSE2: cute.Tensor,
         mD: cute.Tensor,
+        softmax_scale: Float32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -94,7 +97,7 @@ class BackwardPreprocess:
                 if lane == 0:
                     if const_expr(self.has_dlse):
                         acc = acc - mdLSE[b, head, query]
-                    mD[b, head, query] = acc
+                    mD[b, head, query] = acc * softmax_scale
                     lse = mLSE[b, head, query]
                     lse2 = Float32.inf
                     if lse != -Float32.inf:
