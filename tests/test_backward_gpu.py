@@ -169,8 +169,8 @@ def test_autograd_through_fa4tune_attention_gives_the_reference_gradients(head_d
 
 
 def test_a_loss_on_the_lse_too_reaches_the_gradients():
-    """dLSE enters the preprocessing kernel's D (D = scale x (rowsum(dO * O) - dLSE)): a loss on both
-    outputs, rows past a 64-row tile (1000), GQA, head dim 64."""
+    """dLSE enters the preprocessing kernel's D (D = scale x (rowsum(dO * O) - dLSE)): a loss on
+    both outputs, rows past a 64-row tile (1000), GQA, head dim 64."""
     import fa4tune
     from fa4tune.kernels.common.reference import attention_grads_reference
 
