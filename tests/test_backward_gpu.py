@@ -104,6 +104,12 @@ CASES = [
     (dict(head_dim=64, seqlen_q=1500, batch=2, nheads_q=8, nheads_kv=2, causal=True),
      BwdConfig(tile_m=128, deterministic=True, dq_tma=True, dq_warp=True, ds_stages=2,
                dq_rows=True)),
+    # Causal CTAs in sections of K/V heads (launch.heads_per_section: 8, 2 and 2 heads in the
+    # causal cases above, 4 here over three batches, and for hd192's chunks).
+    (dict(head_dim=128, seqlen_q=1500, seqlen_k=1200, batch=3, nheads_q=16, nheads_kv=4,
+          causal=True), None),
+    (dict(head_dim=192, seqlen_q=700, batch=3, nheads_q=4, nheads_kv=4, causal=True),
+     BwdConfig(dq_tma=True, dq_warp=True)),
 ]  # fmt: skip
 
 
