@@ -7,7 +7,6 @@ sm_90a without spills or serialized wgmma."""
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 import re
 from dataclasses import replace
@@ -215,6 +214,64 @@ def test_the_deterministic_order_never_waits_on_a_later_cta(causal, tiles, seqle
     assert launch_order(0, seqlen_k, tile_n, True, False) == 0
 
 
+@pytest.mark.parametrize(
+    "grid_x,heads_kv,batch,section",
+    [(32, 16, 4, 4), (8, 16, 16, 16), (6, 4, 3, 2), (5, 2, 1, 2), (7, 4, 3, 1), (1, 2, 2, 2)],
+)
+def test_the_cta_order_takes_each_k_block_of_a_sections_heads_in_turn(
+    grid_x, heads_kv, batch, section
+):
+    """Over the grid (section x the x indices, K/V heads / section, batch) in the order the GPU
+    starts it, cta_coords names every (x, K/V head, batch) once: a section's CTAs start with x 0
+    of every K/V head of it, then x 1, ...; a section of 1 is the order of a grid of (x, K/V head,
+    batch)."""
+    import os
+
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before cutlass is first imported
+    from fa4tune.kernels.fa4_bwd_sm90.kernel import cta_coords
+
+    log2 = section.bit_length() - 1
+    order = [
+        cta_coords(bx, by, bz, log2)
+        for bz in range(batch)
+        for by in range(heads_kv // section)
+        for bx in range(grid_x * section)
+    ]
+    assert sorted(order) == sorted(
+        (x, h, b) for x in range(grid_x) for h in range(heads_kv) for b in range(batch)
+    )
+    for start in range(0, heads_kv * batch, section):
+        run = order[start * grid_x : (start + section) * grid_x]
+        heads = [(p % heads_kv, p // heads_kv) for p in range(start, start + section)]
+        assert run == [(x, *head) for x in range(grid_x) for head in heads]
+    if section == 1:
+        assert order == [
+            (x, h, b) for b in range(batch) for h in range(heads_kv) for x in range(grid_x)
+        ]
+
+
+def test_heads_per_section_fill_half_the_l2_causal_only():
+    """Causal: the K/V heads whose current query head's Q, dO and fp32 dQ rows fit in half the
+    H200's 50 MiB L2, a power of two dividing the K/V heads; otherwise 1."""
+    from fa4tune.kernels.fa4_bwd_sm90.launch import heads_per_section
+
+    def section(seqlen, d, hkv, b, causal=True, **knobs):
+        problem = Problem(
+            batch=b, seqlen_q=seqlen, seqlen_k=seqlen, nheads_q=hkv, nheads_kv=hkv,
+            head_dim=d, causal=causal,
+        )  # fmt: skip
+        return heads_per_section(problem, BwdConfig(**knobs), H200)
+
+    assert section(4096, 128, 16, 4) == 4  # 4 MiB a head: 6 fit
+    assert section(1024, 128, 16, 16) == 16  # 1 MiB: 25
+    assert section(1024, 64, 32, 16) == 32  # 0.5 MiB: 50
+    assert section(16384, 128, 16, 1) == 1  # 16 MiB: 1
+    assert section(1024, 64, 2, 8) == 2  # every head of a batch
+    assert section(1024, 64, 12, 1) == 4  # 32 fit; the largest power of two dividing 12
+    assert section(4096, 128, 16, 4, causal=False) == 1
+    assert section(4096, 128, 16, 4, deterministic=True) == 1
+
+
 # ---- the launch around a kernel played by the CPU ------------------------------------------------
 def play_kernel(config: BwdConfig, causal: bool):
     """The CUDA kernel's walk in torch: a CTA per (K block, chunk of the head dim, K/V head,
@@ -225,12 +282,12 @@ def play_kernel(config: BwdConfig, causal: bool):
     from fa4tune.kernels.common.dsl import import_dsl
 
     import_dsl(H200)  # the DSL's first import fixes the arch it builds for: sm_90a
-    from fa4tune.kernels.fa4_bwd_sm90.kernel import FlashBackwardSm90
+    from fa4tune.kernels.fa4_bwd_sm90.kernel import FlashBackwardSm90, cta_coords
 
     walk = FlashBackwardSm90.__new__(FlashBackwardSm90)
     walk.tile_m, walk.tile_n, walk.causal = config.tile_m, config.tile_n, causal
 
-    def run(compiled, tensors, semaphore, scale):
+    def run(compiled, tensors, semaphore, scale, section=1):
         q, k, v, dout, lse2, dsum, dq_acc, dk, dv = tensors
         batch, seqlen_q, nheads_q, d = q.shape
         seqlen_k, nheads_kv = k.shape[1], k.shape[2]
@@ -240,10 +297,13 @@ def play_kernel(config: BwdConfig, causal: bool):
         chunks = d // dc
         if semaphore is not None:  # a turn count per Q block and chunk
             assert semaphore.shape[-1] == -(-seqlen_q // tm) * chunks
-        ctas = itertools.product(
-            range(batch), range(nheads_kv), range(-(-seqlen_k // tn)), range(chunks)
-        )
-        for b, hk, n, c in ctas:
+        # The CTAs in the order the GPU starts them (linear grid order), each mapped as the kernel
+        # maps it (cta_coords): a mapping that missed or repeated a CTA gets wrong gradients here.
+        grid = (-(-seqlen_k // tn) * chunks * section, nheads_kv // section, batch)
+        for linear in range(math.prod(grid)):
+            bx, by, bz = linear % grid[0], linear // grid[0] % grid[1], linear // grid[0] // grid[1]
+            x, hk, b = cta_coords(bx, by, bz, section.bit_length() - 1)
+            n, c = x // chunks, x % chunks
             # The columns as they lie in shared memory: chunk i holds chunk (c + i) % chunks.
             first = [(c + i) % chunks for i in range(chunks)]
             order = torch.cat([torch.arange(j * dc, j * dc + dc) for j in first])

@@ -129,6 +129,12 @@ CASES = [
      BwdConfig(dq_swap=True, dq_tma=True, dq_warp=True, ds_stages=2)),
     (dict(head_dim=128, seqlen_q=4096, batch=1, nheads_q=4),
      BwdConfig(tile_m=80, dq_swap=True, dq_tma=True, dq_warp=True, ds_stages=2)),
+    # Causal CTAs in sections of K/V heads (launch.heads_per_section: 8, 2 and 2 heads in the
+    # causal cases above, 4 here over three batches, and for hd192's chunks).
+    (dict(head_dim=128, seqlen_q=1500, seqlen_k=1200, batch=3, nheads_q=16, nheads_kv=4,
+          causal=True), None),
+    (dict(head_dim=192, seqlen_q=700, batch=3, nheads_q=4, nheads_kv=4, causal=True),
+     BwdConfig(dq_tma=True, dq_warp=True)),
 ]  # fmt: skip
 
 
@@ -195,8 +201,8 @@ def test_autograd_through_fa4tune_attention_gives_the_reference_gradients(head_d
 
 
 def test_a_loss_on_the_lse_too_reaches_the_gradients():
-    """dLSE enters the preprocessing kernel's D (D = scale x (rowsum(dO * O) - dLSE)): a loss on both
-    outputs, rows past a 64-row tile (1000), GQA, head dim 64."""
+    """dLSE enters the preprocessing kernel's D (D = scale x (rowsum(dO * O) - dLSE)): a loss on
+    both outputs, rows past a 64-row tile (1000), GQA, head dim 64."""
     import fa4tune
     from fa4tune.kernels.common.reference import attention_grads_reference
 

@@ -149,6 +149,20 @@ def dq_turn(n_block, m_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, caus
     return cutlass.min((reach + tile_n - 1) // tile_n, n_blocks) - 1 - n_block
 
 
+def cta_coords(bx, by, bz, section_log2):
+    """(x index of the walk, K/V head, batch) of the CTA at grid coordinates (bx, by, bz). The
+    grid is (section x the x indices, K/V heads / section, batch), section = 2^section_log2 K/V
+    heads, and the GPU starts CTAs in linear grid order: so a section's heads take each x index in
+    turn, x 0 of every head of the section, then x 1, and so on, section after section. x is the
+    K block (with the head dim in chunks, K block x chunks), so causal, where K block 0 walks the
+    most Q blocks, the longest CTAs start first, not a head's longest after the earlier heads'
+    shortest; the section keeps the Q, dO and dQ rows its CTAs share in the L2
+    (launch.heads_per_section). A section of one head is the order of a grid of (x, K/V head,
+    batch). Plain ints or the kernel's Int32 alike."""
+    slot = bx & ((1 << section_log2) - 1)
+    return bx >> section_log2, (by << section_log2) + slot, bz
+
+
 def launch_order(n_block_index, seqlen_k, tile_n: int, deterministic: bool, causal: bool):
     """The K block of the CTA with grid x index n_block_index: the last K block first for the
     deterministic causal mode (add_dq), else in order."""
@@ -214,6 +228,7 @@ class FlashBackwardSm90:
         mSemaphore: cute.Tensor | None,  # deterministic: (batch, nheads_q, Q blocks) int32, zero
         softmax_scale_log2: Float32,
         softmax_scale: Float32,
+        section_log2: Int32,
         stream: cuda.CUstream,
     ):
         # Seqlen-major views: (seqlen, dim, head, batch); LSE2 and D (seqlen, head, batch).
@@ -374,13 +389,15 @@ class FlashBackwardSm90:
         bytes_q = 2 * cute.size_in_bytes(self.dtype, one_stage) + 2 * cute.size_in_bytes(
             Float32, stat_one
         )
+        # (K block [x chunk] x head in the section, sections of K/V heads, batch): cta_coords.
+        x_extent = cute.ceil_div(cute.size(mK.shape[0]), tile_n)
+        if const_expr(self.chunks > 1):  # a CTA per K block and chunk, a K block's adjacent
+            x_extent = x_extent * self.chunks
         grid = [
-            cute.ceil_div(cute.size(mK.shape[0]), tile_n),
-            cute.size(mK.shape[2]),
+            x_extent << section_log2,
+            cute.size(mK.shape[2]) >> section_log2,
             cute.size(mK.shape[3]),
         ]
-        if const_expr(self.chunks > 1):  # a CTA per K block and chunk, a K block's adjacent
-            grid[0] = grid[0] * self.chunks
         self.kernel(
             tma_mQ,
             tma_mK,
@@ -414,6 +431,7 @@ class FlashBackwardSm90:
             mma_dq,
             softmax_scale_log2,
             softmax_scale,
+            section_log2,
             bytes_kv,
             bytes_q,
             SharedStorage,
@@ -467,6 +485,7 @@ class FlashBackwardSm90:
         mma_dq: cute.TiledMma,
         softmax_scale_log2: Float32,
         softmax_scale: Float32,
+        section_log2: Int32,
         bytes_kv: cutlass.Constexpr[int],
         bytes_q: cutlass.Constexpr[int],
         SharedStorage: cutlass.Constexpr,
@@ -511,7 +530,8 @@ class FlashBackwardSm90:
         if const_expr(self.dq_tma):
             sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
 
-        n_block, head_kv, batch = cute.arch.block_idx()
+        bx, by, bz = cute.arch.block_idx()
+        n_block, head_kv, batch = cta_coords(bx, by, bz, section_log2)
         chunk = 0  # of the head dim's columns, of dK, dV and dQ
         if const_expr(self.chunks > 1):
             chunk = n_block % self.chunks

@@ -50,6 +50,24 @@ def check_gradient_inputs(dout, q, k, v, out, lse, dlse=None) -> None:
             raise UnsupportedInput(f"{name} must be on {q.device}, not {t.device}")
 
 
+def heads_per_section(problem, config: BwdConfig, target: Target) -> int:
+    """K/V heads of one batch whose CTAs the kernel runs side by side, each K block of all of them
+    before the next K block (kernel.cta_coords). Causal, so that the longest walks (K block 0's)
+    start first: the most heads whose current query head's Q, dO and fp32 dQ rows (what a K/V
+    head's CTAs share) fit in half the L2, a power of two that divides the K/V heads (the grid's
+    sections are whole). Otherwise 1, the grid's order: without a mask every CTA walks as far, and
+    the deterministic mode's adds follow their launch (kernel.launch_order)."""
+    if not problem.causal or config.deterministic:
+        return 1
+    d, dv = problem.head_dim, problem.head_dim_v
+    per_head = problem.seqlen_q * ((d + dv) * 2 + d * 4)
+    fit = max(1, int((target.l2_bytes / 2) // per_head))
+    section = 1 << (fit.bit_length() - 1)
+    while problem.nheads_kv % section:
+        section //= 2
+    return section
+
+
 def _kernel_ready(t):
     """t itself if the TMA can read it (last dim contiguous, strides multiples of 8 elements, a
     16-byte aligned start), else a contiguous copy (a gradient autograd made by expanding, say)."""
@@ -127,7 +145,13 @@ def attention_backward(
             blocks = padded // tile_m * (d // head_dim_chunk(d))
             semaphore = torch.zeros((batch, nheads_q, blocks), dtype=torch.int32, device=q.device)
 
-        run_kernel(compiled, (q, k, v, dout, lse2, dsum, dq_acc, dk, dv), semaphore, scale)
+        run_kernel(
+            compiled,
+            (q, k, v, dout, lse2, dsum, dq_acc, dk, dv),
+            semaphore,
+            scale,
+            heads_per_section(problem, config, target),
+        )
         # dS carries the softmax scale, so the accumulator holds dQ itself: a plain cast.
         dq = torch.empty_like(dq_acc, dtype=q.dtype) if grads is None else grads[0]
         dq.copy_(dq_acc)
@@ -161,12 +185,12 @@ def run_preprocess(function, dout, out, lse, dlse, lse2, dsum, scale: float) -> 
     )
 
 
-def run_kernel(compiled, tensors, semaphore, scale: float) -> None:
+def run_kernel(compiled, tensors, semaphore, scale: float, section: int = 1) -> None:
     """Launch the compiled kernel on the current stream of the tensors' device: q, k, v, dO, LSE2,
     D, the dQ accumulator, dK, dV (in that order), the semaphores or None."""
     import torch
     from cuda.bindings import driver as cuda
-    from cutlass import Float32
+    from cutlass import Float32, Int32
 
     device = tensors[0].device
     stream = cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
@@ -175,5 +199,6 @@ def run_kernel(compiled, tensors, semaphore, scale: float) -> None:
         _dynamic(semaphore, 4) if semaphore is not None else None,
         Float32(scale * LOG2_E),
         Float32(scale),
+        Int32(section.bit_length() - 1),  # a power of two
         stream,
     )
