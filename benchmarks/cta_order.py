@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fa4tune.kernels.common.dsl import import_dsl  # noqa: E402
 from fa4tune.kernels.fa4_bwd_sm90.config import default_config  # noqa: E402
-from fa4tune.kernels.fa4_bwd_sm90.kernel import cta_coords  # noqa: E402
 from fa4tune.kernels.fa4_bwd_sm90.launch import heads_per_section  # noqa: E402
 from fa4tune.target import get_target  # noqa: E402
 from fa4tune.tune.job import load_job  # noqa: E402
@@ -49,8 +49,11 @@ def finish_time(costs: list[float], sms: int) -> float:
     return end
 
 
-def efficiency(problem, config, section: int, sms: int, fixed: float) -> float:
+def efficiency(problem, config, section: int, target, fixed: float) -> float:
     """Modeled efficiency of the launch order with `section` K/V heads per section."""
+    import_dsl(target)  # kernel.py imports the DSL, whose first import fixes the arch
+    from fa4tune.kernels.fa4_bwd_sm90.kernel import cta_coords
+
     x_blocks = -(-problem.seqlen_k // config.tile_n)
     log2 = section.bit_length() - 1
     costs = []
@@ -59,7 +62,7 @@ def efficiency(problem, config, section: int, sms: int, fixed: float) -> float:
             for bx in range(x_blocks * section):
                 n_block, _, _ = cta_coords(bx, by, bz, log2)
                 costs.append(walk_steps(problem, config, n_block) + fixed)
-    return sum(costs) / sms / finish_time(costs, sms)
+    return sum(costs) / target.sm_count / finish_time(costs, target.sm_count)
 
 
 def main(argv=None) -> int:
@@ -77,8 +80,8 @@ def main(argv=None) -> int:
             continue
         config = default_config(problem, target)
         section = heads_per_section(problem, config, target)
-        plain = efficiency(problem, config, 1, target.sm_count, args.fixed)
-        ordered = efficiency(problem, config, section, target.sm_count, args.fixed)
+        plain = efficiency(problem, config, 1, target, args.fixed)
+        ordered = efficiency(problem, config, section, target, args.fixed)
         print(
             f"| {problem.key()} | {config.short()} | {section} | {plain:.3f} | {ordered:.3f} "
             f"| {ordered / plain:.3f} |"

@@ -7,6 +7,7 @@ import pytest
 from benchmarks.cta_order import efficiency, finish_time, main, walk_steps
 from fa4tune.kernels.fa4_bwd_sm90.config import BwdConfig
 from fa4tune.problem import Problem
+from fa4tune.target import get_target
 
 
 def test_finish_time_is_list_scheduling_in_order():
@@ -32,8 +33,8 @@ def test_sections_put_the_gqa_causal_backward_near_the_ideal():
         batch=4, seqlen_q=4096, seqlen_k=4096, nheads_q=16, nheads_kv=4, head_dim=128, causal=True
     )
     config = BwdConfig(tile_m=64, tile_n=128)
-    plain = efficiency(problem, config, 1, sms=132, fixed=2.0)
-    sections = efficiency(problem, config, 4, sms=132, fixed=2.0)
+    plain = efficiency(problem, config, 1, get_target("H200"), fixed=2.0)
+    sections = efficiency(problem, config, 4, get_target("H200"), fixed=2.0)
     assert plain == pytest.approx(0.783, abs=0.01) and sections > 0.98
 
 
