@@ -727,6 +727,20 @@ def test_bad_gradient_inputs_are_named():
             check_gradient_inputs(*args)
 
 
+def test_a_batch_past_the_grids_z_extent_is_refused_before_any_compile(cpu_backward):
+    """The grid's z extent is the batch and CUDA caps it at 65535: a larger batch gets a clear
+    UnsupportedInput (and the search skips the problem), not a failed launch."""
+    from fa4tune.errors import UnsupportedInput
+
+    q = k = v = out = dout = torch.zeros(65536, 1, 1, 64, dtype=torch.bfloat16)
+    lse = torch.zeros(65536, 1, 1)
+    with pytest.raises(UnsupportedInput, match=r"batch 65536 > 65535 .*split the batch"):
+        cpu_backward(BwdConfig(), False, dout, q, k, v, out, lse)
+    big = Problem(batch=65536, head_dim=64)
+    assert any("batch 65536" in r for r in FAMILY.unsupported_reasons(big, H200))
+    assert not FAMILY.unsupported_reasons(replace(big, batch=65535), H200)
+
+
 def test_dq_rows_takes_the_dq_warp_and_64_rows_per_warpgroup():
     """dq_rows splits the dQ GEMM by Q rows, 64 a warpgroup; the dQ warp reduces each warpgroup's
     rows."""

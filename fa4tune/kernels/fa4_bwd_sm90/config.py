@@ -340,6 +340,22 @@ def dq_reasons(config: BwdConfig) -> list[str]:
     return reasons
 
 
+MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z extents
+
+
+def grid_reasons(problem: Problem) -> list[str]:
+    """Why the launch grid cannot hold the problem: its y extent is the K/V heads (or fewer, by
+    sections: kernel.cta_coords) and its z extent the batch, both capped by CUDA."""
+    return [
+        f"{name} {value} > {MAX_GRID_YZ} (the backward grid's {axis} extent); split the {name}"
+        for name, value, axis in (
+            ("K/V heads", problem.nheads_kv, "y"),
+            ("batch", problem.batch, "z"),
+        )
+        if value > MAX_GRID_YZ
+    ]
+
+
 def unsupported_reasons(problem: Problem, target: Target) -> list[str]:
     reasons = []
     if target.arch != "sm_90a":
@@ -355,7 +371,7 @@ def unsupported_reasons(problem: Problem, target: Target) -> list[str]:
             )
     if problem.layout.ragged:
         reasons.append("the backward kernel takes batch-shaped inputs only (no varlen or paged)")
-    return reasons
+    return reasons + grid_reasons(problem)
 
 
 RULES = (

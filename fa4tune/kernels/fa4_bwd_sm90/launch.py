@@ -16,7 +16,7 @@ from ...target import Target, get_target
 from ..common.dsl import import_dsl
 from ..common.inputs import check_device, check_inputs, make_problem
 from .compile import compile_backward, compile_preprocess
-from .config import BwdConfig, head_dim_chunk
+from .config import BwdConfig, grid_reasons, head_dim_chunk
 
 LOG2_E = math.log2(math.e)
 
@@ -123,6 +123,9 @@ def attention_backward(
             t.copy_(zero)
         return tuple(grads)
     problem = make_problem(q, k, v, causal)
+    reasons = grid_reasons(problem)
+    if reasons:
+        raise UnsupportedInput("; ".join(reasons))
     import_dsl(target)
     compiled = compile_backward(config, problem.dtype, problem.head_dim, causal, target)
     preprocess = compile_preprocess(problem.dtype, problem.head_dim_v, dlse is not None, target)
