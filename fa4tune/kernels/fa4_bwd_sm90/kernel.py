@@ -609,30 +609,29 @@ class FlashBackwardSm90:
         cute.copy(tma_v, tVgV, tVsV, tma_bar_ptr=barrier)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        for step in cutlass.range(steps, unroll=1):
-            g = step // blocks_per_head
-            m_block = m_block_min + (step - g * blocks_per_head)
-            head = head_kv * group + g
-            gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, d), (m_block, 0))
-            gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, d), (m_block, 0))
-            gLSE = cute.local_tile(mLSE2[None, head, batch], (self.tile_m,), (m_block,))
-            gD = cute.local_tile(mD[None, head, batch], (self.tile_m,), (m_block,))
-            tQsQ, tQgQ = cpasync.tma_partition(
-                tma_q, 0, one_cta, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
-            )
-            tdOsdO, tdOgdO = cpasync.tma_partition(
-                tma_do, 0, one_cta, cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2)
-            )
-            tLsL, tLgL = cpasync.tma_partition(tma_lse, 0, one_cta, sLSE, gLSE)
-            tDsD, tDgD = cpasync.tma_partition(tma_d, 0, one_cta, sD, gD)
-            pipe_q.producer_acquire(q_state)
-            barrier = pipe_q.producer_get_barrier(q_state)
-            stage = q_state.index
-            cute.copy(tma_q, tQgQ, tQsQ[None, stage], tma_bar_ptr=barrier)
-            cute.copy(tma_lse, tLgL, tLsL[None, stage], tma_bar_ptr=barrier)
-            cute.copy(tma_do, tdOgdO, tdOsdO[None, stage], tma_bar_ptr=barrier)
-            cute.copy(tma_d, tDgD, tDsD[None, stage], tma_bar_ptr=barrier)
-            q_state.advance()
+        for g in cutlass.range(group, unroll=1):
+            for m_block in cutlass.range(m_block_min, m_block_min + blocks_per_head, unroll=1):
+                head = head_kv * group + g
+                gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, d), (m_block, 0))
+                gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, d), (m_block, 0))
+                gLSE = cute.local_tile(mLSE2[None, head, batch], (self.tile_m,), (m_block,))
+                gD = cute.local_tile(mD[None, head, batch], (self.tile_m,), (m_block,))
+                tQsQ, tQgQ = cpasync.tma_partition(
+                    tma_q, 0, one_cta, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+                )
+                tdOsdO, tdOgdO = cpasync.tma_partition(
+                    tma_do, 0, one_cta, cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2)
+                )
+                tLsL, tLgL = cpasync.tma_partition(tma_lse, 0, one_cta, sLSE, gLSE)
+                tDsD, tDgD = cpasync.tma_partition(tma_d, 0, one_cta, sD, gD)
+                pipe_q.producer_acquire(q_state)
+                barrier = pipe_q.producer_get_barrier(q_state)
+                stage = q_state.index
+                cute.copy(tma_q, tQgQ, tQsQ[None, stage], tma_bar_ptr=barrier)
+                cute.copy(tma_lse, tLgL, tLsL[None, stage], tma_bar_ptr=barrier)
+                cute.copy(tma_do, tdOgdO, tdOsdO[None, stage], tma_bar_ptr=barrier)
+                cute.copy(tma_d, tDgD, tDsD[None, stage], tma_bar_ptr=barrier)
+                q_state.advance()
 
     def chunk_boxes(self, atom, s, g, rows: int, block, chunk) -> list:
         """(shared, global) TMA partitions of each chunk i of the columns of s (with a stage mode
@@ -683,30 +682,31 @@ class FlashBackwardSm90:
             cute.copy(tma_v, v_boxes[i][1], v_boxes[i][0], tma_bar_ptr=barrier)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-        for step in cutlass.range(steps, unroll=1):
-            g = step // blocks_per_head
-            m_block = m_block_min + (step - g * blocks_per_head)
-            head = head_kv * group + g
-            q_boxes = self.chunk_boxes(
-                tma_q, sQ, mQ[None, None, head, batch], tile_m, m_block, chunk
-            )
-            do_boxes = self.chunk_boxes(
-                tma_do, sdO, mdO[None, None, head, batch], tile_m, m_block, chunk
-            )
-            gLSE = cute.local_tile(mLSE2[None, head, batch], (tile_m,), (m_block,))
-            gD = cute.local_tile(mD[None, head, batch], (tile_m,), (m_block,))
-            tLsL, tLgL = cpasync.tma_partition(tma_lse, 0, one_cta, sLSE, gLSE)
-            tDsD, tDgD = cpasync.tma_partition(tma_d, 0, one_cta, sD, gD)
-            pipe_q.producer_acquire(q_state)
-            barrier = pipe_q.producer_get_barrier(q_state)
-            stage = q_state.index
-            for i in cutlass.range_constexpr(chunks):
-                cute.copy(tma_q, q_boxes[i][1], q_boxes[i][0][None, stage], tma_bar_ptr=barrier)
-            cute.copy(tma_lse, tLgL, tLsL[None, stage], tma_bar_ptr=barrier)
-            for i in cutlass.range_constexpr(chunks):
-                cute.copy(tma_do, do_boxes[i][1], do_boxes[i][0][None, stage], tma_bar_ptr=barrier)
-            cute.copy(tma_d, tDgD, tDsD[None, stage], tma_bar_ptr=barrier)
-            q_state.advance()
+        for g in cutlass.range(group, unroll=1):
+            for m_block in cutlass.range(m_block_min, m_block_min + blocks_per_head, unroll=1):
+                head = head_kv * group + g
+                q_boxes = self.chunk_boxes(
+                    tma_q, sQ, mQ[None, None, head, batch], tile_m, m_block, chunk
+                )
+                do_boxes = self.chunk_boxes(
+                    tma_do, sdO, mdO[None, None, head, batch], tile_m, m_block, chunk
+                )
+                gLSE = cute.local_tile(mLSE2[None, head, batch], (tile_m,), (m_block,))
+                gD = cute.local_tile(mD[None, head, batch], (tile_m,), (m_block,))
+                tLsL, tLgL = cpasync.tma_partition(tma_lse, 0, one_cta, sLSE, gLSE)
+                tDsD, tDgD = cpasync.tma_partition(tma_d, 0, one_cta, sD, gD)
+                pipe_q.producer_acquire(q_state)
+                barrier = pipe_q.producer_get_barrier(q_state)
+                stage = q_state.index
+                for i in cutlass.range_constexpr(chunks):
+                    cute.copy(tma_q, q_boxes[i][1], q_boxes[i][0][None, stage], tma_bar_ptr=barrier)
+                cute.copy(tma_lse, tLgL, tLsL[None, stage], tma_bar_ptr=barrier)
+                for i in cutlass.range_constexpr(chunks):
+                    cute.copy(
+                        tma_do, do_boxes[i][1], do_boxes[i][0][None, stage], tma_bar_ptr=barrier
+                    )
+                cute.copy(tma_d, tDgD, tDsD[None, stage], tma_bar_ptr=barrier)
+                q_state.advance()
 
     # ---- consumers -----------------------------------------------------------------------------
     @cute.jit
@@ -805,87 +805,114 @@ class FlashBackwardSm90:
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
         pipe_kv.consumer_wait(kv_state)
-        for step in cutlass.range(steps, unroll=1):
-            g = step // blocks_per_head
-            m_block = m_block_min + (step - g * blocks_per_head)
-            head = head_kv * group + g
-            stage = q_state.index
-            pipe_q.consumer_wait(q_state)
-            # The LSE2 of this thread's query columns into registers before the GEMMs, where they
-            # fit (config.stats_in_registers): read after the wait for S^T, its loads stall the
-            # exp2's FFMAs.
-            lse = None
-            if const_expr(self.early_lse):
-                lse = cute.make_rmem_tensor(s_cols, Float32)
-                for c in cutlass.range_constexpr(s_cols):
-                    lse[c] = sLSE[s_coords[0, c][1], stage]
-            acc_S = cute.make_rmem_tensor(s_shape, Float32)
-            wgmma(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], accumulate=False, wait=-1)
-            acc_dP = cute.make_rmem_tensor(s_shape, Float32)
-            wgmma(mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], accumulate=False, wait=1)
-            self.softmax_grad(
-                acc_S, acc_dP, s_coords, sLSE, sD, stage, lse, m_block < mask_end, n_block,
-                m_block, seqlen_q, seqlen_k, softmax_scale_log2, softmax_scale,
-            )  # fmt: skip
-            convert_to_16bit(acc_as_operand_a(acc_S), tdVrP)
-            convert_to_16bit(acc_as_operand_a(acc_dP), tdKrdS)
-            # The stmatrix copy of dS^T reads the dK GEMM's operand registers in the accumulator's
-            # order (the same registers: one m64 wgmma per warpgroup, so the operand view of the
-            # accumulator keeps its order), not a second conversion of dP^T.
-            rdS = cute.make_tensor(tdKrdS.iterator, acc_dP.layout)
-            # dS^T's buffer is free once every warpgroup's last dQ GEMM has read it. With two
-            # buffers this one was last read two steps ago, before every warpgroup reached the last
-            # step's DS_FULL barrier.
-            tdSsdS_step, tdQrdS_step = tdSsdS, tdQrdS
-            if const_expr(self.ds_stages == 1):
-                cute.arch.barrier(
-                    barrier_id=BARRIER_DS_FREE, number_of_threads=self.num_consumer_threads
+        # The steps: each query head of the group (g), each of its Q blocks. Causal, the masked
+        # ones are each head's first mask_end - m_block_min, counted down from the head's start
+        # (tested as m_block < mask_end, ptxas rebuilt mask_end from the block index at every
+        # step). Without the causal mask every step of the CTA is masked or none is: one test of
+        # the CTA's first Q block, held in a predicate (as key_end > seqlen_k, ptxas rebuilt it
+        # too). Two loops, not one over the steps: that took an integer division per step.
+        step = Int32(0)
+        for g in cutlass.range(group, unroll=1):
+            mask_left = mask_end - m_block_min
+            for m_block in cutlass.range(m_block_min, m_block_min + blocks_per_head, unroll=1):
+                head = head_kv * group + g
+                stage = q_state.index
+                masked = m_block_min < mask_end
+                if const_expr(self.causal):
+                    masked = mask_left > 0
+                pipe_q.consumer_wait(q_state)
+                # The LSE2 of this thread's query columns into registers before the GEMMs, where
+                # they fit (config.stats_in_registers): read after the wait for S^T, its loads stall
+                # the exp2's FFMAs.
+                lse = None
+                if const_expr(self.early_lse):
+                    lse = cute.make_rmem_tensor(s_cols, Float32)
+                    for c in cutlass.range_constexpr(s_cols):
+                        lse[c] = sLSE[s_coords[0, c][1], stage]
+                acc_S = cute.make_rmem_tensor(s_shape, Float32)
+                wgmma(
+                    mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], accumulate=False, wait=-1
                 )
-            else:
-                ds = step % self.ds_stages
-                tdSsdS_step = tdSsdS[None, None, None, ds]
-                tdQrdS_step = tdQrdS[None, None, None, ds]
-            cute.copy(ds_store, ds_store.retile(rdS), tdSsdS_step)
-            cute.arch.fence_view_async_shared()
-            wgmma(
-                mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], accumulate=True, wait=-1
-            )
-            if const_expr(not self.dq_tma):
+                acc_dP = cute.make_rmem_tensor(s_shape, Float32)
                 wgmma(
-                    mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], accumulate=True,
-                    wait=-1,
-                )  # fmt: skip
-            cute.arch.barrier(
-                barrier_id=BARRIER_DS_FULL, number_of_threads=self.num_consumer_threads
-            )
-            acc_dQ = cute.make_rmem_tensor(dq_shape, Float32)
-            dq_a, dq_b = tdQrdS_step, tdQrKt
-            if const_expr(self.dq_swap):
-                dq_a, dq_b = tdQrKt, tdQrdS_step
-            if const_expr(self.dq_tma):
-                # dQ before dK, so that dQ is staged and reduced while the dK GEMM runs.
-                wgmma(mma_dq, acc_dQ, dq_a, dq_b, accumulate=False, wait=-1)
-                wgmma(
-                    mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], accumulate=True,
+                    mma_sdp,
+                    acc_dP,
+                    tdPrV,
+                    tdPrdO[None, None, None, stage],
+                    accumulate=False,
                     wait=1,
+                )
+                self.softmax_grad(
+                    acc_S, acc_dP, s_coords, sLSE, sD, stage, lse, masked, n_block,
+                    m_block, seqlen_q, seqlen_k, softmax_scale_log2, softmax_scale,
                 )  # fmt: skip
-                if const_expr(self.dq_warp):
-                    self.stage_dq_slice(acc_dQ, mma_dq, sdQ, step, wg, ctid)
-                else:
-                    self.reduce_dq(
-                        acc_dQ, mma_dq, sdQ, tma_dq, mdQ, m_block, head, batch, ctid, chunk
+                convert_to_16bit(acc_as_operand_a(acc_S), tdVrP)
+                convert_to_16bit(acc_as_operand_a(acc_dP), tdKrdS)
+                # The stmatrix copy of dS^T reads the dK GEMM's operand registers in the
+                # accumulator's order (the same registers: one m64 wgmma per warpgroup, so the
+                # operand view of the accumulator keeps its order), not a second conversion of dP^T.
+                rdS = cute.make_tensor(tdKrdS.iterator, acc_dP.layout)
+                # dS^T's buffer is free once every warpgroup's last dQ GEMM has read it. With two
+                # buffers this one was last read two steps ago, before every warpgroup reached the
+                # last step's DS_FULL barrier.
+                tdSsdS_step, tdQrdS_step = tdSsdS, tdQrdS
+                if const_expr(self.ds_stages == 1):
+                    cute.arch.barrier(
+                        barrier_id=BARRIER_DS_FREE, number_of_threads=self.num_consumer_threads
                     )
-                warpgroup.wait_group(0)
-                pipe_q.consumer_release(q_state)
-                q_state.advance()
-            else:
-                wgmma(mma_dq, acc_dQ, dq_a, dq_b, accumulate=False, wait=0)
-                pipe_q.consumer_release(q_state)
-                q_state.advance()
-                self.add_dq(
-                    acc_dQ, dq_coords, mdQacc, mSemaphore, n_block, m_block, head, batch,
-                    seqlen_q, seqlen_k, ctid, chunk,
-                )  # fmt: skip
+                else:
+                    ds = step % self.ds_stages
+                    tdSsdS_step = tdSsdS[None, None, None, ds]
+                    tdQrdS_step = tdQrdS[None, None, None, ds]
+                cute.copy(ds_store, ds_store.retile(rdS), tdSsdS_step)
+                cute.arch.fence_view_async_shared()
+                wgmma(
+                    mma_dkv,
+                    acc_dV,
+                    tdVrP,
+                    tdVrdOt[None, None, None, stage],
+                    accumulate=True,
+                    wait=-1,
+                )
+                if const_expr(not self.dq_tma):
+                    wgmma(
+                        mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], accumulate=True,
+                        wait=-1,
+                    )  # fmt: skip
+                cute.arch.barrier(
+                    barrier_id=BARRIER_DS_FULL, number_of_threads=self.num_consumer_threads
+                )
+                acc_dQ = cute.make_rmem_tensor(dq_shape, Float32)
+                dq_a, dq_b = tdQrdS_step, tdQrKt
+                if const_expr(self.dq_swap):
+                    dq_a, dq_b = tdQrKt, tdQrdS_step
+                if const_expr(self.dq_tma):
+                    # dQ before dK, so that dQ is staged and reduced while the dK GEMM runs.
+                    wgmma(mma_dq, acc_dQ, dq_a, dq_b, accumulate=False, wait=-1)
+                    wgmma(
+                        mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], accumulate=True,
+                        wait=1,
+                    )  # fmt: skip
+                    if const_expr(self.dq_warp):
+                        self.stage_dq_slice(acc_dQ, mma_dq, sdQ, step, wg, ctid)
+                    else:
+                        self.reduce_dq(
+                            acc_dQ, mma_dq, sdQ, tma_dq, mdQ, m_block, head, batch, ctid, chunk
+                        )
+                    warpgroup.wait_group(0)
+                    pipe_q.consumer_release(q_state)
+                    q_state.advance()
+                else:
+                    wgmma(mma_dq, acc_dQ, dq_a, dq_b, accumulate=False, wait=0)
+                    pipe_q.consumer_release(q_state)
+                    q_state.advance()
+                    self.add_dq(
+                        acc_dQ, dq_coords, mdQacc, mSemaphore, n_block, m_block, head, batch,
+                        seqlen_q, seqlen_k, ctid, chunk,
+                    )  # fmt: skip
+                step = step + 1
+                if const_expr(self.causal):
+                    mask_left = mask_left - 1
         if const_expr(self.dq_tma and not self.dq_warp):
             if ctid < 32:  # sdQ stays allocated until the last reduction has read it
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -1176,6 +1203,8 @@ class FlashBackwardSm90:
         seqlen_q, seqlen_k = seqlens
         slice_threads = cfg.THREADS_PER_WARPGROUP + 32
         lane = cute.arch.lane_idx()
+        # One loop over the steps, with an integer division each, not a loop per query head:
+        # that spilled at 128x128s1-det-tma-w-ds2 (this warp has the producers' registers).
         for step in cutlass.range(steps, unroll=1):
             g = step // blocks_per_head
             m_block = m_block_min + (step - g * blocks_per_head)
