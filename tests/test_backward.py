@@ -319,8 +319,9 @@ def play_kernel(config: BwdConfig, causal: bool):
                 for m in range(lo, hi):
                     rows = slice(m * tm, m * tm + tm)
                     qt, dot = (pad(t[b, rows, h][:, order], tm) for t in (q, dout))
-                    lse = lse2[b, h, rows]
-                    dd = dsum[b, h, rows]
+                    at = stat_positions(range(m * tm, m * tm + tm))  # as stat_word reads
+                    lse = lse2[b, h, at]
+                    dd = dsum[b, h, at]
                     queries = torch.arange(m * tm, m * tm + tm)
                     s = kt.float() @ qt.float().T  # S^T: (keys, queries)
                     limit = torch.full((tn, tm), seqlen_k)
@@ -346,15 +347,23 @@ def pad(t, rows: int):
     return torch.nn.functional.pad(t, (0, 0, 0, rows - t.shape[0]))
 
 
+def stat_positions(rows) -> torch.Tensor:
+    """kernel.stat_position of each row: where the preprocessing kernel writes its LSE2 and D."""
+    from fa4tune.kernels.fa4_bwd_sm90.kernel import stat_position
+
+    return torch.tensor([stat_position(int(r)) for r in rows], dtype=torch.long)
+
+
 def play_preprocess(function, dout, out, lse, dlse, lse2, dsum, scale):
     """The preprocessing kernel as the CPU plays it (preprocess.py): D (scaled) and LSE2 of every
-    query row, the padding rows 0 and +inf."""
+    query row, the padding rows 0 and +inf, each row at its stat_position."""
     seqlen_q = dout.shape[1]
     lse2.fill_(math.inf)
     dsum.zero_()
     d = (dout.float() * out.float()).sum(-1).transpose(1, 2)
-    dsum[..., :seqlen_q] = scale * (d - dlse if dlse is not None else d)
-    lse2[..., :seqlen_q] = torch.where(lse == -math.inf, math.inf, lse * math.log2(math.e))
+    at = stat_positions(range(seqlen_q))
+    dsum[..., at] = scale * (d - dlse if dlse is not None else d)
+    lse2[..., at] = torch.where(lse == -math.inf, math.inf, lse * math.log2(math.e))
 
 
 @pytest.fixture

@@ -149,6 +149,16 @@ def dq_turn(n_block, m_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, caus
     return cutlass.min((reach + tile_n - 1) // tile_n, n_blocks) - 1 - n_block
 
 
+def stat_position(row):
+    """Where query row `row`'s LSE2 and D lie in their buffers (the preprocessing kernel writes them
+    there, a Q block's TMA copies them to shared memory as they are): within each 16 rows, rows
+    8 h + 2 q + e (h, e in 0..1, q in 0..3) at 4 q + 2 h + e. A consumer thread's S^T columns are
+    8 j + 2 q + e for its lane's place q in its quad, so its four of a 16-row group lie side by
+    side: one 128-bit load (stat_word), not two 64-bit ones. The Q blocks (64, 80 or 128 rows)
+    are whole groups, so every row stays in its block. Plain ints or the kernel's Int32 alike."""
+    return row - row % 16 + (row % 8) // 2 * 4 + (row % 16) // 8 * 2 + row % 2
+
+
 def cta_coords(bx, by, bz, section_log2):
     """(x index of the walk, K/V head, batch) of the CTA at grid coordinates (bx, by, bz). The
     grid is (section x the x indices, K/V heads / section, batch), section = 2^section_log2 K/V
@@ -206,6 +216,7 @@ class FlashBackwardSm90:
         self.num_consumer_threads = cfg.THREADS_PER_WARPGROUP * self.wgs
         self.num_threads = cfg.THREADS_PER_WARPGROUP * (self.wgs + 1)
         self.producer_regs, self.consumer_regs = cfg.REGISTER_SPLIT[self.wgs]
+        assert self.tile_m % 16 == 0, "stat_position keeps a Q block's rows in whole 16-row groups"
         self.early_lse, self.early_d = cfg.stats_in_registers(
             config, Problem(dtype=dtype, head_dim=head_dim, causal=causal)
         )
@@ -826,9 +837,7 @@ class FlashBackwardSm90:
                 # the exp2's FFMAs.
                 lse = None
                 if const_expr(self.early_lse):
-                    lse = cute.make_rmem_tensor(s_cols, Float32)
-                    for c in cutlass.range_constexpr(s_cols):
-                        lse[c] = sLSE[s_coords[0, c][1], stage]
+                    lse = self.stat_words(sLSE, stage, s_coords[0, 0][1], s_cols)
                 acc_S = cute.make_rmem_tensor(s_shape, Float32)
                 wgmma(
                     mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], accumulate=False, wait=-1
@@ -919,6 +928,25 @@ class FlashBackwardSm90:
         self.epilogue(acc_dK, acc_dV, smem, mma_dkv, stores, n_block, head_kv, batch, ctid,
                       chunk)  # fmt: skip
 
+    def stat_word(self, sStat: cute.Tensor, stage, col0, word: int) -> cute.Tensor:
+        """(4,) registers: the LSE2 or D (sStat) of this thread's query columns 4 word .. 4 word +
+        3 (S^T's columns in coords' mode-1 order, c = pair + 2 x 8-column group), in one 128-bit
+        load: config.stat_position puts them side by side, at 16 word + 2 col0 of the stage's
+        rows (col0: the thread's first column, 2 x its lane's place in its quad)."""
+        offset = cute.assume(stage * self.tile_m + 2 * col0 + 16 * word, divby=4)
+        out = cute.make_rmem_tensor(4, Float32)
+        cute.autovec_copy(cute.make_tensor(sStat.iterator + offset, cute.make_layout(4)), out)
+        return out
+
+    def stat_words(self, sStat: cute.Tensor, stage, col0, cols: int) -> cute.Tensor:
+        """(cols,) registers: stat_word of every word of this thread's columns, in column order."""
+        out = cute.make_rmem_tensor(cute.make_layout((4, cols // 4)), Float32)
+        for w in range(cols // 4):  # traced inline
+            word = self.stat_word(sStat, stage, col0, w)
+            for i in range(4):
+                out[i, w] = word[i]
+        return out
+
     @cute.jit
     def softmax_grad(
         self,
@@ -947,11 +975,10 @@ class FlashBackwardSm90:
         rows, cols = cute.size(scores, mode=[0]), cute.size(scores, mode=[1])
         # early_d: D of the columns read before the exp2, so that its loads land while they run
         # (read after the wait for dP^T, they stall dS^T's FADDs); else there, one at a time.
+        col0 = coords[0, 0][1]
         dsum = None
         if const_expr(self.early_d):
-            dsum = cute.make_rmem_tensor(cols, Float32)
-            for c in cutlass.range_constexpr(cols):
-                dsum[c] = sD[coords[0, c][1], stage]
+            dsum = self.stat_words(sD, stage, col0, cols)
         # A key is seen while key0 + key row < limit (seqlen_k; causal, also the column's query +
         # diagonal + 1). This thread's key rows are its first one, row0, plus compile-time offsets:
         # compared as offset < limit - key0 - row0 (one bound per column, then one compare with an
@@ -962,9 +989,12 @@ class FlashBackwardSm90:
         if masked:
             bound_k = seqlen_k - n_block * self.tile_n - row0
             causal_base = m_block * self.tile_m + diagonal + 1 - n_block * self.tile_n - row0
+            word = None
             for c in cutlass.range_constexpr(cols):
                 col = coords[0, c][1]
-                lse_c = lse[c] if const_expr(self.early_lse) else sLSE[col, stage]
+                if const_expr(not self.early_lse and c % 4 == 0):
+                    word = self.stat_word(sLSE, stage, col0, c // 4)
+                lse_c = lse[c] if const_expr(self.early_lse) else word[c % 4]
                 bound = bound_k
                 if const_expr(self.causal):
                     bound = cutlass.min(bound, causal_base + col)
@@ -972,15 +1002,21 @@ class FlashBackwardSm90:
                     s = -Float32.inf if coords[r, 0][0] - row0 >= bound else scores[r, c]
                     scores[r, c] = cute.math.exp2(s * softmax_scale_log2 - lse_c, fastmath=True)
         else:
+            word = None
             for c in cutlass.range_constexpr(cols):
-                lse_c = lse[c] if const_expr(self.early_lse) else sLSE[coords[0, c][1], stage]
+                if const_expr(not self.early_lse and c % 4 == 0):
+                    word = self.stat_word(sLSE, stage, col0, c // 4)
+                lse_c = lse[c] if const_expr(self.early_lse) else word[c % 4]
                 for r in cutlass.range_constexpr(rows):
                     scores[r, c] = cute.math.exp2(
                         scores[r, c] * softmax_scale_log2 - lse_c, fastmath=True
                     )
         warpgroup.wait_group(0)
+        word = None
         for c in cutlass.range_constexpr(cols):
-            d_col = dsum[c] if const_expr(self.early_d) else sD[coords[0, c][1], stage]
+            if const_expr(not self.early_d and c % 4 == 0):
+                word = self.stat_word(sD, stage, col0, c // 4)
+            d_col = dsum[c] if const_expr(self.early_d) else word[c % 4]
             for r in cutlass.range_constexpr(rows):
                 grads[r, c] = scores[r, c] * (grads[r, c] * softmax_scale - d_col)
 

@@ -6,7 +6,8 @@ tile:
                                                    in fp32; the main kernel's dS takes the scale)
     LSE2 = LSE x log2(e)          (+inf where the row saw no key: its P is 0, as exp2(-inf))
 
-and, for the padding rows past seqlen_q, D = 0 and LSE2 = +inf. One warp per row, heads fastest
+and, for the padding rows past seqlen_q, D = 0 and LSE2 = +inf; each row at kernel.stat_position
+(the order the main kernel's threads read them in). One warp per row, heads fastest
 (as dO and O lie in memory); each lane multiplies head_dim / 32 adjacent columns, a warp reduction
 sums them. Memory-bound: dO and O are read once (at 16k tokens x hidden 2048, 134 MB: 32 µs at
 4.24 TB/s), against torch's two passes (bf16 products, then their sum) or four (fp32 copies)."""
@@ -20,7 +21,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
-from .kernel import DTYPES
+from .kernel import DTYPES, stat_position
 
 WARPS_PER_CTA = 8
 LOG2_E = math.log2(math.e)
@@ -87,6 +88,7 @@ class BackwardPreprocess:
             rest = row // nheads
             query = rest % padded
             b = rest // padded
+            at = stat_position(query)  # the order the main kernel reads them in
             if query < seqlen_q:
                 col0 = lane * self.cols_per_lane
                 acc = Float32(0.0)
@@ -97,12 +99,12 @@ class BackwardPreprocess:
                 if lane == 0:
                     if const_expr(self.has_dlse):
                         acc = acc - mdLSE[b, head, query]
-                    mD[b, head, query] = acc * softmax_scale
+                    mD[b, head, at] = acc * softmax_scale
                     lse = mLSE[b, head, query]
                     lse2 = Float32.inf
                     if lse != -Float32.inf:
                         lse2 = lse * LOG2_E
-                    mLSE2[b, head, query] = lse2
+                    mLSE2[b, head, at] = lse2
             elif lane == 0:
-                mD[b, head, query] = Float32(0.0)
-                mLSE2[b, head, query] = Float32.inf
+                mD[b, head, at] = Float32(0.0)
+                mLSE2[b, head, at] = Float32.inf
