@@ -518,6 +518,23 @@ def test_a_table_half_written_is_taken_back(workdir, capsys):
     assert not (workdir / "out" / "t.yaml").exists()
 
 
+@pytest.mark.parametrize(
+    "argv, what",
+    [
+        (["search", "binary.yaml"], "job file"),
+        (["show", "--table", "binary.yaml"], "table"),
+        (["import", "binary.yaml", "--db", "new.db"], "table"),
+        (["carry", "binary.yaml", "--from", "HEAD"], "table"),
+    ],
+)
+def test_a_binary_file_given_as_a_job_or_table_is_named(workdir, capsys, argv, what):
+    """A results DB (or any binary file) passed where a YAML file goes: one paragraph naming the
+    file, not a UnicodeDecodeError's traceback."""
+    (workdir / "binary.yaml").write_bytes(b"SQLite format 3\x00\xff\xfe" + bytes(range(256)))
+    assert_bad_input(capsys, argv, f"cannot read {what} binary.yaml", "text (byte 16 is 0xff)")
+    assert written(workdir) == []
+
+
 def test_malformed_table_and_missing_files(workdir, capsys):
     (workdir / "t.yaml").write_text("format: [")
     assert_bad_input(capsys, ["import", "t.yaml", "--db", "new.db"], "t.yaml", "malformed YAML")
