@@ -138,6 +138,18 @@ def test_report_whose_storage_is_gone_fails_naming_it(workdir, capsys, monkeypat
     assert list((workdir / "elsewhere").iterdir()) == []  # neither a journal nor half a report
 
 
+@needs_matplotlib
+def test_report_into_a_file_fails_naming_it_and_leaves_it(workdir, capsys):
+    assert run_cli(capsys, "search", write_job(workdir), "--no-progress")[0] == 0
+    (workdir / "notes.txt").write_text("mine")
+    assert_bad_input(
+        capsys,
+        ["report", "--out", "notes.txt"],
+        "cannot write the report to notes.txt: notes.txt is not a writable directory",
+    )
+    assert (workdir / "notes.txt").read_text() == "mine"
+
+
 def test_report_without_matplotlib_says_how_to_get_it(workdir, capsys, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(
