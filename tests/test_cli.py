@@ -180,6 +180,49 @@ def test_doctor_notes_a_missing_optional_extra_neither_ok_nor_bad(workdir, capsy
     assert code == (1 if bad else 0), out  # the note alone does not fail doctor
 
 
+@pytest.fixture
+def broken_family_plugin(tmp_path, monkeypatch):
+    """A third-party kernel family installed as pip would, whose module does not import."""
+    import fa4tune.kernels
+
+    site = tmp_path / "site"
+    dist = site / "brokenfamily-1.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: brokenfamily\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[fa4tune.kernels]\nbroken = brokenfamily_mod:FAMILY\n")
+    (site / "brokenfamily_mod.py").write_text(
+        "raise ImportError('needs a package not installed')\n"
+    )
+    monkeypatch.syspath_prepend(str(site))
+    fa4tune.kernels.rediscover()
+    yield
+    monkeypatch.undo()
+    fa4tune.kernels.rediscover()
+
+
+def test_a_broken_family_plugin_stops_neither_doctor_nor_show(
+    workdir, capsys, broken_family_plugin
+):
+    """doctor is where a broken plugin should be found out, with the rest still checked; show of
+    a DB or table of the built-in families does not need the plugin."""
+    assert run_cli(capsys, "search", write_job(workdir), "--no-progress")[0] == 0
+    assert run_cli(capsys, "export", "--out", "t.yaml")[0] == 0
+    code, out, err = run_cli(capsys, "doctor")
+    assert code == 1, (out, err)
+    [bad] = [line for line in out.splitlines() if line.startswith("BAD")]
+    assert "'broken' = 'brokenfamily_mod:FAMILY'" in bad and "needs a package" in bad, bad
+    assert any(line.split()[:3] == ["ok", "results", "db"] for line in out.splitlines()), out
+    for argv in (["show"], ["show", "--table", "t.yaml"]):
+        code, out, err = run_cli(capsys, *argv)
+        assert code == 0 and "bf16-d128x128" in out, (argv, out, err)
+
+
+def test_show_names_an_unknown_kernel(workdir, capsys):
+    """Not "no best configs": that reads as an empty DB."""
+    assert run_cli(capsys, "search", write_job(workdir), "--no-progress")[0] == 0
+    assert_bad_input(capsys, ["show", "--kernel", "fa4_fwd"], "unknown kernel 'fa4_fwd'")
+
+
 def test_show_flags_stale_configs(workdir, capsys):
     job = write_job(workdir)
     assert run_cli(capsys, "search", job, "--no-progress")[0] == 0
