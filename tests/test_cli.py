@@ -180,26 +180,6 @@ def test_doctor_notes_a_missing_optional_extra_neither_ok_nor_bad(workdir, capsy
     assert code == (1 if bad else 0), out  # the note alone does not fail doctor
 
 
-@pytest.fixture
-def broken_family_plugin(tmp_path, monkeypatch):
-    """A third-party kernel family installed as pip would, whose module does not import."""
-    import fa4tune.kernels
-
-    site = tmp_path / "site"
-    dist = site / "brokenfamily-1.0.dist-info"
-    dist.mkdir(parents=True)
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: brokenfamily\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text("[fa4tune.kernels]\nbroken = brokenfamily_mod:FAMILY\n")
-    (site / "brokenfamily_mod.py").write_text(
-        "raise ImportError('needs a package not installed')\n"
-    )
-    monkeypatch.syspath_prepend(str(site))
-    fa4tune.kernels.rediscover()
-    yield
-    monkeypatch.undo()
-    fa4tune.kernels.rediscover()
-
-
 def test_a_broken_family_plugin_stops_neither_doctor_nor_show(
     workdir, capsys, broken_family_plugin
 ):
