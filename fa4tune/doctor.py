@@ -6,8 +6,8 @@ from importlib import metadata
 
 from . import __version__
 from .db import SCHEMA_VERSION, ResultsDB, resolve_location, shown_location, sqlite_path
-from .errors import KernelError, ResultsDBError
-from .kernels import families
+from .errors import ResultsDBError
+from .kernels import loadable_families
 from .target import is_described, target_for_device
 
 
@@ -63,11 +63,9 @@ def diagnose(db_location: str | None = None) -> list[tuple[str, bool | None, str
     lines.append(
         ("cute dsl", dsl is not None, f"nvidia-cutlass-dsl {dsl}" if dsl else "not installed")
     )
-    try:
-        found = families()
-    except KernelError as exc:  # a third-party family that does not load: say so, check the rest
-        lines.append(("kernel", False, str(exc)))
-        found = {}
+    found, broken = loadable_families()
+    for why in broken:  # a third-party family that does not load: say so, check the rest
+        lines.append(("kernel", False, why))
     for name, spec in found.items():
         try:
             lines.append(

@@ -26,8 +26,8 @@ import threading
 import warnings
 from collections import OrderedDict
 
-from ..errors import KernelError, UnsupportedInput
-from ..kernels import families, get_kernel
+from ..errors import UnsupportedInput
+from ..kernels import get_kernel, loadable_families
 from ..kernels.common.inputs import (
     check_device,
     check_inputs,
@@ -289,18 +289,16 @@ def _serving(target=None) -> list:
     A third-party family that does not load is left out, with a warning (once), so that it stops
     only the GPUs that no other family serves; device_target's refusal then names it."""
     default = get_kernel(None)
-    try:
-        found = families().values()
-    except KernelError as exc:
-        if str(exc) not in _BROKEN_PLUGINS:
-            _BROKEN_PLUGINS.add(str(exc))
+    found, broken = loadable_families()
+    for why in broken:
+        if why not in _BROKEN_PLUGINS:
+            _BROKEN_PLUGINS.add(why)
             warnings.warn(
-                f"fa4tune.attention: {exc}; running the families that load",
+                f"fa4tune.attention: {why}; running the families that load",
                 RuntimeWarning,
                 stacklevel=5,
             )
-        found = []
-    ordered = [default] + [f for f in found if f is not default]
+    ordered = [default] + [f for f in found.values() if f is not default]
     return [f for f in ordered if f.entry == ENTRY and (target is None or f.arch == target.arch)]
 
 
@@ -320,11 +318,7 @@ def device_target(device):
     )
     if not serving:
         where = "; ".join(dict.fromkeys(f.gpus for f in _serving()))
-        try:
-            families()
-            broken = ""
-        except KernelError as exc:  # a plugin that might have served it
-            broken = f" ({exc})"
+        broken = "".join(f" ({why})" for why in loadable_families()[1])  # might have served it
         raise UnsupportedInput(
             f"fa4tune.attention runs on {where}; {device} is {name} "
             f"(compute capability {capability[0]}.{capability[1]}){broken}"
