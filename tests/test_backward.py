@@ -319,7 +319,7 @@ def play_kernel(config: BwdConfig, causal: bool):
                 for m in range(lo, hi):
                     rows = slice(m * tm, m * tm + tm)
                     qt, dot = (pad(t[b, rows, h][:, order], tm) for t in (q, dout))
-                    at = stat_positions(range(m * tm, m * tm + tm))  # as stat_word reads
+                    at = stat_positions(range(m * tm, m * tm + tm))  # the block's rows
                     lse = lse2[b, h, at]
                     dd = dsum[b, h, at]
                     queries = torch.arange(m * tm, m * tm + tm)

@@ -7,7 +7,7 @@ warpgroups own 64 of those rows each, and walk the query heads of the K/V head's
 blocks of `tile_m` rows. Per Q block a warpgroup computes, for its K rows:
 
     S^T = K Q^T, dP^T = V dO^T            (wgmma, both operands in shared memory)
-    P^T = exp2(S^T * scale_log2 - LSE2), dS^T = P^T * (dP^T - D)   (registers)
+    P^T = exp2(S^T * scale_log2 - LSE2), dS^T = P^T * (dP^T * scale - D)   (registers)
     dV += P^T dO, dK += dS^T Q            (wgmma, P^T and dS^T from registers)
 
 and writes dS^T to shared memory, from which the warpgroups together compute dQ = dS K for the Q

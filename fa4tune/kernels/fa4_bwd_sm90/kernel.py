@@ -231,8 +231,9 @@ class FlashBackwardSm90:
         mK: cute.Tensor,  # (batch, seqlen_k, nheads_kv, d)
         mV: cute.Tensor,  # (batch, seqlen_k, nheads_kv, d)
         mdO: cute.Tensor,  # (batch, seqlen_q, nheads_q, d)
-        mLSE2: cute.Tensor,  # (batch, nheads_q, seqlen_q padded to tile_m) fp32: LSE x log2(e)
-        mD: cute.Tensor,  # (batch, nheads_q, seqlen_q padded) fp32: rowsum(dO * O)
+        # LSE2 and D: (batch, nheads_q, seqlen_q padded to tile_m) fp32, rows at stat_position
+        mLSE2: cute.Tensor,  # LSE x log2(e)
+        mD: cute.Tensor,  # softmax_scale x (rowsum(dO * O) - dLSE)
         mdQacc: cute.Tensor,  # (batch, seqlen_q, nheads_q, d) fp32, zero: gets dQ
         mdK: cute.Tensor,  # (batch, seqlen_k, nheads_kv, d)
         mdV: cute.Tensor,  # (batch, seqlen_k, nheads_kv, d)
@@ -931,9 +932,11 @@ class FlashBackwardSm90:
     def stat_word(self, sStat: cute.Tensor, stage, col0, word: int) -> cute.Tensor:
         """(4,) registers: the LSE2 or D (sStat) of this thread's query columns 4 word .. 4 word +
         3 (S^T's columns in coords' mode-1 order, c = pair + 2 x 8-column group), in one 128-bit
-        load: config.stat_position puts them side by side, at 16 word + 2 col0 of the stage's
-        rows (col0: the thread's first column, 2 x its lane's place in its quad)."""
-        offset = cute.assume(stage * self.tile_m + 2 * col0 + 16 * word, divby=4)
+        load: stat_position puts them side by side, at 16 word + 2 col0 of the stage's rows
+        (col0: the thread's first column, 2 x its lane's place in its quad). The stage's start
+        comes from sStat's layout (a stage may be padded past tile_m for the TMA's alignment)."""
+        stage_stride = sStat.layout.stride[1]
+        offset = cute.assume(stage * stage_stride + 2 * col0 + 16 * word, divby=4)
         out = cute.make_rmem_tensor(4, Float32)
         cute.autovec_copy(cute.make_tensor(sStat.iterator + offset, cute.make_layout(4)), out)
         return out
