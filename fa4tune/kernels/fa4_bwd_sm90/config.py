@@ -53,9 +53,15 @@ EXTRA_STATE_REGS = 16
 # with this overhead without spills (a compile test builds them all).
 SWAP_OVERHEAD_REGS = 12
 # Configs the model admits that ptxas (nvidia-cutlass-dsl 4.8.1) spills anyway, as (head_dim,
-# tile_m, tile_n, num_stages, dq_tma, ds_stages, causal, dq_warp): bytes of spill stores. A
-# compile test builds every admitted config at the edge, so that this list cannot go stale unseen.
-KNOWN_SPILLS = {(64, 128, 128, 2, True, 1, True, False): 12}
+# tile_m, tile_n, num_stages, dq_tma, ds_stages, causal, dq_warp, deterministic): bytes of spill
+# stores. A compile test builds every admitted config at the edge, so that this list cannot go
+# stale unseen. The 80-row deterministic one: the producer warp's 24 registers, with the consumers
+# walking the steps per query head (docs/kernel-notes.md, session 42); the deterministic mode takes
+# the ladder's next config there (deterministic_config).
+KNOWN_SPILLS = {
+    (64, 128, 128, 2, True, 1, True, False, False): 12,
+    (128, 80, 128, 2, True, 2, True, True, True): 8,
+}
 
 KNOBS: dict[str, tuple] = {
     "tile_m": (64, 80, 128),
@@ -269,8 +275,8 @@ def register_reasons(config: BwdConfig, problem: Problem, target: Target) -> lis
             "serialize its wgmma"
         ]
     key = (problem.head_dim, config.tile_m, config.tile_n, config.num_stages, config.dq_tma,
-           config.ds_stages, problem.causal, config.dq_warp)  # fmt: skip
-    if not config.deterministic and key in KNOWN_SPILLS:
+           config.ds_stages, problem.causal, config.dq_warp, config.deterministic)  # fmt: skip
+    if key in KNOWN_SPILLS:
         return [
             f"ptxas spills {KNOWN_SPILLS[key]} bytes for {config.short()} at head dim "
             f"{problem.head_dim}{' causal' if problem.causal else ''} (a compile test keeps "
