@@ -26,6 +26,19 @@ BF16 = torch.bfloat16
 
 
 # ---- knobs and rules ----------------------------------------------------------------------------
+def test_every_gpu_case_runs_a_config_the_rules_admit():
+    """The GPU cases (tests/test_backward_gpu.py) are checked on the CPU first: a case whose
+    config the rules refuse (shared memory, a known spill) would fail on the GPU as a ConfigError,
+    spending device time on a typo."""
+    from test_backward_gpu import BITWISE_CASES, CASES, bitwise_problem
+
+    cases = [(Problem(**fields), config) for fields, config in CASES]
+    cases += [(bitwise_problem(head_dim), config) for config, head_dim in BITWISE_CASES]
+    for problem, config in cases:
+        config = config or FAMILY.default_config(problem, H200)
+        assert FAMILY.infeasible_reasons(problem, config, H200) == [], (problem.key(), config)
+
+
 def test_the_config_schema_refuses_unknown_and_illegal_knobs():
     assert BwdConfig.from_dict({"tile_m": 64.0}).tile_m == 64
     with pytest.raises(ConfigError, match="unknown knob"):

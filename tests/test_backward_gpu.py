@@ -124,7 +124,7 @@ CASES = [
      BwdConfig(tile_m=80, num_stages=1, dq_swap=True, ds_stages=2)),
     (dict(head_dim=128, seqlen_q=777, seqlen_k=1029, batch=1, nheads_q=8, nheads_kv=2,
           causal=True), BwdConfig(tile_m=80, dq_swap=True, deterministic=True, dq_tma=True,
-                                  dq_warp=True, ds_stages=2)),
+                                  dq_warp=True)),
     (dict(head_dim=128, seqlen_q=1000, batch=2, nheads_q=8, causal=True),
      BwdConfig(dq_swap=True, dq_tma=True, dq_warp=True, ds_stages=2)),
     (dict(head_dim=128, seqlen_q=4096, batch=1, nheads_q=4),
@@ -134,7 +134,7 @@ CASES = [
     (dict(head_dim=128, seqlen_q=1500, seqlen_k=1200, batch=3, nheads_q=16, nheads_kv=4,
           causal=True), None),
     (dict(head_dim=192, seqlen_q=700, batch=3, nheads_q=4, nheads_kv=4, causal=True),
-     BwdConfig(dq_tma=True, dq_warp=True)),
+     BwdConfig(num_stages=1, dq_tma=True, dq_warp=True)),
 ]  # fmt: skip
 
 
@@ -155,21 +155,26 @@ def test_gradients_match_the_reference(fields, config):
     assert result.verdict(FAMILY.tolerance(problem)) is None, result
 
 
+def bitwise_problem(head_dim):
+    return Problem(head_dim=head_dim, seqlen_q=2048, batch=2, nheads_q=8, nheads_kv=2, causal=True)
+
+
+BITWISE_CASES = [
+    (BwdConfig(deterministic=True), 128),
+    (BwdConfig(deterministic=True, dq_tma=True, dq_warp=True), 128),
+    (BwdConfig(tile_m=128, deterministic=True, dq_tma=True, dq_warp=True, dq_rows=True), 64),
+    (BwdConfig(num_stages=1, deterministic=True), 256),  # a semaphore per Q block and chunk
+    (BwdConfig(tile_m=80, dq_swap=True, deterministic=True, dq_tma=True, dq_warp=True), 128),
+]
+
+
 @pytest.mark.parametrize(
     "config,head_dim",
-    [
-        (BwdConfig(deterministic=True), 128),
-        (BwdConfig(deterministic=True, dq_tma=True, dq_warp=True), 128),
-        (BwdConfig(tile_m=128, deterministic=True, dq_tma=True, dq_warp=True, dq_rows=True), 64),
-        (BwdConfig(num_stages=1, deterministic=True), 256),  # a semaphore per Q block and chunk
-        (BwdConfig(tile_m=80, dq_swap=True, deterministic=True, dq_tma=True, dq_warp=True), 128),
-    ],
+    BITWISE_CASES,
     ids=lambda c: c.short() if isinstance(c, BwdConfig) else str(c),
 )
 def test_the_deterministic_mode_is_bitwise_repeatable(config, head_dim):
-    problem = Problem(
-        head_dim=head_dim, seqlen_q=2048, batch=2, nheads_q=8, nheads_kv=2, causal=True
-    )
+    problem = bitwise_problem(head_dim)
     case, _ = run_case(problem, config)
     first = [t.clone() for t in (case.dq, case.dk, case.dv)]
     run = FAMILY.launcher(case, config, H200)
