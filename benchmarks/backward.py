@@ -183,7 +183,7 @@ def render(rows, header) -> str:
         if isinstance(t, dict) and isinstance(f, dict) and f.get("grad_error"):
             errors.append(t["grad_error"] / f["grad_error"])
     lines = [
-        "# Backward report: fa4_bwd_sm90 on the H200",
+        f"# Backward report: fa4_bwd_sm90 on the {header.get('target', header['gpu'])}",
         "",
         f"Measured {header['date']} on {header['gpu']}; torch {header['torch']}, "
         f"nvidia-cutlass-dsl {header['dsl']}, flash-attn-4 {header['fa4']}; kernel hash "

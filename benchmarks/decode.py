@@ -124,7 +124,7 @@ def fmt_cell(cell) -> str:
 
 def render(rows, header: dict) -> str:
     lines = [
-        "# Decode report: fa4_fwd_sm90 on the H200",
+        f"# Decode report: fa4_fwd_sm90 on the {header.get('target', header['gpu'])}",
         "",
         f"Measured {header['date']} on {header['gpu']}; torch {header['torch']}, "
         f"nvidia-cutlass-dsl {header['dsl']}, flash-attn-4 {header['fa4']}; kernel hash "

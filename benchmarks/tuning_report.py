@@ -270,15 +270,19 @@ def gpu_target(prog: str):
 
 
 def run_header(kernel, rounds: int, **more) -> dict:
-    """What a benchmark's report says it ran: the date, the GPU, torch, the CuTe DSL, flash-attn-4,
-    the kernel family's source hash and the rounds, then `more`."""
+    """What a benchmark's report says it ran: the date, the GPU (its name and fa4tune's target for
+    it, which the report's title names), torch, the CuTe DSL, flash-attn-4, the kernel family's
+    source hash and the rounds, then `more`."""
     import torch
 
     from fa4tune.doctor import package_version
+    from fa4tune.target import detect_target
 
+    target = detect_target()
     return {
         "date": datetime.date.today().isoformat(),
         "gpu": torch.cuda.get_device_name(),
+        "target": target.name if target is not None else torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "dsl": package_version("nvidia-cutlass-dsl") or "not installed",
         "fa4": package_version("flash-attn-4") or "not installed",

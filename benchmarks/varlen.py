@@ -184,7 +184,7 @@ def summary(rows) -> list[str]:
 
 def render(rows, header: dict) -> str:
     lines = [
-        "# Serving report: ragged inputs on the H200",
+        f"# Serving report: ragged inputs on the {header.get('target', header['gpu'])}",
         "",
         f"Measured {header['date']} on {header['gpu']}; torch {header['torch']}, "
         f"nvidia-cutlass-dsl {header['dsl']}, flash-attn-4 {header['fa4']}; kernel hash "

@@ -712,12 +712,13 @@ def test_the_backward_report_renders_both_rates_and_the_error_ratio(tmp_path, ca
             },
         }
     ]
-    header = {"date": "d", "gpu": "H200", "torch": "2.11", "dsl": "4.8.1", "fa4": "b36",
-              "kernel_hash": "0123456789ab", "rounds": 3}  # fmt: skip
+    header = {"date": "d", "gpu": "NVIDIA H100 80GB HBM3", "target": "H100-SXM", "torch": "2.11",
+              "dsl": "4.8.1", "fa4": "b36", "kernel_hash": "0123456789ab", "rounds": 3}  # fmt: skip
     saved = tmp_path / "b.json"
     saved.write_text(json.dumps({"header": header, "rows": rows}))
     assert report.main(["--render", str(saved)]) == 0
     text = capsys.readouterr().out
+    assert text.startswith("# Backward report: fa4_bwd_sm90 on the H100-SXM\n")
     assert (
         "| k1 | 64x128s2 (exact) | 64x128s2-det | 64x128s2 | 550 / 600 | 275 / 400 | 500 / 570 | "
         "500 / 560 |" in text
