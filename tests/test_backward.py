@@ -83,12 +83,14 @@ def test_every_default_is_feasible(head_dim, causal):
     p = Problem(head_dim=head_dim, causal=causal, seqlen_q=4096, batch=4, nheads_q=16)
     config = default_config(p, H200)
     assert not FAMILY.infeasible_reasons(p, config, H200)
-    # 128 Q rows a step where they fit (head dim 64), with dQ's GEMM split by rows there, else 64;
-    # dQ by TMA from the dQ warp, two dS^T buffers
+    # 128 Q rows a step where they fit (head dim 64), with dQ's GEMM split by rows there, else 64,
+    # with dQ's GEMM swapped where it fits (head dim 128); dQ by TMA from the dQ warp, two dS^T
+    # buffers
     wide = head_dim == 64
     assert config == BwdConfig(
-        tile_m=128 if wide else 64, dq_tma=True, ds_stages=2, dq_warp=True, dq_rows=wide
-    )
+        tile_m=128 if wide else 64, dq_tma=True, ds_stages=2, dq_warp=True, dq_rows=wide,
+        dq_swap=head_dim == 128,
+    )  # fmt: skip
     # the deterministic mode keeps the tiles and the dQ warp: it issues the reductions in turn
     det = cfg.deterministic_config(config, p, H200)
     assert det == replace(config, deterministic=True)
@@ -819,11 +821,11 @@ def test_80_row_q_blocks_take_the_swapped_dq_gemm_at_head_dim_128():
         if config != replace(m80, deterministic=True):
             assert not FAMILY.infeasible_reasons(causal, config, H200)
     # ptxas spills the producer warp there (config.KNOWN_SPILLS): the deterministic mode takes the
-    # ladder's 64 rows with the dQ warp's turn for the causal problem.
+    # ladder's 64 swapped rows with the dQ warp's turn for the causal problem.
     [spill] = FAMILY.infeasible_reasons(causal, replace(m80, deterministic=True), H200)
     assert "ptxas spills 8 bytes for 80x128s2-det-tma-w-sw-ds2 at head dim 128 causal" in spill
-    assert cfg.deterministic_config(m80, causal, H200) == BwdConfig(
-        deterministic=True, dq_tma=True, ds_stages=2, dq_warp=True
+    assert cfg.deterministic_config(m80, causal, H200) == replace(
+        m80, tile_m=64, deterministic=True
     )
     # The register model at the swap's edge: 128 + 80 + 20 + 12, no room for early stats; the
     # consumers' deterministic turn does not fit (the dQ warp's does: above).
@@ -832,8 +834,8 @@ def test_80_row_q_blocks_take_the_swapped_dq_gemm_at_head_dim_128():
     assert cfg.stats_in_registers(replace(m80, tile_m=64), p) == (True, False)
     assert cfg.deterministic_config(m80, p, H200) == replace(m80, deterministic=True)
     det = cfg.deterministic_config(BwdConfig(tile_m=80, dq_swap=True), p, H200)
-    # the ladder's first that fits: the dQ warp's turn at 64 rows
-    assert det == BwdConfig(deterministic=True, dq_tma=True, ds_stages=2, dq_warp=True)
+    # the ladder's first that fits: the dQ warp's turn at 64 swapped rows
+    assert det == replace(m80, tile_m=64, deterministic=True)
     # LSE2 and D stages 128-byte aligned for their TMA copies: 96 values a stage of 80 rows.
     assert cfg.stat_stage_rows(80) == 96 and cfg.stat_stage_rows(64) == 64
     # Q/dO 2 x 40 KB, dS^T 2 x 20, dQ 40, K and V 64, barriers and stats 3: the H200's 227 KB.
