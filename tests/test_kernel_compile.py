@@ -383,6 +383,62 @@ def test_decode_configs_compile_without_spills(
     assert not _serialized_wgmma(text), f"{config.short()}: {_serialized_wgmma(text)}"
 
 
+# The in-kernel combine (combine_in_kernel): the last split CTA merges the partials in the consumer
+# registers the main loop had, so it must fit them: one and two consumer warpgroups, head dims 64
+# and 128, packed GQA of 4 and 8 and none, 2 to 16 splits, seqlen_q 1 and 4 causal (knobs,
+# head_dim, pack group, causal).
+COMBINE_SPREAD = [
+    ({"tile_m": 64, "num_stages": 3, "pack_gqa": True, "num_splits": 2}, 128, 4, False),
+    (
+        {"tile_m": 64, "tile_n": 96, "num_stages": 4, "pack_gqa": True, "num_splits": 16},
+        128,
+        8,
+        False,
+    ),
+    ({"tile_m": 64, "num_stages": 5, "pack_gqa": True, "num_splits": 8}, 64, 8, True),
+    ({"tile_m": 64, "num_stages": 3, "num_splits": 4}, 64, 1, False),
+    ({"tile_m": 128, "num_stages": 2, "pack_gqa": True, "num_splits": 4}, 128, 8, True),
+    (
+        {"tile_m": 128, "pack_gqa": True, "num_splits": 16, "intra_wg_overlap": False},
+        128,
+        8,
+        False,
+    ),
+]
+
+
+@pytest.mark.parametrize("knobs,head_dim,pack_group,causal", COMBINE_SPREAD)
+def test_in_kernel_combine_compiles_without_spills(
+    knobs, head_dim, pack_group, causal, capfd, tmp_path
+):
+    config = FwdConfig.from_dict({**knobs, "combine_in_kernel": True}, base=FwdConfig())
+    compiled, text = _compile_with_report(
+        config, "bf16", head_dim, head_dim, causal, capfd, tmp_path, pack_group=pack_group
+    )
+    report = _spill_report(text)
+    assert report and all(r == (0, 0, 0) for r in report), f"{config.short()} spills: {report}"
+    assert not _serialized_wgmma(text), f"{config.short()}: {_serialized_wgmma(text)}"
+    ptx = compiled.function.__ptx__
+    # One launch: no programmatic dependent; the count is an acquire-release atomic at GPU scope
+    # after the partials' release fence, and the merged O leaves through a TMA store.
+    assert "griddepcontrol.launch_dependents" not in ptx
+    assert re.search(r"atom(\.global)?\.acq_rel(\.gpu)?(\.global)?\.add", ptx), "no count"
+    assert "fence.acq_rel.gpu" in ptx
+    assert "cp.async.bulk.tensor" in ptx and ".global.shared::cta" in ptx
+
+
+def test_in_kernel_combine_leaves_the_split_kernel_as_it_was(capfd, tmp_path):
+    """The knob off, a split kernel is the one the shipped tables were searched with: its PDL
+    dependent stays, and no count or fence is added (the table carry checks the whole code)."""
+    config = FwdConfig(tile_m=64, num_stages=3, pack_gqa=True, num_splits=4)
+    compiled, _ = _compile_with_report(
+        config, "bf16", 128, 128, False, capfd, tmp_path, pack_group=4
+    )
+    ptx = compiled.function.__ptx__
+    assert "griddepcontrol.launch_dependents" in ptx
+    assert "atom." not in ptx and "fence.acq_rel" not in ptx
+
+
 # Spills the shipped table may keep: (problem key, config) -> why. A spill in any other shipped
 # entry fails the test below; so does a listed one that a re-tune replaced (the list must follow the
 # table). None since run 9 (run 11 neither): runs 6 and 8 kept hdim 64 4k causal at 192x192 with one

@@ -74,6 +74,8 @@ def smem_layout_bytes(config: FwdConfig, problem: Problem) -> dict[str, int]:
         barriers += (
             8  # the next tile's number (padded to 8), handed from the producer to the consumers
         )
+    if config.combine_in_kernel:
+        barriers += 8  # whether this CTA is its tile's last split (padded to 8), for the consumers
     if config.persistent:
         q_o = {"q": _round_up(config.q_stages * q, SMEM_ALIGN), "o": _round_up(o, SMEM_ALIGN)}
     else:
