@@ -306,6 +306,74 @@ def test_packed_arguments_match_what_the_dsl_passes():
         )
 
 
+@pytest.mark.compile
+def test_packed_arguments_of_the_in_kernel_combine_match_the_dsl():
+    """With combine_in_kernel the kernel takes the partials, the tiles' split counts (a (tiles,)
+    tensor of dynamic layout where the tile counter was), and O and LSE after the four absent
+    ragged index tensors: the prepared launch's descriptors must be the DSL's own, byte for byte,
+    and no combine kernel's arguments are packed."""
+    import os
+
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before cutlass is first imported
+    from cuda.bindings import driver as cuda
+    from cutlass import Float32, Int32
+    from cutlass.cute.runtime import from_dlpack
+
+    from fa4tune.kernels.fa4_fwd_sm90.compile import compile_forward
+    from fa4tune.kernels.fa4_fwd_sm90.config import FwdConfig, tile_count
+    from fa4tune.kernels.fa4_fwd_sm90.launch import PreparedLaunch, heads_per_l2_group
+    from fa4tune.target import get_target
+
+    target = get_target("H200")
+    q = torch.empty(2, 1, 32, 128, dtype=torch.bfloat16)
+    k = torch.empty(2, 1000, 8, 128, dtype=torch.bfloat16)
+    v = torch.empty(2, 1000, 8, 128, dtype=torch.bfloat16)
+    problem = fa4tune.runtime.dispatch.problem_of(q, k, v, False)
+    config = FwdConfig(tile_m=64, num_stages=3, pack_gqa=True, num_splits=4, combine_in_kernel=True)
+    compiled = compile_forward(config, "bf16", 128, 128, False, target, pack_group=4)
+    launch = PreparedLaunch(problem, config, target, q, k, v, softmax_scale=0.07)
+    assert launch.combine_descriptors == [] and launch.tiles == tile_count(config, problem) == 16
+    out = torch.empty(launch.out_shape, dtype=torch.bfloat16)
+    lse = torch.empty(launch.lse_shape, dtype=torch.float32)
+    o_shape, l_shape = launch.partial_shapes
+    o_part = torch.empty(o_shape, dtype=torch.float32)
+    lse_part = torch.empty(l_shape, dtype=torch.float32)
+    counts = torch.zeros(launch.tiles, dtype=torch.int32)
+    for pointer, t in zip(
+        launch.pointers + launch.final_pointers,
+        (q, k, v, o_part, lse_part, counts, out, lse),
+        strict=True,
+    ):
+        pointer.value = t.data_ptr()
+    launch.stream.value = 0x7F00DEAD
+
+    def dynamic(t, align):
+        return from_dlpack(t, assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
+
+    # Held here: the DSL's descriptors live in these objects.
+    tensors = [dynamic(t, 16) for t in (q, k, v, o_part)] + [dynamic(lse_part, 4)]
+    tensors.append(dynamic(counts, 4))
+    final = [dynamic(out, 16), dynamic(lse, 4)]
+    reference_args, _ = compiled.function.generate_execution_args(
+        *tensors,
+        Float32(0.07 * math.log2(math.e)),
+        Int32(heads_per_l2_group(problem, target)),
+        cuda.CUstream(0x7F00DEAD),
+        None,
+        None,
+        None,
+        None,
+        *final,
+    )
+    sizes = [48, 48, 48, 64, 48, 16, 4, 4, 8, 48, 40]
+    assert len(reference_args) == len(launch.arguments) == len(sizes)
+    for index, (theirs, ours, size) in enumerate(zip(reference_args, launch.arguments, sizes)):
+        theirs = theirs.value if isinstance(theirs, ctypes.c_void_p) else theirs
+        assert ctypes.string_at(theirs, size) == ctypes.string_at(ours, size), (
+            f"argument {index} differs"
+        )
+
+
 class _RecordingHostFunction:
     """Stands in for a compiled host function: records the pointer array it is called with and
     writes `code` into the error slot that the array names after the arguments."""

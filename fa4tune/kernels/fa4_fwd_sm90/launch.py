@@ -30,7 +30,12 @@ from ..common.launch import (
     raw_stream_getter,
     repack_descriptor,
 )
-from ..common.streams import current_device_getter, current_tile_counter, unused_counter
+from ..common.streams import (
+    current_device_getter,
+    current_split_counts,
+    current_tile_counter,
+    unused_counter,
+)
 from ..common.varlen import (
     Ragged,
     check_varlen_device,
@@ -40,7 +45,7 @@ from ..common.varlen import (
 )
 from ..common.varlen import make_problem as make_varlen_problem
 from .compile import compile_combine, compile_forward, layout_of, pack_group_of
-from .config import FwdConfig, grid_reasons
+from .config import FwdConfig, grid_reasons, tile_count
 
 
 def partial_shapes(problem: Problem, config: FwdConfig) -> tuple[tuple, tuple]:
@@ -90,6 +95,12 @@ def launch_counter(config: FwdConfig, causal: bool, device):
     if config.uses_tile_counter(causal):
         return current_tile_counter(device)
     return unused_counter(device)
+
+
+def separate_combine(config: FwdConfig) -> bool:
+    """Whether a launch of `config` is followed by the combine kernel's: split, without the
+    in-kernel combine."""
+    return config.split and not config.combine_in_kernel
 
 
 def check_grid(config: FwdConfig, problem: Problem) -> None:
@@ -142,7 +153,9 @@ def attention_forward(
         target,
         pack_group=pack_group_of(config, problem),
     )
-    combine = compile_combine(problem.dtype, problem.head_dim_v, target) if config.split else None
+    combine = None
+    if separate_combine(config):
+        combine = compile_combine(problem.dtype, problem.head_dim_v, target)
     out, lse = launch_outputs(q, out, lse, batch_output_shapes(q, v))
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(problem.head_dim)
     # The host function launches on the current device, and the counter is that device's current
@@ -157,6 +170,13 @@ def attention_forward(
         stream_handle = torch.cuda.current_stream(q.device).cuda_stream
         counter = from_dlpack(launch_counter(config, causal, q.device), assumed_align=4)
         outputs = [tensors.pop(), lse_t]
+        final = ()
+        if config.combine_in_kernel:
+            # The tiles' split counts take the counter's place; O and LSE follow the (absent)
+            # ragged index tensors.
+            counts = current_split_counts(q.device, tile_count(config, problem))
+            counter = from_dlpack(counts, assumed_align=4).mark_layout_dynamic(leading_dim=0)
+            final = (None, None, None, None, *outputs)
         if config.split:
             o_shape, l_shape = partial_shapes(problem, config)
             o_part = torch.empty(o_shape, dtype=torch.float32, device=q.device)
@@ -172,8 +192,9 @@ def attention_forward(
             Float32(scale * math.log2(math.e)),
             Int32(heads_per_l2_group(problem, target)),
             cuda.CUstream(stream_handle),
+            *final,
         )
-        if config.split:
+        if combine is not None:
             combine(*partials, *outputs, cuda.CUstream(stream_handle))
     return out, lse
 
@@ -220,7 +241,9 @@ def attention_varlen_forward(
         pack_group=pack_group_of(config, problem),
         layout=layout_of(problem),
     )
-    combine = compile_combine(problem.dtype, problem.head_dim_v, target) if config.split else None
+    combine = None
+    if separate_combine(config):
+        combine = compile_combine(problem.dtype, problem.head_dim_v, target)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(problem.head_dim)
 
     def dynamic(t, align):
@@ -230,6 +253,16 @@ def attention_varlen_forward(
         stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
         counter = from_dlpack(launch_counter(config, causal, q.device), assumed_align=4)
         outputs = [dynamic(out, 16), dynamic(lse, 4)]
+        index = [dynamic(t, 4) for t in ragged.tensors()]
+        final = []
+        if config.combine_in_kernel:
+            # As attention_forward's (batch-shaped Q: config.combine_reasons); the index tensors
+            # in their slots, None where absent, so that O and LSE come after all four.
+            counts = current_split_counts(q.device, tile_count(config, problem))
+            counter = from_dlpack(counts, assumed_align=4).mark_layout_dynamic(leading_dim=0)
+            every = (ragged.cu_seqlens_q, ragged.cu_seqlens_k, ragged.seqused_k, ragged.page_table)
+            index = [dynamic(t, 4) if t is not None else None for t in every]
+            final = outputs
         if config.split:
             o_shape, l_shape = partial_shapes(problem, config)
             o_part = torch.empty(o_shape, dtype=torch.float32, device=q.device)
@@ -242,9 +275,10 @@ def attention_varlen_forward(
             Float32(scale * math.log2(math.e)),
             Int32(heads_per_l2_group(problem, target)),
             stream,
-            *(dynamic(t, 4) for t in ragged.tensors()),
+            *index,
+            *final,
         )
-        if config.split:
+        if combine is not None:
             o_view, lse_view = combine_views(out, lse, problem)
             combine(*outputs, dynamic(o_view, 16), dynamic(lse_view, 4), stream)
     return out, lse
@@ -264,6 +298,9 @@ class PreparedLaunch:
         self.device_index = q.device.index if q.device.index is not None else 0
         self.dtype = q.dtype
         self.split = config.split
+        # combine_in_kernel: one launch; the tiles' split counts take the tile counter's place.
+        self.combine_in_kernel = config.combine_in_kernel
+        self.tiles = tile_count(config, problem)
         # Packed rows (varlen q or k): the launch serves every call of its signature, whose row
         # totals may differ (the dispatcher keys them by power of two); a call with other totals
         # repacks the extents that follow them (_fit).
@@ -277,11 +314,20 @@ class PreparedLaunch:
         )
         self.partial_shapes = partial_shapes(problem, config) if self.split else None
         # Split-KV: the kernel writes the partials and the combine kernel reads them into O and
-        # LSE; the combine's arguments are packed here too.
+        # LSE; the combine's arguments are packed here too. With the in-kernel combine the kernel
+        # takes O and LSE itself, after the index tensors (`final`).
         kernel_shapes, combine_shapes = self._descriptor_shapes()
         self.descriptors = [pack_descriptor(*shape) for shape in kernel_shapes]
         combine = [pack_descriptor(*shape) for shape in combine_shapes]
-        self.descriptors.append(ctypes.create_string_buffer(8))  # the tile counter
+        if self.combine_in_kernel:  # the split counts, (tiles,) of dynamic layout
+            self.descriptors.append(pack_descriptor((self.tiles,), (1,)))
+        else:
+            self.descriptors.append(ctypes.create_string_buffer(8))  # the tile counter
+        self.final_descriptors = [
+            pack_descriptor(shape, contiguous_strides(shape))
+            for shape in ((self.out_shape, self.lse_shape) if self.combine_in_kernel else ())
+        ]
+        self.final_pointers = [ctypes.c_uint64.from_buffer(d) for d in self.final_descriptors]
         self.combine_descriptors = combine
         self.combine_pointers = [ctypes.c_uint64.from_buffer(d) for d in combine]
         # The first 8 bytes of each descriptor are its data pointer: the only part a call changes.
@@ -291,7 +337,10 @@ class PreparedLaunch:
         self._tile_counter = (
             current_tile_counter if config.uses_tile_counter(problem.causal) else None
         )
-        self._unused_counter = unused_counter(q.device) if self._tile_counter is None else None
+        self._split_counts = current_split_counts
+        self._unused_counter = None
+        if self._tile_counter is None and not self.combine_in_kernel:
+            self._unused_counter = unused_counter(q.device)
         scale = (
             float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(problem.head_dim)
         )
@@ -313,6 +362,7 @@ class PreparedLaunch:
                 ctypes.addressof(self.stream),
             ]
             + [ctypes.addressof(d) for d in self.index_descriptors]
+            + [ctypes.addressof(d) for d in self.final_descriptors]
         )
         self.combine_arguments = [ctypes.addressof(d) for d in combine] + (
             [ctypes.addressof(self.stream)] if combine else []
@@ -337,6 +387,8 @@ class PreparedLaunch:
                 combine.append((shape, contiguous_strides(shape)))
             views = combine_view_shapes(self.out_shape, self.lse_shape, self.problem)
             combine += [(shape, contiguous_strides(shape)) for shape in views]
+            if self.combine_in_kernel:
+                combine = []
         else:
             outputs = (self.out_shape, self.lse_shape)
             kernel += [(shape, contiguous_strides(shape)) for shape in outputs]
@@ -370,7 +422,7 @@ class PreparedLaunch:
         with split-KV `combine` after it (the combine kernel's, bound alike)."""
         self.executor = executor
         self._run, self.result = direct_call(executor, self.arguments)
-        if self.split:
+        if self.split and not self.combine_in_kernel:
             self.combine_executor = combine
             self._run_combine, self.combine_result = direct_call(combine, self.combine_arguments)
 
@@ -399,7 +451,12 @@ class PreparedLaunch:
             return self._launch(q_ptr, k_ptr, v_ptr, rows, index)
 
     def _launch(self, q_ptr: int, k_ptr: int, v_ptr: int, rows, index=()):
-        counter = self._tile_counter(self.device) if self._tile_counter else self._unused_counter
+        if self.combine_in_kernel:
+            counter = self._split_counts(self.device, self.tiles)
+        elif self._tile_counter:
+            counter = self._tile_counter(self.device)
+        else:
+            counter = self._unused_counter
         stream = self._raw_stream(self.device_index)
         # The descriptors and shapes are shared; the launch copies them before it returns.
         with self.lock:
@@ -412,7 +469,16 @@ class PreparedLaunch:
                 pointer.value = t.data_ptr()
             p[0].value, p[1].value, p[2].value = q_ptr, k_ptr, v_ptr
             self.stream.value = stream
-            if self.split:
+            if self.combine_in_kernel:
+                o_shape, l_shape = self.partial_shapes
+                o_part = self._empty(o_shape, dtype=self._float32, device=self.device)
+                lse_part = self._empty(l_shape, dtype=self._float32, device=self.device)
+                f = self.final_pointers
+                p[3].value, p[4].value = o_part.data_ptr(), lse_part.data_ptr()
+                p[5].value = counter.data_ptr()
+                f[0].value, f[1].value = out.data_ptr(), lse.data_ptr()
+                error = self._run()
+            elif self.split:
                 o_shape, l_shape = self.partial_shapes
                 o_part = self._empty(o_shape, dtype=self._float32, device=self.device)
                 lse_part = self._empty(l_shape, dtype=self._float32, device=self.device)
@@ -459,7 +525,7 @@ def prepare_launch(
         layout=layout_of(problem),
     )
     combine = None
-    if config.split:
+    if separate_combine(config):
         combine = compile_combine(problem.dtype, problem.head_dim_v, target).to(problem_device(q))
     launch = PreparedLaunch(problem, config, target, q, k, v, softmax_scale, ragged)
     # An executor for the tensors' device (the CUDA-dialect one cute.compile gives here loads a
