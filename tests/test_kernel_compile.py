@@ -439,6 +439,28 @@ def test_in_kernel_combine_leaves_the_split_kernel_as_it_was(capfd, tmp_path):
     assert "atom." not in ptx and "fence.acq_rel" not in ptx
 
 
+def test_in_kernel_combine_shared_storage_is_what_the_resource_model_books(monkeypatch):
+    """The last-split flag sits in the barrier region, where resources.smem_bytes books it."""
+    import cutlass.utils
+
+    from fa4tune.kernels.fa4_fwd_sm90 import resources
+    from fa4tune.kernels.fa4_fwd_sm90.compile import compile_forward
+
+    sizes = []
+    allocate = cutlass.utils.SmemAllocator.allocate
+
+    def recording_allocate(self, struct, *args, **kwargs):
+        sizes.append(struct.size_in_bytes())
+        return allocate(self, struct, *args, **kwargs)
+
+    monkeypatch.setattr(cutlass.utils.SmemAllocator, "allocate", recording_allocate)
+    config = FwdConfig(tile_m=64, num_stages=3, pack_gqa=True, num_splits=4, combine_in_kernel=True)
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    compile_forward(config, "bf16", 128, 128, False, "H200", use_cache=False, pack_group=4)
+    problem = Problem(dtype="bf16", head_dim=128, nheads_q=4, nheads_kv=1)
+    assert sizes and sizes[-1] == resources.smem_bytes(config, problem)
+
+
 # Spills the shipped table may keep: (problem key, config) -> why. A spill in any other shipped
 # entry fails the test below; so does a listed one that a re-tune replaced (the list must follow the
 # table). None since run 9 (run 11 neither): runs 6 and 8 kept hdim 64 4k causal at 192x192 with one
