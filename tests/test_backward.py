@@ -71,10 +71,12 @@ def test_every_default_is_feasible(head_dim, causal):
     p = Problem(head_dim=head_dim, causal=causal, seqlen_q=4096, batch=4, nheads_q=16)
     config = default_config(p, H200)
     assert not FAMILY.infeasible_reasons(p, config, H200)
-    # 128 Q rows a step where they fit (head dim 64), else 64; dQ by TMA from the dQ warp, two
-    # dS^T buffers
-    tile_m = 128 if head_dim == 64 else 64
-    assert config == BwdConfig(tile_m=tile_m, dq_tma=True, ds_stages=2, dq_warp=True)
+    # 128 Q rows a step where they fit (head dim 64), with dQ's GEMM split by rows there, else 64;
+    # dQ by TMA from the dQ warp, two dS^T buffers
+    wide = head_dim == 64
+    assert config == BwdConfig(
+        tile_m=128 if wide else 64, dq_tma=True, ds_stages=2, dq_warp=True, dq_rows=wide
+    )
     # the deterministic mode keeps the tiles and the dQ warp: it issues the reductions in turn
     det = cfg.deterministic_config(config, p, H200)
     assert det == replace(config, deterministic=True)
@@ -144,9 +146,11 @@ def test_the_deterministic_mode_keeps_the_tuned_tiles_where_the_turn_fits():
     det = cfg.deterministic_config(BwdConfig(dq_tma=True), full, H200)
     assert det == BwdConfig(deterministic=True)
     # 128-row blocks leave no room for the consumers' turn: the first of the default's ladder
-    # that has room, there the dQ warp's turn at 128 rows
+    # that has room, there the dQ warp's turn at 128 rows (dQ's GEMM split by rows)
     det = cfg.deterministic_config(BwdConfig(tile_m=128, dq_tma=True), full, H200)
-    assert det == BwdConfig(tile_m=128, deterministic=True, dq_tma=True, ds_stages=2, dq_warp=True)
+    assert det == BwdConfig(
+        tile_m=128, deterministic=True, dq_tma=True, ds_stages=2, dq_warp=True, dq_rows=True
+    )
     assert not FAMILY.infeasible_reasons(full, det, H200)
     already = BwdConfig(tile_n=64, deterministic=True)
     assert cfg.deterministic_config(already, full, H200) is already

@@ -1,0 +1,197 @@
+"""A/B of a code change: one kernel family's default config per shape, as an earlier revision of
+fa4tune builds it against this checkout, timed in alternating processes.
+
+    python benchmarks/ab_checkouts.py --old REV [--kernel fa4_bwd_sm90]
+                                      [--shapes 128:4096,64:1024:causal] [--rounds 3]
+                                      [--json out.json]
+
+`benchmarks/ab.py` A/Bs a knob, both sides in one process; a change to the code itself (the kernel,
+its launch) cannot be a knob, and two versions of one package do not import side by side. So the
+old revision is written out with `git archive` to a temporary directory and each round runs one
+child process per side, old first on odd rounds and new first on even ones, each with its own
+compile cache. A child builds the family's default config for each shape, checks it against the
+fp32 reference on the family's measurement case (outputs poisoned first), then times it with
+`fa4tune.measure.timing.time_cuda` (L2 flushed before every run), and prints a JSON line per shape.
+The table, last: TFLOP/s per side (the median of the rounds; the family's `work_flops`), new / old,
+the spread of each side's rounds, and O's error per side. Shapes are 'head_dim:seqlen[:causal]' at
+16k tokens and hidden 2048 (benchmarks/attention.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+DEFAULT_SHAPES = "128:4096,128:4096:causal,128:1024,64:4096,64:1024:causal"
+
+
+def _child(root: str, label: str, kernel: str, shapes: list[str]) -> int:
+    """Measure the default configs of `kernel` with the fa4tune found under `root`."""
+    sys.path.insert(0, root)
+    import torch
+
+    import fa4tune
+
+    if not Path(fa4tune.__file__).resolve().is_relative_to(Path(root).resolve()):
+        print(f"ab_checkouts: fa4tune came from {fa4tune.__file__}, not {root}", file=sys.stderr)
+        return 2
+    from benchmarks.attention import parse_shape
+    from fa4tune.kernels import get_kernel
+    from fa4tune.measure.timing import L2Flusher, time_cuda
+    from fa4tune.target import detect_target
+
+    family, target, flusher = get_kernel(kernel), detect_target(), L2Flusher()
+    for spec in shapes:
+        problem = parse_shape(spec)
+        config = family.default_config(problem, target)
+        case = family.measurement_case(problem, "cuda")
+        family.randomize(case, 1)
+        refs = family.reference(case)
+        run = family.launcher(case, config, target)
+        family.poison(case)
+        run()
+        torch.cuda.synchronize()
+        check = family.compare(case, refs)
+        wrong = check.verdict(family.tolerance(problem))
+        ms = None if wrong else time_cuda(run, flusher=flusher).median_ms
+        tflops = None if ms is None else family.work_flops(problem) / (ms * 1e-3) / 1e12
+        row = dict(label=label, shape=spec, config=config.short(), wrong=wrong)
+        print(json.dumps(dict(row, error=check.out_error, ms=ms, tflops=tflops)), flush=True)
+    return 0
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown: one line per shape, the sides' medians over the rounds and their ratio."""
+    by: dict[tuple, list[dict]] = {}
+    for row in rows:
+        by.setdefault((row["shape"], row["label"]), []).append(row)
+    out = [
+        "| shape | config (old / new) | old TFLOP/s | new TFLOP/s | new / old | spread old / new "
+        "| O error old / new |",
+        "|---|---|---|---|---|---|---|",
+    ]
+
+    def side(label, shape):
+        cells = by.get((shape, label), [])
+        values = [c["tflops"] for c in cells if c["tflops"]]
+        wrong = next((c["wrong"] for c in cells if c["wrong"]), None)
+        if not values:
+            return cells, None, None, wrong
+        spread = (max(values) - min(values)) / statistics.median(values)
+        return cells, statistics.median(values), spread, wrong
+
+    for shape in dict.fromkeys(row["shape"] for row in rows):
+        (old, o, so, wo), (new, n, sn, wn) = side("old", shape), side("new", shape)
+        configs = f"{old[0]['config'] if old else '-'} / {new[0]['config'] if new else '-'}"
+        ratio = f"{n / o:.3f}" if o and n else "-"
+
+        def value(v, wrong):
+            return f"wrong ({wrong})" if wrong else "-" if v is None else f"{v:.1f}"
+
+        def pct(v):
+            return "-" if v is None else f"{100 * v:.1f}%"
+
+        def err(cells):
+            return f"{cells[0]['error']:.2e}" if cells and cells[0]["error"] is not None else "-"
+
+        out.append(
+            f"| {shape} | {configs} | {value(o, wo)} | {value(n, wn)} | {ratio} | "
+            f"{pct(so)} / {pct(sn)} | {err(old)} / {err(new)} |"
+        )
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--old", help="the git revision to compare against (e.g. main, HEAD~1)")
+    ap.add_argument("--kernel", default="fa4_bwd_sm90", help="the kernel family")
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated shapes")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", default=None, help="keep every round's rows here")
+    ap.add_argument("--child", nargs=2, metavar=("ROOT", "LABEL"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    shapes = [s for s in args.shapes.split(",") if s]
+    if args.child:  # before anything imports fa4tune: the child's comes from its root
+        return _child(*args.child, args.kernel, shapes)
+    from benchmarks.attention import parse_shape
+    from fa4tune.errors import KernelError
+    from fa4tune.kernels import get_kernel
+
+    try:
+        get_kernel(args.kernel)
+    except KernelError as exc:
+        print(f"ab_checkouts: {exc}", file=sys.stderr)
+        return 2
+    for spec in shapes:
+        try:
+            parse_shape(spec)
+        except (ValueError, IndexError):
+            print(
+                f"ab_checkouts: --shapes wants head_dim:seqlen[:causal] (got {spec!r})",
+                file=sys.stderr,
+            )
+            return 2
+    if not args.old or args.rounds < 1:
+        print("ab_checkouts: --old REV and --rounds >= 1 are needed", file=sys.stderr)
+        return 2
+    check = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", f"{args.old}^{{commit}}"],
+        capture_output=True,
+        text=True,
+    )
+    if check.returncode != 0:
+        print(f"ab_checkouts: no git revision {args.old!r} in {ROOT}", file=sys.stderr)
+        return 2
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="ab_checkouts-") as tmp:
+        old_root = Path(tmp) / "old"
+        old_root.mkdir()
+        archive = subprocess.run(
+            ["git", "-C", str(ROOT), "archive", "--format=tar", args.old],
+            capture_output=True,
+            check=True,
+        )
+        subprocess.run(["tar", "xf", "-", "-C", str(old_root)], input=archive.stdout, check=True)
+        sides = {"old": old_root, "new": ROOT}
+        for round_index in range(args.rounds):
+            order = ["old", "new"] if round_index % 2 == 0 else ["new", "old"]
+            for label in order:
+                env = dict(os.environ, FA4TUNE_KERNEL_CACHE=str(Path(tmp) / f"cache-{label}"))
+                env["PYTHONPATH"] = str(sides[label])
+                child = subprocess.run(
+                    [sys.executable, str(Path(__file__).resolve()), "--kernel", args.kernel]
+                    + ["--shapes", ",".join(shapes), "--child", str(sides[label]), label],
+                    cwd=sides[label],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                )
+                got = [
+                    json.loads(line) for line in child.stdout.splitlines() if line.startswith("{")
+                ]
+                rows += got
+                if child.returncode != 0 or len(got) != len(shapes):
+                    print(
+                        f"ab_checkouts: the {label} side, round {round_index + 1}, stopped "
+                        f"(exit {child.returncode}); its output ends:\n{child.stderr[-1500:]}",
+                        file=sys.stderr,
+                    )
+                    return 1
+                print(f"round {round_index + 1}, {label}: done", file=sys.stderr, flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"old": args.old, "rows": rows}, indent=1))
+    print(f"{args.kernel}: {args.old} (old) against this checkout (new), {args.rounds} rounds\n")
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,95 @@
+"""benchmarks/ab_checkouts.py without a GPU: bad input, the rounds' order and roots, the table."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from benchmarks import ab_checkouts
+from benchmarks.ab_checkouts import main, table
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--old", "no-such-revision"], "no git revision 'no-such-revision'"),
+        (["--old", "HEAD", "--shapes", "64"], "--shapes wants head_dim:seqlen[:causal]"),
+        (["--old", "HEAD", "--kernel", "nope"], "unknown kernel 'nope'"),
+        (["--shapes", "64:1024"], "--old REV and --rounds >= 1 are needed"),
+        (["--old", "HEAD", "--rounds", "0"], "--old REV and --rounds >= 1 are needed"),
+    ],
+)
+def test_bad_input_says_what_is_wrong(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def row(label, shape, tflops, wrong=None, error=2.4e-3):
+    ms = None if tflops is None else 1.0
+    return dict(label=label, shape=shape, config="64x128s2", wrong=wrong, error=error, ms=ms,
+                tflops=tflops)  # fmt: skip
+
+
+def test_the_table_takes_each_sides_median_and_says_what_was_wrong():
+    rows = [
+        row("old", "128:4096", 500.0),
+        row("new", "128:4096", 550.0),
+        row("old", "128:4096", 510.0),
+        row("new", "128:4096", 540.0),
+        row("old", "128:4096", 505.0),
+        row("new", "128:4096", 545.0),
+        row("old", "64:1024", 300.0),
+        row("new", "64:1024", None, wrong="dq error 0.5 > 0.02"),
+    ]
+    lines = table(rows).splitlines()
+    assert lines[2] == (
+        "| 128:4096 | 64x128s2 / 64x128s2 | 505.0 | 545.0 | 1.079 | 2.0% / 1.8% "
+        "| 2.40e-03 / 2.40e-03 |"
+    )
+    assert "| 64:1024 | 64x128s2 / 64x128s2 | 300.0 | wrong (dq error 0.5 > 0.02) | - |" in lines[3]
+
+
+def test_rounds_alternate_the_sides_each_on_its_own_checkout(monkeypatch, tmp_path, capsys):
+    """The old side runs in a `git archive` of the revision, the new one here; old first in odd
+    rounds, new first in even ones; each child's rows are kept, in order."""
+    real_run = subprocess.run
+    calls = []
+
+    def fake_run(argv, **kwargs):
+        if "--child" not in argv:
+            return real_run(argv, **kwargs)  # git rev-parse, git archive, tar
+        root, label = argv[argv.index("--child") + 1 :]
+        calls.append((label, root, kwargs["env"]["PYTHONPATH"], kwargs["cwd"]))
+        assert (Path(root) / "fa4tune" / "__init__.py").is_file()
+        out = "\n".join(json.dumps(row(label, s, 100.0)) for s in ("128:4096", "64:1024"))
+        return subprocess.CompletedProcess(argv, 0, stdout="some output\n" + out, stderr="")
+
+    monkeypatch.setattr(ab_checkouts.subprocess, "run", fake_run)
+    out_json = tmp_path / "rows.json"
+    argv = ["--old", "HEAD", "--shapes", "128:4096,64:1024", "--rounds", "3"]
+    assert main(argv + ["--json", str(out_json)]) == 0
+    assert [label for label, *_ in calls] == ["old", "new", "new", "old", "old", "new"]
+    here = str(Path(ab_checkouts.__file__).resolve().parents[1])
+    for label, root, pythonpath, cwd in calls:
+        assert root == pythonpath == str(cwd)
+        assert (root == here) == (label == "new")
+    rows = json.loads(out_json.read_text())["rows"]
+    assert len(rows) == 12 and rows[0]["label"] == "old"
+    assert "| 128:4096 | 64x128s2 / 64x128s2 | 100.0 | 100.0 | 1.000 |" in capsys.readouterr().out
+
+
+def test_a_side_that_stops_is_reported(monkeypatch, capsys):
+    real_run = subprocess.run
+
+    def fake_run(argv, **kwargs):
+        if "--child" not in argv:
+            return real_run(argv, **kwargs)
+        return subprocess.CompletedProcess(argv, 1, stdout="", stderr="CUDA error: no device\n")
+
+    monkeypatch.setattr(ab_checkouts.subprocess, "run", fake_run)
+    assert main(["--old", "HEAD", "--shapes", "128:4096", "--rounds", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "the old side, round 1, stopped (exit 1)" in err and "CUDA error: no device" in err
