@@ -11,7 +11,8 @@ old revision is written out with `git archive` to a temporary directory and each
 child process per side, old first on odd rounds and new first on even ones, each with its own
 compile cache. A child builds the family's default config for each shape, checks it against the
 fp32 reference on the family's measurement case (outputs poisoned first), then times it with
-`fa4tune.measure.timing.time_cuda` (L2 flushed before every run), and prints a JSON line per shape.
+`fa4tune.measure.timing.time_cuda` (L2 flushed before every run): benchmarks/ab.py's `measure`, one
+round; it prints a JSON line per shape.
 The table, last: TFLOP/s per side (the median of the rounds; the family's `work_flops`), new / old,
 the spread of each side's rounds, and O's error per side. Shapes are 'head_dim:seqlen[:causal]' at
 16k tokens and hidden 2048 (benchmarks/attention.py)."""
@@ -36,35 +37,28 @@ DEFAULT_SHAPES = "128:4096,128:4096:causal,128:1024,64:4096,64:1024:causal"
 def _child(root: str, label: str, kernel: str, shapes: list[str]) -> int:
     """Measure the default configs of `kernel` with the fa4tune found under `root`."""
     sys.path.insert(0, root)
-    import torch
-
     import fa4tune
 
     if not Path(fa4tune.__file__).resolve().is_relative_to(Path(root).resolve()):
         print(f"ab_checkouts: fa4tune came from {fa4tune.__file__}, not {root}", file=sys.stderr)
         return 2
+    from benchmarks.ab import measure
     from benchmarks.attention import parse_shape
     from fa4tune.kernels import get_kernel
-    from fa4tune.measure.timing import L2Flusher, time_cuda
     from fa4tune.target import detect_target
 
-    family, target, flusher = get_kernel(kernel), detect_target(), L2Flusher()
+    family, target = get_kernel(kernel), detect_target()
     for spec in shapes:
         problem = parse_shape(spec)
         config = family.default_config(problem, target)
-        case = family.measurement_case(problem, "cuda")
-        family.randomize(case, 1)
-        refs = family.reference(case)
-        run = family.launcher(case, config, target)
-        family.poison(case)
-        run()
-        torch.cuda.synchronize()
-        check = family.compare(case, refs)
-        wrong = check.verdict(family.tolerance(problem))
-        ms = None if wrong else time_cuda(run, flusher=flusher).median_ms
-        tflops = None if ms is None else family.work_flops(problem) / (ms * 1e-3) / 1e12
-        row = dict(label=label, shape=spec, config=config.short(), wrong=wrong)
-        print(json.dumps(dict(row, error=check.out_error, ms=ms, tflops=tflops)), flush=True)
+        # ab.py's check then time, one round a process (the rounds alternate the processes).
+        cell = measure(problem, {"default": config}, family, target, 1)["default"]
+        row = dict(label=label, shape=spec, config=config.short())
+        if isinstance(cell, str):  # wrong, or failed: the reason, not timed
+            row.update(wrong=cell, error=None, ms=None, tflops=None)
+        else:
+            row.update(wrong=None, error=cell["out_error"], ms=cell["ms"], tflops=cell["tflops"])
+        print(json.dumps(row), flush=True)
     return 0
 
 
@@ -94,7 +88,7 @@ def table(rows: list[dict]) -> str:
         ratio = f"{n / o:.3f}" if o and n else "-"
 
         def value(v, wrong):
-            return f"wrong ({wrong})" if wrong else "-" if v is None else f"{v:.1f}"
+            return wrong if wrong else "-" if v is None else f"{v:.1f}"
 
         def pct(v):
             return "-" if v is None else f"{100 * v:.1f}%"

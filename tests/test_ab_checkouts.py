@@ -42,7 +42,7 @@ def test_the_table_takes_each_sides_median_and_says_what_was_wrong():
         row("old", "128:4096", 505.0),
         row("new", "128:4096", 545.0),
         row("old", "64:1024", 300.0),
-        row("new", "64:1024", None, wrong="dq error 0.5 > 0.02"),
+        row("new", "64:1024", None, wrong="wrong (dq error 0.5 > 0.02)"),
     ]
     lines = table(rows).splitlines()
     assert lines[2] == (

@@ -495,25 +495,18 @@ class FlashBackwardSm90:
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
+                loads = (
+                    (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d),
+                    (mQ, mK, mV, mdO, mLSE2, mD),
+                    (sQ, sK, sV, sdO, sLSE, sD),
+                    pipe_kv,
+                    pipe_q,
+                    (n_block, head_kv, batch, group, m_block_min, blocks_per_head, steps),
+                )
                 if const_expr(self.chunks == 1):
-                    self.produce(
-                        (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d),
-                        (mQ, mK, mV, mdO, mLSE2, mD),
-                        (sQ, sK, sV, sdO, sLSE, sD),
-                        pipe_kv,
-                        pipe_q,
-                        (n_block, head_kv, batch, group, m_block_min, blocks_per_head, steps),
-                    )
+                    self.produce(*loads)
                 else:
-                    self.produce_chunks(
-                        (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d),
-                        (mQ, mK, mV, mdO, mLSE2, mD),
-                        (sQ, sK, sV, sdO, sLSE, sD),
-                        pipe_kv,
-                        pipe_q,
-                        (n_block, head_kv, batch, group, m_block_min, blocks_per_head, steps),
-                        chunk,
-                    )
+                    self.produce_chunks(*loads, chunk)
             if const_expr(self.dq_warp):
                 if warp_idx == DQ_WARP:
                     self.reduce_dq_slices(
