@@ -50,10 +50,10 @@ from .config import FwdConfig, grid_reasons, tile_count
 
 def partial_shapes(problem: Problem, config: FwdConfig) -> tuple[tuple, tuple]:
     """The split kernel's fp32 partials: O (splits, batch, seqlen_q, nheads_q, head_dim_v) and LSE
-    (splits, batch, nheads_q, seqlen_q). They are allocated per call from torch's caching allocator,
-    which hands the same block back to the next call of the same shape on the stream: reuse without
-    a buffer kept per stream and per CUDA graph (a buffer kept from torch.compile's CUDA-graph
-    warm-up is one torch refuses, as the tile counters were)."""
+    (splits, batch, nheads_q, seqlen_q). They are allocated per call, both in one block of torch's
+    caching allocator (partial_span), which hands the same block back to the next call of the same
+    shape on the stream: reuse without a buffer kept per stream and per CUDA graph (a buffer kept
+    from torch.compile's CUDA-graph warm-up is one torch refuses, as the tile counters were)."""
     s, b, q, h = config.num_splits, problem.batch, problem.seqlen_q, problem.nheads_q
     if problem.total_q is not None:  # varlen Q: one batch of all rows
         b, q = 1, problem.total_q
@@ -62,6 +62,25 @@ def partial_shapes(problem: Problem, config: FwdConfig) -> tuple[tuple, tuple]:
 
 def _partials(splits: int, batch: int, seqlen_q: int, heads: int, head_dim_v: int):
     return (splits, batch, seqlen_q, heads, head_dim_v), (splits, batch, heads, seqlen_q)
+
+
+def partial_span(shapes: tuple[tuple, tuple]) -> tuple[int, int]:
+    """Both fp32 partials in one allocation (one call into the caching allocator a launch, not
+    two): (where the LSE partial starts, in elements, 16-byte aligned after O's; the elements of
+    the whole)."""
+    o_shape, l_shape = shapes
+    at = -(-math.prod(o_shape) // 4) * 4
+    return at, at + math.prod(l_shape)
+
+
+def allocate_partials(shapes: tuple[tuple, tuple], device):
+    """The two partials as views of one allocation (partial_span)."""
+    import torch
+
+    at, total = partial_span(shapes)
+    buffer = torch.empty(total, dtype=torch.float32, device=device)
+    o_shape, l_shape = shapes
+    return buffer[: math.prod(o_shape)].view(o_shape), buffer[at:].view(l_shape)
 
 
 def combine_views(out, lse, problem: Problem):
@@ -178,9 +197,7 @@ def attention_forward(
             counter = from_dlpack(counts, assumed_align=4).mark_layout_dynamic(leading_dim=0)
             final = (None, None, None, None, *outputs)
         if config.split:
-            o_shape, l_shape = partial_shapes(problem, config)
-            o_part = torch.empty(o_shape, dtype=torch.float32, device=q.device)
-            lse_part = torch.empty(l_shape, dtype=torch.float32, device=q.device)
+            o_part, lse_part = allocate_partials(partial_shapes(problem, config), q.device)
             partials = [
                 from_dlpack(o_part, assumed_align=16).mark_layout_dynamic(leading_dim=4),
                 from_dlpack(lse_part, assumed_align=4).mark_layout_dynamic(leading_dim=3),
@@ -264,9 +281,7 @@ def attention_varlen_forward(
             index = [dynamic(t, 4) if t is not None else None for t in every]
             final = outputs
         if config.split:
-            o_shape, l_shape = partial_shapes(problem, config)
-            o_part = torch.empty(o_shape, dtype=torch.float32, device=q.device)
-            lse_part = torch.empty(l_shape, dtype=torch.float32, device=q.device)
+            o_part, lse_part = allocate_partials(partial_shapes(problem, config), q.device)
             outputs = [dynamic(o_part, 16), dynamic(lse_part, 4)]
         compiled.function(
             *(dynamic(t, 16) for t in (q, k, v)),
@@ -313,6 +328,7 @@ class PreparedLaunch:
             batch_output_shapes(q, v) if ragged is None else output_shapes(q, v, ragged)
         )
         self.partial_shapes = partial_shapes(problem, config) if self.split else None
+        self.partial_span = partial_span(self.partial_shapes) if self.split else None
         # Split-KV: the kernel writes the partials and the combine kernel reads them into O and
         # LSE; the combine's arguments are packed here too. With the in-kernel combine the kernel
         # takes O and LSE itself, after the index tensors (`final`).
@@ -407,6 +423,7 @@ class PreparedLaunch:
             if self.split:
                 splits, _, _, _, dv = self.partial_shapes[0]
                 self.partial_shapes = _partials(splits, 1, total_q, nheads_q, dv)
+                self.partial_span = partial_span(self.partial_shapes)
         if self.varlen_k:
             for i in (1, 2):
                 self.tensor_shapes[i] = (total_k, *self.tensor_shapes[i][1:])
@@ -469,23 +486,22 @@ class PreparedLaunch:
                 pointer.value = t.data_ptr()
             p[0].value, p[1].value, p[2].value = q_ptr, k_ptr, v_ptr
             self.stream.value = stream
-            if self.combine_in_kernel:
-                o_shape, l_shape = self.partial_shapes
-                o_part = self._empty(o_shape, dtype=self._float32, device=self.device)
-                lse_part = self._empty(l_shape, dtype=self._float32, device=self.device)
-                f = self.final_pointers
-                p[3].value, p[4].value = o_part.data_ptr(), lse_part.data_ptr()
+            if self.split:
+                # Both partials in one block of the caching allocator, freed (stream-ordered) when
+                # `partials` goes: the next launch of the shape on the stream gets it back.
+                at, total = self.partial_span
+                partials = self._empty(total, dtype=self._float32, device=self.device)
+                o_part = partials.data_ptr()
+                lse_part = o_part + 4 * at
+                p[3].value, p[4].value = o_part, lse_part
                 p[5].value = counter.data_ptr()
+            if self.combine_in_kernel:
+                f = self.final_pointers
                 f[0].value, f[1].value = out.data_ptr(), lse.data_ptr()
                 error = self._run()
             elif self.split:
-                o_shape, l_shape = self.partial_shapes
-                o_part = self._empty(o_shape, dtype=self._float32, device=self.device)
-                lse_part = self._empty(l_shape, dtype=self._float32, device=self.device)
                 c = self.combine_pointers
-                p[3].value = c[0].value = o_part.data_ptr()
-                p[4].value = c[1].value = lse_part.data_ptr()
-                p[5].value = counter.data_ptr()
+                c[0].value, c[1].value = o_part, lse_part
                 c[2].value, c[3].value = out.data_ptr(), lse.data_ptr()
                 error = self._run() or self._run_combine()
             else:
