@@ -77,10 +77,13 @@ class ModelAssumptions:
     # the split kernel (session 34); launched as its programmatic dependent, part of that hides.
     combine_us: float = 3.0
     # The in-kernel combine (combine_in_kernel) instead: no second launch; the last split CTA of
-    # a tile reads the tile's partials back from L2 (16 splits x 16 rows x 129 fp32: 132 KB) while
-    # the grid's other CTAs finish. Not measured: one SM's L2 read rate, about 150 GB/s, makes it
-    # about 1 µs.
-    last_cta_combine_us: float = 1.0
+    # a tile reads the tile's partials back from L2 while the grid's other CTAs finish. Its merge
+    # walks the splits in order, and each split's loads wait for the last's FFMAs (the sm90a SASS:
+    # a split's loads of a row are issued together, behind a branch per row, and never ahead of
+    # the previous split's FFMAs), so it costs about an L2 round trip per split: merge_split_us,
+    # after a fixed last_cta_combine_us (the count, the fences, the LSE passes). Not measured.
+    last_cta_combine_us: float = 0.5
+    merge_split_us: float = 0.4
     # Tensor efficiency when the target has no measured GEMM rate: the H200's measured 750 of its
     # 989 TFLOP/s peak (the same SM as the H100's). Not fitted; with the scale below, any value from
     # 0.76 up gives the peak.
@@ -304,7 +307,9 @@ class CostModel:
         rows = sum(q for q, _ in problem.lengths()) * problem.nheads_q
         partials = splits * rows * (problem.head_dim_v + 1) * 4
         a = self.assumptions
-        latency_us = a.last_cta_combine_us if config.combine_in_kernel else a.combine_us
+        latency_us = a.combine_us
+        if config.combine_in_kernel:
+            latency_us = a.last_cta_combine_us + splits * a.merge_split_us
         return 2 * partials / self.target.hbm_bytes_per_s + latency_us * 1e-6
 
 
