@@ -78,12 +78,11 @@ class ModelAssumptions:
     combine_us: float = 3.0
     # The in-kernel combine (combine_in_kernel) instead: no second launch; the last split CTA of
     # a tile reads the tile's partials back from L2 while the grid's other CTAs finish. Its merge
-    # walks the splits in order, and each split's loads wait for the last's FFMAs (the sm90a SASS:
-    # a split's loads of a row are issued together, behind a branch per row, and never ahead of
-    # the previous split's FFMAs), so it costs about an L2 round trip per split: merge_split_us,
-    # after a fixed last_cta_combine_us (the count, the fences, the LSE passes). Not measured.
+    # walks the splits in order, resources.merge_splits_in_flight of them loaded at once (sm90a
+    # SASS), so it costs about an L2 round trip (merge_round_trip_us) per that many splits, after
+    # a fixed last_cta_combine_us (the count, the fences, the LSE passes). Not measured.
     last_cta_combine_us: float = 0.5
-    merge_split_us: float = 0.4
+    merge_round_trip_us: float = 0.4
     # Tensor efficiency when the target has no measured GEMM rate: the H200's measured 750 of its
     # 989 TFLOP/s peak (the same SM as the H100's). Not fitted; with the scale below, any value from
     # 0.76 up gives the peak.
@@ -309,7 +308,8 @@ class CostModel:
         a = self.assumptions
         latency_us = a.combine_us
         if config.combine_in_kernel:
-            latency_us = a.last_cta_combine_us + splits * a.merge_split_us
+            trips = -(-splits // resources.merge_splits_in_flight(config, problem.layout))
+            latency_us = a.last_cta_combine_us + trips * a.merge_round_trip_us
         return 2 * partials / self.target.hbm_bytes_per_s + latency_us * 1e-6
 
 

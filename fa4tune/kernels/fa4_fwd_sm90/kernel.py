@@ -195,6 +195,7 @@ class FlashForwardSm90:
         self.num_consumer_threads = resources.THREADS_PER_WARPGROUP * self.num_consumer_wg
         self.num_threads = resources.num_threads(config)
         self.producer_regs, self.consumer_regs = resources.register_split(config, layout)
+        self.merge_unroll = resources.merge_splits_in_flight(config, layout)  # combine_last
         self.intra_wg_overlap = config.intra_wg_overlap
         self.wg_pingpong = config.wg_pingpong
         self.rescale_threshold = config.rescale_threshold
@@ -1727,19 +1728,23 @@ class FlashForwardSm90:
             acc = cute.make_rmem_tensor_like(acc_O)
             acc.fill(0.0)
             out = acc_rows_cols(acc)
-            for s in cutlass.range(num_splits, unroll=1):
-                gO = cute.local_tile(
-                    mOpart[None, None, head, batch, s], (self.tile_m, self.head_dim_v), (m_block, 0)
-                )
-                tOgO = acc_rows_cols(thr_mma.partition_C(gO))
-                for r in cutlass.range_constexpr(num_rows):
-                    row = row0 + coords[r, 0][0]
-                    if row < rows:
+            # A row's splits in one loop, no branch inside: the loads of merge_unroll splits run
+            # ahead of their FFMAs (sm90a SASS), not one L2 round trip per split and row. Each
+            # value still sums the splits in order from 0.
+            for r in cutlass.range_constexpr(num_rows):
+                row = row0 + coords[r, 0][0]
+                if row < rows:
+                    for s in cutlass.range(num_splits, unroll=self.merge_unroll):
+                        gO = cute.local_tile(
+                            mOpart[None, None, head, batch, s],
+                            (self.tile_m, self.head_dim_v),
+                            (m_block, 0),
+                        )
+                        tOgO = acc_rows_cols(thr_mma.partition_C(gO))
+                        lse_s = mLSEpart[row, head, batch, s]
                         weight = Float32(0.0)
                         if lse[r] != -Float32.inf:
-                            weight = cute.math.exp2(
-                                (mLSEpart[row, head, batch, s] - lse[r]) * LOG2_E, fastmath=True
-                            )
+                            weight = cute.math.exp2((lse_s - lse[r]) * LOG2_E, fastmath=True)
                         for c in cutlass.range_constexpr(cute.size(out, mode=[1])):
                             out[r, c] = out[r, c] + weight * tOgO[r, c]
             self.epilogue(acc, lse, out_stores, sO, mma_pv, ctid, info)

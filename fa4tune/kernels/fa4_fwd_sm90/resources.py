@@ -145,6 +145,13 @@ def register_split(config: FwdConfig, layout: InputLayout | None = None) -> tupl
     return split
 
 
+def merge_splits_in_flight(config: FwdConfig, layout: InputLayout | None = None) -> int:
+    """The in-kernel combine's splits whose partials a consumer thread loads at once (the merge
+    loop's unroll): each holds a row of the thread's O fragment in registers, so 4 where the
+    consumers have 240 registers, else 2 (ptxas spills none at the compile tests' spread)."""
+    return 4 if register_split(config, layout)[1] >= 240 else 2
+
+
 def launch_registers(wgs: int, target: Target) -> int:
     """Registers per thread at launch for a block of `wgs` consumer warpgroups and the producer, one
     block per SM: the register file over the threads, in the allocation unit of 8 per thread."""
