@@ -639,3 +639,40 @@ def test_a_split_that_would_hang_is_refused(monkeypatch):
         problem, FwdConfig(tile_m=256, tile_n=64), get_target("H200")
     )
     assert any("setmaxnreg.inc would wait for ever" in r for r in reasons), reasons
+
+
+@pytest.mark.parametrize("head_dim_v", [64, 128, 256])
+def test_the_combine_kernel_loads_several_splits_at_once_without_spills(
+    head_dim_v, capfd, tmp_path
+):
+    """The split-KV combine kernel (combine.py) for sm_90a: no spills, and its loop over the splits'
+    O unrolled SPLITS_IN_FLIGHT times (each split a LSE and head_dim_v / 32 columns per lane), so
+    that ptxas can issue the next splits' loads before this split's FFMAs: the PTX holds the
+    unrolled body and the remainder's, not one split's loads per trip."""
+    from fa4tune.kernels.common.dsl import dynamic_tensor, import_dsl
+
+    cute = import_dsl(get_target("H200"))
+    import cutlass
+    from cutlass.cute.runtime import make_fake_stream
+
+    from fa4tune.kernels.fa4_fwd_sm90.combine import SPLITS_IN_FLIGHT, SplitCombine
+    from fa4tune.kernels.fa4_fwd_sm90.kernel import DTYPES
+
+    f32 = cutlass.Float32
+    args = (
+        dynamic_tensor(f32, 5, 16),  # the O partials
+        dynamic_tensor(f32, 4, 4),  # the LSE partials
+        dynamic_tensor(DTYPES["bf16"], 4, 16),  # O
+        dynamic_tensor(f32, 3, 4),  # LSE
+        make_fake_stream(),
+    )
+    compiled = cute.compile(
+        SplitCombine("bf16", head_dim_v), *args,
+        options=f"remarks{{ptx}} --keep-ptx --dump-dir {tmp_path}",
+    )  # fmt: skip
+    report = _spill_report("".join(capfd.readouterr()))
+    assert all(r == (0, 0, 0) for r in report), report
+    ptx = compiled.__ptx__
+    loads = len(re.findall(r"ld\.global(?:\.nc)?\.(?:b32|f32)", ptx))
+    per_split = head_dim_v // 32 + 1  # O's columns of a lane and the split's LSE
+    assert loads >= (SPLITS_IN_FLIGHT + 1) * per_split, loads
