@@ -175,6 +175,10 @@ COMBINE_CASES = [case for case in CASES if case[0].get("num_splits", 1) > 1] + [
     ({"pack_gqa": True, "num_splits": 16}, 1, 1, 32768, 32, 8, 128, False),
     ({"pack_gqa": True, "num_splits": 128}, 1, 1, 4000, 32, 8, 128, False),  # > 32 splits a lane
     ({"tile_m": 128, "pack_gqa": True, "num_splits": 3}, 2, 16, 777, 64, 8, 64, True),
+    # The split loops' unrolls and their remainders: the combine kernel's 8 + 4, the merge's 4 x 3
+    # (one consumer warpgroup) and 2 x 6 + 0 (two).
+    ({"pack_gqa": True, "num_splits": 12}, 2, 1, 5000, 32, 8, 128, False),
+    ({"tile_m": 128, "pack_gqa": True, "num_splits": 12}, 1, 16, 5000, 64, 8, 64, True),
 ]
 
 
