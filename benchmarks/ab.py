@@ -5,20 +5,20 @@ change, timed side by side.
                             [--shapes 64:1024,128:4096:causal] [--table PATH] [--rounds 3]
                             [--jobs 8] [--json out.json]
 
-Shapes are 'head_dim:seqlen[:causal]' at 16k tokens and hidden 2048 (benchmarks/attention.py); the
-default list is the tuning grid (head dims 64 and 128 at 1k, 4k, 16k, causal and not). `tuned` is
-the config fa4tune.attention looks up (FA4TUNE_TABLE, FA4TUNE_DB, else the shipped tables, or
---table); the table says how it was found (exact, bucket, nearest, other-dtype, default) and whether
-it is stale or an estimate. A variant the feasibility rules refuse, one that is the base itself (the
-base already has the change) and one that fails to compile are listed as such, not timed, and left
-out of the geometric means. The kernels compile first, in a pool of --jobs processes (CPU work);
-then every column is checked against the fp32 reference on random inputs (outputs poisoned with NaN
-first) and timed in interleaved rounds with the L2 flushed (fa4tune.measure.timing), each column
-through the kernel family's measurement case (`--kernel`, the forward's by default;
-`fa4_bwd_sm90` A/Bs a knob of the backward: its TFLOP/s count 2.5x the forward's FLOPs), as the
-search measures candidates. Prints a markdown table last: TFLOP/s, the ratio of each variant to its
-base (above 1: the change is faster), and the largest spread between rounds of the shape's
-columns."""
+Shapes are 'head_dim:seqlen[:causal][:gN]' at 16k tokens and hidden 2048 (gN: N query heads per K/V
+head; benchmarks/attention.py); the default list is the tuning grid (head dims 64 and 128 at 1k, 4k,
+16k, causal and not). `tuned` is the config fa4tune.attention looks up (FA4TUNE_TABLE, FA4TUNE_DB,
+else the shipped tables, or --table); the table says how it was found (exact, bucket, nearest,
+other-dtype, default) and whether it is stale or an estimate. A variant the feasibility rules
+refuse, one that is the base itself (the base already has the change) and one that fails to compile
+are listed as such, not timed, and left out of the geometric means. The kernels compile first, in a
+pool of --jobs processes (CPU work); then every column is checked against the fp32 reference on
+random inputs (outputs poisoned with NaN first) and timed in interleaved rounds with the L2 flushed
+(fa4tune.measure.timing), each column through the kernel family's measurement case (`--kernel`, the
+forward's by default; `fa4_bwd_sm90` A/Bs a knob of the backward: its TFLOP/s count 2.5x the
+forward's FLOPs), as the search measures candidates. Prints a markdown table last: TFLOP/s, the
+ratio of each variant to its base (above 1: the change is faster), and the largest spread between
+rounds of the shape's columns."""
 
 from __future__ import annotations
 
@@ -177,7 +177,7 @@ def main(argv=None) -> int:
         "--set", action="append", default=[], metavar="KNOB=VALUE", help="the change (repeatable)"
     )
     ap.add_argument(
-        "--shapes", default=GRID_SHAPES, help="comma-separated head_dim:seqlen[:causal]"
+        "--shapes", default=GRID_SHAPES, help="comma-separated head_dim:seqlen[:causal][:gN]"
     )
     ap.add_argument("--kernel", default="fa4_fwd_sm90", help="the kernel family whose knob changes")
     ap.add_argument("--table", default=None, help="table file/dir or results DB for `tuned`")
@@ -198,7 +198,7 @@ def main(argv=None) -> int:
             why = (
                 str(exc)
                 if type(exc).__name__ == "ProblemError"
-                else "want head_dim:seqlen[:causal]"
+                else "want head_dim:seqlen[:causal][:gN]"
             )
             print(f"ab: --shapes: {spec!r}: {why}", file=sys.stderr)
             return 2

@@ -14,8 +14,9 @@ fp32 reference on the family's measurement case (outputs poisoned first), then t
 `fa4tune.measure.timing.time_cuda` (L2 flushed before every run): benchmarks/ab.py's `measure`, one
 round; it prints a JSON line per shape.
 The table, last: TFLOP/s per side (the median of the rounds; the family's `work_flops`), new / old,
-the spread of each side's rounds, and O's error per side. Shapes are 'head_dim:seqlen[:causal]' at
-16k tokens and hidden 2048 (benchmarks/attention.py)."""
+the spread of each side's rounds, and O's error per side. Shapes are
+'head_dim:seqlen[:causal][:gN]' at 16k tokens and hidden 2048 (gN: N query heads per K/V head;
+benchmarks/attention.py)."""
 
 from __future__ import annotations
 
@@ -129,7 +130,7 @@ def main(argv=None) -> int:
             parse_shape(spec)
         except (ValueError, IndexError):
             print(
-                f"ab_checkouts: --shapes wants head_dim:seqlen[:causal] (got {spec!r})",
+                f"ab_checkouts: --shapes wants head_dim:seqlen[:causal][:gN] (got {spec!r})",
                 file=sys.stderr,
             )
             return 2

@@ -23,25 +23,40 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 TOKENS, HIDDEN = 16384, 2048
 
 
-def grid_problem(head_dim: int, seqlen: int, causal: bool):
+def grid_problem(head_dim: int, seqlen: int, causal: bool, group: int = 1):
     """The design notes' benchmark shape: 16k tokens per batch, hidden 2048, bf16,
-    self-attention."""
+    self-attention; `group` query heads per K/V head."""
     from fa4tune.problem import Problem
 
+    nheads_q = HIDDEN // head_dim
     return Problem(
         head_dim=head_dim,
         causal=causal,
         seqlen_q=seqlen,
         seqlen_k=seqlen,
         batch=max(1, TOKENS // seqlen),
-        nheads_q=HIDDEN // head_dim,
+        nheads_q=nheads_q,
+        nheads_kv=nheads_q // group,
     )
 
 
 def parse_shape(spec: str):
-    """'head_dim:seqlen[:causal]' (as the other benchmark scripts take it) -> grid_problem."""
-    parts = spec.split(":")
-    return grid_problem(int(parts[0]), int(parts[1]), len(parts) > 2 and parts[2] == "causal")
+    """'head_dim:seqlen[:causal][:gN]' (as the other benchmark scripts take it) -> grid_problem;
+    gN: N query heads per K/V head (GQA), N dividing hidden / head_dim. ValueError otherwise."""
+    head_dim, seqlen, *rest = spec.split(":")
+    causal, group = False, 1
+    for part in rest:
+        if part == "causal" and not causal:
+            causal = True
+        elif part.startswith("g") and part[1:].isdigit() and group == 1:
+            group = int(part[1:])
+        else:
+            raise ValueError(f"{part!r} in {spec!r}: want causal or gN")
+    if group < 1 or (HIDDEN // int(head_dim)) % group:
+        raise ValueError(
+            f"g{group} must divide the {HIDDEN // int(head_dim)} query heads of {spec!r}"
+        )
+    return grid_problem(int(head_dim), int(seqlen), causal, group)
 
 
 def grid(hdims, seqlens):

@@ -5,23 +5,23 @@ a shape's default config and of that config with a knob change, side by side.
                                      [--backward [--peer]] [--ncu PATH] [--csv out.csv]
                                      [--json out.json]
 
-A shape is 'head_dim:seqlen[:causal]' at 16k tokens and hidden 2048 (benchmarks/attention.py). The
-script runs itself under ncu (`--profile-from-start off`, `--clock-control none`: the clocks are
-left as they are); the profiled child compiles and runs each config once outside the profiled range,
-then once between cudaProfilerStart and cudaProfilerStop, so each profile is one launch of the
-kernel. It collects the sections SchedulerStats, WarpStateStats, ComputeWorkloadAnalysis and
-InstructionStats and prints a markdown table of what they say about a latency- or pipe-bound kernel:
-issue slots, pipe utilisation (XU is the MUFU), eligible warps, the largest stall reasons, executed
-instructions. With --source it also collects the source counters (warp-state samples per SASS
-instruction) and prints a second table: the opcodes the warps were sampled on most, each with its
-share of all samples and its largest stall reasons (where in the code the stalls of the first table
-are). With --backward the kernel is the backward's main kernel (fa4_bwd_sm90, its knobs for --set;
-the preprocessing kernel and the dQ cast around it are not profiled), run on the family's
-measurement case; --peer adds flash-attn-4's backward main kernel on the same tensors, as a last
-column. ncu replays the launch once per pass of counters, so a kernel's outputs are
-written several times; nothing is checked against the reference here (the other benchmarks do
-that). ncu needs a machine whose GPU counters are readable (on a gVisor host they are not: ncu says
-so and this script stops)."""
+A shape is 'head_dim:seqlen[:causal][:gN]' at 16k tokens and hidden 2048 (gN: N query heads per K/V
+head; benchmarks/attention.py). The script runs itself under ncu (`--profile-from-start off`,
+`--clock-control none`: the clocks are left as they are); the profiled child compiles and runs each
+config once outside the profiled range, then once between cudaProfilerStart and cudaProfilerStop, so
+each profile is one launch of the kernel. It collects the sections SchedulerStats, WarpStateStats,
+ComputeWorkloadAnalysis and InstructionStats and prints a markdown table of what they say about a
+latency- or pipe-bound kernel: issue slots, pipe utilisation (XU is the MUFU), eligible warps, the
+largest stall reasons, executed instructions. With --source it also collects the source counters
+(warp-state samples per SASS instruction) and prints a second table: the opcodes the warps were
+sampled on most, each with its share of all samples and its largest stall reasons (where in the code
+the stalls of the first table are). With --backward the kernel is the backward's main kernel
+(fa4_bwd_sm90, its knobs for --set; the preprocessing kernel and the dQ cast around it are not
+profiled), run on the family's measurement case; --peer adds flash-attn-4's backward main kernel on
+the same tensors, as a last column. ncu replays the launch once per pass of counters, so a kernel's
+outputs are written several times; nothing is checked against the reference here (the other
+benchmarks do that). ncu needs a machine whose GPU counters are readable (on a gVisor host they are
+not: ncu says so and this script stops)."""
 
 from __future__ import annotations
 
@@ -296,7 +296,9 @@ def _configs(args, target) -> list:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
-        "--shape", default="64:16384", help="head_dim:seqlen[:causal] (16k tokens, hidden 2048)"
+        "--shape",
+        default="64:16384",
+        help="head_dim:seqlen[:causal][:gN] (16k tokens, hidden 2048)",
     )
     ap.add_argument(
         "--set",
@@ -346,7 +348,7 @@ def main(argv=None) -> int:
         parse_shape(args.shape)
     except (ValueError, IndexError):
         print(
-            f"ncu_profile: --shape wants head_dim:seqlen[:causal] (got {args.shape!r})",
+            f"ncu_profile: --shape wants head_dim:seqlen[:causal][:gN] (got {args.shape!r})",
             file=sys.stderr,
         )
         return 2

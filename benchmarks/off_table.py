@@ -9,11 +9,11 @@ table, or loses.
     python benchmarks/off_table.py [--shapes 64:2048,64:8192:causal,...] [--dtype fp16]
                                    [--table PATH] [--rounds 3] [--json out.json]
 
-Shapes are 'head_dim:seqlen[:causal]' at batch 16384 // seqlen (16k tokens; 15k at 3072) and hidden
-2048 (as benchmarks/attention.py takes them). The default list: head dims 64 and 128 at seqlens 2048
-and 8192 (between the grid's), and 3072 (not a power of two), causal and not. `--dtype fp16` asks
-the same of fp16 problems, which a bf16-only table serves from its sibling-dtype rung. Prints a
-markdown table last."""
+Shapes are 'head_dim:seqlen[:causal][:gN]' at batch 16384 // seqlen (16k tokens; 15k at 3072) and
+hidden 2048 (as benchmarks/attention.py takes them). The default list: head dims 64 and 128 at
+seqlens 2048 and 8192 (between the grid's), and 3072 (not a power of two), causal and not. `--dtype
+fp16` asks the same of fp16 problems, which a bf16-only table serves from its sibling-dtype rung.
+Prints a markdown table last."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ DEFAULT_SHAPES = ",".join(
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
-        "--shapes", default=DEFAULT_SHAPES, help="comma-separated head_dim:seqlen[:causal]"
+        "--shapes", default=DEFAULT_SHAPES, help="comma-separated head_dim:seqlen[:causal][:gN]"
     )
     ap.add_argument(
         "--table",
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
         problems = [replace(parse_shape(s), dtype=args.dtype) for s in args.shapes.split(",") if s]
     except (ValueError, IndexError):
         print(
-            f"off_table: --shapes wants head_dim:seqlen[:causal],... (got {args.shapes!r})",
+            f"off_table: --shapes wants head_dim:seqlen[:causal][:gN],... (got {args.shapes!r})",
             file=sys.stderr,
         )
         return 2

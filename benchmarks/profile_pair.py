@@ -3,7 +3,7 @@
     ncu --clock-control none --section SpeedOfLight --section WarpStateStats \
         -k regex:'kernel_cutlass' python3 benchmarks/profile_pair.py 128:1024 128:1024:causal
 
-Shapes are head_dim:seqlen[:causal] with 16k tokens and hidden 2048.
+Shapes are head_dim:seqlen[:causal][:gN] with 16k tokens and hidden 2048.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
     python benchmarks/sweep.py --shape 128:1024:causal --shape 64:4096 \
         --vary tile_n=112,128,144 --vary rescale_threshold=0,8 [--json out.json]
 
-A shape is head_dim:seqlen[:causal] with 16k tokens and hidden 2048 (as benchmarks/attention.py).
+A shape is head_dim:seqlen[:causal][:gN] with 16k tokens and hidden 2048 (as
+benchmarks/attention.py).
 Each --vary knob=v1,v2 is swept one knob at a time around the default config (not the cross
 product), so the table shows what each knob does on its own. Configs the feasibility rules refuse
 are listed with their reason, not run. Every config is checked against the fp32 reference first

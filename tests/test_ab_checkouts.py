@@ -16,7 +16,7 @@ from benchmarks.ab_checkouts import main, table
     "argv, message",
     [
         (["--old", "no-such-revision"], "no git revision 'no-such-revision'"),
-        (["--old", "HEAD", "--shapes", "64"], "--shapes wants head_dim:seqlen[:causal]"),
+        (["--old", "HEAD", "--shapes", "64"], "--shapes wants head_dim:seqlen[:causal][:gN]"),
         (["--old", "HEAD", "--kernel", "nope"], "unknown kernel 'nope'"),
         (["--shapes", "64:1024"], "--old REV and --rounds >= 1 are needed"),
         (["--old", "HEAD", "--rounds", "0"], "--old REV and --rounds >= 1 are needed"),
@@ -25,6 +25,22 @@ from benchmarks.ab_checkouts import main, table
 def test_bad_input_says_what_is_wrong(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_shapes_name_causal_and_gqa():
+    """'head_dim:seqlen[:causal][:gN]', as every benchmark script parses it (attention.parse_shape):
+    16k tokens, hidden 2048, N query heads per K/V head."""
+    from benchmarks.attention import parse_shape
+
+    p = parse_shape("128:4096:causal:g4")
+    assert (p.head_dim, p.seqlen_q, p.batch, p.nheads_q, p.nheads_kv, p.causal) == (
+        128, 4096, 4, 16, 4, True
+    )  # fmt: skip
+    assert parse_shape("64:1024:g32").nheads_kv == 1 and not parse_shape("64:1024:g32").causal
+    assert parse_shape("64:1024").nheads_kv == 32
+    for bad in ("128:4096:g3", "128:4096:causal:causal", "128:4096:gqa4", "128:4096:g4:g2"):
+        with pytest.raises(ValueError):
+            parse_shape(bad)
 
 
 def row(label, shape, tflops, wrong=None, error=2.4e-3):
