@@ -35,8 +35,10 @@ sys.path.insert(0, str(ROOT))
 DEFAULT_SHAPES = "128:4096,128:4096:causal,128:1024,64:4096,64:1024:causal"
 
 
-def _child(root: str, label: str, kernel: str, shapes: list[str]) -> int:
-    """Measure the default configs of `kernel` with the fa4tune found under `root`."""
+def _child(root: str, label: str, kernel: str, shapes: list[str], keys: list[str]) -> int:
+    """Measure the default configs of `kernel` with the fa4tune found under `root`, on the problems
+    this checkout reads the shapes as (`keys`: an older revision's parse_shape may read a shape
+    otherwise, as one without `:gN` reads `:g4` as nothing; then this side refuses)."""
     sys.path.insert(0, root)
     import fa4tune
 
@@ -48,9 +50,17 @@ def _child(root: str, label: str, kernel: str, shapes: list[str]) -> int:
     from fa4tune.kernels import get_kernel
     from fa4tune.target import detect_target
 
+    problems = [parse_shape(spec) for spec in shapes]
+    for spec, problem, key in zip(shapes, problems, keys, strict=True):
+        if problem.key() != key:
+            print(
+                f"ab_checkouts: the {label} side reads {spec!r} as {problem.key()}, this checkout "
+                f"as {key}: its benchmarks/attention.py does not take the shape",
+                file=sys.stderr,
+            )
+            return 2
     family, target = get_kernel(kernel), detect_target()
-    for spec in shapes:
-        problem = parse_shape(spec)
+    for spec, problem in zip(shapes, problems):
         config = family.default_config(problem, target)
         # ab.py's check then time, one round a process (the rounds alternate the processes).
         cell = measure(problem, {"default": config}, family, target, 1)["default"]
@@ -112,10 +122,11 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None, help="keep every round's rows here")
     ap.add_argument("--child", nargs=2, metavar=("ROOT", "LABEL"), help=argparse.SUPPRESS)
+    ap.add_argument("--keys", default="", help=argparse.SUPPRESS)  # the shapes' problem keys
     args = ap.parse_args(argv)
     shapes = [s for s in args.shapes.split(",") if s]
     if args.child:  # before anything imports fa4tune: the child's comes from its root
-        return _child(*args.child, args.kernel, shapes)
+        return _child(*args.child, args.kernel, shapes, args.keys.split(","))
     from benchmarks.attention import parse_shape
     from fa4tune.errors import KernelError
     from fa4tune.kernels import get_kernel
@@ -125,9 +136,10 @@ def main(argv=None) -> int:
     except KernelError as exc:
         print(f"ab_checkouts: {exc}", file=sys.stderr)
         return 2
+    keys = []
     for spec in shapes:
         try:
-            parse_shape(spec)
+            keys.append(parse_shape(spec).key())
         except (ValueError, IndexError):
             print(
                 f"ab_checkouts: --shapes wants head_dim:seqlen[:causal][:gN] (got {spec!r})",
@@ -163,7 +175,8 @@ def main(argv=None) -> int:
                 env["PYTHONPATH"] = str(sides[label])
                 child = subprocess.run(
                     [sys.executable, str(Path(__file__).resolve()), "--kernel", args.kernel]
-                    + ["--shapes", ",".join(shapes), "--child", str(sides[label]), label],
+                    + ["--shapes", ",".join(shapes), "--keys", ",".join(keys)]
+                    + ["--child", str(sides[label]), label],
                     cwd=sides[label],
                     env=env,
                     capture_output=True,

@@ -79,6 +79,9 @@ def test_rounds_alternate_the_sides_each_on_its_own_checkout(monkeypatch, tmp_pa
             return real_run(argv, **kwargs)  # git rev-parse, git archive, tar
         root, label = argv[argv.index("--child") + 1 :]
         calls.append((label, root, kwargs["env"]["PYTHONPATH"], kwargs["cwd"]))
+        keys = argv[argv.index("--keys") + 1].split(",")
+        assert keys == ["bf16-d128x128-full-q4096-k4096-b4-h16x16",
+                        "bf16-d64x64-full-q1024-k1024-b16-h32x32"]  # fmt: skip
         assert (Path(root) / "fa4tune" / "__init__.py").is_file()
         out = "\n".join(json.dumps(row(label, s, 100.0)) for s in ("128:4096", "64:1024"))
         return subprocess.CompletedProcess(argv, 0, stdout="some output\n" + out, stderr="")
@@ -109,3 +112,16 @@ def test_a_side_that_stops_is_reported(monkeypatch, capsys):
     assert main(["--old", "HEAD", "--shapes", "128:4096", "--rounds", "1"]) == 1
     err = capsys.readouterr().err
     assert "the old side, round 1, stopped (exit 1)" in err and "CUDA error: no device" in err
+
+
+def test_a_side_that_reads_a_shape_otherwise_refuses_before_measuring(capsys):
+    """The child parses the shapes with its own revision's parse_shape; where that problem is not
+    the one this checkout reads (an older revision without `:gN` reads `:g4` as MHA), it refuses,
+    before it looks for a GPU."""
+    root = str(Path(ab_checkouts.__file__).resolve().parents[1])
+    shapes = ["128:4096:causal:g4"]
+    mha = "bf16-d128x128-causal-q4096-k4096-b4-h16x16"
+    assert ab_checkouts._child(root, "old", "fa4_bwd_sm90", shapes, [mha]) == 2
+    err = capsys.readouterr().err
+    assert "the old side reads '128:4096:causal:g4' as " in err and f"as {mha}" in err
+    assert "h16x4" in err
