@@ -1,18 +1,19 @@
 """A/B of a code change: one kernel family's default config per shape, as an earlier revision of
 fa4tune builds it against this checkout, timed in alternating processes.
 
-    python benchmarks/ab_checkouts.py --old REV [--kernel fa4_bwd_sm90]
+    python benchmarks/ab_checkouts.py --old REV|DIR [--kernel fa4_bwd_sm90]
                                       [--shapes 128:4096,64:1024:causal] [--rounds 3]
                                       [--json out.json]
 
 `benchmarks/ab.py` A/Bs a knob, both sides in one process; a change to the code itself (the kernel,
 its launch) cannot be a knob, and two versions of one package do not import side by side. So the
-old revision is written out with `git archive` to a temporary directory and each round runs one
-child process per side, old first on odd rounds and new first on even ones, each with its own
-compile cache. A child builds the family's default config for each shape, checks it against the
-fp32 reference on the family's measurement case (outputs poisoned first), then times it with
-`fa4tune.measure.timing.time_cuda` (L2 flushed before every run): benchmarks/ab.py's `measure`, one
-round; it prints a JSON line per shape.
+old revision is written out with `git archive` to a temporary directory (or `--old` names such a
+directory, written beforehand: the device machine's copy of the checkout has no git) and each
+round runs one child process per side, old first on odd rounds and new first on even ones, each
+with its own compile cache. A child builds the family's default config for each shape, checks it
+against the fp32 reference on the family's measurement case (outputs poisoned first), then times
+it with `fa4tune.measure.timing.time_cuda` (L2 flushed before every run): benchmarks/ab.py's
+`measure`, one round; it prints a JSON line per shape.
 The table, last: TFLOP/s per side (the median of the rounds; the family's `work_flops`), new / old,
 the spread of each side's rounds, and O's error per side. Shapes are
 'head_dim:seqlen[:causal][:gN]' at 16k tokens and hidden 2048 (gN: N query heads per K/V head;
@@ -116,7 +117,11 @@ def table(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--old", help="the git revision to compare against (e.g. main, HEAD~1)")
+    ap.add_argument(
+        "--old",
+        help="the git revision to compare against (e.g. main, HEAD~1), or a directory holding "
+        "one's tree",
+    )
     ap.add_argument("--kernel", default="fa4_bwd_sm90", help="the kernel family")
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated shapes")
     ap.add_argument("--rounds", type=int, default=3)
@@ -149,24 +154,39 @@ def main(argv=None) -> int:
     if not args.old or args.rounds < 1:
         print("ab_checkouts: --old REV and --rounds >= 1 are needed", file=sys.stderr)
         return 2
-    check = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", f"{args.old}^{{commit}}"],
-        capture_output=True,
-        text=True,
-    )
-    if check.returncode != 0:
-        print(f"ab_checkouts: no git revision {args.old!r} in {ROOT}", file=sys.stderr)
-        return 2
+    given = Path(args.old)
+    if given.is_dir():
+        if not (given / "fa4tune" / "__init__.py").is_file():
+            print(
+                f"ab_checkouts: {args.old!r} is a directory without fa4tune/__init__.py: --old "
+                "wants a git revision or an fa4tune tree (`git archive REV | tar x -C DIR`)",
+                file=sys.stderr,
+            )
+            return 2
+    else:
+        check = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", f"{args.old}^{{commit}}"],
+            capture_output=True,
+            text=True,
+        )
+        if check.returncode != 0:
+            print(f"ab_checkouts: no git revision {args.old!r} in {ROOT}", file=sys.stderr)
+            return 2
     rows = []
     with tempfile.TemporaryDirectory(prefix="ab_checkouts-") as tmp:
-        old_root = Path(tmp) / "old"
-        old_root.mkdir()
-        archive = subprocess.run(
-            ["git", "-C", str(ROOT), "archive", "--format=tar", args.old],
-            capture_output=True,
-            check=True,
-        )
-        subprocess.run(["tar", "xf", "-", "-C", str(old_root)], input=archive.stdout, check=True)
+        if given.is_dir():
+            old_root = given.resolve()
+        else:
+            old_root = Path(tmp) / "old"
+            old_root.mkdir()
+            archive = subprocess.run(
+                ["git", "-C", str(ROOT), "archive", "--format=tar", args.old],
+                capture_output=True,
+                check=True,
+            )
+            subprocess.run(
+                ["tar", "xf", "-", "-C", str(old_root)], input=archive.stdout, check=True
+            )
         sides = {"old": old_root, "new": ROOT}
         for round_index in range(args.rounds):
             order = ["old", "new"] if round_index % 2 == 0 else ["new", "old"]

@@ -100,6 +100,34 @@ def test_rounds_alternate_the_sides_each_on_its_own_checkout(monkeypatch, tmp_pa
     assert "| 128:4096 | 64x128s2 / 64x128s2 | 100.0 | 100.0 | 1.000 |" in capsys.readouterr().out
 
 
+def test_old_may_be_a_tree_written_beforehand(monkeypatch, tmp_path, capsys):
+    """The device machine's copy of the checkout has no git: `--old DIR` takes a tree written with
+    `git archive` beforehand, runs the old side there and asks git nothing; a directory that holds
+    no fa4tune is refused."""
+    roots = []
+
+    def fake_run(argv, **kwargs):
+        assert "--child" in argv, f"asked {argv[0]} with an old tree given"
+        root, label = argv[argv.index("--child") + 1 :]
+        roots.append((label, root, kwargs["cwd"]))
+        out = json.dumps(row(label, "64:1024", 100.0 if label == "old" else 110.0))
+        return subprocess.CompletedProcess(argv, 0, stdout=out, stderr="")
+
+    monkeypatch.setattr(ab_checkouts.subprocess, "run", fake_run)
+    assert main(["--old", str(tmp_path), "--shapes", "64:1024"]) == 2
+    assert "without fa4tune/__init__.py" in capsys.readouterr().err
+    (tmp_path / "fa4tune").mkdir()
+    (tmp_path / "fa4tune" / "__init__.py").write_text("")
+    assert main(["--old", str(tmp_path), "--shapes", "64:1024", "--rounds", "2"]) == 0
+    here = str(Path(ab_checkouts.__file__).resolve().parents[1])
+    old, new = str(tmp_path.resolve()), here
+    assert [(label, root) for label, root, _ in roots] == [
+        ("old", old), ("new", new), ("new", new), ("old", old)
+    ]  # fmt: skip
+    assert all(root == str(cwd) for _, root, cwd in roots)
+    assert "| 64:1024 | 64x128s2 / 64x128s2 | 100.0 | 110.0 | 1.100 |" in capsys.readouterr().out
+
+
 def test_a_side_that_stops_is_reported(monkeypatch, capsys):
     real_run = subprocess.run
 
