@@ -14,7 +14,7 @@ from . import __version__, interrupts
 from .db import ResultsDB, shown_location
 from .doctor import NOTE, diagnose
 from .errors import Fa4tuneError, is_user_error
-from .kernels import families, get_kernel
+from .kernels import get_kernel
 from .report import write_report
 from .runtime.carry import carry_table
 from .runtime.tables import (
@@ -151,11 +151,18 @@ def _default_of(kernel, problem_dict: dict, target_name: str) -> dict | None:
         return None
 
 
-def _entries_rows(entries, installed: dict) -> list[list]:
+def _installed_hash(kernel: str) -> str:
+    """The installed source hash of the family named `kernel`: asked only of the families the shown
+    entries name, so that a third-party family that does not load stops only a show that needs
+    it."""
+    return get_kernel(kernel).source_hash()
+
+
+def _entries_rows(entries) -> list[list]:
     rows = []
     for e in entries:
         kernel = get_kernel(e.kernel)
-        stale = "STALE" if installed.get(e.kernel) != e.kernel_hash else ""
+        stale = "STALE" if _installed_hash(e.kernel) != e.kernel_hash else ""
         rows.append(
             [
                 e.problem_key,
@@ -171,7 +178,7 @@ def _entries_rows(entries, installed: dict) -> list[list]:
 
 
 def cmd_show(args) -> int:
-    installed = {name: spec.source_hash() for name, spec in families().items()}
+    kernel = get_kernel(args.kernel).name if args.kernel else None  # an unknown name is an error
     headers = [
         "problem",
         "target",
@@ -194,26 +201,27 @@ def cmd_show(args) -> int:
                 f"{record['from_revision'][:12]}) to {record['to_hash'][:12]} on "
                 f"{record['date'][:10]}: {record['checked']}"
             )
-        if installed.get(document["kernel"]) != document["kernel_hash"]:
+        installed = _installed_hash(document["kernel"])
+        if installed != document["kernel_hash"]:
             _say(
                 f"STALE: the installed {document['kernel']} has hash "
-                f"{installed.get(document['kernel'], '?')[:12]}; these configs "
+                f"{installed[:12]}; these configs "
                 "were tuned for other code"
             )
-        _say(_format_table(headers, _entries_rows(entries, installed)))
+        _say(_format_table(headers, _entries_rows(entries)))
         return 0
 
     target = (
         get_target(args.target).name if args.target else None
     )  # the DB holds "H200", not "h200"
     with ResultsDB.open(args.db, create=False) as db:
-        entries = [e for e in db.best_configs(kernel=args.kernel, target=target)]
+        entries = [e for e in db.best_configs(kernel=kernel, target=target)]
         if not entries:
             _say(f"no best configs in {db.location}")
             return 0
-        stale = [e for e in entries if installed.get(e.kernel) != e.kernel_hash]
+        stale = [e for e in entries if _installed_hash(e.kernel) != e.kernel_hash]
         _say(f"best configs in {db.location} ({len(entries)}; {len(stale)} stale)")
-        _say(_format_table(headers, _entries_rows(entries, installed)))
+        _say(_format_table(headers, _entries_rows(entries)))
         if args.top:
             for e in entries:
                 trials = [

@@ -7,7 +7,7 @@ from importlib import metadata
 from . import __version__
 from .db import SCHEMA_VERSION, ResultsDB, resolve_location, shown_location, sqlite_path
 from .errors import ResultsDBError
-from .kernels import families
+from .kernels import loadable_families
 from .target import is_described, target_for_device
 
 
@@ -63,7 +63,10 @@ def diagnose(db_location: str | None = None) -> list[tuple[str, bool | None, str
     lines.append(
         ("cute dsl", dsl is not None, f"nvidia-cutlass-dsl {dsl}" if dsl else "not installed")
     )
-    for name, spec in families().items():
+    found, broken = loadable_families()
+    for why in broken:  # a third-party family that does not load: say so, check the rest
+        lines.append(("kernel", False, why))
+    for name, spec in found.items():
         try:
             lines.append(
                 (

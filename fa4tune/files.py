@@ -19,6 +19,11 @@ def load_document(path: str | os.PathLike, what: str, error: type[Exception]) ->
         text = path.read_text()
     except OSError as exc:
         raise error(f"cannot read {what} {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:  # a binary file (a results DB, say) given in its place
+        raise error(
+            f"cannot read {what} {path}: not {exc.encoding} text (byte {exc.start} is "
+            f"0x{exc.object[exc.start : exc.start + 1].hex()}); is it a {what}?"
+        ) from exc
     if path.suffix == ".json":
         try:
             return text, json.loads(text)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .db import ResultsDB, shown_location, sqlite_path
 from .errors import Fa4tuneError, StorageError
+from .files import unwritable_ancestor
 from .tune.studies import journal_path, open_storage, quiet_optuna
 
 
@@ -44,6 +45,12 @@ def write_report(db_location: str | None, out_dir: str, storage: str | None = No
 
     quiet_optuna()
     out = Path(out_dir)
+    blocked = unwritable_ancestor(out / "index.html")  # a file named like the directory, say
+    if blocked is not None:
+        raise ReportError(
+            f"cannot write the report to {out}: {blocked} is not a writable directory; "
+            "give another --out"
+        )
     with ResultsDB.open(db_location, create=False) as db:
         runs = {r["id"]: r for r in db.runs()}
         trials = db.trials()

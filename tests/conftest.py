@@ -224,3 +224,23 @@ def study_states(job):
     assert len(summaries) == 1
     study = optuna.load_study(study_name=summaries[0].study_name, storage=storage)
     return summaries[0].study_name, [t.state for t in study.get_trials(deepcopy=False)]
+
+
+@pytest.fixture
+def broken_family_plugin(tmp_path, monkeypatch):
+    """A third-party kernel family installed as pip would, whose module does not import."""
+    import fa4tune.kernels
+
+    site = tmp_path / "site"
+    dist = site / "brokenfamily-1.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: brokenfamily\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[fa4tune.kernels]\nbroken = brokenfamily_mod:FAMILY\n")
+    (site / "brokenfamily_mod.py").write_text(
+        "raise ImportError('needs a package not installed')\n"
+    )
+    monkeypatch.syspath_prepend(str(site))
+    fa4tune.kernels.rediscover()
+    yield
+    monkeypatch.undo()
+    fa4tune.kernels.rediscover()

@@ -138,6 +138,18 @@ def test_report_whose_storage_is_gone_fails_naming_it(workdir, capsys, monkeypat
     assert list((workdir / "elsewhere").iterdir()) == []  # neither a journal nor half a report
 
 
+@needs_matplotlib
+def test_report_into_a_file_fails_naming_it_and_leaves_it(workdir, capsys):
+    assert run_cli(capsys, "search", write_job(workdir), "--no-progress")[0] == 0
+    (workdir / "notes.txt").write_text("mine")
+    assert_bad_input(
+        capsys,
+        ["report", "--out", "notes.txt"],
+        "cannot write the report to notes.txt: notes.txt is not a writable directory",
+    )
+    assert (workdir / "notes.txt").read_text() == "mine"
+
+
 def test_report_without_matplotlib_says_how_to_get_it(workdir, capsys, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(
@@ -166,6 +178,29 @@ def test_doctor_notes_a_missing_optional_extra_neither_ok_nor_bad(workdir, capsy
     ]
     bad = [line for line in out.splitlines() if line.startswith("BAD")]
     assert code == (1 if bad else 0), out  # the note alone does not fail doctor
+
+
+def test_a_broken_family_plugin_stops_neither_doctor_nor_show(
+    workdir, capsys, broken_family_plugin
+):
+    """doctor is where a broken plugin should be found out, with the rest still checked; show of
+    a DB or table of the built-in families does not need the plugin."""
+    assert run_cli(capsys, "search", write_job(workdir), "--no-progress")[0] == 0
+    assert run_cli(capsys, "export", "--out", "t.yaml")[0] == 0
+    code, out, err = run_cli(capsys, "doctor")
+    assert code == 1, (out, err)
+    [bad] = [line for line in out.splitlines() if line.startswith("BAD")]
+    assert "'broken' = 'brokenfamily_mod:FAMILY'" in bad and "needs a package" in bad, bad
+    assert any(line.split()[:3] == ["ok", "results", "db"] for line in out.splitlines()), out
+    for argv in (["show"], ["show", "--table", "t.yaml"]):
+        code, out, err = run_cli(capsys, *argv)
+        assert code == 0 and "bf16-d128x128" in out, (argv, out, err)
+
+
+def test_show_names_an_unknown_kernel(workdir, capsys):
+    """Not "no best configs": that reads as an empty DB."""
+    assert run_cli(capsys, "search", write_job(workdir), "--no-progress")[0] == 0
+    assert_bad_input(capsys, ["show", "--kernel", "fa4_fwd"], "unknown kernel 'fa4_fwd'")
 
 
 def test_show_flags_stale_configs(workdir, capsys):
@@ -516,6 +551,23 @@ def test_a_table_half_written_is_taken_back(workdir, capsys):
     (workdir / "out" / "t.json").mkdir(parents=True)
     assert_bad_input(capsys, ["export", "--out", "out/t.yaml"], "cannot write table out/t.json")
     assert not (workdir / "out" / "t.yaml").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, what",
+    [
+        (["search", "binary.yaml"], "job file"),
+        (["show", "--table", "binary.yaml"], "table"),
+        (["import", "binary.yaml", "--db", "new.db"], "table"),
+        (["carry", "binary.yaml", "--from", "HEAD"], "table"),
+    ],
+)
+def test_a_binary_file_given_as_a_job_or_table_is_named(workdir, capsys, argv, what):
+    """A results DB (or any binary file) passed where a YAML file goes: one paragraph naming the
+    file, not a UnicodeDecodeError's traceback."""
+    (workdir / "binary.yaml").write_bytes(b"SQLite format 3\x00\xff\xfe" + bytes(range(256)))
+    assert_bad_input(capsys, argv, f"cannot read {what} binary.yaml", "text (byte 16 is 0xff)")
+    assert written(workdir) == []
 
 
 def test_malformed_table_and_missing_files(workdir, capsys):

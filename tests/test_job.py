@@ -49,6 +49,23 @@ def test_problem_shorthand_errors(problem, fragment):
     assert fragment in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "fields, where",
+    [
+        # NaN compares false with every elapsed time: the problem's search never ran out of time.
+        ({"budget": {"seconds": float("nan")}}, "budget.seconds"),
+        ({"budget": {"seconds": float("inf")}}, "budget.seconds"),
+        # Read as not given: no table exported, no word said.
+        ({"export": ""}, "export"),
+        ({"db": " "}, "db"),
+        ({"storage": ""}, "storage"),
+    ],
+)
+def test_values_that_would_be_ignored_are_refused(fields, where):
+    with pytest.raises(JobError, match=f"^j.yaml: {where}: "):
+        parse_job({"problems": [{}], **fields}, source="j.yaml")
+
+
 def test_budget_forms():
     assert parse_job({"problems": [{}], "budget": 5}).budget.trials == 5
     seconds_only = parse_job({"problems": [{}], "budget": {"seconds": 2}}).budget

@@ -120,3 +120,21 @@ def test_a_third_party_family_is_named_where_families_are_listed(toy_family, cap
     assert "toy_matmul" in capsys.readouterr().out
     with pytest.raises(Exception, match="unknown kernel 'no_such'.*toy_matmul"):
         fa4tune.kernels.get_kernel("no_such")
+
+
+def test_a_broken_plugin_leaves_the_others_loadable(toy_family, broken_family_plugin, capsys):
+    """One entry point that does not load hides no other: loadable_families has the built-ins and
+    the toy family and names the broken one; families() refuses, naming it; doctor checks the toy
+    family and reports the broken one."""
+    from fa4tune.errors import KernelError
+
+    found, broken = fa4tune.kernels.loadable_families()
+    assert {"fa4_fwd_sm90", "fa4_bwd_sm90", "toy_matmul"} <= set(found) and "broken" not in found
+    [why] = broken
+    assert "'broken' = 'brokenfamily_mod:FAMILY'" in why and "needs a package" in why
+    with pytest.raises(KernelError, match="cannot load kernel family entry point 'broken'"):
+        fa4tune.kernels.families()
+    assert main(["doctor"]) == 1
+    out = capsys.readouterr().out
+    assert any(line.startswith("BAD") and "'broken'" in line for line in out.splitlines())
+    assert any(line.startswith("ok") and "toy_matmul" in line for line in out.splitlines()), out

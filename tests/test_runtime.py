@@ -340,6 +340,16 @@ def test_an_unreadable_entry_or_table_costs_only_itself(workdir):
         assert lookup(TUNED_4K, "H200", source=str(tables)).source == "exact"
 
 
+def test_an_entry_whose_config_the_kernel_cannot_take_is_skipped_with_a_warning(workdir):
+    """A hand-edited table passes read_table (it does not know the knobs); its entry must not
+    vanish from the ladder without a word."""
+    bad = BestEntry(**{**entry(TUNED_4K, 96).__dict__, "config": {"tile_n": "wide"}})
+    write_table_file(workdir / "t.yaml", [bad, entry(TUNED_16K, 160)])
+    with pytest.warns(RuntimeWarning, match=f"skipped the config of {TUNED_4K.key()}.*tile_n"):
+        found = lookup(TUNED_4K, "H200", source=str(workdir / "t.yaml"))
+    assert found.source == "nearest" and found.problem_key == TUNED_16K.key()
+
+
 def test_a_borrowed_config_that_does_not_fit_is_skipped(workdir):
     # tile_n=192 with hdim 256 and 2 stages does not fit in shared memory: the lookup falls back.
     d256 = Problem(head_dim=256, seqlen_q=4096)

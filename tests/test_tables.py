@@ -114,6 +114,24 @@ def test_a_table_for_another_kernel_hash_is_refused_and_nothing_is_written(searc
             lambda d: d["entries"][0].update(is_estimate="no"),
             r"entries\[0\].is_estimate: true or false",
         ),
+        # The DB would take these only with a SQLAlchemy traceback, or keep a time that no
+        # comparison can rank.
+        (
+            lambda d: d["entries"][0].update(time_ms=float("nan")),
+            r"entries\[0\].time_ms: a positive finite number, got nan",
+        ),
+        (lambda d: d["entries"][0].update(time_ms=float("inf")), r"entries\[0\].time_ms"),
+        (lambda d: d["entries"][0].update(time_ms=True), r"entries\[0\].time_ms"),
+        (
+            lambda d: d["entries"][0].update(tflops="fast"),
+            r"entries\[0\].tflops: a non-negative finite number, got 'fast'",
+        ),
+        (lambda d: d["entries"][0].update(tflops=None), r"entries\[0\].tflops"),
+        (
+            lambda d: d["entries"][0].update(provenance="gpu"),
+            r"entries\[0\].provenance: a mapping",
+        ),
+        (lambda d: d["entries"][0].update(source=5), r"entries\[0\].source: a string"),
     ],
 )
 def test_malformed_tables_name_the_field(searched, workdir, edit, message):

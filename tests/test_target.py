@@ -112,6 +112,29 @@ def test_dispatch_runs_a_hopper_gpu_it_has_no_description_of_on_default_configs(
     assert (target.name, target.sm_count, family.name) == ("H100-PCIe", 114, "fa4_fwd_sm90")
 
 
+def test_a_broken_family_plugin_does_not_stop_attention_on_the_gpus_it_does_not_serve(
+    monkeypatch, broken_family_plugin
+):
+    torch = pytest.importorskip("torch")
+    from fa4tune.runtime import dispatch
+    from fa4tune.runtime.dispatch import UnsupportedInput, device_target
+
+    def props(name, major, sms):
+        return lambda device: SimpleNamespace(
+            name=name, major=major, minor=0, multi_processor_count=sms
+        )
+
+    monkeypatch.setattr(dispatch, "_BROKEN_PLUGINS", set(), raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props("NVIDIA H200", 9, 132))
+    with pytest.warns(RuntimeWarning, match="'broken' = 'brokenfamily_mod:FAMILY'.*needs a"):
+        target, family = device_target("cuda:0")
+    assert (target.name, family.name) == ("H200", "fa4_fwd_sm90")
+    # A GPU no loaded family serves: the refusal names the plugin that might have.
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props("NVIDIA B200", 10, 148))
+    with pytest.raises(UnsupportedInput, match=r"B200 .*\(cannot load kernel family .*'broken'"):
+        device_target("cuda:0")
+
+
 def test_an_undescribed_hopper_gets_default_configs_sized_to_its_sms_and_l2():
     import fa4tune
     from fa4tune.kernels.fa4_fwd_sm90.launch import heads_per_l2_group

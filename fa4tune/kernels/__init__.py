@@ -29,6 +29,7 @@ _BUILTINS = {
 _registered: dict[str, KernelFamily] = {}
 _loaded: dict[str, KernelFamily] = {}
 _discovered: dict[str, KernelFamily] | None = None
+_unloadable: dict[str, str] = {}  # entry point name: why its family did not load
 _lock = threading.RLock()
 
 
@@ -85,28 +86,45 @@ def _load_entry_point(ep) -> KernelFamily:
 
 
 def _entry_point_families() -> dict[str, KernelFamily]:
-    global _discovered
+    """The entry points' families that load; the others' errors go to _unloadable."""
+    global _discovered, _unloadable
     with _lock:
         if _discovered is None:
-            _discovered = {
-                ep.name: _load_entry_point(ep) for ep in entry_points(group=ENTRY_POINT_GROUP)
-            }
+            found, broken = {}, {}
+            for ep in entry_points(group=ENTRY_POINT_GROUP):
+                try:
+                    found[ep.name] = _load_entry_point(ep)
+                except KernelError as exc:
+                    broken[ep.name] = str(exc)
+            _discovered, _unloadable = found, broken
         return _discovered
 
 
 def rediscover() -> None:
     """Forget the entry points seen so far (after installing a plugin in the same process)."""
-    global _discovered
+    global _discovered, _unloadable
     with _lock:
-        _discovered = None
+        _discovered, _unloadable = None, {}
 
 
-def families() -> dict[str, KernelFamily]:
-    """Every known family by name: built-ins, entry points, and registered ones."""
+def loadable_families() -> tuple[dict[str, KernelFamily], list[str]]:
+    """Every family that loads, by name (built-ins, entry points, registered ones), and why each
+    third-party entry point that does not load failed: for the callers that go on without it
+    (doctor reports it and checks the rest; the dispatcher serves the GPUs the others serve)."""
     found = {name: _builtin(name) for name in _BUILTINS}
     found.update(_entry_point_families())
     with _lock:
         found.update(_registered)
+        broken = list(_unloadable.values())
+    return found, broken
+
+
+def families() -> dict[str, KernelFamily]:
+    """Every known family by name: built-ins, entry points, and registered ones. An entry point
+    that does not load is an error that names it (loadable_families goes on without it)."""
+    found, broken = loadable_families()
+    if broken:
+        raise KernelError("; ".join(broken))
     return found
 
 
@@ -138,9 +156,8 @@ def family_for_problem(problem) -> KernelFamily:
     takers = [f for f in families().values() if isinstance(problem, f.problem_type)]
     if len(takers) != 1:
         names = ", ".join(sorted(f.name for f in takers)) or "none"
-        raise KernelError(
-            f"which kernel family takes a {type(problem).__name__}? {names}; pass kernel="
-        )
+        hint = "pass kernel=" if takers else "a problem is a fa4tune.Problem (or a family's own)"
+        raise KernelError(f"which kernel family takes a {type(problem).__name__}? {names}; {hint}")
     return takers[0]
 
 
@@ -155,6 +172,7 @@ __all__ = [
     "Tolerance",
     "code_text",
     "families",
+    "loadable_families",
     "family_for_problem",
     "get_kernel",
     "register_family",

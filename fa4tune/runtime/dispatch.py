@@ -27,7 +27,7 @@ import warnings
 from collections import OrderedDict
 
 from ..errors import UnsupportedInput
-from ..kernels import families, get_kernel
+from ..kernels import get_kernel, loadable_families
 from ..kernels.common.inputs import (
     check_device,
     check_inputs,
@@ -285,10 +285,24 @@ def clear() -> None:
 
 # ---- validation ---------------------------------------------------------------------------------
 def _serving(target=None) -> list:
-    """Families that serve fa4tune.attention (on `target`'s arch, when given), the default first."""
+    """Families that serve fa4tune.attention (on `target`'s arch, when given), the default first.
+    A third-party family that does not load is left out, with a warning (once), so that it stops
+    only the GPUs that no other family serves; device_target's refusal then names it."""
     default = get_kernel(None)
-    ordered = [default] + [f for f in families().values() if f is not default]
+    found, broken = loadable_families()
+    for why in broken:
+        if why not in _BROKEN_PLUGINS:
+            _BROKEN_PLUGINS.add(why)
+            warnings.warn(
+                f"fa4tune.attention: {why}; running the families that load",
+                RuntimeWarning,
+                stacklevel=5,
+            )
+    ordered = [default] + [f for f in found.values() if f is not default]
     return [f for f in ordered if f.entry == ENTRY and (target is None or f.arch == target.arch)]
+
+
+_BROKEN_PLUGINS: set = set()  # the errors of kernel-family plugins that did not load (warned)
 
 
 def device_target(device):
@@ -304,9 +318,10 @@ def device_target(device):
     )
     if not serving:
         where = "; ".join(dict.fromkeys(f.gpus for f in _serving()))
+        broken = "".join(f" ({why})" for why in loadable_families()[1])  # might have served it
         raise UnsupportedInput(
             f"fa4tune.attention runs on {where}; {device} is {name} "
-            f"(compute capability {capability[0]}.{capability[1]})"
+            f"(compute capability {capability[0]}.{capability[1]}){broken}"
         )
     return target, serving[0]
 

@@ -158,7 +158,11 @@ class Lookup:
             entry = lender.entry
             try:
                 config = spec.config(entry.config)
-            except spec.config_error:
+            except spec.config_error as exc:  # a hand-edited table, or knobs this code lacks
+                self._warn(
+                    f"{index.origin}: skipped the config of {entry.problem_key}, which "
+                    f"{spec.name} cannot take ({exc})"
+                )
                 continue
             if spec.infeasible_reasons(problem, config, target):
                 continue  # a borrowed config must still fit this problem

@@ -4,6 +4,7 @@ file (and the same as JSON), for shipping with a release and for merging into an
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -192,8 +193,22 @@ def read_table(path: str | os.PathLike) -> dict:
             )
         if not isinstance(row["config"], dict):
             raise TableError(f"{where}.config: a mapping of knobs")
-        if not isinstance(row["time_ms"], (int, float)) or row["time_ms"] <= 0:
-            raise TableError(f"{where}.time_ms: a positive number")
+        # What the results DB stores (an import) and the lookup ranks by: a bad one fails here,
+        # naming the field, not as a database error half way through an import.
+        for name, low in (("time_ms", "a positive"), ("tflops", "a non-negative")):
+            value = row[name]
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value < 0
+                or (value == 0 and name == "time_ms")
+            ):
+                raise TableError(f"{where}.{name}: {low} finite number, got {value!r}")
+        if not isinstance(row["provenance"], dict):
+            raise TableError(f"{where}.provenance: a mapping, got {row['provenance']!r}")
+        if not isinstance(row["source"], str):
+            raise TableError(f"{where}.source: a string, got {row['source']!r}")
         if not isinstance(
             row["is_estimate"], bool
         ):  # the lookup ranks measurements before estimates

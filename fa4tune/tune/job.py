@@ -4,6 +4,7 @@ written. Every error names the file and the field."""
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -131,7 +132,8 @@ def parse_job(
             raise fail(key, f"a non-negative integer, got {value!r}")
         counts[key] = value
     for key in ("db", "storage", "export"):
-        if data.get(key) is not None and not isinstance(data[key], str):
+        # An empty one would be read as not given: `export: ''` would export nothing, silently.
+        if data.get(key) is not None and not (isinstance(data[key], str) and data[key].strip()):
             raise fail(key, f"a path or URL string, got {data[key]!r}")
 
     measure = data.get("measure") or {}
@@ -223,9 +225,12 @@ def _parse_budget(spec, fail) -> Budget:
         ):
             raise fail(f"budget.{key}", f"a positive integer, got {value!r}")
     if seconds is not None and (
-        isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0
+        isinstance(seconds, bool)
+        or not isinstance(seconds, (int, float))
+        or not math.isfinite(seconds)  # .nan would never end a problem's search; .inf neither
+        or seconds <= 0
     ):
-        raise fail("budget.seconds", f"a positive number, got {seconds!r}")
+        raise fail("budget.seconds", f"a positive finite number, got {seconds!r}")
     return Budget(trials=trials, seconds=seconds, max_pruned=max_pruned)
 
 
