@@ -171,14 +171,29 @@ def test_attention_decode_replays_in_a_cuda_graph():
 # ---- the in-kernel combine (combine_in_kernel): the last split CTA of a tile merges the partials
 # The split cases above with the knob on, plus the default config's split at batch 1 and two
 # consumer warpgroups: (knobs over DECODE, then the case fields as in CASES).
+THREE_WARPGROUPS = dict(
+    tile_m=192, tile_n=64, num_stages=2, pack_gqa=True, num_splits=3, intra_wg_overlap=False
+)
 COMBINE_CASES = [case for case in CASES if case[0].get("num_splits", 1) > 1] + [
     ({"pack_gqa": True, "num_splits": 16}, 1, 1, 32768, 32, 8, 128, False),
     ({"pack_gqa": True, "num_splits": 128}, 1, 1, 4000, 32, 8, 128, False),  # > 32 splits a lane
     ({"tile_m": 128, "pack_gqa": True, "num_splits": 3}, 2, 16, 777, 64, 8, 64, True),
     # The split loops' unrolls and their remainders: the combine kernel's 8 + 4, the merge's 4 x 3
-    # (one consumer warpgroup) and 2 x 6 + 0 (two).
+    # (one and two consumer warpgroups), and the merge one split at a time
+    # (resources.merge_splits_in_flight: three warpgroups, head dim 256).
     ({"pack_gqa": True, "num_splits": 12}, 2, 1, 5000, 32, 8, 128, False),
     ({"tile_m": 128, "pack_gqa": True, "num_splits": 12}, 1, 16, 5000, 64, 8, 64, True),
+    (THREE_WARPGROUPS, 1, 1, 3000, 32, 8, 128, False),
+    (
+        {"tile_m": 64, "tile_n": 64, "num_stages": 2, "pack_gqa": True, "num_splits": 3},
+        2,
+        1,
+        3000,
+        16,
+        2,
+        256,
+        False,
+    ),  # fmt: skip
 ]
 
 

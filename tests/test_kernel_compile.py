@@ -166,7 +166,16 @@ def _ptxas_report(text: str) -> list[tuple[int, int, int]]:
 
 
 def _compile_with_report(
-    config, dtype, head_dim, head_dim_v, causal, capfd, tmp_path, target="H200", pack_group=1
+    config,
+    dtype,
+    head_dim,
+    head_dim_v,
+    causal,
+    capfd,
+    tmp_path,
+    target="H200",
+    pack_group=1,
+    layout=None,
 ):
     """A real compile for sm_90a (the cache bypassed: ptxas prints its remarks only then), with PTX
     kept: (the compiled kernel, ptxas's output)."""
@@ -183,6 +192,7 @@ def _compile_with_report(
         options=f"remarks{{ptx}} --keep-ptx --dump-dir {tmp_path}",
         use_cache=False,
         pack_group=pack_group,
+        layout=layout,
     )
     return compiled, "".join(capfd.readouterr())
 
@@ -384,9 +394,10 @@ def test_decode_configs_compile_without_spills(
 
 
 # The in-kernel combine (combine_in_kernel): the last split CTA merges the partials in the consumer
-# registers the main loop had, so it must fit them: one and two consumer warpgroups, head dims 64
-# and 128, packed GQA of 4 and 8 and none, 2 to 16 splits, seqlen_q 1 and 4 causal (knobs,
-# head_dim, pack group, causal).
+# registers the main loop had, so it must fit them: one to three consumer warpgroups, head dims
+# 64, 128 and 256, packed GQA of 4 and 8 and none, 2 to 16 splits, seqlen_q 1 and 4 causal, paged
+# K/V (knobs, head_dim, pack group, causal[, page size]). The merge's unroll
+# (resources.merge_splits_in_flight) is 4 or 1 among them.
 COMBINE_SPREAD = [
     ({"tile_m": 64, "num_stages": 3, "pack_gqa": True, "num_splits": 2}, 128, 4, False),
     (
@@ -404,17 +415,34 @@ COMBINE_SPREAD = [
         8,
         False,
     ),
+    # Where an unroll of 2 spilled (4 or 2 fitted the spread above): head dim 256, one and two
+    # warpgroups; three warpgroups (160 registers). And two paged warpgroups (232) at 4.
+    ({"tile_m": 64, "tile_n": 64, "pack_gqa": True, "num_splits": 3}, 256, 8, False),
+    ({"tile_m": 128, "tile_n": 64, "pack_gqa": True, "num_splits": 4}, 256, 8, False),
+    (
+        {"tile_m": 192, "tile_n": 64, "pack_gqa": True, "num_splits": 4, "intra_wg_overlap": False},
+        128,
+        8,
+        False,
+    ),
+    ({"tile_m": 128, "pack_gqa": True, "num_splits": 4}, 128, 8, False, 16),
 ]
 
 
-@pytest.mark.parametrize("knobs,head_dim,pack_group,causal", COMBINE_SPREAD)
+@pytest.mark.parametrize("knobs,head_dim,pack_group,causal,page_size", [
+    (*case, 0)[:5] for case in COMBINE_SPREAD
+])  # fmt: skip
 def test_in_kernel_combine_compiles_without_spills(
-    knobs, head_dim, pack_group, causal, capfd, tmp_path
+    knobs, head_dim, pack_group, causal, page_size, capfd, tmp_path
 ):
+    from fa4tune.problem import InputLayout
+
     config = FwdConfig.from_dict({**knobs, "combine_in_kernel": True}, base=FwdConfig())
+    layout = InputLayout(page_size=page_size) if page_size else None
     compiled, text = _compile_with_report(
-        config, "bf16", head_dim, head_dim, causal, capfd, tmp_path, pack_group=pack_group
-    )
+        config, "bf16", head_dim, head_dim, causal, capfd, tmp_path, pack_group=pack_group,
+        layout=layout,
+    )  # fmt: skip
     report = _spill_report(text)
     assert report and all(r == (0, 0, 0) for r in report), f"{config.short()} spills: {report}"
     assert not _serialized_wgmma(text), f"{config.short()}: {_serialized_wgmma(text)}"

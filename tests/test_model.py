@@ -330,7 +330,7 @@ def test_the_in_kernel_combine_trades_a_launch_for_a_merge_of_the_splits():
     for splits in (16, 128):
         knobs = {**DECODE_KNOBS, "pack_gqa": True, "num_splits": splits}
         config = KERNEL.config({**knobs, "combine_in_kernel": True})
-        in_flight = resources.merge_splits_in_flight(config, one.layout)
+        in_flight = resources.merge_splits_in_flight(config, one.head_dim_v, one.layout)
         assert in_flight == 4  # one consumer warpgroup: 240 registers
         separate, kernel_side = (
             MODEL.time_s(KERNEL.config({**knobs, "combine_in_kernel": on}), one)

@@ -308,7 +308,8 @@ class CostModel:
         a = self.assumptions
         latency_us = a.combine_us
         if config.combine_in_kernel:
-            trips = -(-splits // resources.merge_splits_in_flight(config, problem.layout))
+            in_flight = resources.merge_splits_in_flight(config, problem.head_dim_v, problem.layout)
+            trips = -(-splits // in_flight)
             latency_us = a.last_cta_combine_us + trips * a.merge_round_trip_us
         return 2 * partials / self.target.hbm_bytes_per_s + latency_us * 1e-6
 

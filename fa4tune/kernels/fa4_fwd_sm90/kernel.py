@@ -195,7 +195,9 @@ class FlashForwardSm90:
         self.num_consumer_threads = resources.THREADS_PER_WARPGROUP * self.num_consumer_wg
         self.num_threads = resources.num_threads(config)
         self.producer_regs, self.consumer_regs = resources.register_split(config, layout)
-        self.merge_unroll = resources.merge_splits_in_flight(config, layout)  # combine_last
+        self.merge_unroll = resources.merge_splits_in_flight(  # combine_last
+            config, head_dim_v, layout
+        )
         self.intra_wg_overlap = config.intra_wg_overlap
         self.wg_pingpong = config.wg_pingpong
         self.rescale_threshold = config.rescale_threshold

@@ -145,11 +145,16 @@ def register_split(config: FwdConfig, layout: InputLayout | None = None) -> tupl
     return split
 
 
-def merge_splits_in_flight(config: FwdConfig, layout: InputLayout | None = None) -> int:
+def merge_splits_in_flight(
+    config: FwdConfig, head_dim_v: int, layout: InputLayout | None = None
+) -> int:
     """The in-kernel combine's splits whose partials a consumer thread loads at once (the merge
-    loop's unroll): each holds a row of the thread's O fragment in registers, so 4 where the
-    consumers have 240 registers, else 2 (ptxas spills none at the compile tests' spread)."""
-    return 4 if register_split(config, layout)[1] >= 240 else 2
+    loop's unroll): each holds a row of the thread's O fragment (head_dim_v / 4 fp32 registers).
+    From ptxas at sm_90a (the compile tests' spread): 4 up to head dim 128 where the consumers
+    have 232 registers or more (one or two warpgroups, paged too); else 1: 2 already spilled
+    above head dim 128 (64x64 at 256) and with three warpgroups' 160 registers (192x64 at 128)."""
+    consumer = register_split(config, layout)[1]
+    return 4 if head_dim_v <= 128 and consumer >= 232 else 1
 
 
 def launch_registers(wgs: int, target: Target) -> int:
