@@ -168,13 +168,10 @@ def workdir(tmp_path, monkeypatch):
 def entry_point_plugin(tmp_path, monkeypatch):
     """Install the test plugin the way pip would expose it: a dist-info with an entry point."""
     site = tmp_path / "site"
-    dist = site / "fa4tune_testplugin-1.0.dist-info"
-    dist.mkdir(parents=True)
-    (dist / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: fa4tune-testplugin\nVersion: 1.0\n"
-    )
-    (dist / "entry_points.txt").write_text(
-        "[fa4tune.spaces]\neven_stages = fa4tune_testplugin:EvenStagesSpace\n"
+    install_distribution(
+        site,
+        "fa4tune-testplugin",
+        "[fa4tune.spaces]\neven_stages = fa4tune_testplugin:EvenStagesSpace\n",
     )
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.syspath_prepend(str(PLUGIN_DIR))
@@ -226,16 +223,24 @@ def study_states(job):
     return summaries[0].study_name, [t.state for t in study.get_trials(deepcopy=False)]
 
 
+def install_distribution(site, name: str, entry_points: str) -> None:
+    """A distribution `name` 1.0 under `site` as pip would lay it out (its dist-info with METADATA
+    and entry_points.txt), for importlib.metadata to find once `site` is on sys.path."""
+    dist = site / f"{name.replace('-', '_')}-1.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(entry_points)
+
+
 @pytest.fixture
 def broken_family_plugin(tmp_path, monkeypatch):
     """A third-party kernel family installed as pip would, whose module does not import."""
     import fa4tune.kernels
 
     site = tmp_path / "site"
-    dist = site / "brokenfamily-1.0.dist-info"
-    dist.mkdir(parents=True)
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: brokenfamily\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text("[fa4tune.kernels]\nbroken = brokenfamily_mod:FAMILY\n")
+    install_distribution(
+        site, "brokenfamily", "[fa4tune.kernels]\nbroken = brokenfamily_mod:FAMILY\n"
+    )
     (site / "brokenfamily_mod.py").write_text(
         "raise ImportError('needs a package not installed')\n"
     )

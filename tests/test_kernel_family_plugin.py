@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import yaml
-from conftest import PLUGIN_DIR
+from conftest import PLUGIN_DIR, install_distribution
 
 import fa4tune
 from fa4tune.cli import main
@@ -26,12 +26,11 @@ def toy_family(tmp_path, monkeypatch):
     import fa4tune.space
 
     site = tmp_path / "site"
-    dist = site / "fa4tune_toyfamily-1.0.dist-info"
-    dist.mkdir(parents=True)
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: fa4tune-toyfamily\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text(
+    install_distribution(
+        site,
+        "fa4tune-toyfamily",
         "[fa4tune.kernels]\ntoy_matmul = fa4tune_toyfamily:FAMILY\n\n"
-        "[fa4tune.spaces]\ntoy_blocks = fa4tune_toyfamily:ToyBlocks\n"
+        "[fa4tune.spaces]\ntoy_blocks = fa4tune_toyfamily:ToyBlocks\n",
     )
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.syspath_prepend(str(PLUGIN_DIR))

@@ -2,6 +2,7 @@ import itertools
 import math
 
 import pytest
+from conftest import install_distribution
 
 from fa4tune.errors import SpaceError
 from fa4tune.kernels import get_kernel
@@ -364,11 +365,10 @@ def test_a_broken_entry_point_stops_only_the_jobs_that_need_it(
 ):
     import fa4tune.space
 
-    dist = tmp_path / "site2" / "fa4tune_broken-1.0.dist-info"
-    dist.mkdir(parents=True)
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: fa4tune-broken\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text(
-        "[fa4tune.spaces]\nbroken = no_such_module_anywhere:Space\n"
+    install_distribution(
+        tmp_path / "site2",
+        "fa4tune-broken",
+        "[fa4tune.spaces]\nbroken = no_such_module_anywhere:Space\n",
     )
     monkeypatch.syspath_prepend(str(tmp_path / "site2"))
     fa4tune.space.rediscover()
