@@ -154,9 +154,9 @@ def main(argv=None) -> int:
     if not args.old or args.rounds < 1:
         print("ab_checkouts: --old REV and --rounds >= 1 are needed", file=sys.stderr)
         return 2
-    given = Path(args.old)
-    if given.is_dir():
-        if not (given / "fa4tune" / "__init__.py").is_file():
+    tree = Path(args.old).resolve() if Path(args.old).is_dir() else None  # else a git revision
+    if tree is not None:
+        if not (tree / "fa4tune" / "__init__.py").is_file():
             print(
                 f"ab_checkouts: {args.old!r} is a directory without fa4tune/__init__.py: --old "
                 "wants a git revision or an fa4tune tree (`git archive REV | tar x -C DIR`)",
@@ -174,9 +174,8 @@ def main(argv=None) -> int:
             return 2
     rows = []
     with tempfile.TemporaryDirectory(prefix="ab_checkouts-") as tmp:
-        if given.is_dir():
-            old_root = given.resolve()
-        else:
+        old_root = tree
+        if tree is None:
             old_root = Path(tmp) / "old"
             old_root.mkdir()
             archive = subprocess.run(
