@@ -314,3 +314,20 @@ def test_attention_varlen_outside_tracing_takes_the_eager_path(monkeypatch):
     monkeypatch.undo()
     with pytest.raises(UnsupportedInput, match="CUDA tensors"):
         fa4tune.attention_varlen(q, q, q, cu, cu, 10, 10)
+
+
+def test_attention_varlen_names_itself_when_inputs_require_grad():
+    """attention_varlen has no backward: inputs that autograd would record are refused with its
+    name (not fa4tune.attention's, which has one), on the eager path and from the dispatcher;
+    under no_grad the call goes on to the device check."""
+    from fa4tune.runtime import dispatch
+
+    cu = torch.tensor([0, 10], dtype=torch.int32)
+    q = torch.zeros(10, 2, 64, dtype=torch.bfloat16)
+    k = q.clone().requires_grad_()
+    with pytest.raises(UnsupportedInput, match=r"^fa4tune.attention_varlen has no backward"):
+        fa4tune.attention_varlen(q, k, q, cu, cu, 10, 10)
+    with pytest.raises(UnsupportedInput, match=r"^fa4tune.attention_varlen has no backward"):
+        dispatch.attention_varlen(q, k, q, cu, cu, 10, 10)
+    with torch.no_grad(), pytest.raises(UnsupportedInput, match="CUDA tensors"):
+        fa4tune.attention_varlen(q, k, q, cu, cu, 10, 10)

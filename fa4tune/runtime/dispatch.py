@@ -127,7 +127,7 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None)
             else None
         )
         if q.requires_grad or k.requires_grad or v.requires_grad:  # checked on every call, not once
-            check_no_grad(q, k, v)
+            check_no_grad(q, k, v, "fa4tune.runtime.dispatch.attention", "fa4tune.attention")
     except (
         AttributeError,
         RuntimeError,
@@ -197,7 +197,7 @@ def attention_varlen(
             else None
         )
         if q.requires_grad or k.requires_grad or v.requires_grad:
-            check_no_grad(q, k, v)
+            check_no_grad(q, k, v, "fa4tune.attention_varlen")
     except (AttributeError, RuntimeError, TypeError):  # _prepare_varlen says what is wrong
         key = None
     try:

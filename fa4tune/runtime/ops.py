@@ -124,7 +124,7 @@ def attention_varlen(
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         _check_max_traced(name, value)
     # The op has no autograd: refused here, in the traced code, as the eager path refuses it.
-    check_no_grad(q, k, v)
+    check_no_grad(q, k, v, "fa4tune.attention_varlen")
     return torch.ops.fa4tune.attention_varlen.default(
         q,
         k,

@@ -207,15 +207,21 @@ def check_scale(softmax_scale) -> None:
         )
 
 
-def check_no_grad(q, k, v) -> None:
-    """UnsupportedInput when autograd would record this call: the kernel has no backward, and
-    outputs without a grad_fn would leave q, k and v without gradients, silently."""
+def check_no_grad(q, k, v, caller: str, instead: str | None = None) -> None:
+    """UnsupportedInput when autograd would record this call of `caller`, which has no backward
+    (`instead`: the entry point that has one): outputs without a grad_fn would leave q, k and v
+    without gradients, silently."""
     import torch
 
     if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
+        way = (
+            "or pass detached tensors"
+            if instead is None
+            else f"pass detached tensors, or call {instead}"
+        )
         raise UnsupportedInput(
-            "fa4tune.attention is forward only (no backward), and q, k or v requires grad: "
-            "call it under torch.no_grad() or torch.inference_mode(), or pass detached tensors"
+            f"{caller} has no backward, and q, k or v requires grad: call it under "
+            f"torch.no_grad() or torch.inference_mode(), {way}"
         )
 
 

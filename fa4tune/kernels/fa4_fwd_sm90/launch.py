@@ -150,7 +150,7 @@ def attention_forward(
 
     target = get_target(target)
     empty = check_inputs(q, k, v, causal)
-    check_no_grad(q, k, v)
+    check_no_grad(q, k, v, "attention_forward", "fa4tune.attention")
     check_device(q, k, v, aligned=not empty)
     if empty:
         return empty_outputs(q, v, out, lse)
@@ -235,7 +235,7 @@ def attention_varlen_forward(
 
     target = get_target(target)
     empty = check_varlen_inputs(q, k, v, ragged, causal)
-    check_no_grad(q, k, v)
+    check_no_grad(q, k, v, "attention_varlen_forward")
     check_varlen_device(q, k, v, ragged, aligned=not empty)
     shapes = output_shapes(q, v, ragged)
     if empty:
