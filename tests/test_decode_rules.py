@@ -194,3 +194,46 @@ def test_decode_and_prefill_never_lend_configs():
     assert decode_p.distance(prefill_p) == float("inf")
     assert decode_p.bucket().distance(prefill_p.bucket()) == float("inf")
     assert problem(1, 32, 8, 4096).distance(decode_p) < float("inf")
+
+
+def test_the_in_kernel_combine_needs_splits_and_batch_shaped_q():
+    """combine_in_kernel merges a tile's splits: without splits it is refused rather than ignored,
+    so that the search does not measure one kernel under two names; varlen Q is left to the combine
+    kernel. Paged K/V (batch-shaped Q) is taken."""
+    alone = FwdConfig.from_dict({"pack_gqa": True, "combine_in_kernel": True}, base=DECODE)
+    assert any("needs num_splits > 1" in r for r in reasons(alone, decode()))
+    for splits in SPLIT_COUNTS[1:]:
+        config = FwdConfig.from_dict({"num_splits": splits}, base=alone)
+        assert reasons(config, decode()) == [], config.short()
+        assert config.short().endswith(f"-sp{splits}-ck")
+    split = FwdConfig.from_dict({"num_splits": 4}, base=alone)
+    varlen = Problem(seqlen_q=1, seqlen_k=4096, batch=4, nheads_q=32, nheads_kv=8, total_q=4)
+    assert any("varlen Q" in r for r in reasons(split, varlen))
+    paged = Problem(seqlen_q=1, seqlen_k=4096, batch=4, nheads_q=32, nheads_kv=8, page_size=64)
+    assert reasons(split, paged) == []
+
+
+def test_the_in_kernel_combine_is_a_kernel_of_its_own():
+    """Its compile key differs from the separate combine's (one launch, other arguments), every
+    count above 1 is still one kernel, and the knob off leaves a config's dict, short name and key
+    as they were (the shipped tables carry)."""
+    split = FwdConfig.from_dict({"pack_gqa": True, "num_splits": 4}, base=DECODE)
+    in_kernel = FwdConfig.from_dict({"combine_in_kernel": True}, base=split)
+
+    def key(config):
+        return compile_key(config, "bf16", 128, 128, False, H200, pack_group=4)
+
+    assert key(in_kernel) != key(split)
+    assert key(in_kernel) == key(FwdConfig.from_dict({"num_splits": 16}, base=in_kernel))
+    assert not split.combine_in_kernel and "-ck" not in split.short()
+    assert FwdConfig.from_dict(split.to_dict()) == split
+
+
+def test_the_decode_space_searches_the_in_kernel_combine():
+    from fa4tune.space import compose
+
+    space = compose(FAMILY, {"decode": {}})
+    assert "combine_in_kernel" in space.param_names
+    problem = decode()
+    alone = FwdConfig.from_dict({"pack_gqa": True, "combine_in_kernel": True}, base=DECODE)
+    assert any("needs num_splits > 1" in r for r in space.check(problem, alone, H200))

@@ -308,6 +308,74 @@ def test_packed_arguments_match_what_the_dsl_passes():
         )
 
 
+@pytest.mark.compile
+def test_packed_arguments_of_the_in_kernel_combine_match_the_dsl():
+    """With combine_in_kernel the kernel takes the partials, the tiles' split counts (a (tiles,)
+    tensor of dynamic layout where the tile counter was), and O and LSE after the four absent
+    ragged index tensors: the prepared launch's descriptors must be the DSL's own, byte for byte,
+    and no combine kernel's arguments are packed."""
+    import os
+
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before cutlass is first imported
+    from cuda.bindings import driver as cuda
+    from cutlass import Float32, Int32
+    from cutlass.cute.runtime import from_dlpack
+
+    from fa4tune.kernels.fa4_fwd_sm90.compile import compile_forward
+    from fa4tune.kernels.fa4_fwd_sm90.config import FwdConfig, tile_count
+    from fa4tune.kernels.fa4_fwd_sm90.launch import PreparedLaunch, heads_per_l2_group
+    from fa4tune.target import get_target
+
+    target = get_target("H200")
+    q = torch.empty(2, 1, 32, 128, dtype=torch.bfloat16)
+    k = torch.empty(2, 1000, 8, 128, dtype=torch.bfloat16)
+    v = torch.empty(2, 1000, 8, 128, dtype=torch.bfloat16)
+    problem = fa4tune.runtime.dispatch.problem_of(q, k, v, False)
+    config = FwdConfig(tile_m=64, num_stages=3, pack_gqa=True, num_splits=4, combine_in_kernel=True)
+    compiled = compile_forward(config, "bf16", 128, 128, False, target, pack_group=4)
+    launch = PreparedLaunch(problem, config, target, q, k, v, softmax_scale=0.07)
+    assert launch.combine_descriptors == [] and launch.tiles == tile_count(config, problem) == 16
+    out = torch.empty(launch.out_shape, dtype=torch.bfloat16)
+    lse = torch.empty(launch.lse_shape, dtype=torch.float32)
+    o_shape, l_shape = launch.partial_shapes
+    o_part = torch.empty(o_shape, dtype=torch.float32)
+    lse_part = torch.empty(l_shape, dtype=torch.float32)
+    counts = torch.zeros(launch.tiles, dtype=torch.int32)
+    for pointer, t in zip(
+        launch.pointers + launch.final_pointers,
+        (q, k, v, o_part, lse_part, counts, out, lse),
+        strict=True,
+    ):
+        pointer.value = t.data_ptr()
+    launch.stream.value = 0x7F00DEAD
+
+    def dynamic(t, align):
+        return from_dlpack(t, assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
+
+    # Held here: the DSL's descriptors live in these objects.
+    tensors = [dynamic(t, 16) for t in (q, k, v, o_part)] + [dynamic(lse_part, 4)]
+    tensors.append(dynamic(counts, 4))
+    final = [dynamic(out, 16), dynamic(lse, 4)]
+    reference_args, _ = compiled.function.generate_execution_args(
+        *tensors,
+        Float32(0.07 * math.log2(math.e)),
+        Int32(heads_per_l2_group(problem, target)),
+        cuda.CUstream(0x7F00DEAD),
+        None,
+        None,
+        None,
+        None,
+        *final,
+    )
+    sizes = [48, 48, 48, 64, 48, 16, 4, 4, 8, 48, 40]
+    assert len(reference_args) == len(launch.arguments) == len(sizes)
+    for index, (theirs, ours, size) in enumerate(zip(reference_args, launch.arguments, sizes)):
+        theirs = theirs.value if isinstance(theirs, ctypes.c_void_p) else theirs
+        assert ctypes.string_at(theirs, size) == ctypes.string_at(ours, size), (
+            f"argument {index} differs"
+        )
+
+
 class _RecordingHostFunction:
     """Stands in for a compiled host function: records the pointer array it is called with and
     writes `code` into the error slot that the array names after the arguments."""
@@ -457,11 +525,11 @@ class CpuKernel:
 
 
 def described_tensor(address: int, dtype, rank: int):
-    """The CPU tensor that the packed descriptor at `address`
-    (fa4tune.kernels.common.launch.DESCRIPTOR_4D, or DESCRIPTOR_3D for rank 3) names."""
-    from fa4tune.kernels.common.launch import DESCRIPTOR_3D, DESCRIPTOR_4D
+    """The CPU tensor that the packed descriptor of this rank at `address`
+    (fa4tune.kernels.common.launch.DESCRIPTOR_4D and the others) names."""
+    from fa4tune.kernels.common.launch import _DESCRIPTORS
 
-    layout = DESCRIPTOR_4D if rank == 4 else DESCRIPTOR_3D
+    layout = _DESCRIPTORS[rank]
     pointer, *fields = layout.unpack(ctypes.string_at(address, layout.size))
     shape, strides = fields[:rank], (*fields[rank:], 1)
     elements = 1 + sum((size - 1) * stride for size, stride in zip(shape, strides))
@@ -569,3 +637,129 @@ def test_causal_and_not_causal_in_turn_on_the_same_tensors(cpu_device):
     for causal in (True, False, True, False):
         attention_checked(cpu_device, q, k, v, causal=causal)
     assert [c[-1] for c in cpu_device.compiles] == [True, False]  # one prepared launch for each
+
+
+# ---- split-KV launches, the kernel and the combine played by the CPU -----------------------------
+def merge_partials(o_part, lse_part):
+    """O (batch, seqlen_q, heads, dv) and LSE (batch, heads, seqlen_q) from the fp32 partials, as
+    the combine kernel merges them."""
+    lse = torch.logsumexp(lse_part, dim=0)  # (batch, heads, seqlen_q); -inf if every split is
+    weights = torch.exp(lse_part - lse.clamp_min(torch.finfo(torch.float32).min))
+    return (weights.permute(0, 1, 3, 2)[..., None] * o_part).sum(0), lse
+
+
+class CpuSplitKernel:
+    """The split kernel's launch as the CPU plays it: the keys cut into `num_splits` ranges of
+    whole 128-key blocks (the later ones empty when there are fewer blocks than splits), each
+    split's O and LSE written into the partials where their descriptors point, and with the
+    in-kernel combine O and LSE too (after the four absent index tensors)."""
+
+    def __init__(self, dtype: str, in_kernel: bool, launches: list) -> None:
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+        self.in_kernel, self.launches = in_kernel, launches
+        self.function = SimpleNamespace(to=lambda device_index: self)
+
+    def launch(self, arguments: list[int]) -> int:
+        from fa4tune.kernels.common.reference import attention_reference
+
+        q, k, v = (described_tensor(arguments[i], self.dtype, rank=4) for i in range(3))
+        o_part = described_tensor(arguments[3], torch.float32, rank=5)
+        lse_part = described_tensor(arguments[4], torch.float32, rank=4)
+        scale = ctypes.c_float.from_address(arguments[6]).value / math.log2(math.e)
+        splits, seqlen_k = o_part.shape[0], k.shape[1]
+        blocks = -(-seqlen_k // 128)
+        per_split = -(-blocks // splits) * 128
+        for s in range(splits):
+            keys = slice(s * per_split, min(seqlen_k, (s + 1) * per_split))
+            if keys.start >= seqlen_k:
+                o_part[s], lse_part[s] = 0.0, -math.inf
+                continue
+            o_part[s], lse_part[s] = attention_reference(
+                q, k[:, keys], v[:, keys], softmax_scale=scale
+            )
+        record = SimpleNamespace(partials=(o_part.data_ptr(), lse_part.data_ptr()), split=splits)
+        if self.in_kernel:
+            out = described_tensor(arguments[9], self.dtype, rank=4)
+            lse = described_tensor(arguments[10], torch.float32, rank=3)
+            merged_out, merged_lse = merge_partials(o_part, lse_part)
+            out.copy_(merged_out)
+            lse.copy_(merged_lse)
+            record.outputs = (out.data_ptr(), lse.data_ptr())
+        self.launches.append(record)
+        return 0
+
+
+class CpuCombine:
+    """The combine kernel's launch as the CPU plays it: the partials merged into O and LSE."""
+
+    def __init__(self, dtype: str, launches: list) -> None:
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+        self.launches = launches
+
+    def to(self, device_index):
+        return self
+
+    def launch(self, arguments: list[int]) -> int:
+        o_part = described_tensor(arguments[0], torch.float32, rank=5)
+        lse_part = described_tensor(arguments[1], torch.float32, rank=4)
+        out = described_tensor(arguments[2], self.dtype, rank=4)
+        lse = described_tensor(arguments[3], torch.float32, rank=3)
+        merged_out, merged_lse = merge_partials(o_part, lse_part)
+        out.copy_(merged_out)
+        lse.copy_(merged_lse)
+        self.launches.append(
+            SimpleNamespace(
+                partials=(o_part.data_ptr(), lse_part.data_ptr()),
+                outputs=(out.data_ptr(), lse.data_ptr()),
+            )
+        )
+        return 0
+
+
+@pytest.mark.parametrize("in_kernel", [False, True])
+@pytest.mark.parametrize("splits,seqlen_k", [(3, 1000), (8, 300)])
+def test_split_launches_put_both_partials_in_one_allocation(
+    cpu_device, monkeypatch, in_kernel, splits, seqlen_k
+):
+    """Split-KV through fa4tune.attention: the kernel writes the partials, the combine (a second
+    launch, or the kernel's last CTA) merges them into O and LSE equal to the unsplit reference.
+    Both partials lie in one allocation, the LSE's 16-byte aligned right after O's, and the combine
+    reads where the kernel wrote; more splits than key blocks (8 for 3) leave some empty."""
+    from fa4tune.kernels.common.reference import attention_reference
+    from fa4tune.kernels.fa4_fwd_sm90 import launch as fwd_launch
+    from fa4tune.kernels.fa4_fwd_sm90.config import FwdConfig
+    from fa4tune.runtime import dispatch
+
+    config = FwdConfig(tile_m=64, pack_gqa=True, num_splits=splits, combine_in_kernel=in_kernel)
+    combines = []
+    counts = torch.zeros(64, dtype=torch.int32)
+    monkeypatch.setattr(
+        dispatch, "lookup", lambda problem, target, kernel=None: SimpleNamespace(config=config)
+    )
+    monkeypatch.setattr(
+        fwd_launch,
+        "compile_forward",
+        lambda *a, **k: CpuSplitKernel("bf16", in_kernel, cpu_device.launches),
+    )
+    monkeypatch.setattr(fwd_launch, "compile_combine", lambda *a, **k: CpuCombine("bf16", combines))
+    monkeypatch.setattr(fwd_launch, "current_split_counts", lambda device, count: counts[:count])
+    held = []
+    for seed in range(2):
+        q, k, v = cpu_qkv(seed, b=2, sq=1, sk=seqlen_k, hq=8, hkv=2, d=64)
+        out, lse = fa4tune.attention(q, k, v)
+        launch = cpu_device.launches[-1]
+        assert len(cpu_device.launches) == seed + 1 and launch.split == splits
+        o_ptr, lse_ptr = launch.partials
+        assert lse_ptr == o_ptr + 4 * (splits * 2 * 1 * 8 * 64) and lse_ptr % 16 == 0
+        if in_kernel:
+            assert combines == [] and launch.outputs[0] == out.data_ptr()
+        else:
+            assert len(combines) == seed + 1 and combines[-1].partials == launch.partials
+            assert combines[-1].outputs[0] == out.data_ptr()
+        ref_out, ref_lse = attention_reference(q, k, v)
+        assert ((out.float() - ref_out).norm() / ref_out.norm()).item() < 1e-2
+        assert (lse - ref_lse).abs().max().item() < 1e-4
+        prepared = next(iter(dispatch._LAUNCHES.values()))
+        held.append((q, k, v, out))
+        assert prepared.partial_span[1] == splits * 2 * 8 * (64 + 1)
+    assert len(fa4tune.runtime.dispatch._LAUNCHES) == 1

@@ -44,8 +44,10 @@ def test_export_in_one_process_load_in_another(tmp_path):
             "the compile cache serves it"
         )
         names = list(loaded.function.execution_args.signature.parameters)
-        # The ragged inputs' index tensors come after the stream (None for batch-shaped ones).
+        # The ragged inputs' index tensors come after the stream (None for batch-shaped ones),
+        # then the in-kernel combine's O and LSE (None without it).
         assert names[:5] == ["mQ", "mK", "mV", "mO", "mLSE"] and names[8] == "stream"
-        assert names[9:] == ["mCuSeqlensQ", "mCuSeqlensK", "mSeqUsedK", "mPageTable"]
+        ragged = ["mCuSeqlensQ", "mCuSeqlensK", "mSeqUsedK", "mPageTable"]
+        assert names[9:] == [*ragged, "mOFinal", "mLSEFinal"]
     finally:
         _CACHE.pop(key, None)

@@ -166,7 +166,16 @@ def _ptxas_report(text: str) -> list[tuple[int, int, int]]:
 
 
 def _compile_with_report(
-    config, dtype, head_dim, head_dim_v, causal, capfd, tmp_path, target="H200", pack_group=1
+    config,
+    dtype,
+    head_dim,
+    head_dim_v,
+    causal,
+    capfd,
+    tmp_path,
+    target="H200",
+    pack_group=1,
+    layout=None,
 ):
     """A real compile for sm_90a (the cache bypassed: ptxas prints its remarks only then), with PTX
     kept: (the compiled kernel, ptxas's output)."""
@@ -183,6 +192,7 @@ def _compile_with_report(
         options=f"remarks{{ptx}} --keep-ptx --dump-dir {tmp_path}",
         use_cache=False,
         pack_group=pack_group,
+        layout=layout,
     )
     return compiled, "".join(capfd.readouterr())
 
@@ -383,6 +393,102 @@ def test_decode_configs_compile_without_spills(
     assert not _serialized_wgmma(text), f"{config.short()}: {_serialized_wgmma(text)}"
 
 
+# The in-kernel combine (combine_in_kernel): the last split CTA merges the partials in the consumer
+# registers the main loop had, so it must fit them: one to three consumer warpgroups, head dims
+# 64, 128 and 256, packed GQA of 4 and 8 and none, 2 to 16 splits, seqlen_q 1 and 4 causal, paged
+# K/V (knobs, head_dim, pack group, causal[, page size]). The merge's unroll
+# (resources.merge_splits_in_flight) is 4 or 1 among them.
+COMBINE_SPREAD = [
+    ({"tile_m": 64, "num_stages": 3, "pack_gqa": True, "num_splits": 2}, 128, 4, False),
+    (
+        {"tile_m": 64, "tile_n": 96, "num_stages": 4, "pack_gqa": True, "num_splits": 16},
+        128,
+        8,
+        False,
+    ),
+    ({"tile_m": 64, "num_stages": 5, "pack_gqa": True, "num_splits": 8}, 64, 8, True),
+    ({"tile_m": 64, "num_stages": 3, "num_splits": 4}, 64, 1, False),
+    ({"tile_m": 128, "num_stages": 2, "pack_gqa": True, "num_splits": 4}, 128, 8, True),
+    (
+        {"tile_m": 128, "pack_gqa": True, "num_splits": 16, "intra_wg_overlap": False},
+        128,
+        8,
+        False,
+    ),
+    # Where an unroll of 2 spilled (4 or 2 fitted the spread above): head dim 256, one and two
+    # warpgroups; three warpgroups (160 registers). And two paged warpgroups (232) at 4.
+    ({"tile_m": 64, "tile_n": 64, "pack_gqa": True, "num_splits": 3}, 256, 8, False),
+    ({"tile_m": 128, "tile_n": 64, "pack_gqa": True, "num_splits": 4}, 256, 8, False),
+    (
+        {"tile_m": 192, "tile_n": 64, "pack_gqa": True, "num_splits": 4, "intra_wg_overlap": False},
+        128,
+        8,
+        False,
+    ),
+    ({"tile_m": 128, "pack_gqa": True, "num_splits": 4}, 128, 8, False, 16),
+]
+
+
+@pytest.mark.parametrize("knobs,head_dim,pack_group,causal,page_size", [
+    (*case, 0)[:5] for case in COMBINE_SPREAD
+])  # fmt: skip
+def test_in_kernel_combine_compiles_without_spills(
+    knobs, head_dim, pack_group, causal, page_size, capfd, tmp_path
+):
+    from fa4tune.problem import InputLayout
+
+    config = FwdConfig.from_dict({**knobs, "combine_in_kernel": True}, base=FwdConfig())
+    layout = InputLayout(page_size=page_size) if page_size else None
+    compiled, text = _compile_with_report(
+        config, "bf16", head_dim, head_dim, causal, capfd, tmp_path, pack_group=pack_group,
+        layout=layout,
+    )  # fmt: skip
+    report = _spill_report(text)
+    assert report and all(r == (0, 0, 0) for r in report), f"{config.short()} spills: {report}"
+    assert not _serialized_wgmma(text), f"{config.short()}: {_serialized_wgmma(text)}"
+    ptx = compiled.function.__ptx__
+    # One launch: no programmatic dependent; the count is an acquire-release atomic at GPU scope
+    # after the partials' release fence, and the merged O leaves through a TMA store.
+    assert "griddepcontrol.launch_dependents" not in ptx
+    assert re.search(r"atom(\.global)?\.acq_rel(\.gpu)?(\.global)?\.add", ptx), "no count"
+    assert "fence.acq_rel.gpu" in ptx
+    assert "cp.async.bulk.tensor" in ptx and ".global.shared::cta" in ptx
+
+
+def test_in_kernel_combine_leaves_the_split_kernel_as_it_was(capfd, tmp_path):
+    """The knob off, a split kernel is the one the shipped tables were searched with: its PDL
+    dependent stays, and no count or fence is added (the table carry checks the whole code)."""
+    config = FwdConfig(tile_m=64, num_stages=3, pack_gqa=True, num_splits=4)
+    compiled, _ = _compile_with_report(
+        config, "bf16", 128, 128, False, capfd, tmp_path, pack_group=4
+    )
+    ptx = compiled.function.__ptx__
+    assert "griddepcontrol.launch_dependents" in ptx
+    assert "atom." not in ptx and "fence.acq_rel" not in ptx
+
+
+def test_in_kernel_combine_shared_storage_is_what_the_resource_model_books(monkeypatch):
+    """The last-split flag sits in the barrier region, where resources.smem_bytes books it."""
+    import cutlass.utils
+
+    from fa4tune.kernels.fa4_fwd_sm90 import resources
+    from fa4tune.kernels.fa4_fwd_sm90.compile import compile_forward
+
+    sizes = []
+    allocate = cutlass.utils.SmemAllocator.allocate
+
+    def recording_allocate(self, struct, *args, **kwargs):
+        sizes.append(struct.size_in_bytes())
+        return allocate(self, struct, *args, **kwargs)
+
+    monkeypatch.setattr(cutlass.utils.SmemAllocator, "allocate", recording_allocate)
+    config = FwdConfig(tile_m=64, num_stages=3, pack_gqa=True, num_splits=4, combine_in_kernel=True)
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    compile_forward(config, "bf16", 128, 128, False, "H200", use_cache=False, pack_group=4)
+    problem = Problem(dtype="bf16", head_dim=128, nheads_q=4, nheads_kv=1)
+    assert sizes and sizes[-1] == resources.smem_bytes(config, problem)
+
+
 # Spills the shipped table may keep: (problem key, config) -> why. A spill in any other shipped
 # entry fails the test below; so does a listed one that a re-tune replaced (the list must follow the
 # table). None since run 9 (run 11 neither): runs 6 and 8 kept hdim 64 4k causal at 192x192 with one
@@ -561,3 +667,40 @@ def test_a_split_that_would_hang_is_refused(monkeypatch):
         problem, FwdConfig(tile_m=256, tile_n=64), get_target("H200")
     )
     assert any("setmaxnreg.inc would wait for ever" in r for r in reasons), reasons
+
+
+@pytest.mark.parametrize("head_dim_v", [64, 128, 256])
+def test_the_combine_kernel_loads_several_splits_at_once_without_spills(
+    head_dim_v, capfd, tmp_path
+):
+    """The split-KV combine kernel (combine.py) for sm_90a: no spills, and its loop over the splits'
+    O unrolled SPLITS_IN_FLIGHT times (each split a LSE and head_dim_v / 32 columns per lane), so
+    that ptxas can issue the next splits' loads before this split's FFMAs: the PTX holds the
+    unrolled body and the remainder's, not one split's loads per trip."""
+    from fa4tune.kernels.common.dsl import dynamic_tensor, import_dsl
+
+    cute = import_dsl(get_target("H200"))
+    import cutlass
+    from cutlass.cute.runtime import make_fake_stream
+
+    from fa4tune.kernels.fa4_fwd_sm90.combine import SPLITS_IN_FLIGHT, SplitCombine
+    from fa4tune.kernels.fa4_fwd_sm90.kernel import DTYPES
+
+    f32 = cutlass.Float32
+    args = (
+        dynamic_tensor(f32, 5, 16),  # the O partials
+        dynamic_tensor(f32, 4, 4),  # the LSE partials
+        dynamic_tensor(DTYPES["bf16"], 4, 16),  # O
+        dynamic_tensor(f32, 3, 4),  # LSE
+        make_fake_stream(),
+    )
+    compiled = cute.compile(
+        SplitCombine("bf16", head_dim_v), *args,
+        options=f"remarks{{ptx}} --keep-ptx --dump-dir {tmp_path}",
+    )  # fmt: skip
+    report = _spill_report("".join(capfd.readouterr()))
+    assert all(r == (0, 0, 0) for r in report), report
+    ptx = compiled.__ptx__
+    loads = len(re.findall(r"ld\.global(?:\.nc)?\.(?:b32|f32)", ptx))
+    per_split = head_dim_v // 32 + 1  # O's columns of a lane and the split's LSE
+    assert loads >= (SPLITS_IN_FLIGHT + 1) * per_split, loads

@@ -316,3 +316,29 @@ def test_the_model_packs_gqa_and_splits_only_what_does_not_fill_the_gpu():
         KERNEL.config({**DECODE_KNOBS, "pack_gqa": True, "num_splits": 16}), one_long
     )
     assert detail["combine_ms"] > 0
+
+
+def test_the_in_kernel_combine_trades_a_launch_for_a_merge_of_the_splits():
+    """combine_in_kernel keeps the partials' round trip but has no second launch: the model charges
+    the last split CTA's merge (a fixed part and an L2 round trip per splits_in_flight splits, in
+    order) in place of the combine kernel's latency: the cheaper at 16 splits with one consumer
+    warpgroup (4 in flight), the dearer at 128."""
+    from fa4tune.kernels.fa4_fwd_sm90 import resources
+
+    one = Problem(head_dim=128, seqlen_q=1, seqlen_k=131072, batch=1, nheads_q=32, nheads_kv=8)
+    a = MODEL.assumptions
+    for splits in (16, 128):
+        knobs = {**DECODE_KNOBS, "pack_gqa": True, "num_splits": splits}
+        config = KERNEL.config({**knobs, "combine_in_kernel": True})
+        in_flight = resources.merge_splits_in_flight(config, one.head_dim_v, one.layout)
+        assert in_flight == 4  # one consumer warpgroup: 240 registers
+        separate, kernel_side = (
+            MODEL.time_s(KERNEL.config({**knobs, "combine_in_kernel": on}), one)
+            for on in (False, True)
+        )
+        merge_us = a.last_cta_combine_us + -(-splits // in_flight) * a.merge_round_trip_us
+        saved_us = (separate[1]["combine_ms"] - kernel_side[1]["combine_ms"]) * 1e3
+        assert saved_us == pytest.approx(a.combine_us - merge_us)
+        assert separate[0] - kernel_side[0] == pytest.approx(saved_us * 1e-6)
+        assert kernel_side[1]["combine_ms"] > 0  # the partials still go through memory
+        assert (saved_us > 0) == (splits == 16)

@@ -676,22 +676,12 @@ def test_ragged_kernels_compile_without_spills(
 ):
     from test_kernel_compile import _compile_with_report, _serialized_wgmma, _spill_report
 
-    from fa4tune.kernels.fa4_fwd_sm90 import compile as fwd_compile
-
     config = FwdConfig.from_dict({"rescale_threshold": 8.0, "lazy_max": True, **knobs})
     layout = InputLayout(**layout)
-    original = fwd_compile.compile_forward
-
-    def with_layout(*args, **kwargs):
-        return original(*args, layout=layout, **kwargs)
-
-    fwd_compile.compile_forward = with_layout
-    try:
-        _, text = _compile_with_report(
-            config, "bf16", head_dim, head_dim, causal, capfd, tmp_path, pack_group=pack_group
-        )
-    finally:
-        fwd_compile.compile_forward = original
+    _, text = _compile_with_report(
+        config, "bf16", head_dim, head_dim, causal, capfd, tmp_path, pack_group=pack_group,
+        layout=layout,
+    )  # fmt: skip
     report = _spill_report(text)
     assert all(r == (0, 0, 0) for r in report), f"{config.short()} {layout} spills: {report}"
     assert not _serialized_wgmma(text), f"{config.short()}: {_serialized_wgmma(text)}"

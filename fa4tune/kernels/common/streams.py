@@ -219,21 +219,21 @@ def _zeroed_counter(device, kept: bool = False):
 
 
 class _DriverWord:
-    """4 bytes of device memory from cuMemAlloc, never freed, shown to torch through the CUDA array
-    interface."""
+    """`count` int32 (4 bytes each) of device memory from cuMemAlloc, never freed, shown to torch
+    through the CUDA array interface."""
 
-    def __init__(self, device) -> None:
+    def __init__(self, device, count: int = 1) -> None:
         import torch
         from cuda.bindings import driver as cuda
 
         with torch.cuda.device(device):  # the device's primary context, made current by torch
             torch.cuda.init()
-            err, pointer = cuda.cuMemAlloc(4)
+            err, pointer = cuda.cuMemAlloc(4 * count)
         if int(err):
             raise RuntimeError(f"cuMemAlloc of a tile counter on {device} failed: {err}")
         self.pointer = pointer  # held: the memory lives as long as this object, and is not freed
         self.__cuda_array_interface__ = {
-            "shape": (1,),
+            "shape": (count,),
             "typestr": "<i4",
             "data": (int(pointer), False),
             "version": 3,
@@ -242,11 +242,56 @@ class _DriverWord:
         }
 
 
-def _kept_int32(device):
+def _kept_int32(device, count: int = 1):
     """A (1,) int32 tensor on `device` that the process keeps, from the driver rather than torch's
     caching allocator. Made during the first call of a kernel, that call may be part of
     torch.compile's CUDA-graph warm-up, whose allocations come from the graph's pool; a tensor kept
     there past the recording is one that torch refuses ("not tracked as outputs")."""
     import torch
 
-    return torch.as_tensor(_DriverWord(device), device=device)
+    return torch.as_tensor(_DriverWord(device, count), device=device)
+
+
+_SPLIT_COUNTS: dict = {}
+
+
+def current_split_counts(device, count: int):
+    """The in-kernel combine's split counts (one int32 per tile, zero between launches: the last
+    split CTA of a tile puts its count back) for a launch of `count` tiles on torch's current
+    stream of `device`, under the tile counter's rules and by its keys (current_tile_counter):
+    launches that could overlap must not share them, so each stream has its own, from the driver
+    and zeroed once, and while the stream captures a CUDA graph every call gets new ones, zeroed
+    inside the graph (the kernel leaves them at zero, so a replay needs no host work). A stream's
+    grow to the next power of two when a launch has more tiles; the old ones are kept, not freed,
+    as work queued before on the stream may still use them. A prepared launch's count is fixed by
+    its shapes."""
+    import torch
+
+    torch_streams = _TORCH_STREAMS[0] if _TORCH_STREAMS else _torch_streams()
+    index = getattr(device, "index", None)
+    key = None
+    if torch_streams is not None and isinstance(index, int) and torch_streams[0]() == index:
+        _, capturing, current_stream, raw_stream = torch_streams
+        if capturing():
+            return torch.zeros(count, dtype=torch.int32, device=device)
+        torch_id = current_stream(index)[0]
+        handle = raw_stream(index)
+        if not (handle and (torch_id == handle or not torch_id & 1)):
+            key = (device, "torch", torch_id)
+    if key is None:  # an external stream, or no torch function to ask: the driver's id
+        device = _indexed(device)
+        with torch.cuda.device(device):
+            handle = _current_handle(device)
+            if _capturing(handle):
+                return torch.zeros(count, dtype=torch.int32, device=device)
+            key = _stream_key(device, handle)
+    counts = _SPLIT_COUNTS.get(key)
+    if counts is not None and counts.numel() >= count:
+        return counts
+    with _COUNTERS_LOCK:
+        counts = _SPLIT_COUNTS.get(key)
+        if counts is None or counts.numel() < count:
+            size = 1 << max(count - 1, 0).bit_length()
+            with torch.cuda.device(device):  # zeroed in order on the stream that will use them
+                counts = _SPLIT_COUNTS[key] = _kept_int32(device, size).zero_()
+    return counts

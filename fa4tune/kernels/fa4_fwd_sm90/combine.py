@@ -7,7 +7,8 @@ LSE -inf, as the unsplit kernel does.
 
 One warp per row of (batch, query, head): each lane reads a share of the splits' LSE (a warp
 reduction gives the max and the sum), then the lanes walk the splits together, each accumulating
-head_dim_v / 32 adjacent columns of O. The partials are small next to K and V (splits x rows x dv
+head_dim_v / 32 adjacent columns of O, in order from split 0, with the loads of SPLITS_IN_FLIGHT
+splits issued at once. The partials are small next to K and V (splits x rows x dv
 x 4 bytes, where the splits read blocks x tile_n keys of dv + d elements), so the kernel is
 latency-bound and short; nothing here is a knob. It is launched as the split kernel's
 programmatic dependent (PDL): the split kernel lets it launch as soon as its last CTAs have started,
@@ -26,6 +27,12 @@ from cutlass import Float32
 from .kernel import DTYPES
 
 WARPS_PER_CTA = 4
+# Splits whose partials a lane loads at once: the loops over the splits are unrolled so that the
+# loads of the next splits are issued before this split's math (unrolled once, ptxas issued each
+# split's loads only after the last split's FFMAs: an L2 round trip per split). In registers: a
+# split's LSE and head_dim_v / 32 columns of O, per split in flight.
+SPLITS_IN_FLIGHT = 8
+LSE_SPLITS_IN_FLIGHT = 4  # per lane, over splits lane, lane + 32, ...
 LOG2_E = math.log2(math.e)
 LN2 = math.log(2.0)
 
@@ -87,13 +94,13 @@ class SplitCombine:
             query = rest % seqlen_q
             b = rest // seqlen_q
             row_max = -Float32.inf
-            for s in cutlass.range(lane, num_splits, 32, unroll=1):
+            for s in cutlass.range(lane, num_splits, 32, unroll=LSE_SPLITS_IN_FLIGHT):
                 row_max = cute.arch.fmax(row_max, mLSEpart[s, b, head, query])
             row_max = _warp_allreduce(row_max, cute.arch.fmax)
             # Every split empty: subtract 0 so that exp2 gives 0, not NaN.
             shift = row_max if row_max != -Float32.inf else Float32(0.0)
             total = Float32(0.0)
-            for s in cutlass.range(lane, num_splits, 32, unroll=1):
+            for s in cutlass.range(lane, num_splits, 32, unroll=LSE_SPLITS_IN_FLIGHT):
                 total = total + cute.math.exp2(
                     (mLSEpart[s, b, head, query] - shift) * LOG2_E, fastmath=True
                 )
@@ -104,7 +111,7 @@ class SplitCombine:
             acc = cute.make_rmem_tensor(self.cols_per_lane, Float32)
             acc.fill(0.0)
             col0 = lane * self.cols_per_lane
-            for s in cutlass.range(num_splits, unroll=1):
+            for s in cutlass.range(num_splits, unroll=SPLITS_IN_FLIGHT):
                 weight = Float32(0.0)
                 if lse != -Float32.inf:
                     weight = cute.math.exp2(

@@ -139,6 +139,8 @@ def compile_forward(
     counter = make_fake_tensor(
         cutlass.Int32, (1,), stride=(1,), memspace=AddressSpace.generic, assumed_align=4
     )
+    if config.combine_in_kernel:  # the tiles' split counts instead: (tiles,)
+        counter = dynamic_tensor(cutlass.Int32, 1, 4)
     index = dict(cu_seqlens_q=layout.varlen_q, cu_seqlens_k=layout.varlen_k)
     index.update(seqused_k=layout.seqused_k, page_table=layout.paged)
     ragged = [
@@ -147,8 +149,10 @@ def compile_forward(
     ]
     start = time.perf_counter()
     args = (*bshd, lse, counter, cutlass.Float32(1.0), cutlass.Int32(1), make_fake_stream())
-    if layout.ragged:
+    if layout.ragged or config.combine_in_kernel:
         args += tuple(ragged)
+    if config.combine_in_kernel:  # O and LSE, which the last split CTA of each tile writes
+        args += (dynamic_tensor(elem, 4, 16), dynamic_tensor(cutlass.Float32, 3, 4))
     function = (
         cute.compile(kernel, *args, options=options) if options else cute.compile(kernel, *args)
     )

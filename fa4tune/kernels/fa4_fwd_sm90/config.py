@@ -38,6 +38,7 @@ KNOBS: dict[str, tuple] = {
     "lazy_max": (False, True),
     "pack_gqa": (False, True),
     "num_splits": SPLIT_COUNTS,
+    "combine_in_kernel": (False, True),
 }
 
 KERNEL_ARCHS = ("sm_90a",)
@@ -75,6 +76,10 @@ class FwdConfig:
     num_splits: split-KV. The K blocks of each tile are divided among this many CTAs, which write
     fp32 partial O and LSE to a workspace; a combine kernel (combine.py) merges them into O and
     LSE with the unsplit kernel's meaning. Not persistent (the grid is tiles x splits).
+    combine_in_kernel: (split only) no combine kernel: each split CTA counts itself in at a
+    per-tile counter once its partials are written, and the tile's last CTA merges the partials
+    into O and LSE (the combine kernel's meaning and summation order) and puts the counter back to
+    zero. One launch instead of two.
     """
 
     tile_m: int = 128
@@ -92,6 +97,7 @@ class FwdConfig:
     lazy_max: bool = False
     pack_gqa: bool = False
     num_splits: int = 1
+    combine_in_kernel: bool = False
 
     def __post_init__(self) -> None:
         bad = []
@@ -151,6 +157,7 @@ class FwdConfig:
             f"{f'-q{self.q_stages}' if self.q_stages > 1 else ''}{'-lm' if self.lazy_max else ''}"
             f"{'-pg' if self.pack_gqa else ''}"
             f"{f'-sp{self.num_splits}' if self.num_splits > 1 else ''}"
+            f"{'-ck' if self.combine_in_kernel else ''}"
         )
 
     @property
@@ -218,6 +225,23 @@ def split_reasons(config: FwdConfig) -> list[str]:
         return [
             f"num_splits={config.num_splits} needs persistent=False (split CTAs take one tile "
             "each, from a grid of tiles x splits)"
+        ]
+    return []
+
+
+def combine_reasons(config: FwdConfig, problem: Problem) -> list[str]:
+    """Why the in-kernel combine cannot take this config: it merges the splits of a tile, so without
+    splits there is nothing to merge (refused rather than ignored, so that the search does not
+    measure one kernel under two names); and its last CTA writes the tile's rows of batch-shaped O
+    and LSE (varlen Q's rows are not built: the combine kernel takes them)."""
+    if not config.combine_in_kernel:
+        return []
+    if not config.split:
+        return ["combine_in_kernel=True needs num_splits > 1 (it merges a tile's splits)"]
+    if problem.layout.varlen_q:
+        return [
+            "combine_in_kernel=True with varlen Q (cu_seqlens_q): the last CTA writes batch-shaped "
+            "O only; the combine kernel takes varlen rows"
         ]
     return []
 
@@ -324,6 +348,7 @@ RULES = (
     Rule("lazy row max", lambda problem, config, target: lazy_max_reasons(config)),
     Rule("packed GQA", lambda problem, config, target: pack_reasons(config, problem)),
     Rule("split-KV", lambda problem, config, target: split_reasons(config)),
+    Rule("in-kernel combine", lambda problem, config, target: combine_reasons(config, problem)),
     Rule("ragged inputs", lambda problem, config, target: ragged_reasons(config, problem)),
 )
 

@@ -76,6 +76,13 @@ class ModelAssumptions:
     # 2.4 µs (4 splits) to 5-6 µs (16 splits) at batch 1 x 32 heads on the H200, launched after
     # the split kernel (session 34); launched as its programmatic dependent, part of that hides.
     combine_us: float = 3.0
+    # The in-kernel combine (combine_in_kernel) instead: no second launch; the last split CTA of
+    # a tile reads the tile's partials back from L2 while the grid's other CTAs finish. Its merge
+    # walks the splits in order, resources.merge_splits_in_flight of them loaded at once (sm90a
+    # SASS), so it costs about an L2 round trip (merge_round_trip_us) per that many splits, after
+    # a fixed last_cta_combine_us (the count, the fences, the LSE passes). Not measured.
+    last_cta_combine_us: float = 0.5
+    merge_round_trip_us: float = 0.4
     # Tensor efficiency when the target has no measured GEMM rate: the H200's measured 750 of its
     # 989 TFLOP/s peak (the same SM as the H100's). Not fitted; with the scale below, any value from
     # 0.76 up gives the peak.
@@ -291,13 +298,20 @@ class CostModel:
 
     def combine_s(self, config, problem) -> float:
         """Split-KV's cost beyond its CTAs: the fp32 partials (O and LSE of every split) written
-        and read back through HBM, and the combine kernel's own latency."""
+        and read back through HBM, and the combine's own latency: the combine kernel's, or with
+        combine_in_kernel the last split CTA's merge (no second launch)."""
         splits = config.num_splits
         if splits <= 1:
             return 0.0
         rows = sum(q for q, _ in problem.lengths()) * problem.nheads_q
         partials = splits * rows * (problem.head_dim_v + 1) * 4
-        return 2 * partials / self.target.hbm_bytes_per_s + self.assumptions.combine_us * 1e-6
+        a = self.assumptions
+        latency_us = a.combine_us
+        if config.combine_in_kernel:
+            in_flight = resources.merge_splits_in_flight(config, problem.head_dim_v, problem.layout)
+            trips = -(-splits // in_flight)
+            latency_us = a.last_cta_combine_us + trips * a.merge_round_trip_us
+        return 2 * partials / self.target.hbm_bytes_per_s + latency_us * 1e-6
 
 
 def split_blocks(blocks: int, splits: int) -> list[tuple[int, int]]:

@@ -44,7 +44,10 @@ With `pack_gqa` the rows of a tile are the (query head in the group, query) pair
 (sm90/helpers.pack_rows: a view of Q, O and LSE, loaded and stored through the same TMA), so each
 K/V block is read once per K/V head. With `num_splits` above 1 each tile's K blocks are shared by
 that many CTAs (a grid of tiles x splits), which write fp32 partial O and LSE from registers for the
-combine kernel (combine.py); a split may have no block, and writes O 0 and LSE -inf.
+combine kernel (combine.py); a split may have no block, and writes O 0 and LSE -inf. With
+`combine_in_kernel` there is no combine kernel: a split CTA counts itself in at its tile's counter
+once its partials are visible, and the tile's last CTA merges them (combine_last) and stores O and
+LSE through the unsplit kernel's epilogue.
 
 Ragged inputs (`layout`, flash-attn-4's varlen and paged calls; docs/serving.md) are compile-time:
 packed Q, O, K and V and the pages of a paged cache go through TMA descriptors of a ragged view
@@ -61,6 +64,7 @@ fragments); the pipeline states, which the dynamic loops carry, travel on their 
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import cuda.bindings.driver as cuda
@@ -123,6 +127,26 @@ BARRIER_WG_O_WRITTEN_FIRST = 11
 # Four consumer warpgroups (tile_m 256, never with `wg_epilogue`) take their turns on 8-11: 2-4 and
 # 5 would leave the fourth on the O handoff's id.
 BARRIER_TURN_FIRST_4WG = 8
+# The in-kernel combine's handoffs (every consumer thread waits at each): the partials are written,
+# then whether this CTA is its tile's last split is in shared memory. Split kernels store no O
+# through shared memory, so the epilogue's id is free until the last CTA's own epilogue (which
+# waits at it too: every use is a full barrier).
+BARRIER_SPLIT_COUNT = BARRIER_EPILOGUE
+
+
+# The in-kernel combine (combine_last): rows of the MMA's accumulator layout per warp, and the
+# constants of the combine kernel's exponentials (combine.py), the same so that its sums are.
+WARP_ROWS = 16
+LOG2_E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+def warp_allreduce(value, op):
+    """`op` over the warp's 32 values, every lane left with the result: the butterfly of the
+    combine kernel (combine.py), in its order."""
+    for offset in (16, 8, 4, 2, 1):
+        value = op(value, cute.arch.shuffle_sync_bfly(value, offset=offset))
+    return value
 
 
 class FlashForwardSm90:
@@ -171,6 +195,9 @@ class FlashForwardSm90:
         self.num_consumer_threads = resources.THREADS_PER_WARPGROUP * self.num_consumer_wg
         self.num_threads = resources.num_threads(config)
         self.producer_regs, self.consumer_regs = resources.register_split(config, layout)
+        self.merge_unroll = resources.merge_splits_in_flight(  # combine_last
+            config, head_dim_v, layout
+        )
         self.intra_wg_overlap = config.intra_wg_overlap
         self.wg_pingpong = config.wg_pingpong
         self.rescale_threshold = config.rescale_threshold
@@ -188,6 +215,8 @@ class FlashForwardSm90:
         self.pack_group = pack_group if config.pack_gqa else 1
         # Split-KV: O and LSE are fp32 partials with a split mode, merged by the combine kernel.
         self.split = config.split
+        # ...and with combine_in_kernel merged by the tile's last split CTA (combine_last).
+        self.combine_in_kernel = config.combine_in_kernel
         # Ragged inputs (flash-attn-4's varlen and paged calls): how q, k and v hold the batch.
         self.layout = layout
         # A paged K/V block is loaded as boxes of kv_box_rows rows, one page (or one tile of a page)
@@ -216,6 +245,11 @@ class FlashForwardSm90:
         mCuSeqlensK: cute.Tensor | None = None,  # (batch + 1,); k, v (total_k, heads_kv, d)
         mSeqUsedK: cute.Tensor | None = None,  # (batch,)
         mPageTable: cute.Tensor | None = None,  # (batch, max_pages); k, v (pages, page_size, ...)
+        # combine_in_kernel: O (batch, seqlen_q, nheads_q, head_dim_v) and LSE (batch, nheads_q,
+        # seqlen_q) that the last split CTA of each tile writes; mO and mLSE are the partials and
+        # mTileCounter the tiles' split counts, (batch x heads x m blocks,) int32 at zero.
+        mOFinal: cute.Tensor | None = None,
+        mLSEFinal: cute.Tensor | None = None,
     ):
         # Seqlen-major views: (seqlen, dim, head, batch) and (seqlen, head, batch) for LSE; the
         # split partials keep their split mode last. Packed (varlen) Q and O are (rows, dim, head,
@@ -247,11 +281,17 @@ class FlashForwardSm90:
         else:
             mO = permute_modes(mO, [1, 3, 2, 0])
             mLSE = permute_modes(mLSE, [2, 1, 0])
+        if const_expr(self.combine_in_kernel):
+            mOFinal = permute_modes(mOFinal, [1, 3, 2, 0])
+            mLSEFinal = permute_modes(mLSEFinal, [2, 1, 0])
         if const_expr(self.pack_group > 1):
             # Rows (query head in the group, query) of each K/V head: mode 0 becomes (group,
             # seqlen), and the heads mode counts K/V heads.
             mQ, mO = pack_rows(mQ, self.pack_group, 2), pack_rows(mO, self.pack_group, 2)
             mLSE = pack_rows(mLSE, self.pack_group, 1)
+            if const_expr(self.combine_in_kernel):
+                mOFinal = pack_rows(mOFinal, self.pack_group, 2)
+                mLSEFinal = pack_rows(mLSEFinal, self.pack_group, 1)
 
         tile_m, tile_n, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
         mma_qk = hopper.make_trivial_tiled_mma(
@@ -304,6 +344,10 @@ class FlashForwardSm90:
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             if const_expr(self.tile_counter):  # in the barrier region, where resources books it
                 tile_slot: cute.struct.MemRange[Int32, 2]
+            if const_expr(
+                self.combine_in_kernel
+            ):  # in the barrier region, where resources books it
+                last_slot: cute.struct.MemRange[Int32, 2]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, q_o_elems], resources.SMEM_ALIGN]
             sK: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], resources.SMEM_ALIGN
@@ -328,6 +372,12 @@ class FlashForwardSm90:
         if const_expr(box < tile_n):
             sV_box = smem_tile_layout(self.dtype, box, dv)
         tma_v, tma_mV = cpasync.make_tiled_tma_atom(load, mV, sV_box, (box, dv))
+        tma_o_final = tma_mO_final = None
+        if const_expr(self.combine_in_kernel):
+            # The last split CTA stores the merged O as the unsplit kernel does (epilogue).
+            tma_o_final, tma_mO_final = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mOFinal, sO_box, o_box
+            )
         if const_expr(self.split):
             # The fp32 partials are stored from registers: no TMA store. Q's atom fills O's slot
             # of the kernel's parameters (and is not used there).
@@ -395,6 +445,9 @@ class FlashForwardSm90:
             mSeqUsedK,
             mPageTable,
             kv_batch_rows,
+            tma_o_final,
+            tma_mO_final,
+            mLSEFinal,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -682,12 +735,17 @@ class FlashForwardSm90:
         mSeqUsedK: cute.Tensor | None,
         mPageTable: cute.Tensor | None,
         kv_batch_rows: Int32 | None,
+        tma_o_final: cute.CopyAtom | None,
+        mOFinal: cute.Tensor | None,
+        mLSEFinal: cute.Tensor | None,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_o):
                 cpasync.prefetch_descriptor(atom)
+            if const_expr(self.combine_in_kernel):
+                cpasync.prefetch_descriptor(tma_o_final)
 
         storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
         one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
@@ -719,7 +777,7 @@ class FlashForwardSm90:
         )
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
-        if const_expr(self.split):
+        if const_expr(self.split and not self.combine_in_kernel):
             # The combine kernel is launched as this grid's programmatic dependent: once every CTA
             # has said so here, its CTAs start and wait (griddepcontrol.wait) for this grid to end,
             # so that its launch does not follow this grid's last CTA (combine.py).
@@ -735,6 +793,12 @@ class FlashForwardSm90:
         sTile = None
         if const_expr(self.tile_counter):
             sTile = storage.tile_slot.get_tensor(cute.make_layout(1))
+        final = None
+        if const_expr(self.combine_in_kernel):
+            final = (
+                OutputStores(tma_o_final, mOFinal, mLSEFinal),
+                storage.last_slot.get_tensor(cute.make_layout(1)),
+            )
 
         # The kernel keeps its parameters one by one, as the launch passes them (they are the PTX
         # entry's parameters, in this order, and the first ones name it); its methods take them
@@ -774,6 +838,7 @@ class FlashForwardSm90:
                 softmax_scale_log2,
                 mK.shape[0] if const_expr(kv_seqlen is None) else kv_seqlen,
                 tidx - 128,
+                final,
             )
 
     # ---- producer ------------------------------------------------------------------------------
@@ -1076,8 +1141,10 @@ class FlashForwardSm90:
         softmax_scale_log2: Float32,
         seqlen_k: Int32,
         ctid: Int32,
+        final=None,
     ):
-        """The main loop and epilogue of each of this CTA's tiles, for consumer thread `ctid`."""
+        """The main loop and epilogue of each of this CTA's tiles, for consumer thread `ctid`.
+        `final` (combine_in_kernel): O's and LSE's stores and the shared last-split flag."""
         wg = cute.arch.make_warp_uniform(ctid // 128)
         wg_mma_qk = mmas.qk.get_slice(wg * 128)
         wg_mma_pv = mmas.pv.get_slice(wg * 128)
@@ -1154,6 +1221,8 @@ class FlashForwardSm90:
             softmax.finalize(acc_O, lse)
             if const_expr(self.split):
                 self.store_partials(acc_O, lse, stores.mO, stores.mLSE, mmas.pv, ctid, info)
+                if const_expr(self.combine_in_kernel):
+                    self.combine_last(acc_O, stores, final, smem.sO, mmas.pv, sched, ctid, info)
             else:
                 self.epilogue(acc_O, lse, stores, smem.sO, mmas.pv, ctid, info)
             if const_expr(self.tile_counter):
@@ -1563,6 +1632,124 @@ class FlashForwardSm90:
                         mLSE[lse_row0 + row, head, 0, split] = lse[r]
                     else:
                         mLSE[row, head, batch, split] = lse[r]
+
+    @cute.jit
+    def combine_last(
+        self,
+        acc_O: cute.Tensor,
+        stores: OutputStores,
+        final,
+        sO: cute.Tensor,
+        mma_pv: cute.TiledMma,
+        sched: TileSchedule,
+        ctid: Int32,
+        info: TileInfo,
+    ):
+        """combine_in_kernel, after store_partials: count this split CTA in at its tile's counter;
+        the tile's last CTA (the one whose add sees num_splits - 1) merges every split's partials
+        into O and LSE, stores them through the unsplit kernel's epilogue, and puts the counter
+        back to zero, so that the next launch (a CUDA graph's replay too) finds it there without a
+        memset. `final`: O's and LSE's stores and the shared flag that says which CTA is last.
+
+        Memory order, as the backward's deterministic semaphores take it: every consumer thread
+        fences its partial stores (release at GPU scope) before the barrier, and one thread adds
+        with acquire-release semantics; the last CTA's threads fence again (acquire) before they
+        read the other splits' partials.
+
+        The merge is the combine kernel's (combine.py) in meaning and in order, so that O and LSE
+        are its own bit for bit: a row's max and sum of exp(LSE_s) are taken by one warp, lane l
+        over splits l, l + 32, ... in order, then a butterfly over the lanes; O is summed over the
+        splits in order from 0, acc + weight * O_s. Here a warp takes the 16 rows of its part of
+        the MMA layout together (16 loads in flight, not one row's), and each thread sums O for the
+        elements of its accumulator fragment, read where store_partials wrote them."""
+        out_stores, last_slot = final
+        mOpart, mLSEpart = stores.mO, stores.mLSE
+        num_splits = sched.num_splits
+        m_block, head, batch, rows = info.m_block, info.head, info.batch, info.rows
+        cute.arch.fence_acq_rel_gpu()  # this thread's partials, before the count
+        cute.arch.barrier(
+            barrier_id=BARRIER_SPLIT_COUNT, number_of_threads=self.num_consumer_threads
+        )
+        if ctid == 0:
+            counter = sched.counter
+            num_m = (rows + self.tile_m - 1) // self.tile_m
+            slot = (batch * cute.size(sched.mQ.shape[2]) + head) * num_m + m_block
+            seen = cute.arch.atomic_add(
+                counter.iterator + slot, Int32(1), sem="acq_rel", scope="gpu"
+            )
+            last = Int32(0)
+            if seen == num_splits - 1:
+                counter[slot] = Int32(0)  # every split has counted: this launch is done with it
+                last = Int32(1)
+            last_slot[0] = last
+        cute.arch.barrier(
+            barrier_id=BARRIER_SPLIT_COUNT, number_of_threads=self.num_consumer_threads
+        )
+        if last_slot[0] != 0:
+            cute.arch.fence_acq_rel_gpu()  # the other splits' partials, after the count
+            thr_mma = mma_pv.get_slice(ctid)
+            coords = acc_rows_cols(
+                thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v)))
+            )
+            num_rows = cute.size(coords, mode=[0])
+            lane = cute.arch.lane_idx()
+            row0 = m_block * self.tile_m
+            # The warp's rows are WARP_ROWS consecutive ones from its lane 0's first.
+            warp_row0 = cute.arch.make_warp_uniform(cute.arch.shuffle_sync(coords[0, 0][0], 0))
+            row_max = cute.make_rmem_tensor(WARP_ROWS, Float32)
+            row_max.fill(-Float32.inf)
+            for s in cutlass.range(lane, num_splits, 32, unroll=1):
+                for i in cutlass.range_constexpr(WARP_ROWS):
+                    row = row0 + warp_row0 + i
+                    if row < rows:
+                        row_max[i] = cute.arch.fmax(row_max[i], mLSEpart[row, head, batch, s])
+            shift = cute.make_rmem_tensor(WARP_ROWS, Float32)
+            for i in cutlass.range_constexpr(WARP_ROWS):
+                row_max[i] = warp_allreduce(row_max[i], cute.arch.fmax)
+                # Every split empty: subtract 0 so that exp2 gives 0, not NaN.
+                shift[i] = row_max[i] if row_max[i] != -Float32.inf else Float32(0.0)
+            total = cute.make_rmem_tensor(WARP_ROWS, Float32)
+            total.fill(0.0)
+            for s in cutlass.range(lane, num_splits, 32, unroll=1):
+                for i in cutlass.range_constexpr(WARP_ROWS):
+                    row = row0 + warp_row0 + i
+                    if row < rows:
+                        total[i] = total[i] + cute.math.exp2(
+                            (mLSEpart[row, head, batch, s] - shift[i]) * LOG2_E, fastmath=True
+                        )
+            # Each thread keeps the LSE of its fragment's rows.
+            lse = cute.make_rmem_tensor(num_rows, Float32)
+            lse.fill(-Float32.inf)
+            for i in cutlass.range_constexpr(WARP_ROWS):
+                row_total = warp_allreduce(total[i], lambda a, b: a + b)
+                row_lse = -Float32.inf
+                if row_max[i] != -Float32.inf:
+                    row_lse = shift[i] + cute.math.log2(row_total, fastmath=True) * LN2
+                for r in cutlass.range_constexpr(num_rows):
+                    lse[r] = row_lse if coords[r, 0][0] == warp_row0 + i else lse[r]
+            acc = cute.make_rmem_tensor_like(acc_O)
+            acc.fill(0.0)
+            out = acc_rows_cols(acc)
+            # A row's splits in one loop, no branch inside: the loads of merge_unroll splits run
+            # ahead of their FFMAs (sm90a SASS), not one L2 round trip per split and row. Each
+            # value still sums the splits in order from 0.
+            for r in cutlass.range_constexpr(num_rows):
+                row = row0 + coords[r, 0][0]
+                if row < rows:
+                    for s in cutlass.range(num_splits, unroll=self.merge_unroll):
+                        gO = cute.local_tile(
+                            mOpart[None, None, head, batch, s],
+                            (self.tile_m, self.head_dim_v),
+                            (m_block, 0),
+                        )
+                        tOgO = acc_rows_cols(thr_mma.partition_C(gO))
+                        lse_s = mLSEpart[row, head, batch, s]
+                        weight = Float32(0.0)
+                        if lse[r] != -Float32.inf:
+                            weight = cute.math.exp2((lse_s - lse[r]) * LOG2_E, fastmath=True)
+                        for c in cutlass.range_constexpr(cute.size(out, mode=[1])):
+                            out[r, c] = out[r, c] + weight * tOgO[r, c]
+            self.epilogue(acc, lse, out_stores, sO, mma_pv, ctid, info)
 
     @cute.jit
     def epilogue(

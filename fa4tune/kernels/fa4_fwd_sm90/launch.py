@@ -30,7 +30,12 @@ from ..common.launch import (
     raw_stream_getter,
     repack_descriptor,
 )
-from ..common.streams import current_device_getter, current_tile_counter, unused_counter
+from ..common.streams import (
+    current_device_getter,
+    current_split_counts,
+    current_tile_counter,
+    unused_counter,
+)
 from ..common.varlen import (
     Ragged,
     check_varlen_device,
@@ -40,15 +45,15 @@ from ..common.varlen import (
 )
 from ..common.varlen import make_problem as make_varlen_problem
 from .compile import compile_combine, compile_forward, layout_of, pack_group_of
-from .config import FwdConfig, grid_reasons
+from .config import FwdConfig, grid_reasons, tile_count
 
 
 def partial_shapes(problem: Problem, config: FwdConfig) -> tuple[tuple, tuple]:
     """The split kernel's fp32 partials: O (splits, batch, seqlen_q, nheads_q, head_dim_v) and LSE
-    (splits, batch, nheads_q, seqlen_q). They are allocated per call from torch's caching allocator,
-    which hands the same block back to the next call of the same shape on the stream: reuse without
-    a buffer kept per stream and per CUDA graph (a buffer kept from torch.compile's CUDA-graph
-    warm-up is one torch refuses, as the tile counters were)."""
+    (splits, batch, nheads_q, seqlen_q). They are allocated per call, both in one block of torch's
+    caching allocator (partial_span), which hands the same block back to the next call of the same
+    shape on the stream: reuse without a buffer kept per stream and per CUDA graph (a buffer kept
+    from torch.compile's CUDA-graph warm-up is one torch refuses, as the tile counters were)."""
     s, b, q, h = config.num_splits, problem.batch, problem.seqlen_q, problem.nheads_q
     if problem.total_q is not None:  # varlen Q: one batch of all rows
         b, q = 1, problem.total_q
@@ -57,6 +62,25 @@ def partial_shapes(problem: Problem, config: FwdConfig) -> tuple[tuple, tuple]:
 
 def _partials(splits: int, batch: int, seqlen_q: int, heads: int, head_dim_v: int):
     return (splits, batch, seqlen_q, heads, head_dim_v), (splits, batch, heads, seqlen_q)
+
+
+def partial_span(shapes: tuple[tuple, tuple]) -> tuple[int, int]:
+    """Both fp32 partials in one allocation (one call into the caching allocator a launch, not
+    two): (where the LSE partial starts, in elements, 16-byte aligned after O's; the elements of
+    the whole)."""
+    o_shape, l_shape = shapes
+    at = -(-math.prod(o_shape) // 4) * 4
+    return at, at + math.prod(l_shape)
+
+
+def allocate_partials(shapes: tuple[tuple, tuple], device):
+    """The two partials as views of one allocation (partial_span)."""
+    import torch
+
+    at, total = partial_span(shapes)
+    buffer = torch.empty(total, dtype=torch.float32, device=device)
+    o_shape, l_shape = shapes
+    return buffer[: math.prod(o_shape)].view(o_shape), buffer[at:].view(l_shape)
 
 
 def combine_views(out, lse, problem: Problem):
@@ -90,6 +114,12 @@ def launch_counter(config: FwdConfig, causal: bool, device):
     if config.uses_tile_counter(causal):
         return current_tile_counter(device)
     return unused_counter(device)
+
+
+def separate_combine(config: FwdConfig) -> bool:
+    """Whether a launch of `config` is followed by the combine kernel's: split, without the
+    in-kernel combine."""
+    return config.split and not config.combine_in_kernel
 
 
 def check_grid(config: FwdConfig, problem: Problem) -> None:
@@ -142,7 +172,9 @@ def attention_forward(
         target,
         pack_group=pack_group_of(config, problem),
     )
-    combine = compile_combine(problem.dtype, problem.head_dim_v, target) if config.split else None
+    combine = None
+    if separate_combine(config):
+        combine = compile_combine(problem.dtype, problem.head_dim_v, target)
     out, lse = launch_outputs(q, out, lse, batch_output_shapes(q, v))
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(problem.head_dim)
     # The host function launches on the current device, and the counter is that device's current
@@ -157,10 +189,15 @@ def attention_forward(
         stream_handle = torch.cuda.current_stream(q.device).cuda_stream
         counter = from_dlpack(launch_counter(config, causal, q.device), assumed_align=4)
         outputs = [tensors.pop(), lse_t]
+        final = ()
+        if config.combine_in_kernel:
+            # The tiles' split counts take the counter's place; O and LSE follow the (absent)
+            # ragged index tensors.
+            counts = current_split_counts(q.device, tile_count(config, problem))
+            counter = from_dlpack(counts, assumed_align=4).mark_layout_dynamic(leading_dim=0)
+            final = (None, None, None, None, *outputs)
         if config.split:
-            o_shape, l_shape = partial_shapes(problem, config)
-            o_part = torch.empty(o_shape, dtype=torch.float32, device=q.device)
-            lse_part = torch.empty(l_shape, dtype=torch.float32, device=q.device)
+            o_part, lse_part = allocate_partials(partial_shapes(problem, config), q.device)
             partials = [
                 from_dlpack(o_part, assumed_align=16).mark_layout_dynamic(leading_dim=4),
                 from_dlpack(lse_part, assumed_align=4).mark_layout_dynamic(leading_dim=3),
@@ -172,8 +209,9 @@ def attention_forward(
             Float32(scale * math.log2(math.e)),
             Int32(heads_per_l2_group(problem, target)),
             cuda.CUstream(stream_handle),
+            *final,
         )
-        if config.split:
+        if combine is not None:
             combine(*partials, *outputs, cuda.CUstream(stream_handle))
     return out, lse
 
@@ -220,7 +258,9 @@ def attention_varlen_forward(
         pack_group=pack_group_of(config, problem),
         layout=layout_of(problem),
     )
-    combine = compile_combine(problem.dtype, problem.head_dim_v, target) if config.split else None
+    combine = None
+    if separate_combine(config):
+        combine = compile_combine(problem.dtype, problem.head_dim_v, target)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(problem.head_dim)
 
     def dynamic(t, align):
@@ -230,10 +270,18 @@ def attention_varlen_forward(
         stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
         counter = from_dlpack(launch_counter(config, causal, q.device), assumed_align=4)
         outputs = [dynamic(out, 16), dynamic(lse, 4)]
+        index = [dynamic(t, 4) for t in ragged.tensors()]
+        final = []
+        if config.combine_in_kernel:
+            # As attention_forward's (batch-shaped Q: config.combine_reasons); the index tensors
+            # in their slots, None where absent, so that O and LSE come after all four.
+            counts = current_split_counts(q.device, tile_count(config, problem))
+            counter = from_dlpack(counts, assumed_align=4).mark_layout_dynamic(leading_dim=0)
+            every = (ragged.cu_seqlens_q, ragged.cu_seqlens_k, ragged.seqused_k, ragged.page_table)
+            index = [dynamic(t, 4) if t is not None else None for t in every]
+            final = outputs
         if config.split:
-            o_shape, l_shape = partial_shapes(problem, config)
-            o_part = torch.empty(o_shape, dtype=torch.float32, device=q.device)
-            lse_part = torch.empty(l_shape, dtype=torch.float32, device=q.device)
+            o_part, lse_part = allocate_partials(partial_shapes(problem, config), q.device)
             outputs = [dynamic(o_part, 16), dynamic(lse_part, 4)]
         compiled.function(
             *(dynamic(t, 16) for t in (q, k, v)),
@@ -242,9 +290,10 @@ def attention_varlen_forward(
             Float32(scale * math.log2(math.e)),
             Int32(heads_per_l2_group(problem, target)),
             stream,
-            *(dynamic(t, 4) for t in ragged.tensors()),
+            *index,
+            *final,
         )
-        if config.split:
+        if combine is not None:
             o_view, lse_view = combine_views(out, lse, problem)
             combine(*outputs, dynamic(o_view, 16), dynamic(lse_view, 4), stream)
     return out, lse
@@ -264,6 +313,9 @@ class PreparedLaunch:
         self.device_index = q.device.index if q.device.index is not None else 0
         self.dtype = q.dtype
         self.split = config.split
+        # combine_in_kernel: one launch; the tiles' split counts take the tile counter's place.
+        self.combine_in_kernel = config.combine_in_kernel
+        self.tiles = tile_count(config, problem)
         # Packed rows (varlen q or k): the launch serves every call of its signature, whose row
         # totals may differ (the dispatcher keys them by power of two); a call with other totals
         # repacks the extents that follow them (_fit).
@@ -276,12 +328,22 @@ class PreparedLaunch:
             batch_output_shapes(q, v) if ragged is None else output_shapes(q, v, ragged)
         )
         self.partial_shapes = partial_shapes(problem, config) if self.split else None
+        self.partial_span = partial_span(self.partial_shapes) if self.split else None
         # Split-KV: the kernel writes the partials and the combine kernel reads them into O and
-        # LSE; the combine's arguments are packed here too.
+        # LSE; the combine's arguments are packed here too. With the in-kernel combine the kernel
+        # takes O and LSE itself, after the index tensors (`final`).
         kernel_shapes, combine_shapes = self._descriptor_shapes()
         self.descriptors = [pack_descriptor(*shape) for shape in kernel_shapes]
         combine = [pack_descriptor(*shape) for shape in combine_shapes]
-        self.descriptors.append(ctypes.create_string_buffer(8))  # the tile counter
+        if self.combine_in_kernel:  # the split counts, (tiles,) of dynamic layout
+            self.descriptors.append(pack_descriptor((self.tiles,), (1,)))
+        else:
+            self.descriptors.append(ctypes.create_string_buffer(8))  # the tile counter
+        self.final_descriptors = [
+            pack_descriptor(shape, contiguous_strides(shape))
+            for shape in ((self.out_shape, self.lse_shape) if self.combine_in_kernel else ())
+        ]
+        self.final_pointers = [ctypes.c_uint64.from_buffer(d) for d in self.final_descriptors]
         self.combine_descriptors = combine
         self.combine_pointers = [ctypes.c_uint64.from_buffer(d) for d in combine]
         # The first 8 bytes of each descriptor are its data pointer: the only part a call changes.
@@ -291,7 +353,10 @@ class PreparedLaunch:
         self._tile_counter = (
             current_tile_counter if config.uses_tile_counter(problem.causal) else None
         )
-        self._unused_counter = unused_counter(q.device) if self._tile_counter is None else None
+        self._split_counts = current_split_counts
+        self._unused_counter = None
+        if self._tile_counter is None and not self.combine_in_kernel:
+            self._unused_counter = unused_counter(q.device)
         scale = (
             float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(problem.head_dim)
         )
@@ -313,6 +378,7 @@ class PreparedLaunch:
                 ctypes.addressof(self.stream),
             ]
             + [ctypes.addressof(d) for d in self.index_descriptors]
+            + [ctypes.addressof(d) for d in self.final_descriptors]
         )
         self.combine_arguments = [ctypes.addressof(d) for d in combine] + (
             [ctypes.addressof(self.stream)] if combine else []
@@ -337,6 +403,8 @@ class PreparedLaunch:
                 combine.append((shape, contiguous_strides(shape)))
             views = combine_view_shapes(self.out_shape, self.lse_shape, self.problem)
             combine += [(shape, contiguous_strides(shape)) for shape in views]
+            if self.combine_in_kernel:
+                combine = []
         else:
             outputs = (self.out_shape, self.lse_shape)
             kernel += [(shape, contiguous_strides(shape)) for shape in outputs]
@@ -355,6 +423,7 @@ class PreparedLaunch:
             if self.split:
                 splits, _, _, _, dv = self.partial_shapes[0]
                 self.partial_shapes = _partials(splits, 1, total_q, nheads_q, dv)
+                self.partial_span = partial_span(self.partial_shapes)
         if self.varlen_k:
             for i in (1, 2):
                 self.tensor_shapes[i] = (total_k, *self.tensor_shapes[i][1:])
@@ -370,7 +439,7 @@ class PreparedLaunch:
         with split-KV `combine` after it (the combine kernel's, bound alike)."""
         self.executor = executor
         self._run, self.result = direct_call(executor, self.arguments)
-        if self.split:
+        if self.split and not self.combine_in_kernel:
             self.combine_executor = combine
             self._run_combine, self.combine_result = direct_call(combine, self.combine_arguments)
 
@@ -399,7 +468,12 @@ class PreparedLaunch:
             return self._launch(q_ptr, k_ptr, v_ptr, rows, index)
 
     def _launch(self, q_ptr: int, k_ptr: int, v_ptr: int, rows, index=()):
-        counter = self._tile_counter(self.device) if self._tile_counter else self._unused_counter
+        if self.combine_in_kernel:
+            counter = self._split_counts(self.device, self.tiles)
+        elif self._tile_counter:
+            counter = self._tile_counter(self.device)
+        else:
+            counter = self._unused_counter
         stream = self._raw_stream(self.device_index)
         # The descriptors and shapes are shared; the launch copies them before it returns.
         with self.lock:
@@ -413,13 +487,21 @@ class PreparedLaunch:
             p[0].value, p[1].value, p[2].value = q_ptr, k_ptr, v_ptr
             self.stream.value = stream
             if self.split:
-                o_shape, l_shape = self.partial_shapes
-                o_part = self._empty(o_shape, dtype=self._float32, device=self.device)
-                lse_part = self._empty(l_shape, dtype=self._float32, device=self.device)
-                c = self.combine_pointers
-                p[3].value = c[0].value = o_part.data_ptr()
-                p[4].value = c[1].value = lse_part.data_ptr()
+                # Both partials in one block of the caching allocator, freed (stream-ordered) when
+                # `partials` goes: the next launch of the shape on the stream gets it back.
+                at, total = self.partial_span
+                partials = self._empty(total, dtype=self._float32, device=self.device)
+                o_part = partials.data_ptr()
+                lse_part = o_part + 4 * at
+                p[3].value, p[4].value = o_part, lse_part
                 p[5].value = counter.data_ptr()
+            if self.combine_in_kernel:
+                f = self.final_pointers
+                f[0].value, f[1].value = out.data_ptr(), lse.data_ptr()
+                error = self._run()
+            elif self.split:
+                c = self.combine_pointers
+                c[0].value, c[1].value = o_part, lse_part
                 c[2].value, c[3].value = out.data_ptr(), lse.data_ptr()
                 error = self._run() or self._run_combine()
             else:
@@ -459,7 +541,7 @@ def prepare_launch(
         layout=layout_of(problem),
     )
     combine = None
-    if config.split:
+    if separate_combine(config):
         combine = compile_combine(problem.dtype, problem.head_dim_v, target).to(problem_device(q))
     launch = PreparedLaunch(problem, config, target, q, k, v, softmax_scale, ragged)
     # An executor for the tensors' device (the CUDA-dialect one cute.compile gives here loads a

@@ -74,6 +74,8 @@ def smem_layout_bytes(config: FwdConfig, problem: Problem) -> dict[str, int]:
         barriers += (
             8  # the next tile's number (padded to 8), handed from the producer to the consumers
         )
+    if config.combine_in_kernel:
+        barriers += 8  # whether this CTA is its tile's last split (padded to 8), for the consumers
     if config.persistent:
         q_o = {"q": _round_up(config.q_stages * q, SMEM_ALIGN), "o": _round_up(o, SMEM_ALIGN)}
     else:
@@ -141,6 +143,18 @@ def register_split(config: FwdConfig, layout: InputLayout | None = None) -> tupl
     elif layout is not None and layout.ragged:
         split = RAGGED_REGISTER_SPLIT.get(wgs, split)
     return split
+
+
+def merge_splits_in_flight(
+    config: FwdConfig, head_dim_v: int, layout: InputLayout | None = None
+) -> int:
+    """The in-kernel combine's splits whose partials a consumer thread loads at once (the merge
+    loop's unroll): each holds a row of the thread's O fragment (head_dim_v / 4 fp32 registers).
+    From ptxas at sm_90a (the compile tests' spread): 4 up to head dim 128 where the consumers
+    have 232 registers or more (one or two warpgroups, paged too); else 1: 2 already spilled
+    above head dim 128 (64x64 at 256) and with three warpgroups' 160 registers (192x64 at 128)."""
+    consumer = register_split(config, layout)[1]
+    return 4 if head_dim_v <= 128 and consumer >= 232 else 1
 
 
 def launch_registers(wgs: int, target: Target) -> int:
