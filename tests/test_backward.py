@@ -671,15 +671,26 @@ def test_the_gradient_reference_is_autograds(causal, sq, sk, hq, hkv):
 
 
 # ---- the training job and the benchmark's report, without a GPU --------------------------------
-def test_the_training_job_searches_the_backward_family_on_the_grid():
+@pytest.mark.parametrize("gpu", ["h200", "h100"])
+def test_the_training_job_searches_the_backward_family_on_the_grid(gpu):
+    """Each GPU's train job (the H100's a copy of the H200's with its own target, table and DB)."""
     from pathlib import Path
 
     from fa4tune.tune.job import load_job
 
-    job = load_job(Path(__file__).resolve().parent.parent / "tuning_configs/h200-bf16-train.yaml")
+    configs = Path(__file__).resolve().parent.parent / "tuning_configs"
+    job = load_job(configs / f"{gpu}-bf16-train.yaml")
     assert job.kernel.name == "fa4_bwd_sm90" and len(job.problems) == 15
+    assert (
+        job.name == f"{gpu}-bf16-train"
+        and job.target.name == {"h200": "H200", "h100": "H100-SXM"}[gpu]
+    )
+    assert [p.key() for p in job.problems] == [
+        p.key() for p in load_job(configs / "h200-bf16-train.yaml").problems
+    ]
     for p in job.problems:
-        assert not FAMILY.infeasible_reasons(p, FAMILY.default_config(p, H200), H200), p.key()
+        config = FAMILY.default_config(p, job.target)
+        assert not FAMILY.infeasible_reasons(p, config, job.target), p.key()
     assert FAMILY.work_flops(job.problems[0]) == 2.5 * job.problems[0].flops
 
 
