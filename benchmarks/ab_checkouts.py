@@ -3,14 +3,16 @@ fa4tune builds it against this checkout, timed in alternating processes.
 
     python benchmarks/ab_checkouts.py --old REV|DIR [--kernel fa4_bwd_sm90]
                                       [--shapes 128:4096,64:1024:causal] [--rounds 3]
-                                      [--json out.json]
+                                      [--set deterministic=true] [--json out.json]
 
 `benchmarks/ab.py` A/Bs a knob, both sides in one process; a change to the code itself (the kernel,
 its launch) cannot be a knob, and two versions of one package do not import side by side. So the
 old revision is written out with `git archive` to a temporary directory (or `--old` names such a
 directory, written beforehand: the device machine's copy of the checkout has no git) and each
 round runs one child process per side, old first on odd rounds and new first on even ones, each
-with its own compile cache. A child builds the family's default config for each shape, checks it
+with its own compile cache. A child builds the family's default config for each shape (with
+`--set`'s knobs changed on both sides: e.g. the deterministic mode of a code change; a side whose
+rules refuse the result says so), checks it
 against the fp32 reference on the family's measurement case (outputs poisoned first), then times
 it with `fa4tune.measure.timing.time_cuda` (L2 flushed before every run): benchmarks/ab.py's
 `measure`, one round; it prints a JSON line per shape.
@@ -36,10 +38,13 @@ sys.path.insert(0, str(ROOT))
 DEFAULT_SHAPES = "128:4096,128:4096:causal,128:1024,64:4096,64:1024:causal"
 
 
-def _child(root: str, label: str, kernel: str, shapes: list[str], keys: list[str]) -> int:
-    """Measure the default configs of `kernel` with the fa4tune found under `root`, on the problems
-    this checkout reads the shapes as (`keys`: an older revision's parse_shape may read a shape
-    otherwise, as one without `:gN` reads `:g4` as nothing; then this side refuses)."""
+def _child(
+    root: str, label: str, kernel: str, shapes: list[str], keys: list[str], changes: dict
+) -> int:
+    """Measure the default configs of `kernel` with the fa4tune found under `root`, with `changes`
+    ({knob: value}) applied, on the problems this checkout reads the shapes as (`keys`: an older
+    revision's parse_shape may read a shape otherwise, as one without `:gN` reads `:g4` as nothing;
+    then this side refuses)."""
     sys.path.insert(0, root)
     import fa4tune
 
@@ -63,9 +68,22 @@ def _child(root: str, label: str, kernel: str, shapes: list[str], keys: list[str
     family, target = get_kernel(kernel), detect_target()
     for spec, problem in zip(shapes, problems):
         config = family.default_config(problem, target)
+        refused = None
+        if changes:
+            try:
+                config = family.config({**config.to_dict(), **changes})
+            except ValueError as exc:  # this side's schema does not take the change
+                refused = f"refused: {exc}"
+            else:
+                reasons = family.infeasible_reasons(problem, config, target)
+                refused = f"refused: {'; '.join(reasons)}" if reasons else None
+        row = dict(label=label, shape=spec, config=config.short())
+        if refused:
+            row.update(wrong=refused, error=None, ms=None, tflops=None)
+            print(json.dumps(row), flush=True)
+            continue
         # ab.py's check then time, one round a process (the rounds alternate the processes).
         cell = measure(problem, {"default": config}, family, target, 1)["default"]
-        row = dict(label=label, shape=spec, config=config.short())
         if isinstance(cell, str):  # wrong, or failed: the reason, not timed
             row.update(wrong=cell, error=None, ms=None, tflops=None)
         else:
@@ -125,13 +143,23 @@ def main(argv=None) -> int:
     ap.add_argument("--kernel", default="fa4_bwd_sm90", help="the kernel family")
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated shapes")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KNOB=VALUE",
+        help="change a knob of the default config on both sides (repeatable)",
+    )
     ap.add_argument("--json", default=None, help="keep every round's rows here")
     ap.add_argument("--child", nargs=2, metavar=("ROOT", "LABEL"), help=argparse.SUPPRESS)
     ap.add_argument("--keys", default="", help=argparse.SUPPRESS)  # the shapes' problem keys
+    ap.add_argument("--changes", default="{}", help=argparse.SUPPRESS)  # --set, as JSON
     args = ap.parse_args(argv)
     shapes = [s for s in args.shapes.split(",") if s]
     if args.child:  # before anything imports fa4tune: the child's comes from its root
-        return _child(*args.child, args.kernel, shapes, args.keys.split(","))
+        changes = json.loads(args.changes)
+        return _child(*args.child, args.kernel, shapes, args.keys.split(","), changes)
+    from benchmarks.ab import parse_changes
     from benchmarks.attention import parse_shape
     from fa4tune.errors import KernelError
     from fa4tune.kernels import get_kernel
@@ -139,6 +167,11 @@ def main(argv=None) -> int:
     try:
         get_kernel(args.kernel)
     except KernelError as exc:
+        print(f"ab_checkouts: {exc}", file=sys.stderr)
+        return 2
+    try:
+        changes = parse_changes(args.set, args.kernel)
+    except ValueError as exc:
         print(f"ab_checkouts: {exc}", file=sys.stderr)
         return 2
     keys = []
@@ -195,6 +228,7 @@ def main(argv=None) -> int:
                 child = subprocess.run(
                     [sys.executable, str(Path(__file__).resolve()), "--kernel", args.kernel]
                     + ["--shapes", ",".join(shapes), "--keys", ",".join(keys)]
+                    + ["--changes", json.dumps(changes)]
                     + ["--child", str(sides[label]), label],
                     cwd=sides[label],
                     env=env,

@@ -20,6 +20,8 @@ from benchmarks.ab_checkouts import main, table
         (["--old", "HEAD", "--kernel", "nope"], "unknown kernel 'nope'"),
         (["--shapes", "64:1024"], "--old REV and --rounds >= 1 are needed"),
         (["--old", "HEAD", "--rounds", "0"], "--old REV and --rounds >= 1 are needed"),
+        (["--old", "HEAD", "--set", "nope=1"], "--set wants knob=value with a knob of"),
+        (["--old", "HEAD", "--set", "deterministic=maybe"], "neither a number nor true/false"),
     ],
 )
 def test_bad_input_says_what_is_wrong(argv, message, capsys):
@@ -149,7 +151,41 @@ def test_a_side_that_reads_a_shape_otherwise_refuses_before_measuring(capsys):
     root = str(Path(ab_checkouts.__file__).resolve().parents[1])
     shapes = ["128:4096:causal:g4"]
     mha = "bf16-d128x128-causal-q4096-k4096-b4-h16x16"
-    assert ab_checkouts._child(root, "old", "fa4_bwd_sm90", shapes, [mha]) == 2
+    assert ab_checkouts._child(root, "old", "fa4_bwd_sm90", shapes, [mha], {}) == 2
     err = capsys.readouterr().err
     assert "the old side reads '128:4096:causal:g4' as " in err and f"as {mha}" in err
     assert "h16x4" in err
+
+
+def test_set_changes_the_default_on_both_sides(monkeypatch, capsys):
+    """--set's knobs reach each child as JSON; a child applies them to its default config and
+    reports a result its rules refuse as such, without measuring it (no GPU asked)."""
+    real_run = subprocess.run
+    seen = []
+
+    def fake_run(argv, **kwargs):
+        if "--child" not in argv:
+            return real_run(argv, **kwargs)
+        label = argv[-1]
+        seen.append(json.loads(argv[argv.index("--changes") + 1]))
+        return subprocess.CompletedProcess(argv, 0, stdout=json.dumps(row(label, "128:4096", 90.0)),
+                                           stderr="")  # fmt: skip
+
+    monkeypatch.setattr(ab_checkouts.subprocess, "run", fake_run)
+    argv = ["--old", "HEAD", "--shapes", "128:4096", "--rounds", "1", "--set", "deterministic=true"]
+    assert main(argv) == 0
+    assert seen == [{"deterministic": True}] * 2
+    root = str(Path(ab_checkouts.__file__).resolve().parents[1])
+    key = "bf16-d128x128-full-q4096-k4096-b4-h16x16"
+    changes = {"tile_m": 80, "dq_swap": False}
+    import fa4tune.target
+
+    monkeypatch.setattr(fa4tune.target, "detect_target", lambda: fa4tune.target.get_target("H200"))
+    capsys.readouterr()
+    assert ab_checkouts._child(root, "new", "fa4_bwd_sm90", ["128:4096"], [key], changes) == 0
+    [line] = capsys.readouterr().out.splitlines()
+    refused = json.loads(line)
+    assert refused["config"].startswith("80x128") and refused["tflops"] is None
+    assert (
+        refused["wrong"].startswith("refused: ") and "tile_m=80 without dq_swap" in refused["wrong"]
+    )
