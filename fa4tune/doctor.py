@@ -1,8 +1,11 @@
-"""`fa4tune doctor`: what this machine can do: GPU, CUDA driver, CuTe DSL, torch, the results DB."""
+"""`fa4tune doctor`: what this machine can do: GPU, CUDA driver, CuTe DSL, torch, the kernel
+families, the shipped tables (which GPU each serves, and whether it was tuned for the installed
+kernel code), the results DB."""
 
 from __future__ import annotations
 
 from importlib import metadata
+from pathlib import Path
 
 from . import __version__
 from .db import SCHEMA_VERSION, ResultsDB, resolve_location, shown_location, sqlite_path
@@ -28,6 +31,7 @@ def diagnose(db_location: str | None = None) -> list[tuple[str, bool | None, str
     lines: list[tuple[str, bool | None, str]] = [("fa4tune", True, __version__)]
     torch_version = package_version("torch")
     gpu_detail, gpu_ok = "none: searches use the cost model (estimates)", True
+    gpu_target = None
     if torch_version is None:
         lines.append(("torch", False, "not installed (pip install torch)"))
     else:
@@ -55,6 +59,7 @@ def diagnose(db_location: str | None = None) -> list[tuple[str, bool | None, str
                     f"sm_{props.major}{props.minor}; {known}"
                 )
                 gpu_ok = target is not None
+                gpu_target = target
         except Exception as exc:
             lines.append(("torch", False, f"import failed: {exc}"))
     lines.append(("gpu", gpu_ok, gpu_detail))
@@ -78,6 +83,7 @@ def diagnose(db_location: str | None = None) -> list[tuple[str, bool | None, str
             )
         except Exception as exc:
             lines.append(("kernel", False, f"{name}: {type(exc).__name__}: {exc}"))
+    lines.extend(table_lines(gpu_target))
     lines.append(_db_line(db_location))
     for extra, module in (("report", "matplotlib"), ("postgres", "psycopg")):
         import importlib.util
@@ -85,6 +91,51 @@ def diagnose(db_location: str | None = None) -> list[tuple[str, bool | None, str
         have = importlib.util.find_spec(module) is not None
         state = "installed" if have else f"missing: pip install 'fa4tune[{extra}]'"
         lines.append((f"[{extra}]", True if have else NOTE, f"{module} {state}"))
+    return lines
+
+
+def table_lines(gpu_target=None, directory=None) -> list[tuple[str, bool | None, str]]:
+    """A line per shipped table (`directory`: fa4tune's own): its kernel family, the GPU its
+    entries serve, their count, and whether it was tuned for the installed kernel code (a stale
+    table still serves, with a warning: a NOTE; an unreadable one is not healthy). With the local
+    GPU's target, a last line says which families look up tuned configs on it and which run their
+    defaults."""
+    from .runtime.lookup import PACKAGE_TABLES
+    from .runtime.tables import read_table
+
+    found, _ = loadable_families()
+    tuned: dict[str, list[str]] = {}
+    lines: list[tuple[str, bool | None, str]] = []
+    for path in sorted(Path(directory or PACKAGE_TABLES).glob("*.yaml")):
+        try:
+            table = read_table(path)
+            installed = found[table["kernel"]].source_hash()
+        except Exception as exc:  # unreadable, or a family that did not load
+            lines.append(("table", False, f"{path.name}: {type(exc).__name__}: {exc}"))
+            continue
+        fresh = table["kernel_hash"] == installed
+        state = (
+            "tuned for the installed code"
+            if fresh
+            else f"STALE: tuned for {table['kernel_hash'][:12]}, installed {installed[:12]} "
+            "(re-tune, or fa4tune carry)"
+        )
+        lines.append(
+            (
+                "table",
+                True if fresh else NOTE,
+                f"{path.name}: {table['kernel']} on {table['target']}, "
+                f"{len(table['entries'])} entries, {state}",
+            )
+        )
+        tuned.setdefault(table["target"], []).append(table["kernel"])
+    if gpu_target is not None:
+        mine = sorted(set(tuned.get(gpu_target.name, [])))
+        rest = sorted(name for name in found if name not in mine)
+        detail = f"{gpu_target.name}: tuned configs for {', '.join(mine) or 'no family'}"
+        if rest:
+            detail += f"; the default configs for {', '.join(rest)}"
+        lines.append(("tables here", True, detail))
     return lines
 
 

@@ -578,3 +578,30 @@ def test_malformed_table_and_missing_files(workdir, capsys):
     assert_bad_input(capsys, ["search", "none.yaml"], "cannot read job file none.yaml")
     assert_bad_input(capsys, ["show", "--db", "none.db"], "no results DB")
     assert not (workdir / "none.db").exists()
+
+
+def test_doctor_says_which_gpu_each_shipped_table_serves_and_whether_it_is_fresh(tmp_path):
+    """A line per table: its family, GPU and entries, fresh or stale (a note: it still serves);
+    an unreadable one is bad. With a GPU, which families look up tuned configs there."""
+    from fa4tune.doctor import NOTE, table_lines
+    from fa4tune.runtime.lookup import PACKAGE_TABLES
+    from fa4tune.target import get_target
+
+    shipped = yaml.safe_load((PACKAGE_TABLES / "h100-bf16-train.yaml").read_text())
+    (tmp_path / "fresh.yaml").write_text(yaml.safe_dump(shipped))
+    (tmp_path / "stale.yaml").write_text(yaml.safe_dump({**shipped, "kernel_hash": "0" * 64}))
+    (tmp_path / "broken.yaml").write_text("format: nothing\n")
+    broken, fresh, stale = table_lines(directory=tmp_path)
+    assert broken[:2] == ("table", False) and broken[2].startswith("broken.yaml: TableError")
+    assert fresh == (
+        "table", True,
+        "fresh.yaml: fa4_bwd_sm90 on H100-SXM, 15 entries, tuned for the installed code",
+    )  # fmt: skip
+    assert stale[:2] == ("table", NOTE) and "STALE: tuned for 000000000000" in stale[2]
+    *_, here = table_lines(get_target("H100-SXM"), directory=tmp_path)
+    assert here == (
+        "tables here", True,
+        "H100-SXM: tuned configs for fa4_bwd_sm90; the default configs for fa4_fwd_sm90",
+    )  # fmt: skip
+    *_, here = table_lines(get_target("H200"))  # the shipped tables
+    assert here[2] == "H200: tuned configs for fa4_fwd_sm90; the default configs for fa4_bwd_sm90"
