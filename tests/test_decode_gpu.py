@@ -35,6 +35,17 @@ def decode_problem(batch, seqlen_q, seqlen_k, nheads_q, nheads_kv, head_dim, cau
     )
 
 
+def capture(call, q, k, v):
+    """(graph, out, lse): `call(q, k, v)` run once outside the capture (to compile, prepare and
+    warm up), then captured into a CUDA graph."""
+    call(q, k, v)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = call(q, k, v)
+    return graph, out, lse
+
+
 def replay_on_fresh_inputs(graph, p, inputs, out, lse) -> None:
     """Copy fresh random inputs into the captured buffers, poison the outputs, replay, and check
     them against the fp32 reference (twice, with two seeds)."""
@@ -104,11 +115,7 @@ def test_split_launch_replays_in_a_cuda_graph():
     p = Problem(head_dim=128, seqlen_q=1, seqlen_k=3000, batch=4, nheads_q=32, nheads_kv=8)
     q, k, v = make_inputs(p, seed=1)
     launch = prepare_launch(p, config, get_target("H200"), q, k, v, None)
-    launch(q, k, v)  # compile and warm up outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = launch(q, k, v)
+    graph, out, lse = capture(launch, q, k, v)
     replay_on_fresh_inputs(graph, p, (q, k, v), out, lse)
 
 
@@ -160,11 +167,7 @@ def test_attention_decode_replays_in_a_cuda_graph():
     p = Problem(head_dim=128, seqlen_q=1, seqlen_k=20000, batch=2, nheads_q=32, nheads_kv=8)
     q, k, v = make_inputs(p, seed=1)
     assert dispatch.explain(q, k, v).config.num_splits > 1
-    fa4tune.attention(q, k, v)  # prepare and warm up outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = fa4tune.attention(q, k, v)
+    graph, out, lse = capture(fa4tune.attention, q, k, v)
     replay_on_fresh_inputs(graph, p, (q, k, v), out, lse)
 
 
@@ -243,11 +246,7 @@ def test_in_kernel_combine_replays_in_a_cuda_graph():
     q, k, v = make_inputs(p, seed=1)
     launch = prepare_launch(p, config, get_target("H200"), q, k, v, None)
     assert launch.combine_in_kernel and launch._run_combine is None
-    launch(q, k, v)  # compile and warm up outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = launch(q, k, v)
+    graph, out, lse = capture(launch, q, k, v)
     replay_on_fresh_inputs(graph, p, (q, k, v), out, lse)
     replay_on_fresh_inputs(graph, p, (q, k, v), out, lse)
     eager_out, eager_lse = launch(q, k, v)

@@ -467,12 +467,15 @@ def test_in_kernel_combine_leaves_the_split_kernel_as_it_was(capfd, tmp_path):
     assert "atom." not in ptx and "fence.acq_rel" not in ptx
 
 
-def test_in_kernel_combine_shared_storage_is_what_the_resource_model_books(monkeypatch):
-    """The last-split flag sits in the barrier region, where resources.smem_bytes books it."""
-    import cutlass.utils
+def record_shared_storage(monkeypatch) -> list[int]:
+    """The sizes of the shared storage structs that kernels compiled from now on allocate through
+    SmemAllocator, in order (the returned list fills as they compile). The DSL is imported for
+    sm_90a here: a first import for another arch would refuse the Hopper kernels."""
+    from fa4tune.kernels.common.dsl import import_dsl
+    from fa4tune.target import get_target
 
-    from fa4tune.kernels.fa4_fwd_sm90 import resources
-    from fa4tune.kernels.fa4_fwd_sm90.compile import compile_forward
+    import_dsl(get_target("H200"))
+    import cutlass.utils
 
     sizes = []
     allocate = cutlass.utils.SmemAllocator.allocate
@@ -482,8 +485,16 @@ def test_in_kernel_combine_shared_storage_is_what_the_resource_model_books(monke
         return allocate(self, struct, *args, **kwargs)
 
     monkeypatch.setattr(cutlass.utils.SmemAllocator, "allocate", recording_allocate)
+    return sizes
+
+
+def test_in_kernel_combine_shared_storage_is_what_the_resource_model_books(monkeypatch):
+    """The last-split flag sits in the barrier region, where resources.smem_bytes books it."""
+    from fa4tune.kernels.fa4_fwd_sm90 import resources
+    from fa4tune.kernels.fa4_fwd_sm90.compile import compile_forward
+
+    sizes = record_shared_storage(monkeypatch)
     config = FwdConfig(tile_m=64, num_stages=3, pack_gqa=True, num_splits=4, combine_in_kernel=True)
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     compile_forward(config, "bf16", 128, 128, False, "H200", use_cache=False, pack_group=4)
     problem = Problem(dtype="bf16", head_dim=128, nheads_q=4, nheads_kv=1)
     assert sizes and sizes[-1] == resources.smem_bytes(config, problem)
@@ -598,19 +609,10 @@ def test_shared_storage_is_what_the_resource_model_books(
     """The search rejects configs by resources.smem_bytes; a kernel whose shared storage is larger
     would pass that check and fail to launch at the limit. (Before the tile-number slot moved into
     the barrier region, a persistent causal kernel took 1 KB more than the model said.)"""
-    import cutlass.utils
-
     from fa4tune.kernels.fa4_fwd_sm90 import resources
     from fa4tune.kernels.fa4_fwd_sm90.compile import compile_forward
 
-    sizes = []
-    allocate = cutlass.utils.SmemAllocator.allocate
-
-    def recording_allocate(self, struct, *args, **kwargs):
-        sizes.append(struct.size_in_bytes())
-        return allocate(self, struct, *args, **kwargs)
-
-    monkeypatch.setattr(cutlass.utils.SmemAllocator, "allocate", recording_allocate)
+    sizes = record_shared_storage(monkeypatch)
     config = FwdConfig(persistent=persistent, wg_epilogue=wg_epilogue, q_stages=q_stages)
     compile_forward(config, "bf16", 128, 128, causal, "H200", use_cache=False)
     assert sizes, "the kernel no longer allocates its shared storage through SmemAllocator"
