@@ -71,7 +71,7 @@ def _child(
         refused = None
         if changes:
             try:
-                config = family.config({**config.to_dict(), **changes})
+                config = type(config).from_dict(changes, base=config)  # as ab.py's columns
             except ValueError as exc:  # this side's schema does not take the change
                 refused = f"refused: {exc}"
             else:
