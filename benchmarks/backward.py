@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tuning_report import geomean, run_benchmark  # noqa: E402
+from tuning_report import geomean, measured_gpu, run_benchmark  # noqa: E402
 
 from fa4tune.kernels.fa4_bwd_sm90.peers import CUDNN, FA4  # noqa: E402
 
@@ -183,7 +183,7 @@ def render(rows, header) -> str:
         if isinstance(t, dict) and isinstance(f, dict) and f.get("grad_error"):
             errors.append(t["grad_error"] / f["grad_error"])
     lines = [
-        f"# Backward report: fa4_bwd_sm90 on the {header.get('target', header['gpu'])}",
+        f"# Backward report: fa4_bwd_sm90 on the {measured_gpu(header)}",
         "",
         f"Measured {header['date']} on {header['gpu']}; torch {header['torch']}, "
         f"nvidia-cutlass-dsl {header['dsl']}, flash-attn-4 {header['fa4']}; kernel hash "

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tuning_report import (  # noqa: E402 - the shared measuring helpers
     geomean,
     gqa_native,
+    measured_gpu,
     random_inputs,
     run_benchmark,
     runners_for,
@@ -124,7 +125,7 @@ def fmt_cell(cell) -> str:
 
 def render(rows, header: dict) -> str:
     lines = [
-        f"# Decode report: fa4_fwd_sm90 on the {header.get('target', header['gpu'])}",
+        f"# Decode report: fa4_fwd_sm90 on the {measured_gpu(header)}",
         "",
         f"Measured {header['date']} on {header['gpu']}; torch {header['torch']}, "
         f"nvidia-cutlass-dsl {header['dsl']}, flash-attn-4 {header['fa4']}; kernel hash "

@@ -292,6 +292,12 @@ def run_header(kernel, rounds: int, **more) -> dict:
     }
 
 
+def measured_gpu(header: dict) -> str:
+    """The GPU a report's title names: fa4tune's target for it (run_header), or its device name in
+    a report written before run_header recorded the target."""
+    return header.get("target", header["gpu"])
+
+
 def write_report(text: str, out, prog: str) -> int:
     """A benchmark's markdown report, written to `out` whole or printed; exit code 0."""
     if out:

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tuning_report import (  # noqa: E402 - the shared measuring helpers
     check_then_time,
     geomean,
+    measured_gpu,
     run_benchmark,
 )
 
@@ -184,7 +185,7 @@ def summary(rows) -> list[str]:
 
 def render(rows, header: dict) -> str:
     lines = [
-        f"# Serving report: ragged inputs on the {header.get('target', header['gpu'])}",
+        f"# Serving report: ragged inputs on the {measured_gpu(header)}",
         "",
         f"Measured {header['date']} on {header['gpu']}; torch {header['torch']}, "
         f"nvidia-cutlass-dsl {header['dsl']}, flash-attn-4 {header['fa4']}; kernel hash "
