@@ -15,7 +15,14 @@ run: the median of the rounds' medians. The backward alone runs from saved forwa
 (fa4tune: its tuned forward, then the column's backward config). The deterministic column runs
 what `torch.use_deterministic_algorithms` gets (`config.deterministic_config` of the tuned config:
 dQ's sums in the order of the K blocks), so its ratio to the tuned column is that mode's cost.
-The gradient error (the largest of dq, dk, dv against fp32, relative) is reported per column."""
+The gradient error (the largest of dq, dk, dv against fp32, relative) is reported per column.
+
+Where the backward's time goes: after the timed rounds, the tuned column's backward and
+flash-attn-4's run again under torch.profiler (CUDA activity only; the L2 flushed before each of
+PROFILED_CALLS calls, outside the profile), and each GPU kernel's time is summed by phase
+(`phase_of`: preprocess, zeroing, main kernel, cast or postprocess), the median over the calls. A
+kernel's time alone, without the gaps between launches, so the phases add up to less than the
+timed backward."""
 
 from __future__ import annotations
 
@@ -32,6 +39,56 @@ from fa4tune.kernels.fa4_bwd_sm90.peers import CUDNN, FA4  # noqa: E402
 PROG = "benchmarks/backward.py"
 COLUMNS = ("tuned", "deterministic", "default", FA4, CUDNN)
 OURS = ("tuned", "deterministic", "default")
+
+
+# (phase, a piece of the GPU kernel's name): the first that matches names a kernel's phase. Ours:
+# the preprocessing kernel (BackwardPreprocess), the main kernel (FlashBackwardSm90), torch's cast
+# of dQ (a copy kernel), and torch's fill if the accumulator is zeroed apart; flash-attn-4's:
+# FlashAttentionBackward{Preprocess,Sm90,Postprocess}.
+PHASES = (
+    ("preprocess", "Preprocess"),
+    ("postprocess", "Postprocess"),
+    ("main", "BackwardSm90"),
+    ("zero", "FillFunctor"),
+    ("zero", "emset"),
+    ("cast", "copy"),
+)
+PROFILED_CALLS = 5
+
+
+def phase_of(kernel: str) -> str:
+    """The phase of a GPU kernel (PHASES), or "other"."""
+    return next((phase for phase, piece in PHASES if piece in kernel), "other")
+
+
+def phase_times(calls) -> dict:
+    """{phase: median µs over the calls} from each call's list of (kernel name, µs)."""
+    per_call = []
+    for kernels in calls:
+        total = {}
+        for name, us in kernels:
+            total[phase_of(name)] = total.get(phase_of(name), 0.0) + us
+        per_call.append(total)
+    phases = {p for total in per_call for p in total}
+    return {p: statistics.median(total.get(p, 0.0) for total in per_call) for p in sorted(phases)}
+
+
+def profiled_kernels(fn, flusher) -> list:
+    """(kernel name, µs) of every GPU kernel (and memset) one call of fn launches, L2 flushed."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    flusher()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [
+        (e.name, e.time_range.end - e.time_range.start)
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA
+    ]
 
 
 def gradient_error(grads, refs) -> float:
@@ -143,6 +200,10 @@ def measure(problem, target, rounds: int) -> dict:
         for n in (names[i] for i in round_order(len(names), index)):
             for part, fn in zip(("bwd", "fwd_bwd"), timed[n]):
                 medians[(n, part)].append(time_cuda(fn, flusher=flusher).median_ms)
+    for n in ("tuned", FA4):
+        if n in timed:
+            calls = [profiled_kernels(timed[n][0], flusher) for _ in range(PROFILED_CALLS)]
+            cells[n]["phases_us"] = phase_times(calls)
     for n in names:
         bwd = statistics.median(medians[(n, "bwd")])
         both = statistics.median(medians[(n, "fwd_bwd")])
@@ -232,7 +293,53 @@ def render(rows, header) -> str:
             + "".join(f" | {x:.3f}" if x else " | -" for x in ratios)
             + f" | {err[0]} | {err[1]} |"
         )
+    lines += phase_lines(rows)
     return "\n".join(lines) + "\n"
+
+
+def phase_lines(rows) -> list:
+    """The table of where the backward's time goes (rows measured with phases only)."""
+    ours = ("preprocess", "zero", "main", "cast", "other")
+    peers = ("preprocess", "main", "postprocess", "other")
+
+    def phases(row, name):
+        cell = row["cells"].get(name)
+        return cell.get("phases_us") if isinstance(cell, dict) else None
+
+    def us(p, name):
+        return f"{p[name]:.0f}" if p and name in p else "-"
+
+    measured = [r for r in rows if phases(r, "tuned") or phases(r, FA4)]
+    if not measured:
+        return []
+    lines = [
+        "",
+        "## Where the backward's time goes",
+        "",
+        f"GPU time per kernel in µs (the median of {PROFILED_CALLS} profiled calls, L2 flushed "
+        "before each; launch gaps excluded). fa4tune's tuned config: preprocessing (with the dQ "
+        "accumulator's zeros), a separate zeroing if any, "
+        "the main kernel and dQ's cast; flash-attn-4: preprocessing, main kernel, postprocessing; "
+        "other: any kernel not named in `PHASES`.",
+        "",
+        "| problem | " + " | ".join(f"fa4tune {n}" for n in ours) + " | "
+        + " | ".join(f"FA4 {n}" for n in peers) + " | main fa4tune / FA4 (time) | "
+        "rest fa4tune / FA4 (time) |",
+        "|" + "---|" * (len(ours) + len(peers) + 3),
+    ]  # fmt: skip
+    for r in measured:
+        a, b = phases(r, "tuned"), phases(r, FA4)
+        main_ratio = rest_ratio = "-"
+        if a and b and a.get("main") and b.get("main"):
+            main_ratio = f"{a['main'] / b['main']:.3f}"
+            rest_a = sum(v for k, v in a.items() if k != "main")
+            rest_b = sum(v for k, v in b.items() if k != "main")
+            rest_ratio = f"{rest_a / rest_b:.3f}" if rest_b else "-"
+        lines.append(
+            f"| {r['key']} | " + " | ".join(us(a, n) for n in ours) + " | "
+            + " | ".join(us(b, n) for n in peers) + f" | {main_ratio} | {rest_ratio} |"
+        )  # fmt: skip
+    return lines
 
 
 def main(argv=None) -> int:

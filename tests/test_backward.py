@@ -738,6 +738,32 @@ def test_the_backward_report_renders_both_rates_and_the_error_ratio(tmp_path, ca
     )
     assert "lowest **1.100x**" in text and "| 1.100 | 1.071 |" in text
     assert "tuned (atomic) backward: geometric mean **0.500x**" in text
+    assert "Where the backward's time goes" not in text  # no row measured its phases
+
+    # The phases: each kernel of a profiled call named by PHASES, summed per call, the median
+    # over the calls; then the table, with the main kernel's and the rest's ratios.
+    ours = [
+        ("kernel_cutlass_kernel_BackwardPreprocess_object_at_0", 60.0),
+        ("kernel_cutlass_kernel_FlashBackwardSm90_object_at_1", 700.0),
+        ("void at::native::vectorized_elementwise_kernel<4, direct_copy_kernel_cuda>", 70.0),
+    ]
+    slower = [(n, us * 1.1) for n, us in ours] + [("Memset (Device)", 5.0)]
+    phases = report.phase_times([ours, slower, ours])
+    assert phases == {"cast": 70.0, "main": 700.0, "preprocess": 60.0, "zero": 0.0}
+    fa4 = [
+        ("kernel_cutlass_kernel_FlashAttentionBackwardPreprocess_0", 80.0),
+        ("kernel_cutlass_kernel_FlashAttentionBackwardSm90_1", 560.0),
+        ("kernel_cutlass_kernel_FlashAttentionBackwardPostprocess_2", 60.0),
+        ("void at::native::reduce_kernel<sum>", 10.0),
+    ]
+    assert report.phase_of(fa4[3][0]) == "other"
+    rows[0]["cells"]["tuned"]["phases_us"] = phases
+    rows[0]["cells"]["flash-attn-4"]["phases_us"] = report.phase_times([fa4])
+    saved.write_text(json.dumps({"header": header, "rows": rows}))
+    assert report.main(["--render", str(saved)]) == 0
+    text = capsys.readouterr().out
+    assert "## Where the backward's time goes" in text
+    assert "| k1 | 60 | 0 | 700 | 70 | - | 80 | 560 | 60 | 10 | 1.250 | 0.867 |" in text
 
 
 def test_bad_gradient_inputs_are_named():
