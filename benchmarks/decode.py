@@ -7,16 +7,18 @@ flash-attn-4 and cuDNN, per shape of the decode job, in one run.
 Effective TB/s = bytes of K and V / time (a decode call reads them once at the least; the H200's
 measured copy rate is 4.24 TB/s). `tuned` is the config fa4tune.attention would take (its lookup:
 $FA4TUNE_TABLE, $FA4TUNE_DB, else the shipped tables; the rung it came from is shown), `default` the
-kernel family's default config for the problem (config.decode_default: packed GQA, 64-row tiles,
-the wave-efficiency split rule). flash-attn-4 is called with return_lse=True, as fa4tune always
-writes the LSE; cuDNN is torch SDPA without gradients (O only; no column for causal with seqlen_q
-!= seqlen_k, where SDPA's mask is top-left aligned). Every column is first checked against the fp32
-reference (fa4tune's with NaN-poisoned outputs), then timed in interleaved rounds of
-`fa4tune.measure.timing.time_cuda` with the L2 flushed before every run: the median of the rounds'
-medians. O's relative error against the reference is reported per column. Ragged decode problems
-of a job (a paged cache, seqused_k, varlen q: `--job tuning_configs/h200-bf16-serving.yaml`) run on
-their token mix as benchmarks/varlen.py runs them, against flash-attn-4's varlen call with the same
-page table and lengths (no cuDNN column)."""
+kernel family's default config for the problem (config.decode_default: packed GQA, 64-row tiles, the
+wave-efficiency split rule), and `default-ck` the same config with its splits merged by the tile's
+last CTA (`combine_in_kernel`) instead of the combine kernel, on the shapes where the default
+splits: their ratio is the measurement that picks one of the two ways to merge. flash-attn-4 is
+called with return_lse=True, as fa4tune always writes the LSE; cuDNN is torch SDPA without gradients
+(O only; no column for causal with seqlen_q != seqlen_k, where SDPA's mask is top-left aligned).
+Every column is first checked against the fp32 reference (fa4tune's with NaN-poisoned outputs), then
+timed in interleaved rounds of `fa4tune.measure.timing.time_cuda` with the L2 flushed before every
+run: the median of the rounds' medians. O's relative error against the reference is reported per
+column. Ragged decode problems of a job (a paged cache, seqused_k, varlen q: `--job
+tuning_configs/h200-bf16-serving.yaml`) run on their token mix as benchmarks/varlen.py runs them,
+against flash-attn-4's varlen call with the same page table and lengths (no cuDNN column)."""
 
 from __future__ import annotations
 
@@ -38,7 +40,8 @@ from tuning_report import (  # noqa: E402 - the shared measuring helpers
 from fa4tune.kernels.fa4_fwd_sm90.peers import CUDNN, FA4, FA4_O  # noqa: E402
 
 PROG = "benchmarks/decode.py"
-COLUMNS = ("tuned", "default", FA4, FA4_O, CUDNN)
+IN_KERNEL = "default-ck"
+COLUMNS = ("tuned", "default", IN_KERNEL, FA4, FA4_O, CUDNN)
 BIG_KV = 256 * 2**20  # the issue's 3.6 TB/s target holds on shapes whose K/V is at least this
 
 
@@ -57,6 +60,7 @@ def measure(problem, target, kernel, rounds: int) -> dict:
     default = kernel.default_config(problem, target)
     q, k, v = random_inputs(problem, seed=0)
     runners = runners_for(problem, default, found.config, target, q, k, v, kernel)
+    runners[IN_KERNEL] = in_kernel_runner(problem, default, target, q, k, v, kernel)
     cells = verify_and_time(problem, runners, q, k, v, rounds)
     for cell in cells.values():
         if isinstance(cell, dict):
@@ -71,6 +75,21 @@ def measure(problem, target, kernel, rounds: int) -> dict:
         "default_config": default.short(),
         "cells": cells,
     }
+
+
+def in_kernel_runner(problem, default, target, q, k, v, kernel):
+    """The default config with the in-kernel combine, or why there is none for the problem."""
+    from dataclasses import replace
+
+    from tuning_report import fa4tune_runner
+
+    if not default.split:
+        return "n/a (the default does not split)"
+    config = replace(default, combine_in_kernel=True)
+    reasons = kernel.infeasible_reasons(problem, config, target)
+    if reasons:
+        return "refused: " + "; ".join(reasons)
+    return fa4tune_runner(problem, config, target, q, k, v)
 
 
 def tbs(cells, name):
@@ -92,6 +111,8 @@ def summary(rows) -> list[str]:
             best_peer.append(tbs(r["cells"], "tuned") / max(peers))
     vs_fa4 = geomean(ratio(r["cells"], "tuned", FA4) for r in rows)
     vs_default = geomean(ratio(r["cells"], "tuned", "default") for r in rows)
+    in_kernel = [ratio(r["cells"], IN_KERNEL, "default") for r in rows]
+    in_kernel = [x for x in in_kernel if x]
     errors = []
     for r in rows:
         t, f = r["cells"].get("tuned"), r["cells"].get(FA4)
@@ -114,6 +135,10 @@ def summary(rows) -> list[str]:
         "(target ≥ 1.10)",
         f"- O's error, tuned over flash-attn-4's on the same inputs: highest "
         f"**{fmt(max(errors, default=None))}x** (target ≤ 1.1)",
+        f"- The default's splits merged in the kernel (its tiles' last CTAs) against the combine "
+        f"kernel, on the {len(in_kernel)} shapes where the default splits: geometric mean "
+        f"**{fmt(geomean(in_kernel))}x**, lowest {fmt(min(in_kernel, default=None))}x, highest "
+        f"{fmt(max(in_kernel, default=None))}x",
     ]
 
 

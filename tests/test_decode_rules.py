@@ -237,3 +237,41 @@ def test_the_decode_space_searches_the_in_kernel_combine():
     problem = decode()
     alone = FwdConfig.from_dict({"pack_gqa": True, "combine_in_kernel": True}, base=DECODE)
     assert any("needs num_splits > 1" in r for r in space.check(problem, alone, H200))
+
+
+def test_the_decode_report_measures_the_in_kernel_combine_against_the_kernel(monkeypatch):
+    """benchmarks/decode.py's `default-ck` column: the default config with combine_in_kernel where
+    the default splits (a reason where it does not), and the summary's ratio of the two merges."""
+    import importlib.util
+    from pathlib import Path
+
+    benchmarks = Path(__file__).resolve().parent.parent / "benchmarks"
+    monkeypatch.syspath_prepend(str(benchmarks))
+    spec = importlib.util.spec_from_file_location("decode_report", benchmarks / "decode.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    import tuning_report
+
+    made = []
+    monkeypatch.setattr(
+        tuning_report, "fa4tune_runner", lambda problem, config, *a: made.append(config) or "run"
+    )
+    long = Problem(seqlen_q=1, seqlen_k=32768, batch=1, nheads_q=32, nheads_kv=8)
+    default = FAMILY.default_config(long, H200)
+    assert default.split and not default.combine_in_kernel
+    assert report.in_kernel_runner(long, default, H200, None, None, None, FAMILY) == "run"
+    assert made == [FwdConfig.from_dict({"combine_in_kernel": True}, base=default)]
+    wide = Problem(seqlen_q=1, seqlen_k=1024, batch=256, nheads_q=32, nheads_kv=8)
+    unsplit = FAMILY.default_config(wide, H200)
+    assert not unsplit.split
+    assert "does not split" in report.in_kernel_runner(wide, unsplit, H200, *[None] * 3, FAMILY)
+
+    def row(tuned, default, ck):
+        cells = {"tuned": {"tbs": tuned}, "default": {"tbs": default}}
+        cells["default-ck"] = {"tbs": ck} if ck else "n/a (the default does not split)"
+        return {"kv_bytes": 2**30, "cells": cells}
+
+    lines = report.summary([row(3.0, 2.5, 2.75), row(3.0, 3.0, None), row(3.0, 2.0, 1.8)])
+    merge = next(line for line in lines if "merged in the kernel" in line)
+    assert "on the 2 shapes where the default splits" in merge
+    assert "**0.995x**, lowest 0.900x, highest 1.100x" in merge
