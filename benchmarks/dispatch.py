@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -92,6 +93,22 @@ def main() -> int:
     qd = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
     kd, vd = (torch.randn(1, 8192, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     decode_config = dispatch.explain(qd, kd, vd).config
+    # The decode call's prepared launch (what fa4tune.attention calls after its lookup) with the
+    # splits merged by the combine kernel (two launches) and by the tiles' last CTAs (one), the
+    # same config otherwise: the host cost of the second launch.
+    from dataclasses import replace
+
+    from fa4tune.kernels.common.inputs import make_problem
+    from fa4tune.kernels.fa4_fwd_sm90.launch import prepare_launch
+
+    decode_problem = make_problem(qd, kd, vd, False)
+    decode_target = dispatch.device_target(qd.device)[0]
+    merges = {}
+    for in_kernel in (False, True) if decode_config.split else ():
+        merge_config = replace(decode_config, combine_in_kernel=in_kernel)
+        merges[in_kernel] = prepare_launch(
+            decode_problem, merge_config, decode_target, qd, kd, vd, None
+        )
     op = torch.ops.fa4tune.attention.default
     traced = torch.compile(fa4tune.attention, fullgraph=True)
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -127,6 +144,15 @@ def main() -> int:
             q.device, handle
         ),
     }
+    if merges:
+        rows["the decode call's prepared launch, splits merged by the combine kernel"] = partial(
+            merges[False], qd, kd, vd
+        )
+        rows["the same, splits merged by the tiles' last CTAs (combine_in_kernel)"] = partial(
+            merges[True], qd, kd, vd
+        )
+    else:
+        print(f"# {decode_config.short()} does not split: no merge rows", file=sys.stderr)
     try:
         from flash_attn.cute import flash_attn_func
 
