@@ -369,10 +369,14 @@ def stat_positions(rows) -> torch.Tensor:
     return torch.tensor([stat_position(int(r)) for r in rows], dtype=torch.long)
 
 
-def play_preprocess(function, dout, out, lse, dlse, lse2, dsum, scale):
+def play_preprocess(function, dout, out, lse, dlse, lse2, dsum, dq_acc, scale):
     """The preprocessing kernel as the CPU plays it (preprocess.py): D (scaled) and LSE2 of every
-    query row, the padding rows 0 and +inf, each row at its stat_position."""
+    query row, the padding rows 0 and +inf, each row at its stat_position; dQ's accumulator
+    zeroed."""
     seqlen_q = dout.shape[1]
+    assert dq_acc.dtype == torch.float32 and dq_acc.is_contiguous()
+    assert dq_acc.shape[:3] == dout.shape[:3]
+    dq_acc.zero_()
     lse2.fill_(math.inf)
     dsum.zero_()
     d = (dout.float() * out.float()).sum(-1).transpose(1, 2)
@@ -393,6 +397,15 @@ def cpu_backward(monkeypatch):
     monkeypatch.setattr(launch, "compile_preprocess", lambda *a, **k: None)
     monkeypatch.setattr(launch, "run_preprocess", play_preprocess)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    # New floating tensors hold NaN, as the GPU's allocator may hand back anything: the kernels
+    # (played) must write all of every buffer the launch allocates, dQ's accumulator included.
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poisoned(t):
+        return t.fill_(math.nan) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poisoned(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poisoned(empty_like(*a, **k)))
 
     def backward(config, causal, *tensors, dlse=None, scale=None):
         monkeypatch.setattr(launch, "run_kernel", play_kernel(config, causal))
@@ -634,23 +647,31 @@ def test_the_preprocessing_kernel_compiles_without_spills(head_dim, has_dlse, ca
     from cutlass.cute.runtime import make_fake_stream
 
     from fa4tune.kernels.fa4_bwd_sm90.kernel import DTYPES
-    from fa4tune.kernels.fa4_bwd_sm90.preprocess import BackwardPreprocess
+    from fa4tune.kernels.fa4_bwd_sm90.preprocess import BackwardPreprocess, row_lanes
 
-    assert compile_preprocess("bf16", head_dim, has_dlse, H200) is not None  # the launch's
+    assert compile_preprocess("bf16", head_dim, head_dim, has_dlse, H200) is not None  # launch's
     f32, elem = cutlass.Float32, DTYPES["bf16"]
     args = (dynamic_tensor(elem, 4, 16), dynamic_tensor(elem, 4, 16), dynamic_tensor(f32, 3, 4),
             dynamic_tensor(f32, 3, 4) if has_dlse else None, dynamic_tensor(f32, 3, 16),
-            dynamic_tensor(f32, 3, 16), f32(1.0), make_fake_stream())  # fmt: skip
+            dynamic_tensor(f32, 3, 16), dynamic_tensor(f32, 4, 16), f32(1.0),
+            make_fake_stream())  # fmt: skip
     compiled = cute.compile(
-        BackwardPreprocess("bf16", head_dim, has_dlse), *args,
+        BackwardPreprocess("bf16", head_dim, head_dim, has_dlse), *args,
         options=f"remarks{{ptx}} --keep-ptx --dump-dir {tmp_path}",
     )  # fmt: skip
     report = _spill_report("".join(capfd.readouterr()))
     assert all(r == (0, 0, 0) for r in report), report
     ptx = compiled.__ptx__
-    # every lane's columns of dO and O, one warp reduction, D and LSE2 (and the padding's)
-    assert ptx.count("ld.global.b16") == 2 * head_dim // 32
-    assert ptx.count("shfl.sync.bfly") == 5 and ptx.count("st.global.b32") == 4
+    lanes = row_lanes(head_dim)
+    assert lanes in (8, 16, 32) and lanes * 8 >= head_dim > lanes * 4
+    # a lane's 8 columns of dO and of O in one 16-byte load each (no scalar 16-bit loads), its
+    # 16-byte vectors of the accumulator's zeros, a butterfly over the row's lanes, and D and LSE2
+    # (and the padding's) as scalars
+    assert ptx.count("ld.global.v4.b32") == 2 and "ld.global.b16" not in ptx
+    assert ptx.count("st.global.v4.b32") == -(-head_dim // 4 // lanes)
+    assert ptx.count("shfl.sync.bfly") == lanes.bit_length() - 1
+    assert ptx.count("st.global.b32") == 4
+    assert ptx.count("ld.global.b32") == 1 + has_dlse  # the row's LSE (and dLSE)
 
 
 @pytest.mark.parametrize("causal,sq,sk,hq,hkv", [(True, 50, 30, 4, 2), (False, 40, 70, 4, 1)])

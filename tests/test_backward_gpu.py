@@ -225,3 +225,43 @@ def test_a_loss_on_the_lse_too_reaches_the_gradients():
     wants = attention_grads_reference(q, k, v, dout, causal=True, dlse=dlse)
     for t, want in zip((q, k, v), wants):
         assert ((t.grad.float() - want).norm() / want.norm()).item() < 2e-2
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("has_dlse", [False, True])
+def test_the_preprocessing_kernel_writes_every_row_and_zeroes_the_accumulator(head_dim, has_dlse):
+    """preprocess.py alone against its formulas, every output poisoned first: D and LSE2 of each
+    row at its stat_position, the padding rows' 0 and +inf, a row that saw no key, and dQ's
+    accumulator all zeros. Six heads and 1000 queries padded to 1024: a warp's rows straddle two
+    queries (4 rows a warp at head dim 64, 2 at 96 and 128) and the last query's rows the padding;
+    dO and O are views with a row stride past their head dim (as a sliced qkv gives)."""
+    import math
+
+    from fa4tune.kernels.fa4_bwd_sm90.compile import compile_preprocess
+    from fa4tune.kernels.fa4_bwd_sm90.kernel import stat_position
+    from fa4tune.kernels.fa4_bwd_sm90.launch import run_preprocess
+
+    batch, seqlen_q, heads, padded, scale = 2, 1000, 6, 1024, 0.3
+    g = torch.Generator(device="cuda").manual_seed(head_dim)
+    wide = torch.randn(batch, seqlen_q, heads, head_dim + 8, generator=g, device="cuda")
+    dout = wide.to(torch.bfloat16)[..., :head_dim]  # strides multiples of 8, not contiguous
+    out = torch.randn(batch, seqlen_q, heads, head_dim, generator=g, device="cuda").bfloat16()
+    lse = torch.randn(batch, heads, seqlen_q, generator=g, device="cuda")
+    lse[0, 1, 7] = -math.inf  # a row that saw no key
+    dlse = torch.randn(batch, heads, seqlen_q, generator=g, device="cuda") if has_dlse else None
+    lse2, dsum = (torch.full((batch, heads, padded), math.nan, device="cuda") for _ in "ld")
+    dq_acc = torch.full((batch, seqlen_q, heads, head_dim), math.nan, device="cuda")
+    function = compile_preprocess("bf16", head_dim, head_dim, has_dlse, H200)
+    run_preprocess(function, dout, out, lse, dlse, lse2, dsum, dq_acc, scale)
+    torch.cuda.synchronize()
+
+    at = torch.tensor([stat_position(r) for r in range(seqlen_q)], device="cuda")
+    d = (dout.float() * out.float()).sum(-1).transpose(1, 2)  # (batch, heads, seqlen_q)
+    want_d = torch.zeros(batch, heads, padded, device="cuda")
+    want_d[..., at] = scale * (d - dlse if has_dlse else d)
+    want_lse2 = torch.full((batch, heads, padded), math.inf, device="cuda")
+    want_lse2[..., at] = torch.where(lse == -math.inf, math.inf, lse * math.log2(math.e))
+    assert torch.equal(dq_acc, torch.zeros_like(dq_acc))
+    assert torch.equal(lse2, want_lse2)
+    # the same fp32 products, summed in another order
+    assert torch.allclose(dsum, want_d, rtol=1e-5, atol=1e-5), (dsum - want_d).abs().max()

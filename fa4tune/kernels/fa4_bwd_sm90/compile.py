@@ -88,13 +88,14 @@ _PREPROCESS_CACHE: dict[tuple, object] = {}
 
 
 def compile_preprocess(
-    dtype: str, head_dim_v: int, has_dlse: bool, target: Target | str | None = None
+    dtype: str, head_dim_v: int, head_dim: int, has_dlse: bool, target: Target | str | None = None
 ):
     """The preprocessing kernel's compiled host function (preprocess.py) for dO and O of this dtype
-    and head_dim_v, with or without a dLSE (one per process and key; shapes are run-time)."""
+    and head_dim_v, dQ's accumulator of head_dim columns, with or without a dLSE (one per process
+    and key; shapes are run-time)."""
     target = get_target(target)
     dtype = normalize_dtype(dtype)
-    key = (dtype, head_dim_v, bool(has_dlse), target.arch)
+    key = (dtype, head_dim_v, head_dim, bool(has_dlse), target.arch)
     with _CACHE_LOCK:
         hit = _PREPROCESS_CACHE.get(key)
     if hit is not None:
@@ -114,10 +115,11 @@ def compile_preprocess(
         dynamic_tensor(f32, 3, 4) if has_dlse else None,  # dLSE
         dynamic_tensor(f32, 3, 16),  # LSE2
         dynamic_tensor(f32, 3, 16),  # D
+        dynamic_tensor(f32, 4, 16),  # dQ's accumulator
         f32(1.0),  # the softmax scale (run-time)
         make_fake_stream(),
     )
-    function = cute.compile(BackwardPreprocess(dtype, head_dim_v, has_dlse), *args)
+    function = cute.compile(BackwardPreprocess(dtype, head_dim_v, head_dim, has_dlse), *args)
     with _CACHE_LOCK:
         return _PREPROCESS_CACHE.setdefault(key, function)
 

@@ -27,7 +27,7 @@ GQA needs no atomics for dK and dV: a CTA walks every query head of its K/V head
 their contributions in its accumulators. Head dims above 128 go in chunks (config.head_dim_chunk):
 a CTA per K block and chunk of the head dim, S^T and dP^T over all of it, dK, dV and dQ of its
 chunk (produce_chunks puts that chunk first in the shared buffers). Before it the preprocessing
-kernel (preprocess.py) writes LSE2 and D; the launch (launch.py) zeroes the dQ accumulator and
+kernel (preprocess.py) writes LSE2 and D and zeroes the dQ accumulator; the launch (launch.py)
 casts it to dQ after. The softmax scale costs no instruction of its own: not per dQ value in every
 CTA that adds to it, nor in the cast, nor in dK's epilogue."""
 

@@ -3,9 +3,10 @@ config)` -> (dq, dk, dv).
 
 Around the kernel: the preprocessing kernel writes LSE2 = LSE x log2(e) (+inf where a row saw no
 key, so that its P is 0) and D = softmax_scale x rowsum(dO * O) in fp32, both padded to whole Q
-blocks (their TMA rows must start 16-byte aligned); torch zeroes the fp32 dQ accumulator and after
-the kernel casts it to dQ in q's dtype. dK and dV are written by the kernel. With a gradient of the
-LSE (`dlse`, fa4tune.attention returns the LSE), dS gains P x dlse: it enters as D - dlse."""
+blocks (their TMA rows must start 16-byte aligned), and zeroes the fp32 dQ accumulator; after the
+kernel torch casts the accumulator to dQ in q's dtype. dK and dV are written by the kernel. With a
+gradient of the LSE (`dlse`, fa4tune.attention returns the LSE), dS gains P x dlse: it enters as
+D - dlse."""
 
 from __future__ import annotations
 
@@ -128,7 +129,9 @@ def attention_backward(
         raise UnsupportedInput("; ".join(reasons))
     import_dsl(target)
     compiled = compile_backward(config, problem.dtype, problem.head_dim, causal, target)
-    preprocess = compile_preprocess(problem.dtype, problem.head_dim_v, dlse is not None, target)
+    preprocess = compile_preprocess(
+        problem.dtype, problem.head_dim_v, problem.head_dim, dlse is not None, target
+    )
     if dlse is not None:
         dlse = dlse.contiguous()
     batch, seqlen_q, nheads_q, d = q.shape
@@ -137,11 +140,12 @@ def attention_backward(
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
     dout, out = _kernel_ready(dout), _kernel_ready(out)
     with torch.cuda.device(q.device):
-        # LSE2 and D = scale x (rowsum(dO * O) - dLSE), rows padded to the Q tile (preprocess.py).
+        # LSE2 and D = scale x (rowsum(dO * O) - dLSE), rows padded to the Q tile, and dQ's
+        # accumulator zeroed (preprocess.py).
         lse2 = torch.empty((batch, nheads_q, padded), device=q.device)
         dsum = torch.empty((batch, nheads_q, padded), device=q.device)
-        run_preprocess(preprocess, dout, out, lse.contiguous(), dlse, lse2, dsum, scale)
-        dq_acc = torch.zeros((batch, seqlen_q, nheads_q, d), dtype=torch.float32, device=q.device)
+        dq_acc = torch.empty((batch, seqlen_q, nheads_q, d), dtype=torch.float32, device=q.device)
+        run_preprocess(preprocess, dout, out, lse.contiguous(), dlse, lse2, dsum, dq_acc, scale)
         dk, dv = (torch.empty_like(k), torch.empty_like(v)) if grads is None else grads[1:]
         semaphore = None
         if config.deterministic:  # a turn count per Q block and chunk of the head dim
@@ -169,8 +173,10 @@ def _dynamic(t, align: int):
     return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
 
 
-def run_preprocess(function, dout, out, lse, dlse, lse2, dsum, scale: float) -> None:
-    """Launch the preprocessing kernel on the current stream of the tensors' device."""
+def run_preprocess(function, dout, out, lse, dlse, lse2, dsum, dq_acc, scale: float) -> None:
+    """Launch the preprocessing kernel on the current stream of the tensors' device (dout and out
+    as _kernel_ready leaves them: their strides are multiples of 8 elements, which its 16-byte
+    loads take on trust; dq_acc contiguous)."""
     import torch
     from cuda.bindings import driver as cuda
     from cutlass import Float32
@@ -183,6 +189,7 @@ def run_preprocess(function, dout, out, lse, dlse, lse2, dsum, scale: float) -> 
         _dynamic(dlse, 4) if dlse is not None else None,
         _dynamic(lse2, 16),
         _dynamic(dsum, 16),
+        _dynamic(dq_acc, 16),
         Float32(scale),
         stream,
     )

@@ -1,16 +1,20 @@
 """The backward's preprocessing kernel: for every query row of (batch, query, head) it reads dO and
-O once and writes what the main kernel reads per Q block, into buffers of rows padded to the Q
-tile:
+O once, writes what the main kernel reads per Q block into buffers of rows padded to the Q tile,
+and zeroes the row of dQ's fp32 accumulator that the main kernel adds into:
 
     D = softmax_scale x (rowsum(dO * O) - dLSE)   (fp32 products of the 16-bit inputs, summed
                                                    in fp32; the main kernel's dS takes the scale)
     LSE2 = LSE x log2(e)          (+inf where the row saw no key: its P is 0, as exp2(-inf))
+    dQ accumulator row = 0
 
 and, for the padding rows past seqlen_q, D = 0 and LSE2 = +inf; each row at kernel.stat_position
-(the order the main kernel's threads read them in). One warp per row, heads fastest
-(as dO and O lie in memory); each lane multiplies head_dim / 32 adjacent columns, a warp reduction
-sums them. Memory-bound: dO and O are read once (at 16k tokens x hidden 2048, 134 MB: 32 µs at
-4.24 TB/s), against torch's two passes (bf16 products, then their sum) or four (fp32 copies)."""
+(the order the main kernel's threads read them in). A group of lanes per row, a power of two
+(`row_lanes`; heads fastest, as dO and O lie in memory): each lane reads 8 adjacent values of dO
+and of O as one 16-byte load each (the launch passes strides of multiples of 8 elements:
+launch._kernel_ready) and stores 16-byte vectors of zeros; a butterfly over the group sums the
+products. Memory-bound: dO and O read once and the accumulator written once (at 16k tokens x
+hidden 2048 and head dim 64, 134 MB each: 63 µs at 4.24 TB/s), one launch where torch's memset was
+a second."""
 
 from __future__ import annotations
 
@@ -25,25 +29,49 @@ from .kernel import DTYPES, stat_position
 
 WARPS_PER_CTA = 8
 LOG2_E = math.log2(math.e)
+VECTOR_BYTES = 16
+IN_PER_LANE = VECTOR_BYTES // 2  # 16-bit values of dO (and of O) per load
+ACC_PER_VECTOR = VECTOR_BYTES // 4  # fp32 zeros per store
 
 
-def _warp_sum(value):
-    for offset in (16, 8, 4, 2, 1):
-        value = value + cute.arch.shuffle_sync_bfly(value, offset=offset)
-    return value
+def row_lanes(head_dim_v: int) -> int:
+    """Lanes per query row: enough for head_dim_v / 8 loads of 16 bytes each, rounded up to a
+    power of two so that a row's lanes are a butterfly's group (head dims 96 and 192 leave a
+    quarter of them without a load)."""
+    need = -(-head_dim_v // IN_PER_LANE)
+    return 1 << (need - 1).bit_length()
+
+
+def _aligned(tensor: cute.Tensor) -> cute.Tensor:
+    """`tensor` (rank 4, last stride 1) with every other stride known to be a multiple of one
+    16-byte vector's elements, so that an element offset of a row start keeps the pointer's
+    16-byte alignment."""
+    per_vector = VECTOR_BYTES * 8 // tensor.element_type.width
+    s = tensor.stride
+    stride = tuple(cute.assume(s[i], divby=per_vector) for i in range(3)) + (1,)
+    return cute.make_tensor(tensor.iterator, cute.make_layout(tensor.shape, stride=stride))
 
 
 class BackwardPreprocess:
-    """Compile-time: the 16-bit dtype, head_dim_v (of dO and O) and whether a dLSE is given.
-    Shapes (batch, seqlen_q, heads, padded rows) are run-time."""
+    """Compile-time: the 16-bit dtype, head_dim_v (of dO and O), head_dim (of the dQ
+    accumulator) and whether a dLSE is given. Shapes (batch, seqlen_q, heads, padded rows) are
+    run-time."""
 
-    def __init__(self, dtype: str, head_dim_v: int, has_dlse: bool):
-        if head_dim_v % 32:
+    def __init__(self, dtype: str, head_dim_v: int, head_dim: int, has_dlse: bool):
+        if head_dim_v % IN_PER_LANE or head_dim % ACC_PER_VECTOR:
             raise ValueError(
-                f"the preprocessing kernel takes head_dim_v a multiple of 32, not {head_dim_v}"
+                f"the preprocessing kernel takes head_dim_v a multiple of {IN_PER_LANE} and "
+                f"head_dim a multiple of {ACC_PER_VECTOR}, not {head_dim_v} and {head_dim}"
             )
         self.dtype = DTYPES[dtype]
-        self.cols_per_lane = head_dim_v // 32
+        self.head_dim_v = head_dim_v
+        self.head_dim = head_dim
+        self.lanes = row_lanes(head_dim_v)
+        if self.lanes > 32:
+            raise ValueError(f"head_dim_v {head_dim_v} needs more than a warp's lanes per row")
+        self.loads = head_dim_v // IN_PER_LANE  # lanes of a row that load
+        self.zero_vectors = head_dim // ACC_PER_VECTOR  # a row's 16-byte stores of zeros
+        self.rows_per_cta = WARPS_PER_CTA * 32 // self.lanes
         self.has_dlse = has_dlse
 
     @cute.jit
@@ -55,12 +83,15 @@ class BackwardPreprocess:
         mdLSE: cute.Tensor | None,  # (batch, nheads_q, seqlen_q) float32, or None
         mLSE2: cute.Tensor,  # (batch, nheads_q, padded) float32
         mD: cute.Tensor,  # (batch, nheads_q, padded) float32
+        mdQacc: cute.Tensor,  # (batch, seqlen_q, nheads_q, head_dim) float32
         softmax_scale: Float32,
         stream: cuda.CUstream,
     ):
         rows = cute.size(mD.shape[0]) * cute.size(mD.shape[1]) * cute.size(mD.shape[2])
-        self.kernel(mdO, mO, mLSE, mdLSE, mLSE2, mD, softmax_scale).launch(
-            grid=[cute.ceil_div(rows, WARPS_PER_CTA), 1, 1],
+        self.kernel(
+            _aligned(mdO), _aligned(mO), mLSE, mdLSE, mLSE2, mD, _aligned(mdQacc), softmax_scale
+        ).launch(
+            grid=[cute.ceil_div(rows, self.rows_per_cta), 1, 1],
             block=[32 * WARPS_PER_CTA, 1, 1],
             stream=stream,
         )
@@ -74,37 +105,85 @@ class BackwardPreprocess:
         mdLSE: cute.Tensor | None,
         mLSE2: cute.Tensor,
         mD: cute.Tensor,
+        mdQacc: cute.Tensor,
         softmax_scale: Float32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        lane = tidx % 32
-        warp = cute.arch.make_warp_uniform(tidx // 32)
+        lane = tidx % self.lanes  # within the row's group
         batch, nheads, padded = mD.shape[0], mD.shape[1], mD.shape[2]
         seqlen_q = mO.shape[1]
-        row = bidx * WARPS_PER_CTA + warp
-        if row < batch * padded * nheads:
-            head = row % nheads
-            rest = row // nheads
-            query = rest % padded
-            b = rest // padded
-            at = stat_position(query)  # the order the main kernel reads them in
+        row = bidx * self.rows_per_cta + tidx // self.lanes
+        head = row % nheads
+        rest = row // nheads
+        query = rest % padded
+        b = rest // padded
+        # A warp may hold rows of two queries (heads not a multiple of its rows), one of them
+        # padding, or rows past the last: every lane takes part in the butterfly below.
+        live = row < batch * padded * nheads
+        acc = Float32(0.0)
+        lse = Float32(0.0)
+        dlse = Float32(0.0)
+        if live:
             if query < seqlen_q:
-                col0 = lane * self.cols_per_lane
-                acc = Float32(0.0)
-                for c in cutlass.range_constexpr(self.cols_per_lane):
-                    do = mdO[b, query, head, col0 + c].to(Float32)
-                    acc = acc + do * mO[b, query, head, col0 + c].to(Float32)
-                acc = _warp_sum(acc)
-                if lane == 0:
-                    if const_expr(self.has_dlse):
-                        acc = acc - mdLSE[b, head, query]
-                    mD[b, head, at] = acc * softmax_scale
+                if lane == 0:  # read with dO and O, not a memory latency after them
                     lse = mLSE[b, head, query]
+                    if const_expr(self.has_dlse):
+                        dlse = mdLSE[b, head, query]
+                if const_expr(self.loads == self.lanes):
+                    acc = self._products(mdO, mO, b, query, head, lane)
+                else:
+                    if lane < self.loads:
+                        acc = self._products(mdO, mO, b, query, head, lane)
+                self._zero(mdQacc, b, query, head, lane)
+        for step in cutlass.range_constexpr(self.lanes.bit_length() - 1):
+            acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=self.lanes >> (step + 1))
+        if live:
+            if lane == 0:
+                at = stat_position(query)  # the order the main kernel reads them in
+                if query < seqlen_q:
+                    if const_expr(self.has_dlse):
+                        acc = acc - dlse
+                    mD[b, head, at] = acc * softmax_scale
                     lse2 = Float32.inf
                     if lse != -Float32.inf:
                         lse2 = lse * LOG2_E
                     mLSE2[b, head, at] = lse2
-            elif lane == 0:
-                mD[b, head, at] = Float32(0.0)
-                mLSE2[b, head, at] = Float32.inf
+                else:
+                    mD[b, head, at] = Float32(0.0)
+                    mLSE2[b, head, at] = Float32.inf
+
+    @cute.jit
+    def _products(self, mdO: cute.Tensor, mO: cute.Tensor, b, query, head, lane) -> Float32:
+        """The sum of this lane's 8 products dO x O of the row, in fp32."""
+        dO = cute.make_rmem_tensor(IN_PER_LANE, self.dtype)
+        o = cute.make_rmem_tensor(IN_PER_LANE, self.dtype)
+        first = lane * IN_PER_LANE
+        cute.autovec_copy(self._vector(mdO, b, query, head, first, IN_PER_LANE), dO)
+        cute.autovec_copy(self._vector(mO, b, query, head, first, IN_PER_LANE), o)
+        acc = Float32(0.0)
+        for c in cutlass.range_constexpr(IN_PER_LANE):
+            acc = acc + dO[c].to(Float32) * o[c].to(Float32)
+        return acc
+
+    @cute.jit
+    def _zero(self, mdQacc: cute.Tensor, b, query, head, lane):
+        """This lane's 16-byte vectors of zeros in the row of dQ's accumulator."""
+        zeros = cute.make_rmem_tensor(ACC_PER_VECTOR, Float32)
+        zeros.fill(0.0)
+        for j in cutlass.range_constexpr(-(-self.zero_vectors // self.lanes)):
+            vector = j * self.lanes + lane
+            target = self._vector(mdQacc, b, query, head, vector * ACC_PER_VECTOR, ACC_PER_VECTOR)
+            if const_expr((j + 1) * self.lanes <= self.zero_vectors):
+                cute.autovec_copy(zeros, target)
+            else:
+                if vector < self.zero_vectors:
+                    cute.autovec_copy(zeros, target)
+
+    @cute.jit
+    def _vector(self, tensor: cute.Tensor, b, query, head, first, size: cutlass.Constexpr[int]):
+        """The `size` values of row (b, query, head) from column `first` on, one 16-byte vector
+        (the row's start and `first` are multiples of a vector: _aligned)."""
+        offset = cute.assume(cute.crd2idx((b, query, head, first), tensor.layout), divby=size)
+        pointer = (tensor.iterator + offset).align(VECTOR_BYTES)
+        return cute.make_tensor(pointer, cute.make_layout(size))
