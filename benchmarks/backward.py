@@ -53,7 +53,7 @@ PHASES = (
     ("zero", "emset"),
     ("cast", "copy"),
 )
-PROFILED_CALLS = 5
+PROFILED_CALLS = 3
 
 
 def phase_of(kernel: str) -> str:
