@@ -74,19 +74,14 @@ BARRIER_DQ_SLICE_EMPTY = 10  # the dQ warp's reduction has read the slice: it ma
 DQ_WARP = 1  # the producer warpgroup's warp that issues the dQ reductions (dq_warp)
 
 
-@dsl_user_op
-def red_add_f32x2(pointer, a: Float32, b: Float32, *, loc=None, ip=None) -> None:
-    """Atomically add (a, b) to the two fp32 values at `pointer` (8-byte aligned), one vector
-    reduction in L2 (sm_90)."""
+def _reduce(instruction: str, constraints: str, operands: list) -> None:
+    """One PTX reduction into global memory (no result): `operands` are the IR values of the
+    address and of what it adds."""
     llvm.inline_asm(
         None,
-        [
-            pointer.toint(loc=loc, ip=ip).ir_value(),
-            Float32(a).ir_value(loc=loc, ip=ip),
-            Float32(b).ir_value(loc=loc, ip=ip),
-        ],
-        "red.global.add.v2.f32 [$0], {$1, $2};",
-        "l,f,f",
+        operands,
+        instruction,
+        constraints,
         has_side_effects=True,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
@@ -94,16 +89,27 @@ def red_add_f32x2(pointer, a: Float32, b: Float32, *, loc=None, ip=None) -> None
 
 
 @dsl_user_op
+def red_add_f32x2(pointer, a: Float32, b: Float32, *, loc=None, ip=None) -> None:
+    """Atomically add (a, b) to the two fp32 values at `pointer` (8-byte aligned), one vector
+    reduction in L2 (sm_90)."""
+    _reduce(
+        "red.global.add.v2.f32 [$0], {$1, $2};",
+        "l,f,f",
+        [
+            pointer.toint(loc=loc, ip=ip).ir_value(),
+            Float32(a).ir_value(loc=loc, ip=ip),
+            Float32(b).ir_value(loc=loc, ip=ip),
+        ],
+    )
+
+
+@dsl_user_op
 def red_add_f32(pointer, a: Float32, *, loc=None, ip=None) -> None:
     """Atomically add a to the fp32 value at `pointer`, a reduction in L2."""
-    llvm.inline_asm(
-        None,
-        [pointer.toint(loc=loc, ip=ip).ir_value(), Float32(a).ir_value(loc=loc, ip=ip)],
+    _reduce(
         "red.global.add.f32 [$0], $1;",
         "l,f",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
+        [pointer.toint(loc=loc, ip=ip).ir_value(), Float32(a).ir_value(loc=loc, ip=ip)],
     )
 
 
@@ -126,14 +132,10 @@ def load_acquire(pointer, *, loc=None, ip=None) -> Int32:
 @dsl_user_op
 def release_add(pointer, value: Int32, *, loc=None, ip=None) -> None:
     """Add to an int32 with release semantics at GPU scope (a semaphore's turn passed on)."""
-    llvm.inline_asm(
-        None,
-        [pointer.toint(loc=loc, ip=ip).ir_value(), Int32(value).ir_value(loc=loc, ip=ip)],
+    _reduce(
         "red.release.gpu.global.add.s32 [$0], $1;",
         "l,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
+        [pointer.toint(loc=loc, ip=ip).ir_value(), Int32(value).ir_value(loc=loc, ip=ip)],
     )
 
 
