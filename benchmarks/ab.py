@@ -2,12 +2,13 @@
 change, timed side by side.
 
     python benchmarks/ab.py --set q_stages=2 [--set wg_epilogue=true] [--kernel fa4_fwd_sm90]
-                            [--shapes 64:1024,128:4096:causal] [--table PATH] [--rounds 3]
-                            [--jobs 8] [--json out.json]
+                            [--shapes 64:1024,128:4096:causal | --job JOB.yaml [--match TEXT]]
+                            [--table PATH] [--rounds 3] [--jobs 8] [--json out.json]
 
 Shapes are 'head_dim:seqlen[:causal][:gN]' at 16k tokens and hidden 2048 (gN: N query heads per K/V
 head; benchmarks/attention.py); the default list is the tuning grid (head dims 64 and 128 at 1k, 4k,
-16k, causal and not). `tuned` is the config fa4tune.attention looks up (FA4TUNE_TABLE, FA4TUNE_DB,
+16k, causal and not). `--job` takes a tuning job's problems instead (decode, ragged: any the job's
+kernel family has), `--match` keeps those whose key holds the text (repeatable: any of them). `tuned` is the config fa4tune.attention looks up (FA4TUNE_TABLE, FA4TUNE_DB,
 else the shipped tables, or --table); the table says how it was found (exact, bucket, nearest,
 other-dtype, default) and whether it is stale or an estimate. A variant the feasibility rules
 refuse, one that is the base itself (the base already has the change) and one that fails to compile
@@ -69,6 +70,30 @@ def parse_changes(items: list[str], kernel: str = "fa4_fwd_sm90") -> dict:
         except family.config_error as exc:
             raise ValueError(f"--set {item!r}: {exc}") from None
     return changes
+
+
+def job_problems(path: str, matches: list[str], kernel: str) -> list:
+    """The problems of the tuning job at `path` whose key holds one of `matches` (all without
+    any); a ValueError saying what is wrong with the job, its kernel or the matches."""
+    from fa4tune.errors import Fa4tuneError
+    from fa4tune.tune.job import load_job
+
+    try:
+        job = load_job(path)
+    except (OSError, Fa4tuneError) as exc:
+        raise ValueError(f"--job {path}: {exc}") from None
+    if job.kernel.name != kernel:
+        raise ValueError(
+            f"--job {path} tunes {job.kernel.name}, not --kernel {kernel}: give --kernel "
+            f"{job.kernel.name}"
+        )
+    problems = [p for p in job.problems if not matches or any(m in p.key() for m in matches)]
+    if not problems:
+        raise ValueError(
+            f"--match {' '.join(matches)}: none of the job's {len(job.problems)} problems has it "
+            f"in its key (e.g. {job.problems[0].key()})"
+        )
+    return problems
 
 
 def columns_for(problem, default, tuned, changes: dict, target, kernel: str = "fa4_fwd_sm90"):
@@ -177,7 +202,11 @@ def main(argv=None) -> int:
         "--set", action="append", default=[], metavar="KNOB=VALUE", help="the change (repeatable)"
     )
     ap.add_argument(
-        "--shapes", default=GRID_SHAPES, help="comma-separated head_dim:seqlen[:causal][:gN]"
+        "--shapes", default=None, help="comma-separated head_dim:seqlen[:causal][:gN]"
+    )
+    ap.add_argument("--job", default=None, help="a tuning job whose problems to use instead")
+    ap.add_argument(
+        "--match", action="append", default=[], help="with --job: keep problems whose key has it"
     )
     ap.add_argument("--kernel", default="fa4_fwd_sm90", help="the kernel family whose knob changes")
     ap.add_argument("--table", default=None, help="table file/dir or results DB for `tuned`")
@@ -191,7 +220,19 @@ def main(argv=None) -> int:
         print(f"ab: {exc}", file=sys.stderr)
         return 2
     problems = []
-    for spec in (s for s in args.shapes.split(",") if s):
+    if args.job is not None and args.shapes is not None:
+        print("ab: give --shapes or --job, not both", file=sys.stderr)
+        return 2
+    if args.match and args.job is None:
+        print("ab: --match filters a --job's problems: give --job", file=sys.stderr)
+        return 2
+    if args.job is not None:
+        try:
+            problems = job_problems(args.job, args.match, args.kernel)
+        except ValueError as exc:
+            print(f"ab: {exc}", file=sys.stderr)
+            return 2
+    for spec in (s for s in (args.shapes or ("" if args.job else GRID_SHAPES)).split(",") if s):
         try:
             problems.append(parse_shape(spec))
         except (ValueError, IndexError) as exc:  # a bad number, a missing part, or a ProblemError

@@ -204,3 +204,47 @@ def test_compile_all_builds_and_loads_each_family_for_sm90a(kernel, tmp_path, mo
     config = family.default_config(problem, H200)
     assert ab.compile_all([(problem, config)], family, H200, tmp_path, 1) == {}
     assert list(tmp_path.glob("*.o"))
+
+
+def test_a_jobs_problems_can_be_taken_and_filtered():
+    job = str(REPO / "tuning_configs" / "h200-bf16-decode.yaml")
+    problems = ab.job_problems(job, ["d64x64-full-q1-k131072"], "fa4_fwd_sm90")
+    assert [p.key() for p in problems] == ["bf16-d64x64-full-q1-k131072-b1-h32x8"]
+    assert len(ab.job_problems(job, ["k131072", "k4096-b64"], "fa4_fwd_sm90")) == 8
+    with pytest.raises(ValueError, match="none of the job's 17 problems"):
+        ab.job_problems(job, ["k999"], "fa4_fwd_sm90")
+    train = str(REPO / "tuning_configs" / "h200-bf16-train.yaml")
+    with pytest.raises(ValueError, match="tunes fa4_bwd_sm90, not --kernel fa4_fwd_sm90"):
+        ab.job_problems(train, [], "fa4_fwd_sm90")
+    with pytest.raises(ValueError, match="--job nope.yaml"):
+        ab.job_problems("nope.yaml", [], "fa4_fwd_sm90")
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--shapes", "64:1024", "--job", "x.yaml"], "not both"),
+        (["--match", "k4096"], "give --job"),
+        (["--job", "nope.yaml"], "--job nope.yaml"),
+    ],
+)
+def test_job_arguments_are_checked(argv, message, capsys):
+    assert ab.main(["--set", "num_splits=4", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_decode_problems_columns_take_the_change(monkeypatch, capsys):
+    import torch
+
+    job = str(REPO / "tuning_configs" / "h200-bf16-decode.yaml")
+    problem = ab.job_problems(job, ["d64x64-full-q1-k131072"], "fa4_fwd_sm90")[0]
+    from fa4tune.kernels import get_kernel
+    from fa4tune.target import get_target
+
+    kernel, target = get_kernel("fa4_fwd_sm90"), get_target("H200")
+    default = kernel.default_config(problem, target)
+    columns = ab.columns_for(problem, default, default, {"num_splits": 4}, target)
+    assert columns["default+"].num_splits == 4 and default.num_splits != 4
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert ab.main(["--set", "num_splits=4", "--job", job, "--match", "k131072-b1-h32x8"]) == 2
+    assert "needs an NVIDIA GPU" in capsys.readouterr().err
