@@ -8,8 +8,9 @@ change, timed side by side.
 Shapes are 'head_dim:seqlen[:causal][:gN]' at 16k tokens and hidden 2048 (gN: N query heads per K/V
 head; benchmarks/attention.py); the default list is the tuning grid (head dims 64 and 128 at 1k, 4k,
 16k, causal and not). `--job` takes a tuning job's problems instead (decode, ragged: any the job's
-kernel family has), `--match` keeps those whose key holds the text (repeatable: any of them). `tuned` is the config fa4tune.attention looks up (FA4TUNE_TABLE, FA4TUNE_DB,
-else the shipped tables, or --table); the table says how it was found (exact, bucket, nearest,
+kernel family has), `--match` keeps those whose key holds the text (repeatable: any of them).
+`tuned` is the config fa4tune.attention looks up (FA4TUNE_TABLE, FA4TUNE_DB, else the shipped
+tables, or --table); the table says how it was found (exact, bucket, nearest,
 other-dtype, default) and whether it is stale or an estimate. A variant the feasibility rules
 refuse, one that is the base itself (the base already has the change) and one that fails to compile
 are listed as such, not timed, and left out of the geometric means. The kernels compile first, in a
@@ -201,9 +202,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--set", action="append", default=[], metavar="KNOB=VALUE", help="the change (repeatable)"
     )
-    ap.add_argument(
-        "--shapes", default=None, help="comma-separated head_dim:seqlen[:causal][:gN]"
-    )
+    ap.add_argument("--shapes", default=None, help="comma-separated head_dim:seqlen[:causal][:gN]")
     ap.add_argument("--job", default=None, help="a tuning job whose problems to use instead")
     ap.add_argument(
         "--match", action="append", default=[], help="with --job: keep problems whose key has it"
