@@ -671,21 +671,28 @@ def test_a_split_that_would_hang_is_refused(monkeypatch):
     assert any("setmaxnreg.inc would wait for ever" in r for r in reasons), reasons
 
 
-@pytest.mark.parametrize("head_dim_v", [64, 128, 256])
-def test_the_combine_kernel_loads_several_splits_at_once_without_spills(
+@pytest.mark.parametrize("head_dim_v", [64, 96, 128, 192, 256])
+def test_the_combine_kernel_copies_a_group_of_splits_at_once_without_spills(
     head_dim_v, capfd, tmp_path
 ):
-    """The split-KV combine kernel (combine.py) for sm_90a: no spills, and its loop over the splits'
-    O unrolled SPLITS_IN_FLIGHT times (each split a LSE and head_dim_v / 32 columns per lane), so
-    that ptxas can issue the next splits' loads before this split's FFMAs: the PTX holds the
-    unrolled body and the remainder's, not one split's loads per trip."""
+    """The split-KV combine kernel (combine.py) for sm_90a: no spills; the LSE partials read once
+    (LSE_PER_LANE scalar loads a lane, the only global loads: not a pass for the max, one for the
+    sum and one per split with O); and O's partials copied in with cp.async as wide as a lane's
+    columns allow (16 bytes at head_dim_v 128 and 256), every copy of a group of
+    splits_in_flight splits issued before the one wait (loads into registers had ptxas keep
+    about 8 splits in flight, whatever the unroll: a memory round trip per 8 splits)."""
     from fa4tune.kernels.common.dsl import dynamic_tensor, import_dsl
 
     cute = import_dsl(get_target("H200"))
     import cutlass
     from cutlass.cute.runtime import make_fake_stream
 
-    from fa4tune.kernels.fa4_fwd_sm90.combine import SPLITS_IN_FLIGHT, SplitCombine
+    from fa4tune.kernels.fa4_fwd_sm90.combine import (
+        LSE_PER_LANE,
+        SplitCombine,
+        lane_vector_bytes,
+        splits_in_flight,
+    )
     from fa4tune.kernels.fa4_fwd_sm90.kernel import DTYPES
 
     f32 = cutlass.Float32
@@ -703,6 +710,32 @@ def test_the_combine_kernel_loads_several_splits_at_once_without_spills(
     report = _spill_report("".join(capfd.readouterr()))
     assert all(r == (0, 0, 0) for r in report), report
     ptx = compiled.__ptx__
-    loads = len(re.findall(r"ld\.global(?:\.nc)?\.(?:b32|f32)", ptx))
-    per_split = head_dim_v // 32 + 1  # O's columns of a lane and the split's LSE
-    assert loads >= (SPLITS_IN_FLIGHT + 1) * per_split, loads
+    width = lane_vector_bytes(head_dim_v)
+    copies = [
+        (m.start(), int(m.group(1)))
+        for m in re.finditer(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], (\d+)", ptx)
+    ]
+    per_split = head_dim_v // 32 * 4 // width
+    assert [size for _, size in copies] == [width] * splits_in_flight(head_dim_v) * per_split
+    waits = [m.start() for m in re.finditer(r"cp\.async\.wait_group", ptx)]
+    assert len(waits) == 1 and all(at < waits[0] for at, _ in copies)
+    loads = re.findall(r"ld\.global(?:\.nc)?(?:\.v\d)?\.\w+", ptx)
+    assert loads == ["ld.global.b32"] * LSE_PER_LANE, loads
+
+
+def test_the_combine_kernel_holds_every_split_count():
+    """A lane keeps LSE_PER_LANE of a row's LSE partials and the weights' buffer has MAX_SPLITS:
+    enough for the largest split count of the config's domain; a group of splits' O fits
+    GROUP_BYTES."""
+    from fa4tune.kernels.fa4_fwd_sm90.combine import (
+        GROUP_BYTES,
+        LSE_PER_LANE,
+        MAX_SPLITS,
+        splits_in_flight,
+    )
+    from fa4tune.kernels.fa4_fwd_sm90.config import KNOBS
+
+    assert MAX_SPLITS == max(KNOBS["num_splits"]) <= 32 * LSE_PER_LANE
+    dims = (64, 96, 128, 192, 256)
+    assert [splits_in_flight(d) for d in dims] == [64, 32, 32, 16, 16]
+    assert all(splits_in_flight(d) * d * 4 <= GROUP_BYTES for d in dims)
