@@ -187,6 +187,11 @@ COMBINE_CASES = [case for case in CASES if case[0].get("num_splits", 1) > 1] + [
     ({"pack_gqa": True, "num_splits": 12}, 2, 1, 5000, 32, 8, 128, False),
     ({"tile_m": 128, "pack_gqa": True, "num_splits": 12}, 1, 16, 5000, 64, 8, 64, True),
     (THREE_WARPGROUPS, 1, 1, 3000, 32, 8, 128, False),
+    # The combine kernel's groups of splits copied in at once (combine.splits_in_flight): two
+    # groups of 64 at hd64, of 32 with 4-byte copies at hd96, of 16 with 8-byte copies at hd192.
+    ({"pack_gqa": True, "num_splits": 128}, 1, 1, 20000, 32, 8, 64, False),
+    ({"pack_gqa": True, "num_splits": 48}, 1, 1, 9000, 16, 4, 96, False),
+    ({"tile_n": 64, "pack_gqa": True, "num_splits": 24}, 1, 1, 5000, 16, 2, 192, False),
     (
         {"tile_m": 64, "tile_n": 64, "num_stages": 2, "pack_gqa": True, "num_splits": 3},
         2,
