@@ -18,7 +18,16 @@ timed in interleaved rounds of `fa4tune.measure.timing.time_cuda` with the L2 fl
 run: the median of the rounds' medians. O's relative error against the reference is reported per
 column. Ragged decode problems of a job (a paged cache, seqused_k, varlen q: `--job
 tuning_configs/h200-bf16-serving.yaml`) run on their token mix as benchmarks/varlen.py runs them,
-against flash-attn-4's varlen call with the same page table and lengths (no cuDNN column)."""
+against flash-attn-4's varlen call with the same page table and lengths (no cuDNN column).
+
+Where the call's time goes: after the timed rounds, the tuned column and `default-ck` run again
+under torch.profiler (benchmarks/kernel_phases.py: CUDA activity only, the L2 flushed before each
+of PROFILED_CALLS calls, outside the profile). Each GPU kernel's time is summed by phase (`PHASES`:
+the forward kernel, the split-KV combine kernel, other) and the call's span runs from its first
+kernel's start to its last kernel's end; of both the median over the calls. A kernel's time
+excludes the gaps between launches, the span includes them (and counts once the stretch where the
+combine kernel, started early by programmatic dependent launch, runs beside the forward kernel).
+They go into the cells of the JSON. Ragged problems are not profiled."""
 
 from __future__ import annotations
 
@@ -27,6 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import kernel_phases  # noqa: E402 - where a call's GPU time goes (shared with backward.py)
 from tuning_report import (  # noqa: E402 - the shared measuring helpers
     geomean,
     gqa_native,
@@ -43,6 +53,12 @@ PROG = "benchmarks/decode.py"
 IN_KERNEL = "default-ck"
 COLUMNS = ("tuned", "default", IN_KERNEL, FA4, FA4_O, CUDNN)
 BIG_KV = 256 * 2**20  # the issue's 3.6 TB/s target holds on shapes whose K/V is at least this
+# (phase, a piece of the GPU kernel's name), as kernel_phases takes them: the CuTe DSL names a
+# kernel `kernel_cutlass_kernel_<its class's module path and name>_object_at__<arguments>_<n>`,
+# here ...fa4_fwd_sm90kernelFlashForwardSm90... (the forward kernel, kernel.py, split or not) and
+# ...fa4_fwd_sm90combineSplitCombine... (the split-KV combine, combine.py).
+PHASES = (("combine", "SplitCombine"), ("main", "FlashForwardSm90"))
+PROFILED = ("tuned", IN_KERNEL)  # the columns whose calls are profiled after the timed rounds
 
 
 def measure(problem, target, kernel, rounds: int) -> dict:
@@ -67,6 +83,7 @@ def measure(problem, target, kernel, rounds: int) -> dict:
             cell["tbs"] = problem.kv_bytes / (cell["ms"] * 1e-3) / 1e12
     if isinstance(cells.get(CUDNN), dict) and not gqa_native(runners):
         cells[CUDNN]["note"] = "K/V heads repeated"
+    profile_columns(runners, cells)
     return {
         "key": problem.key(),
         "kv_bytes": problem.kv_bytes,
@@ -75,6 +92,19 @@ def measure(problem, target, kernel, rounds: int) -> dict:
         "default_config": default.short(),
         "cells": cells,
     }
+
+
+def profile_columns(runners, cells) -> None:
+    """After the timed rounds: each column of PROFILED that was timed gets its phases and span
+    (kernel_phases.profile_call, PHASES) in its cell; the others are left as they are."""
+    from fa4tune.measure.timing import L2Flusher
+
+    profiled = [name for name in PROFILED if isinstance(cells.get(name), dict)]
+    if not profiled:
+        return
+    flusher = L2Flusher()
+    for name in profiled:
+        cells[name].update(kernel_phases.profile_call(runners[name], flusher, PHASES))
 
 
 def in_kernel_runner(problem, default, target, q, k, v, kernel):

@@ -1,4 +1,4 @@
-"""Where one call's GPU time goes, for the benchmarks that show it (backward.py).
+"""Where one call's GPU time goes, for the benchmarks that show it (backward.py, decode.py).
 
 A call is run PROFILED_CALLS times under torch.profiler (CUDA activity only), the L2 flushed before
 each run outside the profile. Of each run: every GPU kernel's (and memset's or copy's) name, start
