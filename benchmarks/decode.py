@@ -27,7 +27,8 @@ the forward kernel, the split-KV combine kernel, other) and the call's span runs
 kernel's start to its last kernel's end; of both the median over the calls. A kernel's time
 excludes the gaps between launches, the span includes them (and counts once the stretch where the
 combine kernel, started early by programmatic dependent launch, runs beside the forward kernel).
-They go into the cells of the JSON. Ragged problems are not profiled."""
+The report sets them beside the floor (K/V bytes at the copy rate) and the timed median. Ragged
+problems are not profiled."""
 
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ PROG = "benchmarks/decode.py"
 IN_KERNEL = "default-ck"
 COLUMNS = ("tuned", "default", IN_KERNEL, FA4, FA4_O, CUDNN)
 BIG_KV = 256 * 2**20  # the issue's 3.6 TB/s target holds on shapes whose K/V is at least this
+COPY_TBS = 4.24  # the H200's measured copy rate: the floor of a call that reads K and V once
 # (phase, a piece of the GPU kernel's name), as kernel_phases takes them: the CuTe DSL names a
 # kernel `kernel_cutlass_kernel_<its class's module path and name>_object_at__<arguments>_<n>`,
 # here ...fa4_fwd_sm90kernelFlashForwardSm90... (the forward kernel, kernel.py, split or not) and
@@ -186,7 +188,7 @@ def render(rows, header: dict) -> str:
         f"nvidia-cutlass-dsl {header['dsl']}, flash-attn-4 {header['fa4']}; kernel hash "
         f"{header['kernel_hash'][:12]}. Written by `benchmarks/decode.py --rounds "
         f"{header['rounds']}` (its docstring says how each column is run, checked and timed). "
-        "Effective TB/s = bytes of K and V / median time; the copy rate is 4.24 TB/s.",
+        f"Effective TB/s = bytes of K and V / median time; the copy rate is {COPY_TBS} TB/s.",
         "",
         "## Summary",
         "",
@@ -218,7 +220,64 @@ def render(rows, header: dict) -> str:
             + "".join(f" | {x:.3f}" if x else " | -" for x in ratios)
             + f" | {err[0]} | {err[1]} |"
         )
+    lines += phase_lines(rows)
     return "\n".join(lines) + "\n"
+
+
+def phase_lines(rows) -> list[str]:
+    """The table of where the decode call's time goes: a line per problem for the tuned column and
+    one for `default-ck` where it was timed; '-' where a column has no profile (a ragged problem,
+    or a JSON written before the profile), combine '-' where no combine kernel ran. Nothing when no
+    row has a profile."""
+
+    def profiled(cell):
+        return isinstance(cell, dict) and "phases_us" in cell
+
+    if not any(profiled(r["cells"].get(name)) for r in rows for name in PROFILED):
+        return []
+
+    def us(x):
+        return f"{x:.1f}" if x is not None else "-"
+
+    lines = [
+        "",
+        "## Where the decode call's time goes",
+        "",
+        f"GPU time per kernel in µs, the median of {kernel_phases.PROFILED_CALLS} calls under "
+        "torch.profiler (L2 flushed before each), of the tuned column and of `default-ck` (its "
+        "splits merged in the kernel: no combine kernel). main: the forward kernel; combine: the "
+        "split-KV combine kernel, launched early as the main kernel's programmatic dependent (its "
+        "time can include its wait for the main kernel's end); other: any other kernel. A "
+        "kernel's time excludes the gaps between launches; the span (first kernel's start to last "
+        "kernel's end) includes them, so span - main is what the call costs beyond its main "
+        f"kernel. Floor: K/V bytes at the copy rate ({COPY_TBS} TB/s); timed: the column's "
+        "median in the timed rounds, between CUDA events around the call; main TB/s: K/V bytes / "
+        "main.",
+        "",
+        "| problem | column | K/V MiB | floor µs | main µs | combine µs | other µs | span µs "
+        "| timed µs | main TB/s |",
+        "|" + "---|" * 10,
+    ]
+    for r in rows:
+        floor = r["kv_bytes"] / (COPY_TBS * 1e12) * 1e6
+        for name in PROFILED:
+            cell = r["cells"].get(name)
+            if name != "tuned" and not isinstance(cell, dict):
+                continue  # not timed here (the default does not split, or it failed)
+            timed = cell["ms"] * 1e3 if isinstance(cell, dict) and "ms" in cell else None
+            main = combine = other = span = rate = None
+            if profiled(cell):
+                phases = cell["phases_us"]
+                main, combine = phases.get("main"), phases.get("combine")
+                other = sum(v for k, v in phases.items() if k not in ("main", "combine"))
+                span = cell.get("span_us")
+                rate = r["kv_bytes"] / (main * 1e-6) / 1e12 if main else None
+            lines.append(
+                f"| {r['key']} | {name} | {r['kv_bytes'] / 2**20:.0f} | {floor:.1f} | "
+                + " | ".join(us(x) for x in (main, combine, other, span, timed))
+                + f" | {f'{rate:.2f}' if rate else '-'} |"
+            )
+    return lines
 
 
 def main(argv=None) -> int:

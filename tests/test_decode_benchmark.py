@@ -1,8 +1,10 @@
 """benchmarks/decode.py's profile of a decode call without a GPU: its kernels' names sorted into
 phases (the names the CuTe DSL gives the compiled kernels, on the CPU), which columns are profiled
-(the GPU parts replaced by fakes)."""
+(the GPU parts replaced by fakes), and the table of where the call's time goes, rendered from a
+JSON like one a GPU run writes."""
 
 import importlib.util
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -130,3 +132,88 @@ def test_the_tuned_and_in_kernel_columns_are_profiled_after_timing(report, monke
     row = report.measure(GQA, H200, FAMILY, rounds=1)
     assert profiled == [] and flushers == [1]
     assert row["cells"]["tuned"] == "error: X"
+
+
+def cell(ms, phases=None, span=None):
+    tbs = 2**28 / (ms * 1e-3) / 1e12
+    got = {"ms": ms, "tbs": tbs, "out_error": 2e-3}
+    if phases is not None:
+        got.update(phases_us=phases, span_us=span)
+    return got
+
+
+def test_the_time_table_renders_main_combine_other_and_span(report, tmp_path, capsys):
+    header = {"date": "d", "gpu": "NVIDIA H200", "target": "H200", "torch": "2.11", "dsl": "4.8.1",
+              "fa4": "b36", "kernel_hash": "0123456789ab", "rounds": 2}  # fmt: skip
+    gqa_bytes, mqa_bytes = GQA.kv_bytes, MQA.kv_bytes
+    assert (gqa_bytes, mqa_bytes) == (2**28, 2**26)
+    rows = [
+        {  # split with the combine kernel; default-ck profiled too (one launch: no combine)
+            "key": GQA.key(),
+            "kv_bytes": gqa_bytes,
+            "tuned_config": "t",
+            "tuned_source": "exact",
+            "default_config": "d",
+            "cells": {
+                "tuned": cell(0.082, {"main": 64.0, "combine": 12.0, "other": 1.0}, 80.0),
+                "default": cell(0.084),
+                "default-ck": cell(0.09, {"main": 88.0}, 88.0),
+                "flash-attn-4": cell(0.5),
+            },
+        },
+        {  # a tuned config that does not split, and no default-ck column
+            "key": "unsplit",
+            "kv_bytes": mqa_bytes,
+            "tuned_config": "t",
+            "tuned_source": "exact",
+            "default_config": "d",
+            "cells": {
+                "tuned": cell(0.0466, {"main": 40.0}, 40.0),
+                "default-ck": "n/a (the default does not split)",
+            },
+        },
+        {  # measured before the profile (or ragged): no phases
+            "key": "old",
+            "kv_bytes": mqa_bytes,
+            "tuned_config": "t",
+            "tuned_source": "exact",
+            "default_config": "d",
+            "cells": {"tuned": cell(0.05), "default-ck": cell(0.06)},
+        },
+        {  # the tuned column failed its check
+            "key": "failed",
+            "kv_bytes": mqa_bytes,
+            "tuned_config": "t",
+            "tuned_source": "exact",
+            "default_config": "d",
+            "cells": {"tuned": "wrong (O)"},
+        },
+    ]
+    saved = tmp_path / "decode.json"
+    saved.write_text(json.dumps({"header": header, "rows": rows}))
+    assert report.main(["--render", str(saved)]) == 0
+    text = capsys.readouterr().out
+    assert "the copy rate is 4.24 TB/s." in text  # the report's text as before
+    per_shape, times = text.split("## Per shape")[1].split("## Where the decode call's time goes")
+    assert per_shape.count(f"| {GQA.key()} | 256 |") == 1  # the per-shape table comes first
+    assert "| problem | column | K/V MiB | floor µs | main µs | combine µs | other µs | span µs " \
+        "| timed µs | main TB/s |" in times  # fmt: skip
+    table = [line for line in times.splitlines() if line.startswith("| ")][1:]
+    assert table == [
+        # 2**28 bytes: 63.3 µs at 4.24 TB/s; 4.19 TB/s in 64 µs
+        f"| {GQA.key()} | tuned | 256 | 63.3 | 64.0 | 12.0 | 1.0 | 80.0 | 82.0 | 4.19 |",
+        f"| {GQA.key()} | default-ck | 256 | 63.3 | 88.0 | - | 0.0 | 88.0 | 90.0 | 3.05 |",
+        "| unsplit | tuned | 64 | 15.8 | 40.0 | - | 0.0 | 40.0 | 46.6 | 1.68 |",
+        "| old | tuned | 64 | 15.8 | - | - | - | - | 50.0 | - |",
+        "| old | default-ck | 64 | 15.8 | - | - | - | - | 60.0 | - |",
+        "| failed | tuned | 64 | 15.8 | - | - | - | - | - | - |",
+    ]
+
+    # No row profiled (a JSON written before the profile): the report as it was, no time table.
+    for row in rows[:2]:
+        for c in row["cells"].values():
+            if isinstance(c, dict):
+                c.pop("phases_us", None), c.pop("span_us", None)
+    saved.write_text(json.dumps({"header": header, "rows": rows}))
+    assert report.main(["--render", str(saved)]) == 0
+    assert "time goes" not in capsys.readouterr().out
