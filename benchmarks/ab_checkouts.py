@@ -2,7 +2,8 @@
 fa4tune builds it against this checkout, timed in alternating processes.
 
     python benchmarks/ab_checkouts.py --old REV|DIR [--kernel fa4_bwd_sm90]
-                                      [--shapes 128:4096,64:1024:causal] [--rounds 3]
+                                      [--shapes 128:4096,64:1024:causal | --job JOB.yaml
+                                      [--match TEXT]] [--rounds 3]
                                       [--set deterministic=true] [--json out.json]
 
 `benchmarks/ab.py` A/Bs a knob, both sides in one process; a change to the code itself (the kernel,
@@ -19,7 +20,9 @@ it with `fa4tune.measure.timing.time_cuda` (L2 flushed before every run): benchm
 The table, last: TFLOP/s per side (the median of the rounds; the family's `work_flops`), new / old,
 the spread of each side's rounds, and O's error per side. Shapes are
 'head_dim:seqlen[:causal][:gN]' at 16k tokens and hidden 2048 (gN: N query heads per K/V head;
-benchmarks/attention.py)."""
+benchmarks/attention.py). `--job` takes a tuning job's problems instead (decode: the forward's
+decode default, its split-KV combine included), `--match` keeps those whose key holds the text;
+each side makes them with its own kernel family, and refuses one it reads otherwise."""
 
 from __future__ import annotations
 
@@ -39,12 +42,19 @@ DEFAULT_SHAPES = "128:4096,128:4096:causal,128:1024,64:4096,64:1024:causal"
 
 
 def _child(
-    root: str, label: str, kernel: str, shapes: list[str], keys: list[str], changes: dict
+    root: str,
+    label: str,
+    kernel: str,
+    shapes: list[str],
+    keys: list[str],
+    changes: dict,
+    problems: list[dict] | None = None,
 ) -> int:
     """Measure the default configs of `kernel` with the fa4tune found under `root`, with `changes`
     ({knob: value}) applied, on the problems this checkout reads the shapes as (`keys`: an older
     revision's parse_shape may read a shape otherwise, as one without `:gN` reads `:g4` as nothing;
-    then this side refuses)."""
+    then this side refuses). `problems`: a job's problems as dicts (--job), in place of shapes, each
+    made by this side's kernel family (a field it lacks refuses the same way)."""
     sys.path.insert(0, root)
     import fa4tune
 
@@ -56,16 +66,29 @@ def _child(
     from fa4tune.kernels import get_kernel
     from fa4tune.target import detect_target
 
-    problems = [parse_shape(spec) for spec in shapes]
+    family = get_kernel(kernel)
+    if problems is None:
+        problems = [parse_shape(spec) for spec in shapes]
+        why = "its benchmarks/attention.py does not take the shape"
+    else:
+        try:
+            problems = [family.problem(values) for values in problems]
+        except Exception as exc:  # noqa: BLE001 - an older Problem may lack a field: refuse
+            print(
+                f"ab_checkouts: the {label} side cannot make a job's problem: {exc}",
+                file=sys.stderr,
+            )
+            return 2
+        why = "its Problem reads the job's problem otherwise"
     for spec, problem, key in zip(shapes, problems, keys, strict=True):
         if problem.key() != key:
             print(
                 f"ab_checkouts: the {label} side reads {spec!r} as {problem.key()}, this checkout "
-                f"as {key}: its benchmarks/attention.py does not take the shape",
+                f"as {key}: {why}",
                 file=sys.stderr,
             )
             return 2
-    family, target = get_kernel(kernel), detect_target()
+    target = detect_target()
     for spec, problem in zip(shapes, problems):
         config = family.default_config(problem, target)
         refused = None
@@ -141,7 +164,11 @@ def main(argv=None) -> int:
         "one's tree",
     )
     ap.add_argument("--kernel", default="fa4_bwd_sm90", help="the kernel family")
-    ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated shapes")
+    ap.add_argument("--shapes", default=None, help="comma-separated shapes")
+    ap.add_argument("--job", default=None, help="a tuning job whose problems to use instead")
+    ap.add_argument(
+        "--match", action="append", default=[], help="with --job: keep problems whose key has it"
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument(
         "--set",
@@ -154,12 +181,14 @@ def main(argv=None) -> int:
     ap.add_argument("--child", nargs=2, metavar=("ROOT", "LABEL"), help=argparse.SUPPRESS)
     ap.add_argument("--keys", default="", help=argparse.SUPPRESS)  # the shapes' problem keys
     ap.add_argument("--changes", default="{}", help=argparse.SUPPRESS)  # --set, as JSON
+    ap.add_argument("--problems", default=None, help=argparse.SUPPRESS)  # --job's, as JSON
     args = ap.parse_args(argv)
-    shapes = [s for s in args.shapes.split(",") if s]
+    shapes = [s for s in (args.shapes or ("" if args.job else DEFAULT_SHAPES)).split(",") if s]
     if args.child:  # before anything imports fa4tune: the child's comes from its root
         changes = json.loads(args.changes)
-        return _child(*args.child, args.kernel, shapes, args.keys.split(","), changes)
-    from benchmarks.ab import parse_changes
+        problems = json.loads(args.problems) if args.problems else None
+        return _child(*args.child, args.kernel, shapes, args.keys.split(","), changes, problems)
+    from benchmarks.ab import job_problems, parse_changes
     from benchmarks.attention import parse_shape
     from fa4tune.errors import KernelError
     from fa4tune.kernels import get_kernel
@@ -174,8 +203,22 @@ def main(argv=None) -> int:
     except ValueError as exc:
         print(f"ab_checkouts: {exc}", file=sys.stderr)
         return 2
-    keys = []
-    for spec in shapes:
+    keys, problems = [], None
+    if args.job is not None and args.shapes is not None:
+        print("ab_checkouts: give --shapes or --job, not both", file=sys.stderr)
+        return 2
+    if args.match and args.job is None:
+        print("ab_checkouts: --match filters a --job's problems: give --job", file=sys.stderr)
+        return 2
+    if args.job is not None:
+        try:
+            found = job_problems(args.job, args.match, args.kernel)
+        except ValueError as exc:
+            print(f"ab_checkouts: {exc}", file=sys.stderr)
+            return 2
+        shapes = keys = [problem.key() for problem in found]
+        problems = [problem.to_dict() for problem in found]
+    for spec in shapes if problems is None else ():
         try:
             keys.append(parse_shape(spec).key())
         except (ValueError, IndexError):
@@ -229,6 +272,7 @@ def main(argv=None) -> int:
                     [sys.executable, str(Path(__file__).resolve()), "--kernel", args.kernel]
                     + ["--shapes", ",".join(shapes), "--keys", ",".join(keys)]
                     + ["--changes", json.dumps(changes)]
+                    + (["--problems", json.dumps(problems)] if problems is not None else [])
                     + ["--child", str(sides[label]), label],
                     cwd=sides[label],
                     env=env,

@@ -22,7 +22,8 @@ flash-attn-4's run again under torch.profiler (CUDA activity only; the L2 flushe
 PROFILED_CALLS calls, outside the profile), and each GPU kernel's time is summed by phase
 (`phase_of`: preprocess, zeroing, main kernel, cast or postprocess), the median over the calls. A
 kernel's time alone, without the gaps between launches, so the phases add up to less than the
-timed backward."""
+timed backward; the call's span (its first kernel's start to its last kernel's end, gaps included)
+goes into the JSON beside them (benchmarks/kernel_phases.py, shared with decode.py)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import kernel_phases  # noqa: E402 - where a call's GPU time goes (shared)
 from tuning_report import geomean, measured_gpu, run_benchmark  # noqa: E402
 
 from fa4tune.kernels.fa4_bwd_sm90.peers import CUDNN, FA4  # noqa: E402
@@ -53,42 +55,17 @@ PHASES = (
     ("zero", "emset"),
     ("cast", "copy"),
 )
-PROFILED_CALLS = 3
+PROFILED_CALLS = kernel_phases.PROFILED_CALLS
 
 
 def phase_of(kernel: str) -> str:
     """The phase of a GPU kernel (PHASES), or "other"."""
-    return next((phase for phase, piece in PHASES if piece in kernel), "other")
+    return kernel_phases.phase_of(kernel, PHASES)
 
 
 def phase_times(calls) -> dict:
     """{phase: median µs over the calls} from each call's list of (kernel name, µs)."""
-    per_call = []
-    for kernels in calls:
-        total = {}
-        for name, us in kernels:
-            total[phase_of(name)] = total.get(phase_of(name), 0.0) + us
-        per_call.append(total)
-    phases = {p for total in per_call for p in total}
-    return {p: statistics.median(total.get(p, 0.0) for total in per_call) for p in sorted(phases)}
-
-
-def profiled_kernels(fn, flusher) -> list:
-    """(kernel name, µs) of every GPU kernel (and memset) one call of fn launches, L2 flushed."""
-    import torch
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    flusher()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [
-        (e.name, e.time_range.end - e.time_range.start)
-        for e in prof.events()
-        if e.device_type == DeviceType.CUDA
-    ]
+    return kernel_phases.phase_times(calls, PHASES)
 
 
 def gradient_error(grads, refs) -> float:
@@ -202,8 +179,7 @@ def measure(problem, target, rounds: int) -> dict:
                 medians[(n, part)].append(time_cuda(fn, flusher=flusher).median_ms)
     for n in ("tuned", FA4):
         if n in timed:
-            calls = [profiled_kernels(timed[n][0], flusher) for _ in range(PROFILED_CALLS)]
-            cells[n]["phases_us"] = phase_times(calls)
+            cells[n].update(kernel_phases.profile_call(timed[n][0], flusher, PHASES))
     for n in names:
         bwd = statistics.median(medians[(n, "bwd")])
         both = statistics.median(medians[(n, "fwd_bwd")])

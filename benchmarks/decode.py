@@ -18,7 +18,17 @@ timed in interleaved rounds of `fa4tune.measure.timing.time_cuda` with the L2 fl
 run: the median of the rounds' medians. O's relative error against the reference is reported per
 column. Ragged decode problems of a job (a paged cache, seqused_k, varlen q: `--job
 tuning_configs/h200-bf16-serving.yaml`) run on their token mix as benchmarks/varlen.py runs them,
-against flash-attn-4's varlen call with the same page table and lengths (no cuDNN column)."""
+against flash-attn-4's varlen call with the same page table and lengths (no cuDNN column).
+
+Where the call's time goes: after the timed rounds, the tuned column and `default-ck` run again
+under torch.profiler (benchmarks/kernel_phases.py: CUDA activity only, the L2 flushed before each
+of PROFILED_CALLS calls, outside the profile). Each GPU kernel's time is summed by phase (`PHASES`:
+the forward kernel, the split-KV combine kernel, other) and the call's span runs from its first
+kernel's start to its last kernel's end; of both the median over the calls. A kernel's time
+excludes the gaps between launches, the span includes them (and counts once the stretch where the
+combine kernel, started early by programmatic dependent launch, runs beside the forward kernel).
+The report sets them beside the floor (K/V bytes at the copy rate) and the timed median. Ragged
+problems are not profiled."""
 
 from __future__ import annotations
 
@@ -27,6 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import kernel_phases  # noqa: E402 - where a call's GPU time goes (shared with backward.py)
 from tuning_report import (  # noqa: E402 - the shared measuring helpers
     geomean,
     gqa_native,
@@ -43,6 +54,13 @@ PROG = "benchmarks/decode.py"
 IN_KERNEL = "default-ck"
 COLUMNS = ("tuned", "default", IN_KERNEL, FA4, FA4_O, CUDNN)
 BIG_KV = 256 * 2**20  # the issue's 3.6 TB/s target holds on shapes whose K/V is at least this
+COPY_TBS = 4.24  # the H200's measured copy rate: the floor of a call that reads K and V once
+# (phase, a piece of the GPU kernel's name), as kernel_phases takes them: the CuTe DSL names a
+# kernel `kernel_cutlass_kernel_<its class's module path and name>_object_at__<arguments>_<n>`,
+# here ...fa4_fwd_sm90kernelFlashForwardSm90... (the forward kernel, kernel.py, split or not) and
+# ...fa4_fwd_sm90combineSplitCombine... (the split-KV combine, combine.py).
+PHASES = (("combine", "SplitCombine"), ("main", "FlashForwardSm90"))
+PROFILED = ("tuned", IN_KERNEL)  # the columns whose calls are profiled after the timed rounds
 
 
 def measure(problem, target, kernel, rounds: int) -> dict:
@@ -67,6 +85,7 @@ def measure(problem, target, kernel, rounds: int) -> dict:
             cell["tbs"] = problem.kv_bytes / (cell["ms"] * 1e-3) / 1e12
     if isinstance(cells.get(CUDNN), dict) and not gqa_native(runners):
         cells[CUDNN]["note"] = "K/V heads repeated"
+    profile_columns(runners, cells)
     return {
         "key": problem.key(),
         "kv_bytes": problem.kv_bytes,
@@ -75,6 +94,19 @@ def measure(problem, target, kernel, rounds: int) -> dict:
         "default_config": default.short(),
         "cells": cells,
     }
+
+
+def profile_columns(runners, cells) -> None:
+    """After the timed rounds: each column of PROFILED that was timed gets its phases and span
+    (kernel_phases.profile_call, PHASES) in its cell; the others are left as they are."""
+    from fa4tune.measure.timing import L2Flusher
+
+    profiled = [name for name in PROFILED if isinstance(cells.get(name), dict)]
+    if not profiled:
+        return
+    flusher = L2Flusher()
+    for name in profiled:
+        cells[name].update(kernel_phases.profile_call(runners[name], flusher, PHASES))
 
 
 def in_kernel_runner(problem, default, target, q, k, v, kernel):
@@ -156,7 +188,7 @@ def render(rows, header: dict) -> str:
         f"nvidia-cutlass-dsl {header['dsl']}, flash-attn-4 {header['fa4']}; kernel hash "
         f"{header['kernel_hash'][:12]}. Written by `benchmarks/decode.py --rounds "
         f"{header['rounds']}` (its docstring says how each column is run, checked and timed). "
-        "Effective TB/s = bytes of K and V / median time; the copy rate is 4.24 TB/s.",
+        f"Effective TB/s = bytes of K and V / median time; the copy rate is {COPY_TBS} TB/s.",
         "",
         "## Summary",
         "",
@@ -188,7 +220,64 @@ def render(rows, header: dict) -> str:
             + "".join(f" | {x:.3f}" if x else " | -" for x in ratios)
             + f" | {err[0]} | {err[1]} |"
         )
+    lines += phase_lines(rows)
     return "\n".join(lines) + "\n"
+
+
+def phase_lines(rows) -> list[str]:
+    """The table of where the decode call's time goes: a line per problem for the tuned column and
+    one for `default-ck` where it was timed; '-' where a column has no profile (a ragged problem,
+    or a JSON written before the profile), combine '-' where no combine kernel ran. Nothing when no
+    row has a profile."""
+
+    def profiled(cell):
+        return isinstance(cell, dict) and "phases_us" in cell
+
+    if not any(profiled(r["cells"].get(name)) for r in rows for name in PROFILED):
+        return []
+
+    def us(x):
+        return f"{x:.1f}" if x is not None else "-"
+
+    lines = [
+        "",
+        "## Where the decode call's time goes",
+        "",
+        f"GPU time per kernel in µs, the median of {kernel_phases.PROFILED_CALLS} calls under "
+        "torch.profiler (L2 flushed before each), of the tuned column and of `default-ck` (its "
+        "splits merged in the kernel: no combine kernel). main: the forward kernel; combine: the "
+        "split-KV combine kernel, launched early as the main kernel's programmatic dependent (its "
+        "time can include its wait for the main kernel's end); other: any other kernel. A "
+        "kernel's time excludes the gaps between launches; the span (first kernel's start to last "
+        "kernel's end) includes them, so span - main is what the call costs beyond its main "
+        f"kernel. Floor: K/V bytes at the copy rate ({COPY_TBS} TB/s); timed: the column's "
+        "median in the timed rounds, between CUDA events around the call; main TB/s: K/V bytes / "
+        "main.",
+        "",
+        "| problem | column | K/V MiB | floor µs | main µs | combine µs | other µs | span µs "
+        "| timed µs | main TB/s |",
+        "|" + "---|" * 10,
+    ]
+    for r in rows:
+        floor = r["kv_bytes"] / (COPY_TBS * 1e12) * 1e6
+        for name in PROFILED:
+            cell = r["cells"].get(name)
+            if name != "tuned" and not isinstance(cell, dict):
+                continue  # not timed here (the default does not split, or it failed)
+            timed = cell["ms"] * 1e3 if isinstance(cell, dict) and "ms" in cell else None
+            main = combine = other = span = rate = None
+            if profiled(cell):
+                phases = cell["phases_us"]
+                main, combine = phases.get("main"), phases.get("combine")
+                other = sum(v for k, v in phases.items() if k not in ("main", "combine"))
+                span = cell.get("span_us")
+                rate = r["kv_bytes"] / (main * 1e-6) / 1e12 if main else None
+            lines.append(
+                f"| {r['key']} | {name} | {r['kv_bytes'] / 2**20:.0f} | {floor:.1f} | "
+                + " | ".join(us(x) for x in (main, combine, other, span, timed))
+                + f" | {f'{rate:.2f}' if rate else '-'} |"
+            )
+    return lines
 
 
 def main(argv=None) -> int:

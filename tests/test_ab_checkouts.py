@@ -189,3 +189,57 @@ def test_set_changes_the_default_on_both_sides(monkeypatch, capsys):
     assert (
         refused["wrong"].startswith("refused: ") and "tile_m=80 without dq_swap" in refused["wrong"]
     )
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--old", "HEAD", "--shapes", "64:1024", "--job", "x.yaml"], "not both"),
+        (["--old", "HEAD", "--match", "k4096"], "give --job"),
+        (["--old", "HEAD", "--job", "nope.yaml"], "--job nope.yaml"),
+        (["--old", "HEAD", "--kernel", "fa4_fwd_sm90", "--job",
+          "tuning_configs/h200-bf16-train.yaml"], "tunes fa4_bwd_sm90, not --kernel fa4_fwd_sm90"),
+    ],
+)  # fmt: skip
+def test_bad_job_arguments_say_what_is_wrong(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_jobs_problems_reach_each_side_as_dicts(monkeypatch, capsys):
+    """--job's problems go to the children as JSON; each side makes them with its own kernel
+    family, measures the family's default for them (the forward's decode default here) and refuses
+    one whose key it reads otherwise, before it looks for a GPU."""
+    real_run = subprocess.run
+    seen = []
+    key = "bf16-d64x64-full-q1-k131072-b1-h32x8"
+
+    def fake_run(argv, **kwargs):
+        if "--child" not in argv:
+            return real_run(argv, **kwargs)
+        seen.append((json.loads(argv[argv.index("--problems") + 1]), argv[-1]))
+        return subprocess.CompletedProcess(
+            argv, 0, stdout=json.dumps(row(argv[-1], key, 9.0)), stderr=""
+        )
+
+    monkeypatch.setattr(ab_checkouts.subprocess, "run", fake_run)
+    argv = ["--old", "HEAD", "--kernel", "fa4_fwd_sm90", "--rounds", "1"]
+    argv += ["--job", "tuning_configs/h200-bf16-decode.yaml", "--match", "d64x64-full-q1-k131072"]
+    assert main(argv) == 0
+    assert [label for _, label in seen] == ["old", "new"]
+    [problem] = seen[0][0]
+    assert problem["seqlen_k"] == 131072 and problem["head_dim"] == 64
+    assert f"| {key} | 64x128s2 / 64x128s2 | 9.0 | 9.0 | 1.000 |" in capsys.readouterr().out
+
+    root = str(Path(ab_checkouts.__file__).resolve().parents[1])
+    import fa4tune.target
+
+    def no_gpu():
+        raise AssertionError("looked for a GPU before refusing")
+
+    monkeypatch.setattr(fa4tune.target, "detect_target", no_gpu)
+    other = dict(problem, seqlen_k=65536)
+    assert ab_checkouts._child(root, "old", "fa4_fwd_sm90", [key], [key], {}, [other]) == 2
+    err = capsys.readouterr().err
+    assert f"the old side reads {key!r} as bf16-d64x64-full-q1-k65536" in err
+    assert "its Problem reads the job's problem otherwise" in err
