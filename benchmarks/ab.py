@@ -97,6 +97,16 @@ def job_problems(path: str, matches: list[str], kernel: str) -> list:
     return problems
 
 
+def job_selection(shapes: str | None, job: str | None, matches: list[str], kernel: str):
+    """--job's problems (job_problems), or None without --job; a ValueError for --shapes and --job
+    together or --match without --job."""
+    if job is not None and shapes is not None:
+        raise ValueError("give --shapes or --job, not both")
+    if matches and job is None:
+        raise ValueError("--match filters a --job's problems: give --job")
+    return None if job is None else job_problems(job, matches, kernel)
+
+
 def columns_for(problem, default, tuned, changes: dict, target, kernel: str = "fa4_fwd_sm90"):
     """column name -> the family's config, or a string saying why the column is empty."""
     from fa4tune.kernels import get_kernel
@@ -218,19 +228,11 @@ def main(argv=None) -> int:
     except ValueError as exc:
         print(f"ab: {exc}", file=sys.stderr)
         return 2
-    problems = []
-    if args.job is not None and args.shapes is not None:
-        print("ab: give --shapes or --job, not both", file=sys.stderr)
+    try:
+        problems = job_selection(args.shapes, args.job, args.match, args.kernel) or []
+    except ValueError as exc:
+        print(f"ab: {exc}", file=sys.stderr)
         return 2
-    if args.match and args.job is None:
-        print("ab: --match filters a --job's problems: give --job", file=sys.stderr)
-        return 2
-    if args.job is not None:
-        try:
-            problems = job_problems(args.job, args.match, args.kernel)
-        except ValueError as exc:
-            print(f"ab: {exc}", file=sys.stderr)
-            return 2
     for spec in (s for s in (args.shapes or ("" if args.job else GRID_SHAPES)).split(",") if s):
         try:
             problems.append(parse_shape(spec))

@@ -188,7 +188,7 @@ def main(argv=None) -> int:
         changes = json.loads(args.changes)
         problems = json.loads(args.problems) if args.problems else None
         return _child(*args.child, args.kernel, shapes, args.keys.split(","), changes, problems)
-    from benchmarks.ab import job_problems, parse_changes
+    from benchmarks.ab import job_selection, parse_changes
     from benchmarks.attention import parse_shape
     from fa4tune.errors import KernelError
     from fa4tune.kernels import get_kernel
@@ -204,18 +204,12 @@ def main(argv=None) -> int:
         print(f"ab_checkouts: {exc}", file=sys.stderr)
         return 2
     keys, problems = [], None
-    if args.job is not None and args.shapes is not None:
-        print("ab_checkouts: give --shapes or --job, not both", file=sys.stderr)
+    try:
+        found = job_selection(args.shapes, args.job, args.match, args.kernel)
+    except ValueError as exc:
+        print(f"ab_checkouts: {exc}", file=sys.stderr)
         return 2
-    if args.match and args.job is None:
-        print("ab_checkouts: --match filters a --job's problems: give --job", file=sys.stderr)
-        return 2
-    if args.job is not None:
-        try:
-            found = job_problems(args.job, args.match, args.kernel)
-        except ValueError as exc:
-            print(f"ab_checkouts: {exc}", file=sys.stderr)
-            return 2
+    if found is not None:
         shapes = keys = [problem.key() for problem in found]
         problems = [problem.to_dict() for problem in found]
     for spec in shapes if problems is None else ():
