@@ -272,10 +272,12 @@ def gpu_target(prog: str):
 def run_header(kernel, rounds: int, **more) -> dict:
     """What a benchmark's report says it ran: the date, the GPU (its name and fa4tune's target for
     it, which the report's title names), torch, the CuTe DSL, flash-attn-4, the kernel family's
-    source hash and the rounds, then `more`."""
+    source hash, the rounds and the L2 flush's mode (fa4tune.measure.timing.flush_mode), then
+    `more`."""
     import torch
 
     from fa4tune.doctor import package_version
+    from fa4tune.measure.timing import flush_mode
     from fa4tune.target import detect_target
 
     target = detect_target()
@@ -288,6 +290,7 @@ def run_header(kernel, rounds: int, **more) -> dict:
         "fa4": package_version("flash-attn-4") or "not installed",
         "kernel_hash": kernel.source_hash(),
         "rounds": rounds,
+        "flush": flush_mode(),
         **more,
     }
 

@@ -217,3 +217,14 @@ def test_the_time_table_renders_main_combine_other_and_span(report, tmp_path, ca
     saved.write_text(json.dumps({"header": header, "rows": rows}))
     assert report.main(["--render", str(saved)]) == 0
     assert "time goes" not in capsys.readouterr().out
+
+
+def test_the_report_says_how_the_l2_flush_left_l2(report):
+    """The header's flush mode (run_header: FA4TUNE_L2_FLUSH) in the report's first lines; a JSON
+    written before the header had it was timed with the dirty flush."""
+    header = {"date": "d", "gpu": "NVIDIA H200", "target": "H200", "torch": "2.11", "dsl": "4.8.1",
+              "fa4": "4.0", "kernel_hash": "0" * 12, "rounds": 2}  # fmt: skip
+    assert "overwrote a buffer twice its size (dirty lines" in report.render([], header)
+    header["flush"] = "clean"
+    text = report.render([], header)
+    assert "read a buffer twice its size (clean lines" in text and "overwrote" not in text

@@ -411,3 +411,14 @@ def test_l2_flusher_overwrites_twice_the_l2_on_the_gpu():
     flusher()
     torch.cuda.synchronize()
     assert int(flusher.buffer[-1]) == 0x5A5A5A5A
+
+
+def test_a_clean_l2_flush_reads_twice_the_l2_on_the_gpu():
+    from fa4tune.measure.timing import L2Flusher
+
+    flusher = L2Flusher(mode="clean")
+    l2 = torch.cuda.get_device_properties(None).L2_cache_size
+    assert flusher.buffer.numel() * 4 >= 2 * l2
+    flusher()
+    torch.cuda.synchronize()
+    assert int(flusher.sink) == 0 and int(flusher.buffer[-1]) == 0

@@ -161,3 +161,36 @@ def test_l2_flusher_refuses_host_memory():
 
     with pytest.raises(ValueError, match="needs a CUDA device"):
         L2Flusher("cpu")
+
+
+def test_the_flush_mode_comes_from_the_environment(monkeypatch):
+    from fa4tune.measure.timing import FLUSH_ENV, L2Flusher, flush_mode
+
+    monkeypatch.delenv(FLUSH_ENV, raising=False)
+    assert flush_mode() == "dirty"
+    monkeypatch.setenv(FLUSH_ENV, "clean")
+    assert flush_mode() == "clean"
+    monkeypatch.setenv(FLUSH_ENV, "warm")
+    with pytest.raises(ValueError, match="FA4TUNE_L2_FLUSH='warm': want one of dirty, clean"):
+        flush_mode()
+    with pytest.raises(ValueError, match="L2Flusher mode 'hot'"):
+        L2Flusher(mode="hot")
+
+
+@pytest.mark.parametrize("mode", ["dirty", "clean"])
+def test_a_dirty_flush_overwrites_the_buffer_and_a_clean_one_only_reads_it(mode):
+    """The sweep itself, on a host buffer standing in for the GPU's: "dirty" writes every word,
+    "clean" reads every word (their sum) and writes none of them."""
+    import torch
+
+    from fa4tune.measure.timing import L2Flusher
+
+    flusher = L2Flusher.__new__(L2Flusher)
+    flusher.mode, flusher.buffer = mode, torch.arange(1000, dtype=torch.int32)
+    flusher.sink = torch.zeros((), dtype=torch.int64)
+    flusher()
+    if mode == "dirty":
+        assert bool((flusher.buffer == 0x5A5A5A5A).all())
+    else:
+        assert torch.equal(flusher.buffer, torch.arange(1000, dtype=torch.int32))
+        assert int(flusher.sink) == 999 * 1000 // 2

@@ -8,6 +8,7 @@ GPU execution only. Host dispatch cost is measured separately (benchmarks/dispat
 from __future__ import annotations
 
 import gc
+import os
 import statistics
 from dataclasses import dataclass
 
@@ -23,12 +24,34 @@ class Timing:
 HOST_HIDE_SECONDS = 1e-3  # well above any launch's host-side preparation we have measured (~140 µs)
 
 
-class L2Flusher:
-    """Overwrites a buffer twice the size of L2 so no run reads its inputs from a warm cache."""
+# How the flush leaves L2 (FA4TUNE_L2_FLUSH; flush_mode). "dirty", what every table and report so
+# far was timed with, overwrites the buffer: L2 is then full of dirty lines, and the timed run's
+# first reads pay for their write-back (up to L2's size of extra DRAM traffic: 60 MB on an H200,
+# about 14 µs at 4.24 TB/s, a large share of a short memory-bound call such as a decode step).
+# "clean" reads the buffer: L2 holds clean lines, which a read evicts for nothing, as a decode step
+# finds it after the layer's weights were read.
+FLUSH_ENV = "FA4TUNE_L2_FLUSH"
+FLUSH_MODES = ("dirty", "clean")
 
-    def __init__(self, device=None):
+
+def flush_mode() -> str:
+    """The L2 flush's mode: FA4TUNE_L2_FLUSH if set (one of FLUSH_MODES), else "dirty"."""
+    mode = os.environ.get(FLUSH_ENV, "dirty")
+    if mode not in FLUSH_MODES:
+        raise ValueError(f"{FLUSH_ENV}={mode!r}: want one of {', '.join(FLUSH_MODES)}")
+    return mode
+
+
+class L2Flusher:
+    """Sweeps a buffer twice the size of L2 so no run reads its inputs from a warm cache: overwrites
+    it ("dirty") or reads it ("clean"); `mode` defaults to flush_mode()."""
+
+    def __init__(self, device=None, mode: str | None = None):
         import torch
 
+        self.mode = flush_mode() if mode is None else mode
+        if self.mode not in FLUSH_MODES:
+            raise ValueError(f"L2Flusher mode {self.mode!r}: want one of {', '.join(FLUSH_MODES)}")
         # On the GPU (the current one unless told): a buffer made with device=None would be host
         # memory, and filling it would leave L2 as warm as it was.
         device = (
@@ -41,9 +64,17 @@ class L2Flusher:
         props = torch.cuda.get_device_properties(device)
         l2 = getattr(props, "L2_cache_size", 0) or 64 * 2**20
         self.buffer = torch.empty(2 * l2 // 4, dtype=torch.int32, device=device)
+        self.sink = torch.zeros((), dtype=torch.int64, device=device)  # the clean sweep's sum
+        if self.mode == "clean":
+            self.buffer.zero_()
 
     def __call__(self) -> None:
-        self.buffer.fill_(0x5A5A5A5A)
+        import torch
+
+        if self.mode == "dirty":
+            self.buffer.fill_(0x5A5A5A5A)
+        else:
+            torch.sum(self.buffer, dim=0, out=self.sink)
 
 
 def round_order(count: int, round_index: int) -> list[int]:
