@@ -179,7 +179,7 @@ def measure(problem, target, rounds: int) -> dict:
                 medians[(n, part)].append(time_cuda(fn, flusher=flusher).median_ms)
     for n in ("tuned", FA4):
         if n in timed:
-            cells[n].update(kernel_phases.profile_call(timed[n][0], flusher, PHASES))
+            kernel_phases.profile_into(cells[n], timed[n][0], flusher, PHASES)
     for n in names:
         bwd = statistics.median(medians[(n, "bwd")])
         both = statistics.median(medians[(n, "fwd_bwd")])

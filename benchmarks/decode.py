@@ -107,7 +107,8 @@ def measure(problem, target, kernel, rounds: int) -> dict:
 
 def profile_columns(runners, cells) -> None:
     """After the timed rounds: each column of PROFILED that was timed gets its phases and span
-    (kernel_phases.profile_call, PHASES) in its cell; the others are left as they are."""
+    (kernel_phases.profile_into, PHASES) in its cell, or why profiling failed; the others are left
+    as they are."""
     from fa4tune.measure.timing import L2Flusher
 
     profiled = [name for name in PROFILED if isinstance(cells.get(name), dict)]
@@ -115,7 +116,7 @@ def profile_columns(runners, cells) -> None:
         return
     flusher = L2Flusher()
     for name in profiled:
-        cells[name].update(kernel_phases.profile_call(runners[name], flusher, PHASES))
+        kernel_phases.profile_into(cells[name], runners[name], flusher, PHASES)
 
 
 def in_kernel_runner(problem, default, target, q, k, v, kernel):

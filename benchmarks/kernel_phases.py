@@ -12,6 +12,7 @@ span minus the phases' sum is the gaps less the overlap. Of both, the median ove
 from __future__ import annotations
 
 import statistics
+import sys
 
 PROFILED_CALLS = 3
 
@@ -93,3 +94,16 @@ def profile_call(fn, flusher, table, calls: int = PROFILED_CALLS) -> dict:
         "phases_us": phase_times((kernel_times(events) for events in runs), table),
         "span_us": statistics.median(span_us(events) for events in runs),
     }
+
+
+def profile_into(cell: dict, fn, flusher, table, calls: int = PROFILED_CALLS) -> None:
+    """profile_call's phases and span into a report's cell; where profiling fails (no CUPTI on the
+    host, a kernel that fails only under the profiler), the cell says why instead
+    (`profile_error`, also on stderr), so that the report's other columns and problems still come
+    out: the phase table then shows '-' for it."""
+    try:
+        cell.update(profile_call(fn, flusher, table, calls))
+    except Exception as exc:  # noqa: BLE001 - one cell says so; the report goes on
+        why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        cell["profile_error"] = why
+        print(f"kernel_phases: profiling failed: {why}", file=sys.stderr, flush=True)

@@ -112,7 +112,7 @@ def test_the_tuned_and_in_kernel_columns_are_profiled_after_timing(report, monke
     monkeypatch.setattr(fa4tune.measure.timing, "L2Flusher", lambda: flushers.append(1) or "flush")
     profiled = []
 
-    def profile_call(fn, flusher, table):
+    def profile_call(fn, flusher, table, calls):
         profiled.append((fn, flusher, table))
         return {"phases_us": {"main": 60.0, "combine": 5.0}, "span_us": 66.0}
 

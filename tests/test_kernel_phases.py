@@ -140,3 +140,18 @@ def test_profile_call_takes_the_medians_of_phases_and_span(monkeypatch, fake_pro
     monkeypatch.setattr(phases, "profiled_events", lambda fn, flusher: [])
     with pytest.raises(RuntimeError, match="no GPU kernel in a profiled call"):
         phases.profile_call(None, None, ())
+
+
+def test_a_failed_profile_is_said_in_its_cell_and_the_report_goes_on(monkeypatch, capsys):
+    """profile_into: the phases and span into the cell; where profiling fails (here: the profiler
+    saw no GPU kernel), the cell gets why instead, and nothing is raised."""
+    monkeypatch.setattr(phases, "profiled_events", lambda fn, flusher: [("k_main", 0.0, 10.0)])
+    cell = {"ms": 0.01}
+    phases.profile_into(cell, None, None, (("main", "main"),))
+    assert cell == {"ms": 0.01, "phases_us": {"main": 10.0}, "span_us": 10.0}
+    monkeypatch.setattr(phases, "profiled_events", lambda fn, flusher: [])
+    cell = {"ms": 0.01}
+    phases.profile_into(cell, None, None, (("main", "main"),))
+    assert cell["profile_error"].startswith("RuntimeError: torch.profiler recorded no GPU kernel")
+    assert "phases_us" not in cell
+    assert "kernel_phases: profiling failed: RuntimeError" in capsys.readouterr().err
