@@ -19,11 +19,11 @@ The gradient error (the largest of dq, dk, dv against fp32, relative) is reporte
 
 Where the backward's time goes: after the timed rounds, the tuned column's backward and
 flash-attn-4's run again under torch.profiler (CUDA activity only; the L2 flushed before each of
-PROFILED_CALLS calls, outside the profile), and each GPU kernel's time is summed by phase
-(`phase_of`: preprocess, zeroing, main kernel, cast or postprocess), the median over the calls. A
-kernel's time alone, without the gaps between launches, so the phases add up to less than the
-timed backward; the call's span (its first kernel's start to its last kernel's end, gaps included)
-goes into the JSON beside them (benchmarks/kernel_phases.py, shared with decode.py)."""
+kernel_phases.PROFILED_CALLS calls, outside the profile), and each GPU kernel's time is summed by
+phase (`PHASES`: preprocess, zeroing, main kernel, cast or postprocess), the median over the
+calls. A kernel's time alone, without the gaps between launches, so the phases add up to less than
+the timed backward; the call's span (its first kernel's start to its last kernel's end, gaps
+included) goes into the JSON beside them (benchmarks/kernel_phases.py, shared with decode.py)."""
 
 from __future__ import annotations
 
@@ -55,17 +55,6 @@ PHASES = (
     ("zero", "emset"),
     ("cast", "copy"),
 )
-PROFILED_CALLS = kernel_phases.PROFILED_CALLS
-
-
-def phase_of(kernel: str) -> str:
-    """The phase of a GPU kernel (PHASES), or "other"."""
-    return kernel_phases.phase_of(kernel, PHASES)
-
-
-def phase_times(calls) -> dict:
-    """{phase: median µs over the calls} from each call's list of (kernel name, µs)."""
-    return kernel_phases.phase_times(calls, PHASES)
 
 
 def gradient_error(grads, refs) -> float:
@@ -292,9 +281,9 @@ def phase_lines(rows) -> list:
         "",
         "## Where the backward's time goes",
         "",
-        f"GPU time per kernel in µs (the median of {PROFILED_CALLS} profiled calls, L2 flushed "
-        "before each; launch gaps excluded). fa4tune's tuned config: preprocessing (with the dQ "
-        "accumulator's zeros), a separate zeroing if any, "
+        f"GPU time per kernel in µs (the median of {kernel_phases.PROFILED_CALLS} profiled calls, "
+        "L2 flushed before each; launch gaps excluded). fa4tune's tuned config: preprocessing "
+        "(with the dQ accumulator's zeros), a separate zeroing if any, "
         "the main kernel and dQ's cast; flash-attn-4: preprocessing, main kernel, postprocessing; "
         "other: any kernel not named in `PHASES`.",
         "",

@@ -769,7 +769,7 @@ def test_the_backward_report_renders_both_rates_and_the_error_ratio(tmp_path, ca
         ("void at::native::vectorized_elementwise_kernel<4, direct_copy_kernel_cuda>", 70.0),
     ]
     slower = [(n, us * 1.1) for n, us in ours] + [("Memset (Device)", 5.0)]
-    phases = report.phase_times([ours, slower, ours])
+    phases = report.kernel_phases.phase_times([ours, slower, ours], report.PHASES)
     assert phases == {"cast": 70.0, "main": 700.0, "preprocess": 60.0, "zero": 0.0}
     fa4 = [
         ("kernel_cutlass_kernel_FlashAttentionBackwardPreprocess_0", 80.0),
@@ -777,9 +777,11 @@ def test_the_backward_report_renders_both_rates_and_the_error_ratio(tmp_path, ca
         ("kernel_cutlass_kernel_FlashAttentionBackwardPostprocess_2", 60.0),
         ("void at::native::reduce_kernel<sum>", 10.0),
     ]
-    assert report.phase_of(fa4[3][0]) == "other"
+    assert report.kernel_phases.phase_of(fa4[3][0], report.PHASES) == "other"
     rows[0]["cells"]["tuned"]["phases_us"] = phases
-    rows[0]["cells"]["flash-attn-4"]["phases_us"] = report.phase_times([fa4])
+    rows[0]["cells"]["flash-attn-4"]["phases_us"] = report.kernel_phases.phase_times(
+        [fa4], report.PHASES
+    )
     saved.write_text(json.dumps({"header": header, "rows": rows}))
     assert report.main(["--render", str(saved)]) == 0
     text = capsys.readouterr().out

@@ -37,8 +37,12 @@ FLUSH_MODES = ("dirty", "clean")
 def flush_mode() -> str:
     """The L2 flush's mode: FA4TUNE_L2_FLUSH if set (one of FLUSH_MODES), else "dirty"."""
     mode = os.environ.get(FLUSH_ENV, "dirty")
+    return _known_mode(mode, f"{FLUSH_ENV}={mode!r}")
+
+
+def _known_mode(mode: str, named: str) -> str:
     if mode not in FLUSH_MODES:
-        raise ValueError(f"{FLUSH_ENV}={mode!r}: want one of {', '.join(FLUSH_MODES)}")
+        raise ValueError(f"{named}: want one of {', '.join(FLUSH_MODES)}")
     return mode
 
 
@@ -49,9 +53,7 @@ class L2Flusher:
     def __init__(self, device=None, mode: str | None = None):
         import torch
 
-        self.mode = flush_mode() if mode is None else mode
-        if self.mode not in FLUSH_MODES:
-            raise ValueError(f"L2Flusher mode {self.mode!r}: want one of {', '.join(FLUSH_MODES)}")
+        self.mode = flush_mode() if mode is None else _known_mode(mode, f"L2Flusher mode {mode!r}")
         # On the GPU (the current one unless told): a buffer made with device=None would be host
         # memory, and filling it would leave L2 as warm as it was.
         device = (
