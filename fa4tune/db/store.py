@@ -139,7 +139,7 @@ def sqlite_path(location: str) -> Path | None:
 
 def _new_run(session: Session, **fields) -> Run:
     """A new run row, running from now, flushed so that it has its id."""
-    run = Run(status="running", started_at=now(), details={}, **fields)
+    run = Run(status="running", started_at=now(), **{"details": {}, **fields})
     session.add(run)
     session.flush()
     return run
@@ -362,13 +362,16 @@ class ResultsDB:
     def start_run(self, **fields) -> int:
         return self._transact(lambda session: _new_run(session, **fields).id)
 
-    def open_run(self, *, resume: bool, study_prefix, **fields) -> tuple[int, str, bool]:
+    def open_run(
+        self, *, resume: bool, study_prefix, check_resume=None, **fields
+    ) -> tuple[int, str, bool]:
         """Start a run of a job, or with `resume` continue (join) its latest run of the same kernel
         code and target that measures the same way (a cost-model search never continues a measured
         run: its estimates would count toward the measured studies' budgets and teach their
         samplers): (run id, study prefix, whether an earlier run was continued). Serialised per job,
         so that hosts starting together with --resume join one run. `study_prefix(run_id)` names the
-        run's studies."""
+        run's studies. `check_resume(run)` is shown the run to be continued (its columns) before
+        anything changes: an error it raises refuses the resume, and the DB stays as it was."""
         key = (fields["job_name"], fields["kernel"], fields["kernel_hash"], fields["target"])
         with self.locked("job:" + "/".join(key)) as lock:
             session = lock.session
@@ -376,6 +379,8 @@ class ResultsDB:
                 _latest_run(session, *key, is_estimate=fields["is_estimate"]) if resume else None
             )
             if previous is not None:
+                if check_resume is not None:
+                    check_resume(_columns(previous))
                 previous.status, previous.ended_at = "running", None
                 return previous.id, previous.study_prefix, True
             run = _new_run(session, study_prefix="pending", **fields)

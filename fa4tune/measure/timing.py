@@ -34,6 +34,8 @@ HOST_HIDE_SECONDS = 1e-3  # well above any launch's host-side preparation we hav
 # move. Times of the two modes do not compare: a search records its mode and never mixes them.
 FLUSH_ENV = "FA4TUNE_L2_FLUSH"
 FLUSH_MODES = ("dirty", "clean")
+# The mode of times that do not record theirs (runs, table entries, benchmark JSON).
+UNRECORDED_FLUSH = "dirty"
 
 
 class FlushModeError(ValueError):
