@@ -514,11 +514,14 @@ def _stored(db_path="fa4tune-results/results.db"):
 
 
 def _forget_flush(db_path="fa4tune-results/results.db"):
-    """Make every run look as one stored before runs recorded their L2 flush."""
+    """Make every run and best config look as one stored before they recorded their L2 flush."""
     import sqlite3
 
     with sqlite3.connect(db_path) as connection:
         connection.execute("UPDATE runs SET details = json_remove(details, '$.l2_flush')")
+        connection.execute(
+            "UPDATE best_configs SET provenance = json_remove(provenance, '$.l2_flush')"
+        )
 
 
 def test_a_run_records_its_l2_flush_and_is_continued_only_under_it(workdir, monkeypatch):
@@ -633,3 +636,52 @@ def test_a_cost_model_search_flushes_nothing_and_resumes_under_any_setting(workd
         assert again.resumed and again.run_id == first.run_id
     _, trials, _ = _stored()
     assert sum(t["status"] != "pruned" for t in trials) == 8
+
+
+class _SlowerMeasuringModel(_MeasuringModel):
+    """_MeasuringModel, `factor` times slower."""
+
+    factor = 2.0
+
+    def measure(self, problem, config):
+        m = super().measure(problem, config)
+        return dataclasses.replace(
+            m, time_ms=m.time_ms * self.factor, tflops=m.tflops / self.factor
+        )
+
+
+class _SlowestMeasuringModel(_SlowerMeasuringModel):
+    factor = 3.0
+
+
+def test_a_search_under_another_flush_replaces_the_best_whatever_its_time(workdir, monkeypatch):
+    """A best config measured under the other L2 flush (here one that records none: dirty) is no
+    yardstick for this search's times: its own fastest replaces it, slower as it is, and the
+    exported table then holds this flush's times only. Under one flush the faster stays."""
+    from fa4tune.measure.timing import FLUSH_ENV
+    from fa4tune.runtime.tables import read_table
+
+    job_path = write_job(
+        workdir, spaces=SPACE, budget={"trials": 6}, sampler="random", export="t.yaml"
+    )
+    job = load_job(job_path)
+
+    def search(backend):
+        return run_search(job, backend=backend(job.kernel, job.target), say=lambda *a: None)
+
+    monkeypatch.setenv(FLUSH_ENV, "dirty")
+    search(_MeasuringModel)
+    _forget_flush()
+    [dirty] = _stored()[2]
+    assert "l2_flush" not in dirty.provenance
+
+    monkeypatch.setenv(FLUSH_ENV, "clean")
+    second = search(_SlowerMeasuringModel)
+    [best] = _stored()[2]
+    assert best.provenance["l2_flush"] == "clean" and best.provenance["run"] == second.run_id
+    assert best.time_ms > dirty.time_ms
+    table = read_table(workdir / "t.yaml")
+    assert [e["provenance"]["l2_flush"] for e in table["entries"]] == ["clean"]
+
+    third = search(_SlowestMeasuringModel)
+    assert third.run_id != second.run_id and _stored()[2] == [best]

@@ -36,6 +36,7 @@ FLUSH_ENV = "FA4TUNE_L2_FLUSH"
 FLUSH_MODES = ("dirty", "clean")
 # The mode of times that do not record theirs (runs, table entries, benchmark JSON).
 UNRECORDED_FLUSH = "dirty"
+NO_FLUSH = "none"  # what a cost model's estimates record: nothing is timed, nothing flushed
 
 
 class FlushModeError(ValueError):

@@ -9,11 +9,10 @@ from importlib import metadata
 
 import fa4tune
 
-from ..measure.timing import UNRECORDED_FLUSH, flush_mode
+from ..measure.timing import NO_FLUSH, UNRECORDED_FLUSH, flush_mode
 
 # What a run records of the GPU it measures on (filled in by the GPU workers when they start).
 RUN_GPU_FIELDS = ("gpu_name", "sm_count", "cuda_driver", "nvidia_driver", "cuda_version", "clocks")
-NO_FLUSH = "none"  # the L2 flush of a cost model's estimates: nothing is timed
 
 
 def versions() -> dict:
@@ -39,13 +38,13 @@ def run_gpu_fields(provenance: dict) -> dict:
 
 def l2_flush(is_estimate: bool) -> str:
     """The L2 flush a search's times are taken under: timing.flush_mode() (FA4TUNE_L2_FLUSH), or
-    NO_FLUSH for estimates (the variable is then not read)."""
+    timing.NO_FLUSH for estimates (the variable is then not read)."""
     return NO_FLUSH if is_estimate else flush_mode()
 
 
 def run_l2_flush(run: dict) -> str:
     """The L2 flush a stored run's times were taken under (its details' `l2_flush`); a run without
-    the record: NO_FLUSH for estimates, else timing.UNRECORDED_FLUSH."""
+    the record: timing.NO_FLUSH for estimates, else timing.UNRECORDED_FLUSH."""
     recorded = (run.get("details") or {}).get("l2_flush")
     if recorded:
         return recorded
