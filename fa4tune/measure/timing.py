@@ -25,8 +25,8 @@ HOST_HIDE_SECONDS = 1e-3  # well above any launch's host-side preparation we hav
 
 
 # How the flush leaves L2 (FA4TUNE_L2_FLUSH; flush_mode). "clean", the default, reads the buffer:
-# L2 then holds clean lines, which the timed run's reads evict for nothing, as a decode step finds
-# L2 after the GEMMs before it read the layer's weights. "dirty" overwrites the buffer, leaving up
+# L2 then holds clean lines, which the timed run's reads evict for nothing, as in serving, where a
+# decode step follows GEMMs that only read their weights. "dirty" overwrites the buffer, leaving up
 # to L2's size of dirty lines whose write-back lands in the timed run (60 MB on an H200, about 14 µs
 # at 4.24 TB/s): an artifact of the flush, not of the workload. On an H200 it made decode's main
 # kernel 42.6 µs instead of 33.2 µs (hd128, 32k, batch 1; the copy floor 31.7 µs), hd64 at 131k
