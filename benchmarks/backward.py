@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kernel_phases  # noqa: E402 - where a call's GPU time goes (shared)
-from tuning_report import geomean, measured_gpu, run_benchmark  # noqa: E402
+from tuning_report import flush_text, geomean, measured_gpu, run_benchmark  # noqa: E402
 
 from fa4tune.kernels.fa4_bwd_sm90.peers import CUDNN, FA4  # noqa: E402
 
@@ -214,7 +214,8 @@ def render(rows, header) -> str:
         f"Measured {header['date']} on {header['gpu']}; torch {header['torch']}, "
         f"nvidia-cutlass-dsl {header['dsl']}, flash-attn-4 {header['fa4']}; kernel hash "
         f"{header['kernel_hash'][:12]}. Written by `benchmarks/backward.py --rounds "
-        f"{header['rounds']}` (its docstring says how each column is run, checked and timed).",
+        f"{header['rounds']}` (its docstring says how each column is run, checked and timed). "
+        + flush_text(header),
         "",
         "## Summary",
         "",

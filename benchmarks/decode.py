@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kernel_phases  # noqa: E402 - where a call's GPU time goes (shared with backward.py)
 from tuning_report import (  # noqa: E402 - the shared measuring helpers
+    flush_text,
     geomean,
     gqa_native,
     measured_gpu,
@@ -60,15 +61,6 @@ COPY_TBS = 4.24  # the H200's measured copy rate: the floor of a call that reads
 # here ...fa4_fwd_sm90kernelFlashForwardSm90... (the forward kernel, kernel.py, split or not) and
 # ...fa4_fwd_sm90combineSplitCombine... (the split-KV combine, combine.py).
 PHASES = (("combine", "SplitCombine"), ("main", "FlashForwardSm90"))
-# How the L2 flush before every run left L2 (the header's "flush": FA4TUNE_L2_FLUSH), as the report
-# says it. A dirty L2 costs a short call the write-back of up to L2's size of lines: part of every
-# column's time, not of the K/V bytes the rate counts.
-FLUSH_TEXT = {
-    "dirty": "The L2 flush before every run overwrote a buffer twice its size (dirty lines: their "
-    "write-back is in every column's time, up to L2's size of DRAM traffic beyond K and V).",
-    "clean": "The L2 flush before every run read a buffer twice its size (clean lines: no "
-    "write-back in the timed runs; FA4TUNE_L2_FLUSH=clean).",
-}
 PROFILED = ("tuned", IN_KERNEL)  # the columns whose calls are profiled after the timed rounds
 
 
@@ -217,7 +209,7 @@ def render(rows, header: dict) -> str:
         f"{header['kernel_hash'][:12]}. Written by `benchmarks/decode.py --rounds "
         f"{header['rounds']}` (its docstring says how each column is run, checked and timed). "
         f"Effective TB/s = bytes of K and V / median time; the copy rate is {COPY_TBS} TB/s. "
-        + FLUSH_TEXT[header.get("flush", "dirty")],
+        + flush_text(header),
         "",
         "## Summary",
         "",

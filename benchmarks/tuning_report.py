@@ -28,6 +28,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fa4tune.kernels.fa4_fwd_sm90.peers import CUDNN, FA4, FA4_O  # noqa: E402
 
 COLUMNS = ("default", "tuned", FA4, FA4_O, CUDNN)
+# How the L2 flush before every timed run left L2 (the header's "flush", run_header: the mode of
+# fa4tune.measure.timing.flush_mode), as the reports say it. A dirty L2 costs a short call the
+# write-back of up to L2's size of lines: part of every column's time, not of the call's own work.
+FLUSH_TEXT = {
+    "clean": "The L2 flush before every run read a buffer twice its size (clean lines: no "
+    "write-back in the timed runs).",
+    "dirty": "The L2 flush before every run overwrote a buffer twice its size (dirty lines: their "
+    "write-back is in every column's time, up to L2's size of DRAM traffic beyond the call's own; "
+    "FA4TUNE_L2_FLUSH=dirty).",
+}
 GRID_HEAD_DIMS, GRID_SEQLENS = (64, 128), (1024, 4096, 16384)
 NEAR_BEST = 0.02  # "reached the best": within 2% of the search's final best
 
@@ -269,6 +279,14 @@ def gpu_target(prog: str):
     return target
 
 
+def flush_text(header: dict) -> str:
+    """What a report says of the L2 flush its runs were timed after: the header's mode, the dirty
+    one (timing.UNRECORDED_FLUSH) in a JSON written before run_header recorded it."""
+    from fa4tune.measure.timing import UNRECORDED_FLUSH
+
+    return FLUSH_TEXT[header.get("flush", UNRECORDED_FLUSH)]
+
+
 def run_header(kernel, rounds: int, **more) -> dict:
     """What a benchmark's report says it ran: the date, the GPU (its name and fa4tune's target for
     it, which the report's title names), torch, the CuTe DSL, flash-attn-4, the kernel family's
@@ -428,7 +446,8 @@ def render(rows, header: dict) -> str:
         "TFLOP/s = 4·b·h·s_q·s_k·d (causal: unmasked pairs) / time. fa4tune writes O and LSE; "
         "`flash-attn-4` is called with `return_lse=True` to do the same, and "
         "`flash-attn-4, O only` as it runs by default (no LSE); cuDNN "
-        "(torch SDPA without gradients) computes O only. Written by `benchmarks/tuning_report.py`.",
+        "(torch SDPA without gradients) computes O only. Written by `benchmarks/tuning_report.py`. "
+        + flush_text(header),
         "",
         "## Summary",
         "",

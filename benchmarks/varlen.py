@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tuning_report import (  # noqa: E402 - the shared measuring helpers
     check_then_time,
+    flush_text,
     geomean,
     measured_gpu,
     run_benchmark,
@@ -191,7 +192,7 @@ def render(rows, header: dict) -> str:
         f"nvidia-cutlass-dsl {header['dsl']}, flash-attn-4 {header['fa4']}; kernel hash "
         f"{header['kernel_hash'][:12]}. Written by `benchmarks/varlen.py --rounds "
         f"{header['rounds']}` from `{header['job']}` (its docstring says how each column is run, "
-        "checked and timed).",
+        "checked and timed). " + flush_text(header),
         "",
         "## Summary",
         "",

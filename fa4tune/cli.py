@@ -15,6 +15,7 @@ from .db import ResultsDB, shown_location
 from .doctor import NOTE, diagnose
 from .errors import Fa4tuneError, is_user_error
 from .kernels import get_kernel
+from .measure.timing import flush_mode
 from .report import write_report
 from .runtime.carry import carry_table
 from .runtime.tables import (
@@ -319,8 +320,9 @@ def cmd_export(args) -> int:
 
 def cmd_import(args) -> int:
     check_importable(args.table)  # a bad or stale table fails before a DB is created
+    flush = flush_mode()  # and a bad FA4TUNE_L2_FLUSH
     with ResultsDB.open(args.db, create=True) as db:
-        report = import_table(db, args.table)
+        report = import_table(db, args.table, flush)
         _say(
             f"fa4tune: imported {args.table} into {db.location}: {len(report.added)} added, "
             f"{len(report.replaced)} replaced by better entries, {len(report.kept)} kept"

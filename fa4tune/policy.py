@@ -1,8 +1,9 @@
 """Which config wins: the one home of fa4tune's selection rules, which the results DB, the search
 and the runtime lookup all follow.
 
-- `better`: of two best-config entries for one problem, a measurement beats an estimate, otherwise
-  the faster one wins.
+- `better`: of two best-config entries for one problem, a measurement beats an estimate; of two
+  measurements under different L2 flushes (times that do not compare), the one under the flush
+  measured with now wins; otherwise the faster one.
 - `stores_best`: whether an offered entry replaces the stored best (never a config that was ever
   wrong for the problem; a stored best re-timed in the same rounds is judged by those rounds).
 - `beats_default` and `confirmation_order`: after the re-timing of a problem's best few beside its
@@ -21,22 +22,47 @@ from enum import IntEnum
 
 
 # ---- best configs -------------------------------------------------------------------------------
-def better(candidate, incumbent) -> bool:
+def flush_of(entry) -> str:
+    """The L2 flush a measured entry's time was taken under: its provenance's `l2_flush`, else
+    timing.UNRECORDED_FLUSH."""
+    from .measure.timing import UNRECORDED_FLUSH  # here: not on `import fa4tune`'s path
+
+    return (entry.provenance or {}).get("l2_flush") or UNRECORDED_FLUSH
+
+
+def flushes_differ(candidate, incumbent) -> bool:
+    """Whether two entries are measurements whose times were taken under different L2 flushes."""
+    return (
+        not candidate.is_estimate
+        and not incumbent.is_estimate
+        and flush_of(candidate) != flush_of(incumbent)
+    )
+
+
+def better(candidate, incumbent, flush: str | None = None) -> bool:
     """Whether `candidate` (a BestEntry) beats `incumbent` for the same problem: a measurement beats
-    an estimate; otherwise the faster one wins (a tie keeps the incumbent)."""
+    an estimate. Two measurements under different L2 flushes are not compared by time: the one
+    under `flush` (the flush measured with now) wins, the candidate where `flush` is None (a search
+    offers what it measured itself), else the incumbent stays. Otherwise the faster one wins (a tie
+    keeps the incumbent)."""
     if candidate.is_estimate != incumbent.is_estimate:
         return not candidate.is_estimate
+    if flushes_differ(candidate, incumbent):
+        return flush_of(candidate) == (flush or flush_of(candidate))
     return candidate.time_ms < incumbent.time_ms
 
 
-def stores_best(candidate, stored, *, ever_wrong: bool, stored_retimed: bool = False) -> bool:
+def stores_best(
+    candidate, stored, *, ever_wrong: bool, stored_retimed: bool = False, flush: str | None = None
+) -> bool:
     """Whether `candidate` becomes the problem's best config over `stored` (None: nothing stored
     yet). A config that ever gave a wrong result for the problem with this kernel code never does. A
     stored best that was timed again in the same rounds as the candidate (`stored_retimed`), which
-    the caller offers as their winner, is replaced whatever its time from another session."""
+    the caller offers as their winner, is replaced whatever its time from another session.
+    Otherwise `better` decides (`flush`: which L2 flush wins over another)."""
     if ever_wrong:
         return False
-    return stored is None or stored_retimed or better(candidate, stored)
+    return stored is None or stored_retimed or better(candidate, stored, flush)
 
 
 # ---- confirmation: the default against the fastest -----------------------------------------------

@@ -154,7 +154,7 @@ def write_job(directory: Path, name: str = "job", **fields) -> Path:
 @pytest.fixture
 def workdir(tmp_path, monkeypatch):
     """A clean working directory with no FA4TUNE_* variables set."""
-    for var in ("FA4TUNE_DB", "FA4TUNE_TABLE", "FA4TUNE_TARGET"):
+    for var in ("FA4TUNE_DB", "FA4TUNE_TABLE", "FA4TUNE_TARGET", "FA4TUNE_L2_FLUSH"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.chdir(tmp_path)
     import fa4tune.runtime

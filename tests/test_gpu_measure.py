@@ -402,10 +402,10 @@ def test_kernel_exported_in_another_process_equals_a_fresh_compile(workdir):
     assert torch.equal(out_loaded, out_fresh) and torch.equal(lse_loaded, lse_fresh)
 
 
-def test_l2_flusher_overwrites_twice_the_l2_on_the_gpu():
+def test_a_dirty_l2_flush_overwrites_twice_the_l2_on_the_gpu():
     from fa4tune.measure.timing import L2Flusher
 
-    flusher = L2Flusher()
+    flusher = L2Flusher(mode="dirty")
     l2 = torch.cuda.get_device_properties(None).L2_cache_size
     assert flusher.buffer.is_cuda and flusher.buffer.numel() * 4 >= 2 * l2
     flusher()
@@ -413,10 +413,12 @@ def test_l2_flusher_overwrites_twice_the_l2_on_the_gpu():
     assert int(flusher.buffer[-1]) == 0x5A5A5A5A
 
 
-def test_a_clean_l2_flush_reads_twice_the_l2_on_the_gpu():
-    from fa4tune.measure.timing import L2Flusher
+def test_the_default_l2_flush_reads_twice_the_l2_on_the_gpu(monkeypatch):
+    from fa4tune.measure.timing import FLUSH_ENV, L2Flusher
 
-    flusher = L2Flusher(mode="clean")
+    monkeypatch.delenv(FLUSH_ENV, raising=False)
+    flusher = L2Flusher()
+    assert flusher.mode == "clean"
     l2 = torch.cuda.get_device_properties(None).L2_cache_size
     assert flusher.buffer.numel() * 4 >= 2 * l2
     flusher()

@@ -505,3 +505,183 @@ def test_a_resume_charges_the_earlier_sessions_to_the_time_budget(workdir):
     assert all("time budget" in r.stopped for r in again.results)
     longer = run_search(job, resume=True, seconds=max(spent) + 0.5, say=lambda *a: None)
     assert all(r.measured + r.pruned > c for r, c in zip(longer.results, counted))
+
+
+def _stored(db_path="fa4tune-results/results.db"):
+    """Everything the results DB holds of runs, trials and best configs."""
+    with ResultsDB.open(db_path, create=False) as db:
+        return db.runs(), db.trials(), db.best_configs()
+
+
+def _forget_flush(db_path="fa4tune-results/results.db"):
+    """Make every run and best config look as one stored before they recorded their L2 flush."""
+    import sqlite3
+
+    with sqlite3.connect(db_path) as connection:
+        connection.execute("UPDATE runs SET details = json_remove(details, '$.l2_flush')")
+        connection.execute(
+            "UPDATE best_configs SET provenance = json_remove(provenance, '$.l2_flush')"
+        )
+
+
+def test_a_run_records_its_l2_flush_and_is_continued_only_under_it(workdir, monkeypatch):
+    """Times of the clean and the dirty flush do not compare: a resume under the other mode is
+    refused before anything is measured, naming both modes and the setting that continues the run,
+    and leaves the DB as it was; under the run's own mode it continues."""
+    from fa4tune.errors import Fa4tuneError
+    from fa4tune.measure.timing import FLUSH_ENV
+
+    job_path = write_job(workdir, spaces=SPACE, budget={"trials": 6}, sampler="random")
+    job = load_job(job_path)
+
+    def measured(**options):
+        return run_search(
+            load_job(job_path),
+            backend=_MeasuringModel(job.kernel, job.target),
+            say=lambda *a: None,
+            **options,
+        )
+
+    monkeypatch.setenv(FLUSH_ENV, "warm")
+    with pytest.raises(ValueError, match="FA4TUNE_L2_FLUSH='warm'"):
+        measured()
+    assert not (workdir / "fa4tune-results").exists()  # refused before anything was written
+
+    monkeypatch.delenv(FLUSH_ENV)
+    first = measured()
+    runs, trials, best = _stored()
+    assert runs[0]["details"]["l2_flush"] == "clean"
+    assert best and all(b.provenance["l2_flush"] == "clean" for b in best)
+    journal = (workdir / "fa4tune-results" / "results.optuna.journal").read_bytes()
+
+    monkeypatch.setenv(FLUSH_ENV, "dirty")
+    with pytest.raises(Fa4tuneError) as refused:
+        measured(resume=True, trials=10)
+    message = str(refused.value)
+    assert f"run {first.run_id} of job 'job'" in message
+    assert "timed with the clean L2 flush" in message and "times with the dirty one" in message
+    assert "Set FA4TUNE_L2_FLUSH=clean to continue it" in message
+    assert _stored() == (runs, trials, best)  # nothing changed, the run's status included
+    assert (workdir / "fa4tune-results" / "results.optuna.journal").read_bytes() == journal
+
+    # Without --resume the dirty search is a run of its own, which says so.
+    other = measured()
+    assert other.run_id != first.run_id and not other.resumed
+    assert _stored()[0][-1]["details"]["l2_flush"] == "dirty"
+
+    # A resume joins the job's latest run, now the dirty one: refused under the clean flush.
+    monkeypatch.setenv(FLUSH_ENV, "clean")
+    with pytest.raises(Fa4tuneError, match="Set FA4TUNE_L2_FLUSH=dirty to continue it"):
+        measured(resume=True)
+    monkeypatch.setenv(FLUSH_ENV, "dirty")
+    again = measured(resume=True, trials=10)
+    assert again.resumed and again.run_id == other.run_id
+    runs, trials, _ = _stored()
+    assert sum(t["status"] != "pruned" for t in trials if t["run_id"] == other.run_id) == 10
+    assert runs[-1]["details"]["l2_flush"] == "dirty"
+
+
+def test_a_run_that_does_not_record_its_flush_was_timed_dirty(workdir, monkeypatch):
+    """Every measured run stored before runs recorded their L2 flush was timed with the dirty one:
+    a clean search does not continue it, a dirty one does."""
+    from fa4tune.errors import Fa4tuneError
+    from fa4tune.measure.timing import FLUSH_ENV
+
+    job_path = write_job(workdir, spaces=SPACE, budget={"trials": 6}, sampler="random")
+    job = load_job(job_path)
+
+    def measured(**options):
+        return run_search(
+            load_job(job_path),
+            backend=_MeasuringModel(job.kernel, job.target),
+            say=lambda *a: None,
+            **options,
+        )
+
+    monkeypatch.setenv(FLUSH_ENV, "dirty")
+    old = measured()
+    _forget_flush()
+    stored = _stored()
+    assert "l2_flush" not in stored[0][0]["details"]
+
+    monkeypatch.delenv(FLUSH_ENV)
+    with pytest.raises(Fa4tuneError, match="timed with the dirty L2 flush") as refused:
+        measured(resume=True, trials=8)
+    assert "Set FA4TUNE_L2_FLUSH=dirty to continue it" in str(refused.value)
+    assert _stored() == stored
+
+    monkeypatch.setenv(FLUSH_ENV, "dirty")
+    again = measured(resume=True, trials=8)
+    assert again.resumed and again.run_id == old.run_id
+
+
+def test_a_cost_model_search_flushes_nothing_and_resumes_under_any_setting(workdir, monkeypatch):
+    """Estimates time nothing: the run and its best configs record the flush "none", whatever
+    FA4TUNE_L2_FLUSH says (it is not read, so not even a bad value stops the search), and a resume
+    of a cost-model run, one stored before runs recorded their flush included, is never refused."""
+    from fa4tune.measure.timing import FLUSH_ENV
+
+    job_path = write_job(workdir, spaces=SPACE, budget={"trials": 4}, sampler="random")
+    monkeypatch.setenv(FLUSH_ENV, "dirty")
+    first = run_search(load_job(job_path), say=lambda *a: None)
+    assert first.is_estimate
+    runs, _, best = _stored()
+    assert runs[0]["details"]["l2_flush"] == "none"
+    assert best and all(b.provenance["l2_flush"] == "none" for b in best)
+
+    _forget_flush()
+    for setting, trials in (("clean", 6), ("warm", 8)):
+        monkeypatch.setenv(FLUSH_ENV, setting)
+        again = run_search(load_job(job_path), resume=True, trials=trials, say=lambda *a: None)
+        assert again.resumed and again.run_id == first.run_id
+    _, trials, _ = _stored()
+    assert sum(t["status"] != "pruned" for t in trials) == 8
+
+
+class _SlowerMeasuringModel(_MeasuringModel):
+    """_MeasuringModel, `factor` times slower."""
+
+    factor = 2.0
+
+    def measure(self, problem, config):
+        m = super().measure(problem, config)
+        return dataclasses.replace(
+            m, time_ms=m.time_ms * self.factor, tflops=m.tflops / self.factor
+        )
+
+
+class _SlowestMeasuringModel(_SlowerMeasuringModel):
+    factor = 3.0
+
+
+def test_a_search_under_another_flush_replaces_the_best_whatever_its_time(workdir, monkeypatch):
+    """A best config measured under the other L2 flush (here one that records none: dirty) is no
+    yardstick for this search's times: its own fastest replaces it, slower as it is, and the
+    exported table then holds this flush's times only. Under one flush the faster stays."""
+    from fa4tune.measure.timing import FLUSH_ENV
+    from fa4tune.runtime.tables import read_table
+
+    job_path = write_job(
+        workdir, spaces=SPACE, budget={"trials": 6}, sampler="random", export="t.yaml"
+    )
+    job = load_job(job_path)
+
+    def search(backend):
+        return run_search(job, backend=backend(job.kernel, job.target), say=lambda *a: None)
+
+    monkeypatch.setenv(FLUSH_ENV, "dirty")
+    search(_MeasuringModel)
+    _forget_flush()
+    [dirty] = _stored()[2]
+    assert "l2_flush" not in dirty.provenance
+
+    monkeypatch.setenv(FLUSH_ENV, "clean")
+    second = search(_SlowerMeasuringModel)
+    [best] = _stored()[2]
+    assert best.provenance["l2_flush"] == "clean" and best.provenance["run"] == second.run_id
+    assert best.time_ms > dirty.time_ms
+    table = read_table(workdir / "t.yaml")
+    assert [e["provenance"]["l2_flush"] for e in table["entries"]] == ["clean"]
+
+    third = search(_SlowestMeasuringModel)
+    assert third.run_id != second.run_id and _stored()[2] == [best]

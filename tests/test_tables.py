@@ -72,6 +72,53 @@ def test_import_merges_faster_entries_and_reports_conflicts(searched, workdir):
     assert best[slower["problem_key"]].config != slower["config"]
 
 
+def test_an_import_never_weighs_times_of_two_l2_flushes(searched, workdir, monkeypatch, capsys):
+    """Where the table and the DB measured a problem under different L2 flushes, the entry of the
+    flush this process times with (FA4TUNE_L2_FLUSH) wins whatever the times, and the conflict says
+    why; an entry that records no flush was timed with the dirty one."""
+    from fa4tune.cli import main
+    from fa4tune.measure.timing import FLUSH_ENV
+
+    with ResultsDB.open(searched, create=False) as db:
+        export_table(db, "t.yaml", kernel=KERNEL, target="H200")
+    document = yaml.safe_load((workdir / "t.yaml").read_text())
+    document["estimates"] = False
+    for row in document["entries"]:
+        row["is_estimate"] = False
+        row["provenance"]["l2_flush"] = "clean"
+    (workdir / "clean.yaml").write_text(yaml.safe_dump(document))
+    for row in document["entries"]:  # faster, another config, and no record of its flush
+        row["time_ms"] /= 2
+        row["config"]["tile_n"] = 64 if row["config"]["tile_n"] != 64 else 80
+        del row["provenance"]["l2_flush"]
+    (workdir / "unrecorded.yaml").write_text(yaml.safe_dump(document))
+    count = len(document["entries"])
+
+    monkeypatch.delenv(FLUSH_ENV, raising=False)
+    with ResultsDB.open("measured.db") as db:
+        assert len(import_table(db, "clean.yaml").added) == count
+    assert main(["import", "unrecorded.yaml", "--db", "measured.db"]) == 0
+    said = capsys.readouterr().out
+    assert f"0 added, 0 replaced by better entries, {count} kept" in said
+    assert (
+        said.count(
+            "the database wins (times of the clean and the dirty L2 flush do not compare: an "
+            "entry of the clean one wins)"
+        )
+        == count
+    )
+    monkeypatch.setenv(FLUSH_ENV, "dirty")
+    assert main(["import", "unrecorded.yaml", "--db", "measured.db"]) == 0
+    assert f"{count} replaced by better entries" in capsys.readouterr().out
+    with ResultsDB.open("measured.db", create=False) as db:
+        assert all("l2_flush" not in e.provenance for e in db.best_configs())
+    # Back under the clean flush, the clean table wins again, slower as it is.
+    monkeypatch.setenv(FLUSH_ENV, "clean")
+    with ResultsDB.open("measured.db") as db:
+        assert len(import_table(db, "clean.yaml").replaced) == count
+        assert all(e.provenance["l2_flush"] == "clean" for e in db.best_configs())
+
+
 def test_a_table_for_another_kernel_hash_is_refused_and_nothing_is_written(searched, workdir):
     with ResultsDB.open(searched, create=False) as db:
         export_table(db, "t.yaml", kernel=KERNEL, target="H200")
@@ -113,6 +160,17 @@ def test_a_table_for_another_kernel_hash_is_refused_and_nothing_is_written(searc
         (
             lambda d: d["entries"][0].update(is_estimate="no"),
             r"entries\[0\].is_estimate: true or false",
+        ),
+        (
+            lambda d: d["entries"][0]["provenance"].update(l2_flush="dirty"),
+            r"entries\[0\].provenance.l2_flush: 'dirty', want none for an estimate",
+        ),
+        (
+            lambda d: (
+                d["entries"][0].update(is_estimate=False)
+                or d["entries"][0]["provenance"].update(l2_flush="warm")
+            ),
+            r"entries\[0\].provenance.l2_flush: 'warm', want dirty or clean for a measurement",
         ),
         # The DB would take these only with a SQLAlchemy traceback, or keep a time that no
         # comparison can rank.

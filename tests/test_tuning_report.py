@@ -103,6 +103,18 @@ def test_render_says_what_is_missing():
     )
 
 
+def test_the_report_says_how_the_l2_flush_left_l2():
+    """The header's flush mode (run_header: flush_mode, clean unless FA4TUNE_L2_FLUSH says dirty)
+    in the report's first paragraph; a JSON written before the header had it was timed dirty."""
+    first = report.render([], HEADER).split("## Summary")[0]
+    assert (
+        "overwrote a buffer twice its size (dirty lines" in first
+        and "FA4TUNE_L2_FLUSH=dirty" in first
+    )
+    first = report.render([], {**HEADER, "flush": "clean"}).split("## Summary")[0]
+    assert "read a buffer twice its size (clean lines" in first and "overwrote" not in first
+
+
 def test_flash_attn_4_is_judged_by_the_column_that_writes_lse_too():
     """fa4tune writes O and LSE: the target compares it with flash-attn-4 doing the same; the O-only
     column (flash-attn-4's default) is shown beside it with its own ratio."""

@@ -164,15 +164,21 @@ def test_l2_flusher_refuses_host_memory():
 
 
 def test_the_flush_mode_comes_from_the_environment(monkeypatch):
+    """Clean unless FA4TUNE_L2_FLUSH says otherwise; a mode it does not know is bad input, told as
+    such (not a traceback)."""
+    from fa4tune.errors import is_user_error
     from fa4tune.measure.timing import FLUSH_ENV, L2Flusher, flush_mode
 
     monkeypatch.delenv(FLUSH_ENV, raising=False)
+    assert flush_mode() == "clean"
+    monkeypatch.setenv(FLUSH_ENV, "dirty")
     assert flush_mode() == "dirty"
     monkeypatch.setenv(FLUSH_ENV, "clean")
     assert flush_mode() == "clean"
     monkeypatch.setenv(FLUSH_ENV, "warm")
-    with pytest.raises(ValueError, match="FA4TUNE_L2_FLUSH='warm': want one of dirty, clean"):
+    with pytest.raises(ValueError, match="FA4TUNE_L2_FLUSH='warm': want one of dirty, clean") as e:
         flush_mode()
+    assert is_user_error(e.value)
     with pytest.raises(ValueError, match="L2Flusher mode 'hot'"):
         L2Flusher(mode="hot")
 

@@ -586,7 +586,7 @@ def test_the_multi_gpu_benchmark_runs_on_cpu_workers(workdir):
 def test_the_multi_gpu_benchmark_simulates_gpus_on_a_cpu(workdir):
     """--simulate: the gpu backend's real worker processes, pool and confirmation, with sleeps for
     the GPU (benchmarks/simulated_gpu_worker.py); each run's workers report their time with a trial
-    in flight."""
+    in flight. The run and the best configs its workers store record its L2 flush."""
     job = write_job(workdir, spaces=SPACE, problems=ONE_PROBLEM, budget={"trials": 30})
     path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     sleeps = {
@@ -612,7 +612,7 @@ def test_the_multi_gpu_benchmark_simulates_gpus_on_a_cpu(workdir):
         ],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": path, **sleeps},
+        env={**os.environ, "PYTHONPATH": path, "FA4TUNE_L2_FLUSH": "dirty", **sleeps},
     )
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.splitlines()
@@ -623,6 +623,9 @@ def test_the_multi_gpu_benchmark_simulates_gpus_on_a_cpu(workdir):
     with ResultsDB.open(str(workdir / "bench" / "many.db"), create=False) as db:
         [run] = db.runs()
         assert run["gpu_name"].startswith("simulated") and run["backend"] == "gpu"
+        assert run["details"]["l2_flush"] == "dirty"
+        best = db.best_configs()
+        assert best and all(b.provenance["l2_flush"] == "dirty" for b in best)
     timed = (workdir / "bench" / "job.yaml").read_text()
     assert "simulated_gpu_worker" in timed
 
@@ -648,6 +651,7 @@ def test_one_worker_confirms_a_study_unless_it_died(workdir):
             budget_trials=4,
             budget_seconds=None,
             shared=True,
+            l2_flush="none",
         )
 
         def worker(name):

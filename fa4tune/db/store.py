@@ -139,7 +139,7 @@ def sqlite_path(location: str) -> Path | None:
 
 def _new_run(session: Session, **fields) -> Run:
     """A new run row, running from now, flushed so that it has its id."""
-    run = Run(status="running", started_at=now(), details={}, **fields)
+    run = Run(status="running", started_at=now(), **{"details": {}, **fields})
     session.add(run)
     session.flush()
     return run
@@ -362,13 +362,16 @@ class ResultsDB:
     def start_run(self, **fields) -> int:
         return self._transact(lambda session: _new_run(session, **fields).id)
 
-    def open_run(self, *, resume: bool, study_prefix, **fields) -> tuple[int, str, bool]:
+    def open_run(
+        self, *, resume: bool, study_prefix, check_resume=None, **fields
+    ) -> tuple[int, str, bool]:
         """Start a run of a job, or with `resume` continue (join) its latest run of the same kernel
         code and target that measures the same way (a cost-model search never continues a measured
         run: its estimates would count toward the measured studies' budgets and teach their
         samplers): (run id, study prefix, whether an earlier run was continued). Serialised per job,
         so that hosts starting together with --resume join one run. `study_prefix(run_id)` names the
-        run's studies."""
+        run's studies. `check_resume(run)` is shown the run to be continued (its columns) before
+        anything changes: an error it raises refuses the resume, and the DB stays as it was."""
         key = (fields["job_name"], fields["kernel"], fields["kernel_hash"], fields["target"])
         with self.locked("job:" + "/".join(key)) as lock:
             session = lock.session
@@ -376,6 +379,8 @@ class ResultsDB:
                 _latest_run(session, *key, is_estimate=fields["is_estimate"]) if resume else None
             )
             if previous is not None:
+                if check_resume is not None:
+                    check_resume(_columns(previous))
                 previous.status, previous.ended_at = "running", None
                 return previous.id, previous.study_prefix, True
             run = _new_run(session, study_prefix="pending", **fields)
@@ -744,8 +749,10 @@ class ResultsDB:
         with self._sessions() as session:
             return [_best_entry(b) for b in session.scalars(query)]
 
-    def merge_best(self, entries: list[BestEntry]) -> MergeReport:
-        """Merge entries (an imported table) in one transaction; the better of two wins."""
+    def merge_best(self, entries: list[BestEntry], flush: str | None = None) -> MergeReport:
+        """Merge entries (an imported table) in one transaction; the better of two wins
+        (policy.better; `flush`: the L2 flush whose measurements win over another's, None: the
+        table's)."""
 
         def work(session: Session) -> MergeReport:
             added, replaced, kept, conflicts = [], [], [], []
@@ -759,17 +766,24 @@ class ResultsDB:
                     )
                     kept.append(entry.problem_key)
                     continue
-                outcome = _offer_best(session, entry, trial_id=None)
+                outcome = _offer_best(session, entry, trial_id=None, flush=flush)
                 if existing is None:
                     added.append(entry.problem_key)
                     continue
                 (replaced if outcome else kept).append(entry.problem_key)
                 if existing.config != entry.config:
                     winner = "table" if outcome else "database"
+                    apart = (
+                        f" (times of the {policy.flush_of(existing)} and the "
+                        f"{policy.flush_of(entry)} L2 flush do not compare: an entry of the "
+                        f"{flush or policy.flush_of(entry)} one wins)"
+                        if policy.flushes_differ(entry, existing)
+                        else ""
+                    )
                     conflicts.append(
                         f"{entry.problem_key} on {entry.target}: database "
                         f"{existing.time_ms:.4g} ms {existing.config} vs table "
-                        f"{entry.time_ms:.4g} ms {entry.config}; the {winner} wins"
+                        f"{entry.time_ms:.4g} ms {entry.config}; the {winner} wins{apart}"
                     )
             return MergeReport(added, replaced, kept, conflicts)
 
@@ -1134,12 +1148,17 @@ def _was_wrong(session: Session, entry: BestEntry) -> bool:
 
 
 def _offer_best(
-    session: Session, entry: BestEntry, trial_id: int | None, retimed=frozenset()
+    session: Session,
+    entry: BestEntry,
+    trial_id: int | None,
+    retimed=frozenset(),
+    flush: str | None = None,
 ) -> bool:
     """Store `entry` as best unless the stored one is at least as good, or the config ever gave a
     wrong result for this problem and kernel code (then never); True when stored. A stored best
     whose config key is in `retimed` was timed again in the same rounds as `entry`, which the caller
-    offers as their winner: it is replaced, whatever its time from another session."""
+    offers as their winner: it is replaced, whatever its time from another session. `flush`: which
+    L2 flush wins where the two were measured under different ones (policy.better)."""
     row = _find_best(session, entry)
     stored = _best_entry(row) if row is not None else None
     if not policy.stores_best(
@@ -1147,6 +1166,7 @@ def _offer_best(
         stored,
         ever_wrong=_was_wrong(session, entry),
         stored_retimed=row is not None and config_key(row.config) in retimed,
+        flush=flush,
     ):
         return False
     if row is None:

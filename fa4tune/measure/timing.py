@@ -24,25 +24,34 @@ class Timing:
 HOST_HIDE_SECONDS = 1e-3  # well above any launch's host-side preparation we have measured (~140 µs)
 
 
-# How the flush leaves L2 (FA4TUNE_L2_FLUSH; flush_mode). "dirty", what every table and report so
-# far was timed with, overwrites the buffer: L2 is then full of dirty lines, and the timed run's
-# first reads pay for their write-back (up to L2's size of extra DRAM traffic: 60 MB on an H200,
-# about 14 µs at 4.24 TB/s, a large share of a short memory-bound call such as a decode step).
-# "clean" reads the buffer: L2 holds clean lines, which a read evicts for nothing, as a decode step
-# finds it after the layer's weights were read.
+# How the flush leaves L2 (FA4TUNE_L2_FLUSH; flush_mode). "clean", the default, reads the buffer:
+# L2 then holds clean lines, which the timed run's reads evict for nothing, as in serving, where a
+# decode step follows GEMMs that only read their weights. "dirty" overwrites the buffer, leaving up
+# to L2's size of dirty lines whose write-back lands in the timed run (60 MB on an H200, about 14 µs
+# at 4.24 TB/s): an artifact of the flush, not of the workload. On an H200 it made decode's main
+# kernel 42.6 µs instead of 33.2 µs (hd128, 32k, batch 1; the copy floor 31.7 µs), hd64 at 131k
+# 72.7 instead of 62.4 µs, and slowed cuDNN's decode too; compute-bound prefill and backward barely
+# move. Times of the two modes do not compare: a search records its mode and never mixes them.
 FLUSH_ENV = "FA4TUNE_L2_FLUSH"
 FLUSH_MODES = ("dirty", "clean")
+# The mode of times that do not record theirs (runs, table entries, benchmark JSON).
+UNRECORDED_FLUSH = "dirty"
+NO_FLUSH = "none"  # what a cost model's estimates record: nothing is timed, nothing flushed
+
+
+class FlushModeError(ValueError):
+    """An L2 flush mode that is not one of FLUSH_MODES."""
 
 
 def flush_mode() -> str:
-    """The L2 flush's mode: FA4TUNE_L2_FLUSH if set (one of FLUSH_MODES), else "dirty"."""
-    mode = os.environ.get(FLUSH_ENV, "dirty")
+    """The L2 flush's mode: FA4TUNE_L2_FLUSH if set (one of FLUSH_MODES), else "clean"."""
+    mode = os.environ.get(FLUSH_ENV, "clean")
     return _known_mode(mode, f"{FLUSH_ENV}={mode!r}")
 
 
 def _known_mode(mode: str, named: str) -> str:
     if mode not in FLUSH_MODES:
-        raise ValueError(f"{named}: want one of {', '.join(FLUSH_MODES)}")
+        raise FlushModeError(f"{named}: want one of {', '.join(FLUSH_MODES)}")
     return mode
 
 

@@ -213,6 +213,7 @@ def read_table(path: str | os.PathLike) -> dict:
             row["is_estimate"], bool
         ):  # the lookup ranks measurements before estimates
             raise TableError(f"{where}.is_estimate: true or false")
+        _check_flush(row, where)
     # The label `fa4tune export` writes (and the YAML header warns by): whether any entry is an
     # estimate.
     estimates = any(row["is_estimate"] for row in document["entries"])
@@ -222,6 +223,21 @@ def read_table(path: str | os.PathLike) -> dict:
             "cost-model estimate)"
         )
     return document
+
+
+def _check_flush(row: dict, where: str) -> None:
+    """The L2 flush an entry records its time was taken under, if it records one: a measurement's
+    one of timing.FLUSH_MODES, an estimate's timing.NO_FLUSH (import weighs them, policy.better)."""
+    if "l2_flush" not in row["provenance"]:
+        return
+    from ..measure.timing import FLUSH_MODES, NO_FLUSH  # here: not on `import fa4tune`'s path
+
+    known = (NO_FLUSH,) if row["is_estimate"] else FLUSH_MODES
+    if row["provenance"]["l2_flush"] not in known:
+        raise TableError(
+            f"{where}.provenance.l2_flush: {row['provenance']['l2_flush']!r}, want "
+            f"{' or '.join(known)} for {'an estimate' if row['is_estimate'] else 'a measurement'}"
+        )
 
 
 def table_entries(document: dict) -> list[BestEntry]:
@@ -257,7 +273,11 @@ def check_importable(path: str | os.PathLike) -> dict:
     return document
 
 
-def import_table(db, path: str | os.PathLike) -> MergeReport:
+def import_table(db, path: str | os.PathLike, flush: str | None = None) -> MergeReport:
     """Merge a table into the DB. A table of another kernel version (hash) is refused: its configs
-    were tuned for code that is no longer installed."""
-    return db.merge_best(table_entries(check_importable(path)))
+    were tuned for code that is no longer installed. Where the table and the DB measured a problem
+    under different L2 flushes, the one under `flush` (default: flush_mode(), FA4TUNE_L2_FLUSH)
+    wins, whatever the times."""
+    from ..measure.timing import flush_mode  # here: not on `import fa4tune`'s path
+
+    return db.merge_best(table_entries(check_importable(path)), flush=flush or flush_mode())

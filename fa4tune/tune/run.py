@@ -25,6 +25,7 @@ class RunRef:
     budget_trials: int | None
     budget_seconds: float | None
     shared: bool  # several workers (or hosts) may share the studies
+    l2_flush: str  # the L2 flush its times are taken under (provenance.l2_flush)
 
     def study_name(self, space: ComposedSpace, problem: Problem) -> str:
         return study_name(self.prefix, space.signature(), problem.key())

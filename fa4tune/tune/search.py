@@ -24,13 +24,14 @@ from ..db import ResultsDB, resolve_location, shown_location, sqlite_path
 from ..errors import Fa4tuneError, KernelError, StorageError
 from ..files import unwritable_ancestor
 from ..measure.base import Backend, make_backend, resolve_backend_name
+from ..measure.timing import FLUSH_ENV
 from ..runtime.tables import TableError, existing_tables, export_table, table_paths
 from ..space import ComposedSpace, compose
 from ..target import get_target
 from . import workers as worker_processes  # a module: benchmarks/simulated_gpus.py patches it
 from .job import Job
 from .loop import WorkerLoop, problem_sampler
-from .provenance import best_provenance, run_gpu_fields, versions
+from .provenance import best_provenance, l2_flush, run_gpu_fields, run_l2_flush, versions
 from .run import ProblemResult, RunRef
 from .studies import (
     check_storage,
@@ -120,6 +121,7 @@ def run_search(
             setup.backend = make_backend(setup.backend_name, job.kernel, setup.target)
         if setup.is_estimate and job.export:
             _refuse_estimates_over_measurements(job)  # before the DB or the storage is touched
+        flush = l2_flush(setup.is_estimate)  # a bad FA4TUNE_L2_FLUSH, before anything is written
 
         results_db = ResultsDB.open(setup.db_location, create=True)
         optuna_storage = open_storage(setup.storage_location)
@@ -128,7 +130,7 @@ def run_search(
         else:
             provenance = {"gpu_name": None, "sm_count": setup.target.sm_count, **versions()}
         run, summary = _open_run(
-            job, setup, results_db, provenance, resume, say, budget_trials, budget_seconds
+            job, setup, results_db, provenance, flush, resume, say, budget_trials, budget_seconds
         )
         _search(
             setup,
@@ -136,7 +138,7 @@ def run_search(
             summary,
             results_db,
             optuna_storage,
-            best_provenance(provenance, setup.backend_name, run.run_id),
+            best_provenance(provenance, setup.backend_name, run.run_id, flush),
             progress,
             say,
         )
@@ -232,18 +234,34 @@ def _open_run(
     setup: _Setup,
     results_db: ResultsDB,
     provenance: dict,
+    flush: str,
     resume: bool,
     say,
     budget_trials: int | None,
     budget_seconds: float | None,
 ) -> tuple[RunRef, SearchSummary]:
     """Create the run in the results DB, or with `resume` join the job's latest one (of the same
-    kernel code, target, and estimates or measurements); say which."""
+    kernel code, target, and estimates or measurements); say which. The run records its L2 flush
+    (`flush`), and one measured under another is not joined: a Fa4tuneError, the DB unchanged."""
     kernel, tgt, is_estimate = job.kernel, setup.target, setup.is_estimate
     kernel_hash = kernel.source_hash()
+
+    def same_flush(previous: dict) -> None:
+        measured = run_l2_flush(previous)
+        if measured != flush:
+            raise Fa4tuneError(
+                f"run {previous['id']} of job {job.name!r} in {shown_location(setup.db_location)} "
+                f"was timed with the {measured} L2 flush, and this search times with the {flush} "
+                f"one ({FLUSH_ENV}={flush}): times of the two do not compare, so it does not "
+                f"continue that run. Set {FLUSH_ENV}={measured} to continue it, or leave out "
+                "--resume to start a new run; nothing in the results DB was changed"
+            )
+
     run_id, prefix, resumed = results_db.open_run(
         resume=resume,
         study_prefix=lambda rid: f"{job.name}/{kernel.name}-{kernel_hash[:12]}/{tgt.name}/run{rid}",
+        check_resume=same_flush,
+        details={"l2_flush": flush},
         job_name=job.name,
         job_path=job.path,
         job_text=job.text,
@@ -298,6 +316,7 @@ def _open_run(
         budget_trials=budget_trials,
         budget_seconds=budget_seconds,
         shared=setup.plan is not None or is_server_storage(setup.storage_location),
+        l2_flush=flush,
     )
     return run, summary
 

@@ -232,7 +232,7 @@ def _work(spec: WorkerSpec) -> dict:
             backend,
             db,
             open_storage(spec.storage),
-            best_provenance(provenance, spec.backend, run.run_id),
+            best_provenance(provenance, spec.backend, run.run_id, run.l2_flush),
             progress=False,
             say=lambda message: print(f"[worker {spec.index}] {message}", flush=True),
             worker_seed=worker_seed(spec.index),
