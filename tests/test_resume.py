@@ -524,14 +524,9 @@ def _forget_flush(db_path="fa4tune-results/results.db"):
         )
 
 
-def test_a_run_records_its_l2_flush_and_is_continued_only_under_it(workdir, monkeypatch):
-    """Times of the clean and the dirty flush do not compare: a resume under the other mode is
-    refused before anything is measured, naming both modes and the setting that continues the run,
-    and leaves the DB as it was; under the run's own mode it continues."""
-    from fa4tune.errors import Fa4tuneError
-    from fa4tune.measure.timing import FLUSH_ENV
-
-    job_path = write_job(workdir, spaces=SPACE, budget={"trials": 6}, sampler="random")
+def _measured_search(job_path):
+    """A search of the job at job_path, measured (by _MeasuringModel) on each call, with the
+    call's run_search options."""
     job = load_job(job_path)
 
     def measured(**options):
@@ -541,6 +536,20 @@ def test_a_run_records_its_l2_flush_and_is_continued_only_under_it(workdir, monk
             say=lambda *a: None,
             **options,
         )
+
+    return measured
+
+
+def test_a_run_records_its_l2_flush_and_is_continued_only_under_it(workdir, monkeypatch):
+    """Times of the clean and the dirty flush do not compare: a resume under the other mode is
+    refused before anything is measured, naming both modes and the setting that continues the run,
+    and leaves the DB as it was; under the run's own mode it continues."""
+    from fa4tune.errors import Fa4tuneError
+    from fa4tune.measure.timing import FLUSH_ENV
+
+    measured = _measured_search(
+        write_job(workdir, spaces=SPACE, budget={"trials": 6}, sampler="random")
+    )
 
     monkeypatch.setenv(FLUSH_ENV, "warm")
     with pytest.raises(ValueError, match="FA4TUNE_L2_FLUSH='warm'"):
@@ -587,16 +596,9 @@ def test_a_run_that_does_not_record_its_flush_was_timed_dirty(workdir, monkeypat
     from fa4tune.errors import Fa4tuneError
     from fa4tune.measure.timing import FLUSH_ENV
 
-    job_path = write_job(workdir, spaces=SPACE, budget={"trials": 6}, sampler="random")
-    job = load_job(job_path)
-
-    def measured(**options):
-        return run_search(
-            load_job(job_path),
-            backend=_MeasuringModel(job.kernel, job.target),
-            say=lambda *a: None,
-            **options,
-        )
+    measured = _measured_search(
+        write_job(workdir, spaces=SPACE, budget={"trials": 6}, sampler="random")
+    )
 
     monkeypatch.setenv(FLUSH_ENV, "dirty")
     old = measured()
