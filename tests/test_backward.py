@@ -7,6 +7,7 @@ sm_90a without spills or serialized wgmma."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import re
 from dataclasses import replace
@@ -83,13 +84,13 @@ def test_every_default_is_feasible(head_dim, causal):
     p = Problem(head_dim=head_dim, causal=causal, seqlen_q=4096, batch=4, nheads_q=16)
     config = default_config(p, H200)
     assert not FAMILY.infeasible_reasons(p, config, H200)
-    # 128 Q rows a step where they fit (head dim 64), with dQ's GEMM split by rows there, else 64,
-    # with dQ's GEMM swapped where it fits (head dim 128); dQ by TMA from the dQ warp, two dS^T
-    # buffers
+    # 128 Q rows a step where they fit (head dim 64), with dQ's GEMM split by rows and S^T and
+    # dP^T in halves there, else 64, with dQ's GEMM swapped where it fits (head dim 128); dQ by
+    # TMA from the dQ warp, two dS^T buffers
     wide = head_dim == 64
     assert config == BwdConfig(
         tile_m=128 if wide else 64, dq_tma=True, ds_stages=2, dq_warp=True, dq_rows=wide,
-        dq_swap=head_dim == 128,
+        dq_swap=head_dim == 128, q_halves=wide,
     )  # fmt: skip
     # the deterministic mode keeps the tiles and the dQ warp: it issues the reductions in turn
     det = cfg.deterministic_config(config, p, H200)
@@ -150,11 +151,12 @@ def test_the_lse_and_d_go_into_registers_early_where_the_model_leaves_room():
     early = {
         (d, config.short()): cfg.stats_in_registers(config, Problem(head_dim=d))
         for d in (64, 96, 128)
-        for config in (BwdConfig(dq_tma=True, ds_stages=2, dq_warp=True), *cfg.DEFAULT_LADDER[:1])
+        for config in (BwdConfig(dq_tma=True, ds_stages=2, dq_warp=True), *cfg.DEFAULT_LADDER[:2])
         if not FAMILY.infeasible_reasons(Problem(head_dim=d), config, H200)
     }
     assert early == {
         (64, "64x128s2-tma-w-ds2"): (True, True),
+        (64, "128x128s2-tma-w-r-ds2-h2"): (True, True),  # a part's stats
         (64, "128x128s2-tma-w-r-ds2"): (False, False),  # at the model's edge
         (96, "64x128s2-tma-w-ds2"): (True, True),
         (128, "64x128s2-tma-w-ds2"): (True, False),
@@ -180,11 +182,13 @@ def test_the_deterministic_mode_keeps_the_tuned_tiles_where_the_turn_fits():
     det = cfg.deterministic_config(BwdConfig(dq_tma=True), full, H200)
     assert det == BwdConfig(deterministic=True)
     # 128-row blocks leave no room for the consumers' turn: the first of the default's ladder
-    # that has room, there the dQ warp's turn at 128 rows (dQ's GEMM split by rows)
+    # that has room, there the dQ warp's turn at 128 rows (dQ's GEMM split by rows, S^T and dP^T
+    # in halves)
     det = cfg.deterministic_config(BwdConfig(tile_m=128, dq_tma=True), full, H200)
     assert det == BwdConfig(
-        tile_m=128, deterministic=True, dq_tma=True, ds_stages=2, dq_warp=True, dq_rows=True
-    )
+        tile_m=128, deterministic=True, dq_tma=True, ds_stages=2, dq_warp=True, dq_rows=True,
+        q_halves=True,
+    )  # fmt: skip
     assert not FAMILY.infeasible_reasons(full, det, H200)
     already = BwdConfig(tile_n=64, deterministic=True)
     assert cfg.deterministic_config(already, full, H200) is already
@@ -525,6 +529,19 @@ SPREAD = [
     (BwdConfig(tile_m=80, dq_swap=True), 128, True),
     (BwdConfig(tile_m=80, dq_swap=True, deterministic=True, dq_tma=True, dq_warp=True), 128, True),
     (BwdConfig(dq_swap=True, dq_tma=True, dq_warp=True, ds_stages=2), 128, False),
+    # S^T and dP^T in halves of the Q block (head dim 64): each dQ path, deterministic.
+    (
+        BwdConfig(tile_m=128, dq_tma=True, ds_stages=2, dq_warp=True, dq_rows=True, q_halves=True),
+        64,
+        True,
+    ),
+    (BwdConfig(tile_m=128, q_halves=True), 64, False),
+    (BwdConfig(tile_m=128, num_stages=1, dq_tma=True, q_halves=True), 64, True),
+    (
+        BwdConfig(tile_m=128, deterministic=True, dq_tma=True, dq_warp=True, q_halves=True),
+        64,
+        False,
+    ),
 ]
 
 
@@ -552,10 +569,11 @@ def test_backward_kernels_compile_without_spills(config, head_dim, causal, capfd
     assert all(r == (0, 0, 0) for r in report), f"{config.short()} spills: {report}"
     assert not _serialized_wgmma(text), f"{config.short()}: {_serialized_wgmma(text)}"
     ptx = compiled.function.__ptx__
-    # The five GEMMs of a step: S^T and dP^T (d/16 each), dV and dK (tile_m/16 each), dQ
-    # (tile_n/16 for each 64 of its tile_m rows; swapped, each warpgroup's 64 columns: tile_n/16).
-    dq_gemm = config.tile_n // 16 * (1 if config.dq_swap else config.tile_m // 64)
-    per_step = 2 * head_dim // 16 + 2 * config.tile_m // 16 + dq_gemm
+    # The five GEMMs of a step: S^T and dP^T (d/16 each, per part of the Q block), dV and dK
+    # (tile_m/16 each), dQ (tile_n/16 for each 64 of its tile_m rows; swapped, each warpgroup's 64
+    # columns, or by rows, each warpgroup's 64 rows: tile_n/16).
+    dq_gemm = config.tile_n // 16 * (1 if config.dq_swap or config.dq_rows else config.tile_m // 64)
+    per_step = config.query_parts * 2 * head_dim // 16 + 2 * config.tile_m // 16 + dq_gemm
     assert ptx.count("wgmma.mma_async") == per_step
     assert ("ld.global.acquire.gpu" in ptx) == config.deterministic
     # dQ: one TMA reduction per Q block, or red.global from every consumer thread.
@@ -576,6 +594,58 @@ def test_every_admitted_128_row_config_at_head_dim_64_compiles_without_spills(
     the edge the rules admit, built for sm_90a (the dQ warp's apart: they hold no turn)."""
     bad = compile_failures([(config, 64, causal) for config, causal in edge_configs(dq_warp)],
                            capfd, tmp_path)  # fmt: skip
+    assert not bad, bad
+
+
+def halves_configs(causal: bool = True) -> list:
+    """Every config with q_halves the rules admit at head dim 64 (deterministic or not)."""
+    p = Problem(head_dim=64, causal=causal)
+    found = []
+    for values in itertools.product(*(cfg.KNOBS[k] for k in cfg.KNOBS if k != "q_halves")):
+        config = BwdConfig(**dict(zip([k for k in cfg.KNOBS if k != "q_halves"], values)),
+                           q_halves=True)  # fmt: skip
+        if not FAMILY.infeasible_reasons(p, config, H200):
+            found.append(config)
+    return found
+
+
+def test_q_halves_takes_128_rows_at_head_dim_64_and_reads_the_stats_early():
+    """Two parts of 64 queries: 128-row Q blocks at head dim 64 with two warpgroups only (128
+    does not fit the registers, ptxas spilled at 96 and with one warpgroup); a part's
+    accumulators leave room for its LSE2 and D."""
+    halves = BwdConfig(tile_m=128, dq_tma=True, ds_stages=2, dq_warp=True, dq_rows=True,
+                       q_halves=True)  # fmt: skip
+    assert halves.short() == "128x128s2-tma-w-r-ds2-h2" and halves.query_parts == 2
+    assert BwdConfig.from_dict({"tile_m": 128}).q_halves is False  # tables written before it
+    p = Problem(head_dim=64, causal=True)
+    assert not FAMILY.infeasible_reasons(p, halves, H200)
+    assert cfg.stats_in_registers(halves, p) == (True, True)
+    assert cfg.stats_in_registers(replace(halves, q_halves=False), p) == (False, False)
+    # the register model: S^T and dP^T of a part, P^T and dS^T of the part before
+    assert cfg.consumer_registers_needed(halves, p) == 64 + 64 + 32 + 16
+    for problem, config, words in [
+        (p, replace(halves, tile_m=64, dq_rows=False), "q_halves with tile_m=64"),
+        (Problem(head_dim=128), BwdConfig(tile_m=128, q_halves=True), "q_halves at head_dim=128"),
+        (Problem(head_dim=96), BwdConfig(tile_m=128, num_stages=1, q_halves=True),
+         "q_halves at head_dim=96"),
+        (p, BwdConfig(tile_m=128, tile_n=64, q_halves=True), "1 consumer warpgroup(s)"),
+    ]:  # fmt: skip
+        reasons = FAMILY.infeasible_reasons(problem, config, H200)
+        assert any(words in r for r in reasons), (config.short(), reasons)
+    # the deterministic turn fits beside the halves (the dQ warp's and the register adds')
+    det = cfg.deterministic_config(halves, p, H200)
+    assert det == replace(halves, deterministic=True)
+    assert len(halves_configs()) == 16 + 12  # 16 searched, 12 deterministic
+    from fa4tune.space.backward import BackwardSpace
+
+    assert BackwardSpace.params(None)["q_halves"].choices == (False, True)
+
+
+@pytest.mark.compile
+def test_every_admitted_halves_config_compiles_without_spills(capfd, tmp_path):
+    """What keeps the register model of q_halves honest: every config of it the rules admit at
+    head dim 64, causal (the mask's bounds take registers), built for sm_90a."""
+    bad = compile_failures([(c, 64, True) for c in halves_configs()], capfd, tmp_path)
     assert not bad, bad
 
 

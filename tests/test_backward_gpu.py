@@ -104,6 +104,21 @@ CASES = [
     (dict(head_dim=64, seqlen_q=1500, batch=2, nheads_q=8, nheads_kv=2, causal=True),
      BwdConfig(tile_m=128, deterministic=True, dq_tma=True, dq_warp=True, ds_stages=2,
                dq_rows=True)),
+    # ... S^T and dP^T in two parts of 64 queries (q_halves): rows past seqlen_q in the second
+    # part and in both, the causal diagonal across the parts, GQA, more and fewer keys than
+    # queries, each dQ path (columns, rows, the consumer warp's TMA, the register adds), one dS^T
+    # buffer, one stage, deterministic.
+    (dict(head_dim=64, seqlen_q=1029, seqlen_k=500, batch=1, nheads_q=4, causal=True),
+     BwdConfig(tile_m=128, dq_tma=True, dq_warp=True, ds_stages=2, dq_rows=True, q_halves=True)),
+    (dict(head_dim=64, seqlen_q=777, seqlen_k=1029, batch=2, nheads_q=8, nheads_kv=2,
+          causal=True), BwdConfig(tile_m=128, dq_tma=True, dq_warp=True, q_halves=True)),
+    (dict(head_dim=64, seqlen_q=1000, seqlen_k=3000, batch=1, nheads_q=8, nheads_kv=2),
+     BwdConfig(tile_m=128, num_stages=1, dq_tma=True, q_halves=True)),
+    (dict(head_dim=64, seqlen_q=1500, batch=2, nheads_q=4, causal=True),
+     BwdConfig(tile_m=128, ds_stages=2, q_halves=True)),
+    (dict(head_dim=64, seqlen_q=1500, batch=2, nheads_q=8, nheads_kv=2, causal=True),
+     BwdConfig(tile_m=128, deterministic=True, dq_tma=True, dq_warp=True, ds_stages=2,
+               dq_rows=True, q_halves=True)),
     # dQ^T = K^T dS^T (dq_swap) with 80-row Q blocks (head dim 128): rows past seqlen_q (LSE2
     # +inf, TMA clipping) where 80 divides no seqlen here, the causal mask's diagonal across 80-row
     # blocks, GQA, more and fewer keys than queries; each dQ path: the dQ warp, the consumer
@@ -165,6 +180,12 @@ BITWISE_CASES = [
     (BwdConfig(tile_m=128, deterministic=True, dq_tma=True, dq_warp=True, dq_rows=True), 64),
     (BwdConfig(num_stages=1, deterministic=True), 256),  # a semaphore per Q block and chunk
     (BwdConfig(tile_m=80, dq_swap=True, deterministic=True, dq_tma=True, dq_warp=True), 128),
+    (
+        BwdConfig(
+            tile_m=128, deterministic=True, dq_tma=True, dq_warp=True, dq_rows=True, q_halves=True
+        ),
+        64,
+    ),
 ]
 
 

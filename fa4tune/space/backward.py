@@ -22,10 +22,12 @@ class BackwardSpace(SearchSpace):
         "dq_warp",
         "dq_rows",
         "dq_swap",
+        "q_halves",
     )
     description = (
         "backward: Q rows per step, K/V rows per CTA, Q/dO pipeline depth, dQ adds, dS^T "
-        "buffers, who issues the dQ reductions, dQ's GEMM split by rows or columns or swapped"
+        "buffers, who issues the dQ reductions, dQ's GEMM split by rows or columns or swapped, "
+        "S^T and dP^T in halves of the Q block"
     )
 
     def params(self):
@@ -38,4 +40,5 @@ class BackwardSpace(SearchSpace):
             "dq_warp": Choice([False, True]),
             "dq_rows": Choice([False, True]),
             "dq_swap": Choice([False, True]),
+            "q_halves": Choice([False, True]),
         }

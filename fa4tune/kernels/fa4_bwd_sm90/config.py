@@ -53,14 +53,14 @@ EXTRA_STATE_REGS = 16
 # with this overhead without spills (a compile test builds them all).
 SWAP_OVERHEAD_REGS = 12
 # Configs the model admits that ptxas (nvidia-cutlass-dsl 4.8.1) spills anyway, as (head_dim,
-# tile_m, tile_n, num_stages, dq_tma, ds_stages, causal, dq_warp, deterministic): bytes of spill
-# stores. A compile test builds every admitted config at the edge, so that this list cannot go
-# stale unseen. The 80-row deterministic one: the producer warp's 24 registers, with the consumers
-# walking the steps per query head (docs/kernel-notes.md, session 42); the deterministic mode takes
-# the ladder's next config there (deterministic_config).
+# tile_m, tile_n, num_stages, dq_tma, ds_stages, causal, dq_warp, deterministic, q_halves): bytes
+# of spill stores. A compile test builds every admitted config at the edge, so that this list
+# cannot go stale unseen. The 80-row deterministic one: the producer warp's 24 registers, with the
+# consumers walking the steps per query head (docs/kernel-notes.md, session 42); the
+# deterministic mode takes the ladder's next config there (deterministic_config).
 KNOWN_SPILLS = {
-    (64, 128, 128, 2, True, 1, True, False, False): 12,
-    (128, 80, 128, 2, True, 2, True, True, True): 8,
+    (64, 128, 128, 2, True, 1, True, False, False, False): 12,
+    (128, 80, 128, 2, True, 2, True, True, True, False): 8,
 }
 
 KNOBS: dict[str, tuple] = {
@@ -73,7 +73,10 @@ KNOBS: dict[str, tuple] = {
     "dq_warp": (False, True),
     "dq_rows": (False, True),
     "dq_swap": (False, True),
+    "q_halves": (False, True),
 }
+# q_halves: the queries of a part of the Q block (wgmma N of S^T and dP^T)
+HALF_ROWS = 64
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 # A CTA accumulates dK, dV and dQ for at most this many columns of the head dim: above it, the
@@ -110,7 +113,13 @@ class BwdConfig:
     its rows.  dq_swap: the dQ GEMM computes dQ^T = K^T dS^T (M the head dim, 64 columns of dQ per
     consumer warpgroup; N the Q block's rows; K-dim tile_n), not dQ = dS K (M the Q rows, so tile_m
     a multiple of 64): what admits 80-row Q blocks (80 is a wgmma N, and 5 k-steps of the dK and dV
-    GEMMs); each thread's dQ values reach sdQ or the accumulator transposed, one at a time."""
+    GEMMs); each thread's dQ values reach sdQ or the accumulator transposed, one at a time.
+    q_halves (tile_m 128): a warpgroup computes S^T, dP^T, P^T and dS^T of its keys in two parts
+    of 64 queries each (m64 x n64 wgmmas), not at once (m64 x n128): a part's accumulators take
+    half the registers, which leaves room for its queries' LSE2 and D, read before they are
+    needed (config.stats_in_registers), and dV's and dK's GEMMs of the first part (K = its 64
+    queries) run while the second part's exp2 does. S^T's and dP^T's GEMMs then read K and V
+    from shared memory once per part."""
 
     tile_m: int = 64
     tile_n: int = 128
@@ -121,6 +130,7 @@ class BwdConfig:
     dq_warp: bool = False
     dq_rows: bool = False
     dq_swap: bool = False
+    q_halves: bool = False
 
     def __post_init__(self) -> None:
         bad = []
@@ -165,12 +175,17 @@ class BwdConfig:
             f"{self.tile_m}x{self.tile_n}s{self.num_stages}{'-det' if self.deterministic else ''}"
             f"{'-tma' if self.dq_tma else ''}{'-w' if self.dq_warp else ''}"
             f"{'-r' if self.dq_rows else ''}{'-sw' if self.dq_swap else ''}"
-            f"{'-ds2' if self.ds_stages == 2 else ''}"
+            f"{'-ds2' if self.ds_stages == 2 else ''}{'-h2' if self.q_halves else ''}"
         )
 
     @property
     def consumer_warpgroups(self) -> int:
         return self.tile_n // WGMMA_M
+
+    @property
+    def query_parts(self) -> int:
+        """The parts of a Q block a warpgroup's S^T and dP^T are computed in (q_halves: two)."""
+        return 2 if self.q_halves else 1
 
 
 # ---- the resource model -------------------------------------------------------------------------
@@ -226,10 +241,14 @@ def consumer_registers_needed(config: BwdConfig, problem: Problem) -> int:
     while the dK and dV GEMMs still read P^T and dS^T in bf16 (tile_m/4 each), the warpgroup's
     slice of dQ (tile_m x chunk / 128 / warpgroups); and the overhead, more for the
     deterministic turn or a lone warpgroup. (ptxas serialized the wgmma at 240 registers with one
-    warpgroup at head dim 128: its dQ slice is 64.)"""
+    warpgroup at head dim 128: its dQ slice is 64.) With q_halves: S^T and dP^T of one part
+    (tile_m/4 each) while the dK and dV GEMMs of the part before still read its P^T and dS^T
+    (tile_m/8 each)."""
     chunk = head_dim_chunk(problem.head_dim)
     regs_dkv = chunk  # dK's and dV's chunk of columns, half a row each
     regs_sdp = config.tile_m + config.tile_m // 4
+    if config.q_halves:
+        regs_sdp = config.tile_m // 2 + config.tile_m // 4
     regs_dq = config.tile_m * chunk // 128 // config.consumer_warpgroups
     regs_dq += config.tile_m // 2
     overhead = SWAP_OVERHEAD_REGS if config.dq_swap else CONSUMER_OVERHEAD_REGS
@@ -239,15 +258,16 @@ def consumer_registers_needed(config: BwdConfig, problem: Problem) -> int:
 
 
 def stats_in_registers(config: BwdConfig, problem: Problem) -> tuple[bool, bool]:
-    """Whether a consumer thread reads the LSE2 and the D of its tile_m / 4 query columns into
-    registers early: LSE2 before the step's S^T and dP^T GEMMs, D before the exp2 (each read from
-    shared memory just before its use stalls the FFMAs and FADDs that take it). Each costs tile_m
-    / 4 registers while S^T and dP^T are live: taken where the register model leaves that much
-    room (head dim 128 with 64 rows: LSE2 alone; 128 rows at head dim 64: neither, ptxas spilled
-    20 bytes for LSE2 alone there, and 16 for D beside LSE2 at head dim 128 causal)."""
+    """Whether a consumer thread reads the LSE2 and the D of its tile_m / 4 query columns (a
+    part's, q_halves) into registers early: LSE2 before the step's (part's) S^T and dP^T GEMMs, D
+    before the exp2 (each read from shared memory just before its use stalls the FFMAs and FADDs
+    that take it). Each costs that many registers while S^T and dP^T are live: taken where the
+    register model leaves that much room (head dim 128 with 64 rows: LSE2 alone; 128 rows at head
+    dim 64: neither, ptxas spilled 20 bytes for LSE2 alone there, and 16 for D beside LSE2 at
+    head dim 128 causal; both with q_halves)."""
     _, consumer = REGISTER_SPLIT[config.consumer_warpgroups]
     room = consumer - consumer_registers_needed(config, problem)
-    stats = config.tile_m // 4
+    stats = config.tile_m // 4 // config.query_parts
     return room >= stats, room >= 2 * stats
 
 
@@ -275,7 +295,8 @@ def register_reasons(config: BwdConfig, problem: Problem, target: Target) -> lis
             "serialize its wgmma"
         ]
     key = (problem.head_dim, config.tile_m, config.tile_n, config.num_stages, config.dq_tma,
-           config.ds_stages, problem.causal, config.dq_warp, config.deterministic)  # fmt: skip
+           config.ds_stages, problem.causal, config.dq_warp, config.deterministic,
+           config.q_halves)  # fmt: skip
     if key in KNOWN_SPILLS:
         return [
             f"ptxas spills {KNOWN_SPILLS[key]} bytes for {config.short()} at head dim "
@@ -314,6 +335,21 @@ def tile_reasons(config: BwdConfig, problem: Problem) -> list[str]:
         reasons.append(
             f"head_dim={problem.head_dim} (chunks of {chunk}) does not split into {wgs} column "
             "slices of a multiple of 8 (the dQ GEMM)"
+        )
+    if config.q_halves and problem.head_dim != 64:
+        reasons.append(
+            f"q_halves at head_dim={problem.head_dim}: built for head dim 64 (at 128 its 128-row "
+            "Q blocks do not fit the registers; at 96 ptxas spilled 76 bytes)"
+        )
+    if config.q_halves and wgs != 2:
+        reasons.append(
+            f"q_halves with {wgs} consumer warpgroup(s): built for two (tile_n 128; with one, "
+            "ptxas spilled 8-12 bytes beside the register adds of dQ)"
+        )
+    if config.q_halves and config.tile_m != 2 * HALF_ROWS:
+        reasons.append(
+            f"q_halves with tile_m={config.tile_m}: the parts are {HALF_ROWS} queries each (wgmma "
+            f"N of S^T and dP^T), tile_m {2 * HALF_ROWS}"
         )
     if problem.head_dim != problem.head_dim_v:
         reasons.append(
@@ -389,16 +425,18 @@ RULES = (
 
 
 # The default's candidates, first that fits: 128 Q rows a step with dQ's TMA reductions issued by
-# the dQ warp, two dS^T buffers and dQ's GEMM split by rows (fits at head dim 64 only; there the
-# rows split 1.02-1.04x the column split, and 128 rows 1.17-1.22x the 64-row default, on the H200),
-# then the same with dQ's GEMM split by columns, then 64 rows with dQ's GEMM swapped (dQ^T; fits
-# at head dim 128 only, 1.02-1.08x the unswapped 64 rows on all eight head-dim-128 shapes of the
-# train job, H100 SXM, session 44), then 64 rows unswapped (the dQ warp 1.06-1.14x the
-# consumer-issued reductions at head dim 128, 1.08-1.11x at 64; two dS^T buffers +0.5-1.8% at
-# 128), then the consumer warp issuing the reductions, dQ by TMA alone (the TMA reductions
-# 1.08-1.25x the register adds at head dims 64 and 128), the register adds, and one stage
-# (docs/kernel-notes.md, sessions 37 to 40).
+# the dQ warp, two dS^T buffers, dQ's GEMM split by rows and S^T and dP^T in halves of the Q block
+# (fits at head dim 64 only; there the halves 1.027-1.058x the whole block on the six grid shapes,
+# H100 SXM, session 48; the rows split 1.02-1.04x the column split, and 128 rows 1.17-1.22x the
+# 64-row default, on the H200), then the same without the halves, then with dQ's GEMM split by
+# columns, then 64 rows with dQ's GEMM swapped (dQ^T; fits at head dim 128 only, 1.02-1.08x the
+# unswapped 64 rows on all eight head-dim-128 shapes of the train job, H100 SXM, session 44), then
+# 64 rows unswapped (the dQ warp 1.06-1.14x the consumer-issued reductions at head dim 128,
+# 1.08-1.11x at 64; two dS^T buffers +0.5-1.8% at 128), then the consumer warp issuing the
+# reductions, dQ by TMA alone (the TMA reductions 1.08-1.25x the register adds at head dims 64 and
+# 128), the register adds, and one stage (docs/kernel-notes.md, sessions 37 to 40).
 DEFAULT_LADDER = (
+    BwdConfig(tile_m=128, dq_tma=True, ds_stages=2, dq_warp=True, dq_rows=True, q_halves=True),
     BwdConfig(tile_m=128, dq_tma=True, ds_stages=2, dq_warp=True, dq_rows=True),
     BwdConfig(tile_m=128, dq_tma=True, ds_stages=2, dq_warp=True),
     BwdConfig(dq_tma=True, ds_stages=2, dq_warp=True, dq_swap=True),

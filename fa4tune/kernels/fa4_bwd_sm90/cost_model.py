@@ -33,6 +33,7 @@ DQ_WARP = 1.111  # the dQ warp issuing the reductions (measured 1.06-1.14x)
 REGISTER_ADDS = 0.87  # dQ by red.global from registers (TMA 1.08-1.25x that, sessions 37-38)
 ONE_DS_BUFFER = 0.99  # two dS^T buffers +0.5-1.8% (session 38)
 ONE_STAGE = 0.9  # a guess
+QUERY_HALVES = 1.041  # S^T and dP^T in halves (1.027-1.058x on six hd64 shapes, H100, session 48)
 # The deterministic mode's efficiency: with the dQ warp taking the turn (non-causal, causal), else
 # the register adds in turn (0.59 of the TMA path, causal or not).
 DETERMINISTIC_WARP = (0.875, 0.881)
@@ -58,6 +59,8 @@ def efficiency(config, problem) -> float:
         eff *= ONE_DS_BUFFER
     if config.num_stages == 1:
         eff *= ONE_STAGE
+    if config.q_halves:
+        eff *= QUERY_HALVES
     return eff
 
 

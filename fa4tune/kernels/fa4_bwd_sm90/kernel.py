@@ -213,6 +213,8 @@ class FlashBackwardSm90:
         self.dq_warp = config.dq_warp
         self.dq_rows = config.dq_rows
         self.dq_swap = config.dq_swap
+        self.parts = config.query_parts  # of a Q block, for S^T and dP^T (q_halves: 2)
+        self.part_m = config.tile_m // self.parts
         self.ds_stages = config.ds_stages
         self.wgs = config.consumer_warpgroups
         self.num_consumer_threads = cfg.THREADS_PER_WARPGROUP * self.wgs
@@ -254,7 +256,8 @@ class FlashBackwardSm90:
             mSemaphore = permute_modes(mSemaphore, [2, 1, 0])  # (Q blocks, head, batch)
         tile_m, tile_n, d, dc = self.tile_m, self.tile_n, self.head_dim, self.dc
         k_major, mn_major = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
-        # S^T = K Q^T and dP^T = V dO^T: each warpgroup 64 K rows, all tile_m queries.
+        # S^T = K Q^T and dP^T = V dO^T: each warpgroup 64 K rows, all tile_m queries (q_halves:
+        # the queries of one part).
         mma_sdp = hopper.make_trivial_tiled_mma(
             self.dtype,
             self.dtype,
@@ -262,7 +265,7 @@ class FlashBackwardSm90:
             k_major,
             Float32,
             atom_layout_mnk=(self.wgs, 1, 1),
-            tiler_mn=(64, tile_m),
+            tiler_mn=(64, self.part_m),
         )
         # dV += P^T dO and dK += dS^T Q: P^T and dS^T from registers, dO and Q read transposed.
         mma_dkv = hopper.make_trivial_tiled_mma(
@@ -757,22 +760,39 @@ class FlashBackwardSm90:
             sdOc = cute.local_tile(sdO, (tile_m, dc, self.num_stages), (0, 0, 0))
             sKc = cute.local_tile(sK, (tile_n, dc), (0, 0))
 
+        # Per part of the Q block (q_halves: two of 64 queries, else one of all): its queries in
+        # Q's and dO's buffers, as the B operands of S^T and dP^T and (transposed) of dK and dV.
+        parts, pm = self.parts, self.part_m
         wg_sdp = mma_sdp.get_slice(wg * cfg.THREADS_PER_WARPGROUP)
         thr_sdp = mma_sdp.get_slice(ctid)
         tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
-        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
+        tSrQ = [
+            wg_sdp.make_fragment_B(wg_sdp.partition_B(self.part_rows(sQ, p))) for p in range(parts)
+        ]
         tdPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
-        tdPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
-        s_shape = wg_sdp.partition_shape_C((tile_n, tile_m))
-        # One m64 x tile_m wgmma per warpgroup: the 16-bit operand view of S^T's and dP^T's
+        tdPrdO = [
+            wg_sdp.make_fragment_B(wg_sdp.partition_B(self.part_rows(sdO, p))) for p in range(parts)
+        ]
+        s_shape = wg_sdp.partition_shape_C((tile_n, pm))
+        # One m64 x part wgmma per warpgroup: the 16-bit operand view of S^T's and dP^T's
         # accumulators (acc_as_operand_a) keeps the accumulator's register order (dS^T below).
         assert cute.size(s_shape[1]) == 1 and cute.size(s_shape[2]) == 1, s_shape
 
         wg_dkv = mma_dkv.get_slice(wg * cfg.THREADS_PER_WARPGROUP)
-        tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(swap_first_modes(sdOc)))
-        tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(swap_first_modes(sQc)))
-        tdVrP = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tile_n, tile_m)))
-        tdKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tile_n, tile_m)))
+        tdVrdOt = [
+            wg_dkv.make_fragment_B(wg_dkv.partition_B(swap_first_modes(self.part_rows(sdOc, p))))
+            for p in range(parts)
+        ]
+        tdKrQt = [
+            wg_dkv.make_fragment_B(wg_dkv.partition_B(swap_first_modes(self.part_rows(sQc, p))))
+            for p in range(parts)
+        ]
+        tdVrP = [
+            wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tile_n, pm))) for _ in range(parts)
+        ]
+        tdKrdS = [
+            wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tile_n, pm))) for _ in range(parts)
+        ]
         acc_dV = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tile_n, dc)), Float32)
         acc_dK = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tile_n, dc)), Float32)
 
@@ -797,10 +817,16 @@ class FlashBackwardSm90:
             ),
             mma_sdp,
         ).get_slice(ctid)
-        tdSsdS = ds_store.partition_D(sdS)
-        # Where this thread's S^T values lie in the (tile_n, tile_m) block: key row, query column.
-        s_coords = acc_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((tile_n, tile_m))))
-        s_cols = cute.size(s_coords, mode=[1])
+        tdSsdS = [ds_store.partition_D(self.part_cols(sdS, p)) for p in range(parts)]
+        # Where this thread's S^T values of each part lie in the (tile_n, tile_m) block: key row,
+        # query column.
+        s_coords = [
+            acc_rows_cols(
+                thr_sdp.partition_C(self.part_cols(cute.make_identity_tensor((tile_n, tile_m)), p))
+            )
+            for p in range(parts)
+        ]
+        s_cols = cute.size(s_coords[0], mode=[1])
         # Only the K block that ends past seqlen_k and, causal, the blocks that reach above the
         # Q block's first query's diagonal (key_end - 1 > m_block x tile_m + seqlen_k - seqlen_q)
         # need the mask (the rows past seqlen_q have LSE2 = +inf, so their P is 0 anyway): the
@@ -838,59 +864,81 @@ class FlashBackwardSm90:
                 # The LSE2 of this thread's query columns into registers before the GEMMs, where
                 # they fit (config.stats_in_registers): read after the wait for S^T, its loads stall
                 # the exp2's FFMAs.
-                lse = None
+                lse = [None] * parts
                 if const_expr(self.early_lse):
-                    lse = self.stat_words(sLSE, stage, s_coords[0, 0][1], s_cols)
-                acc_S = cute.make_rmem_tensor(s_shape, Float32)
+                    # (col0 of stat_word: the thread's first query column)
+                    lse[0] = self.stat_words(sLSE, stage, s_coords[0][0, 0][1], s_cols, 0)
+                acc_S, acc_dP = [None] * parts, [None] * parts
+                acc_S[0] = cute.make_rmem_tensor(s_shape, Float32)
                 wgmma(
-                    mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], accumulate=False, wait=-1
-                )
-                acc_dP = cute.make_rmem_tensor(s_shape, Float32)
-                wgmma(
-                    mma_sdp,
-                    acc_dP,
-                    tdPrV,
-                    tdPrdO[None, None, None, stage],
-                    accumulate=False,
-                    wait=1,
-                )
-                self.softmax_grad(
-                    acc_S, acc_dP, s_coords, sLSE, sD, stage, lse, masked, n_block,
-                    m_block, seqlen_q, seqlen_k, softmax_scale_log2, softmax_scale,
-                )  # fmt: skip
-                convert_to_16bit(acc_as_operand_a(acc_S), tdVrP)
-                convert_to_16bit(acc_as_operand_a(acc_dP), tdKrdS)
-                # The stmatrix copy of dS^T reads the dK GEMM's operand registers in the
-                # accumulator's order (the same registers: one m64 wgmma per warpgroup, so the
-                # operand view of the accumulator keeps its order), not a second conversion of dP^T.
-                rdS = cute.make_tensor(tdKrdS.iterator, acc_dP.layout)
-                # dS^T's buffer is free once every warpgroup's last dQ GEMM has read it. With two
-                # buffers this one was last read two steps ago, before every warpgroup reached the
-                # last step's DS_FULL barrier.
-                tdSsdS_step, tdQrdS_step = tdSsdS, tdQrdS
-                if const_expr(self.ds_stages == 1):
-                    cute.arch.barrier(
-                        barrier_id=BARRIER_DS_FREE, number_of_threads=self.num_consumer_threads
-                    )
-                else:
-                    ds = step % self.ds_stages
-                    tdSsdS_step = tdSsdS[None, None, None, ds]
-                    tdQrdS_step = tdQrdS[None, None, None, ds]
-                cute.copy(ds_store, ds_store.retile(rdS), tdSsdS_step)
-                cute.arch.fence_view_async_shared()
-                wgmma(
-                    mma_dkv,
-                    acc_dV,
-                    tdVrP,
-                    tdVrdOt[None, None, None, stage],
-                    accumulate=True,
+                    mma_sdp, acc_S[0], tSrK, tSrQ[0][None, None, None, stage], accumulate=False,
                     wait=-1,
-                )
-                if const_expr(not self.dq_tma):
-                    wgmma(
-                        mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], accumulate=True,
-                        wait=-1,
+                )  # fmt: skip
+                acc_dP[0] = cute.make_rmem_tensor(s_shape, Float32)
+                wgmma(
+                    mma_sdp, acc_dP[0], tdPrV, tdPrdO[0][None, None, None, stage],
+                    accumulate=False, wait=1,
+                )  # fmt: skip
+                # Each part: P^T and dS^T in registers, dS^T into shared memory, dV and dK
+                # (q_halves: the first part's dV and dK GEMMs queued behind the second part's S^T
+                # and dP^T, so that they run while its exp2 does; the last part's dK as below).
+                tdSsdS_step, tdQrdS_step = tdSsdS, tdQrdS
+                for p in cutlass.range_constexpr(parts):
+                    self.softmax_grad(
+                        acc_S[p], acc_dP[p], s_coords[p], sLSE, sD, stage, lse[p], masked,
+                        n_block, m_block, seqlen_q, seqlen_k, softmax_scale_log2, softmax_scale,
+                        p * pm // 16, 0 if p == 0 else 2,
                     )  # fmt: skip
+                    convert_to_16bit(acc_as_operand_a(acc_S[p]), tdVrP[p])
+                    convert_to_16bit(acc_as_operand_a(acc_dP[p]), tdKrdS[p])
+                    # The stmatrix copy of dS^T reads the dK GEMM's operand registers in the
+                    # accumulator's order (the same registers: one m64 wgmma per warpgroup, so the
+                    # operand view of the accumulator keeps its order), not a second conversion of
+                    # dP^T.
+                    rdS = cute.make_tensor(tdKrdS[p].iterator, acc_dP[p].layout)
+                    if const_expr(p + 1 < parts):
+                        if const_expr(self.early_lse):
+                            lse[p + 1] = self.stat_words(
+                                sLSE, stage, s_coords[0][0, 0][1], s_cols, (p + 1) * pm // 16
+                            )
+                        acc_S[p + 1] = cute.make_rmem_tensor(s_shape, Float32)
+                        wgmma(
+                            mma_sdp, acc_S[p + 1], tSrK, tSrQ[p + 1][None, None, None, stage],
+                            accumulate=False, wait=-1,
+                        )  # fmt: skip
+                        acc_dP[p + 1] = cute.make_rmem_tensor(s_shape, Float32)
+                        wgmma(
+                            mma_sdp, acc_dP[p + 1], tdPrV, tdPrdO[p + 1][None, None, None, stage],
+                            accumulate=False, wait=-1,
+                        )  # fmt: skip
+                    if const_expr(p == 0):
+                        # dS^T's buffer is free once every warpgroup's last dQ GEMM has read it.
+                        # With two buffers this one was last read two steps ago, before every
+                        # warpgroup reached the last step's DS_FULL barrier.
+                        if const_expr(self.ds_stages == 1):
+                            cute.arch.barrier(
+                                barrier_id=BARRIER_DS_FREE,
+                                number_of_threads=self.num_consumer_threads,
+                            )
+                        else:
+                            ds = step % self.ds_stages
+                            tdSsdS_step = [t[None, None, None, ds] for t in tdSsdS]
+                            tdQrdS_step = tdQrdS[None, None, None, ds]
+                    cute.copy(ds_store, ds_store.retile(rdS), tdSsdS_step[p])
+                    if const_expr(p + 1 == parts):
+                        cute.arch.fence_view_async_shared()
+                    wgmma(
+                        mma_dkv, acc_dV, tdVrP[p], tdVrdOt[p][None, None, None, stage],
+                        accumulate=True, wait=-1,
+                    )  # fmt: skip
+                    if const_expr(p + 1 < parts or not self.dq_tma):
+                        wgmma(
+                            mma_dkv, acc_dK, tdKrdS[p], tdKrQt[p][None, None, None, stage],
+                            accumulate=True, wait=-1,
+                        )  # fmt: skip
+                    if const_expr(p + 1 < parts):
+                        # the next part's S^T is done (its dP^T, this part's dV and dK may run)
+                        warpgroup.wait_group(3)
                 cute.arch.barrier(
                     barrier_id=BARRIER_DS_FULL, number_of_threads=self.num_consumer_threads
                 )
@@ -902,8 +950,8 @@ class FlashBackwardSm90:
                     # dQ before dK, so that dQ is staged and reduced while the dK GEMM runs.
                     wgmma(mma_dq, acc_dQ, dq_a, dq_b, accumulate=False, wait=-1)
                     wgmma(
-                        mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], accumulate=True,
-                        wait=1,
+                        mma_dkv, acc_dK, tdKrdS[parts - 1],
+                        tdKrQt[parts - 1][None, None, None, stage], accumulate=True, wait=1,
                     )  # fmt: skip
                     if const_expr(self.dq_warp):
                         self.stage_dq_slice(acc_dQ, mma_dq, sdQ, step, wg, ctid)
@@ -931,6 +979,21 @@ class FlashBackwardSm90:
         self.epilogue(acc_dK, acc_dV, smem, mma_dkv, stores, n_block, head_kv, batch, ctid,
                       chunk)  # fmt: skip
 
+    def part_rows(self, t: cute.Tensor, p: int) -> cute.Tensor:
+        """Part p's queries of a Q-block buffer (queries, columns, stages) (q_halves; else t)."""
+        if const_expr(self.parts == 1):
+            return t
+        return cute.local_tile(t, (self.part_m, t.shape[1], t.shape[2]), (p, 0, 0))
+
+    def part_cols(self, t: cute.Tensor, p: int) -> cute.Tensor:
+        """Part p's queries of a (keys, queries[, stages]) tile: dS^T's buffer, S^T's
+        coordinates (q_halves; else t)."""
+        if const_expr(self.parts == 1):
+            return t
+        if const_expr(cute.rank(t) == 3):
+            return cute.local_tile(t, (t.shape[0], self.part_m, t.shape[2]), (0, p, 0))
+        return cute.local_tile(t, (t.shape[0], self.part_m), (0, p))
+
     def stat_word(self, sStat: cute.Tensor, stage, col0, word: int) -> cute.Tensor:
         """(4,) registers: the LSE2 or D (sStat) of this thread's query columns 4 word .. 4 word +
         3 (S^T's columns in coords' mode-1 order, c = pair + 2 x 8-column group), in one 128-bit
@@ -943,11 +1006,12 @@ class FlashBackwardSm90:
         cute.autovec_copy(cute.make_tensor(sStat.iterator + offset, cute.make_layout(4)), out)
         return out
 
-    def stat_words(self, sStat: cute.Tensor, stage, col0, cols: int) -> cute.Tensor:
-        """(cols,) registers: stat_word of every word of this thread's columns, in column order."""
+    def stat_words(self, sStat: cute.Tensor, stage, col0, cols: int, word0: int) -> cute.Tensor:
+        """(cols,) registers: stat_word of every word of this thread's columns from word0 (a
+        part's first: 16-column groups), in column order."""
         out = cute.make_rmem_tensor(cute.make_layout((4, cols // 4)), Float32)
         for w in range(cols // 4):  # traced inline
-            word = self.stat_word(sStat, stage, col0, w)
+            word = self.stat_word(sStat, stage, col0, word0 + w)
             for i in range(4):
                 out[i, w] = word[i]
         return out
@@ -969,21 +1033,27 @@ class FlashBackwardSm90:
         seqlen_k: Int32,
         softmax_scale_log2: Float32,
         softmax_scale: Float32,
+        word0: cutlass.Constexpr[int],
+        dp_wait: cutlass.Constexpr[int],
     ):
         """P^T = exp2(S^T x scale_log2 - LSE2) into acc_S (0 for keys past seqlen_k and, causal,
         above the diagonal), then dS^T = P^T (dP^T x softmax_scale - D) into acc_dP (D comes
-        scaled: one FFMA and one FMUL per value), once dP^T's wgmma is done.
+        scaled: one FFMA and one FMUL per value), once dP^T's wgmma is done (wgmma groups in
+        flight after it: dp_wait).
         lse: None, or (early_lse) the LSE2 of this thread's columns (coords' mode 1) already in
-        registers. masked: the step's keys need the mask (consume's mask_end)."""
+        registers. masked: the step's keys need the mask (consume's mask_end). word0: the first
+        16-query group of the columns (of a part, q_halves) in the LSE2 and D buffers."""
         scores = acc_rows_cols(acc_S)
         grads = acc_rows_cols(acc_dP)
         rows, cols = cute.size(scores, mode=[0]), cute.size(scores, mode=[1])
         # early_d: D of the columns read before the exp2, so that its loads land while they run
         # (read after the wait for dP^T, they stall dS^T's FADDs); else there, one at a time.
-        col0 = coords[0, 0][1]
+        col0 = coords[0, 0][1]  # the thread's column within its 16-query group
+        if const_expr(word0 > 0):
+            col0 = col0 - 16 * word0
         dsum = None
         if const_expr(self.early_d):
-            dsum = self.stat_words(sD, stage, col0, cols)
+            dsum = self.stat_words(sD, stage, col0, cols, word0)
         # A key is seen while key0 + key row < limit (seqlen_k; causal, also the column's query +
         # diagonal + 1). This thread's key rows are its first one, row0, plus compile-time offsets:
         # compared as offset < limit - key0 - row0 (one bound per column, then one compare with an
@@ -998,7 +1068,7 @@ class FlashBackwardSm90:
             for c in cutlass.range_constexpr(cols):
                 col = coords[0, c][1]
                 if const_expr(not self.early_lse and c % 4 == 0):
-                    word = self.stat_word(sLSE, stage, col0, c // 4)
+                    word = self.stat_word(sLSE, stage, col0, word0 + c // 4)
                 lse_c = lse[c] if const_expr(self.early_lse) else word[c % 4]
                 bound = bound_k
                 if const_expr(self.causal):
@@ -1010,17 +1080,17 @@ class FlashBackwardSm90:
             word = None
             for c in cutlass.range_constexpr(cols):
                 if const_expr(not self.early_lse and c % 4 == 0):
-                    word = self.stat_word(sLSE, stage, col0, c // 4)
+                    word = self.stat_word(sLSE, stage, col0, word0 + c // 4)
                 lse_c = lse[c] if const_expr(self.early_lse) else word[c % 4]
                 for r in cutlass.range_constexpr(rows):
                     scores[r, c] = cute.math.exp2(
                         scores[r, c] * softmax_scale_log2 - lse_c, fastmath=True
                     )
-        warpgroup.wait_group(0)
+        warpgroup.wait_group(dp_wait)
         word = None
         for c in cutlass.range_constexpr(cols):
             if const_expr(not self.early_d and c % 4 == 0):
-                word = self.stat_word(sD, stage, col0, c // 4)
+                word = self.stat_word(sD, stage, col0, word0 + c // 4)
             d_col = dsum[c] if const_expr(self.early_d) else word[c % 4]
             for r in cutlass.range_constexpr(rows):
                 grads[r, c] = scores[r, c] * (grads[r, c] * softmax_scale - d_col)
