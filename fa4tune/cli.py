@@ -10,12 +10,12 @@ import dataclasses
 import os
 import sys
 
-from . import __version__, interrupts
+from . import __version__, interrupts, policy
 from .db import ResultsDB, shown_location
 from .doctor import NOTE, diagnose
 from .errors import Fa4tuneError, is_user_error
 from .kernels import get_kernel
-from .measure.timing import flush_mode
+from .measure.timing import UNRECORDED_FLUSH, flush_mode
 from .report import write_report
 from .runtime.carry import carry_table
 from .runtime.tables import (
@@ -171,6 +171,7 @@ def _entries_rows(entries) -> list[list]:
                 f"{e.time_ms:.4g}",
                 f"{e.tflops:.0f}",
                 "estimate" if e.is_estimate else "measured",
+                "-" if e.is_estimate else policy.flush_of(e),
                 stale,
                 config_text(e.config, _default_of(kernel, e.problem, e.target)),
             ]
@@ -186,6 +187,7 @@ def cmd_show(args) -> int:
         "ms",
         "TFLOP/s",
         "kind",
+        "L2 flush",
         "stale",
         "config (knobs that differ from default)",
     ]
@@ -224,12 +226,23 @@ def cmd_show(args) -> int:
         _say(f"best configs in {db.location} ({len(entries)}; {len(stale)} stale)")
         _say(_format_table(headers, _entries_rows(entries)))
         if args.top:
+            # A measured best config's trials are ranked with the others of its L2 flush only:
+            # times under the other flush do not compare (policy.better).
+            run_flush = {
+                r["id"]: (r["details"] or {}).get("l2_flush") or UNRECORDED_FLUSH for r in db.runs()
+            }
             for e in entries:
                 trials = [
                     t
                     for t in db.trials(problem_key=e.problem_key, kernel=e.kernel, target=e.target)
                     if t["kernel_hash"] == e.kernel_hash
                 ]
+                other_flush = 0
+                if not e.is_estimate:
+                    flush = policy.flush_of(e)
+                    kept = [t for t in trials if run_flush.get(t["run_id"]) == flush]
+                    other_flush = len(trials) - len(kept)
+                    trials = kept
                 ok = sorted((t for t in trials if t["status"] == "ok"), key=lambda t: t["time_ms"])[
                     : args.top
                 ]
@@ -242,8 +255,15 @@ def cmd_show(args) -> int:
                 }
                 counts["confirmed"] = len(trials) - len(search)
                 _say(
-                    f"\n{e.problem_key} on {e.target}: "
+                    f"\n{e.problem_key} on {e.target}"
+                    + ("" if e.is_estimate else f" (L2 flush {policy.flush_of(e)})")
+                    + ": "
                     + ", ".join(f"{n} {s}" for s, n in counts.items())
+                    + (
+                        f"; {other_flush} under another L2 flush, not ranked with these"
+                        if other_flush
+                        else ""
+                    )
                 )
                 if ok:
                     default = _default_of(get_kernel(e.kernel), e.problem, e.target)

@@ -617,6 +617,37 @@ def test_a_run_that_does_not_record_its_flush_was_timed_dirty(workdir, monkeypat
     assert again.resumed and again.run_id == old.run_id
 
 
+def test_show_ranks_a_best_configs_trials_under_its_own_flush(workdir, monkeypatch, capsys):
+    """`fa4tune show` says which L2 flush each measured best config was timed under, and --top
+    ranks only the trials of that flush (the other flush's times do not compare), counting the
+    others."""
+    from fa4tune.cli import main as cli
+    from fa4tune.measure.timing import FLUSH_ENV
+
+    measured = _measured_search(
+        write_job(workdir, spaces=SPACE, budget={"trials": 5}, sampler="random")
+    )
+    measured()  # clean
+    monkeypatch.setenv(FLUSH_ENV, "dirty")
+    second = measured()  # a run of its own: its best replaces the clean one (policy.better)
+    runs, trials, best = _stored()
+    assert [b.provenance["l2_flush"] for b in best] == ["dirty"]
+    dirty = [t for t in trials if t["run_id"] == second.run_id]
+    clean = [t for t in trials if t["run_id"] != second.run_id]
+    assert dirty and clean
+    capsys.readouterr()
+    assert cli(["show", "--top", "50"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert "L2 flush" in lines[1] and lines[3].split()[5] == "dirty"  # the best config's row
+    header = next(line for line in lines if "(L2 flush dirty)" in line)
+    assert f"{len(clean)} under another L2 flush, not ranked with these" in header
+    ranked = lines[lines.index(header) + 3 :]
+    assert len(ranked) == sum(t["status"] == "ok" for t in dirty)
+    dirty_ms = sorted(t["time_ms"] for t in dirty if t["status"] == "ok")
+    assert [float(line.split()[1]) for line in ranked] == pytest.approx(dirty_ms, rel=1e-3)
+
+
 def test_a_cost_model_search_flushes_nothing_and_resumes_under_any_setting(workdir, monkeypatch):
     """Estimates time nothing: the run and its best configs record the flush "none", whatever
     FA4TUNE_L2_FLUSH says (it is not read, so not even a bad value stops the search), and a resume
