@@ -2,12 +2,14 @@
 continues the same studies up to the budget without measuring anything twice."""
 
 import dataclasses
+import importlib.util
 import itertools
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import optuna
 import pytest
@@ -646,6 +648,36 @@ def test_show_ranks_a_best_configs_trials_under_its_own_flush(workdir, monkeypat
     assert len(ranked) == sum(t["status"] == "ok" for t in dirty)
     dirty_ms = sorted(t["time_ms"] for t in dirty if t["status"] == "ok")
     assert [float(line.split()[1]) for line in ranked] == pytest.approx(dirty_ms, rel=1e-3)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("matplotlib") is None, reason="report needs the [report] extra"
+)
+def test_the_report_compares_default_and_tuned_under_one_flush_at_a_time(workdir, monkeypatch):
+    """`fa4tune report`'s default-against-tuned table: a problem searched under both L2 flushes
+    gets a row per flush, each from its own runs' trials, not the fastest time of either."""
+    import re
+
+    from fa4tune.measure.timing import FLUSH_ENV
+    from fa4tune.report import write_report
+
+    job_path = write_job(workdir, spaces=SPACE, budget={"trials": 5}, sampler="random")
+    job = load_job(job_path)
+    run_search(job, backend=_MeasuringModel(job.kernel, job.target), say=lambda *a: None)
+    monkeypatch.setenv(FLUSH_ENV, "dirty")
+    run_search(job, backend=_SlowerMeasuringModel(job.kernel, job.target), say=lambda *a: None)
+    runs, trials, _ = _stored()
+    mode = {r["id"]: r["details"]["l2_flush"] for r in runs}
+    written = write_report(None, str(workdir / "rep"))
+    text = Path(written["html"]).read_text()
+    for flush in ("clean", "dirty"):
+        ok = [t for t in trials if mode[t["run_id"]] == flush and t["status"] == "ok"]
+        default = min(t["time_ms"] for t in ok if t["source"] == "default")
+        best = min(t["time_ms"] for t in ok)
+        row = re.search(rf"\[{flush} flush\]</td><td>([^<]+)</td><td>([^<]+)</td>", text)
+        assert row, text
+        assert float(row.group(1)) == pytest.approx(default, rel=1e-3)
+        assert float(row.group(2)) == pytest.approx(best, rel=1e-3)
 
 
 def test_a_cost_model_search_flushes_nothing_and_resumes_under_any_setting(workdir, monkeypatch):
