@@ -193,7 +193,7 @@ def test_the_time_table_renders_main_combine_other_and_span(report, tmp_path, ca
     saved.write_text(json.dumps({"header": header, "rows": rows}))
     assert report.main(["--render", str(saved)]) == 0
     text = capsys.readouterr().out
-    assert "the copy rate is 4.24 TB/s." in text  # the report's text as before
+    assert "the copy rate is 4.24 TB/s (measured)." in text
     per_shape, times = text.split("## Per shape")[1].split("## Where the decode call's time goes")
     assert per_shape.count(f"| {GQA.key()} | 256 |") == 1  # the per-shape table comes first
     assert "| problem | column | K/V MiB | floor µs | main µs | combine µs | other µs | span µs " \
@@ -228,3 +228,20 @@ def test_the_report_says_how_the_l2_flush_left_l2(report):
     header["flush"] = "clean"
     text = report.render([], header)
     assert "read a buffer twice its size (clean lines" in text and "overwrote" not in text
+
+
+def test_the_copy_rate_is_the_measured_gpus(report):
+    """The floor and the 85% target come from the H200's measured copy rate on the H200, and from
+    the target's HBM rate (named as such) on a GPU whose copy rate was not measured."""
+    from fa4tune.target import get_target
+
+    header = {"date": "d", "gpu": "NVIDIA H200", "target": "H200", "torch": "2.11", "dsl": "4.8.1",
+              "fa4": "4.0", "kernel_hash": "0" * 12, "rounds": 2, "flush": "clean"}  # fmt: skip
+    assert report.copy_rate(header) == (4.24, "measured")
+    assert "(target ≥ 3.60: 85% of the copy rate)" in report.render([], header)
+    header.update(gpu="NVIDIA H100 80GB HBM3", target="H100-SXM")
+    rate = get_target("H100-SXM").hbm_bytes_per_s / 1e12
+    assert report.copy_rate(header) == (rate, "the H100-SXM target's HBM rate")
+    text = report.render([], header)
+    assert f"the copy rate is {rate:.2f} TB/s (the H100-SXM target's HBM rate)" in text
+    assert f"(target ≥ {0.85 * rate:.2f}: 85% of the copy rate)" in text
