@@ -273,18 +273,19 @@ def test_the_decode_report_measures_the_in_kernel_combine_against_the_kernel(mon
         cells["default-ck"] = {"tbs": ck} if ck else "n/a (the default does not split)"
         return {"kv_bytes": 2**30, "cells": cells}
 
-    lines = report.summary([row(3.0, 2.5, 2.75), row(3.0, 3.0, None), row(3.0, 2.0, 1.8)])
+    copy = report.MEASURED_COPY_TBS["H200"]
+    lines = report.summary([row(3.0, 2.5, 2.75), row(3.0, 3.0, None), row(3.0, 2.0, 1.8)], copy)
     merge = next(line for line in lines if "merged in the kernel" in line)
     assert "on the 2 shapes where the default splits" in merge
     assert "**0.995x**, lowest 0.900x, highest 1.100x" in merge
     # Headroom over the default: at the copy rate (4.24 TB/s) 4.24/2.5, 4.24/3.0, 4.24/2.0; at the
     # fastest column 3.0/2.5, 1 (none faster), 3.0/2.0.
     assert report.headroom(
-        [row(3.0, 2.5, 2.75), row(3.0, 3.0, None), row(3.0, 2.0, 1.8)]
+        [row(3.0, 2.5, 2.75), row(3.0, 3.0, None), row(3.0, 2.0, 1.8)], copy
     ) == pytest.approx(((4.24**3 / 15.0) ** (1 / 3), (1.2 * 1.5) ** (1 / 3)))
     over = next(line for line in lines if "against the default heuristic" in line)
     assert "the headroom: at most **1.719x** if every shape ran at the copy rate" in over
     assert "1.216x where each took the fastest column" in over
     # Faster than the copy rate: no headroom there, but a peer's faster rate counts.
     fast = {"kv_bytes": 2**30, "cells": {"default": {"tbs": 4.5}, "cuDNN": {"tbs": 4.59}}}
-    assert report.headroom([fast]) == pytest.approx((1.0, 1.02))
+    assert report.headroom([fast], copy) == pytest.approx((1.0, 1.02))

@@ -78,13 +78,14 @@ class L2Flusher:
         self.sink = torch.zeros((), dtype=torch.int64, device=device)  # the clean sweep's sum
         if self.mode == "clean":
             self.buffer.zero_()
-        self._sum = torch.sum  # bound once: the flush runs before every timed run
 
     def __call__(self) -> None:
+        import torch
+
         if self.mode == "dirty":
             self.buffer.fill_(0x5A5A5A5A)
         else:
-            self._sum(self.buffer, dim=0, out=self.sink)
+            torch.sum(self.buffer, dim=0, out=self.sink)
 
 
 def round_order(count: int, round_index: int) -> list[int]:
