@@ -63,14 +63,14 @@ BIG_KV_SHARE = 0.85  # the issue's target at >= BIG_KV: 85% of the copy rate (3.
 
 def copy_rate(header: dict) -> tuple[float, str]:
     """(TB/s, how it was found) of the GPU a report measured."""
-    from fa4tune.target import get_target
+    from fa4tune.target import TargetError, get_target
 
     name = measured_gpu(header)
     if name in MEASURED_COPY_TBS:
         return MEASURED_COPY_TBS[name], "measured"
     try:
         return get_target(name).hbm_bytes_per_s / 1e12, f"the {name} target's HBM rate"
-    except Exception:  # a device fa4tune has no target for: the H200's, said so
+    except TargetError:  # a device fa4tune has no target for: the H200's, said so
         return MEASURED_COPY_TBS["H200"], f"the H200's (no {name} target)"
 
 

@@ -15,7 +15,7 @@ from .db import ResultsDB, shown_location
 from .doctor import NOTE, diagnose
 from .errors import Fa4tuneError, is_user_error
 from .kernels import get_kernel
-from .measure.timing import UNRECORDED_FLUSH, flush_mode
+from .measure.timing import flush_mode
 from .report import write_report
 from .runtime.carry import carry_table
 from .runtime.tables import (
@@ -30,6 +30,7 @@ from .runtime.tables import (
 )
 from .target import get_target
 from .tune.job import load_job
+from .tune.provenance import run_l2_flush
 from .tune.search import SearchInterrupted, run_search
 
 EXIT_BAD_INPUT = 2
@@ -228,18 +229,15 @@ def cmd_show(args) -> int:
         if args.top:
             # A measured best config's trials are ranked with the others of its L2 flush only:
             # times under the other flush do not compare (policy.better).
-            run_flush = {
-                r["id"]: (r["details"] or {}).get("l2_flush") or UNRECORDED_FLUSH for r in db.runs()
-            }
+            run_flush = {r["id"]: run_l2_flush(r) for r in db.runs()}
             for e in entries:
                 trials = [
                     t
                     for t in db.trials(problem_key=e.problem_key, kernel=e.kernel, target=e.target)
                     if t["kernel_hash"] == e.kernel_hash
                 ]
-                other_flush = 0
-                if not e.is_estimate:
-                    flush = policy.flush_of(e)
+                other_flush, flush = 0, None if e.is_estimate else policy.flush_of(e)
+                if flush is not None:
                     kept = [t for t in trials if run_flush.get(t["run_id"]) == flush]
                     other_flush = len(trials) - len(kept)
                     trials = kept
@@ -256,7 +254,7 @@ def cmd_show(args) -> int:
                 counts["confirmed"] = len(trials) - len(search)
                 _say(
                     f"\n{e.problem_key} on {e.target}"
-                    + ("" if e.is_estimate else f" (L2 flush {policy.flush_of(e)})")
+                    + ("" if flush is None else f" (L2 flush {flush})")
                     + ": "
                     + ", ".join(f"{n} {s}" for s, n in counts.items())
                     + (

@@ -13,6 +13,7 @@ from pathlib import Path
 from .db import ResultsDB, shown_location, sqlite_path
 from .errors import Fa4tuneError, StorageError
 from .files import unwritable_ancestor
+from .tune.provenance import run_l2_flush
 from .tune.studies import journal_path, open_storage, quiet_optuna
 
 
@@ -67,7 +68,7 @@ def write_report(db_location: str | None, out_dir: str, storage: str | None = No
 
     # Default against tuned, per problem, from the trials marked as the default; per L2 flush
     # where the DB holds runs of more than one (their times do not compare: policy.better).
-    flushes = {run_id: _run_flush(run) for run_id, run in runs.items()}
+    flushes = {run_id: run_l2_flush(run) for run_id, run in runs.items()}
     several = len({flushes[t["run_id"]] for t in trials}) > 1
     by_problem: dict[str, dict] = {}
     for t in trials:
@@ -140,15 +141,6 @@ def write_report(db_location: str | None, out_dir: str, storage: str | None = No
         f"<p>{len(best)} best configs, {len(trials)} trials.</p>{''.join(sections)}</body></html>\n"
     )
     return {"html": str(index), "png": pngs}
-
-
-def _run_flush(run: dict) -> str:
-    """The L2 flush a run's times were taken under ("none" for the cost model's estimates; a
-    measured run that records none was timed dirty)."""
-    from .measure.timing import NO_FLUSH, UNRECORDED_FLUSH
-
-    recorded = (run.get("details") or {}).get("l2_flush")
-    return recorded or (NO_FLUSH if run["is_estimate"] else UNRECORDED_FLUSH)
 
 
 def _load_studies(
