@@ -868,17 +868,9 @@ class FlashBackwardSm90:
                 if const_expr(self.early_lse):
                     # (col0 of stat_word: the thread's first query column)
                     lse[0] = self.stat_words(sLSE, stage, s_coords[0][0, 0][1], s_cols, 0)
+                sdp_operands = (mma_sdp, s_shape, tSrK, tSrQ, tdPrV, tdPrdO)
                 acc_S, acc_dP = [None] * parts, [None] * parts
-                acc_S[0] = cute.make_rmem_tensor(s_shape, Float32)
-                wgmma(
-                    mma_sdp, acc_S[0], tSrK, tSrQ[0][None, None, None, stage], accumulate=False,
-                    wait=-1,
-                )  # fmt: skip
-                acc_dP[0] = cute.make_rmem_tensor(s_shape, Float32)
-                wgmma(
-                    mma_sdp, acc_dP[0], tdPrV, tdPrdO[0][None, None, None, stage],
-                    accumulate=False, wait=1,
-                )  # fmt: skip
+                acc_S[0], acc_dP[0] = self.part_gemms(sdp_operands, 0, stage, wait=1)
                 # Each part: P^T and dS^T in registers, dS^T into shared memory, dV and dK
                 # (q_halves: the first part's dV and dK GEMMs queued behind the second part's S^T
                 # and dP^T, so that they run while its exp2 does; the last part's dK as below).
@@ -901,16 +893,9 @@ class FlashBackwardSm90:
                             lse[p + 1] = self.stat_words(
                                 sLSE, stage, s_coords[0][0, 0][1], s_cols, (p + 1) * pm // 16
                             )
-                        acc_S[p + 1] = cute.make_rmem_tensor(s_shape, Float32)
-                        wgmma(
-                            mma_sdp, acc_S[p + 1], tSrK, tSrQ[p + 1][None, None, None, stage],
-                            accumulate=False, wait=-1,
-                        )  # fmt: skip
-                        acc_dP[p + 1] = cute.make_rmem_tensor(s_shape, Float32)
-                        wgmma(
-                            mma_sdp, acc_dP[p + 1], tdPrV, tdPrdO[p + 1][None, None, None, stage],
-                            accumulate=False, wait=-1,
-                        )  # fmt: skip
+                        acc_S[p + 1], acc_dP[p + 1] = self.part_gemms(
+                            sdp_operands, p + 1, stage, wait=-1
+                        )
                     if const_expr(p == 0):
                         # dS^T's buffer is free once every warpgroup's last dQ GEMM has read it.
                         # With two buffers this one was last read two steps ago, before every
@@ -978,6 +963,18 @@ class FlashBackwardSm90:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
         self.epilogue(acc_dK, acc_dV, smem, mma_dkv, stores, n_block, head_kv, batch, ctid,
                       chunk)  # fmt: skip
+
+    def part_gemms(self, operands, p: int, stage, wait: int):
+        """(S^T, dP^T) of part p of the Q block in `stage`: fresh accumulators, a wgmma group
+        each; `wait` as wgmma's after the second."""
+        mma_sdp, s_shape, tSrK, tSrQ, tdPrV, tdPrdO = operands
+        acc_S = cute.make_rmem_tensor(s_shape, Float32)
+        wgmma(mma_sdp, acc_S, tSrK, tSrQ[p][None, None, None, stage], accumulate=False, wait=-1)
+        acc_dP = cute.make_rmem_tensor(s_shape, Float32)
+        wgmma(
+            mma_sdp, acc_dP, tdPrV, tdPrdO[p][None, None, None, stage], accumulate=False, wait=wait
+        )
+        return acc_S, acc_dP
 
     def part_rows(self, t: cute.Tensor, p: int) -> cute.Tensor:
         """Part p's queries of a Q-block buffer (queries, columns, stages) (q_halves; else t)."""
