@@ -31,9 +31,9 @@ def test_every_gpu_case_runs_a_config_the_rules_admit():
     """The GPU cases (tests/test_backward_gpu.py) are checked on the CPU first: a case whose
     config the rules refuse (shared memory, a known spill) would fail on the GPU as a ConfigError,
     spending device time on a typo."""
-    from test_backward_gpu import BITWISE_CASES, CASES, bitwise_problem
+    from test_backward_gpu import BITWISE_CASES, CASES, TURNS_CASES, bitwise_problem
 
-    cases = [(Problem(**fields), config) for fields, config in CASES]
+    cases = [(Problem(**fields), config) for fields, config in CASES + TURNS_CASES]
     cases += [(bitwise_problem(head_dim), config) for config, head_dim in BITWISE_CASES]
     for problem, config in cases:
         config = config or FAMILY.default_config(problem, H200)
@@ -598,12 +598,13 @@ def test_every_admitted_128_row_config_at_head_dim_64_compiles_without_spills(
 
 
 def halves_configs(causal: bool = True) -> list:
-    """Every config with q_halves the rules admit at head dim 64 (deterministic or not)."""
+    """Every config with q_halves the rules admit at head dim 64 (deterministic or not; without
+    exp2_turns: turns_configs)."""
     p = Problem(head_dim=64, causal=causal)
+    names = [k for k in cfg.KNOBS if k not in ("q_halves", "exp2_turns")]
     found = []
-    for values in itertools.product(*(cfg.KNOBS[k] for k in cfg.KNOBS if k != "q_halves")):
-        config = BwdConfig(**dict(zip([k for k in cfg.KNOBS if k != "q_halves"], values)),
-                           q_halves=True)  # fmt: skip
+    for values in itertools.product(*(cfg.KNOBS[k] for k in names)):
+        config = BwdConfig(**dict(zip(names, values)), q_halves=True)
         if not FAMILY.infeasible_reasons(p, config, H200):
             found.append(config)
     return found
@@ -639,6 +640,55 @@ def test_q_halves_takes_128_rows_at_head_dim_64_and_reads_the_stats_early():
     from fa4tune.space.backward import BackwardSpace
 
     assert BackwardSpace.params(None)["q_halves"].choices == (False, True)
+
+
+def turns_configs() -> list:
+    """(config, head_dim) of every exp2_turns config the rules admit at head dims 64, 96 and 128,
+    causal."""
+    names = [k for k in cfg.KNOBS if k != "exp2_turns"]
+    found = []
+    for head_dim in (64, 96, 128):
+        p = Problem(head_dim=head_dim, causal=True)
+        for values in itertools.product(*(cfg.KNOBS[k] for k in names)):
+            config = BwdConfig(**dict(zip(names, values)), exp2_turns=True)
+            if not FAMILY.infeasible_reasons(p, config, H200):
+                found.append((config, head_dim))
+    return found
+
+
+def test_exp2_turns_take_two_warpgroups_and_no_registers():
+    """The warpgroups' turns at the exp2: two consumer warpgroups (tile_n 128), any other knob;
+    two named barriers and no registers, so the model and the rules are otherwise unchanged."""
+    halves = cfg.DEFAULT_LADDER[0]
+    turns = replace(halves, exp2_turns=True)
+    assert turns.short() == halves.short() + "-xt"
+    assert BwdConfig.from_dict({"tile_m": 128}).exp2_turns is False  # tables written before it
+    p = Problem(head_dim=64, causal=True)
+    assert not FAMILY.infeasible_reasons(p, turns, H200)
+    assert cfg.consumer_registers_needed(turns, p) == cfg.consumer_registers_needed(halves, p)
+    reasons = FAMILY.infeasible_reasons(p, BwdConfig(tile_n=64, exp2_turns=True), H200)
+    assert any("exp2_turns with 1 consumer warpgroup(s)" in r for r in reasons), reasons
+    found = turns_configs()
+    # every config of two warpgroups the rules admit without the turns, with them
+    assert len(found) == 71 + 20 + 55
+    assert {d for _, d in found} == {64, 96, 128}
+
+
+@pytest.mark.compile
+def test_the_default_ladder_with_exp2_turns_compiles_without_spills(capfd, tmp_path):
+    """The barriers around the exp2, built for sm_90a on the default ladder's configs of two
+    warpgroups at head dims 64, 96 and 128, causal (every admitted config built once offline, 146,
+    kernel-notes session 49)."""
+    cases = [
+        (replace(c, exp2_turns=True), d, True)
+        for c in cfg.DEFAULT_LADDER for d in (64, 96, 128)
+        if c.consumer_warpgroups == 2
+        and not FAMILY.infeasible_reasons(Problem(head_dim=d, causal=True),
+                                          replace(c, exp2_turns=True), H200)
+    ]  # fmt: skip
+    assert len(cases) >= 12
+    bad = compile_failures(cases, capfd, tmp_path)
+    assert not bad, bad
 
 
 @pytest.mark.compile

@@ -170,6 +170,40 @@ def test_gradients_match_the_reference(fields, config):
     assert result.verdict(FAMILY.tolerance(problem)) is None, result
 
 
+# The warpgroups' turns at the exp2 (exp2_turns): the halves (two turns a step each) with rows past
+# seqlen_q, the diagonal across the parts, GQA, one step per CTA, more keys than queries; the
+# whole block at head dims 128 (80-row swapped, 64-row) and 96; the register adds; deterministic.
+TURNS_CASES = [
+    (dict(head_dim=64, seqlen_q=1029, seqlen_k=500, batch=1, nheads_q=4, causal=True),
+     BwdConfig(tile_m=128, dq_tma=True, dq_warp=True, ds_stages=2, dq_rows=True, q_halves=True,
+               exp2_turns=True)),
+    (dict(head_dim=64, seqlen_q=777, seqlen_k=1029, batch=2, nheads_q=8, nheads_kv=2),
+     BwdConfig(tile_m=128, dq_tma=True, dq_warp=True, q_halves=True, exp2_turns=True)),
+    (dict(head_dim=64, seqlen_q=100, seqlen_k=300, batch=2, nheads_q=2, causal=True),
+     BwdConfig(tile_m=128, dq_tma=True, dq_warp=True, ds_stages=2, dq_rows=True, q_halves=True,
+               exp2_turns=True)),
+    (dict(head_dim=128, seqlen_q=777, seqlen_k=1029, batch=1, nheads_q=8, nheads_kv=2,
+          causal=True), BwdConfig(tile_m=80, dq_swap=True, dq_tma=True, dq_warp=True,
+                                  ds_stages=2, exp2_turns=True)),
+    (dict(head_dim=128, seqlen_q=1000, seqlen_k=3000, batch=1, nheads_q=8, nheads_kv=2),
+     BwdConfig(dq_swap=True, dq_tma=True, dq_warp=True, ds_stages=2, exp2_turns=True)),
+    (dict(head_dim=96, seqlen_q=1500, batch=2, nheads_q=4, causal=True),
+     BwdConfig(dq_tma=True, dq_warp=True, ds_stages=2, exp2_turns=True)),
+    (dict(head_dim=64, seqlen_q=1500, batch=2, nheads_q=4, causal=True),
+     BwdConfig(tile_m=128, ds_stages=2, q_halves=True, exp2_turns=True)),
+    (dict(head_dim=64, seqlen_q=1500, batch=2, nheads_q=8, nheads_kv=2, causal=True),
+     BwdConfig(tile_m=128, deterministic=True, dq_tma=True, dq_warp=True, ds_stages=2,
+               dq_rows=True, q_halves=True, exp2_turns=True)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("fields,config", TURNS_CASES, ids=lambda v: str(v))
+def test_exp2_turns_gradients_match_the_reference(fields, config):
+    problem = Problem(**fields)
+    _, result = run_case(problem, config)
+    assert result.verdict(FAMILY.tolerance(problem)) is None, result
+
+
 def bitwise_problem(head_dim):
     return Problem(head_dim=head_dim, seqlen_q=2048, batch=2, nheads_q=8, nheads_kv=2, causal=True)
 
@@ -183,6 +217,18 @@ BITWISE_CASES = [
     (
         BwdConfig(
             tile_m=128, deterministic=True, dq_tma=True, dq_warp=True, dq_rows=True, q_halves=True
+        ),
+        64,
+    ),
+    (
+        BwdConfig(
+            tile_m=128,
+            deterministic=True,
+            dq_tma=True,
+            dq_warp=True,
+            dq_rows=True,
+            q_halves=True,
+            exp2_turns=True,
         ),
         64,
     ),

@@ -74,6 +74,7 @@ KNOBS: dict[str, tuple] = {
     "dq_rows": (False, True),
     "dq_swap": (False, True),
     "q_halves": (False, True),
+    "exp2_turns": (False, True),
 }
 # q_halves: the queries of a part of the Q block (wgmma N of S^T and dP^T)
 HALF_ROWS = 64
@@ -119,7 +120,12 @@ class BwdConfig:
     half the registers, which leaves room for its queries' LSE2 and D, read before they are
     needed (config.stats_in_registers), and dV's and dK's GEMMs of the first part (K = its 64
     queries) run while the second part's exp2 does. S^T's and dP^T's GEMMs then read K and V
-    from shared memory once per part."""
+    from shared memory once per part.
+    exp2_turns (two consumer warpgroups): the warpgroups take turns at the exp2 of S^T (each
+    part's, q_halves), the second waiting for the first's, each waiting for the other's before
+    its next, so that one warpgroup's exp2 runs on the MUFU while the other's GEMMs and dS^T run,
+    instead of both warpgroups' exp2 at once with the tensor pipe idle (the forward's ping-pong,
+    for the backward's exp2; two named barriers, no registers)."""
 
     tile_m: int = 64
     tile_n: int = 128
@@ -131,6 +137,7 @@ class BwdConfig:
     dq_rows: bool = False
     dq_swap: bool = False
     q_halves: bool = False
+    exp2_turns: bool = False
 
     def __post_init__(self) -> None:
         bad = []
@@ -176,6 +183,7 @@ class BwdConfig:
             f"{'-tma' if self.dq_tma else ''}{'-w' if self.dq_warp else ''}"
             f"{'-r' if self.dq_rows else ''}{'-sw' if self.dq_swap else ''}"
             f"{'-ds2' if self.ds_stages == 2 else ''}{'-h2' if self.q_halves else ''}"
+            f"{'-xt' if self.exp2_turns else ''}"
         )
 
     @property
@@ -345,6 +353,10 @@ def tile_reasons(config: BwdConfig, problem: Problem) -> list[str]:
         reasons.append(
             f"q_halves with {wgs} consumer warpgroup(s): built for two (tile_n 128; with one, "
             "ptxas spilled 8-12 bytes beside the register adds of dQ)"
+        )
+    if config.exp2_turns and wgs != 2:
+        reasons.append(
+            f"exp2_turns with {wgs} consumer warpgroup(s): the turns are between two (tile_n 128)"
         )
     if config.q_halves and config.tile_m != 2 * HALF_ROWS:
         reasons.append(

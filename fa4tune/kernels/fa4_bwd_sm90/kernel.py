@@ -71,6 +71,8 @@ BARRIER_DQ_FULL = 7  # dq_tma: the Q block's dQ is in sdQ: the TMA reduction may
 # dq_warp: per consumer warpgroup w (ids + w), each of its threads and the producer's dQ warp.
 BARRIER_DQ_SLICE_FULL = 8  # the warpgroup's dQ slice is in sdQ: the dQ warp may reduce it
 BARRIER_DQ_SLICE_EMPTY = 10  # the dQ warp's reduction has read the slice: it may be written
+# + the warpgroup (12, 13): exp2_turns, the other warpgroup's exp2 is done: this one's may start
+BARRIER_EXP2_TURN = 12
 DQ_WARP = 1  # the producer warpgroup's warp that issues the dQ reductions (dq_warp)
 
 
@@ -214,6 +216,7 @@ class FlashBackwardSm90:
         self.dq_rows = config.dq_rows
         self.dq_swap = config.dq_swap
         self.parts = config.query_parts  # of a Q block, for S^T and dP^T (q_halves: 2)
+        self.exp2_turns = config.exp2_turns
         self.part_m = config.tile_m // self.parts
         self.ds_stages = config.ds_stages
         self.wgs = config.consumer_warpgroups
@@ -845,6 +848,11 @@ class FlashBackwardSm90:
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
         pipe_kv.consumer_wait(kv_state)
+        # exp2_turns: the first warpgroup's first exp2 waits for nothing (the second warpgroup's
+        # turn given ahead, taken back after the last step), the second's for the first's.
+        if const_expr(self.exp2_turns):
+            if wg == 1:
+                self.pass_exp2_turn(1 - wg)
         # The steps: each query head of the group (g), each of its Q blocks. Causal, the masked
         # ones are each head's first mask_end - m_block_min, counted down from the head's start
         # (tested as m_block < mask_end, ptxas rebuilt mask_end from the block index at every
@@ -879,7 +887,7 @@ class FlashBackwardSm90:
                     self.softmax_grad(
                         acc_S[p], acc_dP[p], s_coords[p], sLSE, sD, stage, lse[p], masked,
                         n_block, m_block, seqlen_q, seqlen_k, softmax_scale_log2, softmax_scale,
-                        p * pm // 16, 0 if p == 0 else 2,
+                        p * pm // 16, 0 if p == 0 else 2, wg,
                     )  # fmt: skip
                     convert_to_16bit(acc_as_operand_a(acc_S[p]), tdVrP[p])
                     convert_to_16bit(acc_as_operand_a(acc_dP[p]), tdKrdS[p])
@@ -958,6 +966,9 @@ class FlashBackwardSm90:
                 step = step + 1
                 if const_expr(self.causal):
                     mask_left = mask_left - 1
+        if const_expr(self.exp2_turns):
+            if wg == 0:
+                self.take_exp2_turn(wg)
         if const_expr(self.dq_tma and not self.dq_warp):
             if ctid < 32:  # sdQ stays allocated until the last reduction has read it
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -1032,6 +1043,7 @@ class FlashBackwardSm90:
         softmax_scale: Float32,
         word0: cutlass.Constexpr[int],
         dp_wait: cutlass.Constexpr[int],
+        wg: Int32,
     ):
         """P^T = exp2(S^T x scale_log2 - LSE2) into acc_S (0 for keys past seqlen_k and, causal,
         above the diagonal), then dS^T = P^T (dP^T x softmax_scale - D) into acc_dP (D comes
@@ -1039,7 +1051,8 @@ class FlashBackwardSm90:
         flight after it: dp_wait).
         lse: None, or (early_lse) the LSE2 of this thread's columns (coords' mode 1) already in
         registers. masked: the step's keys need the mask (consume's mask_end). word0: the first
-        16-query group of the columns (of a part, q_halves) in the LSE2 and D buffers."""
+        16-query group of the columns (of a part, q_halves) in the LSE2 and D buffers. wg: this
+        thread's warpgroup (exp2_turns: the exp2 waits for its turn and then passes it on)."""
         scores = acc_rows_cols(acc_S)
         grads = acc_rows_cols(acc_dP)
         rows, cols = cute.size(scores, mode=[0]), cute.size(scores, mode=[1])
@@ -1057,6 +1070,8 @@ class FlashBackwardSm90:
         # immediate per score, no key held per score).
         row0 = coords[0, 0][0]
         diagonal = seqlen_k - seqlen_q
+        if const_expr(self.exp2_turns):
+            self.take_exp2_turn(wg)
         # Unmasked steps skip the compare and select per score.
         if masked:
             bound_k = seqlen_k - n_block * self.tile_n - row0
@@ -1083,6 +1098,8 @@ class FlashBackwardSm90:
                     scores[r, c] = cute.math.exp2(
                         scores[r, c] * softmax_scale_log2 - lse_c, fastmath=True
                     )
+        if const_expr(self.exp2_turns):
+            self.pass_exp2_turn(1 - wg)
         warpgroup.wait_group(dp_wait)
         word = None
         for c in cutlass.range_constexpr(cols):
@@ -1091,6 +1108,18 @@ class FlashBackwardSm90:
             d_col = dsum[c] if const_expr(self.early_d) else word[c % 4]
             for r in cutlass.range_constexpr(rows):
                 grads[r, c] = scores[r, c] * (grads[r, c] * softmax_scale - d_col)
+
+    def take_exp2_turn(self, wg: Int32):
+        """exp2_turns: wait until warpgroup `wg`'s turn at the exp2 has been passed to it."""
+        cute.arch.barrier(
+            barrier_id=BARRIER_EXP2_TURN + wg, number_of_threads=2 * cfg.THREADS_PER_WARPGROUP
+        )
+
+    def pass_exp2_turn(self, to: Int32):
+        """exp2_turns: give warpgroup `to` its turn at the exp2 (this warpgroup's is done)."""
+        cute.arch.barrier_arrive(
+            barrier_id=BARRIER_EXP2_TURN + to, number_of_threads=2 * cfg.THREADS_PER_WARPGROUP
+        )
 
     @cute.jit
     def add_dq(
