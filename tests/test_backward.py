@@ -672,6 +672,11 @@ def test_exp2_turns_take_two_warpgroups_and_no_registers():
     # every config of two warpgroups the rules admit without the turns, with them
     assert len(found) == 71 + 20 + 55
     assert {d for _, d in found} == {64, 96, 128}
+    # a searched knob (it won at head dim 64 non-causal only: kernel-notes, session 50)
+    from fa4tune.space.backward import BackwardSpace
+
+    assert BackwardSpace.params(None)["exp2_turns"].choices == (False, True)
+    assert "exp2_turns" in BackwardSpace.knobs
 
 
 @pytest.mark.compile

@@ -23,11 +23,12 @@ class BackwardSpace(SearchSpace):
         "dq_rows",
         "dq_swap",
         "q_halves",
+        "exp2_turns",
     )
     description = (
         "backward: Q rows per step, K/V rows per CTA, Q/dO pipeline depth, dQ adds, dS^T "
         "buffers, who issues the dQ reductions, dQ's GEMM split by rows or columns or swapped, "
-        "S^T and dP^T in halves of the Q block"
+        "S^T and dP^T in halves of the Q block, the warpgroups' turns at the exp2"
     )
 
     def params(self):
@@ -41,4 +42,5 @@ class BackwardSpace(SearchSpace):
             "dq_rows": Choice([False, True]),
             "dq_swap": Choice([False, True]),
             "q_halves": Choice([False, True]),
+            "exp2_turns": Choice([False, True]),
         }
