@@ -597,17 +597,24 @@ def test_every_admitted_128_row_config_at_head_dim_64_compiles_without_spills(
     assert not bad, bad
 
 
+def admitted_with(knob: str, head_dims, causal: bool = True, off=()) -> list:
+    """(config, head_dim) of every config with `knob` on that the rules admit at `head_dims`,
+    each other knob over its legal values but those of `off`, left at their defaults."""
+    names = [k for k in cfg.KNOBS if k != knob and k not in off]
+    found = []
+    for head_dim in head_dims:
+        p = Problem(head_dim=head_dim, causal=causal)
+        for values in itertools.product(*(cfg.KNOBS[k] for k in names)):
+            config = BwdConfig(**dict(zip(names, values)), **{knob: True})
+            if not FAMILY.infeasible_reasons(p, config, H200):
+                found.append((config, head_dim))
+    return found
+
+
 def halves_configs(causal: bool = True) -> list:
     """Every config with q_halves the rules admit at head dim 64 (deterministic or not; without
     exp2_turns: turns_configs)."""
-    p = Problem(head_dim=64, causal=causal)
-    names = [k for k in cfg.KNOBS if k not in ("q_halves", "exp2_turns")]
-    found = []
-    for values in itertools.product(*(cfg.KNOBS[k] for k in names)):
-        config = BwdConfig(**dict(zip(names, values)), q_halves=True)
-        if not FAMILY.infeasible_reasons(p, config, H200):
-            found.append(config)
-    return found
+    return [c for c, _ in admitted_with("q_halves", (64,), causal, off=("exp2_turns",))]
 
 
 def test_q_halves_takes_128_rows_at_head_dim_64_and_reads_the_stats_early():
@@ -645,15 +652,7 @@ def test_q_halves_takes_128_rows_at_head_dim_64_and_reads_the_stats_early():
 def turns_configs() -> list:
     """(config, head_dim) of every exp2_turns config the rules admit at head dims 64, 96 and 128,
     causal."""
-    names = [k for k in cfg.KNOBS if k != "exp2_turns"]
-    found = []
-    for head_dim in (64, 96, 128):
-        p = Problem(head_dim=head_dim, causal=True)
-        for values in itertools.product(*(cfg.KNOBS[k] for k in names)):
-            config = BwdConfig(**dict(zip(names, values)), exp2_turns=True)
-            if not FAMILY.infeasible_reasons(p, config, H200):
-                found.append((config, head_dim))
-    return found
+    return admitted_with("exp2_turns", (64, 96, 128))
 
 
 def test_exp2_turns_take_two_warpgroups_and_no_registers():
