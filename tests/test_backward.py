@@ -678,6 +678,57 @@ def test_exp2_turns_take_two_warpgroups_and_no_registers():
     assert "exp2_turns" in BackwardSpace.knobs
 
 
+def single_configs() -> list:
+    """(config, head_dim) of every dq_single config the rules admit at head dims 64 to 256,
+    causal."""
+    names = [k for k in cfg.KNOBS if k != "dq_single"]
+    found = []
+    for head_dim in cfg.SUPPORTED_HEAD_DIMS:
+        p = Problem(head_dim=head_dim, causal=True)
+        for values in itertools.product(*(cfg.KNOBS[k] for k in names)):
+            config = BwdConfig(**dict(zip(names, values)), dq_single=True)
+            if not FAMILY.infeasible_reasons(p, config, H200):
+                found.append((config, head_dim))
+    return found
+
+
+def test_dq_single_takes_the_dq_warp_two_buffers_and_64_rows_up_to_chunks_of_96():
+    """dq_single: the first warpgroup computes both slices of dQ, the second runs on. The rules
+    keep it to what ptxas builds clean: two warpgroups with the dQ warp and two dS^T buffers, 64
+    Q rows, chunks of the head dim of at most 96 columns; no exp2 turns beside it."""
+    base = BwdConfig(dq_tma=True, dq_warp=True, ds_stages=2)
+    single = replace(base, dq_single=True)
+    assert single.short() == base.short() + "-q1"
+    assert BwdConfig.from_dict({"tile_m": 64}).dq_single is False  # tables written before it
+    p96 = Problem(head_dim=96, causal=True)
+    assert not FAMILY.infeasible_reasons(p96, single, H200)
+    assert cfg.consumer_registers_needed(single, p96) == cfg.consumer_registers_needed(base, p96)
+    for problem, config, words in [
+        (p96, replace(single, dq_warp=False), "dq_single without dq_warp"),
+        (p96, replace(single, dq_warp=False, dq_tma=False), "dq_single without dq_warp"),
+        (p96, replace(single, ds_stages=1), "dq_single with ds_stages=1"),
+        (p96, replace(single, exp2_turns=True), "dq_single with exp2_turns"),
+        (p96, replace(single, tile_n=64), "dq_single with 1 consumer warpgroup(s)"),
+        (Problem(head_dim=64), replace(single, tile_m=128), "dq_single with tile_m=128"),
+        (Problem(head_dim=128), single, "dq_single with tile_m=64 at head_dim=128"),
+    ]:
+        reasons = FAMILY.infeasible_reasons(problem, config, H200)
+        assert any(words in r for r in reasons), (config.short(), reasons)
+    found = single_configs()
+    # 64 rows, the dQ warp, two buffers: 2 stages x deterministic or not at head dims 64 and 96;
+    # one stage at 192 (shared memory)
+    assert sorted({d for _, d in found}) == [64, 96, 192]
+    assert len(found) == 4 + 4 + 2
+
+
+@pytest.mark.compile
+def test_every_admitted_dq_single_config_compiles_without_spills(capfd, tmp_path):
+    """What keeps dq_single's rules honest: every config of it they admit, causal, built for
+    sm_90a without spills or serialized wgmma."""
+    bad = compile_failures([(c, d, True) for c, d in single_configs()], capfd, tmp_path)
+    assert not bad, bad
+
+
 @pytest.mark.compile
 def test_the_default_ladder_with_exp2_turns_compiles_without_spills(capfd, tmp_path):
     """The barriers around the exp2, built for sm_90a on the default ladder's configs of two

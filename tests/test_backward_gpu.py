@@ -204,6 +204,35 @@ def test_exp2_turns_gradients_match_the_reference(fields, config):
     assert result.verdict(FAMILY.tolerance(problem)) is None, result
 
 
+# dq_single (the first warpgroup computes both slices of dQ, the second runs up to a step ahead):
+# head dim 96 causal and with GQA, rows past seqlen_q, few steps per CTA (the trailing frees of
+# one and two steps), one Q stage, head dim 64, deterministic, head dim 192's chunks.
+SINGLE_CASES = [
+    (dict(head_dim=96, seqlen_q=1500, batch=2, nheads_q=4, causal=True),
+     BwdConfig(dq_tma=True, dq_warp=True, ds_stages=2, dq_single=True)),
+    (dict(head_dim=96, seqlen_q=777, seqlen_k=1029, batch=2, nheads_q=8, nheads_kv=2),
+     BwdConfig(dq_tma=True, dq_warp=True, ds_stages=2, dq_single=True)),
+    (dict(head_dim=96, seqlen_q=100, seqlen_k=300, batch=2, nheads_q=2, causal=True),
+     BwdConfig(dq_tma=True, dq_warp=True, ds_stages=2, dq_single=True)),
+    (dict(head_dim=96, seqlen_q=64, seqlen_k=200, batch=3, nheads_q=2),
+     BwdConfig(dq_tma=True, dq_warp=True, ds_stages=2, dq_single=True)),
+    (dict(head_dim=64, seqlen_q=1029, seqlen_k=500, batch=1, nheads_q=8, nheads_kv=2,
+          causal=True), BwdConfig(num_stages=1, dq_tma=True, dq_warp=True, ds_stages=2,
+                                  dq_single=True)),
+    (dict(head_dim=96, seqlen_q=1500, batch=2, nheads_q=8, nheads_kv=2, causal=True),
+     BwdConfig(deterministic=True, dq_tma=True, dq_warp=True, ds_stages=2, dq_single=True)),
+    (dict(head_dim=192, seqlen_q=700, batch=2, nheads_q=4, causal=True),
+     BwdConfig(num_stages=1, dq_tma=True, dq_warp=True, ds_stages=2, dq_single=True)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("fields,config", SINGLE_CASES, ids=lambda v: str(v))
+def test_dq_single_gradients_match_the_reference(fields, config):
+    problem = Problem(**fields)
+    _, result = run_case(problem, config)
+    assert result.verdict(FAMILY.tolerance(problem)) is None, result
+
+
 def bitwise_problem(head_dim):
     return Problem(head_dim=head_dim, seqlen_q=2048, batch=2, nheads_q=8, nheads_kv=2, causal=True)
 
@@ -232,6 +261,7 @@ BITWISE_CASES = [
         ),
         64,
     ),
+    (BwdConfig(deterministic=True, dq_tma=True, dq_warp=True, ds_stages=2, dq_single=True), 96),
 ]
 
 

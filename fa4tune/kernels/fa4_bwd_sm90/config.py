@@ -75,7 +75,10 @@ KNOBS: dict[str, tuple] = {
     "dq_swap": (False, True),
     "q_halves": (False, True),
     "exp2_turns": (False, True),
+    "dq_single": (False, True),
 }
+# dq_single: the widest chunk of the head dim it builds without spills at (64-row Q blocks)
+DQ_SINGLE_MAX_CHUNK = 96
 # q_halves: the queries of a part of the Q block (wgmma N of S^T and dP^T)
 HALF_ROWS = 64
 
@@ -125,7 +128,13 @@ class BwdConfig:
     part's, q_halves), the second waiting for the first's, each waiting for the other's before
     its next, so that one warpgroup's exp2 runs on the MUFU while the other's GEMMs and dS^T run,
     instead of both warpgroups' exp2 at once with the tensor pipe idle (the forward's ping-pong,
-    for the backward's exp2; two named barriers, no registers)."""
+    for the backward's exp2; two named barriers, no registers).
+    dq_single (two consumer warpgroups, dq_warp, two dS^T buffers): the first warpgroup computes
+    every warpgroup's slice of dQ, one after the other in the same registers, and hands each to
+    the dQ warp; the second leaves its dS^T and goes on to its next step. The warpgroups then no
+    longer meet every step: the second runs up to a step ahead (bounded by the dS^T buffers),
+    its exp2 beside the first's dQ GEMMs (flash-attn-4's SM90 backward computes dQ in one
+    warpgroup at head dim 96). The first warpgroup's step is longer by the other slices."""
 
     tile_m: int = 64
     tile_n: int = 128
@@ -138,6 +147,7 @@ class BwdConfig:
     dq_swap: bool = False
     q_halves: bool = False
     exp2_turns: bool = False
+    dq_single: bool = False
 
     def __post_init__(self) -> None:
         bad = []
@@ -183,7 +193,7 @@ class BwdConfig:
             f"{'-tma' if self.dq_tma else ''}{'-w' if self.dq_warp else ''}"
             f"{'-r' if self.dq_rows else ''}{'-sw' if self.dq_swap else ''}"
             f"{'-ds2' if self.ds_stages == 2 else ''}{'-h2' if self.q_halves else ''}"
-            f"{'-xt' if self.exp2_turns else ''}"
+            f"{'-xt' if self.exp2_turns else ''}{'-q1' if self.dq_single else ''}"
         )
 
     @property
@@ -354,6 +364,17 @@ def tile_reasons(config: BwdConfig, problem: Problem) -> list[str]:
             f"q_halves with {wgs} consumer warpgroup(s): built for two (tile_n 128; with one, "
             "ptxas spilled 8-12 bytes beside the register adds of dQ)"
         )
+    if config.dq_single and wgs != 2:
+        reasons.append(
+            f"dq_single with {wgs} consumer warpgroup(s): the first of two computes dQ (tile_n 128)"
+        )
+    if config.dq_single and (config.tile_m != 64 or chunk > DQ_SINGLE_MAX_CHUNK):
+        reasons.append(
+            f"dq_single with tile_m={config.tile_m} at head_dim={problem.head_dim}: the first "
+            f"warpgroup's staging of the other slice spills (64-row Q blocks and chunks of at "
+            f"most {DQ_SINGLE_MAX_CHUNK} columns build clean; 128 rows spilled 64-388 bytes, head "
+            "dim 128 400 and serialized the wgmma)"
+        )
     if config.exp2_turns and wgs != 2:
         reasons.append(
             f"exp2_turns with {wgs} consumer warpgroup(s): the turns are between two (tile_n 128)"
@@ -385,6 +406,18 @@ def dq_reasons(config: BwdConfig) -> list[str]:
         reasons.append("dq_rows without dq_warp: the dQ warp reduces each warpgroup's rows")
     if config.dq_rows and config.dq_swap:
         reasons.append("dq_rows with dq_swap: dQ^T's GEMM splits the columns, not the rows")
+    if config.dq_single and not config.dq_warp:
+        reasons.append(
+            "dq_single without dq_warp: the first warpgroup hands each slice of dQ to the dQ "
+            "warp (the other dQ paths have both warpgroups meet around dQ)"
+        )
+    if config.dq_single and config.ds_stages != 2:
+        reasons.append(
+            f"dq_single with ds_stages={config.ds_stages}: the second warpgroup writes the next "
+            "step's dS^T while the first's dQ GEMMs read this one (two buffers)"
+        )
+    if config.dq_single and config.exp2_turns:
+        reasons.append("dq_single with exp2_turns: both pace the warpgroups (built apart)")
     if config.dq_rows and config.tile_m != 64 * config.consumer_warpgroups:
         reasons.append(
             f"dq_rows with tile_m={config.tile_m}: each of the {config.consumer_warpgroups} "

@@ -73,6 +73,10 @@ BARRIER_DQ_SLICE_FULL = 8  # the warpgroup's dQ slice is in sdQ: the dQ warp may
 BARRIER_DQ_SLICE_EMPTY = 10  # the dQ warp's reduction has read the slice: it may be written
 # + the warpgroup (12, 13): exp2_turns, the other warpgroup's exp2 is done: this one's may start
 BARRIER_EXP2_TURN = 12
+# dq_single, + the dS^T buffer, of both consumer warpgroups (the rules keep dq_single from
+# exp2_turns, whose ids 12 and 13 it takes): one arrives and runs on, the other waits.
+BARRIER_DS_SINGLE_FULL = 12  # the second warpgroup's dS^T is in the buffer: dQ's GEMMs may read it
+BARRIER_DS_SINGLE_FREE = 14  # the first warpgroup's dQ GEMMs have read the buffer: it may be written
 DQ_WARP = 1  # the producer warpgroup's warp that issues the dQ reductions (dq_warp)
 
 
@@ -217,6 +221,7 @@ class FlashBackwardSm90:
         self.dq_swap = config.dq_swap
         self.parts = config.query_parts  # of a Q block, for S^T and dP^T (q_halves: 2)
         self.exp2_turns = config.exp2_turns
+        self.dq_single = config.dq_single
         self.part_m = config.tile_m // self.parts
         self.ds_stages = config.ds_stages
         self.wgs = config.consumer_warpgroups
@@ -811,6 +816,13 @@ class FlashBackwardSm90:
             tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(swap_first_modes(sdS)))
             tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(swap_first_modes(sKc)))
         dq_shape = wg_dq.partition_shape_C(dq_tile)
+        # dq_single: the first warpgroup computes every warpgroup's slice, as that warpgroup would
+        # (its operands' partitions), one after the other.
+        dq_slices = (
+            [self.dq_fragments(mma_dq, w, sdS, sKc) for w in range(self.wgs)]
+            if const_expr(self.dq_single)
+            else None
+        )
         dq_coords = acc_rows_cols(thr_dq.partition_C(cute.make_identity_tensor(dq_tile)))
 
         # dS^T from registers into shared memory (rows: keys, columns: queries).
@@ -917,6 +929,11 @@ class FlashBackwardSm90:
                             ds = step % self.ds_stages
                             tdSsdS_step = [t[None, None, None, ds] for t in tdSsdS]
                             tdQrdS_step = tdQrdS[None, None, None, ds]
+                            if const_expr(self.dq_single):
+                                # the second warpgroup, up to a step ahead: this buffer's last
+                                # readers were the first warpgroup's dQ GEMMs two steps ago
+                                if wg == 1 and step >= 2:
+                                    self.ds_single(BARRIER_DS_SINGLE_FREE + ds, arrive=False)
                     cute.copy(ds_store, ds_store.retile(rdS), tdSsdS_step[p])
                     if const_expr(p + 1 == parts):
                         cute.arch.fence_view_async_shared()
@@ -932,14 +949,28 @@ class FlashBackwardSm90:
                     if const_expr(p + 1 < parts):
                         # the next part's S^T is done (its dP^T, this part's dV and dK may run)
                         warpgroup.wait_group(3)
-                cute.arch.barrier(
-                    barrier_id=BARRIER_DS_FULL, number_of_threads=self.num_consumer_threads
-                )
+                if const_expr(self.dq_single):
+                    # the first warpgroup waits for the second's dS^T; the second runs on
+                    if wg == 1:
+                        self.ds_single(BARRIER_DS_SINGLE_FULL + step % 2, arrive=True)
+                    else:
+                        self.ds_single(BARRIER_DS_SINGLE_FULL + step % 2, arrive=False)
+                else:
+                    cute.arch.barrier(
+                        barrier_id=BARRIER_DS_FULL, number_of_threads=self.num_consumer_threads
+                    )
                 acc_dQ = cute.make_rmem_tensor(dq_shape, Float32)
                 dq_a, dq_b = tdQrdS_step, tdQrKt
                 if const_expr(self.dq_swap):
                     dq_a, dq_b = tdQrKt, tdQrdS_step
-                if const_expr(self.dq_tma):
+                if const_expr(self.dq_single):
+                    self.single_dq_and_dk(
+                        (mma_dq, mma_dkv), acc_dQ, acc_dK, dq_slices, tdKrdS[parts - 1],
+                        tdKrQt[parts - 1][None, None, None, stage], sdQ, step, wg, ctid,
+                    )  # fmt: skip
+                    pipe_q.consumer_release(q_state)
+                    q_state.advance()
+                elif const_expr(self.dq_tma):
                     # dQ before dK, so that dQ is staged and reduced while the dK GEMM runs.
                     wgmma(mma_dq, acc_dQ, dq_a, dq_b, accumulate=False, wait=-1)
                     wgmma(
@@ -969,6 +1000,12 @@ class FlashBackwardSm90:
         if const_expr(self.exp2_turns):
             if wg == 0:
                 self.take_exp2_turn(wg)
+        if const_expr(self.dq_single):
+            # the first warpgroup's last two frees, which no later step of the second waited for
+            if wg == 1:
+                for back in cutlass.range_constexpr(2, 0, -1):
+                    if steps >= back:
+                        self.ds_single(BARRIER_DS_SINGLE_FREE + (steps - back) % 2, arrive=False)
         if const_expr(self.dq_tma and not self.dq_warp):
             if ctid < 32:  # sdQ stays allocated until the last reduction has read it
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -1114,6 +1151,68 @@ class FlashBackwardSm90:
         cute.arch.barrier(
             barrier_id=BARRIER_EXP2_TURN + wg, number_of_threads=2 * cfg.THREADS_PER_WARPGROUP
         )
+
+    @cute.jit
+    def single_dq_and_dk(
+        self, mmas, acc_dQ, acc_dK, dq_slices, dk_a, dk_b, sdQ, step: Int32, wg: Int32, ctid: Int32
+    ):
+        """dq_single, after the step's dS^T: the last dK GEMM, and in the first warpgroup the dQ
+        GEMM of each warpgroup's slice in turn (in one accumulator), each staged for the dQ warp
+        as that warpgroup would (the first slice's GEMM ahead of dK's, as without dq_single); the
+        dS^T buffer is handed back to the second warpgroup once the last slice's GEMM has read
+        it."""
+        mma_dq, mma_dkv = mmas
+        ds = step % 2
+        if wg == 0:
+            a, b = self.dq_operands(dq_slices[0], ds)
+            wgmma(mma_dq, acc_dQ, a, b, accumulate=False, wait=-1)
+        wgmma(mma_dkv, acc_dK, dk_a, dk_b, accumulate=True, wait=-1)
+        if wg == 0:
+            for w in cutlass.range_constexpr(self.wgs):
+                if const_expr(w > 0):
+                    a, b = self.dq_operands(dq_slices[w], ds)
+                    wgmma(mma_dq, acc_dQ, a, b, accumulate=False, wait=-1)
+                # this slice's GEMM done, and dK's: a wgmma in flight while the staging reads
+                # acc_dQ, which the next slice's GEMM writes, serialized every wgmma (ptxas C7514)
+                warpgroup.wait_group(0)
+                if const_expr(w + 1 == self.wgs):
+                    self.ds_single(BARRIER_DS_SINGLE_FREE + ds, arrive=True)
+                self.stage_dq_slice(acc_dQ, mma_dq, sdQ, step, w,
+                                    ctid + w * cfg.THREADS_PER_WARPGROUP)  # fmt: skip
+        warpgroup.wait_group(0)
+
+    def dq_fragments(self, mma_dq, w: int, sdS, sK):
+        """(A, B) of warpgroup w's slice of the dQ GEMM: dS^T and K (dq_swap: K^T and dS^T), dS^T
+        with its buffer mode."""
+        part = mma_dq.get_slice(w * cfg.THREADS_PER_WARPGROUP)
+        if const_expr(self.dq_swap):
+            return (
+                part.make_fragment_A(part.partition_A(swap_first_modes(sK))),
+                part.make_fragment_B(part.partition_B(swap_first_modes(sdS))),
+            )
+        return (
+            part.make_fragment_A(part.partition_A(swap_first_modes(sdS))),
+            part.make_fragment_B(part.partition_B(swap_first_modes(sK))),
+        )
+
+    def dq_operands(self, dq_slice, ds):
+        """dq_single: a slice's (A, B) of the dQ GEMM, dS^T's at buffer ds."""
+        a, b = dq_slice
+        if const_expr(self.dq_swap):
+            return a, b[None, None, None, ds]
+        return a[None, None, None, ds], b
+
+    def ds_single(self, barrier_id, arrive: bool):
+        """dq_single: a named barrier of both consumer warpgroups, one arriving (running on), the
+        other waiting."""
+        if const_expr(arrive):
+            cute.arch.barrier_arrive(
+                barrier_id=barrier_id, number_of_threads=2 * cfg.THREADS_PER_WARPGROUP
+            )
+        else:
+            cute.arch.barrier(
+                barrier_id=barrier_id, number_of_threads=2 * cfg.THREADS_PER_WARPGROUP
+            )
 
     def pass_exp2_turn(self, to: Int32):
         """exp2_turns: give warpgroup `to` its turn at the exp2 (this warpgroup's is done)."""
