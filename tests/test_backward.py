@@ -613,8 +613,15 @@ def admitted_with(knob: str, head_dims, causal: bool = True, off=()) -> list:
 
 def halves_configs(causal: bool = True) -> list:
     """Every config with q_halves the rules admit at head dim 64 (deterministic or not; without
-    exp2_turns: turns_configs)."""
-    return [c for c, _ in admitted_with("q_halves", (64,), causal, off=("exp2_turns",))]
+    exp2_turns or dq_single: turns_configs, single_configs)."""
+    p = Problem(head_dim=64, causal=causal)
+    names = [k for k in cfg.KNOBS if k not in ("q_halves", "exp2_turns", "dq_single")]
+    found = []
+    for values in itertools.product(*(cfg.KNOBS[k] for k in names)):
+        config = BwdConfig(**dict(zip(names, values)), q_halves=True)
+        if not FAMILY.infeasible_reasons(p, config, H200):
+            found.append(config)
+    return found
 
 
 def test_q_halves_takes_128_rows_at_head_dim_64_and_reads_the_stats_early():
@@ -692,33 +699,42 @@ def single_configs() -> list:
     return found
 
 
-def test_dq_single_takes_the_dq_warp_two_buffers_and_64_rows_up_to_chunks_of_96():
-    """dq_single: the first warpgroup computes both slices of dQ, the second runs on. The rules
-    keep it to what ptxas builds clean: two warpgroups with the dQ warp and two dS^T buffers, 64
-    Q rows, chunks of the head dim of at most 96 columns; no exp2 turns beside it."""
+def test_dq_single_takes_the_dq_warp_two_buffers_and_chunks_of_96():
+    """dq_single: the first warpgroup computes the whole dQ, the second runs on. The rules keep
+    it to what ptxas builds clean: two warpgroups with the dQ warp and two dS^T buffers, dQ's
+    GEMM neither split by rows nor swapped, chunks of the head dim of at most 96 columns; no exp2
+    turns beside it. The first warpgroup holds the whole dQ (the register model's dQ term)."""
     base = BwdConfig(dq_tma=True, dq_warp=True, ds_stages=2)
     single = replace(base, dq_single=True)
     assert single.short() == base.short() + "-q1"
+    assert single.dq_warpgroups == 1 and base.dq_warpgroups == 2
     assert BwdConfig.from_dict({"tile_m": 64}).dq_single is False  # tables written before it
     p96 = Problem(head_dim=96, causal=True)
     assert not FAMILY.infeasible_reasons(p96, single, H200)
+    # at 64 rows and head dim 96 the dQ term (48 + 32) equals S^T's and dP^T's (64 + 16)
     assert cfg.consumer_registers_needed(single, p96) == cfg.consumer_registers_needed(base, p96)
+    halves = replace(cfg.DEFAULT_LADDER[0], dq_rows=False)
+    p64 = Problem(head_dim=64, causal=True)
+    assert cfg.consumer_registers_needed(replace(halves, dq_single=True), p64) == (
+        cfg.consumer_registers_needed(halves, p64) + 32
+    )
     for problem, config, words in [
         (p96, replace(single, dq_warp=False), "dq_single without dq_warp"),
         (p96, replace(single, dq_warp=False, dq_tma=False), "dq_single without dq_warp"),
         (p96, replace(single, ds_stages=1), "dq_single with ds_stages=1"),
         (p96, replace(single, exp2_turns=True), "dq_single with exp2_turns"),
         (p96, replace(single, tile_n=64), "dq_single with 1 consumer warpgroup(s)"),
-        (Problem(head_dim=64), replace(single, tile_m=128), "dq_single with tile_m=128"),
-        (Problem(head_dim=128), single, "dq_single with tile_m=64 at head_dim=128"),
+        (p64, replace(halves, dq_rows=True, dq_single=True), "dq_single with dq_rows"),
+        (Problem(head_dim=128), replace(single, dq_swap=True), "dq_single with dq_rows or dq_swap"),
+        (Problem(head_dim=128), single, "dq_single at head_dim=128"),
     ]:
         reasons = FAMILY.infeasible_reasons(problem, config, H200)
         assert any(words in r for r in reasons), (config.short(), reasons)
     found = single_configs()
-    # 64 rows, the dQ warp, two buffers: 2 stages x deterministic or not at head dims 64 and 96;
-    # one stage at 192 (shared memory)
+    # 2 stages x deterministic or not x (64 rows; 128 rows, whole or halves) at head dim 64, 64
+    # rows at 96; one stage at 192 (shared memory)
     assert sorted({d for _, d in found}) == [64, 96, 192]
-    assert len(found) == 4 + 4 + 2
+    assert len(found) == 12 + 4 + 2
 
 
 @pytest.mark.compile

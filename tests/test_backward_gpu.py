@@ -204,9 +204,9 @@ def test_exp2_turns_gradients_match_the_reference(fields, config):
     assert result.verdict(FAMILY.tolerance(problem)) is None, result
 
 
-# dq_single (the first warpgroup computes both slices of dQ, the second runs up to a step ahead):
-# head dim 96 causal and with GQA, rows past seqlen_q, few steps per CTA (the trailing frees of
-# one and two steps), one Q stage, head dim 64, deterministic, head dim 192's chunks.
+# dq_single (the first warpgroup computes dQ, the second runs up to a step ahead): head dim 96
+# causal and with GQA, rows past seqlen_q, few steps per CTA (the trailing frees of one and two
+# steps), one Q stage at head dim 64, the halves, deterministic, head dim 192's chunks.
 SINGLE_CASES = [
     (dict(head_dim=96, seqlen_q=1500, batch=2, nheads_q=4, causal=True),
      BwdConfig(dq_tma=True, dq_warp=True, ds_stages=2, dq_single=True)),
@@ -219,6 +219,9 @@ SINGLE_CASES = [
     (dict(head_dim=64, seqlen_q=1029, seqlen_k=500, batch=1, nheads_q=8, nheads_kv=2,
           causal=True), BwdConfig(num_stages=1, dq_tma=True, dq_warp=True, ds_stages=2,
                                   dq_single=True)),
+    (dict(head_dim=64, seqlen_q=1029, seqlen_k=500, batch=1, nheads_q=4, causal=True),
+     BwdConfig(tile_m=128, dq_tma=True, dq_warp=True, ds_stages=2, q_halves=True,
+               dq_single=True)),
     (dict(head_dim=96, seqlen_q=1500, batch=2, nheads_q=8, nheads_kv=2, causal=True),
      BwdConfig(deterministic=True, dq_tma=True, dq_warp=True, ds_stages=2, dq_single=True)),
     (dict(head_dim=192, seqlen_q=700, batch=2, nheads_q=4, causal=True),

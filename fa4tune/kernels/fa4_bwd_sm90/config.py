@@ -77,7 +77,7 @@ KNOBS: dict[str, tuple] = {
     "exp2_turns": (False, True),
     "dq_single": (False, True),
 }
-# dq_single: the widest chunk of the head dim it builds without spills at (64-row Q blocks)
+# dq_single: the widest chunk of the head dim it builds without spills at
 DQ_SINGLE_MAX_CHUNK = 96
 # q_halves: the queries of a part of the Q block (wgmma N of S^T and dP^T)
 HALF_ROWS = 64
@@ -129,12 +129,13 @@ class BwdConfig:
     its next, so that one warpgroup's exp2 runs on the MUFU while the other's GEMMs and dS^T run,
     instead of both warpgroups' exp2 at once with the tensor pipe idle (the forward's ping-pong,
     for the backward's exp2; two named barriers, no registers).
-    dq_single (two consumer warpgroups, dq_warp, two dS^T buffers): the first warpgroup computes
-    every warpgroup's slice of dQ, one after the other in the same registers, and hands each to
-    the dQ warp; the second leaves its dS^T and goes on to its next step. The warpgroups then no
-    longer meet every step: the second runs up to a step ahead (bounded by the dS^T buffers),
-    its exp2 beside the first's dQ GEMMs (flash-attn-4's SM90 backward computes dQ in one
-    warpgroup at head dim 96). The first warpgroup's step is longer by the other slices."""
+    dq_single (two consumer warpgroups, dq_warp, two dS^T buffers, dQ's GEMM not split by rows
+    or swapped): the first warpgroup computes the Q block's whole dQ in one GEMM (wgmma N the
+    chunk of the head dim, not half of it; twice the dQ registers) and hands it to the dQ warp as
+    one slice; the second leaves its dS^T and goes on to its next step, so that the warpgroups
+    no longer meet every step: the second runs up to a step ahead (bounded by the dS^T buffers),
+    its exp2 beside the first's dQ GEMM (flash-attn-4's SM90 backward computes dQ in one
+    warpgroup at head dim 96)."""
 
     tile_m: int = 64
     tile_n: int = 128
@@ -201,6 +202,12 @@ class BwdConfig:
         return self.tile_n // WGMMA_M
 
     @property
+    def dq_warpgroups(self) -> int:
+        """The consumer warpgroups that compute dQ, a slice of its columns each (dq_single: the
+        first alone, all of them)."""
+        return 1 if self.dq_single else self.consumer_warpgroups
+
+    @property
     def query_parts(self) -> int:
         """The parts of a Q block a warpgroup's S^T and dP^T are computed in (q_halves: two)."""
         return 2 if self.q_halves else 1
@@ -257,7 +264,8 @@ def consumer_registers_needed(config: BwdConfig, problem: Problem) -> int:
     dV of the CTA's chunk of the head dim (chunk/2 fp32 each) all along; then either S^T and dP^T
     of a Q block (tile_m/2 each, both live while dS^T is made) with P^T in bf16 (tile_m/4), or,
     while the dK and dV GEMMs still read P^T and dS^T in bf16 (tile_m/4 each), the warpgroup's
-    slice of dQ (tile_m x chunk / 128 / warpgroups); and the overhead, more for the
+    slice of dQ (tile_m x chunk / 128 / the warpgroups that compute dQ: with dq_single the
+    first warpgroup's whole dQ); and the overhead, more for the
     deterministic turn or a lone warpgroup. (ptxas serialized the wgmma at 240 registers with one
     warpgroup at head dim 128: its dQ slice is 64.) With q_halves: S^T and dP^T of one part
     (tile_m/4 each) while the dK and dV GEMMs of the part before still read its P^T and dS^T
@@ -267,7 +275,7 @@ def consumer_registers_needed(config: BwdConfig, problem: Problem) -> int:
     regs_sdp = config.tile_m + config.tile_m // 4
     if config.q_halves:
         regs_sdp = config.tile_m // 2 + config.tile_m // 4
-    regs_dq = config.tile_m * chunk // 128 // config.consumer_warpgroups
+    regs_dq = config.tile_m * chunk // 128 // config.dq_warpgroups
     regs_dq += config.tile_m // 2
     overhead = SWAP_OVERHEAD_REGS if config.dq_swap else CONSUMER_OVERHEAD_REGS
     if _extra_state(config):
@@ -349,10 +357,10 @@ def tile_reasons(config: BwdConfig, problem: Problem) -> list[str]:
             f"tile_m={config.tile_m} without dq_swap: the dQ GEMM's M (the Q rows) is a multiple "
             "of 64"
         )
-    if not config.dq_swap and chunk % (8 * wgs):
+    if not config.dq_swap and chunk % (8 * config.dq_warpgroups):
         reasons.append(
-            f"head_dim={problem.head_dim} (chunks of {chunk}) does not split into {wgs} column "
-            "slices of a multiple of 8 (the dQ GEMM)"
+            f"head_dim={problem.head_dim} (chunks of {chunk}) does not split into "
+            f"{config.dq_warpgroups} column slices of a multiple of 8 (the dQ GEMM)"
         )
     if config.q_halves and problem.head_dim != 64:
         reasons.append(
@@ -368,12 +376,11 @@ def tile_reasons(config: BwdConfig, problem: Problem) -> list[str]:
         reasons.append(
             f"dq_single with {wgs} consumer warpgroup(s): the first of two computes dQ (tile_n 128)"
         )
-    if config.dq_single and (config.tile_m != 64 or chunk > DQ_SINGLE_MAX_CHUNK):
+    if config.dq_single and chunk > DQ_SINGLE_MAX_CHUNK:
         reasons.append(
-            f"dq_single with tile_m={config.tile_m} at head_dim={problem.head_dim}: the first "
-            f"warpgroup's staging of the other slice spills (64-row Q blocks and chunks of at "
-            f"most {DQ_SINGLE_MAX_CHUNK} columns build clean; 128 rows spilled 64-388 bytes, head "
-            "dim 128 400 and serialized the wgmma)"
+            f"dq_single at head_dim={problem.head_dim} (chunks of {chunk}): the first "
+            f"warpgroup's dQ of {chunk} columns beside its dK and dV spills (chunks of at most "
+            f"{DQ_SINGLE_MAX_CHUNK} build clean; at 128, 8-24 bytes and serialized wgmma)"
         )
     if config.exp2_turns and wgs != 2:
         reasons.append(
@@ -408,13 +415,17 @@ def dq_reasons(config: BwdConfig) -> list[str]:
         reasons.append("dq_rows with dq_swap: dQ^T's GEMM splits the columns, not the rows")
     if config.dq_single and not config.dq_warp:
         reasons.append(
-            "dq_single without dq_warp: the first warpgroup hands each slice of dQ to the dQ "
+            "dq_single without dq_warp: the first warpgroup hands its dQ to the dQ "
             "warp (the other dQ paths have both warpgroups meet around dQ)"
         )
     if config.dq_single and config.ds_stages != 2:
         reasons.append(
             f"dq_single with ds_stages={config.ds_stages}: the second warpgroup writes the next "
             "step's dS^T while the first's dQ GEMMs read this one (two buffers)"
+        )
+    if config.dq_single and (config.dq_rows or config.dq_swap):
+        reasons.append(
+            "dq_single with dq_rows or dq_swap: those split dQ's GEMM between the warpgroups"
         )
     if config.dq_single and config.exp2_turns:
         reasons.append("dq_single with exp2_turns: both pace the warpgroups (built apart)")

@@ -76,7 +76,7 @@ BARRIER_EXP2_TURN = 12
 # dq_single, + the dS^T buffer, of both consumer warpgroups (the rules keep dq_single from
 # exp2_turns, whose ids 12 and 13 it takes): one arrives and runs on, the other waits.
 BARRIER_DS_SINGLE_FULL = 12  # the second warpgroup's dS^T is in the buffer: dQ's GEMMs may read it
-BARRIER_DS_SINGLE_FREE = 14  # the first warpgroup's dQ GEMMs have read the buffer: it may be written
+BARRIER_DS_SINGLE_FREE = 14  # the first warpgroup's dQ GEMM has read the buffer: it may be written
 DQ_WARP = 1  # the producer warpgroup's warp that issues the dQ reductions (dq_warp)
 
 
@@ -222,6 +222,7 @@ class FlashBackwardSm90:
         self.parts = config.query_parts  # of a Q block, for S^T and dP^T (q_halves: 2)
         self.exp2_turns = config.exp2_turns
         self.dq_single = config.dq_single
+        self.dq_wgs = config.dq_warpgroups  # that compute dQ, a slice of its columns each
         self.part_m = config.tile_m // self.parts
         self.ds_stages = config.ds_stages
         self.wgs = config.consumer_warpgroups
@@ -298,12 +299,12 @@ class FlashBackwardSm90:
             Float32,
             atom_layout_mnk=(self.wgs, 1, 1)
             if const_expr(self.dq_rows or self.dq_swap)
-            else (1, self.wgs, 1),
+            else (1, self.dq_wgs, 1),
             tiler_mn=(64, dc)
             if const_expr(self.dq_rows)
-            else ((64, tile_m) if const_expr(self.dq_swap) else (64, dc // self.wgs)),
+            else ((64, tile_m) if const_expr(self.dq_swap) else (64, dc // self.dq_wgs)),
         )
-        dq_cols = dc if const_expr(self.dq_rows) else dc // self.wgs  # of a warpgroup's dQ
+        dq_cols = dc if const_expr(self.dq_rows) else dc // self.dq_wgs  # of a warpgroup's dQ
         # Q, dO, K and V whole (S^T and dP^T run over the head dim); the dK, dV and dQ GEMMs read
         # their first chunk of columns (where the producer puts the CTA's chunk: produce), so that
         # a swizzle atom divides the chunk.
@@ -329,7 +330,7 @@ class FlashBackwardSm90:
         if const_expr(self.dq_rows):
             sdQ_layout = smem_tile_layout(Float32, 64, dc, self.wgs)
         elif const_expr(self.dq_tma):
-            sdQ_layout = smem_tile_layout(Float32, tile_m, dc, atom_cols=dc // self.wgs)
+            sdQ_layout = smem_tile_layout(Float32, tile_m, dc, atom_cols=dc // self.dq_wgs)
         # Only dq_tma kernels get the buffer: the others' shared memory stays as it was.
         dq_field = (
             cute.struct.Align[
@@ -380,7 +381,7 @@ class FlashBackwardSm90:
             q_chunk = smem_tile_layout(self.dtype, tile_m, dc)
             tma_q, tma_mQ = cpasync.make_tiled_tma_atom(load, mQ, q_chunk, (tile_m, dc))
             tma_do, tma_mdO = cpasync.make_tiled_tma_atom(load, mdO, q_chunk, (tile_m, dc))
-            k_chunk = smem_tile_layout(self.dtype, tile_n, dc, atom_cols=dc // self.wgs)
+            k_chunk = smem_tile_layout(self.dtype, tile_n, dc, atom_cols=dc // self.dq_wgs)
             v_chunk = smem_tile_layout(self.dtype, tile_n, dc)
             tma_k, tma_mK = cpasync.make_tiled_tma_atom(load, mK, k_chunk, (tile_n, dc))
             tma_v, tma_mV = cpasync.make_tiled_tma_atom(load, mV, v_chunk, (tile_n, dc))
@@ -401,7 +402,7 @@ class FlashBackwardSm90:
             if const_expr(self.dq_rows):
                 dq_box = (64, dc)
             elif const_expr(self.dq_warp):
-                dq_box = (tile_m, dc // self.wgs)
+                dq_box = (tile_m, dc // self.dq_wgs)
             tma_dq, tma_mdQ = cpasync.make_tiled_tma_atom(
                 cpasync.CopyReduceBulkTensorTileS2GOp(),
                 mdQacc,
@@ -804,8 +805,12 @@ class FlashBackwardSm90:
         acc_dV = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tile_n, dc)), Float32)
         acc_dK = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tile_n, dc)), Float32)
 
-        wg_dq = mma_dq.get_slice(wg * cfg.THREADS_PER_WARPGROUP)
-        thr_dq = mma_dq.get_slice(ctid)
+        # dq_single: the dQ GEMM is the first warpgroup's (its 128 threads), the second has none.
+        dq_tid = ctid % cfg.THREADS_PER_WARPGROUP if const_expr(self.dq_single) else ctid
+        wg_dq = mma_dq.get_slice(
+            0 if const_expr(self.dq_single) else wg * cfg.THREADS_PER_WARPGROUP
+        )
+        thr_dq = mma_dq.get_slice(dq_tid)
         # dQ's tile (rows, columns) as the GEMM computes it: (queries, columns of dQ), or
         # swapped (columns of dQ, queries); the coordinates this thread's values have in it.
         dq_tile = (dc, tile_m) if const_expr(self.dq_swap) else (tile_m, dc)
@@ -816,13 +821,6 @@ class FlashBackwardSm90:
             tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(swap_first_modes(sdS)))
             tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(swap_first_modes(sKc)))
         dq_shape = wg_dq.partition_shape_C(dq_tile)
-        # dq_single: the first warpgroup computes every warpgroup's slice, as that warpgroup would
-        # (its operands' partitions), one after the other.
-        dq_slices = (
-            [self.dq_fragments(mma_dq, w, sdS, sKc) for w in range(self.wgs)]
-            if const_expr(self.dq_single)
-            else None
-        )
         dq_coords = acc_rows_cols(thr_dq.partition_C(cute.make_identity_tensor(dq_tile)))
 
         # dS^T from registers into shared memory (rows: keys, columns: queries).
@@ -930,8 +928,8 @@ class FlashBackwardSm90:
                             tdSsdS_step = [t[None, None, None, ds] for t in tdSsdS]
                             tdQrdS_step = tdQrdS[None, None, None, ds]
                             if const_expr(self.dq_single):
-                                # the second warpgroup, up to a step ahead: this buffer's last
-                                # readers were the first warpgroup's dQ GEMMs two steps ago
+                                # the second warpgroup, up to a step ahead: this buffer's last reader
+                                # was the first warpgroup's dQ GEMM two steps ago
                                 if wg == 1 and step >= 2:
                                     self.ds_single(BARRIER_DS_SINGLE_FREE + ds, arrive=False)
                     cute.copy(ds_store, ds_store.retile(rdS), tdSsdS_step[p])
@@ -965,7 +963,7 @@ class FlashBackwardSm90:
                     dq_a, dq_b = tdQrKt, tdQrdS_step
                 if const_expr(self.dq_single):
                     self.single_dq_and_dk(
-                        (mma_dq, mma_dkv), acc_dQ, acc_dK, dq_slices, tdKrdS[parts - 1],
+                        (mma_dq, mma_dkv), acc_dQ, acc_dK, (dq_a, dq_b), tdKrdS[parts - 1],
                         tdKrQt[parts - 1][None, None, None, stage], sdQ, step, wg, ctid,
                     )  # fmt: skip
                     pipe_q.consumer_release(q_state)
@@ -1154,53 +1152,22 @@ class FlashBackwardSm90:
 
     @cute.jit
     def single_dq_and_dk(
-        self, mmas, acc_dQ, acc_dK, dq_slices, dk_a, dk_b, sdQ, step: Int32, wg: Int32, ctid: Int32
+        self, mmas, acc_dQ, acc_dK, dq_ab, dk_a, dk_b, sdQ, step: Int32, wg: Int32, ctid: Int32
     ):
-        """dq_single, after the step's dS^T: the last dK GEMM, and in the first warpgroup the dQ
-        GEMM of each warpgroup's slice in turn (in one accumulator), each staged for the dQ warp
-        as that warpgroup would (the first slice's GEMM ahead of dK's, as without dq_single); the
-        dS^T buffer is handed back to the second warpgroup once the last slice's GEMM has read
-        it."""
+        """dq_single, after the step's dS^T: in the first warpgroup the dQ GEMM and the last dK
+        GEMM, dS^T's buffer handed back to the second warpgroup once dQ's has read it, and dQ
+        staged for the dQ warp while dK's runs (as without dq_single); in the second the dK GEMM
+        alone. Each warpgroup issues its wgmmas in its own branch: with the dK GEMM after a branch
+        for dQ's, ptxas serialized every wgmma (C7514) and spilled at head dim 96."""
         mma_dq, mma_dkv = mmas
-        ds = step % 2
         if wg == 0:
-            a, b = self.dq_operands(dq_slices[0], ds)
-            wgmma(mma_dq, acc_dQ, a, b, accumulate=False, wait=-1)
-        wgmma(mma_dkv, acc_dK, dk_a, dk_b, accumulate=True, wait=-1)
-        if wg == 0:
-            for w in cutlass.range_constexpr(self.wgs):
-                if const_expr(w > 0):
-                    a, b = self.dq_operands(dq_slices[w], ds)
-                    wgmma(mma_dq, acc_dQ, a, b, accumulate=False, wait=-1)
-                # this slice's GEMM done, and dK's: a wgmma in flight while the staging reads
-                # acc_dQ, which the next slice's GEMM writes, serialized every wgmma (ptxas C7514)
-                warpgroup.wait_group(0)
-                if const_expr(w + 1 == self.wgs):
-                    self.ds_single(BARRIER_DS_SINGLE_FREE + ds, arrive=True)
-                self.stage_dq_slice(acc_dQ, mma_dq, sdQ, step, w,
-                                    ctid + w * cfg.THREADS_PER_WARPGROUP)  # fmt: skip
-        warpgroup.wait_group(0)
-
-    def dq_fragments(self, mma_dq, w: int, sdS, sK):
-        """(A, B) of warpgroup w's slice of the dQ GEMM: dS^T and K (dq_swap: K^T and dS^T), dS^T
-        with its buffer mode."""
-        part = mma_dq.get_slice(w * cfg.THREADS_PER_WARPGROUP)
-        if const_expr(self.dq_swap):
-            return (
-                part.make_fragment_A(part.partition_A(swap_first_modes(sK))),
-                part.make_fragment_B(part.partition_B(swap_first_modes(sdS))),
-            )
-        return (
-            part.make_fragment_A(part.partition_A(swap_first_modes(sdS))),
-            part.make_fragment_B(part.partition_B(swap_first_modes(sK))),
-        )
-
-    def dq_operands(self, dq_slice, ds):
-        """dq_single: a slice's (A, B) of the dQ GEMM, dS^T's at buffer ds."""
-        a, b = dq_slice
-        if const_expr(self.dq_swap):
-            return a, b[None, None, None, ds]
-        return a[None, None, None, ds], b
+            wgmma(mma_dq, acc_dQ, dq_ab[0], dq_ab[1], accumulate=False, wait=-1)
+            wgmma(mma_dkv, acc_dK, dk_a, dk_b, accumulate=True, wait=1)
+            self.ds_single(BARRIER_DS_SINGLE_FREE + step % 2, arrive=True)
+            self.stage_dq_slice(acc_dQ, mma_dq, sdQ, step, 0, ctid)
+            warpgroup.wait_group(0)
+        else:
+            wgmma(mma_dkv, acc_dK, dk_a, dk_b, accumulate=True, wait=0)
 
     def ds_single(self, barrier_id, arrive: bool):
         """dq_single: a named barrier of both consumer warpgroups, one arriving (running on), the
@@ -1402,14 +1369,14 @@ class FlashBackwardSm90:
         warpgroups columns)."""
         if const_expr(self.chunks == 1):
             return w
-        return chunk * self.wgs + w
+        return chunk * self.dq_wgs + w
 
     def dq_slice(self, t: cute.Tensor, m_block, w: int, chunk=0) -> cute.Tensor:
         """Warpgroup w's slice of Q block m_block's dQ in t: in sdQ (m_block 0, chunk 0) or in
         the accumulator (at the CTA's chunk of the columns): its columns, or with dq_rows its 64
         rows (in sdQ a tile of their own; dq_rows takes head dim 64, one chunk)."""
         if const_expr(not self.dq_rows):
-            cols = self.dc // self.wgs
+            cols = self.dc // self.dq_wgs
             return cute.local_tile(t, (self.tile_m, cols), (m_block, self.dq_column(w, chunk)))
         if const_expr(cute.rank(t) == 3):  # sdQ: a stage per warpgroup
             return t[None, None, w]
@@ -1455,7 +1422,7 @@ class FlashBackwardSm90:
                     while seen != turn:
                         seen = load_acquire(pointer)
                 cute.arch.sync_warp()
-            for w in cutlass.range_constexpr(self.wgs):
+            for w in cutlass.range_constexpr(self.dq_wgs):
                 cute.arch.barrier(
                     barrier_id=BARRIER_DQ_SLICE_FULL + w, number_of_threads=slice_threads
                 )
@@ -1475,8 +1442,8 @@ class FlashBackwardSm90:
                     release_add(pointer, Int32(1))
                 cute.arch.sync_warp()
             if step < steps - 1:  # the consumers wait for a slice only before their next step
-                for w in cutlass.range_constexpr(self.wgs):
-                    cute.arch.cp_async_bulk_wait_group(self.wgs - 1 - w, read=True)
+                for w in cutlass.range_constexpr(self.dq_wgs):
+                    cute.arch.cp_async_bulk_wait_group(self.dq_wgs - 1 - w, read=True)
                     cute.arch.barrier_arrive(
                         barrier_id=BARRIER_DQ_SLICE_EMPTY + w, number_of_threads=slice_threads
                     )
