@@ -206,7 +206,8 @@ def test_exp2_turns_gradients_match_the_reference(fields, config):
 
 # dq_single (the first warpgroup computes dQ, the second runs up to a step ahead): head dim 96
 # causal and with GQA, rows past seqlen_q, few steps per CTA (the trailing frees of one and two
-# steps), one Q stage at head dim 64, the halves, deterministic, head dim 192's chunks.
+# steps), one Q stage at head dim 64, the halves and the whole 128-row block, deterministic, head
+# dim 192's chunks.
 SINGLE_CASES = [
     (dict(head_dim=96, seqlen_q=1500, batch=2, nheads_q=4, causal=True),
      BwdConfig(dq_tma=True, dq_warp=True, ds_stages=2, dq_single=True)),
@@ -222,6 +223,8 @@ SINGLE_CASES = [
     (dict(head_dim=64, seqlen_q=1029, seqlen_k=500, batch=1, nheads_q=4, causal=True),
      BwdConfig(tile_m=128, dq_tma=True, dq_warp=True, ds_stages=2, q_halves=True,
                dq_single=True)),
+    (dict(head_dim=64, seqlen_q=777, seqlen_k=1029, batch=2, nheads_q=8, nheads_kv=2),
+     BwdConfig(tile_m=128, dq_tma=True, dq_warp=True, ds_stages=2, dq_single=True)),
     (dict(head_dim=96, seqlen_q=1500, batch=2, nheads_q=8, nheads_kv=2, causal=True),
      BwdConfig(deterministic=True, dq_tma=True, dq_warp=True, ds_stages=2, dq_single=True)),
     (dict(head_dim=192, seqlen_q=700, batch=2, nheads_q=4, causal=True),
