@@ -75,7 +75,7 @@ BARRIER_DQ_SLICE_EMPTY = 10  # the dQ warp's reduction has read the slice: it ma
 BARRIER_EXP2_TURN = 12
 # dq_single, + the dS^T buffer, of both consumer warpgroups (the rules keep dq_single from
 # exp2_turns, whose ids 12 and 13 it takes): one arrives and runs on, the other waits.
-BARRIER_DS_SINGLE_FULL = 12  # the second warpgroup's dS^T is in the buffer: dQ's GEMMs may read it
+BARRIER_DS_SINGLE_FULL = 12  # the second warpgroup's dS^T is in the buffer: dQ's GEMM may read it
 BARRIER_DS_SINGLE_FREE = 14  # the first warpgroup's dQ GEMM has read the buffer: it may be written
 DQ_WARP = 1  # the producer warpgroup's warp that issues the dQ reductions (dq_warp)
 
