@@ -735,6 +735,34 @@ def test_dq_single_takes_the_dq_warp_two_buffers_and_chunks_of_96():
     # rows at 96; one stage at 192 (shared memory)
     assert sorted({d for _, d in found}) == [64, 96, 192]
     assert len(found) == 12 + 4 + 2
+    # a searched knob, and the train jobs probe it (one-knob changes of the default reach it)
+    from fa4tune.space.backward import BackwardSpace
+
+    assert BackwardSpace.params(None)["dq_single"].choices == (False, True)
+    assert "dq_single" in BackwardSpace.knobs
+
+
+def test_the_train_jobs_probe_dq_single_at_head_dims_64_and_96():
+    """The probes (one-knob changes of the default, measured right after it) reach dq_single, the
+    space's last knob, on every problem that admits it: a 22-second search measures about 20
+    configs, of which the sampler alone would pick dq_single's two at head dim 96 by chance."""
+    from pathlib import Path
+
+    from fa4tune.space import compose
+    from fa4tune.target import get_target
+    from fa4tune.tune.job import load_job
+
+    root = Path(__file__).resolve().parents[1]
+    for name, target in (("h100-bf16-train", "H100-SXM"), ("h200-bf16-train", "H200")):
+        job = load_job(str(root / "tuning_configs" / f"{name}.yaml"))
+        space = compose(job.kernel, job.spaces)
+        probed = {
+            p.head_dim
+            for p in job.problems
+            for params in space.probes(p, get_target(target), job.probes)
+            if params.get("dq_single")
+        }
+        assert probed == {64, 96}, (name, probed)
 
 
 @pytest.mark.compile

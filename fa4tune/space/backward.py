@@ -24,11 +24,13 @@ class BackwardSpace(SearchSpace):
         "dq_swap",
         "q_halves",
         "exp2_turns",
+        "dq_single",
     )
     description = (
         "backward: Q rows per step, K/V rows per CTA, Q/dO pipeline depth, dQ adds, dS^T "
         "buffers, who issues the dQ reductions, dQ's GEMM split by rows or columns or swapped, "
-        "S^T and dP^T in halves of the Q block, the warpgroups' turns at the exp2"
+        "S^T and dP^T in halves of the Q block, the warpgroups' turns at the exp2, dQ in one "
+        "warpgroup"
     )
 
     def params(self):
@@ -43,4 +45,5 @@ class BackwardSpace(SearchSpace):
             "dq_swap": Choice([False, True]),
             "q_halves": Choice([False, True]),
             "exp2_turns": Choice([False, True]),
+            "dq_single": Choice([False, True]),
         }
