@@ -31,9 +31,9 @@ def test_every_gpu_case_runs_a_config_the_rules_admit():
     """The GPU cases (tests/test_backward_gpu.py) are checked on the CPU first: a case whose
     config the rules refuse (shared memory, a known spill) would fail on the GPU as a ConfigError,
     spending device time on a typo."""
-    from test_backward_gpu import BITWISE_CASES, CASES, TURNS_CASES, bitwise_problem
+    from test_backward_gpu import BITWISE_CASES, CASES, SINGLE_CASES, TURNS_CASES, bitwise_problem
 
-    cases = [(Problem(**fields), config) for fields, config in CASES + TURNS_CASES]
+    cases = [(Problem(**fields), config) for fields, config in CASES + TURNS_CASES + SINGLE_CASES]
     cases += [(bitwise_problem(head_dim), config) for config, head_dim in BITWISE_CASES]
     for problem, config in cases:
         config = config or FAMILY.default_config(problem, H200)
@@ -614,14 +614,8 @@ def admitted_with(knob: str, head_dims, causal: bool = True, off=()) -> list:
 def halves_configs(causal: bool = True) -> list:
     """Every config with q_halves the rules admit at head dim 64 (deterministic or not; without
     exp2_turns or dq_single: turns_configs, single_configs)."""
-    p = Problem(head_dim=64, causal=causal)
-    names = [k for k in cfg.KNOBS if k not in ("q_halves", "exp2_turns", "dq_single")]
-    found = []
-    for values in itertools.product(*(cfg.KNOBS[k] for k in names)):
-        config = BwdConfig(**dict(zip(names, values)), q_halves=True)
-        if not FAMILY.infeasible_reasons(p, config, H200):
-            found.append(config)
-    return found
+    off = ("exp2_turns", "dq_single")
+    return [c for c, _ in admitted_with("q_halves", (64,), causal, off=off)]
 
 
 def test_q_halves_takes_128_rows_at_head_dim_64_and_reads_the_stats_early():
@@ -688,15 +682,7 @@ def test_exp2_turns_take_two_warpgroups_and_no_registers():
 def single_configs() -> list:
     """(config, head_dim) of every dq_single config the rules admit at head dims 64 to 256,
     causal."""
-    names = [k for k in cfg.KNOBS if k != "dq_single"]
-    found = []
-    for head_dim in cfg.SUPPORTED_HEAD_DIMS:
-        p = Problem(head_dim=head_dim, causal=True)
-        for values in itertools.product(*(cfg.KNOBS[k] for k in names)):
-            config = BwdConfig(**dict(zip(names, values)), dq_single=True)
-            if not FAMILY.infeasible_reasons(p, config, H200):
-                found.append((config, head_dim))
-    return found
+    return admitted_with("dq_single", cfg.SUPPORTED_HEAD_DIMS)
 
 
 def test_dq_single_takes_the_dq_warp_two_buffers_and_chunks_of_96():
