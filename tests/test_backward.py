@@ -85,12 +85,13 @@ def test_every_default_is_feasible(head_dim, causal):
     config = default_config(p, H200)
     assert not FAMILY.infeasible_reasons(p, config, H200)
     # 128 Q rows a step where they fit (head dim 64), with dQ's GEMM split by rows and S^T and
-    # dP^T in halves there, else 64, with dQ's GEMM swapped where it fits (head dim 128); dQ by
-    # TMA from the dQ warp, two dS^T buffers
+    # dP^T in halves there, else 64, with dQ's GEMM swapped where it fits (head dim 128), in the
+    # first warpgroup alone where that fits (head dim 96); dQ by TMA from the dQ warp, two dS^T
+    # buffers
     wide = head_dim == 64
     assert config == BwdConfig(
         tile_m=128 if wide else 64, dq_tma=True, ds_stages=2, dq_warp=True, dq_rows=wide,
-        dq_swap=head_dim == 128, q_halves=wide,
+        dq_swap=head_dim == 128, q_halves=wide, dq_single=head_dim == 96,
     )  # fmt: skip
     # the deterministic mode keeps the tiles and the dQ warp: it issues the reductions in turn
     det = cfg.deterministic_config(config, p, H200)

@@ -487,6 +487,8 @@ RULES = (
 # 64-row default, on the H200), then the same without the halves, then with dQ's GEMM split by
 # columns, then 64 rows with dQ's GEMM swapped (dQ^T; fits at head dim 128 only, 1.02-1.08x the
 # unswapped 64 rows on all eight head-dim-128 shapes of the train job, H100 SXM, session 44), then
+# 64 rows with dQ's whole GEMM in the first warpgroup (fits at head dim 96 only; 1.023-1.076x the
+# two warpgroups' column split on the six head-dim-96 grid shapes, H100 SXM, session 51), then
 # 64 rows unswapped (the dQ warp 1.06-1.14x the consumer-issued reductions at head dim 128,
 # 1.08-1.11x at 64; two dS^T buffers +0.5-1.8% at 128), then the consumer warp issuing the
 # reductions, dQ by TMA alone (the TMA reductions 1.08-1.25x the register adds at head dims 64 and
@@ -496,6 +498,7 @@ DEFAULT_LADDER = (
     BwdConfig(tile_m=128, dq_tma=True, ds_stages=2, dq_warp=True, dq_rows=True),
     BwdConfig(tile_m=128, dq_tma=True, ds_stages=2, dq_warp=True),
     BwdConfig(dq_tma=True, ds_stages=2, dq_warp=True, dq_swap=True),
+    BwdConfig(dq_tma=True, ds_stages=2, dq_warp=True, dq_single=True),
     BwdConfig(dq_tma=True, ds_stages=2, dq_warp=True),
     BwdConfig(tile_m=128, dq_tma=True, ds_stages=2),
     BwdConfig(dq_tma=True, ds_stages=2),
