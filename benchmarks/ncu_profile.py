@@ -12,10 +12,11 @@ config once outside the profiled range, then once between cudaProfilerStart and 
 each profile is one launch of the kernel. It collects the sections SchedulerStats, WarpStateStats,
 ComputeWorkloadAnalysis and InstructionStats and prints a markdown table of what they say about a
 latency- or pipe-bound kernel: issue slots, pipe utilisation (XU is the MUFU), eligible warps, the
-largest stall reasons, executed instructions. With --source it also collects the source counters
-(warp-state samples per SASS instruction) and prints a second table: the opcodes the warps were
-sampled on most, each with its share of all samples and its largest stall reasons (where in the code
-the stalls of the first table are). With --backward the kernel is the backward's main kernel
+largest stall reasons, executed instructions, and (raw counters) shared memory's wavefronts and
+bank conflicts. With --source it also collects the source counters (warp-state samples per SASS
+instruction) and prints a second table: the opcodes the warps were sampled on most, each with its
+share of all samples and its largest stall reasons (where in the code the stalls of the first table
+are). With --backward the kernel is the backward's main kernel
 (fa4_bwd_sm90, its knobs for --set; the preprocessing kernel and the dQ cast around it are not
 profiled), run on the family's measurement case; --peer adds flash-attn-4's backward main kernel on
 the same tensors, as a last column. ncu replays the launch once per pass of counters, so a kernel's
@@ -75,7 +76,24 @@ ROWS = (
         "Warp Cycles Per Issued Instruction",
     ),
     ("executed instructions", "Instruction Statistics", "", "Executed Instructions"),
+    # Raw counters (--metrics; matched by name in whatever section ncu files them under): shared
+    # memory's wavefronts and its bank conflicts, the wavefronts above an access's minimum.
+    ("shared store wavefronts", None, None, "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum"),
+    (
+        "shared store bank conflicts",
+        None,
+        None,
+        "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum",
+    ),
+    ("shared load wavefronts", None, None, "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum"),
+    (
+        "shared load bank conflicts",
+        None,
+        None,
+        "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum",
+    ),
 )
+METRICS = tuple(name for _, section, _, name in ROWS if section is None)
 STALLS_SHOWN = 5  # the largest stall reasons of each launch, in cycles per issued instruction
 
 
@@ -127,7 +145,11 @@ def summarize(metrics: dict) -> dict:
     """The rows of the table, and the stall reasons (name -> cycles per issued instruction)."""
     out = {}
     for label, section, item, name in ROWS:
-        out[label] = number(metrics.get((section, item, name)))
+        if section is None:
+            value = next((v for (_, _, n), v in metrics.items() if n == name), None)
+        else:
+            value = metrics.get((section, item, name))
+        out[label] = number(value)
     stalls = {
         name[len("Stall ") :]: number(value)
         for (section, _, name), value in metrics.items()
@@ -400,6 +422,8 @@ def main(argv=None) -> int:
                     "all",
                     *(["--kernel-name", f"regex:{kernels}"] if args.backward else []),
                     *[part for section in sections for part in ("--section", section)],
+                    "--metrics",
+                    ",".join(METRICS),
                     "-o",
                     str(report),
                     sys.executable,

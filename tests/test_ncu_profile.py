@@ -110,6 +110,21 @@ def test_launches_are_read_in_order_with_their_metrics():
     assert len([line for line in text.splitlines() if line.startswith("| ")]) == 1 + len(ROWS) + 2
 
 
+def test_raw_counters_are_read_by_name_in_any_section():
+    metrics = launch("66.48", "2.35", "1,411,537,912")
+    store = "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum"
+    metrics[("Command line profiler metrics", "", store)] = "1,048,576"
+    metrics[("Command line profiler metrics", "", store.replace("_st.", "_ld."))] = "0"
+    (launched,) = parse_ncu_csv(ncu_output([metrics]))
+    row = summarize(launched)
+    assert row["shared store bank conflicts"] == 1048576
+    assert row["shared load bank conflicts"] == 0
+    assert row["shared store wavefronts"] is None  # not in this output
+    text = table("96:4096:causal", ["default"], [row])
+    assert "| shared store bank conflicts | 1,048,576 |" in text
+    assert "| shared load bank conflicts | 0.00 |" in text
+
+
 def test_output_without_a_csv_is_an_error():
     with pytest.raises(ValueError, match="no ncu CSV header"):
         parse_ncu_csv("==ERROR== Failed to initialize the profiler: LibraryNotLoaded\n")
