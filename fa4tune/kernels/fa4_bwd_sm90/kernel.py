@@ -928,8 +928,8 @@ class FlashBackwardSm90:
                             tdSsdS_step = [t[None, None, None, ds] for t in tdSsdS]
                             tdQrdS_step = tdQrdS[None, None, None, ds]
                             if const_expr(self.dq_single):
-                                # the second warpgroup, up to a step ahead: this buffer's last reader
-                                # was the first warpgroup's dQ GEMM two steps ago
+                                # the second warpgroup, up to a step ahead: this buffer's last
+                                # reader was the first warpgroup's dQ GEMM two steps ago
                                 if wg == 1 and step >= 2:
                                     self.ds_single(BARRIER_DS_SINGLE_FREE + ds, arrive=False)
                     cute.copy(ds_store, ds_store.retile(rdS), tdSsdS_step[p])
