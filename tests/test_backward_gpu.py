@@ -163,11 +163,16 @@ def run_case(problem, config, seed=3):
     return case, FAMILY.compare(case, refs)
 
 
-@pytest.mark.parametrize("fields,config", CASES, ids=lambda v: str(v))
-def test_gradients_match_the_reference(fields, config):
+def check_gradients(fields, config):
+    """dq, dk and dv of the case within the family's tolerance of the fp32 reference."""
     problem = Problem(**fields)
     _, result = run_case(problem, config)
     assert result.verdict(FAMILY.tolerance(problem)) is None, result
+
+
+@pytest.mark.parametrize("fields,config", CASES, ids=lambda v: str(v))
+def test_gradients_match_the_reference(fields, config):
+    check_gradients(fields, config)
 
 
 # The warpgroups' turns at the exp2 (exp2_turns): the halves (two turns a step each) with rows past
@@ -199,9 +204,7 @@ TURNS_CASES = [
 
 @pytest.mark.parametrize("fields,config", TURNS_CASES, ids=lambda v: str(v))
 def test_exp2_turns_gradients_match_the_reference(fields, config):
-    problem = Problem(**fields)
-    _, result = run_case(problem, config)
-    assert result.verdict(FAMILY.tolerance(problem)) is None, result
+    check_gradients(fields, config)
 
 
 # dq_single (the first warpgroup computes dQ, the second runs up to a step ahead): head dim 96
@@ -234,9 +237,7 @@ SINGLE_CASES = [
 
 @pytest.mark.parametrize("fields,config", SINGLE_CASES, ids=lambda v: str(v))
 def test_dq_single_gradients_match_the_reference(fields, config):
-    problem = Problem(**fields)
-    _, result = run_case(problem, config)
-    assert result.verdict(FAMILY.tolerance(problem)) is None, result
+    check_gradients(fields, config)
 
 
 def bitwise_problem(head_dim):
