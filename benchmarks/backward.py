@@ -48,6 +48,7 @@ OURS = ("tuned", "deterministic", "default")
 # of dQ (a copy kernel), and torch's fill if the accumulator is zeroed apart; flash-attn-4's:
 # FlashAttentionBackward{Preprocess,Sm90,Postprocess}.
 PHASES = (
+    ("cast", "FlatDqCast"),  # dq_flat's cast kernel (its module path says "postprocess")
     ("preprocess", "Preprocess"),
     ("postprocess", "Postprocess"),
     ("main", "BackwardSm90"),

@@ -31,9 +31,17 @@ def test_every_gpu_case_runs_a_config_the_rules_admit():
     """The GPU cases (tests/test_backward_gpu.py) are checked on the CPU first: a case whose
     config the rules refuse (shared memory, a known spill) would fail on the GPU as a ConfigError,
     spending device time on a typo."""
-    from test_backward_gpu import BITWISE_CASES, CASES, SINGLE_CASES, TURNS_CASES, bitwise_problem
+    from test_backward_gpu import (
+        BITWISE_CASES,
+        CASES,
+        FLAT_CASES,
+        SINGLE_CASES,
+        TURNS_CASES,
+        bitwise_problem,
+    )
 
-    cases = [(Problem(**fields), config) for fields, config in CASES + TURNS_CASES + SINGLE_CASES]
+    listed = CASES + TURNS_CASES + SINGLE_CASES + FLAT_CASES
+    cases = [(Problem(**fields), config) for fields, config in listed]
     cases += [(bitwise_problem(head_dim), config) for config, head_dim in BITWISE_CASES]
     for problem, config in cases:
         config = config or FAMILY.default_config(problem, H200)
@@ -615,7 +623,7 @@ def admitted_with(knob: str, head_dims, causal: bool = True, off=()) -> list:
 def halves_configs(causal: bool = True) -> list:
     """Every config with q_halves the rules admit at head dim 64 (deterministic or not; without
     exp2_turns or dq_single: turns_configs, single_configs)."""
-    off = ("exp2_turns", "dq_single")
+    off = ("exp2_turns", "dq_single", "dq_flat")
     return [c for c, _ in admitted_with("q_halves", (64,), causal, off=off)]
 
 
@@ -654,7 +662,7 @@ def test_q_halves_takes_128_rows_at_head_dim_64_and_reads_the_stats_early():
 def turns_configs() -> list:
     """(config, head_dim) of every exp2_turns config the rules admit at head dims 64, 96 and 128,
     causal."""
-    return admitted_with("exp2_turns", (64, 96, 128))
+    return admitted_with("exp2_turns", (64, 96, 128), off=("dq_flat",))
 
 
 def test_exp2_turns_take_two_warpgroups_and_no_registers():
@@ -683,7 +691,7 @@ def test_exp2_turns_take_two_warpgroups_and_no_registers():
 def single_configs() -> list:
     """(config, head_dim) of every dq_single config the rules admit at head dims 64 to 256,
     causal."""
-    return admitted_with("dq_single", cfg.SUPPORTED_HEAD_DIMS)
+    return admitted_with("dq_single", cfg.SUPPORTED_HEAD_DIMS, off=("dq_flat",))
 
 
 def test_dq_single_takes_the_dq_warp_two_buffers_and_chunks_of_96():
@@ -727,6 +735,150 @@ def test_dq_single_takes_the_dq_warp_two_buffers_and_chunks_of_96():
 
     assert BackwardSpace.params(None)["dq_single"].choices == (False, True)
     assert "dq_single" in BackwardSpace.knobs
+
+
+def test_dq_flat_takes_the_dq_warp_unswapped_and_the_same_shared_memory():
+    """dq_flat: the dQ warp's bulk reductions of slices staged in fragment order. It needs the dQ
+    warp and dQ's GEMM unswapped; shared memory and registers are as without it, so every config
+    of the dQ warp but the swapped ones admits it."""
+    base = cfg.DEFAULT_LADDER[0]
+    flat = replace(base, dq_flat=True)
+    assert flat.short() == base.short() + "-fl"
+    assert BwdConfig.from_dict({"tile_m": 64}).dq_flat is False  # tables written before it
+    p64, p128 = Problem(head_dim=64, causal=True), Problem(head_dim=128, causal=True)
+    assert not FAMILY.infeasible_reasons(p64, flat, H200)
+    assert cfg.smem_parts(flat, p64) == cfg.smem_parts(base, p64)
+    assert cfg.consumer_registers_needed(flat, p64) == cfg.consumer_registers_needed(base, p64)
+    swap = BwdConfig(dq_tma=True, ds_stages=2, dq_warp=True, dq_swap=True)
+    for problem, config, words in [
+        (p64, BwdConfig(dq_tma=True, dq_flat=True), "dq_flat without dq_warp"),
+        (p64, BwdConfig(dq_flat=True), "dq_flat without dq_warp"),
+        (p128, replace(swap, dq_flat=True), "dq_flat with dq_swap"),
+    ]:
+        reasons = FAMILY.infeasible_reasons(problem, config, H200)
+        assert any(words in r for r in reasons), (config.short(), reasons)
+    for head_dim in (64, 96, 128, 192):
+        p = Problem(head_dim=head_dim, causal=True)
+        warp = [c for c, _ in admitted_with("dq_warp", (head_dim,), off=("dq_flat",))]
+        assert warp
+        for config in warp:
+            admitted = not FAMILY.infeasible_reasons(p, replace(config, dq_flat=True), H200)
+            assert admitted == (not config.dq_swap), config.short()
+    # not searched until measured (docs/kernel-notes.md, session 51)
+    from fa4tune.space.backward import BackwardSpace
+
+    assert "dq_flat" not in BackwardSpace.knobs
+
+
+def test_the_flat_order_is_each_warpgroups_fragment_order():
+    """config.flat_dq_offset: a bijection of a 64 x width slice, each thread's four values of an
+    8-column group side by side (one 16-byte store), a warp's 32 fours contiguous, and what the
+    cast's torch equivalent (a view and a permute of the slice's dims) reads back."""
+    for width in (48, 64, 96, 128):
+        slice_ = torch.arange(64 * width).reshape(64, width)
+        offsets = torch.tensor(
+            [[cfg.flat_dq_offset(r, c, width) for c in range(width)] for r in range(64)]
+        )
+        assert sorted(offsets.flatten().tolist()) == list(range(64 * width))
+        # thread t = 32 w + 4 r + c holds rows 16 w + r (+ 8) and columns 8 j + 2 c (+ 1)
+        t, j = 32 * 2 + 4 * 5 + 3, 1
+        row, col = 16 * 2 + 5, 8 * j + 2 * 3
+        assert [offsets[row, col], offsets[row, col + 1], offsets[row + 8, col],
+                offsets[row + 8, col + 1]] == [j * 512 + 4 * t + i for i in range(4)]  # fmt: skip
+        flat = torch.empty(64 * width, dtype=torch.long)
+        flat[offsets.flatten()] = slice_.flatten()
+        # the flat memory as (j, warp, r, c, h, e), permuted to rows (warp, h, r) x cols (j, c, e)
+        back = flat.view(width // 8, 4, 8, 4, 2, 2).permute(1, 4, 2, 0, 3, 5).reshape(64, width)
+        assert torch.equal(back, slice_)
+    with pytest.raises(AssertionError):
+        cfg.flat_dq_offset(64, 0, 64)
+
+
+def flat_configs() -> list:
+    """(config, head_dim) of the default ladder's rungs with dq_flat where the rules admit it,
+    causal, at head dims 64, 96, 128 and 192, and their deterministic forms."""
+    found = []
+    for head_dim in (64, 96, 128, 192):
+        p = Problem(head_dim=head_dim, causal=True)
+        for config in cfg.DEFAULT_LADDER:
+            for flat in (
+                replace(config, dq_flat=True),
+                replace(config, dq_flat=True).as_deterministic(),
+            ):
+                if not FAMILY.infeasible_reasons(p, flat, H200) and (flat, head_dim) not in found:
+                    found.append((flat, head_dim))
+    return found
+
+
+@pytest.mark.compile
+def test_the_default_ladder_with_dq_flat_compiles_without_spills(capfd, tmp_path):
+    """dq_flat's staging and bulk reductions built for sm_90a on the default ladder's rungs that
+    admit it, deterministic or not: no spills or serialized wgmma, the bulk reductions without a
+    tensor map, dQ staged by 16-byte shared stores."""
+    import os
+
+    from test_kernel_compile import _serialized_wgmma, _spill_report
+
+    from fa4tune.kernels.fa4_bwd_sm90.compile import compile_backward
+
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    cases = flat_configs()
+    assert {d for _, d in cases} == {64, 96, 128} and len(cases) >= 12
+    bad = []
+    for config, head_dim in cases:
+        compiled = compile_backward(
+            config, "bf16", head_dim, True, H200,
+            options=f"remarks{{ptx}} --keep-ptx --dump-dir {tmp_path}", use_cache=False,
+        )  # fmt: skip
+        text = "".join(capfd.readouterr())
+        ptx = compiled.function.__ptx__
+        if (
+            any(r != (0, 0, 0) for r in _spill_report(text))
+            or _serialized_wgmma(text)
+            or "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" not in ptx
+            or "cp.reduce.async.bulk.tensor" in ptx
+            or not re.search(r"st\.shared\.v4\.[bf]32", ptx)
+        ):
+            bad.append((config.short(), head_dim, _spill_report(text)))
+    assert not bad, bad
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("head_dim,width", [(64, 32), (64, 64), (96, 48), (96, 96), (128, 64)])
+def test_the_flat_cast_compiles_without_spills(head_dim, width, capfd, tmp_path):
+    import os
+
+    from test_kernel_compile import _spill_report
+
+    from fa4tune.kernels.common.dsl import dynamic_tensor, import_dsl
+    from fa4tune.kernels.fa4_bwd_sm90.compile import compile_postprocess
+
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    assert compile_postprocess("bf16", head_dim, width, H200) is not None  # the launch's
+    cute = import_dsl(H200)
+    import cutlass
+    from cutlass.cute.runtime import make_fake_stream
+
+    from fa4tune.kernels.fa4_bwd_sm90.kernel import DTYPES
+    from fa4tune.kernels.fa4_bwd_sm90.postprocess import FlatDqCast
+
+    args = (dynamic_tensor(cutlass.Float32, 4, 16), dynamic_tensor(DTYPES["bf16"], 4, 16),
+            make_fake_stream())  # fmt: skip
+    compiled = cute.compile(
+        FlatDqCast("bf16", head_dim, width), *args,
+        options=f"remarks{{ptx}} --keep-ptx --dump-dir {tmp_path}",
+    )  # fmt: skip
+    report = _spill_report("".join(capfd.readouterr()))
+    assert all(r == (0, 0, 0) for r in report), report
+    ptx = compiled.__ptx__
+    # a 16-byte load per 8-column group, a 4-byte store per row of it
+    loads = re.findall(r"\bld(?:\.global)?\.v4\.[bf]32", ptx)
+    assert len(loads) == width // 8, loads
+    # all of them before the first store
+    first_store = re.search(r"\n\s*st(?:\.global)?\.b32", ptx).start()
+    assert first_store > max(m.start() for m in re.finditer(r"\bld(?:\.global)?\.v4", ptx))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        FlatDqCast("bf16", 96, 36)
 
 
 def test_the_train_jobs_probe_dq_single_at_head_dims_64_and_96():

@@ -240,6 +240,72 @@ def test_dq_single_gradients_match_the_reference(fields, config):
     check_gradients(fields, config)
 
 
+# dq_flat (dQ staged in fragment order, bulk reductions into a flat accumulator, the cast kernel):
+# the default ladder's rungs at head dims 64 (the rows split with the halves, the column split of
+# 128 rows), 96 (dQ in one warpgroup, and split by columns) and 128 (64 rows), rows past seqlen_q
+# and fewer than a block of them, GQA and MQA, head dim 192's chunks, deterministic.
+FLAT_CASES = [
+    (dict(head_dim=64, seqlen_q=1029, seqlen_k=500, batch=1, nheads_q=4, causal=True),
+     BwdConfig(tile_m=128, dq_tma=True, dq_warp=True, ds_stages=2, dq_rows=True, q_halves=True,
+               dq_flat=True)),
+    (dict(head_dim=64, seqlen_q=777, seqlen_k=1029, batch=2, nheads_q=8, nheads_kv=2),
+     BwdConfig(tile_m=128, dq_tma=True, dq_warp=True, ds_stages=2, dq_flat=True)),
+    (dict(head_dim=64, seqlen_q=40, seqlen_k=300, batch=3, nheads_q=2, causal=True),
+     BwdConfig(tile_m=128, dq_tma=True, dq_warp=True, ds_stages=2, dq_rows=True, q_halves=True,
+               dq_flat=True)),
+    (dict(head_dim=96, seqlen_q=1500, batch=2, nheads_q=4, causal=True),
+     BwdConfig(dq_tma=True, dq_warp=True, ds_stages=2, dq_single=True, dq_flat=True)),
+    (dict(head_dim=96, seqlen_q=777, seqlen_k=1029, batch=2, nheads_q=8, nheads_kv=2),
+     BwdConfig(dq_tma=True, dq_warp=True, ds_stages=2, dq_flat=True)),
+    (dict(head_dim=128, seqlen_q=1000, seqlen_k=3000, batch=1, nheads_q=8, nheads_kv=1,
+          causal=True), BwdConfig(dq_tma=True, dq_warp=True, ds_stages=2, dq_flat=True)),
+    (dict(head_dim=192, seqlen_q=700, batch=2, nheads_q=4, causal=True),
+     BwdConfig(num_stages=1, dq_tma=True, dq_warp=True, ds_stages=2, dq_single=True,
+               dq_flat=True)),
+    (dict(head_dim=64, seqlen_q=1500, batch=2, nheads_q=8, nheads_kv=2, causal=True),
+     BwdConfig(tile_m=128, deterministic=True, dq_tma=True, dq_warp=True, ds_stages=2,
+               dq_rows=True, q_halves=True, dq_flat=True)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("fields,config", FLAT_CASES, ids=lambda v: str(v))
+def test_dq_flat_gradients_match_the_reference(fields, config):
+    problem = Problem(**fields)
+    _, result = run_case(problem, config)
+    assert result.verdict(FAMILY.tolerance(problem)) is None, result
+
+
+@pytest.mark.parametrize("head_dim,width,tile_m", [(64, 64, 128), (96, 48, 64), (128, 64, 64)])
+def test_the_flat_cast_puts_every_value_back_in_place(head_dim, width, tile_m):
+    """The cast kernel alone: an accumulator laid out in config.flat_dq_offset's order (made here
+    by a view and a permute of dQ's padded rows), read back into a poisoned dQ, bitwise the 16-bit
+    rounding of every value; rows past seqlen_q left alone."""
+    from fa4tune.kernels.fa4_bwd_sm90.compile import compile_postprocess
+    from fa4tune.kernels.fa4_bwd_sm90.config import FLAT_ROWS
+    from fa4tune.kernels.fa4_bwd_sm90.launch import run_postprocess
+
+    batch, seqlen_q, heads = 2, 1000, 3
+    padded = -(-seqlen_q // tile_m) * tile_m
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    dq_true = torch.randn(batch, seqlen_q, heads, head_dim, device="cuda", generator=gen)
+    full = torch.zeros(batch, padded, heads, head_dim, device="cuda")
+    full[:, :seqlen_q] = dq_true
+    blocks, slices = padded // FLAT_ROWS, head_dim // width
+    # rows (block, warp, h, r) x columns (slice, j, c, e) -> (batch, head, block, slice, j, warp,
+    # r, c, h, e)
+    rows_cols = full.view(batch, blocks, 4, 2, 8, heads, slices, width // 8, 4, 2)
+    acc = rows_cols.permute(0, 5, 1, 6, 7, 2, 4, 8, 3, 9).contiguous()
+    acc = acc.view(batch, padded, heads, head_dim)
+    # dQ a view of the first seqlen_q rows of a poisoned buffer: what lies past them must stay
+    buffer = torch.full((batch, padded + 8, heads, head_dim), float("nan"), device="cuda",
+                        dtype=torch.bfloat16)  # fmt: skip
+    dq = buffer[:, :seqlen_q]
+    run_postprocess(compile_postprocess("bf16", head_dim, width, H200), acc, dq)
+    torch.cuda.synchronize()
+    assert torch.equal(dq, dq_true.to(torch.bfloat16))
+    assert torch.isnan(buffer[:, seqlen_q:]).all()
+
+
 def bitwise_problem(head_dim):
     return Problem(head_dim=head_dim, seqlen_q=2048, batch=2, nheads_q=8, nheads_kv=2, causal=True)
 
@@ -269,6 +335,24 @@ BITWISE_CASES = [
         64,
     ),
     (BwdConfig(deterministic=True, dq_tma=True, dq_warp=True, ds_stages=2, dq_single=True), 96),
+    (
+        BwdConfig(
+            tile_m=128,
+            deterministic=True,
+            dq_tma=True,
+            dq_warp=True,
+            dq_rows=True,
+            q_halves=True,
+            dq_flat=True,
+        ),
+        64,
+    ),
+    (
+        BwdConfig(
+            deterministic=True, dq_tma=True, dq_warp=True, ds_stages=2, dq_single=True, dq_flat=True
+        ),
+        96,
+    ),
 ]
 
 

@@ -124,6 +124,36 @@ def compile_preprocess(
         return _PREPROCESS_CACHE.setdefault(key, function)
 
 
+_POSTPROCESS_CACHE: dict[tuple, object] = {}
+
+
+def compile_postprocess(dtype: str, head_dim: int, width: int, target: Target | str | None = None):
+    """The cast of a dq_flat accumulator into dQ (postprocess.py), for this dtype, head dim and
+    slice width (config.flat_width); one per process and key, shapes run-time."""
+    target = get_target(target)
+    dtype = normalize_dtype(dtype)
+    key = (dtype, head_dim, width, target.arch)
+    with _CACHE_LOCK:
+        hit = _POSTPROCESS_CACHE.get(key)
+    if hit is not None:
+        return hit
+    cute = import_dsl(target)
+    import cutlass
+    from cutlass.cute.runtime import make_fake_stream
+
+    from .kernel import DTYPES
+    from .postprocess import FlatDqCast
+
+    args = (
+        dynamic_tensor(cutlass.Float32, 4, 16),  # the accumulator
+        dynamic_tensor(DTYPES[dtype], 4, 16),  # dQ
+        make_fake_stream(),
+    )
+    function = cute.compile(FlatDqCast(dtype, head_dim, width), *args)
+    with _CACHE_LOCK:
+        return _POSTPROCESS_CACHE.setdefault(key, function)
+
+
 def artifact_name(key: tuple) -> str:
     return "fa4bwd_" + hashlib.sha256(repr(key).encode()).hexdigest()[:24]
 

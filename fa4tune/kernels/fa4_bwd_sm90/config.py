@@ -76,6 +76,7 @@ KNOBS: dict[str, tuple] = {
     "q_halves": (False, True),
     "exp2_turns": (False, True),
     "dq_single": (False, True),
+    "dq_flat": (False, True),
 }
 # dq_single: the widest chunk of the head dim it builds without spills at
 DQ_SINGLE_MAX_CHUNK = 96
@@ -92,6 +93,31 @@ MAX_CHUNK = 128
 def head_dim_chunk(head_dim: int) -> int:
     """Columns of dK, dV and dQ a CTA computes (head_dim itself up to MAX_CHUNK)."""
     return head_dim // -(-head_dim // MAX_CHUNK)
+
+
+# dq_flat: the accumulator's order. Per (batch, query head), the rows (padded to the Q tile) in
+# blocks of FLAT_ROWS, each block in slices of flat_width columns, a slice's FLAT_ROWS x width
+# values in the order a warpgroup's wgmma accumulator holds them (flat_dq_offset).
+FLAT_ROWS = 64
+
+
+def flat_width(config: BwdConfig, head_dim: int) -> int:
+    """dq_flat: the columns of a warpgroup's slice of dQ: the CTA's chunk of the head dim with
+    dq_rows or dq_single, else the chunk over the consumer warpgroups."""
+    chunk = head_dim_chunk(head_dim)
+    return chunk if config.dq_rows else chunk // config.dq_warpgroups
+
+
+def flat_dq_offset(row: int, col: int, width: int) -> int:
+    """dq_flat: where dQ's value (row, col) of a FLAT_ROWS x width slice lies in it. A wgmma
+    accumulator gives thread t = 32 w + 4 r + c (warp w, quad r, place c) the rows 16 w + r and
+    16 w + r + 8 (h = 0, 1) of columns 8 j + 2 c and 8 j + 2 c + 1 (e = 0, 1) for each 8-column
+    group j: its four values of group j lie side by side, (h, e) at 2 h + e, the warpgroup's 128
+    threads' fours in thread order, the groups one after the other."""
+    w, h, r = row // 16, row % 16 // 8, row % 8
+    j, c, e = col // 8, col % 8 // 2, col % 2
+    assert 0 <= row < FLAT_ROWS and 0 <= col < width
+    return j * 512 + (32 * w + 4 * r + c) * 4 + 2 * h + e
 
 
 @dataclass(frozen=True)
@@ -135,7 +161,14 @@ class BwdConfig:
     one slice; the second leaves its dS^T and goes on to its next step, so that the warpgroups
     no longer meet every step: the second runs up to a step ahead (bounded by the dS^T buffers),
     its exp2 beside the first's dQ GEMM (flash-attn-4's SM90 backward computes dQ in one
-    warpgroup at head dim 96)."""
+    warpgroup at head dim 96).
+    dq_flat (dq_warp, dQ's GEMM not swapped): a warpgroup stages its slice of dQ in the order its
+    accumulator lies in registers (each thread's four values of an 8-column group side by side:
+    16-byte stores, consecutive threads at consecutive addresses, no bank conflict), not as a
+    swizzled row-major tile (8-byte stores, two rows of a half-warp's on the same banks); the dQ
+    warp adds each 64-row block of the slice with a bulk reduction of its bytes (no tensor map)
+    into an accumulator laid out in the same order (flat_dq_offset), which the cast kernel
+    (postprocess.py) reads back into dQ's rows and columns."""
 
     tile_m: int = 64
     tile_n: int = 128
@@ -149,6 +182,7 @@ class BwdConfig:
     q_halves: bool = False
     exp2_turns: bool = False
     dq_single: bool = False
+    dq_flat: bool = False
 
     def __post_init__(self) -> None:
         bad = []
@@ -195,6 +229,7 @@ class BwdConfig:
             f"{'-r' if self.dq_rows else ''}{'-sw' if self.dq_swap else ''}"
             f"{'-ds2' if self.ds_stages == 2 else ''}{'-h2' if self.q_halves else ''}"
             f"{'-xt' if self.exp2_turns else ''}{'-q1' if self.dq_single else ''}"
+            f"{'-fl' if self.dq_flat else ''}"
         )
 
     @property
@@ -429,6 +464,12 @@ def dq_reasons(config: BwdConfig) -> list[str]:
         )
     if config.dq_single and config.exp2_turns:
         reasons.append("dq_single with exp2_turns: both pace the warpgroups (built apart)")
+    if config.dq_flat and not config.dq_warp:
+        reasons.append("dq_flat without dq_warp: the dQ warp issues the bulk reductions")
+    if config.dq_flat and config.dq_swap:
+        reasons.append(
+            "dq_flat with dq_swap: dQ^T's accumulator lies transposed, not in dQ's fragment order"
+        )
     if config.dq_rows and config.tile_m != 64 * config.consumer_warpgroups:
         reasons.append(
             f"dq_rows with tile_m={config.tile_m}: each of the {config.consumer_warpgroups} "

@@ -110,6 +110,22 @@ def red_add_f32x2(pointer, a: Float32, b: Float32, *, loc=None, ip=None) -> None
 
 
 @dsl_user_op
+def bulk_reduce_add_f32(gmem, smem, num_bytes: int, *, loc=None, ip=None) -> None:
+    """Add `num_bytes` of fp32 values at shared address `smem` into those at global address
+    `gmem` (both 16-byte aligned), one bulk reduction without a tensor map, in the issuing
+    thread's bulk group (cp_async_bulk_commit_group and _wait_group as a TMA reduction)."""
+    _reduce(
+        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
+        "l,r,r",
+        [
+            gmem.toint(loc=loc, ip=ip).ir_value(),
+            smem.toint(loc=loc, ip=ip).ir_value(),
+            Int32(num_bytes).ir_value(loc=loc, ip=ip),
+        ],
+    )
+
+
+@dsl_user_op
 def red_add_f32(pointer, a: Float32, *, loc=None, ip=None) -> None:
     """Atomically add a to the fp32 value at `pointer`, a reduction in L2."""
     _reduce(
@@ -223,6 +239,11 @@ class FlashBackwardSm90:
         self.exp2_turns = config.exp2_turns
         self.dq_single = config.dq_single
         self.dq_wgs = config.dq_warpgroups  # that compute dQ, a slice of its columns each
+        self.dq_flat = config.dq_flat
+        # dq_flat: a warpgroup's slice of dQ (columns, and 64-row blocks of it) in sdQ and in the
+        # accumulator (config.flat_dq_offset)
+        self.flat_width = cfg.flat_width(config, head_dim)
+        self.flat_blocks = 1 if config.dq_rows else config.tile_m // cfg.FLAT_ROWS
         self.part_m = config.tile_m // self.parts
         self.ds_stages = config.ds_stages
         self.wgs = config.consumer_warpgroups
@@ -327,7 +348,9 @@ class FlashBackwardSm90:
         # a slice of the columns, so the atom divides the slice (head dim 96: 48, 64-byte swizzle).
         # With dq_rows a tile of 64 rows per warpgroup (a stage each: its slice is contiguous).
         sdQ_layout = None
-        if const_expr(self.dq_rows):
+        if const_expr(self.dq_flat):  # each warpgroup's slice in its fragment order, unswizzled
+            sdQ_layout = cute.make_layout(tile_m * dc)
+        elif const_expr(self.dq_rows):
             sdQ_layout = smem_tile_layout(Float32, 64, dc, self.wgs)
         elif const_expr(self.dq_tma):
             sdQ_layout = smem_tile_layout(Float32, tile_m, dc, atom_cols=dc // self.dq_wgs)
@@ -395,7 +418,7 @@ class FlashBackwardSm90:
             tma_dk, tma_mdK = cpasync.make_tiled_tma_atom(store, mdK, k_chunk, (tile_n, dc))
             tma_dv, tma_mdV = cpasync.make_tiled_tma_atom(store, mdV, v_chunk, (tile_n, dc))
         tma_dq, tma_mdQ = None, None
-        if const_expr(self.dq_tma):
+        if const_expr(self.dq_tma and not self.dq_flat):
             # dq_warp: one reduction per warpgroup's slice of the columns (the slice is one column
             # of swizzle atoms of sdQ, contiguous, laid out as a tile of its own), or of the rows.
             dq_box = (tile_m, dc)
@@ -505,7 +528,7 @@ class FlashBackwardSm90:
         sV_layout: cute.ComposedLayout,
         sdS_layout: cute.ComposedLayout,
         sStat_layout: cute.Layout,
-        sdQ_layout: cute.ComposedLayout | None,
+        sdQ_layout: cute.ComposedLayout | cute.Layout | None,
         mma_sdp: cute.TiledMma,
         mma_dkv: cute.TiledMma,
         mma_dq: cute.TiledMma,
@@ -521,7 +544,7 @@ class FlashBackwardSm90:
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d, tma_dk, tma_dv):
                 cpasync.prefetch_descriptor(atom)
-            if const_expr(self.dq_tma):
+            if const_expr(self.dq_tma and not self.dq_flat):
                 cpasync.prefetch_descriptor(tma_dq)
         storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
         one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
@@ -553,7 +576,9 @@ class FlashBackwardSm90:
         sLSE = storage.sLSE.get_tensor(sStat_layout)
         sD = storage.sD.get_tensor(sStat_layout)
         sdQ = None
-        if const_expr(self.dq_tma):
+        if const_expr(self.dq_flat):
+            sdQ = storage.sdQ.get_tensor(sdQ_layout)
+        elif const_expr(self.dq_tma):
             sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
 
         bx, by, bz = cute.arch.block_idx()
@@ -586,7 +611,8 @@ class FlashBackwardSm90:
             if const_expr(self.dq_warp):
                 if warp_idx == DQ_WARP:
                     self.reduce_dq_slices(
-                        tma_dq, mdQ, sdQ, mSemaphore, (seqlen_q, seqlen_k),
+                        tma_dq, mdQacc if const_expr(self.dq_flat) else mdQ, sdQ, mSemaphore,
+                        (seqlen_q, seqlen_k),
                         (n_block, head_kv, batch, group, m_block_min, blocks_per_head, steps),
                         chunk,
                     )  # fmt: skip
@@ -759,8 +785,8 @@ class FlashBackwardSm90:
         n_block, head_kv, batch, group, m_block_min, blocks_per_head, steps = walk
         seqlen_q, seqlen_k = seqlens
         mdQacc, mdQ, tma_dq, sdQ = dq_out
-        if const_expr(self.dq_rows):  # the warpgroups' tiles of 64 rows, seen as the Q block's
-            sdQ = stages_as_rows(sdQ)
+        if const_expr(self.dq_rows and not self.dq_flat):  # the warpgroups' 64-row tiles, seen
+            sdQ = stages_as_rows(sdQ)  # as the Q block's
         tile_m, tile_n, dc = self.tile_m, self.tile_n, self.dc
         wg = cute.arch.make_warp_uniform(ctid // cfg.THREADS_PER_WARPGROUP)
         sQc, sdOc, sKc = sQ, sdO, sK  # the CTA's chunk of their columns
@@ -1323,6 +1349,9 @@ class FlashBackwardSm90:
         """This thread's dQ values into sdQ (its warpgroup's columns), visible to TMA after.
         dq_swap: dQ^T's values into sdQ seen transposed, one at a time (a thread's pairs are
         adjacent queries, a row of sdQ apart; sdQ stays row-major for the TMA reduction)."""
+        if const_expr(self.dq_flat):
+            self.stage_dq_flat(acc_dQ, sdQ, ctid)
+            return
         bits, sdQ_mma = 64, sdQ
         if const_expr(self.dq_swap):
             bits, sdQ_mma = 32, swap_first_modes(sdQ)
@@ -1331,6 +1360,24 @@ class FlashBackwardSm90:
             mma_dq,
         ).get_slice(ctid)
         cute.copy(dq_store, dq_store.retile(acc_dQ), dq_store.partition_D(sdQ_mma))
+        cute.arch.fence_view_async_shared()
+
+    @cute.jit
+    def stage_dq_flat(self, acc_dQ: cute.Tensor, sdQ: cute.Tensor, ctid: Int32):
+        """dq_flat: this thread's dQ values into its warpgroup's slice of sdQ in their register
+        order, four at a time (an 8-column group's two rows of two columns: config.flat_dq_offset),
+        visible to the bulk reductions after. Thread t of the warpgroup puts the values of its
+        group q at q x 512 + 4 t: one 16-byte store per group, a warp's 512 contiguous bytes."""
+        threads = cfg.THREADS_PER_WARPGROUP
+        slice_values = self.tile_m * self.dc // self.dq_wgs
+        base = sdQ.iterator + (ctid // threads) * slice_values + (ctid % threads) * 4
+        for q in cutlass.range_constexpr(cute.size(acc_dQ) // 4):
+            values = cute.make_rmem_tensor(4, Float32)
+            for i in cutlass.range_constexpr(4):
+                values[i] = acc_dQ[4 * q + i]
+            cute.autovec_copy(
+                values, cute.make_tensor((base + q * 4 * threads).align(16), cute.make_layout(4))
+            )
         cute.arch.fence_view_async_shared()
 
     @cute.jit
@@ -1383,6 +1430,34 @@ class FlashBackwardSm90:
         return cute.local_tile(t, (64, self.dc), (m_block * self.wgs + w, 0))
 
     @cute.jit
+    def reduce_flat_slice(
+        self, mdQacc: cute.Tensor, sdQ: cute.Tensor, m_block, head, batch, w: int, chunk
+    ):
+        """dq_flat, one thread of the dQ warp: warpgroup w's staged slice of Q block m_block's dQ
+        added into the accumulator, a bulk reduction per 64-row block of it. The accumulator
+        (the launch's (batch, rows padded to the Q tile, heads, head dim) fp32, its memory in
+        config.flat_dq_offset's order) holds per (batch, head) its 64-row blocks, each in slices
+        of flat_width columns of FLAT_ROWS x flat_width values."""
+        rows, width = cfg.FLAT_ROWS, self.flat_width
+        block_values = rows * width
+        blocks = mdQacc.shape[0] // rows  # the accumulator's rows, padded to the Q tile
+        heads = mdQacc.shape[2]
+        slices = self.head_dim // width
+        column = 0 if const_expr(self.dq_rows) else self.dq_column(w, chunk)
+        slice_values = self.tile_m * self.dc // self.dq_wgs
+        for b in cutlass.range_constexpr(self.flat_blocks):
+            row_block = m_block * self.wgs + w
+            if const_expr(not self.dq_rows):
+                row_block = m_block * self.flat_blocks + b
+            block = (cutlass.Int64(batch) * heads + head) * blocks + row_block
+            offset = (block * slices + column) * block_values
+            bulk_reduce_add_f32(
+                (mdQacc.iterator + offset).align(16),
+                (sdQ.iterator + w * slice_values + b * block_values).align(16),
+                block_values * 4,
+            )
+
+    @cute.jit
     def reduce_dq_slices(
         self,
         tma_dq: cute.CopyAtom,
@@ -1411,7 +1486,9 @@ class FlashBackwardSm90:
         for step in cutlass.range(steps, unroll=1):
             g = step // blocks_per_head
             m_block = m_block_min + (step - g * blocks_per_head)
-            gdQ = mdQ[None, None, head_kv * group + g, batch]
+            gdQ = None
+            if const_expr(not self.dq_flat):
+                gdQ = mdQ[None, None, head_kv * group + g, batch]
             if const_expr(self.deterministic):
                 turn = dq_turn(n_block, m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n,
                                self.causal)  # fmt: skip
@@ -1426,14 +1503,20 @@ class FlashBackwardSm90:
                 cute.arch.barrier(
                     barrier_id=BARRIER_DQ_SLICE_FULL + w, number_of_threads=slice_threads
                 )
-                tsdQ, tgdQ = cpasync.tma_partition(
-                    tma_dq,
-                    0,
-                    cute.make_layout(1),
-                    cute.group_modes(self.dq_slice(sdQ, 0, w), 0, 2),
-                    cute.group_modes(self.dq_slice(gdQ, m_block, w, chunk), 0, 2),
-                )
-                cute.copy(tma_dq, tsdQ, tgdQ)
+                if const_expr(self.dq_flat):
+                    if lane == 0:
+                        self.reduce_flat_slice(
+                            mdQ, sdQ, m_block, head_kv * group + g, batch, w, chunk
+                        )
+                else:
+                    tsdQ, tgdQ = cpasync.tma_partition(
+                        tma_dq,
+                        0,
+                        cute.make_layout(1),
+                        cute.group_modes(self.dq_slice(sdQ, 0, w), 0, 2),
+                        cute.group_modes(self.dq_slice(gdQ, m_block, w, chunk), 0, 2),
+                    )
+                    cute.copy(tma_dq, tsdQ, tgdQ)
                 cute.arch.cp_async_bulk_commit_group()
             if const_expr(self.deterministic):
                 cute.arch.cp_async_bulk_wait_group(0, read=False)  # the adds performed

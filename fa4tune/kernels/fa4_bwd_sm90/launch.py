@@ -4,9 +4,10 @@ config)` -> (dq, dk, dv).
 Around the kernel: the preprocessing kernel writes LSE2 = LSE x log2(e) (+inf where a row saw no
 key, so that its P is 0) and D = softmax_scale x rowsum(dO * O) in fp32, both padded to whole Q
 blocks (their TMA rows must start 16-byte aligned), and zeroes the fp32 dQ accumulator; after the
-kernel torch casts the accumulator to dQ in q's dtype. dK and dV are written by the kernel. With a
-gradient of the LSE (`dlse`, fa4tune.attention returns the LSE), dS gains P x dlse: it enters as
-D - dlse."""
+kernel torch casts the accumulator to dQ in q's dtype (dq_flat: the cast kernel of postprocess.py,
+the accumulator's values in the main kernel's fragment order). dK and dV are written by the
+kernel. With a gradient of the LSE (`dlse`, fa4tune.attention returns the LSE), dS gains P x dlse:
+it enters as D - dlse."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from ...errors import UnsupportedInput
 from ...target import Target, get_target
 from ..common.dsl import import_dsl
 from ..common.inputs import check_device, check_inputs, make_problem
-from .compile import compile_backward, compile_preprocess
-from .config import BwdConfig, grid_reasons, head_dim_chunk
+from .compile import compile_backward, compile_postprocess, compile_preprocess
+from .config import BwdConfig, flat_width, grid_reasons, head_dim_chunk
 
 LOG2_E = math.log2(math.e)
 
@@ -144,7 +145,10 @@ def attention_backward(
         # accumulator zeroed (preprocess.py).
         lse2 = torch.empty((batch, nheads_q, padded), device=q.device)
         dsum = torch.empty((batch, nheads_q, padded), device=q.device)
-        dq_acc = torch.empty((batch, seqlen_q, nheads_q, d), dtype=torch.float32, device=q.device)
+        # dq_flat: rows padded to the Q tile, the memory in the kernel's fragment order
+        # (config.flat_dq_offset), read back by the cast kernel (postprocess.py)
+        rows = padded if config.dq_flat else seqlen_q
+        dq_acc = torch.empty((batch, rows, nheads_q, d), dtype=torch.float32, device=q.device)
         run_preprocess(preprocess, dout, out, lse.contiguous(), dlse, lse2, dsum, dq_acc, scale)
         dk, dv = (torch.empty_like(k), torch.empty_like(v)) if grads is None else grads[1:]
         semaphore = None
@@ -159,9 +163,16 @@ def attention_backward(
             scale,
             heads_per_section(problem, config, target),
         )
-        # dS carries the softmax scale, so the accumulator holds dQ itself: a plain cast.
-        dq = torch.empty_like(dq_acc, dtype=q.dtype) if grads is None else grads[0]
-        dq.copy_(dq_acc)
+        # dS carries the softmax scale, so the accumulator holds dQ itself: a plain cast (dq_flat:
+        # the cast kernel, which puts the values back in place).
+        dq = grads[0] if grads is not None else None
+        if dq is None:
+            dq = torch.empty((batch, seqlen_q, nheads_q, d), dtype=q.dtype, device=q.device)
+        if config.dq_flat:
+            cast = compile_postprocess(problem.dtype, d, flat_width(config, d), target)
+            run_postprocess(cast, dq_acc, dq)
+        else:
+            dq.copy_(dq_acc)
     return dq, dk, dv
 
 
@@ -193,6 +204,16 @@ def run_preprocess(function, dout, out, lse, dlse, lse2, dsum, dq_acc, scale: fl
         Float32(scale),
         stream,
     )
+
+
+def run_postprocess(function, dq_acc, dq) -> None:
+    """Launch the cast of a dq_flat accumulator into dq (batch, seqlen_q, heads, head_dim; its
+    last dim contiguous, its other strides even) on the current stream of its device."""
+    import torch
+    from cuda.bindings import driver as cuda
+
+    stream = cuda.CUstream(torch.cuda.current_stream(dq.device).cuda_stream)
+    function(_dynamic(dq_acc, 16), _dynamic(dq, 16), stream)
 
 
 def run_kernel(compiled, tensors, semaphore, scale: float, section: int = 1) -> None:

@@ -1,6 +1,7 @@
 """The backward's preprocessing kernel: for every query row of (batch, query, head) it reads dO and
 O once, writes what the main kernel reads per Q block into buffers of rows padded to the Q tile,
-and zeroes the row of dQ's fp32 accumulator that the main kernel adds into:
+and zeroes the row of dQ's fp32 accumulator that the main kernel adds into (every row of it: with
+dq_flat the accumulator has rows padded to the Q tile, its memory in another order, all zeroed):
 
     D = softmax_scale x (rowsum(dO * O) - dLSE)   (fp32 products of the 16-bit inputs, summed
                                                    in fp32; the main kernel's dS takes the scale)
@@ -83,7 +84,7 @@ class BackwardPreprocess:
         mdLSE: cute.Tensor | None,  # (batch, nheads_q, seqlen_q) float32, or None
         mLSE2: cute.Tensor,  # (batch, nheads_q, padded) float32
         mD: cute.Tensor,  # (batch, nheads_q, padded) float32
-        mdQacc: cute.Tensor,  # (batch, seqlen_q, nheads_q, head_dim) float32
+        mdQacc: cute.Tensor,  # (batch, seqlen_q or padded, nheads_q, head_dim) float32
         softmax_scale: Float32,
         stream: cuda.CUstream,
     ):
@@ -135,6 +136,7 @@ class BackwardPreprocess:
                 else:
                     if lane < self.loads:
                         acc = self._products(mdO, mO, b, query, head, lane)
+            if query < mdQacc.shape[1]:  # its rows: seqlen_q, or padded (dq_flat's order)
                 self._zero(mdQacc, b, query, head, lane)
         for step in cutlass.range_constexpr(self.lanes.bit_length() - 1):
             acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=self.lanes >> (step + 1))
