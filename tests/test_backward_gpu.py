@@ -270,9 +270,7 @@ FLAT_CASES = [
 
 @pytest.mark.parametrize("fields,config", FLAT_CASES, ids=lambda v: str(v))
 def test_dq_flat_gradients_match_the_reference(fields, config):
-    problem = Problem(**fields)
-    _, result = run_case(problem, config)
-    assert result.verdict(FAMILY.tolerance(problem)) is None, result
+    check_gradients(fields, config)
 
 
 @pytest.mark.parametrize("head_dim,width,tile_m", [(64, 64, 128), (96, 48, 64), (128, 64, 64)])
