@@ -28,8 +28,9 @@ their contributions in its accumulators. Head dims above 128 go in chunks (confi
 a CTA per K block and chunk of the head dim, S^T and dP^T over all of it, dK, dV and dQ of its
 chunk (produce_chunks puts that chunk first in the shared buffers). Before it the preprocessing
 kernel (preprocess.py) writes LSE2 and D and zeroes the dQ accumulator; the launch (launch.py)
-casts it to dQ after. The softmax scale costs no instruction of its own: not per dQ value in every
-CTA that adds to it, nor in the cast, nor in dK's epilogue."""
+casts it to dQ after (dq_flat: a cast kernel, postprocess.py, which also puts the values back in
+place). The softmax scale costs no instruction of its own: not per dQ value in every CTA that adds
+to it, nor in the cast, nor in dK's epilogue."""
 
 from __future__ import annotations
 
@@ -1470,7 +1471,8 @@ class FlashBackwardSm90:
     ):
         """dq_warp, the producer warpgroup's warp DQ_WARP: per step, each consumer warpgroup's
         slice of dQ into the fp32 accumulator with a TMA reduction (which clips the rows past
-        seqlen_q) as soon as that warpgroup has staged it; a slice is handed back once its
+        seqlen_q; dq_flat: bulk reductions, reduce_flat_slice) as soon as that warpgroup has
+        staged it; a slice is handed back once its
         reduction has read it (the reductions themselves run on). The whole warp executes the
         copies (the DSL elects the issuing thread).
 
