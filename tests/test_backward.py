@@ -871,12 +871,21 @@ def test_the_flat_cast_compiles_without_spills(head_dim, width, capfd, tmp_path)
     report = _spill_report("".join(capfd.readouterr()))
     assert all(r == (0, 0, 0) for r in report), report
     ptx = compiled.__ptx__
-    # a 16-byte load per 8-column group, a 4-byte store per row of it
-    loads = re.findall(r"\bld(?:\.global)?\.v4\.[bf]32", ptx)
-    assert len(loads) == width // 8, loads
-    # all of them before the first store
-    first_store = re.search(r"\n\s*st(?:\.global)?\.b32", ptx).start()
-    assert first_store > max(m.start() for m in re.finditer(r"\bld(?:\.global)?\.v4", ptx))
+    # a 16-byte load per 8-column group, then a 4-byte shared store per row of it, the CTA's
+    # barrier, and each thread's 8-column pieces of the slice (64 rows x width / 8 over 128
+    # threads): a 16-byte shared load and a 16-byte store each
+    count = lambda pattern: len(re.findall(pattern, ptx))  # noqa: E731
+    assert count(r"\n\s*ld(?:\.global)?\.v4\.[bf]32") == width // 8
+    assert count(r"\n\s*st\.shared\.b32") == 2 * (width // 8)
+    assert count(r"\n\s*bar\.sync") == 1
+    pieces = -(-64 * (width // 8) // 128)
+    assert count(r"\n\s*ld\.shared\.v4\.b32") == pieces
+    assert count(r"\n\s*st(?:\.global)?\.v4\.b32") == pieces
+    # every global load before the first shared store, every shared store before the barrier
+    first_store = re.search(r"\n\s*st\.shared", ptx).start()
+    assert first_store > max(m.start() for m in re.finditer(r"\n\s*ld(?:\.global)?\.v4\.[bf]", ptx))
+    barrier = re.search(r"\n\s*bar\.sync", ptx).start()
+    assert barrier > max(m.start() for m in re.finditer(r"\n\s*st\.shared", ptx))
     with pytest.raises(ValueError, match="multiple of 8"):
         FlatDqCast("bf16", 96, 36)
 

@@ -273,11 +273,15 @@ def test_dq_flat_gradients_match_the_reference(fields, config):
     check_gradients(fields, config)
 
 
-@pytest.mark.parametrize("head_dim,width,tile_m", [(64, 64, 128), (96, 48, 64), (128, 64, 64)])
-def test_the_flat_cast_puts_every_value_back_in_place(head_dim, width, tile_m):
+@pytest.mark.parametrize(
+    "head_dim,width,tile_m,pad",
+    [(64, 64, 128, 0), (96, 48, 64, 0), (96, 96, 64, 0), (128, 64, 64, 0), (64, 32, 128, 4)],
+)
+def test_the_flat_cast_puts_every_value_back_in_place(head_dim, width, tile_m, pad):
     """The cast kernel alone: an accumulator laid out in config.flat_dq_offset's order (made here
     by a view and a permute of dQ's padded rows), read back into a poisoned dQ, bitwise the 16-bit
-    rounding of every value; rows past seqlen_q left alone."""
+    rounding of every value; rows past seqlen_q (and, with pad, the columns past head_dim: strides
+    that are not multiples of 8, which go through a contiguous copy) left alone."""
     from fa4tune.kernels.fa4_bwd_sm90.compile import compile_postprocess
     from fa4tune.kernels.fa4_bwd_sm90.config import FLAT_ROWS
     from fa4tune.kernels.fa4_bwd_sm90.launch import run_postprocess
@@ -295,13 +299,14 @@ def test_the_flat_cast_puts_every_value_back_in_place(head_dim, width, tile_m):
     acc = rows_cols.permute(0, 5, 1, 6, 7, 2, 4, 8, 3, 9).contiguous()
     acc = acc.view(batch, padded, heads, head_dim)
     # dQ a view of the first seqlen_q rows of a poisoned buffer: what lies past them must stay
-    buffer = torch.full((batch, padded + 8, heads, head_dim), float("nan"), device="cuda",
+    buffer = torch.full((batch, padded + 8, heads, head_dim + pad), float("nan"), device="cuda",
                         dtype=torch.bfloat16)  # fmt: skip
-    dq = buffer[:, :seqlen_q]
+    dq = buffer[:, :seqlen_q, :, :head_dim]
     run_postprocess(compile_postprocess("bf16", head_dim, width, H200), acc, dq)
     torch.cuda.synchronize()
     assert torch.equal(dq, dq_true.to(torch.bfloat16))
     assert torch.isnan(buffer[:, seqlen_q:]).all()
+    assert torch.isnan(buffer[..., head_dim:]).all()
 
 
 def bitwise_problem(head_dim):

@@ -208,12 +208,19 @@ def run_preprocess(function, dout, out, lse, dlse, lse2, dsum, dq_acc, scale: fl
 
 def run_postprocess(function, dq_acc, dq) -> None:
     """Launch the cast of a dq_flat accumulator into dq (batch, seqlen_q, heads, head_dim; its
-    last dim contiguous, its other strides even) on the current stream of its device."""
+    last dim contiguous) on the current stream of its device. The cast's 16-byte stores want dq's
+    other strides in multiples of 8 elements and its start 16-byte aligned: a dq without them
+    (a caller's buffer) gets the cast through a contiguous copy."""
     import torch
     from cuda.bindings import driver as cuda
 
     stream = cuda.CUstream(torch.cuda.current_stream(dq.device).cuda_stream)
-    function(_dynamic(dq_acc, 16), _dynamic(dq, 16), stream)
+    if dq.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in dq.stride()[:-1]):
+        function(_dynamic(dq_acc, 16), _dynamic(dq, 16), stream)
+        return
+    packed = torch.empty(dq.shape, dtype=dq.dtype, device=dq.device)
+    function(_dynamic(dq_acc, 16), _dynamic(packed, 16), stream)
+    dq.copy_(packed)
 
 
 def run_kernel(compiled, tensors, semaphore, scale: float, section: int = 1) -> None:

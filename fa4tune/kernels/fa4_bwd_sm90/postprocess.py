@@ -3,12 +3,15 @@ main kernel's wgmma fragments (config.flat_dq_offset), read back into dQ (batch,
 head_dim) in q's 16-bit dtype. Without dq_flat the accumulator is dQ's own shape and torch casts it
 (launch.py).
 
-A CTA of 128 threads per FLAT_ROWS x width slice of a (batch, head): thread t reads its four values
-of each 8-column group (one 16-byte load; a warp's loads are 512 contiguous bytes; all of them
-before any store) and writes them
-as two pairs, one in each of its two rows (4-byte stores; a quad's are 16 contiguous bytes of a
-row), skipping the rows past seqlen_q. Memory-bound: the accumulator read once and dQ written once
-(at 16k tokens x hidden 2048, 134 MB and 67 MB: 47 µs at 4.24 TB/s), as torch's cast."""
+A CTA of 128 threads per FLAT_ROWS x width slice of a (batch, head), the heads of a row block
+side by side in the grid (together they write whole rows of dQ). Thread t reads its four values of
+each 8-column group (one 16-byte load; a warp's loads are 512 contiguous bytes), casts them and
+puts its two pairs in a shared tile in dQ's row order (4-byte stores, a row pitch of width + 8
+elements: a warp's stores fall in 32 different banks); after the CTA's barrier each thread reads 8
+columns of a row back (16-byte loads) and writes them (16-byte stores, a warp's cover whole rows
+of the slice), skipping the rows past seqlen_q. Memory-bound: the accumulator read once and dQ
+written once (at 16k tokens x hidden 2048, 134 MB and 67 MB: 47 µs at 4.24 TB/s), as torch's cast.
+"""
 
 from __future__ import annotations
 
@@ -42,31 +45,47 @@ class FlatDqCast:
     def __call__(
         self,
         mAcc: cute.Tensor,  # (batch, rows padded to the Q tile, heads, head_dim) fp32, flat order
-        mdQ: cute.Tensor,  # (batch, seqlen_q, heads, head_dim) 16-bit
+        mdQ: cute.Tensor,  # (batch, seqlen_q, heads, head_dim) 16-bit, strides multiples of 8
         stream: cuda.CUstream,
     ):
         blocks = cute.size(mAcc.shape[1]) // cfg.FLAT_ROWS
-        self.kernel(mAcc, mdQ).launch(
-            grid=[blocks * self.slices, cute.size(mdQ.shape[2]), cute.size(mdQ.shape[0])],
+        tile = cute.make_layout((cfg.FLAT_ROWS, self.width), stride=(self.width + 8, 1))
+
+        field = cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(tile)], 16]
+
+        @cute.struct
+        class SharedStorage:
+            sTile: field
+
+        self.kernel(mAcc, mdQ, tile, SharedStorage).launch(
+            grid=[cute.size(mdQ.shape[2]), blocks * self.slices, cute.size(mdQ.shape[0])],
             block=[THREADS, 1, 1],
             stream=stream,
         )
 
     @cute.kernel
-    def kernel(self, mAcc: cute.Tensor, mdQ: cute.Tensor):
+    def kernel(
+        self,
+        mAcc: cute.Tensor,
+        mdQ: cute.Tensor,
+        tile: cute.Layout,
+        SharedStorage: cutlass.Constexpr,
+    ):
         tidx, _, _ = cute.arch.thread_idx()
-        bx, head, batch = cute.arch.block_idx()
+        head, bx, batch = cute.arch.block_idx()
         rows, width = cfg.FLAT_ROWS, self.width
         row_block = bx // self.slices
         column_slice = bx % self.slices
         blocks = mAcc.shape[1] // rows
         heads = mdQ.shape[2]
         seqlen_q = mdQ.shape[1]
+        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        sTile = storage.sTile.get_tensor(tile)
         block = (Int64(batch) * heads + head) * blocks + row_block
         base = (block * self.slices + column_slice) * (rows * width) + tidx * 4
         lane = tidx % 32
-        row = row_block * rows + tidx // 32 * 16 + lane // 4  # and row + 8
-        column = column_slice * width + lane % 4 * 2  # of the thread's pairs, + 8 j
+        row = tidx // 32 * 16 + lane // 4  # of the slice, and row + 8
+        column = lane % 4 * 2  # of the thread's pairs, + 8 j
         groups = width // 8
         # every load first (the stores could alias them for all the compiler knows)
         values = cute.make_rmem_tensor((4, groups), Float32)
@@ -80,7 +99,23 @@ class FlatDqCast:
                 pair[1] = values[2 * h + 1, j]
                 out = cute.make_rmem_tensor(2, self.dtype)
                 out.store(pair.load().to(self.dtype))
-                if row + 8 * h < seqlen_q:
-                    at = cute.crd2idx((batch, row + 8 * h, head, column + 8 * j), mdQ.layout)
-                    target = (mdQ.iterator + at).align(4)
-                    cute.autovec_copy(out, cute.make_tensor(target, cute.make_layout(2)))
+                spot = cute.crd2idx((row + 8 * h, column + 8 * j), tile)
+                target = (sTile.iterator + spot).align(4)
+                cute.autovec_copy(out, cute.make_tensor(target, cute.make_layout(2)))
+        cute.arch.sync_threads()
+        # each thread's 8-column pieces of the slice, in row order: a warp's 32 cover whole rows
+        pieces = rows * groups
+        for n in cutlass.range_constexpr(-(-pieces // THREADS)):
+            piece = tidx + n * THREADS
+            slice_row = piece // groups
+            group = piece % groups
+            dq_row = row_block * rows + slice_row
+            if (pieces % THREADS == 0 or piece < pieces) and dq_row < seqlen_q:
+                eight = cute.make_rmem_tensor(8, self.dtype)
+                piece_at = (sTile.iterator + cute.crd2idx((slice_row, group * 8), tile)).align(16)
+                cute.autovec_copy(cute.make_tensor(piece_at, cute.make_layout(8)), eight)
+                place = cute.crd2idx(
+                    (batch, dq_row, head, column_slice * width + group * 8), mdQ.layout
+                )
+                dq_at = (mdQ.iterator + place).align(16)
+                cute.autovec_copy(eight, cute.make_tensor(dq_at, cute.make_layout(8)))
