@@ -1,8 +1,9 @@
 """Backward: the tiles, the pipeline depth, the way dQ is added (red.global from registers, or
 TMA reductions per Q block from shared memory, issued by a consumer warp or by a producer warp per
 warpgroup's slice of columns or rows), the dS^T buffers and the dQ GEMM's orientation (dQ^T = K^T
-dS^T, which admits 80-row Q blocks) of the backward kernel family (fa4_bwd_sm90), its default
-space. The dQ accumulation's determinism is not searched: the caller
+dS^T, which admits 80-row Q blocks) and the order dQ is staged in (dq_flat: the fragments' order,
+added by bulk reductions and put back by a cast kernel) of the backward kernel family
+(fa4_bwd_sm90), its default space. The dQ accumulation's determinism is not searched: the caller
 chooses it (torch.use_deterministic_algorithms), and the tuned tiles serve both modes
 (config.deterministic_config: register adds in order, the tuned tiles where the turn fits)."""
 
@@ -25,12 +26,13 @@ class BackwardSpace(SearchSpace):
         "q_halves",
         "exp2_turns",
         "dq_single",
+        "dq_flat",
     )
     description = (
         "backward: Q rows per step, K/V rows per CTA, Q/dO pipeline depth, dQ adds, dS^T "
         "buffers, who issues the dQ reductions, dQ's GEMM split by rows or columns or swapped, "
         "S^T and dP^T in halves of the Q block, the warpgroups' turns at the exp2, dQ in one "
-        "warpgroup"
+        "warpgroup, dQ staged in fragment order"
     )
 
     def params(self):
@@ -46,4 +48,5 @@ class BackwardSpace(SearchSpace):
             "q_halves": Choice([False, True]),
             "exp2_turns": Choice([False, True]),
             "dq_single": Choice([False, True]),
+            "dq_flat": Choice([False, True]),
         }

@@ -34,6 +34,11 @@ REGISTER_ADDS = 0.87  # dQ by red.global from registers (TMA 1.08-1.25x that, se
 ONE_DS_BUFFER = 0.99  # two dS^T buffers +0.5-1.8% (session 38)
 ONE_STAGE = 0.9  # a guess
 QUERY_HALVES = 1.041  # S^T and dP^T in halves (1.027-1.058x on six hd64 shapes, H100, session 48)
+# By head dim, the geomean over its six grid shapes (H100 SXM); other head dims as without.
+DQ_SINGLE = {64: 0.999, 96: 1.043}  # dQ in the first warpgroup (session 51)
+# dQ staged in fragment order (session 52); at head dim 128 unswapped with it tied the swapped dQ,
+# which the model rates as unswapped
+DQ_FLAT = {64: 1.065, 96: 1.050}
 # The deterministic mode's efficiency: with the dQ warp taking the turn (non-causal, causal), else
 # the register adds in turn (0.59 of the TMA path, causal or not).
 DETERMINISTIC_WARP = (0.875, 0.881)
@@ -61,6 +66,10 @@ def efficiency(config, problem) -> float:
         eff *= ONE_STAGE
     if config.q_halves:
         eff *= QUERY_HALVES
+    if config.dq_single:
+        eff *= DQ_SINGLE.get(d, 1.0)
+    if config.dq_flat:
+        eff *= DQ_FLAT.get(d, 1.0)
     return eff
 
 
