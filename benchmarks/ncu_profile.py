@@ -16,13 +16,15 @@ largest stall reasons, executed instructions, and (raw counters) shared memory's
 bank conflicts. With --source it also collects the source counters (warp-state samples per SASS
 instruction) and prints a second table: the opcodes the warps were sampled on most, each with its
 share of all samples and its largest stall reasons (where in the code the stalls of the first table
-are). With --backward the kernel is the backward's main kernel
-(fa4_bwd_sm90, its knobs for --set; the preprocessing kernel and the dQ cast around it are not
-profiled), run on the family's measurement case; --peer adds flash-attn-4's backward main kernel on
-the same tensors, as a last column. ncu replays the launch once per pass of counters, so a kernel's
-outputs are written several times; nothing is checked against the reference here (the other
-benchmarks do that). ncu needs a machine whose GPU counters are readable (on a gVisor host they are
-not: ncu says so and this script stops)."""
+are); --csv then keeps each launch's source page too (one row per SASS instruction: its samples by
+stall reason, executions and shared-memory wavefronts, the HGMMAs' operand reads among them). With
+--backward the kernel is the backward's main kernel (fa4_bwd_sm90, its knobs for --set; the
+preprocessing kernel and the dQ cast around it are not profiled), run on the family's measurement
+case; --peer adds flash-attn-4's backward main kernel on the same tensors, as a last column. ncu
+replays the launch once per pass of counters, so a kernel's outputs are written several times;
+nothing is checked against the reference here (the other benchmarks do that). ncu needs a machine
+whose GPU counters are readable (on a gVisor host they are not: ncu says so and this script
+stops)."""
 
 from __future__ import annotations
 
@@ -333,7 +335,12 @@ def main(argv=None) -> int:
         default=None,
         help="the ncu binary (default: ncu on PATH, else /usr/local/cuda/bin/ncu)",
     )
-    ap.add_argument("--csv", default=None, help="keep ncu's CSV of the details page here")
+    ap.add_argument(
+        "--csv",
+        default=None,
+        help="keep ncu's CSV of the details page here (with --source also each launch's source "
+        "page, one row per SASS instruction, beside it as <stem>-source<N>.csv)",
+    )
     ap.add_argument(
         "--timeout",
         type=float,
@@ -464,6 +471,9 @@ def main(argv=None) -> int:
                         "1",
                     ]
                 )
+                if args.csv:
+                    csv_path = Path(args.csv)
+                    csv_path.with_name(f"{csv_path.stem}-source{i}.csv").write_text(source.stdout)
                 try:
                     source_summaries.append(summarize_source(parse_source_csv(source.stdout)))
                 except ValueError as exc:

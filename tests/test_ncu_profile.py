@@ -242,7 +242,7 @@ def fake_ncu(tmp_path):
 def test_source_run_profiles_to_a_report_and_reads_each_launch_back(fake_ncu, tmp_path, capsys):
     """The whole main() with --source against a stand-in for ncu: the sections asked for, the report
     read back once for the details and once per launch for the source counters, both tables
-    printed."""
+    printed, and with --csv each launch's source page kept."""
     import json
 
     out_json = tmp_path / "out.json"
@@ -256,11 +256,16 @@ def test_source_run_profiles_to_a_report_and_reads_each_launch_back(fake_ncu, tm
                 "--source",
                 "--json",
                 str(out_json),
+                "--csv",
+                str(tmp_path / "kept.csv"),
             ]
         )
         == 0
     )
     printed = capsys.readouterr().out
+    for i in (0, 1):  # each launch's source page kept beside the details' CSV, as ncu printed it
+        kept = (tmp_path / f"kept-source{i}.csv").read_text()
+        assert kept == (tmp_path / f"source{i}.csv").read_text()
     assert "| XU (MUFU) pipe, % of peak | 66.48 | 69.30 |" in printed
     assert "| MUFU.EX2 | 80.0% (wait 60%, mio 40%) | 50.0% (mio 60%, wait 40%) |" in printed
     calls = (tmp_path / "calls.txt").read_text().splitlines()
@@ -293,6 +298,7 @@ def test_run_without_source_reads_the_details_only(fake_ncu, tmp_path, capsys):
     calls = (tmp_path / "calls.txt").read_text().splitlines()
     assert len(calls) == 2 and "SourceCounters" not in calls[0]
     assert parse_ncu_csv((tmp_path / "kept.csv").read_text())  # the details page's CSV kept
+    assert not list(tmp_path.glob("kept-source*"))
 
 
 def test_a_failed_profile_says_so_with_ncus_output(fake_ncu, tmp_path, capsys):
