@@ -738,23 +738,21 @@ def test_dq_single_takes_the_dq_warp_two_buffers_and_chunks_of_96():
     assert "dq_single" in BackwardSpace.knobs
 
 
-def test_dq_flat_takes_the_dq_warp_unswapped_and_the_same_shared_memory():
+def test_dq_flat_takes_the_dq_warp_and_the_same_shared_memory():
     """dq_flat: the dQ warp's bulk reductions of slices staged in fragment order. It needs the dQ
-    warp and dQ's GEMM unswapped; shared memory and registers are as without it, so every config
-    of the dQ warp but the swapped ones admits it."""
+    warp; shared memory and registers are as without it, so every config of the dQ warp admits
+    it, dQ's GEMM swapped or not (dQ^T's slabs: the Q block's rows by 64 columns)."""
     flat = cfg.DEFAULT_LADDER[0]
     base = replace(flat, dq_flat=False)
     assert flat.short() == base.short() + "-fl"
     assert BwdConfig.from_dict({"tile_m": 64}).dq_flat is False  # tables written before it
-    p64, p128 = Problem(head_dim=64, causal=True), Problem(head_dim=128, causal=True)
+    p64 = Problem(head_dim=64, causal=True)
     assert not FAMILY.infeasible_reasons(p64, flat, H200)
     assert cfg.smem_parts(flat, p64) == cfg.smem_parts(base, p64)
     assert cfg.consumer_registers_needed(flat, p64) == cfg.consumer_registers_needed(base, p64)
-    swap = BwdConfig(dq_tma=True, ds_stages=2, dq_warp=True, dq_swap=True)
     for problem, config, words in [
         (p64, BwdConfig(dq_tma=True, dq_flat=True), "dq_flat without dq_warp"),
         (p64, BwdConfig(dq_flat=True), "dq_flat without dq_warp"),
-        (p128, replace(swap, dq_flat=True), "dq_flat with dq_swap"),
     ]:
         reasons = FAMILY.infeasible_reasons(problem, config, H200)
         assert any(words in r for r in reasons), (config.short(), reasons)
@@ -763,8 +761,12 @@ def test_dq_flat_takes_the_dq_warp_unswapped_and_the_same_shared_memory():
         warp = [c for c, _ in admitted_with("dq_warp", (head_dim,), off=("dq_flat",))]
         assert warp
         for config in warp:
-            admitted = not FAMILY.infeasible_reasons(p, replace(config, dq_flat=True), H200)
-            assert admitted == (not config.dq_swap), config.short()
+            assert not FAMILY.infeasible_reasons(p, replace(config, dq_flat=True), H200)
+    # the slabs: 64 rows by the warpgroup's columns, or dQ^T's whole slice
+    swap = BwdConfig(tile_m=80, dq_tma=True, ds_stages=2, dq_warp=True, dq_swap=True)
+    assert cfg.flat_slab(replace(swap, dq_flat=True), 128) == (80, 64, True)
+    assert cfg.flat_slab(flat, 64) == (64, 64, False)
+    assert cfg.flat_slab(replace(base, dq_rows=False, dq_flat=True), 64) == (64, 32, False)
     # searched, and the default at head dims 64 and 96 (1.026-1.098x, kernel-notes, session 52)
     from fa4tune.space.backward import BackwardSpace
 
@@ -793,6 +795,16 @@ def test_the_flat_order_is_each_warpgroups_fragment_order():
         # the flat memory as (j, warp, r, c, h, e), permuted to rows (warp, h, r) x cols (j, c, e)
         back = flat.view(width // 8, 4, 8, 4, 2, 2).permute(1, 4, 2, 0, 3, 5).reshape(64, width)
         assert torch.equal(back, slice_)
+    # dq_swap's slabs: dQ^T's accumulator, 64 rows (dQ's columns) by the Q block's rows; dQ's
+    # (q, k) at flat_dq_offset(k, q, rows): the cast test's permute of dQ's (j, c, e) x (w, h, r)
+    for rows in (64, 80):
+        slab = torch.arange(rows * 64).reshape(rows, 64)
+        flat = torch.empty(rows * 64, dtype=torch.long)
+        for q in range(rows):
+            for k in range(64):
+                flat[cfg.flat_dq_offset(k, q, rows)] = slab[q, k]
+        permuted = slab.view(rows // 8, 4, 2, 4, 2, 8).permute(0, 3, 5, 1, 4, 2).flatten()
+        assert torch.equal(permuted, flat)
     with pytest.raises(AssertionError):
         cfg.flat_dq_offset(64, 0, 64)
 
@@ -801,9 +813,11 @@ def flat_configs() -> list:
     """(config, head_dim) of the default ladder's rungs with dq_flat where the rules admit it,
     causal, at head dims 64, 96, 128 and 192, and their deterministic forms."""
     found = []
+    # with dQ's GEMM swapped at 80 rows too (dQ^T's slabs of 80 rows)
+    swap80 = BwdConfig(tile_m=80, dq_tma=True, ds_stages=2, dq_warp=True, dq_swap=True)
     for head_dim in (64, 96, 128, 192):
         p = Problem(head_dim=head_dim, causal=True)
-        for config in cfg.DEFAULT_LADDER:
+        for config in (*cfg.DEFAULT_LADDER, swap80):
             for flat in (
                 replace(config, dq_flat=True),
                 replace(config, dq_flat=True).as_deterministic(),
@@ -847,8 +861,12 @@ def test_the_default_ladder_with_dq_flat_compiles_without_spills(capfd, tmp_path
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("head_dim,width", [(64, 32), (64, 64), (96, 48), (96, 96), (128, 64)])
-def test_the_flat_cast_compiles_without_spills(head_dim, width, capfd, tmp_path):
+@pytest.mark.parametrize(
+    "head_dim,slab",
+    [(64, (64, 32, False)), (64, (64, 64, False)), (96, (64, 48, False)), (96, (64, 96, False)),
+     (128, (64, 64, False)), (128, (64, 64, True)), (128, (80, 64, True)), (256, (80, 64, True))],
+)  # fmt: skip
+def test_the_flat_cast_compiles_without_spills(head_dim, slab, capfd, tmp_path):
     import os
 
     from test_kernel_compile import _spill_report
@@ -857,7 +875,7 @@ def test_the_flat_cast_compiles_without_spills(head_dim, width, capfd, tmp_path)
     from fa4tune.kernels.fa4_bwd_sm90.compile import compile_postprocess
 
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-    assert compile_postprocess("bf16", head_dim, width, H200) is not None  # the launch's
+    assert compile_postprocess("bf16", head_dim, slab, H200) is not None  # the launch's
     cute = import_dsl(H200)
     import cutlass
     from cutlass.cute.runtime import make_fake_stream
@@ -868,20 +886,25 @@ def test_the_flat_cast_compiles_without_spills(head_dim, width, capfd, tmp_path)
     args = (dynamic_tensor(cutlass.Float32, 4, 16), dynamic_tensor(DTYPES["bf16"], 4, 16),
             make_fake_stream())  # fmt: skip
     compiled = cute.compile(
-        FlatDqCast("bf16", head_dim, width), *args,
+        FlatDqCast("bf16", head_dim, *slab), *args,
         options=f"remarks{{ptx}} --keep-ptx --dump-dir {tmp_path}",
     )  # fmt: skip
     report = _spill_report("".join(capfd.readouterr()))
     assert all(r == (0, 0, 0) for r in report), report
     ptx = compiled.__ptx__
-    # a 16-byte load per 8-column group, then a 4-byte shared store per row of it, the CTA's
-    # barrier, and each thread's 8-column pieces of the slice (64 rows x width / 8 over 128
-    # threads): a 16-byte shared load and a 16-byte store each
+    rows, cols, transposed = slab
+    groups = (rows if transposed else cols) // 8  # of the 64-row accumulator's columns
+    # a 16-byte load per 8-column group, then the shared stores (dQ's accumulator: a 4-byte one
+    # per row of a group, dQ^T's: a 2-byte one per value), the CTA's barrier, and each thread's
+    # 8-column pieces of the slab (over 128 threads): a 16-byte shared load and store each
     count = lambda pattern: len(re.findall(pattern, ptx))  # noqa: E731
-    assert count(r"\n\s*ld(?:\.global)?\.v4\.[bf]32") == width // 8
-    assert count(r"\n\s*st\.shared\.b32") == 2 * (width // 8)
+    assert count(r"\n\s*ld(?:\.global)?\.v4\.[bf]32") == groups
+    if transposed:
+        assert count(r"\n\s*st\.shared\.b16") == 4 * groups
+    else:
+        assert count(r"\n\s*st\.shared\.b32") == 2 * groups
     assert count(r"\n\s*bar\.sync") == 1
-    pieces = -(-64 * (width // 8) // 128)
+    pieces = -(-rows * cols // 8 // 128)
     assert count(r"\n\s*ld\.shared\.v4\.b32") == pieces
     assert count(r"\n\s*st(?:\.global)?\.v4\.b32") == pieces
     # every global load before the first shared store, every shared store before the barrier
@@ -890,7 +913,9 @@ def test_the_flat_cast_compiles_without_spills(head_dim, width, capfd, tmp_path)
     barrier = re.search(r"\n\s*bar\.sync", ptx).start()
     assert barrier > max(m.start() for m in re.finditer(r"\n\s*st\.shared", ptx))
     with pytest.raises(ValueError, match="multiple of 8"):
-        FlatDqCast("bf16", 96, 36)
+        FlatDqCast("bf16", 96, 64, 36)
+    with pytest.raises(ValueError, match="64-row accumulator"):
+        FlatDqCast("bf16", 128, 80, 64)  # 80 rows only as dQ^T's
 
 
 def test_the_train_jobs_probe_dq_single_at_head_dims_64_and_96():

@@ -265,6 +265,16 @@ FLAT_CASES = [
     (dict(head_dim=64, seqlen_q=1500, batch=2, nheads_q=8, nheads_kv=2, causal=True),
      BwdConfig(tile_m=128, deterministic=True, dq_tma=True, dq_warp=True, ds_stages=2,
                dq_rows=True, q_halves=True, dq_flat=True)),
+    # dQ's GEMM swapped (dQ^T's slabs): 80 and 64 rows, rows past seqlen_q, GQA and MQA,
+    # deterministic
+    (dict(head_dim=128, seqlen_q=1000, seqlen_k=1500, batch=2, nheads_q=8, nheads_kv=2,
+          causal=True),
+     BwdConfig(tile_m=80, dq_tma=True, dq_warp=True, ds_stages=2, dq_swap=True, dq_flat=True)),
+    (dict(head_dim=128, seqlen_q=777, batch=1, nheads_q=4),
+     BwdConfig(dq_tma=True, dq_warp=True, ds_stages=2, dq_swap=True, dq_flat=True)),
+    (dict(head_dim=128, seqlen_q=1029, batch=1, nheads_q=4, nheads_kv=1, causal=True),
+     BwdConfig(tile_m=80, deterministic=True, dq_tma=True, dq_warp=True, dq_swap=True,
+               dq_flat=True)),
 ]  # fmt: skip
 
 
@@ -274,16 +284,18 @@ def test_dq_flat_gradients_match_the_reference(fields, config):
 
 
 @pytest.mark.parametrize(
-    "head_dim,width,tile_m,pad",
-    [(64, 64, 128, 0), (96, 48, 64, 0), (96, 96, 64, 0), (128, 64, 64, 0), (64, 32, 128, 4)],
-)
-def test_the_flat_cast_puts_every_value_back_in_place(head_dim, width, tile_m, pad):
+    "head_dim,slab,tile_m,pad",
+    [(64, (64, 64, False), 128, 0), (96, (64, 48, False), 64, 0), (96, (64, 96, False), 64, 0),
+     (128, (64, 64, False), 64, 0), (64, (64, 32, False), 128, 4), (128, (64, 64, True), 64, 0),
+     (128, (80, 64, True), 80, 0), (128, (80, 64, True), 80, 4)],
+)  # fmt: skip
+def test_the_flat_cast_puts_every_value_back_in_place(head_dim, slab, tile_m, pad):
     """The cast kernel alone: an accumulator laid out in config.flat_dq_offset's order (made here
-    by a view and a permute of dQ's padded rows), read back into a poisoned dQ, bitwise the 16-bit
-    rounding of every value; rows past seqlen_q (and, with pad, the columns past head_dim: strides
-    that are not multiples of 8, which go through a contiguous copy) left alone."""
+    by a view and a permute of dQ's padded rows; dq_swap's slabs as dQ^T's accumulator), read back
+    into a poisoned dQ, bitwise the 16-bit rounding of every value; rows past seqlen_q (and, with
+    pad, the columns past head_dim: strides that are not multiples of 8, which go through a
+    contiguous copy) left alone."""
     from fa4tune.kernels.fa4_bwd_sm90.compile import compile_postprocess
-    from fa4tune.kernels.fa4_bwd_sm90.config import FLAT_ROWS
     from fa4tune.kernels.fa4_bwd_sm90.launch import run_postprocess
 
     batch, seqlen_q, heads = 2, 1000, 3
@@ -292,17 +304,24 @@ def test_the_flat_cast_puts_every_value_back_in_place(head_dim, width, tile_m, p
     dq_true = torch.randn(batch, seqlen_q, heads, head_dim, device="cuda", generator=gen)
     full = torch.zeros(batch, padded, heads, head_dim, device="cuda")
     full[:, :seqlen_q] = dq_true
-    blocks, slices = padded // FLAT_ROWS, head_dim // width
-    # rows (block, warp, h, r) x columns (slice, j, c, e) -> (batch, head, block, slice, j, warp,
-    # r, c, h, e)
-    rows_cols = full.view(batch, blocks, 4, 2, 8, heads, slices, width // 8, 4, 2)
-    acc = rows_cols.permute(0, 5, 1, 6, 7, 2, 4, 8, 3, 9).contiguous()
-    acc = acc.view(batch, padded, heads, head_dim)
+    rows, cols, transposed = slab
+    blocks, slices = padded // rows, head_dim // cols
+    if transposed:
+        # dQ's rows (block, j, c, e) x columns (slice, warp, h, r): the accumulator's 64 rows are
+        # dQ's columns -> (batch, head, block, slice, j, warp, r, c, h, e)
+        view = full.view(batch, blocks, rows // 8, 4, 2, heads, slices, 4, 2, 8)
+        acc = view.permute(0, 5, 1, 6, 2, 7, 9, 3, 8, 4)
+    else:
+        # rows (block, warp, h, r) x columns (slice, j, c, e) -> (batch, head, block, slice, j,
+        # warp, r, c, h, e)
+        view = full.view(batch, blocks, 4, 2, 8, heads, slices, cols // 8, 4, 2)
+        acc = view.permute(0, 5, 1, 6, 7, 2, 4, 8, 3, 9)
+    acc = acc.contiguous().view(batch, padded, heads, head_dim)
     # dQ a view of the first seqlen_q rows of a poisoned buffer: what lies past them must stay
     buffer = torch.full((batch, padded + 8, heads, head_dim + pad), float("nan"), device="cuda",
                         dtype=torch.bfloat16)  # fmt: skip
     dq = buffer[:, :seqlen_q, :, :head_dim]
-    run_postprocess(compile_postprocess("bf16", head_dim, width, H200), acc, dq)
+    run_postprocess(compile_postprocess("bf16", head_dim, slab, H200), acc, dq)
     torch.cuda.synchronize()
     assert torch.equal(dq, dq_true.to(torch.bfloat16))
     assert torch.isnan(buffer[:, seqlen_q:]).all()
@@ -319,6 +338,12 @@ BITWISE_CASES = [
     (BwdConfig(tile_m=128, deterministic=True, dq_tma=True, dq_warp=True, dq_rows=True), 64),
     (BwdConfig(num_stages=1, deterministic=True), 256),  # a semaphore per Q block and chunk
     (BwdConfig(tile_m=80, dq_swap=True, deterministic=True, dq_tma=True, dq_warp=True), 128),
+    (
+        BwdConfig(
+            tile_m=80, dq_swap=True, deterministic=True, dq_tma=True, dq_warp=True, dq_flat=True
+        ),
+        128,
+    ),
     (
         BwdConfig(
             tile_m=128, deterministic=True, dq_tma=True, dq_warp=True, dq_rows=True, q_halves=True

@@ -127,12 +127,13 @@ def compile_preprocess(
 _POSTPROCESS_CACHE: dict[tuple, object] = {}
 
 
-def compile_postprocess(dtype: str, head_dim: int, width: int, target: Target | str | None = None):
+def compile_postprocess(dtype: str, head_dim: int, slab: tuple, target: Target | str | None = None):
     """The cast of a dq_flat accumulator into dQ (postprocess.py), for this dtype, head dim and
-    slice width (config.flat_width); one per process and key, shapes run-time."""
+    slab (config.flat_slab: rows, columns, transposed); one per process and key, shapes
+    run-time."""
     target = get_target(target)
     dtype = normalize_dtype(dtype)
-    key = (dtype, head_dim, width, target.arch)
+    key = (dtype, head_dim, tuple(slab), target.arch)
     with _CACHE_LOCK:
         hit = _POSTPROCESS_CACHE.get(key)
     if hit is not None:
@@ -149,7 +150,7 @@ def compile_postprocess(dtype: str, head_dim: int, width: int, target: Target | 
         dynamic_tensor(DTYPES[dtype], 4, 16),  # dQ
         make_fake_stream(),
     )
-    function = cute.compile(FlatDqCast(dtype, head_dim, width), *args)
+    function = cute.compile(FlatDqCast(dtype, head_dim, *slab), *args)
     with _CACHE_LOCK:
         return _POSTPROCESS_CACHE.setdefault(key, function)
 

@@ -96,8 +96,10 @@ def head_dim_chunk(head_dim: int) -> int:
 
 
 # dq_flat: the accumulator's order. Per (batch, query head), the rows (padded to the Q tile) in
-# blocks of FLAT_ROWS, each block in slices of flat_width columns, a slice's FLAT_ROWS x width
-# values in the order a warpgroup's wgmma accumulator holds them (flat_dq_offset).
+# blocks, each block in slices of the head dim's columns, a block's slice (a slab) in the order a
+# warpgroup's 64-row wgmma accumulator holds it (flat_dq_offset): without dq_swap FLAT_ROWS rows of
+# dQ by flat_width columns, with dq_swap the Q block's rows by 64 columns (dQ^T's accumulator:
+# its 64 rows are dQ's columns).
 FLAT_ROWS = 64
 
 
@@ -108,12 +110,22 @@ def flat_width(config: BwdConfig, head_dim: int) -> int:
     return chunk if config.dq_rows else chunk // config.dq_warpgroups
 
 
+def flat_slab(config: BwdConfig, head_dim: int) -> tuple[int, int, bool]:
+    """dq_flat: (dQ's rows, dQ's columns, transposed) of a slab of the accumulator, which one bulk
+    reduction adds: FLAT_ROWS rows by flat_width columns in the order of dQ's accumulator, or with
+    dq_swap the Q block's tile_m rows by 64 columns in the order of dQ^T's (64 x tile_m)."""
+    if config.dq_swap:
+        return config.tile_m, FLAT_ROWS, True
+    return FLAT_ROWS, flat_width(config, head_dim), False
+
+
 def flat_dq_offset(row: int, col: int, width: int) -> int:
-    """dq_flat: where dQ's value (row, col) of a FLAT_ROWS x width slice lies in it. A wgmma
-    accumulator gives thread t = 32 w + 4 r + c (warp w, quad r, place c) the rows 16 w + r and
-    16 w + r + 8 (h = 0, 1) of columns 8 j + 2 c and 8 j + 2 c + 1 (e = 0, 1) for each 8-column
-    group j: its four values of group j lie side by side, (h, e) at 2 h + e, the warpgroup's 128
-    threads' fours in thread order, the groups one after the other."""
+    """dq_flat: where a 64 x width accumulator's value (row, col) lies in its slab (dQ's (row,
+    col), or with dq_swap dQ's (col, row): flat_slab). A wgmma accumulator gives thread t = 32 w +
+    4 r + c (warp w, quad r, place c) the rows 16 w + r and 16 w + r + 8 (h = 0, 1) of columns 8 j
+    + 2 c and 8 j + 2 c + 1 (e = 0, 1) for each 8-column group j: its four values of group j lie
+    side by side, (h, e) at 2 h + e, the warpgroup's 128 threads' fours in thread order, the
+    groups one after the other."""
     w, h, r = row // 16, row % 16 // 8, row % 8
     j, c, e = col // 8, col % 8 // 2, col % 2
     assert 0 <= row < FLAT_ROWS and 0 <= col < width
@@ -162,13 +174,14 @@ class BwdConfig:
     no longer meet every step: the second runs up to a step ahead (bounded by the dS^T buffers),
     its exp2 beside the first's dQ GEMM (flash-attn-4's SM90 backward computes dQ in one
     warpgroup at head dim 96).
-    dq_flat (dq_warp, dQ's GEMM not swapped): a warpgroup stages its slice of dQ in the order its
-    accumulator lies in registers (each thread's four values of an 8-column group side by side:
-    16-byte stores, consecutive threads at consecutive addresses, no bank conflict), not as a
-    swizzled row-major tile (8-byte stores, two rows of a half-warp's on the same banks); the dQ
-    warp adds each 64-row block of the slice with a bulk reduction of its bytes (no tensor map)
-    into an accumulator laid out in the same order (flat_dq_offset), which the cast kernel
-    (postprocess.py) reads back into dQ's rows and columns."""
+    dq_flat (dq_warp): a warpgroup stages its slice of dQ in the order its accumulator lies in
+    registers (each thread's four values of an 8-column group side by side: 16-byte stores,
+    consecutive threads at consecutive addresses, no bank conflict), not as a swizzled row-major
+    tile (8-byte stores, two rows of a half-warp's on the same banks; with dq_swap 4-byte ones,
+    dQ^T's pairs lying a row apart); the dQ warp adds each slab of the slice (flat_slab) with a
+    bulk reduction of its bytes (no tensor map) into an accumulator laid out in the same order
+    (flat_dq_offset), which the cast kernel (postprocess.py) reads back into dQ's rows and
+    columns."""
 
     tile_m: int = 64
     tile_n: int = 128
@@ -466,10 +479,6 @@ def dq_reasons(config: BwdConfig) -> list[str]:
         reasons.append("dq_single with exp2_turns: both pace the warpgroups (built apart)")
     if config.dq_flat and not config.dq_warp:
         reasons.append("dq_flat without dq_warp: the dQ warp issues the bulk reductions")
-    if config.dq_flat and config.dq_swap:
-        reasons.append(
-            "dq_flat with dq_swap: dQ^T's accumulator lies transposed, not in dQ's fragment order"
-        )
     if config.dq_rows and config.tile_m != 64 * config.consumer_warpgroups:
         reasons.append(
             f"dq_rows with tile_m={config.tile_m}: each of the {config.consumer_warpgroups} "

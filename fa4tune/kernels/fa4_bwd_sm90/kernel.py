@@ -241,10 +241,10 @@ class FlashBackwardSm90:
         self.dq_single = config.dq_single
         self.dq_wgs = config.dq_warpgroups  # that compute dQ, a slice of its columns each
         self.dq_flat = config.dq_flat
-        # dq_flat: a warpgroup's slice of dQ (columns, and 64-row blocks of it) in sdQ and in the
-        # accumulator (config.flat_dq_offset)
-        self.flat_width = cfg.flat_width(config, head_dim)
-        self.flat_blocks = 1 if config.dq_rows else config.tile_m // cfg.FLAT_ROWS
+        # dq_flat: a warpgroup's slice of dQ in sdQ and in the accumulator, in slabs
+        # (config.flat_slab: 64-row blocks of its columns, or with dq_swap the whole slice)
+        self.flat_slab = cfg.flat_slab(config, head_dim)
+        self.flat_blocks = 1 if config.dq_rows or config.dq_swap else config.tile_m // cfg.FLAT_ROWS
         self.part_m = config.tile_m // self.parts
         self.ds_stages = config.ds_stages
         self.wgs = config.consumer_warpgroups
@@ -1435,11 +1435,12 @@ class FlashBackwardSm90:
         self, mdQacc: cute.Tensor, sdQ: cute.Tensor, m_block, head, batch, w: int, chunk
     ):
         """dq_flat, one thread of the dQ warp: warpgroup w's staged slice of Q block m_block's dQ
-        added into the accumulator, a bulk reduction per 64-row block of it. The accumulator
-        (the launch's (batch, rows padded to the Q tile, heads, head dim) fp32, its memory in
-        config.flat_dq_offset's order) holds per (batch, head) its 64-row blocks, each in slices
-        of flat_width columns of FLAT_ROWS x flat_width values."""
-        rows, width = cfg.FLAT_ROWS, self.flat_width
+        added into the accumulator, a bulk reduction per slab of it. The accumulator (the
+        launch's (batch, rows padded to the Q tile, heads, head dim) fp32, its memory in
+        config.flat_dq_offset's order) holds per (batch, head) its blocks of a slab's rows, each
+        in slices of a slab's columns (config.flat_slab: 64 rows by flat_width columns, or with
+        dq_swap the Q block's rows by 64 columns)."""
+        rows, width, _ = self.flat_slab
         block_values = rows * width
         blocks = mdQacc.shape[0] // rows  # the accumulator's rows, padded to the Q tile
         heads = mdQacc.shape[2]

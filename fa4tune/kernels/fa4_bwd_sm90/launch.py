@@ -18,7 +18,7 @@ from ...target import Target, get_target
 from ..common.dsl import import_dsl
 from ..common.inputs import check_device, check_inputs, make_problem
 from .compile import compile_backward, compile_postprocess, compile_preprocess
-from .config import BwdConfig, flat_width, grid_reasons, head_dim_chunk
+from .config import BwdConfig, flat_slab, grid_reasons, head_dim_chunk
 
 LOG2_E = math.log2(math.e)
 
@@ -169,7 +169,7 @@ def attention_backward(
         if dq is None:
             dq = torch.empty((batch, seqlen_q, nheads_q, d), dtype=q.dtype, device=q.device)
         if config.dq_flat:
-            cast = compile_postprocess(problem.dtype, d, flat_width(config, d), target)
+            cast = compile_postprocess(problem.dtype, d, flat_slab(config, d), target)
             run_postprocess(cast, dq_acc, dq)
         else:
             dq.copy_(dq_acc)
