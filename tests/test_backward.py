@@ -943,8 +943,7 @@ def test_the_train_jobs_probe_dq_single_at_head_dims_64_and_96():
 
 def test_the_train_jobs_probe_dq_flat_on_every_problem():
     """dq_flat, the space's last knob and the default at head dims 64 and 96: every problem of
-    both train jobs measures the other side of it among its probes (at head dim 128 through a
-    repair of dq_swap, which it cannot take)."""
+    both train jobs measures the other side of it among its probes."""
     from pathlib import Path
 
     from fa4tune.space import compose
