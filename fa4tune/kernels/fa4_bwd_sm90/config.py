@@ -532,15 +532,15 @@ RULES = (
 
 # The default's candidates, first that fits: 128 Q rows a step with dQ's TMA reductions issued by
 # the dQ warp, two dS^T buffers, dQ's GEMM split by rows and S^T and dP^T in halves of the Q block,
-# dQ staged flat (fits at head dim 64 only; there the halves 1.027-1.058x the whole block on the
-# six grid shapes, H100 SXM, session 48; the rows split 1.02-1.04x the column split, and 128 rows
+# dQ staged flat (fits at head dim 64 only; there the halves 1.027-1.058x the whole block on the six
+# grid shapes, H100 SXM, session 48; the rows split 1.02-1.04x the column split, and 128 rows
 # 1.17-1.22x the 64-row default, on the H200; dq_flat 1.026-1.098x, session 52), then the same
 # without the halves or dq_flat, then with dQ's GEMM split by columns, then 64 rows with dQ's GEMM
 # swapped (dQ^T; fits at head dim 128 only, 1.02-1.08x the unswapped 64 rows on all eight
-# head-dim-128 shapes of the train job, H100 SXM, session 44; dq_flat, which cannot swap, ties
-# it), then 64 rows with dQ's whole GEMM in the first warpgroup, staged flat (fits at head dim 96
-# only; 1.023-1.076x the two warpgroups' column split on the six head-dim-96 grid shapes, H100
-# SXM, session 51; dq_flat 1.031-1.079x on the same, session 52), then
+# head-dim-128 shapes of the train job, H100 SXM, session 44; unswapped with dq_flat ties it;
+# swapped with dq_flat not yet measured), then 64 rows with dQ's whole GEMM in the first warpgroup,
+# staged flat (fits at head dim 96 only; 1.023-1.076x the two warpgroups' column split on the six
+# head-dim-96 grid shapes, H100 SXM, session 51; dq_flat 1.031-1.079x on the same, session 52), then
 # 64 rows unswapped (the dQ warp 1.06-1.14x the consumer-issued reductions at head dim 128,
 # 1.08-1.11x at 64; two dS^T buffers +0.5-1.8% at 128), then the consumer warp issuing the
 # reductions, dQ by TMA alone (the TMA reductions 1.08-1.25x the register adds at head dims 64 and
