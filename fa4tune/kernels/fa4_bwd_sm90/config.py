@@ -537,12 +537,12 @@ RULES = (
 # 1.17-1.22x the 64-row default, on the H200; dq_flat 1.026-1.098x, session 52), then the same
 # without the halves or dq_flat, then with dQ's GEMM split by columns, then 64 rows with dQ's GEMM
 # swapped (dQ^T; fits at head dim 128 only, 1.02-1.08x the unswapped 64 rows on all eight
-# head-dim-128 shapes of the train job, H100 SXM, session 44; unswapped with dq_flat ties it;
-# swapped with dq_flat not yet measured), then 64 rows with dQ's whole GEMM in the first warpgroup,
-# staged flat (fits at head dim 96 only; 1.023-1.076x the two warpgroups' column split on the six
-# head-dim-96 grid shapes, H100 SXM, session 51; dq_flat 1.031-1.079x on the same, session 52), then
-# 64 rows unswapped (the dQ warp 1.06-1.14x the consumer-issued reductions at head dim 128,
-# 1.08-1.11x at 64; two dS^T buffers +0.5-1.8% at 128), then the consumer warp issuing the
+# head-dim-128 shapes of the train job, H100 SXM, session 44; unswapped with dq_flat ties it,
+# swapped with dq_flat 0.995x, session 53), then 64 rows with dQ's whole GEMM in the first
+# warpgroup, staged flat (fits at head dim 96 only; 1.023-1.076x the two warpgroups' column split on
+# the six head-dim-96 grid shapes, H100 SXM, session 51; dq_flat 1.031-1.079x on the same, session
+# 52), then 64 rows unswapped (the dQ warp 1.06-1.14x the consumer-issued reductions at head dim
+# 128, 1.08-1.11x at 64; two dS^T buffers +0.5-1.8% at 128), then the consumer warp issuing the
 # reductions, dQ by TMA alone (the TMA reductions 1.08-1.25x the register adds at head dims 64 and
 # 128), the register adds, and one stage (docs/kernel-notes.md, sessions 37 to 40).
 DEFAULT_LADDER = (
