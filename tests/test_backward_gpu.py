@@ -283,6 +283,23 @@ def test_dq_flat_gradients_match_the_reference(fields, config):
     check_gradients(fields, config)
 
 
+# lse_early: 80 rows, dQ^T staged flat, LSE2 in registers from the step's top (non-causal: the
+# one build of it without spills). GQA, rows past seqlen_q and past seqlen_k.
+LSE_EARLY_CASES = [
+    (dict(head_dim=128, seqlen_q=1000, seqlen_k=1500, batch=2, nheads_q=8, nheads_kv=2),
+     BwdConfig(tile_m=80, dq_tma=True, dq_warp=True, ds_stages=2, dq_swap=True, dq_flat=True,
+               lse_early=True)),
+    (dict(head_dim=128, seqlen_q=777, seqlen_k=333, batch=1, nheads_q=4),
+     BwdConfig(tile_m=80, dq_tma=True, dq_warp=True, ds_stages=2, dq_swap=True, dq_flat=True,
+               lse_early=True)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("fields,config", LSE_EARLY_CASES, ids=lambda v: str(v))
+def test_lse_early_gradients_match_the_reference(fields, config):
+    check_gradients(fields, config)
+
+
 @pytest.mark.parametrize(
     "head_dim,slab,tile_m,pad",
     [(64, (64, 64, False), 128, 0), (96, (64, 48, False), 64, 0), (96, (64, 96, False), 64, 0),

@@ -77,6 +77,7 @@ KNOBS: dict[str, tuple] = {
     "exp2_turns": (False, True),
     "dq_single": (False, True),
     "dq_flat": (False, True),
+    "lse_early": (False, True),
 }
 # dq_single: the widest chunk of the head dim it builds without spills at
 DQ_SINGLE_MAX_CHUNK = 96
@@ -196,6 +197,7 @@ class BwdConfig:
     exp2_turns: bool = False
     dq_single: bool = False
     dq_flat: bool = False
+    lse_early: bool = False
 
     def __post_init__(self) -> None:
         bad = []
@@ -242,7 +244,7 @@ class BwdConfig:
             f"{'-r' if self.dq_rows else ''}{'-sw' if self.dq_swap else ''}"
             f"{'-ds2' if self.ds_stages == 2 else ''}{'-h2' if self.q_halves else ''}"
             f"{'-xt' if self.exp2_turns else ''}{'-q1' if self.dq_single else ''}"
-            f"{'-fl' if self.dq_flat else ''}"
+            f"{'-fl' if self.dq_flat else ''}{'-le' if self.lse_early else ''}"
         )
 
     @property
@@ -342,7 +344,7 @@ def stats_in_registers(config: BwdConfig, problem: Problem) -> tuple[bool, bool]
     _, consumer = REGISTER_SPLIT[config.consumer_warpgroups]
     room = consumer - consumer_registers_needed(config, problem)
     stats = config.tile_m // 4 // config.query_parts
-    return room >= stats, room >= 2 * stats
+    return room >= stats or config.lse_early, room >= 2 * stats
 
 
 def _extra_state(config: BwdConfig) -> list[str]:
