@@ -35,12 +35,13 @@ def test_every_gpu_case_runs_a_config_the_rules_admit():
         BITWISE_CASES,
         CASES,
         FLAT_CASES,
+        LSE_EARLY_CASES,
         SINGLE_CASES,
         TURNS_CASES,
         bitwise_problem,
     )
 
-    listed = CASES + TURNS_CASES + SINGLE_CASES + FLAT_CASES
+    listed = CASES + TURNS_CASES + SINGLE_CASES + FLAT_CASES + LSE_EARLY_CASES
     cases = [(Problem(**fields), config) for fields, config in listed]
     cases += [(bitwise_problem(head_dim), config) for config, head_dim in BITWISE_CASES]
     for problem, config in cases:
@@ -624,7 +625,7 @@ def admitted_with(knob: str, head_dims, causal: bool = True, off=()) -> list:
 def halves_configs(causal: bool = True) -> list:
     """Every config with q_halves the rules admit at head dim 64 (deterministic or not; without
     exp2_turns or dq_single: turns_configs, single_configs)."""
-    off = ("exp2_turns", "dq_single", "dq_flat")
+    off = ("exp2_turns", "dq_single", "dq_flat", "lse_early")
     return [c for c, _ in admitted_with("q_halves", (64,), causal, off=off)]
 
 
@@ -663,7 +664,7 @@ def test_q_halves_takes_128_rows_at_head_dim_64_and_reads_the_stats_early():
 def turns_configs() -> list:
     """(config, head_dim) of every exp2_turns config the rules admit at head dims 64, 96 and 128,
     causal."""
-    return admitted_with("exp2_turns", (64, 96, 128), off=("dq_flat",))
+    return admitted_with("exp2_turns", (64, 96, 128), off=("dq_flat", "lse_early"))
 
 
 def test_exp2_turns_take_two_warpgroups_and_no_registers():
@@ -692,7 +693,7 @@ def test_exp2_turns_take_two_warpgroups_and_no_registers():
 def single_configs() -> list:
     """(config, head_dim) of every dq_single config the rules admit at head dims 64 to 256,
     causal."""
-    return admitted_with("dq_single", cfg.SUPPORTED_HEAD_DIMS, off=("dq_flat",))
+    return admitted_with("dq_single", cfg.SUPPORTED_HEAD_DIMS, off=("dq_flat", "lse_early"))
 
 
 def test_dq_single_takes_the_dq_warp_two_buffers_and_chunks_of_96():
@@ -758,7 +759,7 @@ def test_dq_flat_takes_the_dq_warp_and_the_same_shared_memory():
         assert any(words in r for r in reasons), (config.short(), reasons)
     for head_dim in (64, 96, 128, 192):
         p = Problem(head_dim=head_dim, causal=True)
-        warp = [c for c, _ in admitted_with("dq_warp", (head_dim,), off=("dq_flat",))]
+        warp = [c for c, _ in admitted_with("dq_warp", (head_dim,), off=("dq_flat", "lse_early"))]
         assert warp
         for config in warp:
             assert not FAMILY.infeasible_reasons(p, replace(config, dq_flat=True), H200)
@@ -773,6 +774,44 @@ def test_dq_flat_takes_the_dq_warp_and_the_same_shared_memory():
     assert "dq_flat" in BackwardSpace.knobs
     assert BackwardSpace.params(None)["dq_flat"].choices == (False, True)
     assert [c.dq_flat for c in cfg.DEFAULT_LADDER].count(True) == 2
+
+
+LSE_EARLY = BwdConfig(tile_m=80, dq_tma=True, dq_warp=True, ds_stages=2, dq_swap=True,
+                     dq_flat=True, lse_early=True)  # fmt: skip
+
+
+def test_lse_early_takes_80_rows_flat_and_swapped_without_the_mask():
+    """lse_early holds LSE2 in registers where the register model finds no room: taken only
+    where ptxas built it without spills (head dim 128, 80 rows, dQ swapped and flat, neither
+    causal nor deterministic), refused where the model keeps LSE2 in registers anyway."""
+    p = Problem(head_dim=128)
+    assert LSE_EARLY.short().endswith("-fl-le")
+    assert BwdConfig.from_dict({"tile_m": 80}).lse_early is False  # tables written before it
+    assert not FAMILY.infeasible_reasons(p, LSE_EARLY, H200)
+    assert cfg.stats_in_registers(LSE_EARLY, p)[0]
+    assert not cfg.stats_in_registers(replace(LSE_EARLY, lse_early=False), p)[0]
+    for problem, config, words in [
+        (Problem(head_dim=128, causal=True), LSE_EARLY, "only at head dim 128"),
+        (p, replace(LSE_EARLY, dq_flat=False), "only at head dim 128"),
+        (p, replace(LSE_EARLY, deterministic=True), "only at head dim 128"),
+        (p, replace(LSE_EARLY, tile_m=64), "the same kernel"),
+    ]:  # fmt: skip
+        reasons = FAMILY.infeasible_reasons(problem, config, H200)
+        assert any(words in r for r in reasons), (config.short(), reasons)
+
+
+@pytest.mark.compile
+def test_lse_early_compiles_without_spills(capfd, tmp_path):
+    """What keeps lse_early's rule honest: its admitted configs (one and two Q stages) built for
+    sm_90a at head dim 128, non-causal."""
+    cases = [
+        (c, 128, False)
+        for c, _ in admitted_with("lse_early", (128,), causal=False)
+        if c.ds_stages == 2 and not c.exp2_turns
+    ]
+    assert LSE_EARLY in [c for c, _, _ in cases]
+    bad = compile_failures(cases, capfd, tmp_path)
+    assert not bad, bad
 
 
 def test_the_flat_order_is_each_warpgroups_fragment_order():

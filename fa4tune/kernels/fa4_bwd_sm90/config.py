@@ -182,7 +182,11 @@ class BwdConfig:
     dQ^T's pairs lying a row apart); the dQ warp adds each slab of the slice (flat_slab) with a
     bulk reduction of its bytes (no tensor map) into an accumulator laid out in the same order
     (flat_dq_offset), which the cast kernel (postprocess.py) reads back into dQ's rows and
-    columns."""
+    columns.
+    lse_early (head dim 128, 80 rows, dq_swap, dq_flat, non-causal): LSE2 read into registers at
+    the step's top, as the register model allows at 64 rows, where at 80 rows it finds no room and
+    LSE2 is read at its use (whose loads stalled the exp2's FFMAs for 10% of the samples, session
+    53); ptxas builds it without spills in that one case."""
 
     tile_m: int = 64
     tile_n: int = 128
@@ -370,6 +374,21 @@ def register_reasons(config: BwdConfig, problem: Problem, target: Target) -> lis
             f"{''.join(', ' + e for e in extra)}) but get {consumer}: the kernel would spill or "
             "serialize its wgmma"
         ]
+    if config.lse_early:
+        if stats_in_registers(replace(config, lse_early=False), problem)[0]:
+            return [
+                f"lse_early where the register model keeps LSE2 in registers already "
+                f"({config.short()}, head dim {problem.head_dim}): the same kernel"
+            ]
+        built = problem.head_dim == 128 and config.tile_m == 80 and config.dq_swap
+        built = built and config.dq_flat and not problem.causal and not config.deterministic
+        if not built:
+            return [
+                "lse_early builds without spills only at head dim 128 with 80 rows, dq_swap and "
+                f"dq_flat, non-causal and not deterministic ({config.short()}, head dim "
+                f"{problem.head_dim}{' causal' if problem.causal else ''}: ptxas spilled 8-84 "
+                "bytes elsewhere, session 54)"
+            ]
     key = (problem.head_dim, config.tile_m, config.tile_n, config.num_stages, config.dq_tma,
            config.ds_stages, problem.causal, config.dq_warp, config.deterministic,
            config.q_halves)  # fmt: skip
