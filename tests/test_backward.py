@@ -96,16 +96,22 @@ def test_every_default_is_feasible(head_dim, causal):
     # 128 Q rows a step where they fit (head dim 64), with dQ's GEMM split by rows and S^T and
     # dP^T in halves there, else 64, with dQ's GEMM swapped where it fits (head dim 128), in the
     # first warpgroup alone where that fits (head dim 96); dQ by TMA from the dQ warp, two dS^T
-    # buffers; dQ staged flat where it is not swapped
-    wide = head_dim == 64
+    # buffers; dQ staged flat where it is not swapped; at head dim 128 non-causal 80 rows,
+    # swapped, flat, LSE2 in registers (lse_early)
+    wide, m80 = head_dim == 64, head_dim == 128 and not causal
     assert config == BwdConfig(
-        tile_m=128 if wide else 64, dq_tma=True, ds_stages=2, dq_warp=True, dq_rows=wide,
-        dq_swap=head_dim == 128, q_halves=wide, dq_single=head_dim == 96,
-        dq_flat=head_dim != 128,
+        tile_m=128 if wide else 80 if m80 else 64, dq_tma=True, ds_stages=2, dq_warp=True,
+        dq_rows=wide, dq_swap=head_dim == 128, q_halves=wide, dq_single=head_dim == 96,
+        dq_flat=head_dim != 128 or m80, lse_early=m80,
     )  # fmt: skip
     # the deterministic mode keeps the tiles and the dQ warp: it issues the reductions in turn
+    # (lse_early spills beside the turn: the 64-row swapped rung)
     det = cfg.deterministic_config(config, p, H200)
-    assert det == replace(config, deterministic=True)
+    if m80:
+        assert det == BwdConfig(deterministic=True, dq_tma=True, ds_stages=2, dq_warp=True,
+                                dq_swap=True)  # fmt: skip
+    else:
+        assert det == replace(config, deterministic=True)
     assert not FAMILY.infeasible_reasons(p, det, H200)
 
 
@@ -773,7 +779,7 @@ def test_dq_flat_takes_the_dq_warp_and_the_same_shared_memory():
 
     assert "dq_flat" in BackwardSpace.knobs
     assert BackwardSpace.params(None)["dq_flat"].choices == (False, True)
-    assert [c.dq_flat for c in cfg.DEFAULT_LADDER].count(True) == 2
+    assert [c.dq_flat for c in cfg.DEFAULT_LADDER].count(True) == 3
 
 
 LSE_EARLY = BwdConfig(tile_m=80, dq_tma=True, dq_warp=True, ds_stages=2, dq_swap=True,
@@ -783,7 +789,8 @@ LSE_EARLY = BwdConfig(tile_m=80, dq_tma=True, dq_warp=True, ds_stages=2, dq_swap
 def test_lse_early_takes_80_rows_flat_and_swapped_without_the_mask():
     """lse_early holds LSE2 in registers where the register model finds no room: taken only
     where ptxas built it without spills (head dim 128, 80 rows, dQ swapped and flat, neither
-    causal nor deterministic), refused where the model keeps LSE2 in registers anyway."""
+    causal nor deterministic nor exp2_turns), refused where the model keeps LSE2 in registers
+    anyway."""
     p = Problem(head_dim=128)
     assert LSE_EARLY.short().endswith("-fl-le")
     assert BwdConfig.from_dict({"tile_m": 80}).lse_early is False  # tables written before it
@@ -794,6 +801,7 @@ def test_lse_early_takes_80_rows_flat_and_swapped_without_the_mask():
         (Problem(head_dim=128, causal=True), LSE_EARLY, "only at head dim 128"),
         (p, replace(LSE_EARLY, dq_flat=False), "only at head dim 128"),
         (p, replace(LSE_EARLY, deterministic=True), "only at head dim 128"),
+        (p, replace(LSE_EARLY, exp2_turns=True), "only at head dim 128"),
         (p, replace(LSE_EARLY, tile_m=64), "the same kernel"),
     ]:  # fmt: skip
         reasons = FAMILY.infeasible_reasons(problem, config, H200)
@@ -802,13 +810,10 @@ def test_lse_early_takes_80_rows_flat_and_swapped_without_the_mask():
 
 @pytest.mark.compile
 def test_lse_early_compiles_without_spills(capfd, tmp_path):
-    """What keeps lse_early's rule honest: its admitted configs (one and two Q stages) built for
-    sm_90a at head dim 128, non-causal."""
-    cases = [
-        (c, 128, False)
-        for c, _ in admitted_with("lse_early", (128,), causal=False)
-        if c.ds_stages == 2 and not c.exp2_turns
-    ]
+    """What keeps lse_early's rule honest: every config of it the rules admit (one and two Q
+    stages and dS^T buffers) built for sm_90a at head dim 128, non-causal (with exp2_turns
+    ptxas spilled 4 bytes: refused)."""
+    cases = [(c, 128, False) for c, _ in admitted_with("lse_early", (128,), causal=False)]
     assert LSE_EARLY in [c for c, _, _ in cases]
     bad = compile_failures(cases, capfd, tmp_path)
     assert not bad, bad
@@ -995,7 +1000,8 @@ def test_the_train_jobs_probe_dq_flat_on_every_problem():
         space, target = compose(job.kernel, job.spaces), get_target(target)
         for p in job.problems:
             default = space.default_params(p, target)["dq_flat"]
-            assert default == (p.head_dim in (64, 96)), (name, p.key())
+            flat = p.head_dim in (64, 96) or (p.head_dim == 128 and not p.causal)
+            assert default == flat, (name, p.key())
             probes = space.probes(p, target, job.probes)
             assert any(params["dq_flat"] != default for params in probes), (name, p.key())
 

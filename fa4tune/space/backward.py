@@ -27,12 +27,13 @@ class BackwardSpace(SearchSpace):
         "exp2_turns",
         "dq_single",
         "dq_flat",
+        "lse_early",
     )
     description = (
         "backward: Q rows per step, K/V rows per CTA, Q/dO pipeline depth, dQ adds, dS^T "
         "buffers, who issues the dQ reductions, dQ's GEMM split by rows or columns or swapped, "
         "S^T and dP^T in halves of the Q block, the warpgroups' turns at the exp2, dQ in one "
-        "warpgroup, dQ staged in fragment order"
+        "warpgroup, dQ staged in fragment order, LSE2 in registers at 80 rows"
     )
 
     def params(self):
@@ -49,4 +50,5 @@ class BackwardSpace(SearchSpace):
             "exp2_turns": Choice([False, True]),
             "dq_single": Choice([False, True]),
             "dq_flat": Choice([False, True]),
+            "lse_early": Choice([False, True]),
         }
