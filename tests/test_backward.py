@@ -617,6 +617,8 @@ def test_every_admitted_128_row_config_at_head_dim_64_compiles_without_spills(
 def admitted_with(knob: str, head_dims, causal: bool = True, off=()) -> list:
     """(config, head_dim) of every config with `knob` on that the rules admit at `head_dims`,
     each other knob over its legal values but those of `off`, left at their defaults."""
+    # split_loads only orders the loads (no rule but the chunks' looks at it): left at its default
+    off = tuple(off) + (("split_loads",) if knob != "split_loads" else ())
     names = [k for k in cfg.KNOBS if k != knob and k not in off]
     found = []
     for head_dim in head_dims:
@@ -816,6 +818,52 @@ def test_lse_early_compiles_without_spills(capfd, tmp_path):
     cases = [(c, 128, False) for c, _ in admitted_with("lse_early", (128,), causal=False)]
     assert LSE_EARLY in [c for c, _, _ in cases]
     bad = compile_failures(cases, capfd, tmp_path)
+    assert not bad, bad
+
+
+def test_split_loads_takes_the_head_dims_a_cta_holds_whole():
+    """K, V, Q and dO on barriers of their own: any config at head dims up to 128 (the loads'
+    order, no registers or shared memory the rules count), not with the head dim in chunks."""
+    for head_dim, rung in ((64, 0), (128, 3), (128, 4), (96, 5)):
+        base = cfg.DEFAULT_LADDER[rung]
+        split = replace(base, split_loads=True)
+        assert split.short() == base.short() + "-sl"
+        for causal in (False, True):
+            p = Problem(head_dim=head_dim, causal=causal)
+            if not FAMILY.infeasible_reasons(p, base, H200):
+                assert not FAMILY.infeasible_reasons(p, split, H200), (split.short(), head_dim)
+    assert BwdConfig.from_dict({"tile_m": 80}).split_loads is False  # tables written before it
+    for head_dim in (192, 256):
+        config = BwdConfig(num_stages=1, split_loads=True)
+        reasons = FAMILY.infeasible_reasons(Problem(head_dim=head_dim), config, H200)
+        assert any(f"split_loads at head_dim={head_dim}" in r for r in reasons), reasons
+        assert not FAMILY.infeasible_reasons(
+            Problem(head_dim=head_dim), replace(config, split_loads=False), H200
+        )
+
+
+# A spread of split_loads configs: each default rung at its head dim, the deterministic dQ warp,
+# one consumer warpgroup, one stage, the exp2 turns (config, head dim, causal).
+SPLIT_LOADS_BUILDS = [
+    (replace(cfg.DEFAULT_LADDER[0], split_loads=True), 64, True),
+    (replace(cfg.DEFAULT_LADDER[0], split_loads=True, deterministic=True), 64, False),
+    (replace(cfg.DEFAULT_LADDER[3], split_loads=True), 128, False),
+    (replace(cfg.DEFAULT_LADDER[4], split_loads=True), 128, True),
+    (replace(cfg.DEFAULT_LADDER[5], split_loads=True), 96, True),
+    (BwdConfig(tile_n=64, num_stages=1, dq_tma=True, split_loads=True), 64, True),
+    (replace(cfg.DEFAULT_LADDER[0], exp2_turns=True, dq_flat=False, split_loads=True), 64, False),
+]
+
+
+@pytest.mark.compile
+def test_split_loads_compiles_without_spills(capfd, tmp_path):
+    """The barriers' waits take no registers the model counts: a spread of split_loads configs
+    built for sm_90a without spills or serialized wgmma."""
+    for config, head_dim, causal in SPLIT_LOADS_BUILDS:
+        assert not FAMILY.infeasible_reasons(
+            Problem(head_dim=head_dim, causal=causal), config, H200
+        ), config.short()
+    bad = compile_failures(SPLIT_LOADS_BUILDS, capfd, tmp_path)
     assert not bad, bad
 
 

@@ -300,6 +300,33 @@ def test_lse_early_gradients_match_the_reference(fields, config):
     check_gradients(fields, config)
 
 
+# split_loads: K, V, Q and dO on barriers of their own (V after the first Q). The hd64 halves
+# causal with GQA and seqlen_k above seqlen_q, 80 rows non-causal with rows off the tiles, the
+# deterministic dQ warp, one consumer warpgroup with one stage, head dim 96 with dq_single.
+SPLIT_LOADS_CASES = [
+    (dict(head_dim=64, seqlen_q=1000, seqlen_k=1500, batch=2, nheads_q=8, nheads_kv=2,
+          causal=True),
+     BwdConfig(tile_m=128, dq_tma=True, ds_stages=2, dq_warp=True, dq_rows=True, q_halves=True,
+               dq_flat=True, split_loads=True)),
+    (dict(head_dim=128, seqlen_q=777, seqlen_k=333, batch=1, nheads_q=4),
+     BwdConfig(tile_m=80, dq_tma=True, dq_warp=True, ds_stages=2, dq_swap=True, dq_flat=True,
+               lse_early=True, split_loads=True)),
+    (dict(head_dim=128, seqlen_q=1029, batch=1, nheads_q=4, nheads_kv=1, causal=True),
+     BwdConfig(deterministic=True, dq_tma=True, ds_stages=2, dq_warp=True, dq_swap=True,
+               split_loads=True)),
+    (dict(head_dim=64, seqlen_q=700, seqlen_k=900, batch=2, nheads_q=2, causal=True),
+     BwdConfig(tile_n=64, num_stages=1, dq_tma=True, split_loads=True)),
+    (dict(head_dim=96, seqlen_q=1000, batch=1, nheads_q=6, causal=True),
+     BwdConfig(dq_tma=True, ds_stages=2, dq_warp=True, dq_single=True, dq_flat=True,
+               split_loads=True)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("fields,config", SPLIT_LOADS_CASES, ids=lambda v: str(v))
+def test_split_loads_gradients_match_the_reference(fields, config):
+    check_gradients(fields, config)
+
+
 @pytest.mark.parametrize(
     "head_dim,slab,tile_m,pad",
     [(64, (64, 64, False), 128, 0), (96, (64, 48, False), 64, 0), (96, (64, 96, False), 64, 0),

@@ -78,6 +78,7 @@ KNOBS: dict[str, tuple] = {
     "dq_single": (False, True),
     "dq_flat": (False, True),
     "lse_early": (False, True),
+    "split_loads": (False, True),
 }
 # dq_single: the widest chunk of the head dim it builds without spills at
 DQ_SINGLE_MAX_CHUNK = 96
@@ -186,7 +187,11 @@ class BwdConfig:
     lse_early (head dim 128, 80 rows, dq_swap, dq_flat, non-causal, no exp2_turns): LSE2 read
     into registers at the step's top, as the register model allows at 64 rows, where at 80 rows
     it finds no room and LSE2 is read at its use (whose loads stalled the exp2's FFMAs for 10% of
-    the samples, session 53); ptxas builds it without spills in that one case."""
+    the samples, session 53); ptxas builds it without spills in that one case.
+    split_loads (head dims up to MAX_CHUNK): K and V, and each stage's Q (with its LSE2) and dO
+    (with its D), on barriers of their own, loaded in the order K, Q, V, dO, so that a CTA's first
+    S^T GEMM waits for K and Q alone, not for all four, and a step's S^T for its Q, not its dO
+    (flash-attn-4's SM90 backward loads so)."""
 
     tile_m: int = 64
     tile_n: int = 128
@@ -202,6 +207,7 @@ class BwdConfig:
     dq_single: bool = False
     dq_flat: bool = False
     lse_early: bool = False
+    split_loads: bool = False
 
     def __post_init__(self) -> None:
         bad = []
@@ -249,6 +255,7 @@ class BwdConfig:
             f"{'-ds2' if self.ds_stages == 2 else ''}{'-h2' if self.q_halves else ''}"
             f"{'-xt' if self.exp2_turns else ''}{'-q1' if self.dq_single else ''}"
             f"{'-fl' if self.dq_flat else ''}{'-le' if self.lse_early else ''}"
+            f"{'-sl' if self.split_loads else ''}"
         )
 
     @property
@@ -460,6 +467,11 @@ def tile_reasons(config: BwdConfig, problem: Problem) -> list[str]:
         reasons.append(
             f"q_halves with tile_m={config.tile_m}: the parts are {HALF_ROWS} queries each (wgmma "
             f"N of S^T and dP^T), tile_m {2 * HALF_ROWS}"
+        )
+    if config.split_loads and chunk != problem.head_dim:
+        reasons.append(
+            f"split_loads at head_dim={problem.head_dim} (chunks of {chunk}): built for the "
+            f"head dims a CTA takes whole (up to {MAX_CHUNK}; the chunked producer loads as before)"
         )
     if problem.head_dim != problem.head_dim_v:
         reasons.append(

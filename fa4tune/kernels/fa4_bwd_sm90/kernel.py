@@ -241,6 +241,7 @@ class FlashBackwardSm90:
         self.dq_single = config.dq_single
         self.dq_wgs = config.dq_warpgroups  # that compute dQ, a slice of its columns each
         self.dq_flat = config.dq_flat
+        self.split_loads = config.split_loads
         # dq_flat: a warpgroup's slice of dQ in sdQ and in the accumulator, in slabs
         # (config.flat_slab: 64-row blocks of its columns, or with dq_swap the whole slice)
         self.flat_slab = cfg.flat_slab(config, head_dim)
@@ -368,6 +369,9 @@ class FlashBackwardSm90:
         class SharedStorage:
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            if const_expr(self.split_loads):  # V's barrier pair and dO's per stage
+                mbar_v: cute.struct.MemRange[cutlass.Int64, 2]
+                mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             sLSE: cute.struct.Align[
                 cute.struct.MemRange[Float32, stat_stage * self.num_stages], cfg.SMEM_ALIGN
             ]
@@ -439,6 +443,11 @@ class FlashBackwardSm90:
         bytes_q = 2 * cute.size_in_bytes(self.dtype, one_stage) + 2 * cute.size_in_bytes(
             Float32, stat_one
         )
+        if const_expr(self.split_loads):  # K alone, Q and LSE2 alone (V and dO and D the same)
+            bytes_kv = cute.size_in_bytes(self.dtype, sK_layout)
+            bytes_q = cute.size_in_bytes(self.dtype, one_stage) + cute.size_in_bytes(
+                Float32, stat_one
+            )
         # (K block [x chunk] x head in the section, sections of K/V heads, batch): cta_coords.
         x_extent = cute.ceil_div(cute.size(mK.shape[0]), tile_n)
         if const_expr(self.chunks > 1):  # a CTA per K block and chunk, a K block's adjacent
@@ -566,6 +575,26 @@ class FlashBackwardSm90:
             tx_count=bytes_q,
             defer_sync=True,
         )
+        # split_loads: V, and each stage's dO and D, on barriers of their own (as many bytes as
+        # K's, and as Q's and LSE2's)
+        pipe_v = pipe_do = None
+        if const_expr(self.split_loads):
+            pipe_v = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar_v.data_ptr(),
+                num_stages=1,
+                producer_group=one_thread,
+                consumer_group=consumer_warps,
+                tx_count=bytes_kv,
+                defer_sync=True,
+            )
+            pipe_do = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar_do.data_ptr(),
+                num_stages=self.num_stages,
+                producer_group=one_thread,
+                consumer_group=consumer_warps,
+                tx_count=bytes_q,
+                defer_sync=True,
+            )
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -601,8 +630,8 @@ class FlashBackwardSm90:
                     (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d),
                     (mQ, mK, mV, mdO, mLSE2, mD),
                     (sQ, sK, sV, sdO, sLSE, sD),
-                    pipe_kv,
-                    pipe_q,
+                    (pipe_kv, pipe_v),
+                    (pipe_q, pipe_do),
                     (n_block, head_kv, batch, group, m_block_min, blocks_per_head, steps),
                 )
                 if const_expr(self.chunks == 1):
@@ -622,8 +651,8 @@ class FlashBackwardSm90:
             self.consume(
                 (sQ, sK, sV, sdO, sLSE, sD, sdS),
                 (mma_sdp, mma_dkv, mma_dq),
-                pipe_kv,
-                pipe_q,
+                (pipe_kv, pipe_v),
+                (pipe_q, pipe_do),
                 (n_block, head_kv, batch, group, m_block_min, blocks_per_head, steps),
                 (seqlen_q, seqlen_k),
                 (mdQacc, mdQ, tma_dq, sdQ),
@@ -637,9 +666,12 @@ class FlashBackwardSm90:
 
     # ---- producer ------------------------------------------------------------------------------
     @cute.jit
-    def produce(self, atoms, tensors, smem, pipe_kv, pipe_q, walk):
+    def produce(self, atoms, tensors, smem, kv_pipes, q_pipes, walk):
         """K and V once, then Q, dO, LSE2 and D of each step (query head g of the group, Q block
-        m), in the consumers' order."""
+        m), in the consumers' order. split_loads: K, then the first step's Q and LSE2, V, its dO
+        and D, each pair on its own barrier, then every later step's Q and LSE2, dO and D."""
+        pipe_kv, pipe_v = kv_pipes
+        pipe_q, pipe_do = q_pipes
         tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d = atoms
         mQ, mK, mV, mdO, mLSE2, mD = tensors
         sQ, sK, sV, sdO, sLSE, sD = smem
@@ -659,9 +691,13 @@ class FlashBackwardSm90:
         pipe_kv.producer_acquire(kv_state)
         barrier = pipe_kv.producer_get_barrier(kv_state)
         cute.copy(tma_k, tKgK, tKsK, tma_bar_ptr=barrier)
-        cute.copy(tma_v, tVgV, tVsV, tma_bar_ptr=barrier)
+        if const_expr(not self.split_loads):
+            cute.copy(tma_v, tVgV, tVsV, tma_bar_ptr=barrier)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        first = None
+        if const_expr(self.split_loads):
+            first = Int32(1)  # V follows the first step's Q
         for g in cutlass.range(group, unroll=1):
             for m_block in cutlass.range(m_block_min, m_block_min + blocks_per_head, unroll=1):
                 head = head_kv * group + g
@@ -682,6 +718,15 @@ class FlashBackwardSm90:
                 stage = q_state.index
                 cute.copy(tma_q, tQgQ, tQsQ[None, stage], tma_bar_ptr=barrier)
                 cute.copy(tma_lse, tLgL, tLsL[None, stage], tma_bar_ptr=barrier)
+                if const_expr(self.split_loads):
+                    if first == 1:
+                        pipe_v.producer_acquire(kv_state)
+                        cute.copy(
+                            tma_v, tVgV, tVsV, tma_bar_ptr=pipe_v.producer_get_barrier(kv_state)
+                        )
+                        first = Int32(0)
+                    pipe_do.producer_acquire(q_state)
+                    barrier = pipe_do.producer_get_barrier(q_state)
                 cute.copy(tma_do, tdOgdO, tdOsdO[None, stage], tma_bar_ptr=barrier)
                 cute.copy(tma_d, tDgD, tDsD[None, stage], tma_bar_ptr=barrier)
                 q_state.advance()
@@ -708,11 +753,14 @@ class FlashBackwardSm90:
         return out
 
     @cute.jit
-    def produce_chunks(self, atoms, tensors, smem, pipe_kv, pipe_q, walk, chunk: Int32):
+    def produce_chunks(self, atoms, tensors, smem, kv_pipes, q_pipes, walk, chunk: Int32):
         """produce, for a head dim in chunks: a box per chunk of columns, the CTA's chunk first.
         Shared chunk i holds the columns of chunk (chunk + i) % chunks, in the same order in Q,
         dO, K and V (S^T and dP^T sum over all of them, in any order), so that the dK, dV and dQ
-        GEMMs read the CTA's chunk at the start of each buffer."""
+        GEMMs read the CTA's chunk at the start of each buffer. (Not with split_loads: the rules
+        refuse it with chunks.)"""
+        pipe_kv, _ = kv_pipes
+        pipe_q, _ = q_pipes
         tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d = atoms
         mQ, mK, mV, mdO, mLSE2, mD = tensors
         sQ, sK, sV, sdO, sLSE, sD = smem
@@ -767,8 +815,8 @@ class FlashBackwardSm90:
         self,
         smem,
         mmas,
-        pipe_kv,
-        pipe_q,
+        kv_pipes,
+        q_pipes,
         walk,
         seqlens,
         dq_out,
@@ -783,6 +831,8 @@ class FlashBackwardSm90:
         chunk of the head dim: the first chunk of Q's, dO's and K's buffers, produce_chunks)."""
         sQ, sK, sV, sdO, sLSE, sD, sdS = smem
         mma_sdp, mma_dkv, mma_dq = mmas
+        pipe_kv, pipe_v = kv_pipes
+        pipe_q, pipe_do = q_pipes
         n_block, head_kv, batch, group, m_block_min, blocks_per_head, steps = walk
         seqlen_q, seqlen_k = seqlens
         mdQacc, mdQ, tma_dq, sdQ = dq_out
@@ -915,7 +965,13 @@ class FlashBackwardSm90:
                     lse[0] = self.stat_words(sLSE, stage, s_coords[0][0, 0][1], s_cols, 0)
                 sdp_operands = (mma_sdp, s_shape, tSrK, tSrQ, tdPrV, tdPrdO)
                 acc_S, acc_dP = [None] * parts, [None] * parts
-                acc_S[0], acc_dP[0] = self.part_gemms(sdp_operands, 0, stage, wait=1)
+                # split_loads: dP^T waits for the stage's dO (and at the first step V), S^T not
+                loads = None
+                if const_expr(self.split_loads):
+                    loads = (pipe_v, kv_state, pipe_do, q_state)
+                acc_S[0], acc_dP[0] = self.part_gemms(
+                    sdp_operands, 0, stage, wait=1, dp_loads=loads
+                )
                 # Each part: P^T and dS^T in registers, dS^T into shared memory, dV and dK
                 # (q_halves: the first part's dV and dK GEMMs queued behind the second part's S^T
                 # and dP^T, so that they run while its exp2 does; the last part's dK as below).
@@ -993,7 +1049,7 @@ class FlashBackwardSm90:
                         (mma_dq, mma_dkv), acc_dQ, acc_dK, (dq_a, dq_b), tdKrdS[parts - 1],
                         tdKrQt[parts - 1][None, None, None, stage], sdQ, step, wg, ctid,
                     )  # fmt: skip
-                    pipe_q.consumer_release(q_state)
+                    self.release_stage(pipe_q, pipe_do, q_state)
                     q_state.advance()
                 elif const_expr(self.dq_tma):
                     # dQ before dK, so that dQ is staged and reduced while the dK GEMM runs.
@@ -1009,11 +1065,11 @@ class FlashBackwardSm90:
                             acc_dQ, mma_dq, sdQ, tma_dq, mdQ, m_block, head, batch, ctid, chunk
                         )
                     warpgroup.wait_group(0)
-                    pipe_q.consumer_release(q_state)
+                    self.release_stage(pipe_q, pipe_do, q_state)
                     q_state.advance()
                 else:
                     wgmma(mma_dq, acc_dQ, dq_a, dq_b, accumulate=False, wait=0)
-                    pipe_q.consumer_release(q_state)
+                    self.release_stage(pipe_q, pipe_do, q_state)
                     q_state.advance()
                     self.add_dq(
                         acc_dQ, dq_coords, mdQacc, mSemaphore, n_block, m_block, head, batch,
@@ -1037,17 +1093,29 @@ class FlashBackwardSm90:
         self.epilogue(acc_dK, acc_dV, smem, mma_dkv, stores, n_block, head_kv, batch, ctid,
                       chunk)  # fmt: skip
 
-    def part_gemms(self, operands, p: int, stage, wait: int):
+    def part_gemms(self, operands, p: int, stage, wait: int, dp_loads=None):
         """(S^T, dP^T) of part p of the Q block in `stage`: fresh accumulators, a wgmma group
-        each; `wait` as wgmma's after the second."""
+        each; `wait` as wgmma's after the second. dp_loads (split_loads, the first part): (V's
+        pipeline and state, dO's pipeline and the stage's state), waited for between the two
+        (V's once loaded, its wait passes at once)."""
         mma_sdp, s_shape, tSrK, tSrQ, tdPrV, tdPrdO = operands
         acc_S = cute.make_rmem_tensor(s_shape, Float32)
         wgmma(mma_sdp, acc_S, tSrK, tSrQ[p][None, None, None, stage], accumulate=False, wait=-1)
+        if const_expr(dp_loads is not None):
+            pipe_v, v_state, pipe_do, do_state = dp_loads
+            pipe_v.consumer_wait(v_state)
+            pipe_do.consumer_wait(do_state)
         acc_dP = cute.make_rmem_tensor(s_shape, Float32)
         wgmma(
             mma_sdp, acc_dP, tdPrV, tdPrdO[p][None, None, None, stage], accumulate=False, wait=wait
         )
         return acc_S, acc_dP
+
+    def release_stage(self, pipe_q, pipe_do, q_state):
+        """The step's Q stage handed back to the producer (split_loads: its dO stage too)."""
+        pipe_q.consumer_release(q_state)
+        if const_expr(self.split_loads):
+            pipe_do.consumer_release(q_state)
 
     def part_rows(self, t: cute.Tensor, p: int) -> cute.Tensor:
         """Part p's queries of a Q-block buffer (queries, columns, stages) (q_halves; else t)."""
