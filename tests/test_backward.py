@@ -840,6 +840,10 @@ def test_split_loads_takes_the_head_dims_a_cta_holds_whole():
         assert not FAMILY.infeasible_reasons(
             Problem(head_dim=head_dim), replace(config, split_loads=False), H200
         )
+    from fa4tune.space.backward import BackwardSpace
+
+    assert "split_loads" in BackwardSpace.knobs
+    assert BackwardSpace.params(None)["split_loads"].choices == (False, True)
 
 
 # A spread of split_loads configs: each default rung at its head dim, the deterministic dQ warp,
