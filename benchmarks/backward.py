@@ -23,10 +23,18 @@ kernel_phases.PROFILED_CALLS calls, outside the profile), and each GPU kernel's 
 phase (`PHASES`: preprocess, zeroing, main kernel, cast or postprocess), the median over the
 calls. A kernel's time alone, without the gaps between launches, so the phases add up to less than
 the timed backward; the call's span (its first kernel's start to its last kernel's end, gaps
-included) goes into the JSON beside them (benchmarks/kernel_phases.py, shared with decode.py)."""
+included) goes into the JSON beside them (benchmarks/kernel_phases.py, shared with decode.py).
+
+A CTA's fixed cost: the main kernel's time of the MHA problems of one head dim and mask, fitted as
+blocks x c + CTAs x o (blocks: the 128 x 128 query-key pairs the scores cover, the causal
+triangle's with its diagonal; CTAs: 128-key blocks x K/V heads x batch) over the two problems of
+the shortest walks (fewest blocks a CTA), for fa4tune and flash-attn-4 apart: o / c is what a CTA
+costs beyond its blocks, in blocks (the first loads' wait, the epilogue, the mask's diagonal, the
+tail), and each longer walk's time against the fit says what grows with the walk alone."""
 
 from __future__ import annotations
 
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -261,6 +269,7 @@ def render(rows, header) -> str:
             + f" | {err[0]} | {err[1]} |"
         )
     lines += phase_lines(rows)
+    lines += fixed_cost_lines(rows)
     return "\n".join(lines) + "\n"
 
 
@@ -307,6 +316,93 @@ def phase_lines(rows) -> list:
             + " | ".join(us(b, n) for n in peers) + f" | {main_ratio} | {rest_ratio} |"
         )  # fmt: skip
     return lines
+
+
+# A problem key's shape (fa4tune.problem.Problem.key): head dims, mask, seqlens, batch, heads.
+KEY_SHAPE = re.compile(
+    r"-d(?P<d>\d+)x\d+-(?P<mask>full|causal)-q(?P<sq>\d+)-k(?P<sk>\d+)-b(?P<b>\d+)"
+    r"-h(?P<hq>\d+)x(?P<hk>\d+)$"
+)
+BLOCK = 128  # the fit's unit: 128 queries x 128 keys; a CTA per 128 keys
+
+
+def blocks_and_ctas(key: str):
+    """(blocks, CTAs, (head dim, mask)) of an MHA problem key (causal: seqlen_q == seqlen_k), else
+    None (GQA: the peers' CTAs per K/V head differ; causal with unequal seqlens)."""
+    m = KEY_SHAPE.search(key)
+    if not m:
+        return None
+    sq, sk, b, hq, hk = (int(m[x]) for x in ("sq", "sk", "b", "hq", "hk"))
+    if hq != hk or (m["mask"] == "causal" and sq != sk):
+        return None
+    pairs = sq * sk if m["mask"] == "full" else sq * (sq + 1) / 2
+    return b * hq * pairs / BLOCK**2, b * hk * -(-sk // BLOCK), (int(m["d"]), m["mask"])
+
+
+def fixed_cost_fit(points):
+    """(c, o, [time / fit - 1 of each later point]) of points (blocks, CTAs, main µs), sorted by
+    blocks per CTA, fitted exactly on the first two; None where they do not fix both."""
+    (w1, n1, t1), (w2, n2, t2) = points[:2]
+    det = w1 * n2 - w2 * n1
+    if not det:
+        return None
+    c, o = (t1 * n2 - t2 * n1) / det, (w1 * t2 - w2 * t1) / det
+    return c, o, [t / (c * w + o * n) - 1 for w, n, t in points[2:]]
+
+
+def main_us(row, name):
+    """The main kernel's GPU time of a row's column `name` (None if its phases were not
+    measured)."""
+    cell = row["cells"].get(name)
+    return (cell.get("phases_us") or {}).get("main") if isinstance(cell, dict) else None
+
+
+def fixed_cost_lines(rows) -> list:
+    """The table of a CTA's fixed cost (module docstring), from the rows' main-kernel phases."""
+    groups: dict = {}
+    for r in rows:
+        shape = blocks_and_ctas(r["key"])
+        if shape:
+            groups.setdefault(shape[2], []).append((shape[0], shape[1], r))
+    table = []
+    for (d, mask), items in sorted(groups.items()):
+        items.sort(key=lambda x: x[0] / x[1])
+        if len(items) < 2:
+            continue
+        fits = []
+        for name in ("tuned", FA4):
+            times = [main_us(r, name) for _, _, r in items]
+            points = [(w, n, t) for (w, n, _), t in zip(items, times)]
+            fits.append(fixed_cost_fit(points) if all(times) else None)
+        if not any(fits):
+            continue
+
+        def cost(fit):
+            return f"{fit[0] * 1e3:.1f} ns, {fit[1] / fit[0]:.2f}" if fit else "-"
+
+        beyond = []
+        for i, (_, _, r) in enumerate(items[2:]):
+            got = [f"{round(fit[2][i], 4) + 0.0:+.1%}" if fit else "-" for fit in fits]
+            beyond.append(f"{r['key'].split('-')[3]}: {got[0]}, {got[1]}")
+        table.append(
+            f"| {d}, {mask} | {cost(fits[0])} | {cost(fits[1])} | {'; '.join(beyond) or '-'} |"
+        )
+    if not table:
+        return []
+    return [
+        "",
+        "## A CTA's fixed cost",
+        "",
+        "The main kernel's time fitted as blocks x c + CTAs x o over each group's two shortest "
+        "walks (the module docstring says how): c per 128 x 128 block of the GPU's time, o / c a "
+        "CTA's cost beyond its blocks, in blocks; each longer walk's time against the fit, "
+        "fa4tune, flash-attn-4.",
+        "",
+        "| head dim, mask | fa4tune: c, o / c | flash-attn-4: c, o / c | longer walks against "
+        "the fit |",
+        "|---|---|---|---|",
+        *table,
+    ]
 
 
 def main(argv=None) -> int:

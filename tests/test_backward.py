@@ -1227,17 +1227,54 @@ def test_the_training_job_searches_the_backward_family_on_the_grid(gpu):
     assert FAMILY.work_flops(job.problems[0]) == 2.5 * job.problems[0].flops
 
 
-def test_the_backward_report_renders_both_rates_and_the_error_ratio(tmp_path, capsys, monkeypatch):
+def backward_report(monkeypatch):
+    """benchmarks/backward.py as a module (its shared helpers on the path, as a script has)."""
     import importlib.util
-    import json
     from pathlib import Path
 
     benchmarks = Path(__file__).resolve().parent.parent / "benchmarks"
-    monkeypatch.syspath_prepend(str(benchmarks))  # its shared helpers, as a script sees them
-    path = benchmarks / "backward.py"
-    spec = importlib.util.spec_from_file_location("backward_report", path)
+    monkeypatch.syspath_prepend(str(benchmarks))
+    spec = importlib.util.spec_from_file_location("backward_report", benchmarks / "backward.py")
     report = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(report)
+    return report
+
+
+def test_the_backward_report_fits_a_ctas_fixed_cost(monkeypatch):
+    """The fit of the main kernel's time as blocks x c + CTAs x o on each MHA group's two shortest
+    walks: c and o / c of each column, and the longer walk against the fit; GQA rows, lone rows
+    and columns without phases left out."""
+    report = backward_report(monkeypatch)
+
+    def row(key, ours, fa4):
+        cells = {"tuned": {"phases_us": {"main": ours}}, report.FA4: {"phases_us": {"main": fa4}}}
+        return {"key": key, "cells": cells}
+
+    rows = []
+    for seqlen, batch, slower in ((1024, 16, 1.0), (4096, 4, 1.0), (16384, 1, 1.05)):
+        key = f"bf16-d64x64-causal-q{seqlen}-k{seqlen}-b{batch}-h32x32"
+        blocks, ctas, group = report.blocks_and_ctas(key)
+        assert group == (64, "causal") and ctas == 4096
+        assert blocks == batch * 32 * seqlen * (seqlen + 1) / 2 / 128**2
+        rows.append(row(key, (0.02 * blocks + 0.05 * ctas) * slower, 0.021 * blocks + 0.03 * ctas))
+    rows.append(row("bf16-d128x128-causal-q4096-k4096-b4-h16x4", 900.0, 1000.0))  # GQA: left out
+    rows.append(row("bf16-d128x128-full-q1024-k1024-b16-h16x16", 500.0, 480.0))  # alone
+    assert report.blocks_and_ctas("bf16-d128x128-causal-q4096-k4096-b4-h16x4") is None
+    assert report.blocks_and_ctas("bf16-d64x64-causal-q1000-k2000-b1-h2x2") is None
+    text = "\n".join(report.fixed_cost_lines(rows))
+    assert "| 64, causal | 20.0 ns, 2.50 | 21.0 ns, 1.43 | q16384: +5.0%, +0.0% |" in text
+    assert "128" not in text.split("|---|---|---|---|")[1]
+    assert report.fixed_cost_fit([(1.0, 1, 2.0), (2.0, 2, 4.0)]) is None  # one ratio: no fit
+    del rows[0]["cells"][report.FA4]["phases_us"]
+    assert "| 64, causal | 20.0 ns, 2.50 | - | q16384: +5.0%, - |" in "\n".join(
+        report.fixed_cost_lines(rows)
+    )
+
+
+def test_the_backward_report_renders_both_rates_and_the_error_ratio(tmp_path, capsys, monkeypatch):
+    import json
+
+    report = backward_report(monkeypatch)
 
     def cell(bwd, both, error):
         return {"bwd_tflops": bwd, "fwd_bwd_tflops": both, "grad_error": error}
