@@ -54,6 +54,7 @@ from ..sm90.helpers import (
     smem_tile_layout,
     stages_as_rows,
     swap_first_modes,
+    tma_pipeline,
     wgmma,
 )
 from . import config as cfg
@@ -557,44 +558,15 @@ class FlashBackwardSm90:
             if const_expr(self.dq_tma and not self.dq_flat):
                 cpasync.prefetch_descriptor(tma_dq)
         storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
-        one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.wgs * 4)
-        pipe_kv = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_kv.data_ptr(),
-            num_stages=1,
-            producer_group=one_thread,
-            consumer_group=consumer_warps,
-            tx_count=bytes_kv,
-            defer_sync=True,
-        )
-        pipe_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_q.data_ptr(),
-            num_stages=self.num_stages,
-            producer_group=one_thread,
-            consumer_group=consumer_warps,
-            tx_count=bytes_q,
-            defer_sync=True,
-        )
+        warps = self.wgs * 4  # each consumer warp arrives once to release a stage
+        pipe_kv = tma_pipeline(storage.mbar_kv.data_ptr(), 1, bytes_kv, warps)
+        pipe_q = tma_pipeline(storage.mbar_q.data_ptr(), self.num_stages, bytes_q, warps)
         # split_loads: V, and each stage's dO and D, on barriers of their own (as many bytes as
         # K's, and as Q's and LSE2's)
         pipe_v = pipe_do = None
         if const_expr(self.split_loads):
-            pipe_v = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.mbar_v.data_ptr(),
-                num_stages=1,
-                producer_group=one_thread,
-                consumer_group=consumer_warps,
-                tx_count=bytes_kv,
-                defer_sync=True,
-            )
-            pipe_do = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.mbar_do.data_ptr(),
-                num_stages=self.num_stages,
-                producer_group=one_thread,
-                consumer_group=consumer_warps,
-                tx_count=bytes_q,
-                defer_sync=True,
-            )
+            pipe_v = tma_pipeline(storage.mbar_v.data_ptr(), 1, bytes_kv, warps)
+            pipe_do = tma_pipeline(storage.mbar_do.data_ptr(), self.num_stages, bytes_q, warps)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 

@@ -86,6 +86,7 @@ from ..sm90.helpers import (
     smem_tile_layout,
     stages_as_rows,
     swap_first_modes,
+    tma_pipeline,
     wgmma,
 )
 from ..sm90.ragged import flatten_rows, ragged_rows, sequence_rows, warp_prefix_sum
@@ -748,33 +749,10 @@ class FlashForwardSm90:
                 cpasync.prefetch_descriptor(tma_o_final)
 
         storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
-        one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        # Consumers release a stage with one arrive per warp.
-        consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_wg * 4)
-        pipe_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_q.data_ptr(),
-            num_stages=self.q_stages,
-            producer_group=one_thread,
-            consumer_group=consumer_warps,
-            tx_count=bytes_q,
-            defer_sync=True,
-        )
-        pipe_k = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_k.data_ptr(),
-            num_stages=self.num_stages,
-            producer_group=one_thread,
-            consumer_group=consumer_warps,
-            tx_count=bytes_k,
-            defer_sync=True,
-        )
-        pipe_v = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_v.data_ptr(),
-            num_stages=self.num_stages,
-            producer_group=one_thread,
-            consumer_group=consumer_warps,
-            tx_count=bytes_v,
-            defer_sync=True,
-        )
+        warps = self.num_consumer_wg * 4  # each consumer warp arrives once to release a stage
+        pipe_q = tma_pipeline(storage.mbar_q.data_ptr(), self.q_stages, bytes_q, warps)
+        pipe_k = tma_pipeline(storage.mbar_k.data_ptr(), self.num_stages, bytes_k, warps)
+        pipe_v = tma_pipeline(storage.mbar_v.data_ptr(), self.num_stages, bytes_v, warps)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         if const_expr(self.split and not self.combine_in_kernel):

@@ -1,16 +1,34 @@
-"""Small Hopper building blocks for the forward kernel: shared-memory layouts, register-fragment
-views of the wgmma accumulator, and one wgmma issue routine."""
+"""Small Hopper building blocks of the forward and backward kernels: shared-memory layouts,
+register-fragment views of the wgmma accumulator, one wgmma issue routine, and the TMA load
+pipelines."""
 
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as hopper
 from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.utils import LayoutEnum
+
+
+def tma_pipeline(barriers, stages: int, tx_bytes: int, consumer_warps: int):
+    """A TMA load pipeline of `stages` stages on the mbarriers at `barriers` (a shared-memory
+    pointer to 2 x stages of them): one producer thread issues a stage's loads, which bring
+    `tx_bytes` bytes in all, and the stage is released by one arrive of each of `consumer_warps`
+    warps. The barriers' initialization is not synchronized here: the kernel fences and syncs
+    once after building all its pipelines (cute.arch.mbarrier_init_fence, sync_threads)."""
+    return pipeline.PipelineTmaAsync.create(
+        barrier_storage=barriers,
+        num_stages=stages,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
+        tx_count=tx_bytes,
+        defer_sync=True,
+    )
 
 
 def smem_tile_layout(
