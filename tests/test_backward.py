@@ -617,8 +617,9 @@ def test_every_admitted_128_row_config_at_head_dim_64_compiles_without_spills(
 def admitted_with(knob: str, head_dims, causal: bool = True, off=()) -> list:
     """(config, head_dim) of every config with `knob` on that the rules admit at `head_dims`,
     each other knob over its legal values but those of `off`, left at their defaults."""
-    # split_loads only orders the loads (no rule but the chunks' looks at it): left at its default
-    off = tuple(off) + (("split_loads",) if knob != "split_loads" else ())
+    # split_loads and persistent order the loads and the walks (no register or shared-memory
+    # rule looks at them): left at their defaults
+    off = tuple(off) + tuple(k for k in ("split_loads", "persistent") if k != knob)
     names = [k for k in cfg.KNOBS if k != knob and k not in off]
     found = []
     for head_dim in head_dims:
@@ -868,6 +869,74 @@ def test_split_loads_compiles_without_spills(capfd, tmp_path):
             Problem(head_dim=head_dim, causal=causal), config, H200
         ), config.short()
     bad = compile_failures(SPLIT_LOADS_BUILDS, capfd, tmp_path)
+    assert not bad, bad
+
+
+def test_persistent_takes_the_dq_warps_configs_of_a_whole_head_dim():
+    """One CTA per SM walking the K blocks: any config with the dQ warp at head dims up to 128,
+    non-causal (its loop state fits the registers the model counts: compile test below), not
+    causal (walks of unequal length on a fixed stride), not deterministic (a turn could wait on
+    the CTA's own later walk), not with split_loads, the consumers' own dQ paths, or the head
+    dim in chunks; the deterministic mode of a persistent config walks once."""
+    for head_dim, rung in ((64, 0), (64, 2), (128, 4), (96, 5), (128, 6)):
+        base = cfg.DEFAULT_LADDER[rung]
+        walking = replace(base, persistent=True)
+        assert walking.short() == base.short() + "-ps"
+        p = Problem(head_dim=head_dim)
+        assert not FAMILY.infeasible_reasons(p, base, H200), base.short()
+        assert not FAMILY.infeasible_reasons(p, walking, H200), walking.short()
+        reasons = FAMILY.infeasible_reasons(Problem(head_dim=head_dim, causal=True), walking, H200)
+        assert any("persistent with the causal mask" in r for r in reasons), reasons
+        assert walking.as_deterministic() == replace(base.as_deterministic(), persistent=False)
+    assert BwdConfig.from_dict({"tile_m": 80}).persistent is False  # tables written before it
+    p = Problem(head_dim=64)
+    walking = replace(cfg.DEFAULT_LADDER[0], persistent=True)
+    for change, words in (
+        (dict(deterministic=True), "persistent with deterministic"),
+        (dict(split_loads=True), "persistent with split_loads"),
+        (dict(dq_warp=False, dq_rows=False, dq_flat=False), "persistent without dq_warp"),
+        (dict(exp2_turns=True, dq_flat=False), "persistent with exp2_turns"),
+    ):
+        reasons = FAMILY.infeasible_reasons(p, replace(walking, **change), H200)
+        assert any(words in r for r in reasons), (change, reasons)
+    lse_early = replace(cfg.DEFAULT_LADDER[3], persistent=True)  # the 80-row hd128 default
+    reasons = FAMILY.infeasible_reasons(Problem(head_dim=128), lse_early, H200)
+    assert any("persistent with lse_early" in r for r in reasons), reasons
+    for head_dim in (192, 256):
+        config = BwdConfig(tile_n=64, num_stages=1, dq_tma=True, dq_warp=True, persistent=True)
+        reasons = FAMILY.infeasible_reasons(Problem(head_dim=head_dim), config, H200)
+        assert any(f"persistent at head_dim={head_dim}" in r for r in reasons), reasons
+        reasons = FAMILY.infeasible_reasons(
+            Problem(head_dim=head_dim), replace(config, persistent=False), H200
+        )
+        assert not any("persistent" in r for r in reasons), reasons
+    from fa4tune.space.backward import BackwardSpace
+
+    assert "persistent" in BackwardSpace.knobs
+    assert BackwardSpace.params(None)["persistent"].choices == (False, True)
+
+
+# A spread of persistent configs (non-causal): each default rung with the dQ warp at its head dim
+# (the 80-row one without lse_early), one consumer warpgroup (config, head dim, causal).
+PERSISTENT_BUILDS = [
+    (replace(cfg.DEFAULT_LADDER[0], persistent=True), 64, False),
+    (replace(cfg.DEFAULT_LADDER[2], persistent=True), 64, False),
+    (replace(cfg.DEFAULT_LADDER[3], lse_early=False, persistent=True), 128, False),
+    (replace(cfg.DEFAULT_LADDER[4], persistent=True), 128, False),
+    (replace(cfg.DEFAULT_LADDER[5], persistent=True), 96, False),
+    (BwdConfig(tile_n=64, num_stages=1, dq_tma=True, dq_warp=True, persistent=True), 64, False),
+]
+
+
+@pytest.mark.compile
+def test_persistent_compiles_without_spills(capfd, tmp_path):
+    """The walks' loop state takes no registers the model counts: a spread of persistent configs
+    built for sm_90a without spills or serialized wgmma."""
+    for config, head_dim, causal in PERSISTENT_BUILDS:
+        assert not FAMILY.infeasible_reasons(
+            Problem(head_dim=head_dim, causal=causal), config, H200
+        ), config.short()
+    bad = compile_failures(PERSISTENT_BUILDS, capfd, tmp_path)
     assert not bad, bad
 
 
@@ -1508,6 +1577,22 @@ def _config(short: str) -> BwdConfig:
 def _grid_problem(head_dim, seqlen, causal):
     return Problem(head_dim=head_dim, seqlen_q=seqlen, batch=16384 // seqlen,
                    nheads_q=2048 // head_dim, causal=causal)  # fmt: skip
+
+
+def test_the_cost_model_hides_a_part_of_each_walks_fixed_cost_when_persistent():
+    """persistent: the model's fixed cost per wave of walks times PERSISTENT_WAVE (a guess until
+    measured), the rest of its time the same."""
+    from fa4tune.kernels.fa4_bwd_sm90 import cost_model
+
+    model = FAMILY.cost_model(H200)
+    problem = _grid_problem(64, 1024, False)
+    base = cfg.DEFAULT_LADDER[0]
+    (one, _), (walking, _) = (
+        model.time_s(c, problem) for c in (base, replace(base, persistent=True))
+    )
+    waves = math.ceil(problem.batch * problem.nheads_kv * 1024 / 128 / H200.sm_count)
+    hidden = waves * cost_model.WAVE_SECONDS * (1 - cost_model.PERSISTENT_WAVE)
+    assert one - walking == pytest.approx(hidden) and 0 < hidden < one / 10
 
 
 def test_the_cost_model_ranks_the_measured_configs_and_is_within_its_stated_error():

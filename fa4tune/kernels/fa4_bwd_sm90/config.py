@@ -79,6 +79,7 @@ KNOBS: dict[str, tuple] = {
     "dq_flat": (False, True),
     "lse_early": (False, True),
     "split_loads": (False, True),
+    "persistent": (False, True),
 }
 # dq_single: the widest chunk of the head dim it builds without spills at
 DQ_SINGLE_MAX_CHUNK = 96
@@ -191,7 +192,15 @@ class BwdConfig:
     split_loads (head dims up to MAX_CHUNK): K and V, and each stage's Q (with its LSE2) and dO
     (with its D), on barriers of their own, loaded in the order K, Q, V, dO, so that a CTA's first
     S^T GEMM waits for K and Q alone, not for all four, and a step's S^T for its Q, not its dO
-    (flash-attn-4's SM90 backward loads so)."""
+    (flash-attn-4's SM90 backward loads so).
+    persistent (non-causal, dq_warp; not deterministic, split_loads, lse_early, exp2_turns or a
+    head dim in chunks): one CTA per SM, each walking the K blocks (x index, K/V head, batch, in
+    the grid's launch order: kernel.cta_coords) with a stride of the grid, not one CTA per K
+    block: the producer loads the next walk's first Q and dO while the consumers finish this
+    one's last steps and store its dK and dV, and its K and V once that store has read their
+    buffers (it goes through them), so a CTA's start and the first loads' latency hide under its
+    neighbour walk (the forward's `persistent`, for the backward's fixed cost a CTA:
+    docs/kernel-notes.md, session 56)."""
 
     tile_m: int = 64
     tile_n: int = 128
@@ -208,6 +217,7 @@ class BwdConfig:
     dq_flat: bool = False
     lse_early: bool = False
     split_loads: bool = False
+    persistent: bool = False
 
     def __post_init__(self) -> None:
         bad = []
@@ -242,10 +252,11 @@ class BwdConfig:
         """The same tiles with dQ added in the order of the K blocks: by the dQ warp at the CTA's
         turn with dq_warp, else from registers (a reduction the first consumer warp issues as soon
         as the block is staged has no fixed order). From registers it may not fit where this
-        config does (the turn takes registers): deterministic_config falls back."""
+        config does (the turn takes registers): deterministic_config falls back. One CTA per
+        walk (not persistent: a turn may wait for a walk queued behind it on the same CTA)."""
         if self.dq_warp:  # the dQ warp issues the reductions at the CTA's turn
-            return replace(self, deterministic=True)
-        return replace(self, deterministic=True, dq_tma=False)
+            return replace(self, deterministic=True, persistent=False)
+        return replace(self, deterministic=True, dq_tma=False, persistent=False)
 
     def short(self) -> str:
         return (
@@ -255,7 +266,7 @@ class BwdConfig:
             f"{'-ds2' if self.ds_stages == 2 else ''}{'-h2' if self.q_halves else ''}"
             f"{'-xt' if self.exp2_turns else ''}{'-q1' if self.dq_single else ''}"
             f"{'-fl' if self.dq_flat else ''}{'-le' if self.lse_early else ''}"
-            f"{'-sl' if self.split_loads else ''}"
+            f"{'-sl' if self.split_loads else ''}{'-ps' if self.persistent else ''}"
         )
 
     @property
@@ -397,6 +408,13 @@ def register_reasons(config: BwdConfig, problem: Problem, target: Target) -> lis
                 f"{' causal' if problem.causal else ''}: ptxas spilled 4-84 bytes elsewhere, "
                 "session 54)"
             ]
+    if config.persistent and (config.lse_early or config.exp2_turns):
+        return [
+            f"persistent with {'lse_early' if config.lse_early else 'exp2_turns'} "
+            f"({config.short()}, head dim {problem.head_dim}): the walks' loop state beside "
+            "registers already at the edge; ptxas spilled 24 bytes with lse_early (80 rows, head "
+            "dim 128), 8 with the exp2 turns (head dim 64, 128 rows), session 56"
+        ]
     key = (problem.head_dim, config.tile_m, config.tile_n, config.num_stages, config.dq_tma,
            config.ds_stages, problem.causal, config.dq_warp, config.deterministic,
            config.q_halves)  # fmt: skip
@@ -473,6 +491,18 @@ def tile_reasons(config: BwdConfig, problem: Problem) -> list[str]:
             f"split_loads at head_dim={problem.head_dim} (chunks of {chunk}): built for the "
             f"head dims a CTA takes whole (up to {MAX_CHUNK}; the chunked producer loads as before)"
         )
+    if config.persistent and problem.causal:
+        reasons.append(
+            "persistent with the causal mask: its walks differ in length (K block 0's longest), "
+            "and a fixed stride over them leaves some CTAs up to 1.5x the average's work "
+            "(simulated over the train grid, session 56); the CTAs would need a counter or a "
+            "balanced schedule, not built"
+        )
+    if config.persistent and chunk != problem.head_dim:
+        reasons.append(
+            f"persistent at head_dim={problem.head_dim} (chunks of {chunk}): built for the head "
+            f"dims a CTA takes whole (up to {MAX_CHUNK})"
+        )
     if problem.head_dim != problem.head_dim_v:
         reasons.append(
             f"head_dim_v={problem.head_dim_v} differs from head_dim={problem.head_dim}: the "
@@ -513,6 +543,21 @@ def dq_reasons(config: BwdConfig) -> list[str]:
         reasons.append("dq_single with exp2_turns: both pace the warpgroups (built apart)")
     if config.dq_flat and not config.dq_warp:
         reasons.append("dq_flat without dq_warp: the dQ warp issues the bulk reductions")
+    if config.persistent and not config.dq_warp:
+        reasons.append(
+            "persistent without dq_warp: a walk's last dQ reductions run on under the next walk "
+            "through the dQ warp's handshake (the consumers' own dQ paths are not built for it)"
+        )
+    if config.persistent and config.deterministic:
+        reasons.append(
+            "persistent with deterministic: a CTA's walk would wait for a dQ turn that only a "
+            "walk queued behind it on the same CTA can pass"
+        )
+    if config.persistent and config.split_loads:
+        reasons.append(
+            "persistent with split_loads: the next walk's loads are ordered Q, dO, then K and V "
+            "(after this walk's dK and dV have left their buffers), on two barriers"
+        )
     if config.dq_rows and config.tile_m != 64 * config.consumer_warpgroups:
         reasons.append(
             f"dq_rows with tile_m={config.tile_m}: each of the {config.consumer_warpgroups} "

@@ -243,6 +243,8 @@ class FlashBackwardSm90:
         self.dq_wgs = config.dq_warpgroups  # that compute dQ, a slice of its columns each
         self.dq_flat = config.dq_flat
         self.split_loads = config.split_loads
+        self.persistent = config.persistent
+        self.num_sms = target.sm_count
         # dq_flat: a warpgroup's slice of dQ in sdQ and in the accumulator, in slabs
         # (config.flat_slab: 64-row blocks of its columns, or with dq_swap the whole slice)
         self.flat_slab = cfg.flat_slab(config, head_dim)
@@ -458,6 +460,10 @@ class FlashBackwardSm90:
             cute.size(mK.shape[2]) >> section_log2,
             cute.size(mK.shape[3]),
         ]
+        if const_expr(self.persistent):
+            # One CTA per SM (the compile target's count: on a GPU with fewer SMs the surplus runs
+            # as a second wave, right but slower), each taking every grid-th walk (walk_coords).
+            grid = [cutlass.min(grid[0] * grid[1] * grid[2], self.num_sms), 1, 1]
         self.kernel(
             tma_mQ,
             tma_mK,
@@ -583,7 +589,37 @@ class FlashBackwardSm90:
         elif const_expr(self.dq_tma):
             sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
 
-        bx, by, bz = cute.arch.block_idx()
+        if const_expr(self.persistent):
+            self.walks(
+                warp_idx, tidx, mSemaphore, (tma_dk, tma_dv, mdK, mdV), section_log2,
+                (mdQacc, mdQ, tma_dq, sdQ), softmax_scale_log2, softmax_scale,
+                (mma_sdp, mma_dkv, mma_dq),
+                (
+                    (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d),
+                    (mQ, mK, mV, mdO, mLSE2, mD),
+                    (sQ, sK, sV, sdO, sLSE, sD, sdS),
+                    (pipe_kv, pipe_v),
+                    (pipe_q, pipe_do),
+                ),
+            )  # fmt: skip
+        else:
+            self.one_walk(
+                warp_idx, tidx, mSemaphore, (tma_dk, tma_dv, mdK, mdV), section_log2,
+                (mdQacc, mdQ, tma_dq, sdQ), softmax_scale_log2, softmax_scale,
+                (mma_sdp, mma_dkv, mma_dq),
+                (
+                    (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d),
+                    (mQ, mK, mV, mdO, mLSE2, mD),
+                    (sQ, sK, sV, sdO, sLSE, sD, sdS),
+                    (pipe_kv, pipe_v),
+                    (pipe_q, pipe_do),
+                ),
+            )  # fmt: skip
+
+    def walk_of(self, bx, by, bz, mQ: cute.Tensor, mK: cute.Tensor, section_log2):
+        """(the walk, the chunk of the head dim, (seqlen_q, seqlen_k)) of the CTA at grid
+        coordinates (bx, by, bz): its K block, K/V head and batch (cta_coords, launch_order), the
+        query heads of its group and its Q blocks [m_block_min, + blocks_per_head), steps in all."""
         n_block, head_kv, batch = cta_coords(bx, by, bz, section_log2)
         chunk = 0  # of the head dim's columns, of dK, dV and dQ
         if const_expr(self.chunks > 1):
@@ -595,46 +631,111 @@ class FlashBackwardSm90:
         m_block_min, m_block_max = self.m_block_range(n_block, seqlen_q, seqlen_k)
         blocks_per_head = m_block_max - m_block_min
         steps = cutlass.max(blocks_per_head, 0) * group
+        walk = (n_block, head_kv, batch, group, m_block_min, blocks_per_head, steps)
+        return walk, chunk, (seqlen_q, seqlen_k)
+
+    @cute.jit
+    def one_walk(
+        self, warp_idx, tidx, mSemaphore, stores, section_log2, dq_out, softmax_scale_log2,
+        softmax_scale, mmas, operands,
+    ):  # fmt: skip
+        """A CTA's one walk, that of its grid coordinates, in each role: the producer warp's
+        loads, the dQ warp's reductions (dq_warp), the consumers' GEMMs and dK and dV."""
+        atoms, tensors, smem, kv_pipes, q_pipes = operands
+        mQ, mK = tensors[0], tensors[1]
+        bx, by, bz = cute.arch.block_idx()
+        walk, chunk, seqlens = self.walk_of(bx, by, bz, mQ, mK, section_log2)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                loads = (
-                    (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d),
-                    (mQ, mK, mV, mdO, mLSE2, mD),
-                    (sQ, sK, sV, sdO, sLSE, sD),
-                    (pipe_kv, pipe_v),
-                    (pipe_q, pipe_do),
-                    (n_block, head_kv, batch, group, m_block_min, blocks_per_head, steps),
-                )
+                loads = (atoms, tensors, smem[:6], kv_pipes, q_pipes, walk)
                 if const_expr(self.chunks == 1):
                     self.produce(*loads)
                 else:
                     self.produce_chunks(*loads, chunk)
             if const_expr(self.dq_warp):
                 if warp_idx == DQ_WARP:
+                    mdQacc, mdQ, tma_dq, sdQ = dq_out
                     self.reduce_dq_slices(
                         tma_dq, mdQacc if const_expr(self.dq_flat) else mdQ, sdQ, mSemaphore,
-                        (seqlen_q, seqlen_k),
-                        (n_block, head_kv, batch, group, m_block_min, blocks_per_head, steps),
-                        chunk,
+                        seqlens, walk, chunk,
                     )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(
-                (sQ, sK, sV, sdO, sLSE, sD, sdS),
-                (mma_sdp, mma_dkv, mma_dq),
-                (pipe_kv, pipe_v),
-                (pipe_q, pipe_do),
-                (n_block, head_kv, batch, group, m_block_min, blocks_per_head, steps),
-                (seqlen_q, seqlen_k),
-                (mdQacc, mdQ, tma_dq, sdQ),
-                mSemaphore,
-                (tma_dk, tma_dv, mdK, mdV),
-                softmax_scale_log2,
-                softmax_scale,
-                tidx - cfg.THREADS_PER_WARPGROUP,
-                chunk,
-            )
+                smem, mmas, kv_pipes, q_pipes, walk, seqlens, dq_out, mSemaphore, stores,
+                softmax_scale_log2, softmax_scale, tidx - cfg.THREADS_PER_WARPGROUP, chunk,
+            )  # fmt: skip
+
+    def walk_coords(self, tile, mK: cute.Tensor, section_log2):
+        """persistent: the grid coordinates (bx, by, bz) of walk `tile` of the walks in the
+        order the one-walk kernel's grid launches them (x fastest: __call__'s grid)."""
+        x_extent = (mK.shape[0] + self.tile_n - 1) // self.tile_n
+        gx = x_extent << section_log2
+        gy = mK.shape[2] >> section_log2
+        rest = tile // gx
+        return tile - rest * gx, rest % gy, rest // gy
+
+    def walk_count(self, mK: cute.Tensor, section_log2):
+        """persistent: the walks of the launch (the one-walk kernel's CTAs)."""
+        x_extent = (mK.shape[0] + self.tile_n - 1) // self.tile_n
+        return (x_extent << section_log2) * (mK.shape[2] >> section_log2) * mK.shape[3]
+
+    @cute.jit
+    def walks(
+        self, warp_idx, tidx, mSemaphore, stores, section_log2, dq_out, softmax_scale_log2,
+        softmax_scale, mmas, operands,
+    ):  # fmt: skip
+        """persistent: the CTA's walks, the one of its block index and every grid-th after it,
+        in each role (one_walk's). The pipeline states run on from walk to walk; the consumers
+        hand K's and V's buffers back once a walk's dK and dV have left through them, and the dQ
+        warp hands the dQ slices back at a walk's end when another follows (consume,
+        reduce_dq_slices)."""
+        atoms, tensors, smem, kv_pipes, q_pipes = operands
+        mQ, mK = tensors[0], tensors[1]
+        stride = cute.arch.grid_dim()[0]
+        count = self.walk_count(mK, section_log2)
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                kv_p = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+                q_p = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Producer, self.num_stages
+                )
+                tile_p = cute.arch.block_idx()[0]
+                while tile_p < count:
+                    bx, by, bz = self.walk_coords(tile_p, mK, section_log2)
+                    walk_p, _, _ = self.walk_of(bx, by, bz, mQ, mK, section_log2)
+                    kv_p, q_p = self.produce_walk(
+                        atoms, tensors, smem[:6], kv_pipes[0], q_pipes[0], walk_p, kv_p, q_p
+                    )
+                    tile_p = tile_p + stride
+            if const_expr(self.dq_warp):
+                if warp_idx == DQ_WARP:
+                    mdQacc, mdQ, tma_dq, sdQ = dq_out
+                    tile_r = cute.arch.block_idx()[0]
+                    while tile_r < count:
+                        bx, by, bz = self.walk_coords(tile_r, mK, section_log2)
+                        walk_r, chunk_r, seqlens_r = self.walk_of(bx, by, bz, mQ, mK, section_log2)
+                        self.reduce_dq_slices(
+                            tma_dq, mdQacc if const_expr(self.dq_flat) else mdQ, sdQ, mSemaphore,
+                            seqlens_r, walk_r, chunk_r, more=tile_r + stride < count,
+                        )  # fmt: skip
+                        tile_r = tile_r + stride
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            kv_c = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            q_c = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+            tile_c = cute.arch.block_idx()[0]
+            while tile_c < count:
+                bx, by, bz = self.walk_coords(tile_c, mK, section_log2)
+                walk_c, chunk_c, seqlens_c = self.walk_of(bx, by, bz, mQ, mK, section_log2)
+                kv_c, q_c = self.consume(
+                    smem, mmas, kv_pipes, q_pipes, walk_c, seqlens_c, dq_out, mSemaphore, stores,
+                    softmax_scale_log2, softmax_scale, tidx - cfg.THREADS_PER_WARPGROUP, chunk_c,
+                    states=(kv_c, q_c), later=tile_c != cute.arch.block_idx()[0],
+                )  # fmt: skip
+                tile_c = tile_c + stride
 
     # ---- producer ------------------------------------------------------------------------------
     @cute.jit
@@ -645,21 +746,10 @@ class FlashBackwardSm90:
         pipe_kv, pipe_v = kv_pipes
         pipe_q, pipe_do = q_pipes
         tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d = atoms
-        mQ, mK, mV, mdO, mLSE2, mD = tensors
-        sQ, sK, sV, sdO, sLSE, sD = smem
         n_block, head_kv, batch, group, m_block_min, blocks_per_head, steps = walk
-        one_cta = cute.make_layout(1)
-        d = self.head_dim
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, d), (n_block, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, d), (n_block, 0))
-        tKsK, tKgK = cpasync.tma_partition(
-            tma_k, 0, one_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
-        )
-        tVsV, tVgV = cpasync.tma_partition(
-            tma_v, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
-        )
+        (tKsK, tKgK), (tVsV, tVgV) = self.kv_boxes(atoms, tensors, smem, n_block, head_kv, batch)
         pipe_kv.producer_acquire(kv_state)
         barrier = pipe_kv.producer_get_barrier(kv_state)
         cute.copy(tma_k, tKgK, tKsK, tma_bar_ptr=barrier)
@@ -672,19 +762,9 @@ class FlashBackwardSm90:
             first = Int32(1)  # V follows the first step's Q
         for g in cutlass.range(group, unroll=1):
             for m_block in cutlass.range(m_block_min, m_block_min + blocks_per_head, unroll=1):
-                head = head_kv * group + g
-                gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, d), (m_block, 0))
-                gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, d), (m_block, 0))
-                gLSE = cute.local_tile(mLSE2[None, head, batch], (self.tile_m,), (m_block,))
-                gD = cute.local_tile(mD[None, head, batch], (self.tile_m,), (m_block,))
-                tQsQ, tQgQ = cpasync.tma_partition(
-                    tma_q, 0, one_cta, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+                (tQsQ, tQgQ), (tdOsdO, tdOgdO), (tLsL, tLgL), (tDsD, tDgD) = self.step_boxes(
+                    atoms, tensors, smem, head_kv * group + g, batch, m_block
                 )
-                tdOsdO, tdOgdO = cpasync.tma_partition(
-                    tma_do, 0, one_cta, cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2)
-                )
-                tLsL, tLgL = cpasync.tma_partition(tma_lse, 0, one_cta, sLSE, gLSE)
-                tDsD, tDgD = cpasync.tma_partition(tma_d, 0, one_cta, sD, gD)
                 pipe_q.producer_acquire(q_state)
                 barrier = pipe_q.producer_get_barrier(q_state)
                 stage = q_state.index
@@ -702,6 +782,82 @@ class FlashBackwardSm90:
                 cute.copy(tma_do, tdOgdO, tdOsdO[None, stage], tma_bar_ptr=barrier)
                 cute.copy(tma_d, tDgD, tDsD[None, stage], tma_bar_ptr=barrier)
                 q_state.advance()
+
+    def step_boxes(self, atoms, tensors, smem, head, batch, m_block):
+        """The TMA partitions (shared, global) of a step's Q, dO, LSE2 and D: query head `head`,
+        Q block m_block (the shared ones with their stage mode)."""
+        tma_q, _, _, tma_do, tma_lse, tma_d = atoms
+        mQ, _, _, mdO, mLSE2, mD = tensors
+        sQ, _, _, sdO, sLSE, sD = smem
+        one_cta, d = cute.make_layout(1), self.head_dim
+        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, d), (m_block, 0))
+        gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, d), (m_block, 0))
+        gLSE = cute.local_tile(mLSE2[None, head, batch], (self.tile_m,), (m_block,))
+        gD = cute.local_tile(mD[None, head, batch], (self.tile_m,), (m_block,))
+        # each pair unpacked as it is made (the IR's order as before this helper)
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_q, 0, one_cta, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+        )
+        tdOsdO, tdOgdO = cpasync.tma_partition(
+            tma_do, 0, one_cta, cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2)
+        )
+        tLsL, tLgL = cpasync.tma_partition(tma_lse, 0, one_cta, sLSE, gLSE)
+        tDsD, tDgD = cpasync.tma_partition(tma_d, 0, one_cta, sD, gD)
+        return (tQsQ, tQgQ), (tdOsdO, tdOgdO), (tLsL, tLgL), (tDsD, tDgD)
+
+    def kv_boxes(self, atoms, tensors, smem, n_block, head_kv, batch):
+        """The TMA partitions (shared, global) of the walk's K and V."""
+        _, tma_k, tma_v, _, _, _ = atoms
+        _, mK, mV, _, _, _ = tensors
+        _, sK, sV, _, _, _ = smem
+        one_cta, d = cute.make_layout(1), self.head_dim
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, d), (n_block, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, d), (n_block, 0))
+        tKsK, tKgK = cpasync.tma_partition(  # unpacked as made (step_boxes)
+            tma_k, 0, one_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+        )
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_v, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+        )
+        return (tKsK, tKgK), (tVsV, tVgV)
+
+    @cute.jit
+    def produce_walk(self, atoms, tensors, smem, pipe_kv, pipe_q, walk, kv_state, q_state):
+        """persistent: one walk's loads (produce's, one barrier for K and V, one per stage for
+        Q, dO, LSE2 and D), K and V after the first step's Q and dO: the last walk's dK and dV
+        leave through K's and V's buffers, and the first Q and dO need not wait for that. A walk
+        without steps still loads K and V (its consumers wait for them, store zeros through the
+        buffers and hand them back). Returns the states, advanced past the walk."""
+        tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d = atoms
+        n_block, head_kv, batch, group, m_block_min, blocks_per_head, steps = walk
+        (tKsK, tKgK), (tVsV, tVgV) = self.kv_boxes(atoms, tensors, smem, n_block, head_kv, batch)
+        kv_left = Int32(1)
+        for g in cutlass.range(group, unroll=1):
+            for m_block in cutlass.range(m_block_min, m_block_min + blocks_per_head, unroll=1):
+                (tQsQ, tQgQ), (tdOsdO, tdOgdO), (tLsL, tLgL), (tDsD, tDgD) = self.step_boxes(
+                    atoms, tensors, smem, head_kv * group + g, batch, m_block
+                )
+                pipe_q.producer_acquire(q_state)
+                barrier = pipe_q.producer_get_barrier(q_state)
+                stage = q_state.index
+                cute.copy(tma_q, tQgQ, tQsQ[None, stage], tma_bar_ptr=barrier)
+                cute.copy(tma_lse, tLgL, tLsL[None, stage], tma_bar_ptr=barrier)
+                cute.copy(tma_do, tdOgdO, tdOsdO[None, stage], tma_bar_ptr=barrier)
+                cute.copy(tma_d, tDgD, tDsD[None, stage], tma_bar_ptr=barrier)
+                q_state.advance()
+                if kv_left == 1:
+                    pipe_kv.producer_acquire(kv_state)
+                    kv_barrier = pipe_kv.producer_get_barrier(kv_state)
+                    cute.copy(tma_k, tKgK, tKsK, tma_bar_ptr=kv_barrier)
+                    cute.copy(tma_v, tVgV, tVsV, tma_bar_ptr=kv_barrier)
+                    kv_left = Int32(0)
+        if kv_left == 1:
+            pipe_kv.producer_acquire(kv_state)
+            kv_barrier = pipe_kv.producer_get_barrier(kv_state)
+            cute.copy(tma_k, tKgK, tKsK, tma_bar_ptr=kv_barrier)
+            cute.copy(tma_v, tVgV, tVsV, tma_bar_ptr=kv_barrier)
+        kv_state.advance()
+        return kv_state, q_state
 
     def chunk_boxes(self, atom, s, g, rows: int, block, chunk) -> list:
         """(shared, global) TMA partitions of each chunk i of the columns of s (with a stage mode
@@ -798,9 +954,14 @@ class FlashBackwardSm90:
         softmax_scale: Float32,
         ctid: Int32,
         chunk,
+        states=None,
+        later=None,
     ):
         """Every step's five GEMMs and the softmax gradient, then dK and dV out (of the CTA's
-        chunk of the head dim: the first chunk of Q's, dO's and K's buffers, produce_chunks)."""
+        chunk of the head dim: the first chunk of Q's, dO's and K's buffers, produce_chunks).
+        persistent (walks): `states` the pipeline states the walk starts from, `later` whether
+        the CTA walked before; K's and V's buffers go back to the producer once dK and dV have
+        left through them. Returns the states."""
         sQ, sK, sV, sdO, sLSE, sD, sdS = smem
         mma_sdp, mma_dkv, mma_dq = mmas
         pipe_kv, pipe_v = kv_pipes
@@ -902,10 +1063,24 @@ class FlashBackwardSm90:
         if key_end > seqlen_k:
             mask_end = m_block_min + blocks_per_head
 
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        if const_expr(states is None):
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            q_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, self.num_stages
+            )
+        else:
+            kv_state, q_state = states
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
+        if const_expr(later is not None):
+            # A walk after the CTA's first: its first dQ slice waits, as every later step's does
+            # (stage_dq_slice), for the dQ warp to have read the last one, the last walk's.
+            if later:
+                if wg < self.dq_wgs:
+                    cute.arch.barrier(
+                        barrier_id=BARRIER_DQ_SLICE_EMPTY + wg,
+                        number_of_threads=cfg.THREADS_PER_WARPGROUP + 32,
+                    )
         pipe_kv.consumer_wait(kv_state)
         # exp2_turns: the first warpgroup's first exp2 waits for nothing (the second warpgroup's
         # turn given ahead, taken back after the last step), the second's for the first's.
@@ -1064,6 +1239,12 @@ class FlashBackwardSm90:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
         self.epilogue(acc_dK, acc_dV, smem, mma_dkv, stores, n_block, head_kv, batch, ctid,
                       chunk)  # fmt: skip
+        if const_expr(states is not None):
+            # K's and V's buffers back to the producer: each warp's arrive follows its part of
+            # the staging, the first warp's its wait for the stores to have read them (epilogue).
+            pipe_kv.consumer_release(kv_state)
+            kv_state.advance()
+        return kv_state, q_state
 
     def part_gemms(self, operands, p: int, stage, wait: int, dp_loads=None):
         """(S^T, dP^T) of part p of the Q block in `stage`: fresh accumulators, a wgmma group
@@ -1509,6 +1690,7 @@ class FlashBackwardSm90:
         seqlens,
         walk,
         chunk,
+        more=None,
     ):
         """dq_warp, the producer warpgroup's warp DQ_WARP: per step, each consumer warpgroup's
         slice of dQ into the fp32 accumulator with a TMA reduction (which clips the rows past
@@ -1519,7 +1701,10 @@ class FlashBackwardSm90:
 
         Deterministic: the warp issues a Q block's reductions at this CTA's turn (dq_turn, as
         add_dq) and passes the turn on once they have completed (their adds performed, not only
-        their reads of sdQ); the consumers wait for it only when they next need the slice."""
+        their reads of sdQ); the consumers wait for it only when they next need the slice.
+
+        persistent (walks): `more` whether the CTA walks again; if so the slices go back at the
+        walk's end as well, for the next walk's first step (consume's `later`)."""
         n_block, head_kv, batch, group, m_block_min, blocks_per_head, steps = walk
         seqlen_q, seqlen_k = seqlens
         slice_threads = cfg.THREADS_PER_WARPGROUP + 32
@@ -1574,6 +1759,12 @@ class FlashBackwardSm90:
                         barrier_id=BARRIER_DQ_SLICE_EMPTY + w, number_of_threads=slice_threads
                     )
         cute.arch.cp_async_bulk_wait_group(0, read=True)  # sdQ stays until read
+        if const_expr(more is not None):
+            if more:
+                for w in cutlass.range_constexpr(self.dq_wgs):
+                    cute.arch.barrier_arrive(
+                        barrier_id=BARRIER_DQ_SLICE_EMPTY + w, number_of_threads=slice_threads
+                    )
 
     @cute.jit
     def epilogue(
