@@ -874,19 +874,18 @@ def test_split_loads_compiles_without_spills(capfd, tmp_path):
 
 def test_persistent_takes_the_dq_warps_configs_of_a_whole_head_dim():
     """One CTA per SM walking the K blocks: any config with the dQ warp at head dims up to 128,
-    non-causal (its loop state fits the registers the model counts: compile test below), not
-    causal (walks of unequal length on a fixed stride), not deterministic (a turn could wait on
-    the CTA's own later walk), not with split_loads, the consumers' own dQ paths, or the head
-    dim in chunks; the deterministic mode of a persistent config walks once."""
+    causal or not (its loop state fits the registers the model counts: compile test below), not
+    deterministic (a turn could wait on the CTA's own later walk), not with split_loads, the
+    consumers' own dQ paths, or the head dim in chunks; the deterministic mode of a persistent
+    config walks once."""
     for head_dim, rung in ((64, 0), (64, 2), (128, 4), (96, 5), (128, 6)):
         base = cfg.DEFAULT_LADDER[rung]
         walking = replace(base, persistent=True)
         assert walking.short() == base.short() + "-ps"
-        p = Problem(head_dim=head_dim)
-        assert not FAMILY.infeasible_reasons(p, base, H200), base.short()
-        assert not FAMILY.infeasible_reasons(p, walking, H200), walking.short()
-        reasons = FAMILY.infeasible_reasons(Problem(head_dim=head_dim, causal=True), walking, H200)
-        assert any("persistent with the causal mask" in r for r in reasons), reasons
+        for causal in (False, True):
+            p = Problem(head_dim=head_dim, causal=causal)
+            if not FAMILY.infeasible_reasons(p, base, H200):
+                assert not FAMILY.infeasible_reasons(p, walking, H200), (walking.short(), causal)
         assert walking.as_deterministic() == replace(base.as_deterministic(), persistent=False)
     assert BwdConfig.from_dict({"tile_m": 80}).persistent is False  # tables written before it
     p = Problem(head_dim=64)
@@ -916,28 +915,39 @@ def test_persistent_takes_the_dq_warps_configs_of_a_whole_head_dim():
     assert BackwardSpace.params(None)["persistent"].choices == (False, True)
 
 
-# A spread of persistent configs (non-causal): each default rung with the dQ warp at its head dim
-# (the 80-row one without lse_early), one consumer warpgroup (config, head dim, causal).
+# A spread of persistent configs: each default rung with the dQ warp at its head dim (the 80-row
+# one without lse_early), causal (the walks' counter) and not (a fixed stride), one consumer
+# warpgroup (config, head dim, causal).
 PERSISTENT_BUILDS = [
     (replace(cfg.DEFAULT_LADDER[0], persistent=True), 64, False),
-    (replace(cfg.DEFAULT_LADDER[2], persistent=True), 64, False),
+    (replace(cfg.DEFAULT_LADDER[0], persistent=True), 64, True),
+    (replace(cfg.DEFAULT_LADDER[2], persistent=True), 64, True),
     (replace(cfg.DEFAULT_LADDER[3], lse_early=False, persistent=True), 128, False),
-    (replace(cfg.DEFAULT_LADDER[4], persistent=True), 128, False),
-    (replace(cfg.DEFAULT_LADDER[5], persistent=True), 96, False),
-    (BwdConfig(tile_n=64, num_stages=1, dq_tma=True, dq_warp=True, persistent=True), 64, False),
+    (replace(cfg.DEFAULT_LADDER[4], persistent=True), 128, True),
+    (replace(cfg.DEFAULT_LADDER[5], persistent=True), 96, True),
+    (BwdConfig(tile_n=64, num_stages=1, dq_tma=True, dq_warp=True, persistent=True), 64, True),
 ]
 
 
 @pytest.mark.compile
 def test_persistent_compiles_without_spills(capfd, tmp_path):
     """The walks' loop state takes no registers the model counts: a spread of persistent configs
-    built for sm_90a without spills or serialized wgmma."""
+    built for sm_90a without spills or serialized wgmma; the causal ones take their walks from
+    the counter (one atomic add a walk), the others not."""
     for config, head_dim, causal in PERSISTENT_BUILDS:
         assert not FAMILY.infeasible_reasons(
             Problem(head_dim=head_dim, causal=causal), config, H200
         ), config.short()
     bad = compile_failures(PERSISTENT_BUILDS, capfd, tmp_path)
     assert not bad, bad
+    from fa4tune.kernels.fa4_bwd_sm90.compile import compile_backward
+
+    for config, head_dim, causal in PERSISTENT_BUILDS[:2]:
+        ptx = compile_backward(
+            config, "bf16", head_dim, causal, H200,
+            options=f"--keep-ptx --dump-dir {tmp_path}", use_cache=False,
+        ).function.__ptx__  # fmt: skip
+        assert bool(re.search(r"atom(\.\w+)*\.add", ptx)) == causal, (config.short(), causal)
 
 
 def test_the_flat_order_is_each_warpgroups_fragment_order():

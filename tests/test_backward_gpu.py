@@ -327,25 +327,30 @@ def test_split_loads_gradients_match_the_reference(fields, config):
     check_gradients(fields, config)
 
 
-# persistent (non-causal): one CTA per SM walking the K blocks, most CTAs two walks or more
-# (walks: K blocks x K/V heads x batch, over 132 SMs). The hd64 halves with GQA and seqlen_k
-# above seqlen_q, 80 rows with rows off the tiles, 64 rows dq_swap, head dim 96 with dq_single,
-# one consumer warpgroup with one stage, and a launch of fewer walks than SMs.
+# persistent: one CTA per SM walking the K blocks, most CTAs two walks or more (walks: K blocks x
+# K/V heads x batch, over 132 SMs); causal from the walks' counter. The hd64 halves causal with GQA
+# and seqlen_k above seqlen_q, and not; 80 rows with rows off the tiles; 64 rows dq_swap causal;
+# head dim 96 with dq_single causal; one consumer warpgroup with one stage; a launch of fewer
+# walks than SMs.
 PERSISTENT_CASES = [
+    (dict(head_dim=64, seqlen_q=1000, seqlen_k=1500, batch=4, nheads_q=8, nheads_kv=4,
+          causal=True),
+     BwdConfig(tile_m=128, dq_tma=True, ds_stages=2, dq_warp=True, dq_rows=True, q_halves=True,
+               dq_flat=True, persistent=True)),
     (dict(head_dim=64, seqlen_q=1000, seqlen_k=1500, batch=4, nheads_q=8, nheads_kv=4),
      BwdConfig(tile_m=128, dq_tma=True, ds_stages=2, dq_warp=True, dq_rows=True, q_halves=True,
                dq_flat=True, persistent=True)),
     (dict(head_dim=128, seqlen_q=777, seqlen_k=900, batch=4, nheads_q=8),
      BwdConfig(tile_m=80, dq_tma=True, dq_warp=True, ds_stages=2, dq_swap=True, dq_flat=True,
                persistent=True)),
-    (dict(head_dim=128, seqlen_q=1029, batch=2, nheads_q=16),
+    (dict(head_dim=128, seqlen_q=1029, batch=2, nheads_q=16, causal=True),
      BwdConfig(dq_tma=True, ds_stages=2, dq_warp=True, dq_swap=True, persistent=True)),
-    (dict(head_dim=96, seqlen_q=1000, batch=6, nheads_q=12, nheads_kv=4),
+    (dict(head_dim=96, seqlen_q=1000, batch=6, nheads_q=12, nheads_kv=4, causal=True),
      BwdConfig(dq_tma=True, ds_stages=2, dq_warp=True, dq_single=True, dq_flat=True,
                persistent=True)),
-    (dict(head_dim=64, seqlen_q=700, seqlen_k=900, batch=2, nheads_q=24),
+    (dict(head_dim=64, seqlen_q=700, seqlen_k=900, batch=2, nheads_q=24, causal=True),
      BwdConfig(tile_n=64, num_stages=1, dq_tma=True, dq_warp=True, persistent=True)),
-    (dict(head_dim=64, seqlen_q=300, batch=1, nheads_q=2),
+    (dict(head_dim=64, seqlen_q=300, batch=1, nheads_q=2, causal=True),
      BwdConfig(tile_m=128, dq_tma=True, ds_stages=2, dq_warp=True, dq_rows=True, dq_flat=True,
                persistent=True)),
 ]  # fmt: skip
@@ -354,6 +359,19 @@ PERSISTENT_CASES = [
 @pytest.mark.parametrize("fields,config", PERSISTENT_CASES, ids=lambda v: str(v))
 def test_persistent_gradients_match_the_reference(fields, config):
     check_gradients(fields, config)
+
+
+def test_persistent_causal_leaves_the_walks_counter_at_zero():
+    """The causal walks come from the stream's counter, which the launch's last fetch puts back
+    to zero: a second launch on the same stream takes every walk again (both right), and the
+    counter reads zero after each."""
+    from fa4tune.kernels.common.streams import current_tile_counter
+
+    fields, config = PERSISTENT_CASES[0]
+    for _ in range(2):
+        check_gradients(fields, config)
+        torch.cuda.synchronize()
+        assert current_tile_counter(torch.device("cuda", 0)).item() == 0
 
 
 @pytest.mark.parametrize(

@@ -68,6 +68,7 @@ def compile_backward(
         dynamic_tensor(elem, 4, 16),  # dK
         dynamic_tensor(elem, 4, 16),  # dV
         dynamic_tensor(cutlass.Int32, 3, 4) if config.deterministic else None,
+        dynamic_tensor(cutlass.Int32, 1, 4) if config.persistent and causal else None,
         f32(1.0),  # the softmax scale x log2(e)
         f32(1.0),  # the softmax scale
         cutlass.Int32(0),  # log2 of the K/V heads per section of the CTA order

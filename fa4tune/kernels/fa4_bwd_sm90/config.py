@@ -193,10 +193,11 @@ class BwdConfig:
     (with its D), on barriers of their own, loaded in the order K, Q, V, dO, so that a CTA's first
     S^T GEMM waits for K and Q alone, not for all four, and a step's S^T for its Q, not its dO
     (flash-attn-4's SM90 backward loads so).
-    persistent (non-causal, dq_warp; not deterministic, split_loads, lse_early, exp2_turns or a
-    head dim in chunks): one CTA per SM, each walking the K blocks (x index, K/V head, batch, in
-    the grid's launch order: kernel.cta_coords) with a stride of the grid, not one CTA per K
-    block: the producer loads the next walk's first Q and dO while the consumers finish this
+    persistent (dq_warp; not deterministic, split_loads, lse_early, exp2_turns or a head dim in
+    chunks): one CTA per SM, each walking the K blocks (x index, K/V head, batch, in the grid's
+    launch order: kernel.cta_coords), not one CTA per K block: without the causal mask with a
+    stride of the grid (the walks are of one length), with it the next from a counter (they are
+    not); the producer loads the next walk's first Q and dO while the consumers finish this
     one's last steps and store its dK and dV, and its K and V once that store has read their
     buffers (it goes through them), so a CTA's start and the first loads' latency hide under its
     neighbour walk (the forward's `persistent`, for the backward's fixed cost a CTA:
@@ -490,13 +491,6 @@ def tile_reasons(config: BwdConfig, problem: Problem) -> list[str]:
         reasons.append(
             f"split_loads at head_dim={problem.head_dim} (chunks of {chunk}): built for the "
             f"head dims a CTA takes whole (up to {MAX_CHUNK}; the chunked producer loads as before)"
-        )
-    if config.persistent and problem.causal:
-        reasons.append(
-            "persistent with the causal mask: its walks differ in length (K block 0's longest), "
-            "and a fixed stride over them leaves some CTAs up to 1.5x the average's work "
-            "(simulated over the train grid, session 56); the CTAs would need a counter or a "
-            "balanced schedule, not built"
         )
     if config.persistent and chunk != problem.head_dim:
         reasons.append(

@@ -67,6 +67,10 @@ BARRIER_DS_FREE = 1  # every warpgroup's dQ GEMM has read dS^T: it may be writte
 BARRIER_DS_FULL = 2  # every warpgroup's dS^T is in shared memory: the dQ GEMM may read it
 BARRIER_DQ_TURN = 3  # deterministic: this CTA's turn to add to the Q block's dQ has come
 BARRIER_DQ_DONE = 4  # deterministic: every thread's adds of this Q block are done
+# persistent causal (never deterministic: the ids of the turn's two): the walk number is in its
+# shared slot (the producer warp's to the consumers and the dQ warp), and every reader has read it
+BARRIER_WALK_FULL = 3
+BARRIER_WALK_EMPTY = 4
 BARRIER_EPILOGUE = 5  # the staging of dK and dV in shared memory
 BARRIER_DQ_FREE = 6  # dq_tma: the last TMA reduction has read sdQ: it may be written again
 BARRIER_DQ_FULL = 7  # dq_tma: the Q block's dQ is in sdQ: the TMA reduction may read it
@@ -244,6 +248,8 @@ class FlashBackwardSm90:
         self.dq_flat = config.dq_flat
         self.split_loads = config.split_loads
         self.persistent = config.persistent
+        # causal walks differ in length: the CTAs take the next from a counter (fetch_walk)
+        self.walk_counter = config.persistent and causal
         self.num_sms = target.sm_count
         # dq_flat: a warpgroup's slice of dQ in sdQ and in the accumulator, in slabs
         # (config.flat_slab: 64-row blocks of its columns, or with dq_swap the whole slice)
@@ -277,6 +283,8 @@ class FlashBackwardSm90:
         mdK: cute.Tensor,  # (batch, seqlen_k, nheads_kv, d)
         mdV: cute.Tensor,  # (batch, seqlen_k, nheads_kv, d)
         mSemaphore: cute.Tensor | None,  # deterministic: (batch, nheads_q, Q blocks) int32, zero
+        # persistent causal: (1,) int32, zero before the launch and after it (fetch_walk)
+        mWalkCounter: cute.Tensor | None,
         softmax_scale_log2: Float32,
         softmax_scale: Float32,
         section_log2: Int32,
@@ -375,6 +383,8 @@ class FlashBackwardSm90:
             if const_expr(self.split_loads):  # V's barrier pair and dO's per stage
                 mbar_v: cute.struct.MemRange[cutlass.Int64, 2]
                 mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            if const_expr(self.walk_counter):  # the next walk's number (walks)
+                walk_slot: cute.struct.MemRange[Int32, 1]
             sLSE: cute.struct.Align[
                 cute.struct.MemRange[Float32, stat_stage * self.num_stages], cfg.SMEM_ALIGN
             ]
@@ -476,6 +486,7 @@ class FlashBackwardSm90:
             tma_mdK,
             tma_mdV,
             mSemaphore,
+            mWalkCounter,
             tma_q,
             tma_k,
             tma_v,
@@ -530,6 +541,7 @@ class FlashBackwardSm90:
         mdK: cute.Tensor,
         mdV: cute.Tensor,
         mSemaphore: cute.Tensor | None,
+        mWalkCounter: cute.Tensor | None,
         tma_q: cute.CopyAtom,
         tma_k: cute.CopyAtom,
         tma_v: cute.CopyAtom,
@@ -590,8 +602,11 @@ class FlashBackwardSm90:
             sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
 
         if const_expr(self.persistent):
+            slot = None
+            if const_expr(self.walk_counter):
+                slot = storage.walk_slot.get_tensor(cute.make_layout(1))
             self.walks(
-                warp_idx, tidx, mSemaphore, (tma_dk, tma_dv, mdK, mdV), section_log2,
+                warp_idx, tidx, (mWalkCounter, slot), (tma_dk, tma_dv, mdK, mdV), section_log2,
                 (mdQacc, mdQ, tma_dq, sdQ), softmax_scale_log2, softmax_scale,
                 (mma_sdp, mma_dkv, mma_dq),
                 (
@@ -683,18 +698,23 @@ class FlashBackwardSm90:
 
     @cute.jit
     def walks(
-        self, warp_idx, tidx, mSemaphore, stores, section_log2, dq_out, softmax_scale_log2,
+        self, warp_idx, tidx, counter, stores, section_log2, dq_out, softmax_scale_log2,
         softmax_scale, mmas, operands,
     ):  # fmt: skip
-        """persistent: the CTA's walks, the one of its block index and every grid-th after it,
-        in each role (one_walk's). The pipeline states run on from walk to walk; the consumers
-        hand K's and V's buffers back once a walk's dK and dV have left through them, and the dQ
-        warp hands the dQ slices back at a walk's end when another follows (consume,
-        reduce_dq_slices)."""
+        """persistent: the CTA's walks in each role (one_walk's), the first that of its block
+        index, the next every grid-th after it, or with the causal mask (walk_counter) the next
+        from the counter, which the producer warp takes (fetch_walk) and hands to the consumers and
+        the dQ warp through shared memory. The pipeline states run on from walk to walk; the
+        consumers hand K's and V's buffers back once a walk's dK and dV have left through them, and
+        the dQ warp hands the dQ slices back at a walk's end when another follows (consume's
+        `later`). `counter`: (the counter, its shared slot), both None without it."""
         atoms, tensors, smem, kv_pipes, q_pipes = operands
         mQ, mK = tensors[0], tensors[1]
+        mCounter, slot = counter
         stride = cute.arch.grid_dim()[0]
+        first = cute.arch.block_idx()[0]
         count = self.walk_count(mK, section_log2)
+        readers = self.num_consumer_threads + 32  # the consumers and the dQ warp
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
@@ -702,42 +722,93 @@ class FlashBackwardSm90:
                 q_p = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.num_stages
                 )
-                tile_p = cute.arch.block_idx()[0]
+                tile_p = first
                 while tile_p < count:
                     bx, by, bz = self.walk_coords(tile_p, mK, section_log2)
                     walk_p, _, _ = self.walk_of(bx, by, bz, mQ, mK, section_log2)
                     kv_p, q_p = self.produce_walk(
                         atoms, tensors, smem[:6], kv_pipes[0], q_pipes[0], walk_p, kv_p, q_p
                     )
-                    tile_p = tile_p + stride
+                    if const_expr(self.walk_counter):
+                        tile_p = self.fetch_walk(mCounter, count)
+                        cute.arch.barrier(
+                            barrier_id=BARRIER_WALK_EMPTY, number_of_threads=readers + 32
+                        )
+                        slot[0] = tile_p
+                        cute.arch.barrier_arrive(
+                            barrier_id=BARRIER_WALK_FULL, number_of_threads=readers + 32
+                        )
+                    else:
+                        tile_p = tile_p + stride
             if const_expr(self.dq_warp):
                 if warp_idx == DQ_WARP:
                     mdQacc, mdQ, tma_dq, sdQ = dq_out
-                    tile_r = cute.arch.block_idx()[0]
+                    tile_r = first
+                    if const_expr(self.walk_counter):  # the slot starts empty
+                        cute.arch.barrier_arrive(
+                            barrier_id=BARRIER_WALK_EMPTY, number_of_threads=readers + 32
+                        )
                     while tile_r < count:
                         bx, by, bz = self.walk_coords(tile_r, mK, section_log2)
                         walk_r, chunk_r, seqlens_r = self.walk_of(bx, by, bz, mQ, mK, section_log2)
                         self.reduce_dq_slices(
-                            tma_dq, mdQacc if const_expr(self.dq_flat) else mdQ, sdQ, mSemaphore,
-                            seqlens_r, walk_r, chunk_r, more=tile_r + stride < count,
+                            tma_dq, mdQacc if const_expr(self.dq_flat) else mdQ, sdQ, None,
+                            seqlens_r, walk_r, chunk_r,
                         )  # fmt: skip
-                        tile_r = tile_r + stride
+                        tile_r = self.next_walk(tile_r, stride, count, slot, readers)
+                        if tile_r < count:  # the slices back for the next walk's first step
+                            for w in cutlass.range_constexpr(self.dq_wgs):
+                                cute.arch.barrier_arrive(
+                                    barrier_id=BARRIER_DQ_SLICE_EMPTY + w,
+                                    number_of_threads=cfg.THREADS_PER_WARPGROUP + 32,
+                                )
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             kv_c = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             q_c = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-            tile_c = cute.arch.block_idx()[0]
+            tile_c = first
+            if const_expr(self.walk_counter):  # the slot starts empty
+                cute.arch.barrier_arrive(
+                    barrier_id=BARRIER_WALK_EMPTY, number_of_threads=readers + 32
+                )
             while tile_c < count:
                 bx, by, bz = self.walk_coords(tile_c, mK, section_log2)
                 walk_c, chunk_c, seqlens_c = self.walk_of(bx, by, bz, mQ, mK, section_log2)
                 kv_c, q_c = self.consume(
-                    smem, mmas, kv_pipes, q_pipes, walk_c, seqlens_c, dq_out, mSemaphore, stores,
+                    smem, mmas, kv_pipes, q_pipes, walk_c, seqlens_c, dq_out, None, stores,
                     softmax_scale_log2, softmax_scale, tidx - cfg.THREADS_PER_WARPGROUP, chunk_c,
-                    states=(kv_c, q_c), later=tile_c != cute.arch.block_idx()[0],
+                    states=(kv_c, q_c), later=tile_c != first,
                 )  # fmt: skip
-                tile_c = tile_c + stride
+                tile_c = self.next_walk(tile_c, stride, count, slot, readers)
 
-    # ---- producer ------------------------------------------------------------------------------
+    @cute.jit
+    def next_walk(self, tile, stride, count, slot, readers: int):
+        """persistent: a reader's walk after `tile`: every grid-th, or with the counter the
+        number the producer warp left in the slot (waited for, and the slot handed back unless
+        there is no walk left, when the producer waits for it no more)."""
+        nxt = tile + stride
+        if const_expr(self.walk_counter):
+            cute.arch.barrier(barrier_id=BARRIER_WALK_FULL, number_of_threads=readers + 32)
+            nxt = slot[0]
+            if nxt < count:
+                cute.arch.barrier_arrive(
+                    barrier_id=BARRIER_WALK_EMPTY, number_of_threads=readers + 32
+                )
+        return nxt
+
+    @cute.jit
+    def fetch_walk(self, mCounter: cute.Tensor, count: Int32):
+        """The producer warp's next walk from the launch's counter: the first walks are the block
+        indices, so fetch k returns walk grid + k. A launch makes exactly `count` fetches (one per
+        walk past the grid's first, one more per CTA that finds none left), so the fetch that
+        sees count - 1 is the last and puts the counter back to zero for the next launch."""
+        old = Int32(0)
+        if cute.arch.lane_idx() == 0:
+            old = cute.arch.atomic_add(mCounter.iterator, Int32(1), sem="relaxed", scope="gpu")
+            if old == count - 1:
+                mCounter[0] = Int32(0)
+        return cute.arch.shuffle_sync(old, 0) + cute.arch.grid_dim()[0]
+
     @cute.jit
     def produce(self, atoms, tensors, smem, kv_pipes, q_pipes, walk):
         """K and V once, then Q, dO, LSE2 and D of each step (query head g of the group, Q block
@@ -1690,7 +1761,6 @@ class FlashBackwardSm90:
         seqlens,
         walk,
         chunk,
-        more=None,
     ):
         """dq_warp, the producer warpgroup's warp DQ_WARP: per step, each consumer warpgroup's
         slice of dQ into the fp32 accumulator with a TMA reduction (which clips the rows past
@@ -1701,10 +1771,7 @@ class FlashBackwardSm90:
 
         Deterministic: the warp issues a Q block's reductions at this CTA's turn (dq_turn, as
         add_dq) and passes the turn on once they have completed (their adds performed, not only
-        their reads of sdQ); the consumers wait for it only when they next need the slice.
-
-        persistent (walks): `more` whether the CTA walks again; if so the slices go back at the
-        walk's end as well, for the next walk's first step (consume's `later`)."""
+        their reads of sdQ); the consumers wait for it only when they next need the slice."""
         n_block, head_kv, batch, group, m_block_min, blocks_per_head, steps = walk
         seqlen_q, seqlen_k = seqlens
         slice_threads = cfg.THREADS_PER_WARPGROUP + 32
@@ -1759,12 +1826,6 @@ class FlashBackwardSm90:
                         barrier_id=BARRIER_DQ_SLICE_EMPTY + w, number_of_threads=slice_threads
                     )
         cute.arch.cp_async_bulk_wait_group(0, read=True)  # sdQ stays until read
-        if const_expr(more is not None):
-            if more:
-                for w in cutlass.range_constexpr(self.dq_wgs):
-                    cute.arch.barrier_arrive(
-                        barrier_id=BARRIER_DQ_SLICE_EMPTY + w, number_of_threads=slice_threads
-                    )
 
     @cute.jit
     def epilogue(

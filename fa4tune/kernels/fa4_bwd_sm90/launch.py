@@ -17,6 +17,7 @@ from ...errors import UnsupportedInput
 from ...target import Target, get_target
 from ..common.dsl import import_dsl
 from ..common.inputs import check_device, check_inputs, make_problem
+from ..common.streams import current_tile_counter
 from .compile import compile_backward, compile_postprocess, compile_preprocess
 from .config import BwdConfig, flat_slab, grid_reasons, head_dim_chunk
 
@@ -156,10 +157,13 @@ def attention_backward(
             blocks = padded // tile_m * (d // head_dim_chunk(d))
             semaphore = torch.zeros((batch, nheads_q, blocks), dtype=torch.int32, device=q.device)
 
+        # persistent causal: the walks' counter, the stream's (zero, and left at zero)
+        counter = current_tile_counter(q.device) if config.persistent and problem.causal else None
         run_kernel(
             compiled,
             (q, k, v, dout, lse2, dsum, dq_acc, dk, dv),
             semaphore,
+            counter,
             scale,
             heads_per_section(problem, config, target),
         )
@@ -223,9 +227,10 @@ def run_postprocess(function, dq_acc, dq) -> None:
     dq.copy_(packed)
 
 
-def run_kernel(compiled, tensors, semaphore, scale: float, section: int = 1) -> None:
+def run_kernel(compiled, tensors, semaphore, counter, scale: float, section: int = 1) -> None:
     """Launch the compiled kernel on the current stream of the tensors' device: q, k, v, dO, LSE2,
-    D, the dQ accumulator, dK, dV (in that order), the semaphores or None."""
+    D, the dQ accumulator, dK, dV (in that order), the semaphores or None, the walks' counter
+    (persistent causal) or None."""
     import torch
     from cuda.bindings import driver as cuda
     from cutlass import Float32, Int32
@@ -235,6 +240,7 @@ def run_kernel(compiled, tensors, semaphore, scale: float, section: int = 1) -> 
     compiled.function(
         *(_dynamic(t, 16) for t in tensors),
         _dynamic(semaphore, 4) if semaphore is not None else None,
+        _dynamic(counter, 4) if counter is not None else None,
         Float32(scale * LOG2_E),
         Float32(scale),
         Int32(section.bit_length() - 1),  # a power of two
