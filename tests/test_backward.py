@@ -822,17 +822,26 @@ def test_lse_early_compiles_without_spills(capfd, tmp_path):
     assert not bad, bad
 
 
-def test_split_loads_takes_the_head_dims_a_cta_holds_whole():
-    """K, V, Q and dO on barriers of their own: any config at head dims up to 128 (the loads'
-    order, no registers or shared memory the rules count), not with the head dim in chunks."""
-    for head_dim, rung in ((64, 0), (128, 3), (128, 4), (96, 5)):
+def with_knob_on_the_ladder(knob: str, suffix: str, rungs) -> list:
+    """(rung, the rung with `knob` on) for each (head dim, rung index) of `rungs`: its short name
+    the rung's and `suffix`, admitted causal and not wherever the rung is."""
+    pairs = []
+    for head_dim, rung in rungs:
         base = cfg.DEFAULT_LADDER[rung]
-        split = replace(base, split_loads=True)
-        assert split.short() == base.short() + "-sl"
+        on = replace(base, **{knob: True})
+        assert on.short() == base.short() + suffix
         for causal in (False, True):
             p = Problem(head_dim=head_dim, causal=causal)
             if not FAMILY.infeasible_reasons(p, base, H200):
-                assert not FAMILY.infeasible_reasons(p, split, H200), (split.short(), head_dim)
+                assert not FAMILY.infeasible_reasons(p, on, H200), (on.short(), head_dim, causal)
+        pairs.append((base, on))
+    return pairs
+
+
+def test_split_loads_takes_the_head_dims_a_cta_holds_whole():
+    """K, V, Q and dO on barriers of their own: any config at head dims up to 128 (the loads'
+    order, no registers or shared memory the rules count), not with the head dim in chunks."""
+    with_knob_on_the_ladder("split_loads", "-sl", ((64, 0), (128, 3), (128, 4), (96, 5)))
     assert BwdConfig.from_dict({"tile_m": 80}).split_loads is False  # tables written before it
     for head_dim in (192, 256):
         config = BwdConfig(num_stages=1, split_loads=True)
@@ -878,14 +887,8 @@ def test_persistent_takes_the_dq_warps_configs_of_a_whole_head_dim():
     deterministic (a turn could wait on the CTA's own later walk), not with split_loads, the
     consumers' own dQ paths, or the head dim in chunks; the deterministic mode of a persistent
     config walks once."""
-    for head_dim, rung in ((64, 0), (64, 2), (128, 4), (96, 5), (128, 6)):
-        base = cfg.DEFAULT_LADDER[rung]
-        walking = replace(base, persistent=True)
-        assert walking.short() == base.short() + "-ps"
-        for causal in (False, True):
-            p = Problem(head_dim=head_dim, causal=causal)
-            if not FAMILY.infeasible_reasons(p, base, H200):
-                assert not FAMILY.infeasible_reasons(p, walking, H200), (walking.short(), causal)
+    rungs = ((64, 0), (64, 2), (128, 4), (96, 5), (128, 6))
+    for base, walking in with_knob_on_the_ladder("persistent", "-ps", rungs):
         assert walking.as_deterministic() == replace(base.as_deterministic(), persistent=False)
     assert BwdConfig.from_dict({"tile_m": 80}).persistent is False  # tables written before it
     p = Problem(head_dim=64)

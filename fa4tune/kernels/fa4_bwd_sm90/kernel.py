@@ -50,6 +50,7 @@ from ..sm90.helpers import (
     acc_as_operand_a,
     acc_rows_cols,
     convert_to_16bit,
+    fetch_from_counter,
     permute_modes,
     smem_tile_layout,
     stages_as_rows,
@@ -248,7 +249,7 @@ class FlashBackwardSm90:
         self.dq_flat = config.dq_flat
         self.split_loads = config.split_loads
         self.persistent = config.persistent
-        # causal walks differ in length: the CTAs take the next from a counter (fetch_walk)
+        # causal walks differ in length: the CTAs take the next from a counter
         self.walk_counter = config.persistent and causal
         self.num_sms = target.sm_count
         # dq_flat: a warpgroup's slice of dQ in sdQ and in the accumulator, in slabs
@@ -283,7 +284,7 @@ class FlashBackwardSm90:
         mdK: cute.Tensor,  # (batch, seqlen_k, nheads_kv, d)
         mdV: cute.Tensor,  # (batch, seqlen_k, nheads_kv, d)
         mSemaphore: cute.Tensor | None,  # deterministic: (batch, nheads_q, Q blocks) int32, zero
-        # persistent causal: (1,) int32, zero before the launch and after it (fetch_walk)
+        # persistent causal: (1,) int32, zero before the launch and after it (fetch_from_counter)
         mWalkCounter: cute.Tensor | None,
         softmax_scale_log2: Float32,
         softmax_scale: Float32,
@@ -601,35 +602,24 @@ class FlashBackwardSm90:
         elif const_expr(self.dq_tma):
             sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
 
+        role_args = (
+            (tma_dk, tma_dv, mdK, mdV), section_log2, (mdQacc, mdQ, tma_dq, sdQ),
+            softmax_scale_log2, softmax_scale, (mma_sdp, mma_dkv, mma_dq),
+            (
+                (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d),
+                (mQ, mK, mV, mdO, mLSE2, mD),
+                (sQ, sK, sV, sdO, sLSE, sD, sdS),
+                (pipe_kv, pipe_v),
+                (pipe_q, pipe_do),
+            ),
+        )  # fmt: skip
         if const_expr(self.persistent):
             slot = None
             if const_expr(self.walk_counter):
                 slot = storage.walk_slot.get_tensor(cute.make_layout(1))
-            self.walks(
-                warp_idx, tidx, (mWalkCounter, slot), (tma_dk, tma_dv, mdK, mdV), section_log2,
-                (mdQacc, mdQ, tma_dq, sdQ), softmax_scale_log2, softmax_scale,
-                (mma_sdp, mma_dkv, mma_dq),
-                (
-                    (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d),
-                    (mQ, mK, mV, mdO, mLSE2, mD),
-                    (sQ, sK, sV, sdO, sLSE, sD, sdS),
-                    (pipe_kv, pipe_v),
-                    (pipe_q, pipe_do),
-                ),
-            )  # fmt: skip
+            self.walks(warp_idx, tidx, (mWalkCounter, slot), *role_args)
         else:
-            self.one_walk(
-                warp_idx, tidx, mSemaphore, (tma_dk, tma_dv, mdK, mdV), section_log2,
-                (mdQacc, mdQ, tma_dq, sdQ), softmax_scale_log2, softmax_scale,
-                (mma_sdp, mma_dkv, mma_dq),
-                (
-                    (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d),
-                    (mQ, mK, mV, mdO, mLSE2, mD),
-                    (sQ, sK, sV, sdO, sLSE, sD, sdS),
-                    (pipe_kv, pipe_v),
-                    (pipe_q, pipe_do),
-                ),
-            )  # fmt: skip
+            self.one_walk(warp_idx, tidx, mSemaphore, *role_args)
 
     def walk_of(self, bx, by, bz, mQ: cute.Tensor, mK: cute.Tensor, section_log2):
         """(the walk, the chunk of the head dim, (seqlen_q, seqlen_k)) of the CTA at grid
@@ -703,11 +693,12 @@ class FlashBackwardSm90:
     ):  # fmt: skip
         """persistent: the CTA's walks in each role (one_walk's), the first that of its block
         index, the next every grid-th after it, or with the causal mask (walk_counter) the next
-        from the counter, which the producer warp takes (fetch_walk) and hands to the consumers and
-        the dQ warp through shared memory. The pipeline states run on from walk to walk; the
-        consumers hand K's and V's buffers back once a walk's dK and dV have left through them, and
-        the dQ warp hands the dQ slices back at a walk's end when another follows (consume's
-        `later`). `counter`: (the counter, its shared slot), both None without it."""
+        from the counter, which the producer warp takes (fetch_from_counter) and hands to the
+        consumers and the dQ warp through shared memory. The pipeline states run on from walk to
+        walk; the consumers hand K's and V's buffers back once a walk's dK and dV have left
+        through them, and the dQ warp hands the dQ slices back at a walk's end when another
+        follows (consume's `later`). `counter`: (the counter, its shared slot), both None
+        without it."""
         atoms, tensors, smem, kv_pipes, q_pipes = operands
         mQ, mK = tensors[0], tensors[1]
         mCounter, slot = counter
@@ -726,11 +717,11 @@ class FlashBackwardSm90:
                 while tile_p < count:
                     bx, by, bz = self.walk_coords(tile_p, mK, section_log2)
                     walk_p, _, _ = self.walk_of(bx, by, bz, mQ, mK, section_log2)
-                    kv_p, q_p = self.produce_walk(
-                        atoms, tensors, smem[:6], kv_pipes[0], q_pipes[0], walk_p, kv_p, q_p
+                    kv_p, q_p = self.produce(
+                        atoms, tensors, smem[:6], kv_pipes, q_pipes, walk_p, states=(kv_p, q_p)
                     )
                     if const_expr(self.walk_counter):
-                        tile_p = self.fetch_walk(mCounter, count)
+                        tile_p = fetch_from_counter(mCounter, count)
                         cute.arch.barrier(
                             barrier_id=BARRIER_WALK_EMPTY, number_of_threads=readers + 32
                         )
@@ -797,40 +788,32 @@ class FlashBackwardSm90:
         return nxt
 
     @cute.jit
-    def fetch_walk(self, mCounter: cute.Tensor, count: Int32):
-        """The producer warp's next walk from the launch's counter: the first walks are the block
-        indices, so fetch k returns walk grid + k. A launch makes exactly `count` fetches (one per
-        walk past the grid's first, one more per CTA that finds none left), so the fetch that
-        sees count - 1 is the last and puts the counter back to zero for the next launch."""
-        old = Int32(0)
-        if cute.arch.lane_idx() == 0:
-            old = cute.arch.atomic_add(mCounter.iterator, Int32(1), sem="relaxed", scope="gpu")
-            if old == count - 1:
-                mCounter[0] = Int32(0)
-        return cute.arch.shuffle_sync(old, 0) + cute.arch.grid_dim()[0]
-
-    @cute.jit
-    def produce(self, atoms, tensors, smem, kv_pipes, q_pipes, walk):
+    def produce(self, atoms, tensors, smem, kv_pipes, q_pipes, walk, states=None):
         """K and V once, then Q, dO, LSE2 and D of each step (query head g of the group, Q block
         m), in the consumers' order. split_loads: K, then the first step's Q and LSE2, V, its dO
-        and D, each pair on its own barrier, then every later step's Q and LSE2, dO and D."""
+        and D, each pair on its own barrier, then every later step's Q and LSE2, dO and D.
+        persistent (walks): `states` the pipeline states to go on from, returned advanced past
+        the walk; K and V after the first step's Q, dO, LSE2 and D (the last walk's dK and dV
+        leave through K's and V's buffers; the first Q and dO need not wait for that), and for a
+        walk of no steps still (its consumers wait for them and store zeros through them)."""
         pipe_kv, pipe_v = kv_pipes
         pipe_q, pipe_do = q_pipes
         tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d = atoms
         n_block, head_kv, batch, group, m_block_min, blocks_per_head, steps = walk
 
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        (tKsK, tKgK), (tVsV, tVgV) = self.kv_boxes(atoms, tensors, smem, n_block, head_kv, batch)
-        pipe_kv.producer_acquire(kv_state)
-        barrier = pipe_kv.producer_get_barrier(kv_state)
-        cute.copy(tma_k, tKgK, tKsK, tma_bar_ptr=barrier)
-        if const_expr(not self.split_loads):
-            cute.copy(tma_v, tVgV, tVsV, tma_bar_ptr=barrier)
-
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        if const_expr(states is None):
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        else:
+            kv_state, q_state = states
+        kv = self.kv_boxes(atoms, tensors, smem, n_block, head_kv, batch)
+        if const_expr(not self.persistent):
+            barrier = self.load_kv(atoms, pipe_kv, kv_state, kv, with_v=not self.split_loads)
+            q_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Producer, self.num_stages
+            )
         first = None
-        if const_expr(self.split_loads):
-            first = Int32(1)  # V follows the first step's Q
+        if const_expr(self.split_loads or self.persistent):
+            first = Int32(1)  # V (persistent: K and V) follow the first step's Q
         for g in cutlass.range(group, unroll=1):
             for m_block in cutlass.range(m_block_min, m_block_min + blocks_per_head, unroll=1):
                 (tQsQ, tQgQ), (tdOsdO, tdOgdO), (tLsL, tLgL), (tDsD, tDgD) = self.step_boxes(
@@ -843,6 +826,7 @@ class FlashBackwardSm90:
                 cute.copy(tma_lse, tLgL, tLsL[None, stage], tma_bar_ptr=barrier)
                 if const_expr(self.split_loads):
                     if first == 1:
+                        (tVsV, tVgV) = kv[1]
                         pipe_v.producer_acquire(kv_state)
                         cute.copy(
                             tma_v, tVgV, tVsV, tma_bar_ptr=pipe_v.producer_get_barrier(kv_state)
@@ -853,6 +837,26 @@ class FlashBackwardSm90:
                 cute.copy(tma_do, tdOgdO, tdOsdO[None, stage], tma_bar_ptr=barrier)
                 cute.copy(tma_d, tDgD, tDsD[None, stage], tma_bar_ptr=barrier)
                 q_state.advance()
+                if const_expr(self.persistent):
+                    if first == 1:
+                        self.load_kv(atoms, pipe_kv, kv_state, kv, with_v=True)
+                        first = Int32(0)
+        if const_expr(self.persistent):
+            if first == 1:
+                self.load_kv(atoms, pipe_kv, kv_state, kv, with_v=True)
+            kv_state.advance()
+        return kv_state, q_state
+
+    def load_kv(self, atoms, pipe_kv, kv_state, kv, with_v: bool):
+        """The walk's K (and V) on K's barrier, once the consumers have handed the buffers back;
+        returns the barrier."""
+        (tKsK, tKgK), (tVsV, tVgV) = kv
+        pipe_kv.producer_acquire(kv_state)
+        barrier = pipe_kv.producer_get_barrier(kv_state)
+        cute.copy(atoms[1], tKgK, tKsK, tma_bar_ptr=barrier)
+        if with_v:
+            cute.copy(atoms[2], tVgV, tVsV, tma_bar_ptr=barrier)
+        return barrier
 
     def step_boxes(self, atoms, tensors, smem, head, batch, m_block):
         """The TMA partitions (shared, global) of a step's Q, dO, LSE2 and D: query head `head`,
@@ -891,44 +895,6 @@ class FlashBackwardSm90:
             tma_v, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
         )
         return (tKsK, tKgK), (tVsV, tVgV)
-
-    @cute.jit
-    def produce_walk(self, atoms, tensors, smem, pipe_kv, pipe_q, walk, kv_state, q_state):
-        """persistent: one walk's loads (produce's, one barrier for K and V, one per stage for
-        Q, dO, LSE2 and D), K and V after the first step's Q and dO: the last walk's dK and dV
-        leave through K's and V's buffers, and the first Q and dO need not wait for that. A walk
-        without steps still loads K and V (its consumers wait for them, store zeros through the
-        buffers and hand them back). Returns the states, advanced past the walk."""
-        tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d = atoms
-        n_block, head_kv, batch, group, m_block_min, blocks_per_head, steps = walk
-        (tKsK, tKgK), (tVsV, tVgV) = self.kv_boxes(atoms, tensors, smem, n_block, head_kv, batch)
-        kv_left = Int32(1)
-        for g in cutlass.range(group, unroll=1):
-            for m_block in cutlass.range(m_block_min, m_block_min + blocks_per_head, unroll=1):
-                (tQsQ, tQgQ), (tdOsdO, tdOgdO), (tLsL, tLgL), (tDsD, tDgD) = self.step_boxes(
-                    atoms, tensors, smem, head_kv * group + g, batch, m_block
-                )
-                pipe_q.producer_acquire(q_state)
-                barrier = pipe_q.producer_get_barrier(q_state)
-                stage = q_state.index
-                cute.copy(tma_q, tQgQ, tQsQ[None, stage], tma_bar_ptr=barrier)
-                cute.copy(tma_lse, tLgL, tLsL[None, stage], tma_bar_ptr=barrier)
-                cute.copy(tma_do, tdOgdO, tdOsdO[None, stage], tma_bar_ptr=barrier)
-                cute.copy(tma_d, tDgD, tDsD[None, stage], tma_bar_ptr=barrier)
-                q_state.advance()
-                if kv_left == 1:
-                    pipe_kv.producer_acquire(kv_state)
-                    kv_barrier = pipe_kv.producer_get_barrier(kv_state)
-                    cute.copy(tma_k, tKgK, tKsK, tma_bar_ptr=kv_barrier)
-                    cute.copy(tma_v, tVgV, tVsV, tma_bar_ptr=kv_barrier)
-                    kv_left = Int32(0)
-        if kv_left == 1:
-            pipe_kv.producer_acquire(kv_state)
-            kv_barrier = pipe_kv.producer_get_barrier(kv_state)
-            cute.copy(tma_k, tKgK, tKsK, tma_bar_ptr=kv_barrier)
-            cute.copy(tma_v, tVgV, tVsV, tma_bar_ptr=kv_barrier)
-        kv_state.advance()
-        return kv_state, q_state
 
     def chunk_boxes(self, atom, s, g, rows: int, block, chunk) -> list:
         """(shared, global) TMA partitions of each chunk i of the columns of s (with a stage mode

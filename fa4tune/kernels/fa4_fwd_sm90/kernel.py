@@ -81,6 +81,7 @@ from ..sm90.helpers import (
     acc_as_operand_a,
     acc_rows_cols,
     convert_to_16bit,
+    fetch_from_counter,
     pack_rows,
     permute_modes,
     smem_tile_layout,
@@ -660,19 +661,6 @@ class FlashForwardSm90:
         return 32 + self.num_consumer_threads  # the producer warp and the consumers
 
     @cute.jit
-    def fetch_tile(self, mTileCounter: cute.Tensor, num_tiles: Int32):
-        """The producer warp's next tile from the global counter: the first tiles are the block
-        indices, so fetch k returns tile grid + k. A launch makes exactly num_tiles fetches (one per
-        tile past the first grid ones, one more per CTA that finds none left), so the fetch that
-        sees num_tiles - 1 is the last and puts the counter back to zero for the next launch."""
-        old = Int32(0)
-        if cute.arch.lane_idx() == 0:
-            old = cute.arch.atomic_add(mTileCounter.iterator, Int32(1), sem="relaxed", scope="gpu")
-            if old == num_tiles - 1:
-                mTileCounter[0] = Int32(0)
-        return cute.arch.shuffle_sync(old, 0) + cute.arch.grid_dim()[0]
-
-    @cute.jit
     def n_block_range(
         self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32, split=None, num_splits=None
     ):
@@ -867,7 +855,7 @@ class FlashForwardSm90:
                     loads, smem, pipes, info, head_kv, kv_state, q_state
                 )
             if const_expr(self.tile_counter):
-                tile = self.fetch_tile(sched.counter, num_tiles)
+                tile = fetch_from_counter(sched.counter, num_tiles)
                 cute.arch.barrier(
                     barrier_id=BARRIER_TILE_EMPTY, number_of_threads=self.tile_handoff_threads
                 )

@@ -1,6 +1,6 @@
 """Small Hopper building blocks of the forward and backward kernels: shared-memory layouts,
-register-fragment views of the wgmma accumulator, one wgmma issue routine, and the TMA load
-pipelines."""
+register-fragment views of the wgmma accumulator, one wgmma issue routine, the TMA load
+pipelines, and the persistent kernels' fetch from a work counter."""
 
 from __future__ import annotations
 
@@ -29,6 +29,21 @@ def tma_pipeline(barriers, stages: int, tx_bytes: int, consumer_warps: int):
         tx_count=tx_bytes,
         defer_sync=True,
     )
+
+
+@cute.jit
+def fetch_from_counter(counter: cute.Tensor, count: Int32):
+    """A producer warp's next unit of work (a tile, a walk) from a launch's global counter, which
+    is zero at the launch: the first `grid` units are the block indices, so fetch k returns grid +
+    k. A launch makes exactly `count` fetches (one per unit past the grid's first, one more per CTA
+    that finds none left), so the fetch that sees count - 1 is the last and puts the counter back
+    to zero for the next launch. The whole warp calls it; lane 0 adds."""
+    old = Int32(0)
+    if cute.arch.lane_idx() == 0:
+        old = cute.arch.atomic_add(counter.iterator, Int32(1), sem="relaxed", scope="gpu")
+        if old == count - 1:
+            counter[0] = Int32(0)
+    return cute.arch.shuffle_sync(old, 0) + cute.arch.grid_dim()[0]
 
 
 def smem_tile_layout(
