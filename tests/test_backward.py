@@ -10,6 +10,7 @@ import contextlib
 import itertools
 import math
 import re
+import types
 from dataclasses import replace
 
 import pytest
@@ -314,7 +315,9 @@ def play_kernel(config: BwdConfig, causal: bool):
     batch), its Q blocks from m_block_range, every query head of the group, the masks and formulas
     of kernel.py, bf16 operands for the last three GEMMs as the kernel rounds them. A chunked CTA
     sees Q, dO, K and V with their columns in produce_chunks' order (its chunk first) and computes
-    dK, dV and dQ of its chunk from the first chunk of them."""
+    dK, dV and dQ of its chunk from the first chunk of them. persistent: the walks as its CTAs
+    take them (walk_coords), three CTAs walking every third (the counter's order is another
+    permutation of the same walks), the counter zero at the launch when causal."""
     from fa4tune.kernels.common.dsl import import_dsl
 
     import_dsl(H200)  # the DSL's first import fixes the arch it builds for: sm_90a
@@ -323,7 +326,7 @@ def play_kernel(config: BwdConfig, causal: bool):
     walk = FlashBackwardSm90.__new__(FlashBackwardSm90)
     walk.tile_m, walk.tile_n, walk.causal = config.tile_m, config.tile_n, causal
 
-    def run(compiled, tensors, semaphore, scale, section=1):
+    def run(compiled, tensors, semaphore, counter, scale, section=1):
         q, k, v, dout, lse2, dsum, dq_acc, dk, dv = tensors
         batch, seqlen_q, nheads_q, d = q.shape
         seqlen_k, nheads_kv = k.shape[1], k.shape[2]
@@ -336,8 +339,20 @@ def play_kernel(config: BwdConfig, causal: bool):
         # The CTAs in the order the GPU starts them (linear grid order), each mapped as the kernel
         # maps it (cta_coords): a mapping that missed or repeated a CTA gets wrong gradients here.
         grid = (-(-seqlen_k // tn) * chunks * section, nheads_kv // section, batch)
-        for linear in range(math.prod(grid)):
-            bx, by, bz = linear % grid[0], linear // grid[0] % grid[1], linear // grid[0] // grid[1]
+        count = math.prod(grid)
+        coords = [
+            (linear % grid[0], linear // grid[0] % grid[1], linear // grid[0] // grid[1])
+            for linear in range(count)
+        ]
+        assert (counter is not None) == (config.persistent and causal)
+        if config.persistent:
+            assert counter is None or int(counter[0]) == 0
+            view = types.SimpleNamespace(shape=(seqlen_k, d, nheads_kv, batch))  # the kernel's K
+            ctas = min(count, 3)
+            walks = [t for c in range(ctas) for t in range(c, count, ctas)]
+            assert walk.walk_count(view, section.bit_length() - 1) == count
+            coords = [walk.walk_coords(t, view, section.bit_length() - 1) for t in walks]
+        for bx, by, bz in coords:
             x, hk, b = cta_coords(bx, by, bz, section.bit_length() - 1)
             n, c = x // chunks, x % chunks
             # The columns as they lie in shared memory: chunk i holds chunk (c + i) % chunks.
@@ -417,6 +432,9 @@ def cpu_backward(monkeypatch):
     monkeypatch.setattr(launch, "compile_backward", lambda *a, **k: None)
     monkeypatch.setattr(launch, "compile_preprocess", lambda *a, **k: None)
     monkeypatch.setattr(launch, "run_preprocess", play_preprocess)
+    monkeypatch.setattr(
+        launch, "current_tile_counter", lambda device: torch.zeros(1, dtype=torch.int32)
+    )
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     # New floating tensors hold NaN, as the GPU's allocator may hand back anything: the kernels
     # (played) must write all of every buffer the launch allocates, dQ's accumulator included.
@@ -454,6 +472,24 @@ CASES = [
 def test_the_launch_and_the_kernels_walk_give_autograds_gradients(
     cpu_backward, config, batch, sq, sk, hq, hkv, d, causal
 ):
+    check_played_gradients(cpu_backward, config, batch, sq, sk, hq, hkv, d, causal)
+
+
+@pytest.mark.parametrize(
+    "batch,sq,sk,hq,hkv,d,causal",
+    [c for c in CASES if c[5] <= 128] + [(3, 300, 500, 4, 2, 64, False)],
+)
+def test_the_persistent_walks_take_every_ctas_walk_once(
+    cpu_backward, batch, sq, sk, hq, hkv, d, causal
+):
+    """persistent: walk_coords maps the walks to the one-walk kernel's CTAs, each once, whatever
+    CTA takes them (play_kernel: three CTAs), with or without sections of heads."""
+    config = BwdConfig(dq_tma=True, dq_warp=True, persistent=True)
+    check_played_gradients(cpu_backward, config, batch, sq, sk, hq, hkv, d, causal)
+
+
+def check_played_gradients(cpu_backward, config, batch, sq, sk, hq, hkv, d, causal):
+    """attention_backward on the CPU (cpu_backward) within 2% of the fp32 reference."""
     g = torch.Generator().manual_seed(sq * 31 + sk)
     q = torch.randn(batch, sq, hq, d, generator=g).to(BF16)
     k = torch.randn(batch, sk, hkv, d, generator=g).to(BF16)

@@ -811,6 +811,8 @@ class FlashBackwardSm90:
             q_state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Producer, self.num_stages
             )
+        else:  # the step loop's barrier typed before it (the DSL carries names through loops)
+            barrier = pipe_q.producer_get_barrier(q_state)
         first = None
         if const_expr(self.split_loads or self.persistent):
             first = Int32(1)  # V (persistent: K and V) follow the first step's Q
