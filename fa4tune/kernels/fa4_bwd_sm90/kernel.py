@@ -26,11 +26,13 @@ A CTA takes `tile_n` rows of K and V of one K/V head and one batch:
 GQA needs no atomics for dK and dV: a CTA walks every query head of its K/V head's group and sums
 their contributions in its accumulators. Head dims above 128 go in chunks (config.head_dim_chunk):
 a CTA per K block and chunk of the head dim, S^T and dP^T over all of it, dK, dV and dQ of its
-chunk (produce_chunks puts that chunk first in the shared buffers). Before it the preprocessing
-kernel (preprocess.py) writes LSE2 and D and zeroes the dQ accumulator; the launch (launch.py)
-casts it to dQ after (dq_flat: a cast kernel, postprocess.py, which also puts the values back in
-place). The softmax scale costs no instruction of its own: not per dQ value in every CTA that adds
-to it, nor in the cast, nor in dK's epilogue."""
+chunk (produce_chunks puts that chunk first in the shared buffers). With `persistent` a CTA per SM
+takes the walks in their launch order (walks): every grid-th, or causal the next from the
+stream's counter; a walk's first loads start under the last walk's end. Before it the
+preprocessing kernel (preprocess.py) writes LSE2 and D and zeroes the dQ accumulator; the launch
+(launch.py) casts it to dQ after (dq_flat: a cast kernel, postprocess.py, which also puts the
+values back in place). The softmax scale costs no instruction of its own: not per dQ value in
+every CTA that adds to it, nor in the cast, nor in dK's epilogue."""
 
 from __future__ import annotations
 
