@@ -1629,8 +1629,8 @@ def _grid_problem(head_dim, seqlen, causal):
 
 
 def test_the_cost_model_hides_a_part_of_each_walks_fixed_cost_when_persistent():
-    """persistent: the model's fixed cost per wave of walks times PERSISTENT_WAVE (a guess until
-    measured), the rest of its time the same."""
+    """persistent: the model's fixed cost per wave of walks times PERSISTENT_WAVE (from the H200's
+    train search, session 57), the rest of its time the same."""
     from fa4tune.kernels.fa4_bwd_sm90 import cost_model
 
     model = FAMILY.cost_model(H200)
