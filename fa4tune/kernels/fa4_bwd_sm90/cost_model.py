@@ -46,9 +46,10 @@ DETERMINISTIC_REGISTERS = 0.591
 PREP_SCALE = 1.46  # of the preparation's bytes at the HBM rate
 WAVE_SECONDS = 3.25e-6  # each wave of CTAs: K/V loaded, dK/dV stored, the pipeline filled
 # persistent: a walk's launch and first Q/dO loads hide under the last walk (K/V still wait for
-# its dK/dV stores). The share of the wave's fixed cost it leaves, from the H200's train search
-# (session 57): its gain over the default at hd64 1k causal, 1k, 4k causal and hd128 1k causal
-# (1.042, 1.021, 1.023, 1.019x) is 0.70-0.84 of the waves' cost taken off; 0.8 their middle
+# its dK/dV stores). The share of the waves' fixed cost it leaves, from the H200's train search
+# (session 57): its time saved over the default at hd64 1k causal, 1k, 4k causal and hd128 1k
+# causal (1.042, 1.021, 1.023, 1.019x) takes 0.16-0.30 of the waves' modelled cost off, leaving
+# 0.70-0.84; 0.8 their middle
 PERSISTENT_WAVE = 0.8
 
 
