@@ -688,6 +688,17 @@ class FlashBackwardSm90:
         x_extent = (mK.shape[0] + self.tile_n - 1) // self.tile_n
         return (x_extent << section_log2) * (mK.shape[2] >> section_log2) * mK.shape[3]
 
+    def walk_at(self, tile, mQ: cute.Tensor, mK: cute.Tensor, section_log2):
+        """persistent: walk_of of walk number `tile` (walk_coords)."""
+        bx, by, bz = self.walk_coords(tile, mK, section_log2)
+        return self.walk_of(bx, by, bz, mQ, mK, section_log2)
+
+    def first_arrive(self, readers: int):
+        """persistent, a reader (a consumer thread or the dQ warp): with the counter, the arrive
+        that says the walk slot starts empty (the producer warp's first write waits for it)."""
+        if const_expr(self.walk_counter):
+            cute.arch.barrier_arrive(barrier_id=BARRIER_WALK_EMPTY, number_of_threads=readers + 32)
+
     @cute.jit
     def walks(
         self, warp_idx, tidx, counter, stores, section_log2, dq_out, softmax_scale_log2,
@@ -717,8 +728,7 @@ class FlashBackwardSm90:
                 )
                 tile_p = first
                 while tile_p < count:
-                    bx, by, bz = self.walk_coords(tile_p, mK, section_log2)
-                    walk_p, _, _ = self.walk_of(bx, by, bz, mQ, mK, section_log2)
+                    walk_p, _, _ = self.walk_at(tile_p, mQ, mK, section_log2)
                     kv_p, q_p = self.produce(
                         atoms, tensors, smem[:6], kv_pipes, q_pipes, walk_p, states=(kv_p, q_p)
                     )
@@ -737,13 +747,9 @@ class FlashBackwardSm90:
                 if warp_idx == DQ_WARP:
                     mdQacc, mdQ, tma_dq, sdQ = dq_out
                     tile_r = first
-                    if const_expr(self.walk_counter):  # the slot starts empty
-                        cute.arch.barrier_arrive(
-                            barrier_id=BARRIER_WALK_EMPTY, number_of_threads=readers + 32
-                        )
+                    self.first_arrive(readers)
                     while tile_r < count:
-                        bx, by, bz = self.walk_coords(tile_r, mK, section_log2)
-                        walk_r, chunk_r, seqlens_r = self.walk_of(bx, by, bz, mQ, mK, section_log2)
+                        walk_r, chunk_r, seqlens_r = self.walk_at(tile_r, mQ, mK, section_log2)
                         self.reduce_dq_slices(
                             tma_dq, mdQacc if const_expr(self.dq_flat) else mdQ, sdQ, None,
                             seqlens_r, walk_r, chunk_r,
@@ -760,13 +766,9 @@ class FlashBackwardSm90:
             kv_c = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             q_c = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
             tile_c = first
-            if const_expr(self.walk_counter):  # the slot starts empty
-                cute.arch.barrier_arrive(
-                    barrier_id=BARRIER_WALK_EMPTY, number_of_threads=readers + 32
-                )
+            self.first_arrive(readers)
             while tile_c < count:
-                bx, by, bz = self.walk_coords(tile_c, mK, section_log2)
-                walk_c, chunk_c, seqlens_c = self.walk_of(bx, by, bz, mQ, mK, section_log2)
+                walk_c, chunk_c, seqlens_c = self.walk_at(tile_c, mQ, mK, section_log2)
                 kv_c, q_c = self.consume(
                     smem, mmas, kv_pipes, q_pipes, walk_c, seqlens_c, dq_out, None, stores,
                     softmax_scale_log2, softmax_scale, tidx - cfg.THREADS_PER_WARPGROUP, chunk_c,
