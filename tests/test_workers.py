@@ -40,13 +40,15 @@ ONE_PROBLEM = [{"head_dim": 64, "seqlen_q": 2048, "batch": 2, "nheads_q": 8}]
 JOURNAL = "fa4tune-results/results.optuna.journal"
 DB = "fa4tune-results/results.db"
 
-# Every process of the search (the CLI and the workers it spawns) imports this first: the cost model
+# Every process of the search (the CLI and the workers it spawns) imports this first: SIGUSR2 prints
+# its threads' stacks (finish() sends it to a search that hangs), and the cost model
 # takes FA4TUNE_TEST_MEASURE_S per measurement, so that workers overlap, then waits while the file
 # FA4TUNE_TEST_HOLD exists (a test kills a worker it has seen measuring, then lets the others go:
 # the kill lands mid-trial however loaded the machine is), and appends each finished measurement
 # (problem, config) to the file FA4TUNE_TEST_MEASURE_LOG.
 SLOW_MODEL = """
-import json, os, time
+import faulthandler, json, os, signal, time
+faulthandler.register(signal.SIGUSR2, all_threads=True)  # finish(): where a search hangs
 delay = float(os.environ.get("FA4TUNE_TEST_MEASURE_S", "0"))
 if delay:
     from fa4tune.measure import model
@@ -103,11 +105,37 @@ def start_search(workdir, env, *args, delay=0.1, new_session=False, **extra_env)
     )
 
 
+def descendants(pid: int) -> list[int]:
+    """The processes below `pid` (its workers), from /proc."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents.setdefault(int(stat.rpartition(")")[2].split()[1]), []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
+
+
 def finish(proc, timeout=120):
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()  # its workers follow it
+        # Where it hangs: every process of the search prints its threads' stacks (SLOW_MODEL's
+        # SIGUSR2) into the output, then the search is killed (its workers follow it).
+        for pid in [proc.pid, *descendants(proc.pid)]:
+            try:
+                os.kill(pid, signal.SIGUSR2)
+            except ProcessLookupError:
+                pass
+        time.sleep(2)
+        proc.kill()
         raise AssertionError(
             f"the search did not finish in {timeout} s: {proc.communicate()[0]}"
         ) from None
