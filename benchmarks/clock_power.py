@@ -20,6 +20,7 @@ temperature and every reason seen; then fa4tune / flash-attn-4 in time and in cy
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import subprocess
@@ -265,6 +266,9 @@ def main(argv=None) -> int:
         parser.error(str(exc))
     target = gpu_target(PROG)
     if target is None:
+        return 2
+    if importlib.util.find_spec("flash_attn") is None:
+        print(f"{PROG} compares with flash-attn-4, which is not installed", file=sys.stderr)
         return 2
     rows = measure(target, shapes, windows, args.reps)
     if args.json:

@@ -97,3 +97,10 @@ def test_without_a_gpu_it_says_so(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cp.main(["--shapes", "64:1024"]) == 2
     assert "needs an NVIDIA GPU" in capsys.readouterr().err
+
+
+def test_without_flash_attn_4_it_says_so(monkeypatch, capsys):
+    monkeypatch.setattr(cp, "gpu_target", lambda prog: object())
+    monkeypatch.setattr(cp.importlib.util, "find_spec", lambda name: None)
+    assert cp.main(["--shapes", "64:1024"]) == 2
+    assert "flash-attn-4, which is not installed" in capsys.readouterr().err
