@@ -34,6 +34,7 @@ tail), and each longer walk's time against the fit says what grows with the walk
 
 from __future__ import annotations
 
+import math
 import re
 import statistics
 import sys
@@ -66,10 +67,45 @@ PHASES = (
 )
 
 
+def worst(errors) -> float:
+    """The largest error, NaN if any is (max alone keeps whichever came first)."""
+    return max(errors, key=lambda e: math.inf if math.isnan(e) else e)
+
+
 def gradient_error(grads, refs) -> float:
-    return max(
+    return worst(
         ((g.float() - r).norm() / r.norm()).item() for g, r in zip(grads, refs) if r.norm() > 0
     )
+
+
+def peer_error(problem, grads, refs) -> float:
+    """The largest relative error of a peer's (dq, dk, dv) against the family's fp32 reference,
+    which holds one (batch, K/V head) a piece; NaN if any piece is NaN."""
+    dq, dk, dv = grads
+    group = problem.qheads_per_kvhead
+    return worst(
+        gradient_error(
+            (
+                dq[b : b + 1, :, h * group : (h + 1) * group],
+                dk[b : b + 1, :, h : h + 1],
+                dv[b : b + 1, :, h : h + 1],
+            ),
+            (rq, rk, rv),
+        )
+        for (b, h), rq, rk, rv in refs
+    )
+
+
+def check_fa4tune(family, problem, config, target, case, refs):
+    """(why fa4tune's backward with `config` is wrong, or None; its gradient error), from one call
+    into poisoned outputs (the family's measurement case)."""
+    import torch
+
+    family.poison(case)
+    family.launcher(case, config, target)()
+    torch.cuda.synchronize()
+    check = family.compare(case, refs)
+    return check.verdict(family.tolerance(problem)), check.out_error
 
 
 def fa4tune_columns(problem, config, target, case):
@@ -143,24 +179,11 @@ def measure(problem, target, rounds: int) -> dict:
             continue
         try:
             if name in OURS:
-                family.poison(case)
-                family.launcher(case, configs[name], target)()
-                torch.cuda.synchronize()
-                check = family.compare(case, refs)
-                wrong, error = check.verdict(family.tolerance(problem)), check.out_error
+                wrong, error = check_fa4tune(family, problem, configs[name], target, case, refs)
             else:
                 grads = backward()
                 torch.cuda.synchronize()
-                group = problem.qheads_per_kvhead
-                errors = []
-                for (b, h), dq, dk, dv in refs:
-                    got = (
-                        grads[0][b : b + 1, :, h * group : (h + 1) * group],
-                        grads[1][b : b + 1, :, h : h + 1],
-                        grads[2][b : b + 1, :, h : h + 1],
-                    )
-                    errors.append(gradient_error(got, (dq, dk, dv)))
-                error, wrong = max(errors), None
+                error, wrong = peer_error(problem, grads, refs), None
         except Exception as exc:
             cells[name] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
             continue

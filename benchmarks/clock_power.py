@@ -53,6 +53,7 @@ REASONS = (
     (0x100, "display clocks"),
 )
 SIDES = ("fa4tune", "flash-attn-4")
+PEER_TOLERANCE = 0.05  # flash-attn-4's largest relative gradient error before it is timed
 
 
 class Sample(NamedTuple):
@@ -186,11 +187,12 @@ def sampled_window(fn, flusher, window_ms: float, field: str) -> dict:
 
 
 def sides(problem, target):
-    """{side: backward fn} for the problem, each checked against the fp32 reference first."""
+    """{side: backward fn} for the problem, each checked against the fp32 reference first (the
+    checks and fa4tune's call are benchmarks/backward.py's)."""
+    import backward as report  # benchmarks/, on the path as the script's own folder
     import torch
 
     from fa4tune.kernels import get_kernel
-    from fa4tune.kernels.fa4_bwd_sm90.launch import attention_backward
     from fa4tune.kernels.fa4_bwd_sm90.peers import fa4_backward
     from fa4tune.runtime.lookup import lookup
 
@@ -199,31 +201,16 @@ def sides(problem, target):
     case = family.measurement_case(problem, "cuda")
     family.randomize(case, 0)
     refs = family.reference(case)
-    family.poison(case)
-    family.launcher(case, config, target)()
-    torch.cuda.synchronize()
-    wrong = family.compare(case, refs).verdict(family.tolerance(problem))
+    wrong, _ = report.check_fa4tune(family, problem, config, target, case, refs)
     if wrong:
         raise RuntimeError(f"fa4tune's backward is wrong on {problem.key()}: {wrong}")
-
-    def ours():
-        return attention_backward(
-            case.dout, case.q, case.k, case.v, case.out, case.lse, config,
-            causal=problem.causal, target=target,
-        )  # fmt: skip
-
+    ours = report.fa4tune_columns(problem, config, target, case)[0]
     peer = fa4_backward(problem, case.q, case.k, case.v, case.dout)
-    dq, dk, dv = peer()
-    group = problem.qheads_per_kvhead
-    for (b, h), rq, rk, rv in refs:
-        got = (
-            dq[b : b + 1, :, h * group : (h + 1) * group],
-            dk[b : b + 1, :, h : h + 1],
-            dv[b : b + 1, :, h : h + 1],
-        )
-        for g, r in zip(got, (rq, rk, rv)):
-            if not torch.isfinite(g).all() or (g.float() - r).norm() > 0.05 * r.norm():
-                raise RuntimeError(f"flash-attn-4's backward is off on {problem.key()}")
+    grads = peer()
+    torch.cuda.synchronize()
+    error = report.peer_error(problem, grads, refs)
+    if not error <= PEER_TOLERANCE:
+        raise RuntimeError(f"flash-attn-4's backward is off on {problem.key()}: error {error:.3g}")
     return {SIDES[0]: ours, SIDES[1]: peer}, config.short()
 
 
