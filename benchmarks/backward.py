@@ -34,7 +34,6 @@ tail), and each longer walk's time against the fit says what grows with the walk
 
 from __future__ import annotations
 
-import math
 import re
 import statistics
 import sys
@@ -67,33 +66,13 @@ PHASES = (
 )
 
 
-def worst(errors) -> float:
-    """The largest error, NaN if any is (max alone keeps whichever came first)."""
-    return max(errors, key=lambda e: math.inf if math.isnan(e) else e)
+def peer_error(family, case, grads, refs) -> float:
+    """A peer's (dq, dk, dv) measured as fa4tune's are: the family's check of the measurement case
+    with the peer's gradients in place of its own (the same slices; NaN anywhere is NaN)."""
+    from dataclasses import replace
 
-
-def gradient_error(grads, refs) -> float:
-    return worst(
-        ((g.float() - r).norm() / r.norm()).item() for g, r in zip(grads, refs) if r.norm() > 0
-    )
-
-
-def peer_error(problem, grads, refs) -> float:
-    """The largest relative error of a peer's (dq, dk, dv) against the family's fp32 reference,
-    which holds one (batch, K/V head) a piece; NaN if any piece is NaN."""
     dq, dk, dv = grads
-    group = problem.qheads_per_kvhead
-    return worst(
-        gradient_error(
-            (
-                dq[b : b + 1, :, h * group : (h + 1) * group],
-                dk[b : b + 1, :, h : h + 1],
-                dv[b : b + 1, :, h : h + 1],
-            ),
-            (rq, rk, rv),
-        )
-        for (b, h), rq, rk, rv in refs
-    )
+    return family.compare(replace(case, dq=dq, dk=dk, dv=dv), refs).out_error
 
 
 def check_fa4tune(family, problem, config, target, case, refs):
@@ -183,7 +162,7 @@ def measure(problem, target, rounds: int) -> dict:
             else:
                 grads = backward()
                 torch.cuda.synchronize()
-                error, wrong = peer_error(problem, grads, refs), None
+                error, wrong = peer_error(family, case, grads, refs), None
         except Exception as exc:
             cells[name] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
             continue

@@ -208,7 +208,7 @@ def sides(problem, target):
     peer = fa4_backward(problem, case.q, case.k, case.v, case.dout)
     grads = peer()
     torch.cuda.synchronize()
-    error = report.peer_error(problem, grads, refs)
+    error = report.peer_error(family, case, grads, refs)
     if not error <= PEER_TOLERANCE:
         raise RuntimeError(f"flash-attn-4's backward is off on {problem.key()}: error {error:.3g}")
     return {SIDES[0]: ours, SIDES[1]: peer}, config.short()

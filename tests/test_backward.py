@@ -1699,30 +1699,35 @@ def test_head_dims_192_and_256_go_in_chunks_of_columns_that_fit():
 
 
 def test_the_backward_report_takes_a_peers_worst_group_and_keeps_its_nan(monkeypatch):
-    """peer_error slices the peer's full dq (the query heads of the K/V head's group), dk and dv
-    per reference piece and takes the worst; a NaN piece wins wherever it falls."""
+    """peer_error measures a peer's full dq (the query heads of the K/V head's group), dk and dv
+    as the family's check measures fa4tune's, per reference piece, and takes the worst; a NaN
+    anywhere wins."""
     import math
 
     import torch
+
+    from fa4tune.kernels.fa4_bwd_sm90 import FAMILY
+    from fa4tune.kernels.fa4_bwd_sm90.measure import BackwardCase
 
     report = backward_report(monkeypatch)
     problem = Problem(head_dim=64, seqlen_q=8, seqlen_k=8, batch=2, nheads_q=4, nheads_kv=2)
     g = torch.Generator().manual_seed(0)
     dq = torch.randn(2, 8, 4, 64, generator=g)
     dk, dv = (torch.randn(2, 8, 2, 64, generator=g) for _ in "kv")
+    case = BackwardCase(problem, *([None] * 6), dq, dk, dv)
     refs = [
         ((b, h), dq[b : b + 1, :, 2 * h : 2 * h + 2], dk[b : b + 1, :, h : h + 1],
          dv[b : b + 1, :, h : h + 1])
         for b in range(2)
         for h in range(2)
     ]  # fmt: skip
-    assert report.peer_error(problem, (dq, dk, dv), refs) == 0.0
+    assert report.peer_error(FAMILY, case, (dq, dk, dv), refs) == 0.0
     off = dq.clone()
     off[1, :, 3] *= 1.5  # batch 1, K/V head 1's second query head: half its dq norm off
-    worst = report.peer_error(problem, (off, dk, dv), refs)
+    worst = report.peer_error(FAMILY, case, (off, dk, dv), refs)
     expected = (0.5 * dq[1, :, 3]).norm() / dq[1, :, 2:4].norm()  # the group's two heads together
     assert worst == pytest.approx(expected.item(), rel=1e-5)
-    for b, h in ((0, 0), (1, 1)):  # NaN first or last among the pieces
+    for b, h in ((0, 0), (1, 1)):  # NaN in the first or the last piece
         bad = dk.clone()
         bad[b, 0, h, 0] = math.nan
-        assert math.isnan(report.peer_error(problem, (off, bad, dv), refs))
+        assert math.isnan(report.peer_error(FAMILY, case, (off, bad, dv), refs))
