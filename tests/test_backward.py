@@ -1306,6 +1306,31 @@ def test_the_preprocessing_kernel_compiles_without_spills(head_dim, has_dlse, ca
     assert ptx.count("ld.global.b32") == 1 + has_dlse  # the row's LSE (and dLSE)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("batch,nheads,padded", [(2, 3, 80), (1, 16, 128), (3, 5, 64), (2, 1, 256)])
+def test_the_preprocessing_kernels_warps_take_one_sector_of_the_stats(
+    head_dim, batch, nheads, padded
+):
+    """preprocess.row_coords: every (batch, head, query) row once, and the D and LSE2 words a
+    warp writes (each row's at its stat_position in (batch, heads, padded) fp32) in one 32-byte
+    sector."""
+    from fa4tune.kernels.fa4_bwd_sm90.kernel import stat_position
+    from fa4tune.kernels.fa4_bwd_sm90.preprocess import row_coords, row_lanes
+
+    rows_per_warp = 32 // row_lanes(head_dim)
+    total = batch * nheads * padded
+    seen = [row_coords(row, nheads, padded) for row in range(total)]
+    assert sorted(seen) == [
+        (b, h, q) for b in range(batch) for h in range(nheads) for q in range(padded)
+    ]
+    for first in range(0, total, rows_per_warp):
+        sectors = {
+            ((b * nheads + h) * padded + stat_position(q)) * 4 // 32
+            for b, h, q in seen[first : first + rows_per_warp]
+        }
+        assert len(sectors) == 1, (first, seen[first : first + rows_per_warp], sectors)
+
+
 @pytest.mark.parametrize("causal,sq,sk,hq,hkv", [(True, 50, 30, 4, 2), (False, 40, 70, 4, 1)])
 def test_the_gradient_reference_is_autograds(causal, sq, sk, hq, hkv):
     """attention_grads_reference's formulas (no autograd: it runs inside ops) against autograd

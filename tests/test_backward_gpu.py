@@ -539,16 +539,17 @@ def test_a_loss_on_the_lse_too_reaches_the_gradients():
 def test_the_preprocessing_kernel_writes_every_row_and_zeroes_the_accumulator(head_dim, has_dlse):
     """preprocess.py alone against its formulas, every output poisoned first: D and LSE2 of each
     row at its stat_position, the padding rows' 0 and +inf, a row that saw no key, and dQ's
-    accumulator all zeros. Six heads and 1000 queries padded to 1024: a warp's rows straddle two
-    queries (4 rows a warp at head dim 64, 2 at 96 and 128) and the last query's rows the padding;
-    dO and O are views with a row stride past their head dim (as a sliced qkv gives)."""
+    accumulator all zeros. Six heads and 1001 queries padded to 1024: the warp that holds a
+    head's last query holds padding rows too (4 rows a warp at head dim 64, 2 at 96 and 128, the
+    rows queries fastest: preprocess.row_coords); dO and O are views with a row stride past their
+    head dim (as a sliced qkv gives)."""
     import math
 
     from fa4tune.kernels.fa4_bwd_sm90.compile import compile_preprocess
     from fa4tune.kernels.fa4_bwd_sm90.kernel import stat_position
     from fa4tune.kernels.fa4_bwd_sm90.launch import run_preprocess
 
-    batch, seqlen_q, heads, padded, scale = 2, 1000, 6, 1024, 0.3
+    batch, seqlen_q, heads, padded, scale = 2, 1001, 6, 1024, 0.3
     g = torch.Generator(device="cuda").manual_seed(head_dim)
     wide = torch.randn(batch, seqlen_q, heads, head_dim + 8, generator=g, device="cuda")
     dout = wide.to(torch.bfloat16)[..., :head_dim]  # strides multiples of 8, not contiguous

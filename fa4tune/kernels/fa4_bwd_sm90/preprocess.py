@@ -10,12 +10,12 @@ dq_flat the accumulator has rows padded to the Q tile, its memory in another ord
 
 and, for the padding rows past seqlen_q, D = 0 and LSE2 = +inf; each row at kernel.stat_position
 (the order the main kernel's threads read them in). A group of lanes per row, a power of two
-(`row_lanes`; heads fastest, as dO and O lie in memory): each lane reads 8 adjacent values of dO
-and of O as one 16-byte load each (the launch passes strides of multiples of 8 elements:
-launch._kernel_ready) and stores 16-byte vectors of zeros; a butterfly over the group sums the
-products. Memory-bound: dO and O read once and the accumulator written once (at 16k tokens x
-hidden 2048 and head dim 64, 134 MB each: 63 µs at 4.24 TB/s), one launch where torch's memset was
-a second."""
+(`row_lanes`), the rows in the stats' order, queries fastest (`row_coords`): each lane reads 8
+adjacent values of dO and of O as one 16-byte load each (the launch passes strides of multiples
+of 8 elements: launch._kernel_ready) and stores 16-byte vectors of zeros; a butterfly over the
+group sums the products. Memory-bound: dO and O read once and the accumulator written once (at
+16k tokens x hidden 2048 and head dim 64, 134 MB each: 63 µs at 4.24 TB/s), one launch where
+torch's memset was a second."""
 
 from __future__ import annotations
 
@@ -41,6 +41,17 @@ def row_lanes(head_dim_v: int) -> int:
     quarter of them without a load)."""
     need = -(-head_dim_v // IN_PER_LANE)
     return 1 << (need - 1).bit_length()
+
+
+def row_coords(row, nheads, padded):
+    """(batch, head, query) of the kernel's row number `row`: queries fastest, then heads, as LSE,
+    D and LSE2 lie in memory, so the rows of one warp (2 to 4 of them at head dims 64 to 128) are
+    consecutive queries of one head and their stats share one 32-byte sector (stat_position keeps
+    each aligned 4 rows in one); in dO's order (heads fastest) each row's stats took a sector of
+    their own. dO and O rows are whole 16-byte vectors in either order. Plain ints or the
+    kernel's Int32 alike."""
+    rest = row // padded
+    return rest // nheads, rest % nheads, row % padded
 
 
 def _aligned(tensor: cute.Tensor) -> cute.Tensor:
@@ -115,12 +126,9 @@ class BackwardPreprocess:
         batch, nheads, padded = mD.shape[0], mD.shape[1], mD.shape[2]
         seqlen_q = mO.shape[1]
         row = bidx * self.rows_per_cta + tidx // self.lanes
-        head = row % nheads
-        rest = row // nheads
-        query = rest % padded
-        b = rest // padded
-        # A warp may hold rows of two queries (heads not a multiple of its rows), one of them
-        # padding, or rows past the last: every lane takes part in the butterfly below.
+        b, head, query = row_coords(row, nheads, padded)
+        # A warp may hold padding rows (past seqlen_q) or rows past the last: every lane takes
+        # part in the butterfly below.
         live = row < batch * padded * nheads
         acc = Float32(0.0)
         lse = Float32(0.0)
