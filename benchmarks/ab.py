@@ -3,7 +3,8 @@ change, timed side by side.
 
     python benchmarks/ab.py --set q_stages=2 [--set wg_epilogue=true] [--kernel fa4_fwd_sm90]
                             [--shapes 64:1024,128:4096:causal | --job JOB.yaml [--match TEXT]]
-                            [--table PATH] [--rounds 3] [--jobs 8] [--json out.json]
+                            [--table PATH [--table-target H200]] [--rounds 3] [--jobs 8]
+                            [--json out.json]
 
 Shapes are 'head_dim:seqlen[:causal][:gN]' at 16k tokens and hidden 2048 (gN: N query heads per K/V
 head; benchmarks/attention.py); the default list is the tuning grid (head dims 64 and 128 at 1k, 4k,
@@ -11,7 +12,10 @@ head; benchmarks/attention.py); the default list is the tuning grid (head dims 6
 kernel family has), `--match` keeps those whose key holds the text (repeatable: any of them).
 `tuned` is the config fa4tune.attention looks up (FA4TUNE_TABLE, FA4TUNE_DB, else the shipped
 tables, or --table); the table says how it was found (exact, bucket, nearest,
-other-dtype, default) and whether it is stale or an estimate. A variant the feasibility rules
+other-dtype, default) and whether it is stale or an estimate. A table serves the GPU it was tuned
+for: `--table-target` looks it up for that GPU while the runs measure this one (another GPU's tuned
+configs here). Where a --table has no entry for a shape, stderr says so: `tuned` is then the
+default. A variant the feasibility rules
 refuse, one that is the base itself (the base already has the change) and one that fails to compile
 are listed as such, not timed, and left out of the geometric means. The kernels compile first, in a
 pool of --jobs processes (CPU work); then every column is checked against the fp32 reference on
@@ -207,6 +211,30 @@ def max_spread(cells: dict) -> float | None:
     return max(spreads) if spreads else None
 
 
+def tuned_lookup(problem, kernel: str, target, table=None, table_target=None):
+    """`tuned`: (the lookup's result, how it was found) for problem, from `table` (None: what
+    fa4tune.attention reads) looked up for table_target (None: `target`, the GPU measured on).
+    Where `table` has no entry for the problem, stderr says so: `tuned` is then the default."""
+    from fa4tune.runtime.lookup import lookup
+
+    where = table_target or target
+    found = lookup(problem, where, source=table, kernel=kernel)
+    how = (
+        found.source
+        + (f", {where.name}'s" if table_target is not None else "")
+        + (", stale" if found.stale else "")
+        + (", estimate" if found.estimate else "")
+    )
+    if table is not None and found.source == "default":
+        print(
+            f"ab: --table {table} has no {where.name} entry for {problem.key()}: `tuned` is the "
+            f"default config"
+            + ("" if table_target is not None else " (--table-target: a table of another GPU)"),
+            file=sys.stderr,
+        )
+    return found, how
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -219,6 +247,9 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--kernel", default="fa4_fwd_sm90", help="the kernel family whose knob changes")
     ap.add_argument("--table", default=None, help="table file/dir or results DB for `tuned`")
+    ap.add_argument(
+        "--table-target", default=None, help="with --table: look it up for this GPU (e.g. H200)"
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--jobs", type=int, default=8, help="compile processes")
     ap.add_argument("--json", default=None)
@@ -253,11 +284,22 @@ def main(argv=None) -> int:
     if args.rounds < 1 or args.jobs < 1:
         print("ab: --rounds and --jobs must be at least 1", file=sys.stderr)
         return 2
+    lookup_target = None
+    if args.table_target is not None:
+        from fa4tune.target import get_target
+
+        if args.table is None:
+            print("ab: --table-target names the GPU a --table serves: add --table", file=sys.stderr)
+            return 2
+        try:
+            lookup_target = get_target(args.table_target)
+        except ValueError as exc:  # TargetError: an unknown name, and the known ones
+            print(f"ab: --table-target: {exc}", file=sys.stderr)
+            return 2
 
     import torch
 
     from fa4tune.kernels import get_kernel
-    from fa4tune.runtime.lookup import lookup
 
     target = gpu_target("benchmarks/ab.py")
     if target is None:
@@ -266,12 +308,7 @@ def main(argv=None) -> int:
     plans = []
     for problem in problems:
         default = kernel.default_config(problem, target)
-        found = lookup(problem, target, source=args.table, kernel=kernel.name)
-        how = (
-            found.source
-            + (", stale" if found.stale else "")
-            + (", estimate" if found.estimate else "")
-        )
+        found, how = tuned_lookup(problem, kernel.name, target, args.table, lookup_target)
         columns = columns_for(problem, default, found.config, changes, target, kernel.name)
         plans.append((problem, how, columns))
     jobs = list(

@@ -86,6 +86,8 @@ def test_gain_is_base_time_over_variant_time():
         (["--set", "q_stages=2", "--shapes", ","], "names no shape"),
         ([], "give at least one --set"),
         (["--set", "q_stages=2", "--rounds", "0"], "must be at least 1"),
+        (["--set", "q_stages=2", "--table-target", "H200"], "add --table"),
+        (["--set", "q_stages=2", "--table", "t.yaml", "--table-target", "B300"], "unknown target"),
     ],
 )
 def test_bad_arguments_exit_2_with_the_reason(argv, message, capsys):
@@ -248,3 +250,22 @@ def test_a_decode_problems_columns_take_the_change(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert ab.main(["--set", "num_splits=4", "--job", job, "--match", "k131072-b1-h32x8"]) == 2
     assert "needs an NVIDIA GPU" in capsys.readouterr().err
+
+
+def test_a_table_of_another_gpu_is_looked_up_for_it_or_said_to_serve_nothing(capsys):
+    """The H200's train table on an H100: looked up for the H100 it serves no shape, and stderr
+    says so (`tuned` is the default, which session 61's A/B took for the table's config); with
+    --table-target H200 `tuned` is the H200's entry, and the lookup column names whose."""
+    from fa4tune.kernels import get_kernel
+    from fa4tune.problem import Problem
+    from fa4tune.target import get_target
+
+    table = str(REPO / "tuning_configs" / "tables" / "h200-bf16-train.yaml")
+    problem = Problem(dtype="bf16", head_dim=64, seqlen_q=1024, batch=16, nheads_q=32, causal=True)
+    kernel, h100, h200 = get_kernel("fa4_bwd_sm90"), get_target("H100-SXM"), get_target("H200")
+    found, how = ab.tuned_lookup(problem, kernel.name, h100, table)
+    assert how.startswith("default") and found.config == kernel.default_config(problem, h100)
+    assert "has no H100-SXM entry" in capsys.readouterr().err
+    found, how = ab.tuned_lookup(problem, kernel.name, h100, table, h200)
+    assert how.startswith("exact, H200's") and found.config.persistent
+    assert capsys.readouterr().err == ""
