@@ -15,9 +15,9 @@ tables, or --table); the table says how it was found (exact, bucket, nearest,
 other-dtype, default) and whether it is stale or an estimate. A table serves the GPU it was tuned
 for: `--table-target` looks it up for that GPU while the runs measure this one (another GPU's tuned
 configs here). Where a --table has no entry for a shape, stderr says so: `tuned` is then the
-default. A variant the feasibility rules
-refuse, one that is the base itself (the base already has the change) and one that fails to compile
-are listed as such, not timed, and left out of the geometric means. The kernels compile first, in a
+default. A variant the feasibility rules refuse, one that is the base itself (the base already has
+the change) and one that fails to compile are listed as such, not timed, and left out of the
+geometric means. The kernels compile first, in a
 pool of --jobs processes (CPU work); then every column is checked against the fp32 reference on
 random inputs (outputs poisoned with NaN first) and timed in interleaved rounds with the L2 flushed
 (fa4tune.measure.timing), each column through the kernel family's measurement case (`--kernel`, the
