@@ -26,9 +26,11 @@ from conftest import (
 from fa4tune.cli import main
 from fa4tune.db import ResultsDB
 from fa4tune.tune.problem_search import MAX_CONSECUTIVE_REPEATS
+from fa4tune.tune.sharing import SharedStudy
 from fa4tune.tune.studies import (
     CLAIM_ATTR,
     GIVEN_BACK_ATTR,
+    SOURCE_ATTR,
     WORKER_ATTR,
     open_storage,
     parse_worker,
@@ -471,6 +473,34 @@ def test_two_hosts_join_one_run_and_the_survivor_finishes_after_the_other_dies(
         for t in ts
     }
     assert {"host-a", "host-b"} <= hosts
+
+
+def test_a_queued_default_keeps_a_budget_slot_without_a_claim():
+    """The queued default holds a budget slot, claimed or not: a worker that dies after asking for
+    it and before claiming it leaves a copy without a claim, and fresh trials must not take the
+    budget's last slot from it (session 62's failure of the survivor test: the budget filled and
+    the default was never measured). A queued probe holds none; a claimed queued copy does, and
+    a trial being measured does until it is stored."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study()
+    study.enqueue_trial({"x": 1}, user_attrs={SOURCE_ATTR: "default"})
+    study.enqueue_trial({"x": 2}, user_attrs={SOURCE_ATTR: "probe"})
+    study.enqueue_trial({"x": 3}, user_attrs={SOURCE_ATTR: "warm-start", CLAIM_ATTR: "k3"})
+    running = study.ask()  # takes the oldest queued trial: the default
+    running.suggest_int("x", 0, 9)
+    running.set_user_attr(CLAIM_ATTR, "k1")
+    shared = SharedStudy(run=None, db=None, name="s", study=study, worker="w")
+
+    def numbers(**kw):
+        return sorted(t.number for t in shared.in_flight(lambda found: set(), **kw))
+
+    assert numbers() == [0, 2]  # the default being measured, the claimed copy
+    assert numbers(reserved=False) == [0]
+    study.tell(running, state=optuna.trial.TrialState.FAIL)  # its worker died before measuring
+    study.enqueue_trial({"x": 1}, user_attrs={SOURCE_ATTR: "default"})  # queued again, no claim
+    assert numbers() == [2, 3]
+    assert numbers(reserved=False) == []
+    assert numbers(exclude=3) == [2]
 
 
 def test_workers_leave_when_their_coordinator_is_sigkilled(workdir, slow_env, hold):

@@ -5,7 +5,10 @@ study's lock in the results DB (`ResultsDB.locked`), where a worker:
     only while stored measurements plus claims in flight stay below the budget. The claim is the
     trial's CLAIM_ATTR in Optuna: it holds its slot while the trial is RUNNING, and a dead worker's
     claim passes to the trial's queued copy when it is handed back (studies.py), which keeps the
-    slot for whoever measures it;
+    slot for whoever measures it. The default config, queued, keeps a slot too, claimed or not: it
+    is the baseline of every "x the default", so fresh trials never take the budget's last slot
+    from it (a worker that died after asking for it, before claiming it, leaves a copy without a
+    claim);
   - hands back the trials of dead workers (their stored outcome told to Optuna, or failed and queued
     again by Optuna's retry callback);
   - fails a trial it asked for but never measured (a grid point is queued again with it, Grid);
@@ -24,6 +27,7 @@ from .grid import Grid, GridState
 from .run import RunRef
 from .studies import (
     CLAIM_ATTR,
+    SOURCE_ATTR,
     WORKER_ATTR,
     fail_stale,
     give_back,
@@ -111,19 +115,25 @@ class SharedStudy:
         self, stored_among, trials=None, exclude: int | None = None, reserved: bool = True
     ) -> list:
         """The claims that hold budget slots: trials being measured (RUNNING, claimed, not stored
-        yet) and, with `reserved`, the trials of dead workers queued again with their claim
-        (WAITING), which keep their slot for whoever measures them. `stored_among(numbers)`: which
-        of these trial numbers the results DB has."""
+        yet) and, with `reserved`, the queued trials (WAITING) that keep a slot for whoever measures
+        them: dead workers' trials queued again with their claim, and the default config however
+        it was queued. `stored_among(numbers)`: which of these trial numbers the results DB has."""
         import optuna
 
         running = optuna.trial.TrialState.RUNNING
-        states = (running,) + ((optuna.trial.TrialState.WAITING,) if reserved else ())
+        waiting = optuna.trial.TrialState.WAITING
+        states = (running,) + ((waiting,) if reserved else ())
         if trials is None:
             trials = self.study.get_trials(deepcopy=False, states=states)
         claimed = [
             t
             for t in trials
-            if t.state in states and CLAIM_ATTR in t.user_attrs and t.number != exclude
+            if t.state in states
+            and t.number != exclude
+            and (
+                CLAIM_ATTR in t.user_attrs
+                or (t.state == waiting and t.user_attrs.get(SOURCE_ATTR) == "default")
+            )
         ]
         stored = stored_among([t.number for t in claimed if t.state == running])
         return [t for t in claimed if t.number not in stored]
@@ -184,7 +194,7 @@ class SharedStudy:
                 return Claim.PRUNED
             key = config_key(config)
             in_flight = self.in_flight(lock.stored_among, active, exclude=trial.number)
-            if any(t.user_attrs[CLAIM_ATTR] == key for t in in_flight):
+            if any(t.user_attrs.get(CLAIM_ATTR) == key for t in in_flight):
                 study.tell(trial.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
                 return Claim.REPEAT
             budget = self.run.budget_trials
