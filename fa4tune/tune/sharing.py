@@ -27,6 +27,7 @@ from .grid import Grid, GridState
 from .run import RunRef
 from .studies import (
     CLAIM_ATTR,
+    DEFAULT_SOURCE,
     SOURCE_ATTR,
     WORKER_ATTR,
     fail_stale,
@@ -132,7 +133,7 @@ class SharedStudy:
             and t.number != exclude
             and (
                 CLAIM_ATTR in t.user_attrs
-                or (t.state == waiting and t.user_attrs.get(SOURCE_ATTR) == "default")
+                or (t.state == waiting and t.user_attrs.get(SOURCE_ATTR) == DEFAULT_SOURCE)
             )
         ]
         stored = stored_among([t.number for t in claimed if t.state == running])

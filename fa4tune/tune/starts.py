@@ -10,7 +10,7 @@ from ..db import ResultsDB, config_key
 from ..problem import Problem
 from ..space import ComposedSpace
 from .run import RunRef
-from .studies import SOURCE_ATTR, queued_params
+from .studies import DEFAULT_SOURCE, SOURCE_ATTR, queued_params
 
 # Optuna is imported where it is used, as in studies.py.
 
@@ -49,7 +49,7 @@ class StartingConfigs:
                     study.enqueue_trial(params, user_attrs={SOURCE_ATTR: source})
                     active.append(config_key(config))
 
-            enqueue(self.space.default_params(problem, self.target), "default")
+            enqueue(self.space.default_params(problem, self.target), DEFAULT_SOURCE)
             for params in neighbours:
                 enqueue(params, "warm-start")
             for params in probes:

@@ -45,6 +45,7 @@ RDB_PREFIXES = ("sqlite:", "postgresql", "mysql", "oracle", "mssql")
 WORKER_ATTR = "fa4tune_worker"  # host:pid:identity of the worker that asked the trial
 CLAIM_ATTR = "fa4tune_claim"  # the config (key) whose measurement the trial holds a budget slot for
 SOURCE_ATTR = "fa4tune_source"  # why a queued trial was queued: default, warm-start or probe
+DEFAULT_SOURCE = "default"  # SOURCE_ATTR of the kernel's default config (it keeps a budget slot)
 GIVEN_BACK_ATTR = (
     "fa4tune_given_back"  # a queued trial put back unmeasured: the number it was popped as
 )
