@@ -29,6 +29,7 @@ from fa4tune.tune.problem_search import MAX_CONSECUTIVE_REPEATS
 from fa4tune.tune.sharing import SharedStudy
 from fa4tune.tune.studies import (
     CLAIM_ATTR,
+    DEFAULT_SOURCE,
     GIVEN_BACK_ATTR,
     SOURCE_ATTR,
     WORKER_ATTR,
@@ -221,12 +222,12 @@ def assert_exactly_once(db_location, storage, budget, n_studies, workers=None):
         defaults = [
             t
             for t in trials
-            if t.user_attrs.get("fa4tune_source") == "default"
+            if t.user_attrs.get(SOURCE_ATTR) == DEFAULT_SOURCE
             and "fixed_params" in t.system_attrs
             and not {"failed_trial", GIVEN_BACK_ATTR} & set(t.system_attrs)
         ]
         assert len(defaults) == 1, f"the default was queued {len(defaults)} times in {name}"
-        assert sum(t["source"] == "default" for t in mine) == 1, [
+        assert sum(t["source"] == DEFAULT_SOURCE for t in mine) == 1, [
             (t.number, t.state, t.user_attrs, t.system_attrs)
             for t in trials
             if "fixed_params" in t.system_attrs
@@ -483,7 +484,7 @@ def test_a_queued_default_keeps_a_budget_slot_without_a_claim():
     a trial being measured does until it is stored."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study()
-    study.enqueue_trial({"x": 1}, user_attrs={SOURCE_ATTR: "default"})
+    study.enqueue_trial({"x": 1}, user_attrs={SOURCE_ATTR: DEFAULT_SOURCE})
     study.enqueue_trial({"x": 2}, user_attrs={SOURCE_ATTR: "probe"})
     study.enqueue_trial({"x": 3}, user_attrs={SOURCE_ATTR: "warm-start", CLAIM_ATTR: "k3"})
     running = study.ask()  # takes the oldest queued trial: the default
@@ -497,7 +498,8 @@ def test_a_queued_default_keeps_a_budget_slot_without_a_claim():
     assert numbers() == [0, 2]  # the default being measured, the claimed copy
     assert numbers(reserved=False) == [0]
     study.tell(running, state=optuna.trial.TrialState.FAIL)  # its worker died before measuring
-    study.enqueue_trial({"x": 1}, user_attrs={SOURCE_ATTR: "default"})  # queued again, no claim
+    # Queued again, without a claim.
+    study.enqueue_trial({"x": 1}, user_attrs={SOURCE_ATTR: DEFAULT_SOURCE})
     assert numbers() == [2, 3]
     assert numbers(reserved=False) == []
     assert numbers(exclude=3) == [2]
