@@ -32,6 +32,7 @@ class BackwardSpace(SearchSpace):
         "lse_early",
         "split_loads",
         "persistent",
+        "mask_all",
     )
     description = (
         "backward: Q rows per step, K/V rows per CTA, Q/dO pipeline depth, dQ adds, dS^T "
@@ -58,4 +59,5 @@ class BackwardSpace(SearchSpace):
             "lse_early": Choice([False, True]),
             "split_loads": Choice([False, True]),
             "persistent": Choice([False, True]),
+            "mask_all": Choice([False, True]),
         }
