@@ -952,7 +952,8 @@ def test_persistent_takes_the_dq_warps_configs_of_a_whole_head_dim():
 
 def test_mask_all_takes_any_config_but_lse_early():
     """Every step through the masked exp block: the selects take no registers the model counts
-    (compile test below), but beside lse_early's LSE2 in registers ptxas spilled."""
+    (compile test below), but beside lse_early's LSE2 in registers, and beside the persistent
+    walks' state at head dim 128, ptxas spilled."""
     rungs = ((64, 0), (64, 2), (128, 4), (96, 5), (128, 6), (64, 7))
     with_knob_on_the_ladder("mask_all", "-ma", rungs)
     assert BwdConfig.from_dict({"tile_m": 80}).mask_all is False  # tables written before it
@@ -962,6 +963,11 @@ def test_mask_all_takes_any_config_but_lse_early():
     assert not FAMILY.infeasible_reasons(
         Problem(head_dim=128), replace(lse_early, lse_early=False), H200
     )
+    walking = replace(cfg.DEFAULT_LADDER[4], persistent=True, mask_all=True)
+    reasons = FAMILY.infeasible_reasons(Problem(head_dim=128, causal=True), walking, H200)
+    assert any("mask_all with persistent at head dim 128" in r for r in reasons), reasons
+    walking = replace(cfg.DEFAULT_LADDER[0], persistent=True, mask_all=True)  # hd64: it fits
+    assert not FAMILY.infeasible_reasons(Problem(head_dim=64, causal=True), walking, H200)
     from fa4tune.space.backward import BackwardSpace
 
     assert "mask_all" in BackwardSpace.knobs
@@ -969,7 +975,8 @@ def test_mask_all_takes_any_config_but_lse_early():
 
 
 # A spread of mask_all configs: the default rungs at their head dims, causal and not (the 80-row
-# one without lse_early), deterministic, one consumer warpgroup (config, head dim, causal).
+# one without lse_early), deterministic, one consumer warpgroup, persistent at head dims 64 and 96
+# (config, head dim, causal).
 MASK_ALL_BUILDS = [
     (replace(cfg.DEFAULT_LADDER[0], mask_all=True), 64, True),
     (replace(cfg.DEFAULT_LADDER[0], mask_all=True), 64, False),
@@ -978,6 +985,8 @@ MASK_ALL_BUILDS = [
     (replace(cfg.DEFAULT_LADDER[4], mask_all=True, deterministic=True), 128, True),
     (replace(cfg.DEFAULT_LADDER[5], mask_all=True), 96, True),
     (BwdConfig(tile_n=64, num_stages=1, dq_tma=True, mask_all=True), 64, True),
+    (replace(cfg.DEFAULT_LADDER[0], persistent=True, mask_all=True), 64, True),
+    (replace(cfg.DEFAULT_LADDER[5], persistent=True, mask_all=True), 96, True),
 ]
 
 
