@@ -7,8 +7,9 @@
 The problem is a grid shape ('head_dim:seqlen[:causal][:gN]', as benchmarks/ncu_profile.py takes
 it) or --problem's fields (a job file's problem fields, comma-separated: decode shapes). Its default
 config is compiled, and with --set the default with those knobs changed (the backward's main kernel
-with --backward: fa4_bwd_sm90's knobs). Per config the table gives the registers per thread (from
-cuobjdump, when it is found), the instructions, and the counts that the profiles of this project
+with --backward: fa4_bwd_sm90's knobs). Per config the table gives the registers a thread
+launches with (from cuobjdump, when it is found; setmaxnreg then moves them per warpgroup), the
+instructions, and the counts that the profiles of this project
 kept asking about: HGMMAs; MUFU.EX2 and the longest run of them back to back (ptxas's schedule of
 the exp block: a run of 32 is a warp's whole exp block queued on the MUFU with nothing between);
 FFMAs; shared loads and stores by width; named-barrier syncs and arrives; local memory (spills).
@@ -76,15 +77,16 @@ def summarize(ops: list[str]) -> dict:
         widths = Counter()
         for op, n in counts.items():
             if op == kind or op.startswith(kind + "."):
-                width = next((w for w in ("128", "64", "U8", "U16") if f".{w}" in op), "32")
+                width = next((w for w in ("128", "64", "U16", "U8") if f".{w}" in op), "32")
                 widths[width] += n
-        return " ".join(f"{w}:{widths[w]}" for w in ("32", "64", "128") if widths[w]) or "-"
+        order = ("U8", "U16", "32", "64", "128")
+        return " ".join(f"{w}:{widths[w]}" for w in order if widths[w]) or "-"
 
     return {
         "instructions": len(ops),
         "HGMMA": count("HGMMA"),
         "MUFU.EX2": count("MUFU.EX2"),
-        "EX2 run": longest_run(ops, "MUFU"),
+        "EX2 run": longest_run(ops, "MUFU.EX2"),
         "FFMA": count("FFMA"),
         "LDS": by_width("LDS"),
         "STS": by_width("STS"),

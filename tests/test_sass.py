@@ -14,8 +14,10 @@ SASS = """
         /*2ef0*/                   MUFU.EX2 R185, R220 ;
         /*2f00*/                   MUFU.EX2 R186, R221 ;
         /*2f10*/                   MUFU.EX2 R187, R222 ;
+        /*2f18*/                   MUFU.RCP R188, R223 ;
         /*2f20*/                   LDS.128 R8, [R216+0x800] ;
         /*2f30*/                   LDS R12, [R216+0x900] ;
+        /*2f38*/                   LDS.U16 R13, [R216+0x940] ;
         /*2f40*/                   STS [R3+0x10], R184 ;
         /*2f50*/                   STS.64 [R3+0x20], R186 ;
         /*2f60*/                   BAR.SYNC.DEFER_BLOCKING 0x2, 0x100 ;
@@ -29,15 +31,16 @@ def test_opcodes_are_read_with_their_modifiers_and_predicates_skipped():
     ops = opcodes(SASS)
     assert ops[:4] == ["WARPGROUP.DEPBAR.LE", "BRA", "FFMA", "MUFU.EX2"]
     assert ops[4] == "FFMA"  # the predicated one
-    assert len(ops) == 16
+    assert len(ops) == 18
 
 
 def test_counts_and_the_longest_ex2_run():
     counts = summarize(opcodes(SASS))
     assert counts["MUFU.EX2"] == 4
-    assert counts["EX2 run"] == 3  # the three back to back, not the one after the first FFMA
+    # the three back to back (not the one after the first FFMA, nor the RCP after them)
+    assert counts["EX2 run"] == 3
     assert counts["FFMA"] == 2
-    assert counts["LDS"] == "32:1 128:1"
+    assert counts["LDS"] == "U16:1 32:1 128:1"
     assert counts["STS"] == "32:1 64:1"
     assert counts["BAR"] == 1 and counts["BAR.ARV"] == 1
     assert counts["HGMMA"] == 1
