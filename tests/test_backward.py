@@ -950,7 +950,7 @@ def test_persistent_takes_the_dq_warps_configs_of_a_whole_head_dim():
     assert BackwardSpace.params(None)["persistent"].choices == (False, True)
 
 
-def test_mask_all_takes_any_config_but_lse_early():
+def test_mask_all_takes_any_config_but_with_lse_early_or_persistent_at_hd128():
     """Every step through the masked exp block: the selects take no registers the model counts
     (compile test below), but beside lse_early's LSE2 in registers, and beside the persistent
     walks' state at head dim 128, ptxas spilled."""
