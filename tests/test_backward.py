@@ -653,9 +653,9 @@ def test_every_admitted_128_row_config_at_head_dim_64_compiles_without_spills(
 def admitted_with(knob: str, head_dims, causal: bool = True, off=()) -> list:
     """(config, head_dim) of every config with `knob` on that the rules admit at `head_dims`,
     each other knob over its legal values but those of `off`, left at their defaults."""
-    # split_loads and persistent order the loads and the walks, mask_all the exp block's selects
-    # (no register or shared-memory rule looks at them): left at their defaults
-    off = tuple(off) + tuple(k for k in ("split_loads", "persistent", "mask_all") if k != knob)
+    # split_loads and persistent order the loads and the walks (no register or shared-memory
+    # rule looks at them): left at their defaults
+    off = tuple(off) + tuple(k for k in ("split_loads", "persistent") if k != knob)
     names = [k for k in cfg.KNOBS if k != knob and k not in off]
     found = []
     for head_dim in head_dims:
@@ -948,70 +948,6 @@ def test_persistent_takes_the_dq_warps_configs_of_a_whole_head_dim():
 
     assert "persistent" in BackwardSpace.knobs
     assert BackwardSpace.params(None)["persistent"].choices == (False, True)
-
-
-def test_mask_all_takes_any_config_but_with_lse_early_or_persistent_at_hd128():
-    """Every step through the masked exp block: the selects take no registers the model counts
-    (compile test below), but beside lse_early's LSE2 in registers, and beside the persistent
-    walks' state at head dim 128, ptxas spilled."""
-    rungs = ((64, 0), (64, 2), (128, 4), (96, 5), (128, 6), (64, 7))
-    with_knob_on_the_ladder("mask_all", "-ma", rungs)
-    assert BwdConfig.from_dict({"tile_m": 80}).mask_all is False  # tables written before it
-    lse_early = replace(cfg.DEFAULT_LADDER[3], mask_all=True)  # the 80-row hd128 default
-    reasons = FAMILY.infeasible_reasons(Problem(head_dim=128), lse_early, H200)
-    assert any("mask_all with lse_early" in r for r in reasons), reasons
-    assert not FAMILY.infeasible_reasons(
-        Problem(head_dim=128), replace(lse_early, lse_early=False), H200
-    )
-    walking = replace(cfg.DEFAULT_LADDER[4], persistent=True, mask_all=True)
-    reasons = FAMILY.infeasible_reasons(Problem(head_dim=128, causal=True), walking, H200)
-    assert any("mask_all with persistent at head dim 128" in r for r in reasons), reasons
-    walking = replace(cfg.DEFAULT_LADDER[0], persistent=True, mask_all=True)  # hd64: it fits
-    assert not FAMILY.infeasible_reasons(Problem(head_dim=64, causal=True), walking, H200)
-    from fa4tune.space.backward import BackwardSpace
-
-    assert "mask_all" in BackwardSpace.knobs
-    assert BackwardSpace.params(None)["mask_all"].choices == (False, True)
-
-
-# A spread of mask_all configs: the default rungs at their head dims, causal and not (the 80-row
-# one without lse_early), deterministic, one consumer warpgroup, persistent at head dims 64 and 96
-# (config, head dim, causal).
-MASK_ALL_BUILDS = [
-    (replace(cfg.DEFAULT_LADDER[0], mask_all=True), 64, True),
-    (replace(cfg.DEFAULT_LADDER[0], mask_all=True), 64, False),
-    (replace(cfg.DEFAULT_LADDER[3], lse_early=False, mask_all=True), 128, False),
-    (replace(cfg.DEFAULT_LADDER[4], mask_all=True), 128, True),
-    (replace(cfg.DEFAULT_LADDER[4], mask_all=True, deterministic=True), 128, True),
-    (replace(cfg.DEFAULT_LADDER[5], mask_all=True), 96, True),
-    (BwdConfig(tile_n=64, num_stages=1, dq_tma=True, mask_all=True), 64, True),
-    (replace(cfg.DEFAULT_LADDER[0], persistent=True, mask_all=True), 64, True),
-    (replace(cfg.DEFAULT_LADDER[5], persistent=True, mask_all=True), 96, True),
-]
-
-
-@pytest.mark.compile
-def test_mask_all_compiles_without_spills_and_one_exp_block(capfd, tmp_path):
-    """The spread built for sm_90a without spills or serialized wgmma; and in the PTX of the hd128
-    causal default one exp block with it (an ex2 per score of a thread: 64 keys x 64 queries over
-    128 threads), where without it the unmasked steps have a second."""
-    bad = admitted_build_failures(MASK_ALL_BUILDS, capfd, tmp_path)
-    assert not bad, bad
-    import os
-
-    from fa4tune.kernels.fa4_bwd_sm90.compile import compile_backward
-
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-    counts = []
-    for mask_all in (False, True):
-        config = replace(cfg.DEFAULT_LADDER[4], mask_all=mask_all)
-        (tmp_path / str(mask_all)).mkdir()
-        compiled = compile_backward(
-            config, "bf16", 128, True, H200,
-            options=f"--keep-ptx --dump-dir {tmp_path / str(mask_all)}", use_cache=False,
-        )  # fmt: skip
-        counts.append(compiled.function.__ptx__.count("ex2.approx"))
-    assert counts[1] == 64 * 64 // 128 and counts[0] > counts[1], counts
 
 
 # A spread of persistent configs: each default rung with the dQ warp at its head dim (the 80-row

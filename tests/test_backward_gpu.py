@@ -327,43 +327,6 @@ def test_split_loads_gradients_match_the_reference(fields, config):
     check_gradients(fields, config)
 
 
-# mask_all: every step through the masked exp block (the unmasked steps' selects keep every
-# score). The hd64 halves causal with GQA and seqlen_k above seqlen_q, and not, with rows and keys
-# off the tiles; 80 rows non-causal without lse_early; 64 rows dq_swap causal, deterministic too;
-# head dim 96 with dq_single; one consumer warpgroup with one stage; persistent at head dim 64.
-MASK_ALL_CASES = [
-    (dict(head_dim=64, seqlen_q=1000, seqlen_k=1500, batch=2, nheads_q=8, nheads_kv=2,
-          causal=True),
-     BwdConfig(tile_m=128, dq_tma=True, ds_stages=2, dq_warp=True, dq_rows=True, q_halves=True,
-               dq_flat=True, mask_all=True)),
-    (dict(head_dim=64, seqlen_q=1000, seqlen_k=1300, batch=2, nheads_q=4),
-     BwdConfig(tile_m=128, dq_tma=True, ds_stages=2, dq_warp=True, dq_rows=True, q_halves=True,
-               dq_flat=True, mask_all=True)),
-    (dict(head_dim=128, seqlen_q=777, seqlen_k=333, batch=1, nheads_q=4),
-     BwdConfig(tile_m=80, dq_tma=True, dq_warp=True, ds_stages=2, dq_swap=True, dq_flat=True,
-               mask_all=True)),
-    (dict(head_dim=128, seqlen_q=1029, batch=1, nheads_q=4, nheads_kv=1, causal=True),
-     BwdConfig(dq_tma=True, ds_stages=2, dq_warp=True, dq_swap=True, mask_all=True)),
-    (dict(head_dim=128, seqlen_q=1029, batch=1, nheads_q=4, causal=True),
-     BwdConfig(deterministic=True, dq_tma=True, ds_stages=2, dq_warp=True, dq_swap=True,
-               mask_all=True)),
-    (dict(head_dim=96, seqlen_q=1000, batch=1, nheads_q=6, causal=True),
-     BwdConfig(dq_tma=True, ds_stages=2, dq_warp=True, dq_single=True, dq_flat=True,
-               mask_all=True)),
-    (dict(head_dim=64, seqlen_q=700, seqlen_k=900, batch=2, nheads_q=2, causal=True),
-     BwdConfig(tile_n=64, num_stages=1, dq_tma=True, mask_all=True)),
-    (dict(head_dim=64, seqlen_q=1000, seqlen_k=1500, batch=4, nheads_q=8, nheads_kv=4,
-          causal=True),
-     BwdConfig(tile_m=128, dq_tma=True, ds_stages=2, dq_warp=True, dq_rows=True, q_halves=True,
-               dq_flat=True, persistent=True, mask_all=True)),
-]  # fmt: skip
-
-
-@pytest.mark.parametrize("fields,config", MASK_ALL_CASES, ids=lambda v: str(v))
-def test_mask_all_gradients_match_the_reference(fields, config):
-    check_gradients(fields, config)
-
-
 # persistent: one CTA per SM walking the K blocks, most CTAs two walks or more (walks: K blocks x
 # K/V heads x batch, over 132 SMs); causal from the walks' counter. The hd64 halves causal with GQA
 # and seqlen_k above seqlen_q, and not; 80 rows with rows off the tiles; 64 rows dq_swap causal;

@@ -80,7 +80,6 @@ KNOBS: dict[str, tuple] = {
     "lse_early": (False, True),
     "split_loads": (False, True),
     "persistent": (False, True),
-    "mask_all": (False, True),
 }
 # dq_single: the widest chunk of the head dim it builds without spills at
 DQ_SINGLE_MAX_CHUNK = 96
@@ -194,12 +193,6 @@ class BwdConfig:
     (with its D), on barriers of their own, loaded in the order K, Q, V, dO, so that a CTA's first
     S^T GEMM waits for K and Q alone, not for all four, and a step's S^T for its Q, not its dO
     (flash-attn-4's SM90 backward loads so).
-    mask_all (not with lse_early, nor persistent at head dim 128): every step takes the masked
-    exp block (each score compared with the key bound, causal or the last K block's, and selected
-    before its FFMA), not only the steps the mask reaches: the selects cost two instructions a
-    score, and ptxas issues the EX2 among them, where in the unmasked block it issues all of a
-    step's EX2 back to back after its FFMAs, each with an 8-cycle stall (flash-attn-4's SM90
-    backward has the one masked block; docs/kernel-notes.md, session 63).
     persistent (dq_warp; not deterministic, split_loads, lse_early, exp2_turns or a head dim in
     chunks): one CTA per SM, each walking the K blocks (x index, K/V head, batch, in the grid's
     launch order: kernel.cta_coords), not one CTA per K block: without the causal mask with a
@@ -226,7 +219,6 @@ class BwdConfig:
     lse_early: bool = False
     split_loads: bool = False
     persistent: bool = False
-    mask_all: bool = False
 
     def __post_init__(self) -> None:
         bad = []
@@ -276,7 +268,6 @@ class BwdConfig:
             f"{'-xt' if self.exp2_turns else ''}{'-q1' if self.dq_single else ''}"
             f"{'-fl' if self.dq_flat else ''}{'-le' if self.lse_early else ''}"
             f"{'-sl' if self.split_loads else ''}{'-ps' if self.persistent else ''}"
-            f"{'-ma' if self.mask_all else ''}"
         )
 
     @property
@@ -418,18 +409,6 @@ def register_reasons(config: BwdConfig, problem: Problem, target: Target) -> lis
                 f"{' causal' if problem.causal else ''}: ptxas spilled 4-84 bytes elsewhere, "
                 "session 54)"
             ]
-    if config.mask_all and config.lse_early:
-        return [
-            f"mask_all with lse_early ({config.short()}, head dim {problem.head_dim}): LSE2's "
-            "registers beside the selects of every score; ptxas spilled (8 local-memory "
-            "instructions at 80 rows, session 63)"
-        ]
-    if config.mask_all and config.persistent and problem.head_dim == 128:
-        return [
-            f"mask_all with persistent at head dim 128 ({config.short()}): the walks' loop state "
-            "beside the selects of every score; ptxas spilled (24 local-memory instructions at "
-            "64 rows causal, 2 at 80 rows, session 63)"
-        ]
     if config.persistent and (config.lse_early or config.exp2_turns):
         return [
             f"persistent with {'lse_early' if config.lse_early else 'exp2_turns'} "

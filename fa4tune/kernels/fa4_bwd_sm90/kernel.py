@@ -246,7 +246,6 @@ class FlashBackwardSm90:
         self.dq_swap = config.dq_swap
         self.parts = config.query_parts  # of a Q block, for S^T and dP^T (q_halves: 2)
         self.exp2_turns = config.exp2_turns
-        self.mask_all = config.mask_all
         self.dq_single = config.dq_single
         self.dq_wgs = config.dq_warpgroups  # that compute dQ, a slice of its columns each
         self.dq_flat = config.dq_flat
@@ -1146,8 +1145,6 @@ class FlashBackwardSm90:
                 masked = m_block_min < mask_end
                 if const_expr(self.causal):
                     masked = mask_left > 0
-                if const_expr(self.mask_all):
-                    masked = True
                 pipe_q.consumer_wait(q_state)
                 # The LSE2 of this thread's query columns into registers before the GEMMs, where
                 # they fit (config.stats_in_registers): read after the wait for S^T, its loads stall
