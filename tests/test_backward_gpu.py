@@ -327,6 +327,41 @@ def test_split_loads_gradients_match_the_reference(fields, config):
     check_gradients(fields, config)
 
 
+# dv_early (with dq_flat): P^T's dV GEMM issued before dS^T is made. 64 rows dq_swap causal with
+# GQA and seqlen_k above seqlen_q, and deterministic; 64 rows swapped non-causal off the tiles; head
+# dim 96 with dq_single; head dim 64 with 64 rows, persistent with GQA, one stage with the exp2
+# turns.
+DV_EARLY_CASES = [
+    (dict(head_dim=128, seqlen_q=1029, seqlen_k=1300, batch=2, nheads_q=4, nheads_kv=1,
+          causal=True),
+     BwdConfig(dq_tma=True, ds_stages=2, dq_warp=True, dq_swap=True, dq_flat=True,
+               dv_early=True)),
+    (dict(head_dim=64, seqlen_q=1000, seqlen_k=1500, batch=4, nheads_q=8, nheads_kv=4,
+          causal=True),
+     BwdConfig(dq_tma=True, ds_stages=2, dq_warp=True, dq_flat=True, persistent=True,
+               dv_early=True)),
+    (dict(head_dim=128, seqlen_q=1029, batch=1, nheads_q=4, causal=True),
+     BwdConfig(deterministic=True, dq_tma=True, ds_stages=2, dq_warp=True, dq_swap=True,
+               dq_flat=True, dv_early=True)),
+    (dict(head_dim=128, seqlen_q=777, seqlen_k=333, batch=1, nheads_q=4),
+     BwdConfig(dq_tma=True, ds_stages=2, dq_warp=True, dq_swap=True, dq_flat=True,
+               dv_early=True)),
+    (dict(head_dim=96, seqlen_q=1000, batch=1, nheads_q=6, causal=True),
+     BwdConfig(dq_tma=True, ds_stages=2, dq_warp=True, dq_single=True, dq_flat=True,
+               dv_early=True)),
+    (dict(head_dim=64, seqlen_q=1000, seqlen_k=1300, batch=2, nheads_q=4, causal=True),
+     BwdConfig(dq_tma=True, ds_stages=2, dq_warp=True, dq_flat=True, dv_early=True)),
+    (dict(head_dim=64, seqlen_q=700, seqlen_k=900, batch=2, nheads_q=2, causal=True),
+     BwdConfig(num_stages=1, dq_tma=True, dq_warp=True, dq_flat=True, exp2_turns=True,
+               dv_early=True)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("fields,config", DV_EARLY_CASES, ids=lambda v: str(v))
+def test_dv_early_gradients_match_the_reference(fields, config):
+    check_gradients(fields, config)
+
+
 # persistent: one CTA per SM walking the K blocks, most CTAs two walks or more (walks: K blocks x
 # K/V heads x batch, over 132 SMs); causal from the walks' counter. The hd64 halves causal with GQA
 # and seqlen_k above seqlen_q, and not; 80 rows with rows off the tiles; 64 rows dq_swap causal;

@@ -80,6 +80,7 @@ KNOBS: dict[str, tuple] = {
     "lse_early": (False, True),
     "split_loads": (False, True),
     "persistent": (False, True),
+    "dv_early": (False, True),
 }
 # dq_single: the widest chunk of the head dim it builds without spills at
 DQ_SINGLE_MAX_CHUNK = 96
@@ -201,7 +202,11 @@ class BwdConfig:
     one's last steps and store its dK and dV, and its K and V once that store has read their
     buffers (it goes through them), so a CTA's start and the first loads' latency hide under its
     neighbour walk (the forward's `persistent`, for the backward's fixed cost a CTA:
-    docs/kernel-notes.md, session 56)."""
+    docs/kernel-notes.md, session 56).
+    dv_early (dq_flat, a whole Q block: not q_halves): P^T's dV GEMM is issued as soon as P^T is
+    converted, before the wait for dP^T and the making of dS^T, not after dS^T is stored: the
+    tensor pipe runs it while the warpgroup computes dS^T (P^T's bf16 registers live beside S^T
+    and dP^T meanwhile: the register model counts them)."""
 
     tile_m: int = 64
     tile_n: int = 128
@@ -219,6 +224,7 @@ class BwdConfig:
     lse_early: bool = False
     split_loads: bool = False
     persistent: bool = False
+    dv_early: bool = False
 
     def __post_init__(self) -> None:
         bad = []
@@ -268,6 +274,7 @@ class BwdConfig:
             f"{'-xt' if self.exp2_turns else ''}{'-q1' if self.dq_single else ''}"
             f"{'-fl' if self.dq_flat else ''}{'-le' if self.lse_early else ''}"
             f"{'-sl' if self.split_loads else ''}{'-ps' if self.persistent else ''}"
+            f"{'-ve' if self.dv_early else ''}"
         )
 
     @property
@@ -342,12 +349,15 @@ def consumer_registers_needed(config: BwdConfig, problem: Problem) -> int:
     deterministic turn or a lone warpgroup. (ptxas serialized the wgmma at 240 registers with one
     warpgroup at head dim 128: its dQ slice is 64.) With q_halves: S^T and dP^T of one part
     (tile_m/4 each) while the dK and dV GEMMs of the part before still read its P^T and dS^T
-    (tile_m/8 each)."""
+    (tile_m/8 each). With dv_early another tile_m/4 in that term: ptxas spilled 29 bytes at 80
+    rows, head dim 128, where the term without it fits (session 65)."""
     chunk = head_dim_chunk(problem.head_dim)
     regs_dkv = chunk  # dK's and dV's chunk of columns, half a row each
     regs_sdp = config.tile_m + config.tile_m // 4
     if config.q_halves:
         regs_sdp = config.tile_m // 2 + config.tile_m // 4
+    if config.dv_early:  # P^T in bf16 (dV's operand) beside S^T and dP^T while dS^T is made
+        regs_sdp += config.tile_m // 4
     regs_dq = config.tile_m * chunk // 128 // config.dq_warpgroups
     regs_dq += config.tile_m // 2
     overhead = SWAP_OVERHEAD_REGS if config.dq_swap else CONSUMER_OVERHEAD_REGS
@@ -365,7 +375,8 @@ def stats_in_registers(config: BwdConfig, problem: Problem) -> tuple[bool, bool]
     dim 64: neither, ptxas spilled 20 bytes for LSE2 alone there, and 16 for D beside LSE2 at
     head dim 128 causal; both with q_halves)."""
     _, consumer = REGISTER_SPLIT[config.consumer_warpgroups]
-    room = consumer - consumer_registers_needed(config, problem)
+    # dv_early's P^T in bf16 is made after the exp2, when LSE2 is read: not live beside it
+    room = consumer - consumer_registers_needed(replace(config, dv_early=False), problem)
     stats = config.tile_m // 4 // config.query_parts
     return room >= stats or config.lse_early, room >= 2 * stats
 
@@ -415,6 +426,12 @@ def register_reasons(config: BwdConfig, problem: Problem, target: Target) -> lis
             f"({config.short()}, head dim {problem.head_dim}): the walks' loop state beside "
             "registers already at the edge; ptxas spilled 24 bytes with lse_early (80 rows, head "
             "dim 128), 8 with the exp2 turns (head dim 64, 128 rows), session 56"
+        ]
+    if config.dv_early and config.persistent and head_dim_chunk(problem.head_dim) > 96:
+        return [
+            f"dv_early with persistent at head dim {problem.head_dim} ({config.short()}): the "
+            "walks' loop state beside P^T in bf16; ptxas spilled 12-24 bytes in every such "
+            "config at head dim 128, none at 64 or 96 (session 65)"
         ]
     key = (problem.head_dim, config.tile_m, config.tile_n, config.num_stages, config.dq_tma,
            config.ds_stages, problem.causal, config.dq_warp, config.deterministic,
@@ -535,6 +552,17 @@ def dq_reasons(config: BwdConfig) -> list[str]:
         )
     if config.dq_single and config.exp2_turns:
         reasons.append("dq_single with exp2_turns: both pace the warpgroups (built apart)")
+    if config.dv_early and config.q_halves:
+        reasons.append(
+            "dv_early with q_halves: the halves queue the first part's dV and dK GEMMs behind the "
+            "second part's S^T and dP^T already (their waits count the groups so)"
+        )
+    if config.dv_early and not config.dq_flat:
+        reasons.append(
+            "dv_early without dq_flat: ptxas spilled 4-16 bytes in 24 of the 416 such configs "
+            "the other rules admit at head dims 64, 96 and 128 (two stages of dS^T, dQ staged "
+            "swizzled), none of the 208 with dq_flat (session 65)"
+        )
     if config.dq_flat and not config.dq_warp:
         reasons.append("dq_flat without dq_warp: the dQ warp issues the bulk reductions")
     if config.persistent and not config.dq_warp:

@@ -251,6 +251,7 @@ class FlashBackwardSm90:
         self.dq_flat = config.dq_flat
         self.split_loads = config.split_loads
         self.persistent = config.persistent
+        self.dv_early = config.dv_early
         # causal walks differ in length: the CTAs take the next from a counter
         self.walk_counter = config.persistent and causal
         self.num_sms = target.sm_count
@@ -1167,12 +1168,33 @@ class FlashBackwardSm90:
                 # and dP^T, so that they run while its exp2 does; the last part's dK as below).
                 tdSsdS_step, tdQrdS_step = tdSsdS, tdQrdS
                 for p in cutlass.range_constexpr(parts):
-                    self.softmax_grad(
-                        acc_S[p], acc_dP[p], s_coords[p], sLSE, sD, stage, lse[p], masked,
-                        n_block, m_block, seqlen_q, seqlen_k, softmax_scale_log2, softmax_scale,
-                        p * pm // 16, 0 if p == 0 else 2, wg,
+                    # S^T and dP^T as (key rows, query columns); the thread's first column
+                    # within its 16-query group (of the part's first)
+                    scores, grads = acc_rows_cols(acc_S[p]), acc_rows_cols(acc_dP[p])
+                    col0 = s_coords[p][0, 0][1]
+                    if const_expr(p > 0):
+                        col0 = col0 - p * pm
+                    dsum = self.softmax_exp(
+                        scores, s_coords[p], col0, sLSE, sD, stage, lse[p], masked, n_block,
+                        m_block, seqlen_q, seqlen_k, softmax_scale_log2, p * pm // 16, wg,
                     )  # fmt: skip
-                    convert_to_16bit(acc_as_operand_a(acc_S[p]), tdVrP[p])
+                    dp_wait = 0 if p == 0 else 2
+                    if const_expr(self.dv_early):
+                        # P^T's dV GEMM queued behind dP^T's before dS^T is made, so that the
+                        # tensor pipe runs it while this warpgroup computes dS^T (its operand
+                        # registers are not written again until the GEMM is waited for).
+                        convert_to_16bit(acc_as_operand_a(acc_S[p]), tdVrP[p])
+                        wgmma(
+                            mma_dkv, acc_dV, tdVrP[p], tdVrdOt[p][None, None, None, stage],
+                            accumulate=True, wait=-1,
+                        )  # fmt: skip
+                        dp_wait = 1
+                    self.softmax_ds(
+                        scores, grads, col0, sD, stage, dsum, softmax_scale, p * pm // 16,
+                        dp_wait,
+                    )  # fmt: skip
+                    if const_expr(not self.dv_early):
+                        convert_to_16bit(acc_as_operand_a(acc_S[p]), tdVrP[p])
                     convert_to_16bit(acc_as_operand_a(acc_dP[p]), tdKrdS[p])
                     # The stmatrix copy of dS^T reads the dK GEMM's operand registers in the
                     # accumulator's order (the same registers: one m64 wgmma per warpgroup, so the
@@ -1208,10 +1230,11 @@ class FlashBackwardSm90:
                     cute.copy(ds_store, ds_store.retile(rdS), tdSsdS_step[p])
                     if const_expr(p + 1 == parts):
                         cute.arch.fence_view_async_shared()
-                    wgmma(
-                        mma_dkv, acc_dV, tdVrP[p], tdVrdOt[p][None, None, None, stage],
-                        accumulate=True, wait=-1,
-                    )  # fmt: skip
+                    if const_expr(not self.dv_early):
+                        wgmma(
+                            mma_dkv, acc_dV, tdVrP[p], tdVrdOt[p][None, None, None, stage],
+                            accumulate=True, wait=-1,
+                        )  # fmt: skip
                     if const_expr(p + 1 < parts or not self.dq_tma):
                         wgmma(
                             mma_dkv, acc_dK, tdKrdS[p], tdKrQt[p][None, None, None, stage],
@@ -1351,11 +1374,11 @@ class FlashBackwardSm90:
         return out
 
     @cute.jit
-    def softmax_grad(
+    def softmax_exp(
         self,
-        acc_S: cute.Tensor,
-        acc_dP: cute.Tensor,
+        scores: cute.Tensor,
         coords: cute.Tensor,
+        col0: Int32,
         sLSE: cute.Tensor,
         sD: cute.Tensor,
         stage: Int32,
@@ -1366,27 +1389,20 @@ class FlashBackwardSm90:
         seqlen_q: Int32,
         seqlen_k: Int32,
         softmax_scale_log2: Float32,
-        softmax_scale: Float32,
         word0: cutlass.Constexpr[int],
-        dp_wait: cutlass.Constexpr[int],
         wg: Int32,
     ):
-        """P^T = exp2(S^T x scale_log2 - LSE2) into acc_S (0 for keys past seqlen_k and, causal,
-        above the diagonal), then dS^T = P^T (dP^T x softmax_scale - D) into acc_dP (D comes
-        scaled: one FFMA and one FMUL per value), once dP^T's wgmma is done (wgmma groups in
-        flight after it: dp_wait).
+        """P^T = exp2(S^T x scale_log2 - LSE2) in place of S^T (`scores`: the accumulator seen as
+        key rows x query columns; 0 for keys past seqlen_k and, causal, above the diagonal).
+        Returns the D of this thread's columns where it is read early (early_d), else None: for
+        softmax_ds. col0: the thread's first column within its 16-query group.
         lse: None, or (early_lse) the LSE2 of this thread's columns (coords' mode 1) already in
         registers. masked: the step's keys need the mask (consume's mask_end). word0: the first
         16-query group of the columns (of a part, q_halves) in the LSE2 and D buffers. wg: this
         thread's warpgroup (exp2_turns: the exp2 waits for its turn and then passes it on)."""
-        scores = acc_rows_cols(acc_S)
-        grads = acc_rows_cols(acc_dP)
         rows, cols = cute.size(scores, mode=[0]), cute.size(scores, mode=[1])
         # early_d: D of the columns read before the exp2, so that its loads land while they run
         # (read after the wait for dP^T, they stall dS^T's FADDs); else there, one at a time.
-        col0 = coords[0, 0][1]  # the thread's column within its 16-query group
-        if const_expr(word0 > 0):
-            col0 = col0 - 16 * word0
         dsum = None
         if const_expr(self.early_d):
             dsum = self.stat_words(sD, stage, col0, cols, word0)
@@ -1426,6 +1442,26 @@ class FlashBackwardSm90:
                     )
         if const_expr(self.exp2_turns):
             self.pass_exp2_turn(1 - wg)
+        return dsum
+
+    @cute.jit
+    def softmax_ds(
+        self,
+        scores: cute.Tensor,
+        grads: cute.Tensor,
+        col0: Int32,
+        sD: cute.Tensor,
+        stage: Int32,
+        dsum: cute.Tensor | None,
+        softmax_scale: Float32,
+        word0: cutlass.Constexpr[int],
+        dp_wait: cutlass.Constexpr[int],
+    ):
+        """dS^T = P^T (dP^T x softmax_scale - D) in place of dP^T (`grads`, seen as `scores`
+        is; D comes scaled: one FFMA and one FMUL per value), once dP^T's wgmma is done (wgmma
+        groups in flight after it: dp_wait). P^T is softmax_exp's, in `scores`; dsum: what it
+        returned (D of the columns with early_d, else None)."""
+        rows, cols = cute.size(scores, mode=[0]), cute.size(scores, mode=[1])
         warpgroup.wait_group(dp_wait)
         word = None
         for c in cutlass.range_constexpr(cols):
