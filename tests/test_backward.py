@@ -981,10 +981,10 @@ def test_persistent_compiles_without_spills(capfd, tmp_path):
         assert bool(re.search(r"atom(\.\w+)*\.add", ptx)) == causal, (config.short(), causal)
 
 
-def test_dv_early_takes_dq_flat_and_whole_q_blocks_and_counts_p_in_bf16():
-    """dV's GEMM before dS^T: with dq_flat (ptxas spilled without it, session 65) and a whole Q
-    block (the halves queue their dV and dK GEMMs already); P^T's bf16 registers live beside
-    S^T and dP^T, so 80 rows at head dim 128 no longer fit, 64 do."""
+def test_dv_early_takes_dq_flat_and_counts_p_in_bf16():
+    """dV's GEMM before dS^T: with dq_flat (ptxas spilled without it, session 65); P^T's bf16
+    registers live beside S^T and dP^T, so 80 rows at head dim 128 no longer fit, 64 do, and a
+    part's with q_halves (the last part's dV goes early)."""
     swapped = replace(cfg.DEFAULT_LADDER[4], dq_flat=True)  # the 64-row hd128 rung, flat
     on = replace(swapped, dv_early=True)
     assert on.short() == "64x128s2-tma-w-sw-ds2-fl-ve"
@@ -995,7 +995,12 @@ def test_dv_early_takes_dq_flat_and_whole_q_blocks_and_counts_p_in_bf16():
     )
     # LSE2 is read before the exp2, P^T made after it: the room for LSE2 early stays
     assert cfg.stats_in_registers(on, hd128) == cfg.stats_in_registers(swapped, hd128)
-    for head_dim, rung in ((128, 4), (96, 5), (64, 6)):
+    halves = cfg.DEFAULT_LADDER[0]  # the hd64 default
+    hd64 = Problem(head_dim=64, causal=True)
+    assert cfg.consumer_registers_needed(replace(halves, dv_early=True), hd64) == (
+        cfg.consumer_registers_needed(halves, hd64) + 128 // 8
+    )
+    for head_dim, rung in ((128, 4), (96, 5), (64, 6), (64, 0)):
         base = replace(cfg.DEFAULT_LADDER[rung], dq_flat=True)
         for causal in (False, True):
             p = Problem(head_dim=head_dim, causal=causal)
@@ -1003,11 +1008,12 @@ def test_dv_early_takes_dq_flat_and_whole_q_blocks_and_counts_p_in_bf16():
             assert not reasons, (base.short(), head_dim, causal, reasons)
     for problem, config, words in [
         (hd128, replace(on, dq_flat=False), "dv_early without dq_flat"),
-        (Problem(head_dim=64), replace(cfg.DEFAULT_LADDER[0], dv_early=True),
-         "dv_early with q_halves"),
         (Problem(head_dim=128), replace(cfg.DEFAULT_LADDER[3], lse_early=False, dv_early=True),
          "consumer threads need about"),
         (hd128, replace(on, persistent=True), "dv_early with persistent at head dim 128"),
+        (Problem(head_dim=64), BwdConfig(tile_n=64, dq_tma=True, dq_warp=True, dq_flat=True,
+                                         persistent=True, dv_early=True),
+         "with 1 consumer warpgroup(s)"),
     ]:  # fmt: skip
         reasons = FAMILY.infeasible_reasons(problem, config, H200)
         assert any(words in r for r in reasons), (config.short(), reasons)
@@ -1018,9 +1024,14 @@ def test_dv_early_takes_dq_flat_and_whole_q_blocks_and_counts_p_in_bf16():
 
 
 # A spread of dv_early configs: the 64-row swapped hd128 rung with dq_flat, causal and not,
-# deterministic; hd96's dq_single rung, persistent too; hd64 at 64 rows, persistent too, one stage
-# with the exp2 turns (config, head dim, causal).
+# deterministic; hd96's dq_single rung, persistent too; hd64's halves, causal and not, persistent
+# and deterministic; hd64 at 64 rows, persistent too, one stage with the exp2 turns (config, head
+# dim, causal).
 DV_EARLY_BUILDS = [
+    (replace(cfg.DEFAULT_LADDER[0], dv_early=True), 64, True),
+    (replace(cfg.DEFAULT_LADDER[0], dv_early=True), 64, False),
+    (replace(cfg.DEFAULT_LADDER[0], persistent=True, dv_early=True), 64, True),
+    (replace(cfg.DEFAULT_LADDER[0], deterministic=True, dv_early=True), 64, False),
     (replace(cfg.DEFAULT_LADDER[4], dq_flat=True, dv_early=True), 128, True),
     (replace(cfg.DEFAULT_LADDER[4], dq_flat=True, dv_early=True), 128, False),
     (replace(cfg.DEFAULT_LADDER[4], dq_flat=True, deterministic=True, dv_early=True), 128, True),
@@ -1035,26 +1046,34 @@ DV_EARLY_BUILDS = [
 
 @pytest.mark.compile
 def test_dv_early_compiles_without_spills_and_issues_dv_before_ds(capfd, tmp_path):
-    """A spread of dv_early configs built for sm_90a without spills or serialized wgmma; in the
-    PTX, the step's first GEMM with its A operand in registers (dV's: P^T) comes before the first
-    stmatrix (dS^T's), after it without the knob, and the wait for dP^T leaves dV in flight."""
+    """A spread of dv_early configs built for sm_90a without spills or serialized wgmma. In the
+    PTX of the whole block, the step's first GEMM with its A operand in registers (dV's: P^T)
+    comes before the first stmatrix (dS^T's) with the knob, after it without; with the halves the
+    first part's dV still follows its dS^T. Either way the wait for the last part's dP^T leaves
+    one more GEMM in flight (dV): one `wgmma.wait_group k` becomes k + 1."""
     bad = admitted_build_failures(DV_EARLY_BUILDS, capfd, tmp_path)
     assert not bad, bad
+    from collections import Counter
+
     from fa4tune.kernels.fa4_bwd_sm90.compile import compile_backward
 
-    config, head_dim, causal = DV_EARLY_BUILDS[0]
-    for early in (False, True):
-        ptx = compile_backward(
-            replace(config, dv_early=early), "bf16", head_dim, causal, H200,
-            options=f"--keep-ptx --dump-dir {tmp_path}", use_cache=False,
-        ).function.__ptx__  # fmt: skip
-        lines = ptx.splitlines()
-        register_a = re.compile(r"wgmma\.mma_async.*\}\s*,\s*\{")  # {accumulators}, {A}
-        first_rs = next(i for i, line in enumerate(lines) if register_a.search(line))
-        first_stmatrix = next(i for i, line in enumerate(lines) if "stmatrix" in line)
-        assert (first_rs < first_stmatrix) == early, (early, first_rs, first_stmatrix)
-        waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);", ptx)
-        assert waits.count("0") == (1 if early else 2), (early, waits)
+    register_a = re.compile(r"wgmma\.mma_async.*\}\s*,\s*\{")  # {accumulators}, {A}
+    # (config, head dim, causal, the last part's wait for dP^T without the knob)
+    for (config, head_dim, causal), k in ((DV_EARLY_BUILDS[4], 0), (DV_EARLY_BUILDS[0], 2)):
+        waits = {}
+        for early in (False, True):
+            ptx = compile_backward(
+                replace(config, dv_early=early), "bf16", head_dim, causal, H200,
+                options=f"--keep-ptx --dump-dir {tmp_path}", use_cache=False,
+            ).function.__ptx__  # fmt: skip
+            lines = ptx.splitlines()
+            first_rs = next(i for i, line in enumerate(lines) if register_a.search(line))
+            first_stmatrix = next(i for i, line in enumerate(lines) if "stmatrix" in line)
+            whole_and_early = early and not config.q_halves
+            assert (first_rs < first_stmatrix) == whole_and_early, (config.short(), early)
+            waits[early] = Counter(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);", ptx))
+        assert waits[True] - waits[False] == Counter({str(k + 1): 1}), (config.short(), waits)
+        assert waits[False] - waits[True] == Counter({str(k): 1}), (config.short(), waits)
 
 
 def test_the_flat_order_is_each_warpgroups_fragment_order():

@@ -327,11 +327,18 @@ def test_split_loads_gradients_match_the_reference(fields, config):
     check_gradients(fields, config)
 
 
-# dv_early (with dq_flat): P^T's dV GEMM issued before dS^T is made. 64 rows dq_swap causal with
-# GQA and seqlen_k above seqlen_q, and deterministic; 64 rows swapped non-causal off the tiles; head
-# dim 96 with dq_single; head dim 64 with 64 rows, persistent with GQA, one stage with the exp2
-# turns.
+# dv_early (with dq_flat): P^T's dV GEMM issued before dS^T is made. The hd64 halves causal with
+# GQA and seqlen_k above seqlen_q, and persistent non-causal; 64 rows dq_swap causal with GQA, and
+# deterministic; 64 rows swapped non-causal off the tiles; head dim 96 with dq_single; head dim 64
+# with 64 rows, persistent with GQA, one stage with the exp2 turns.
 DV_EARLY_CASES = [
+    (dict(head_dim=64, seqlen_q=1000, seqlen_k=1500, batch=2, nheads_q=8, nheads_kv=2,
+          causal=True),
+     BwdConfig(tile_m=128, dq_tma=True, ds_stages=2, dq_warp=True, dq_rows=True, q_halves=True,
+               dq_flat=True, dv_early=True)),
+    (dict(head_dim=64, seqlen_q=1000, seqlen_k=1300, batch=2, nheads_q=4),
+     BwdConfig(tile_m=128, dq_tma=True, ds_stages=2, dq_warp=True, dq_rows=True, q_halves=True,
+               dq_flat=True, persistent=True, dv_early=True)),
     (dict(head_dim=128, seqlen_q=1029, seqlen_k=1300, batch=2, nheads_q=4, nheads_kv=1,
           causal=True),
      BwdConfig(dq_tma=True, ds_stages=2, dq_warp=True, dq_swap=True, dq_flat=True,

@@ -203,10 +203,11 @@ class BwdConfig:
     buffers (it goes through them), so a CTA's start and the first loads' latency hide under its
     neighbour walk (the forward's `persistent`, for the backward's fixed cost a CTA:
     docs/kernel-notes.md, session 56).
-    dv_early (dq_flat, a whole Q block: not q_halves): P^T's dV GEMM is issued as soon as P^T is
-    converted, before the wait for dP^T and the making of dS^T, not after dS^T is stored: the
-    tensor pipe runs it while the warpgroup computes dS^T (P^T's bf16 registers live beside S^T
-    and dP^T meanwhile: the register model counts them)."""
+    dv_early (dq_flat): P^T's dV GEMM is issued as soon as P^T is converted, before the wait for
+    dP^T and the making of dS^T, not after dS^T is stored: the tensor pipe runs it while the
+    warpgroup computes dS^T (P^T's bf16 registers live beside S^T and dP^T meanwhile: the
+    register model counts them). With q_halves the last part's (the first part's dV and dK are
+    queued behind the second part's S^T and dP^T already)."""
 
     tile_m: int = 64
     tile_n: int = 128
@@ -349,15 +350,16 @@ def consumer_registers_needed(config: BwdConfig, problem: Problem) -> int:
     deterministic turn or a lone warpgroup. (ptxas serialized the wgmma at 240 registers with one
     warpgroup at head dim 128: its dQ slice is 64.) With q_halves: S^T and dP^T of one part
     (tile_m/4 each) while the dK and dV GEMMs of the part before still read its P^T and dS^T
-    (tile_m/8 each). With dv_early another tile_m/4 in that term: ptxas spilled 29 bytes at 80
-    rows, head dim 128, where the term without it fits (session 65)."""
+    (tile_m/8 each). With dv_early a part's P^T in bf16 once more in that term (tile_m/4, with
+    q_halves tile_m/8): ptxas spilled 29 bytes at 80 rows, head dim 128, where the term without
+    it fits (session 65)."""
     chunk = head_dim_chunk(problem.head_dim)
     regs_dkv = chunk  # dK's and dV's chunk of columns, half a row each
     regs_sdp = config.tile_m + config.tile_m // 4
     if config.q_halves:
         regs_sdp = config.tile_m // 2 + config.tile_m // 4
     if config.dv_early:  # P^T in bf16 (dV's operand) beside S^T and dP^T while dS^T is made
-        regs_sdp += config.tile_m // 4
+        regs_sdp += config.tile_m // 4 // config.query_parts
     regs_dq = config.tile_m * chunk // 128 // config.dq_warpgroups
     regs_dq += config.tile_m // 2
     overhead = SWAP_OVERHEAD_REGS if config.dq_swap else CONSUMER_OVERHEAD_REGS
@@ -427,11 +429,14 @@ def register_reasons(config: BwdConfig, problem: Problem, target: Target) -> lis
             "registers already at the edge; ptxas spilled 24 bytes with lse_early (80 rows, head "
             "dim 128), 8 with the exp2 turns (head dim 64, 128 rows), session 56"
         ]
-    if config.dv_early and config.persistent and head_dim_chunk(problem.head_dim) > 96:
+    wide = head_dim_chunk(problem.head_dim) > 96
+    if config.dv_early and config.persistent and (wide or config.consumer_warpgroups == 1):
         return [
-            f"dv_early with persistent at head dim {problem.head_dim} ({config.short()}): the "
-            "walks' loop state beside P^T in bf16; ptxas spilled 12-24 bytes in every such "
-            "config at head dim 128, none at 64 or 96 (session 65)"
+            f"dv_early with persistent at head dim {problem.head_dim} with "
+            f"{config.consumer_warpgroups} consumer warpgroup(s) ({config.short()}): the walks' "
+            "loop state beside P^T in bf16; ptxas spilled 12-24 bytes in every such config at "
+            "head dim 128, 8-32 bytes with one warpgroup at 64 and 96 (non-causal), none with "
+            "two at 64 or 96 (session 65)"
         ]
     key = (problem.head_dim, config.tile_m, config.tile_n, config.num_stages, config.dq_tma,
            config.ds_stages, problem.causal, config.dq_warp, config.deterministic,
@@ -552,11 +557,6 @@ def dq_reasons(config: BwdConfig) -> list[str]:
         )
     if config.dq_single and config.exp2_turns:
         reasons.append("dq_single with exp2_turns: both pace the warpgroups (built apart)")
-    if config.dv_early and config.q_halves:
-        reasons.append(
-            "dv_early with q_halves: the halves queue the first part's dV and dK GEMMs behind the "
-            "second part's S^T and dP^T already (their waits count the groups so)"
-        )
     if config.dv_early and not config.dq_flat:
         reasons.append(
             "dv_early without dq_flat: ptxas spilled 4-16 bytes in 24 of the 416 such configs "

@@ -1178,22 +1178,24 @@ class FlashBackwardSm90:
                         scores, s_coords[p], col0, sLSE, sD, stage, lse[p], masked, n_block,
                         m_block, seqlen_q, seqlen_k, softmax_scale_log2, p * pm // 16, wg,
                     )  # fmt: skip
+                    # dv_early: the last part's dV GEMM queued behind its dP^T before its dS^T is
+                    # made, so that the tensor pipe runs it while this warpgroup computes dS^T (its
+                    # operand registers are not written again until the GEMM is waited for); the
+                    # first part's (q_halves) is queued behind the second part's S^T and dP^T.
+                    dv_now = self.dv_early and p + 1 == parts
                     dp_wait = 0 if p == 0 else 2
-                    if const_expr(self.dv_early):
-                        # P^T's dV GEMM queued behind dP^T's before dS^T is made, so that the
-                        # tensor pipe runs it while this warpgroup computes dS^T (its operand
-                        # registers are not written again until the GEMM is waited for).
+                    if const_expr(dv_now):
                         convert_to_16bit(acc_as_operand_a(acc_S[p]), tdVrP[p])
                         wgmma(
                             mma_dkv, acc_dV, tdVrP[p], tdVrdOt[p][None, None, None, stage],
                             accumulate=True, wait=-1,
                         )  # fmt: skip
-                        dp_wait = 1
+                        dp_wait = dp_wait + 1
                     self.softmax_ds(
                         scores, grads, col0, sD, stage, dsum, softmax_scale, p * pm // 16,
                         dp_wait,
                     )  # fmt: skip
-                    if const_expr(not self.dv_early):
+                    if const_expr(not dv_now):
                         convert_to_16bit(acc_as_operand_a(acc_S[p]), tdVrP[p])
                     convert_to_16bit(acc_as_operand_a(acc_dP[p]), tdKrdS[p])
                     # The stmatrix copy of dS^T reads the dK GEMM's operand registers in the
@@ -1230,7 +1232,7 @@ class FlashBackwardSm90:
                     cute.copy(ds_store, ds_store.retile(rdS), tdSsdS_step[p])
                     if const_expr(p + 1 == parts):
                         cute.arch.fence_view_async_shared()
-                    if const_expr(not self.dv_early):
+                    if const_expr(not dv_now):
                         wgmma(
                             mma_dkv, acc_dV, tdVrP[p], tdVrdOt[p][None, None, None, stage],
                             accumulate=True, wait=-1,
