@@ -429,6 +429,12 @@ def register_reasons(config: BwdConfig, problem: Problem, target: Target) -> lis
             "registers already at the edge; ptxas spilled 24 bytes with lse_early (80 rows, head "
             "dim 128), 8 with the exp2 turns (head dim 64, 128 rows), session 56"
         ]
+    if config.dv_early and not config.dq_flat:
+        return [
+            "dv_early without dq_flat: ptxas spilled 4-16 bytes in 24 of the 416 such configs "
+            "the other rules admit at head dims 64, 96 and 128 (two stages of dS^T, dQ staged "
+            "swizzled), none of the 208 with dq_flat (session 65)"
+        ]
     wide = head_dim_chunk(problem.head_dim) > 96
     if config.dv_early and config.persistent and (wide or config.consumer_warpgroups == 1):
         return [
@@ -557,12 +563,6 @@ def dq_reasons(config: BwdConfig) -> list[str]:
         )
     if config.dq_single and config.exp2_turns:
         reasons.append("dq_single with exp2_turns: both pace the warpgroups (built apart)")
-    if config.dv_early and not config.dq_flat:
-        reasons.append(
-            "dv_early without dq_flat: ptxas spilled 4-16 bytes in 24 of the 416 such configs "
-            "the other rules admit at head dims 64, 96 and 128 (two stages of dS^T, dQ staged "
-            "swizzled), none of the 208 with dq_flat (session 65)"
-        )
     if config.dq_flat and not config.dq_warp:
         reasons.append("dq_flat without dq_warp: the dQ warp issues the bulk reductions")
     if config.persistent and not config.dq_warp:
